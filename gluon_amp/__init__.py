@@ -1,0 +1,42 @@
+"""gluon_amp: automatic mixed precision for MXNet Gluon.
+
+Quick start::
+
+    import gluon_amp as amp
+    amp.init()                      # float16 on GPU, bfloat16 on CPU
+    net = build_net(); net.hybridize()
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', {...}, update_on_kvstore=False)
+    amp.init_trainer(trainer)
+    with autograd.record():
+        loss = loss_fn(net(x), y)
+        with amp.scale_loss(loss, trainer) as scaled:
+            autograd.backward(scaled)
+    trainer.step(batch_size)
+"""
+from ._compat import check_numpy as _check_numpy
+
+_check_numpy()
+
+from . import runtime as _runtime  # noqa: E402
+
+_runtime.enable_amx()  # before MXNet creates its first oneDNN primitive
+
+from ._compat import import_mxnet as _import_mxnet  # noqa: E402
+
+_import_mxnet()
+
+from .lists_api import (  # noqa: E402
+    list_conditional_fp32_ops, list_fp32_ops, list_lp16_fp32_ops, list_lp16_ops,
+    list_widest_type_cast,
+)
+from .patching import autocast, current_table, disable, init, is_enabled, patched_functions  # noqa: E402
+from .runtime import runtime_info  # noqa: E402
+from .table import OpClass, OpTable  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "disable", "autocast", "is_enabled", "current_table", "patched_functions",
+    "list_lp16_ops", "list_fp32_ops", "list_lp16_fp32_ops", "list_conditional_fp32_ops",
+    "list_widest_type_cast", "runtime_info", "OpClass", "OpTable",
+]

@@ -1,0 +1,1 @@
+"""Op-class data, one module per target dtype. See ``gluon_amp.table`` for the rules."""

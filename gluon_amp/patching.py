@@ -1,0 +1,314 @@
+"""``init`` / ``disable`` / ``autocast``: reversible patching of MXNet's op functions."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import logging
+import threading
+import types
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import mxnet as mx
+from mxnet.ndarray import NDArray
+from mxnet.symbol import Symbol
+
+from . import registry, runtime
+from .decide import Decision, decide
+from .dtypes import BFLOAT16, FLOAT_DTYPES, parse_target_dtype, to_mx_dtype
+from .table import ConditionalSpec, OpClass, OpTable, build_table
+
+_log = logging.getLogger(__name__)
+
+# MXNet's NDArray.dtype returns numpy scalar types (np.float32) or the bf16 dtype.
+_NP_TO_NAME = {np.float16: "float16", np.float32: "float32", np.float64: "float64", BFLOAT16: "bfloat16"}
+_nd_amp_cast = mx.nd.amp_cast
+_sym_amp_cast = mx.sym.amp_cast
+_sym_amp_multicast = mx.sym.amp_multicast
+_np_ndarray = mx.np.ndarray
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One replaced attribute: ``setattr(module, name, original)`` undoes it."""
+
+    module: types.ModuleType
+    name: str
+    original: Callable
+    op: str
+
+
+@dataclass
+class _Active:
+    key: Tuple
+    table: OpTable
+    patches: List[Patch]
+
+
+_lock = threading.RLock()
+_active: Optional[_Active] = None
+
+
+def _float_name(x: NDArray) -> str:
+    """Canonical name of a float NDArray's dtype; ``'other'`` for integer/bool arrays."""
+    return _NP_TO_NAME.get(x.dtype, "other")
+
+
+def _cast_nd(x: NDArray, dtype: str) -> NDArray:
+    out = _nd_amp_cast(x, dtype=to_mx_dtype(dtype))
+    return out.as_np_ndarray() if isinstance(x, _np_ndarray) else out
+
+
+def _nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str]) -> Callable:
+    """Imperative wrapper: cast float NDArray inputs as ``decide`` says, then call ``fn``."""
+
+    @functools.wraps(fn)
+    def amp_op(*args: Any, **kwargs: Any) -> Any:
+        dtypes = [_float_name(a) if isinstance(a, NDArray) else "" for a in args]
+        kw_nd = [k for k, v in kwargs.items() if isinstance(v, NDArray) and k != "out"]
+        attrs = {k: v for k, v in kwargs.items() if k not in kw_nd}
+        d = decide(op, attrs, [*dtypes, *(_float_name(kwargs[k]) for k in kw_nd)], table)
+        want = d.dtype
+        if want is None:
+            return fn(*args, **kwargs)
+        keep = d.keep_fp32
+        new_args = list(args)
+        for i, a in enumerate(args):
+            dt = dtypes[i]
+            if dt in FLOAT_DTYPES and dt != want and not (keep and i < len(input_names) and input_names[i] in keep):
+                new_args[i] = _cast_nd(a, want)
+        for k in kw_nd:
+            v = kwargs[k]
+            dt = _float_name(v)
+            if dt in FLOAT_DTYPES and dt != want and k not in keep:
+                kwargs[k] = _cast_nd(v, want)
+        return fn(*new_args, **kwargs)
+
+    return amp_op
+
+
+def _sym_wrapper(fn: Callable, op: str, table: OpTable, info: registry.OpInfo) -> Callable:
+    """Symbolic wrapper: insert ``amp_cast``/``amp_multicast`` nodes before the op."""
+    declared = len(info.inputs)
+
+    @functools.wraps(fn)
+    def amp_op(*args: Any, **kwargs: Any) -> Any:
+        sym_kw = [k for k, v in kwargs.items() if isinstance(v, Symbol)]
+        attrs = {k: v for k, v in kwargs.items() if k not in sym_kw}
+        n_given = sum(isinstance(a, Symbol) for a in args) + len(sym_kw)
+        d = decide(op, attrs, [None] * n_given, table)
+        if d.dtype is None and d.reason != "widest":
+            return fn(*args, **kwargs)
+        if not info.variadic and n_given < declared:
+            # MXNet creates the missing inputs (weights) itself: build, then re-wire casts.
+            return _recompose(fn(*args, **kwargs), d, info)
+        positions = [(None, i) for i, a in enumerate(args) if isinstance(a, Symbol)]
+        positions += [(k, None) for k in sym_kw]
+        new_args = list(args)
+
+        def get(p):
+            return kwargs[p[0]] if p[0] is not None else new_args[p[1]]
+
+        def put(p, v):
+            if p[0] is not None:
+                kwargs[p[0]] = v
+            else:
+                new_args[p[1]] = v
+
+        if d.dtype is None:  # widest, dtypes unknown until run time
+            if len(positions) > 1:
+                cast = _sym_amp_multicast(*[get(p) for p in positions], num_outputs=len(positions))
+                for j, p in enumerate(positions):
+                    put(p, cast[j])
+            return fn(*new_args, **kwargs)
+        target = to_mx_dtype(d.dtype)
+        for p in positions:
+            name = p[0] if p[0] is not None else (info.inputs[p[1]] if p[1] < declared else "")
+            if name not in d.keep_fp32:
+                put(p, _sym_amp_cast(get(p), dtype=target))
+        return fn(*new_args, **kwargs)
+
+    return amp_op
+
+
+def _recompose(sym: Symbol, d: Decision, info: registry.OpInfo) -> Symbol:
+    children = sym.get_children()
+    if children is None:
+        return sym
+    aux = set(sym.list_auxiliary_states())
+    inputs = []
+    for i in range(len(children)):
+        child = children[i]
+        name = info.inputs[i] if i < len(info.inputs) else ""
+        if child.name in aux or name in d.keep_fp32:
+            inputs.append(child)
+        elif d.dtype is None:
+            inputs.append(child)
+        else:
+            inputs.append(_sym_amp_cast(child, dtype=to_mx_dtype(d.dtype)))
+    return sym._gen_atomic_symbol()(*inputs, name=sym.name)
+
+
+def _make_key(target_dtype, target_precision_ops, conditional_fp32_ops, fp32_ops,
+              widest_type_ops, keep_batchnorm_fp32) -> Tuple:
+    def frz(x):
+        if x is None:
+            return None
+        return tuple(tuple(frz(i)) if isinstance(i, (list, tuple)) else i for i in x)
+    return (target_dtype, frz(target_precision_ops), frz(conditional_fp32_ops), frz(fp32_ops),
+            frz(widest_type_ops), keep_batchnorm_fp32)
+
+
+def resolve_target_dtype(target_dtype: Any) -> str:
+    """``None`` -> float16 with a GPU, else bfloat16; anything else is parsed strictly."""
+    if target_dtype is None:
+        return "float16" if mx.context.num_gpus() > 0 else "bfloat16"
+    return parse_target_dtype(target_dtype)
+
+
+def make_table(target_dtype: Any = None, target_precision_ops=None, conditional_fp32_ops=None,
+               fp32_ops=None, widest_type_ops=None, keep_batchnorm_fp32=None) -> OpTable:
+    """Build the op table checked against the installed MXNet's registry."""
+    return build_table(resolve_target_dtype(target_dtype), target_precision_ops,
+                       conditional_fp32_ops, fp32_ops, widest_type_ops, keep_batchnorm_fp32,
+                       known_ops=registry.op_infos().keys(), aliases=registry.aliases())
+
+
+def init(target_dtype: Any = None,
+         target_precision_ops: Optional[Sequence[str]] = None,
+         conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
+         fp32_ops: Optional[Sequence[str]] = None,
+         *,
+         widest_type_ops: Optional[Sequence[str]] = None,
+         keep_batchnorm_fp32: Optional[bool] = None) -> OpTable:
+    """Turn on automatic mixed precision for ``mx.nd``, ``mx.sym``, ``mx.np`` and ``mx.npx``.
+
+    Call it before building (or hybridizing) the network. Undo with :func:`disable`.
+
+    Parameters
+    ----------
+    target_dtype : {'float16', 'bfloat16', None}
+        ``None`` picks float16 when a GPU is visible, else bfloat16.
+    target_precision_ops, fp32_ops : list of str, optional
+        Replace the default list of ops run in the target dtype / in float32.
+    conditional_fp32_ops : list of (op, attr, [values]), optional
+        Replace the default list of ops that run in float32 for some attribute values.
+    widest_type_ops : list of str, optional
+        Replace the default list of ops that run in their widest input type.
+    keep_batchnorm_fp32 : bool, optional
+        As in Apex: ``True`` forces batch norm to float32, ``False`` to the target dtype.
+
+    Returns
+    -------
+    OpTable
+        The table in force. Calling ``init`` again with the same arguments is a no-op;
+        with different arguments while active it raises ``RuntimeError``.
+    """
+    global _active
+    with _lock:
+        dtype = resolve_target_dtype(target_dtype)
+        key = _make_key(dtype, target_precision_ops, conditional_fp32_ops, fp32_ops,
+                        widest_type_ops, keep_batchnorm_fp32)
+        if _active is not None:
+            if _active.key == key:
+                return _active.table
+            raise RuntimeError(
+                f"gluon_amp is already initialised with target_dtype={_active.table.target_dtype!r} "
+                "and other op lists; call gluon_amp.disable() first, or use "
+                "`with gluon_amp.autocast(...)` for a scoped change.")
+        table = make_table(dtype, target_precision_ops, conditional_fp32_ops, fp32_ops,
+                           widest_type_ops, keep_batchnorm_fp32)
+        runtime.check_target(dtype)
+        _warn_cached_blocks("before gluon_amp.init()", "run without mixed precision")
+        _active = _Active(key, table, _patch_all(table))
+        _log.info("gluon_amp: mixed precision on, target dtype %s, %d functions patched",
+                  dtype, len(_active.patches))
+        return table
+
+
+def _patch_all(table: OpTable) -> List[Patch]:
+    infos = registry.op_infos()
+    wrapped: Dict[int, Callable] = {}
+    patches: List[Patch] = []
+    try:
+        for module, attr, fn, op, kind in list(registry.op_function_sites()):
+            if table.classes.get(op, OpClass.NEUTRAL) is OpClass.NEUTRAL or op.startswith("amp_"):
+                continue
+            new = wrapped.get(id(fn))
+            if new is None:
+                info = infos[op]
+                new = (_nd_wrapper(fn, op, table, info.inputs) if kind == "ndarray"
+                       else _sym_wrapper(fn, op, table, info))
+                wrapped[id(fn)] = new
+            patches.append(Patch(module, attr, fn, op))
+            setattr(module, attr, new)
+    except BaseException:
+        _restore(patches)
+        raise
+    return patches
+
+
+def _restore(patches: Sequence[Patch]) -> None:
+    for p in reversed(patches):
+        setattr(p.module, p.name, p.original)
+
+
+def disable() -> None:
+    """Put back every original MXNet function. A no-op when AMP is off."""
+    global _active
+    with _lock:
+        if _active is None:
+            return
+        _restore(_active.patches)
+        _active = None
+        _warn_cached_blocks("while gluon_amp was on", "keep running in mixed precision")
+
+
+def is_enabled() -> bool:
+    return _active is not None
+
+
+def current_table() -> Optional[OpTable]:
+    """The table in force, or ``None`` when AMP is off."""
+    return _active.table if _active is not None else None
+
+
+def patched_functions() -> Tuple[Patch, ...]:
+    """The record of what ``init`` replaced (empty when off)."""
+    return tuple(_active.patches) if _active is not None else ()
+
+
+@contextlib.contextmanager
+def autocast(target_dtype: Any = None, **kwargs: Any) -> Iterator[OpTable]:
+    """Scope :func:`init`: AMP is on inside the block and restored on exit.
+
+    If AMP was already on with the same arguments, the block changes nothing; with other
+    arguments it raises ``RuntimeError`` as ``init`` does.
+    """
+    was_on = is_enabled()
+    table = init(target_dtype, **kwargs)
+    try:
+        yield table
+    finally:
+        if not was_on:
+            disable()
+
+
+def _warn_cached_blocks(when: str, consequence: str) -> None:
+    from mxnet.gluon import HybridBlock
+    stale = []
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, HybridBlock) and getattr(obj, "_cached_graph", ()):
+                stale.append(obj.name)
+        except ReferenceError:
+            continue
+    if stale:
+        shown = ", ".join(stale[:5]) + (" ..." if len(stale) > 5 else "")
+        warnings.warn(
+            f"{len(stale)} hybridized block(s) cached their graph {when} and will {consequence}: "
+            f"{shown}. Call block.hybridize() again (it drops the cached graph) or rebuild the "
+            "block, then run it once.", RuntimeWarning, stacklevel=3)

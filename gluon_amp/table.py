@@ -1,0 +1,225 @@
+"""The op table: which precision class each operator belongs to, per target dtype.
+
+The data lives in ``gluon_amp.lists.<dtype>``; this module builds an immutable
+``OpTable`` from it, applies user overrides and rejects overlaps and unknown names.
+Pure: it needs no MXNet (the registry is passed in as ``known_ops``/``aliases``).
+"""
+from __future__ import annotations
+
+import difflib
+import enum
+import functools
+import importlib
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Iterable, Mapping, Optional, Sequence, Tuple
+
+from .dtypes import parse_target_dtype
+
+
+class OpClass(enum.Enum):
+    """Precision class of an operator."""
+
+    LOW_PRECISION = "low_precision"
+    FP32 = "fp32"
+    CONDITIONAL_FP32 = "conditional_fp32"
+    WIDEST = "widest"
+    NEUTRAL = "neutral"
+
+
+@dataclass(frozen=True)
+class ConditionalRule:
+    """Run the op in float32 when ``attrs[attr]`` is one of ``values``; else neutral."""
+
+    attr: str
+    values: frozenset
+
+
+ConditionalSpec = Tuple[str, str, Sequence[str]]
+
+_BATCHNORM_OPS = ("BatchNorm", "_contrib_BatchNormWithReLU")
+
+
+@dataclass(frozen=True)
+class OpTable:
+    """Immutable classification of every operator for one target dtype."""
+
+    target_dtype: str
+    classes: Mapping[str, OpClass]
+    conditions: Mapping[str, ConditionalRule] = field(default_factory=dict)
+    keep_fp32_inputs: Mapping[str, frozenset] = field(default_factory=dict)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+
+    def canonical(self, op: str) -> str:
+        """Resolve an alias (``'concat'``) to the registered op name (``'Concat'``)."""
+        return self.aliases.get(op, op)
+
+    def class_of(self, op: str) -> OpClass:
+        """Class of ``op`` (aliases resolved). Raises ``ValueError`` for unknown names."""
+        name = self.canonical(op)
+        try:
+            return self.classes[name]
+        except KeyError:
+            raise ValueError(_unknown_message(op, self.known_names(), "op table")) from None
+
+    def names(self, op_class: OpClass) -> Tuple[str, ...]:
+        """Sorted canonical names in one class."""
+        return tuple(sorted(n for n, c in self.classes.items() if c is op_class))
+
+    def known_names(self) -> frozenset:
+        return frozenset(self.classes) | frozenset(self.aliases)
+
+
+def _unknown_message(name: str, valid: Iterable[str], where: str) -> str:
+    near = difflib.get_close_matches(name, sorted(valid), n=3, cutoff=0.6)
+    hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+    return (f"{name!r} is not an operator known to the {where}.{hint} "
+            "See gluon_amp.list_lp16_ops() and friends, or docs/op_reference.md, for valid names.")
+
+
+def _load_lists(target_dtype: str):
+    return importlib.import_module(f"{__package__}.lists.{target_dtype}")
+
+
+def _check_name_list(arg: str, value: object) -> Tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise TypeError(f"{arg} must be a list of op names, got {type(value).__name__}: {value!r}")
+    for v in value:
+        if not isinstance(v, str):
+            raise TypeError(f"{arg} must contain op names (str); got {v!r} of type {type(v).__name__}")
+    return tuple(value)
+
+
+def _check_conditional(value: object) -> Tuple[ConditionalSpec, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise TypeError("conditional_fp32_ops must be a list of (op_name, attr_name, [values]) "
+                        f"tuples, got {value!r}")
+    out = []
+    for item in value:
+        ok = (isinstance(item, (list, tuple)) and len(item) == 3 and isinstance(item[0], str)
+              and isinstance(item[1], str) and isinstance(item[2], (list, tuple))
+              and all(isinstance(v, str) for v in item[2]))
+        if not ok:
+            raise TypeError("each conditional_fp32_ops entry must be (op_name, attr_name, "
+                            f"[str values]), e.g. ('Activation', 'act_type', ['softrelu']); got {item!r}")
+        out.append((item[0], item[1], tuple(item[2])))
+    return tuple(out)
+
+
+def build_table(
+    target_dtype: str,
+    target_precision_ops: Optional[Sequence[str]] = None,
+    conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
+    fp32_ops: Optional[Sequence[str]] = None,
+    widest_type_ops: Optional[Sequence[str]] = None,
+    keep_batchnorm_fp32: Optional[bool] = None,
+    known_ops: Optional[Iterable[str]] = None,
+    aliases: Optional[Mapping[str, str]] = None,
+) -> OpTable:
+    """Build and validate the op table for ``target_dtype``.
+
+    Each override list *replaces* the default list of its class (as in
+    ``mxnet.contrib.amp``): ops named there move into that class, and default members
+    that are not named become neutral. An op named in two override lists, or a name that
+    is not a registered op, raises ``ValueError``.
+
+    Parameters
+    ----------
+    target_dtype : {'float16', 'bfloat16'}
+    target_precision_ops, fp32_ops, widest_type_ops : list of str, optional
+    conditional_fp32_ops : list of (op, attr, [values]), optional
+    keep_batchnorm_fp32 : bool, optional
+        ``True`` runs batch norm in float32; ``False`` runs it in the target dtype with
+        float32 parameters; ``None`` leaves the table's default (neutral).
+    known_ops, aliases : optional
+        The registry (all names, and alias -> canonical); when given, every table entry
+        and every override must be in it.
+    """
+    target_dtype = parse_target_dtype(target_dtype)
+    data = _load_lists(target_dtype)
+    aliases = dict(aliases or {})
+    canon = lambda n: aliases.get(n, n)  # noqa: E731
+
+    classes: dict = {}
+    lists = (
+        (OpClass.LOW_PRECISION, data.LOW_PRECISION),
+        (OpClass.FP32, data.FP32),
+        (OpClass.CONDITIONAL_FP32, [c[0] for c in data.CONDITIONAL_FP32]),
+        (OpClass.WIDEST, data.WIDEST),
+        (OpClass.NEUTRAL, data.NEUTRAL),
+    )
+    for op_class, names in lists:
+        for name in names:
+            if name in classes:
+                raise ValueError(f"op table for {target_dtype} lists {name!r} as both "
+                                 f"{classes[name].value} and {op_class.value}; fix gluon_amp/lists/{target_dtype}.py")
+            classes[name] = op_class
+    conditions = {n: ConditionalRule(a, frozenset(v)) for n, a, v in data.CONDITIONAL_FP32}
+    keep = {n: frozenset(v) for n, v in data.KEEP_FP32_INPUTS.items()}
+
+    valid = set(classes) | set(aliases)
+    if known_ops is not None:
+        known = set(known_ops)
+        stale = sorted(n for n in classes if n not in known)
+        if stale:
+            raise ValueError(f"op table for {target_dtype} names ops this MXNet does not register: "
+                             f"{stale[:10]}{' ...' if len(stale) > 10 else ''}")
+        valid = known | set(aliases)
+
+    overrides = {}
+    if target_precision_ops is not None:
+        overrides[OpClass.LOW_PRECISION] = _check_name_list("target_precision_ops", target_precision_ops)
+    if fp32_ops is not None:
+        overrides[OpClass.FP32] = _check_name_list("fp32_ops", fp32_ops)
+    if widest_type_ops is not None:
+        overrides[OpClass.WIDEST] = _check_name_list("widest_type_ops", widest_type_ops)
+    cond_specs = None
+    if conditional_fp32_ops is not None:
+        cond_specs = _check_conditional(conditional_fp32_ops)
+        overrides[OpClass.CONDITIONAL_FP32] = tuple(c[0] for c in cond_specs)
+
+    arg_names = {OpClass.LOW_PRECISION: "target_precision_ops", OpClass.FP32: "fp32_ops",
+                 OpClass.WIDEST: "widest_type_ops", OpClass.CONDITIONAL_FP32: "conditional_fp32_ops"}
+    seen: dict = {}
+    for op_class, names in overrides.items():
+        for raw in names:
+            if raw not in valid:
+                raise ValueError(_unknown_message(raw, valid, f"op table ({arg_names[op_class]})"))
+            name = canon(raw)
+            if name in seen and seen[name] is not op_class:
+                raise ValueError(f"op {raw!r} is in both {arg_names[seen[name]]} and "
+                                 f"{arg_names[op_class]}; an op can be in one list only.")
+            seen[name] = op_class
+    for op_class, names in overrides.items():
+        for name, c in list(classes.items()):
+            if c is op_class and name not in seen:
+                classes[name] = OpClass.NEUTRAL
+                conditions.pop(name, None)
+    for name, op_class in seen.items():
+        classes[name] = op_class
+        if op_class is not OpClass.CONDITIONAL_FP32:
+            conditions.pop(name, None)
+    if cond_specs is not None:
+        for n, a, v in cond_specs:
+            conditions[canon(n)] = ConditionalRule(a, frozenset(v))
+
+    if keep_batchnorm_fp32 is not None:
+        if not isinstance(keep_batchnorm_fp32, bool):
+            raise TypeError(f"keep_batchnorm_fp32 must be True, False or None, got {keep_batchnorm_fp32!r}")
+        for bn in _BATCHNORM_OPS:
+            if bn in classes:
+                classes[bn] = OpClass.FP32 if keep_batchnorm_fp32 else OpClass.LOW_PRECISION
+
+    return OpTable(
+        target_dtype=target_dtype,
+        classes=MappingProxyType(classes),
+        conditions=MappingProxyType(conditions),
+        keep_fp32_inputs=MappingProxyType(keep),
+        aliases=MappingProxyType(aliases),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def default_table(target_dtype: str) -> OpTable:
+    """The unmodified table for ``target_dtype`` (no registry check, no aliases)."""
+    return build_table(target_dtype)

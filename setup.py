@@ -1,0 +1,22 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="gluon-amp",
+    version="0.1.0",
+    description="Automatic mixed precision (float16/bfloat16) for MXNet Gluon",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["gluon_amp", "gluon_amp.*"]),
+    python_requires=">=3.8",
+    install_requires=["numpy<1.24"],
+    extras_require={
+        "cpu": ["mxnet==1.9.1"],
+        "cu112": ["mxnet-cu112==1.9.1"],
+        # gluoncv 0.10.5.post0 pulls opencv/scipy; newer ones need numpy 2.
+        "bench": ["gluoncv==0.10.5.post0", "opencv-python==4.11.0.86", "scipy==1.15.3",
+                  "matplotlib<3.9", "psutil", "tqdm"],
+        "notebook": ["nbclient>=0.7", "nbformat>=5.7", "ipykernel>=6"],
+        "test": ["pytest>=7", "torch==2.13.0"],
+    },
+    entry_points={"console_scripts": ["gluon-amp-convert=gluon_amp.convert.cli:main"]},
+)

@@ -1,0 +1,93 @@
+import types
+
+import pytest
+
+from gluon_amp import table as table_mod
+from gluon_amp.table import OpClass, build_table
+
+
+def test_default_tables_build_for_both_dtypes():
+    for dt in ("float16", "bfloat16"):
+        t = build_table(dt)
+        assert t.class_of("Convolution") is OpClass.LOW_PRECISION
+        assert t.class_of("softmax") is OpClass.FP32
+        assert t.class_of("Activation") is OpClass.CONDITIONAL_FP32
+        assert t.class_of("elemwise_add") is OpClass.WIDEST
+
+
+@pytest.mark.parametrize("bad", ["float32", "int8", "fp8", 3, None])
+def test_bad_target_dtype_lists_choices(bad):
+    with pytest.raises(ValueError) as e:
+        build_table(bad)
+    assert "'float16'" in str(e.value) and "'bfloat16'" in str(e.value)
+
+
+def test_unknown_op_suggests_nearest():
+    with pytest.raises(ValueError) as e:
+        build_table("float16", fp32_ops=["softmx"])
+    assert "'softmx'" in str(e.value) and "'softmax'" in str(e.value)
+
+
+@pytest.mark.parametrize("arg", ["target_precision_ops", "fp32_ops", "widest_type_ops"])
+def test_unknown_op_in_each_list(arg):
+    with pytest.raises(ValueError, match="Convolutoin"):
+        build_table("bfloat16", **{arg: ["Convolutoin"]})
+
+
+def test_unknown_op_in_conditional_list():
+    with pytest.raises(ValueError, match="Activatoin"):
+        build_table("bfloat16", conditional_fp32_ops=[("Activatoin", "act_type", ["softrelu"])])
+
+
+def test_op_in_two_lists_rejected():
+    with pytest.raises(ValueError, match="'Convolution' is in both"):
+        build_table("float16", target_precision_ops=["Convolution"], fp32_ops=["Convolution"])
+
+
+def test_alias_and_canonical_in_two_lists_rejected():
+    with pytest.raises(ValueError, match="in both"):
+        build_table("float16", target_precision_ops=["Concat"], fp32_ops=["concat"],
+                    aliases={"concat": "Concat"})
+
+
+def test_overlap_in_data_rejected_when_built(monkeypatch):
+    real = table_mod._load_lists("float16")
+    fake = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if k.isupper()})
+    fake.FP32 = list(real.FP32) + ["Convolution"]
+    monkeypatch.setattr(table_mod, "_load_lists", lambda dt: fake)
+    with pytest.raises(ValueError, match="'Convolution' as both"):
+        build_table("float16")
+
+
+def test_override_replaces_class_list():
+    t = build_table("bfloat16", target_precision_ops=["FullyConnected"])
+    assert t.class_of("FullyConnected") is OpClass.LOW_PRECISION
+    assert t.class_of("Convolution") is OpClass.NEUTRAL  # dropped from the replaced list
+    t = build_table("bfloat16", fp32_ops=["Convolution"])
+    assert t.class_of("Convolution") is OpClass.FP32
+    assert t.class_of("softmax") is OpClass.NEUTRAL
+
+
+def test_conditional_override_and_type_errors():
+    t = build_table("float16", conditional_fp32_ops=[("LeakyReLU", "act_type", ["gelu"])])
+    assert t.conditions["LeakyReLU"].values == frozenset({"gelu"})
+    assert t.class_of("Activation") is OpClass.NEUTRAL
+    with pytest.raises(TypeError):
+        build_table("float16", conditional_fp32_ops=[("Activation", "act_type", "softrelu")])
+    with pytest.raises(TypeError):
+        build_table("float16", fp32_ops="softmax")
+
+
+def test_keep_batchnorm_fp32():
+    assert build_table("float16", keep_batchnorm_fp32=True).class_of("BatchNorm") is OpClass.FP32
+    t = build_table("bfloat16", keep_batchnorm_fp32=False)
+    assert t.class_of("BatchNorm") is OpClass.LOW_PRECISION
+    assert "gamma" in t.keep_fp32_inputs["BatchNorm"]
+    with pytest.raises(TypeError):
+        build_table("bfloat16", keep_batchnorm_fp32="yes")
+
+
+def test_table_is_immutable():
+    t = build_table("float16")
+    with pytest.raises(TypeError):
+        t.classes["Convolution"] = OpClass.FP32
