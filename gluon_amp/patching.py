@@ -24,11 +24,15 @@ from .table import ConditionalSpec, OpClass, OpTable, build_table
 _log = logging.getLogger(__name__)
 
 # MXNet's NDArray.dtype returns numpy scalar types (np.float32) or the bf16 dtype.
-_NP_TO_NAME = {np.float16: "float16", np.float32: "float32", np.float64: "float64", BFLOAT16: "bfloat16"}
+# mx.np arrays return np.dtype instances, which hash differently from the scalar types.
+_NP_TO_NAME = {np.float16: "float16", np.float32: "float32", np.float64: "float64", BFLOAT16: "bfloat16",
+               np.dtype("float16"): "float16", np.dtype("float32"): "float32",
+               np.dtype("float64"): "float64"}
 _nd_amp_cast = mx.nd.amp_cast
 _sym_amp_cast = mx.sym.amp_cast
 _sym_amp_multicast = mx.sym.amp_multicast
 _np_ndarray = mx.np.ndarray
+_np_symbol = mx.sym.np._Symbol
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,22 @@ def _float_name(x: NDArray) -> str:
 
 
 def _cast_nd(x: NDArray, dtype: str) -> NDArray:
-    out = _nd_amp_cast(x, dtype=to_mx_dtype(dtype))
-    return out.as_np_ndarray() if isinstance(x, _np_ndarray) else out
+    if isinstance(x, _np_ndarray):  # amp_cast is a legacy op: go through a zero-copy view
+        return _nd_amp_cast(x.as_nd_ndarray(), dtype=to_mx_dtype(dtype)).as_np_ndarray()
+    return _nd_amp_cast(x, dtype=to_mx_dtype(dtype))
+
+
+def _cast_sym(x: Symbol, dtype: str) -> Symbol:
+    if isinstance(x, _np_symbol):
+        return _sym_amp_cast(x.as_nd_ndarray(), dtype=to_mx_dtype(dtype)).as_np_ndarray()
+    return _sym_amp_cast(x, dtype=to_mx_dtype(dtype))
+
+
+def _multicast_sym(xs: Sequence[Symbol]) -> List[Symbol]:
+    is_np = [isinstance(x, _np_symbol) for x in xs]
+    legacy = [x.as_nd_ndarray() if n else x for x, n in zip(xs, is_np)]
+    out = _sym_amp_multicast(*legacy, num_outputs=len(xs))
+    return [out[i].as_np_ndarray() if n else out[i] for i, n in enumerate(is_np)]
 
 
 def _nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str]) -> Callable:
@@ -120,15 +138,14 @@ def _sym_wrapper(fn: Callable, op: str, table: OpTable, info: registry.OpInfo) -
 
         if d.dtype is None:  # widest, dtypes unknown until run time
             if len(positions) > 1:
-                cast = _sym_amp_multicast(*[get(p) for p in positions], num_outputs=len(positions))
+                cast = _multicast_sym([get(p) for p in positions])
                 for j, p in enumerate(positions):
                     put(p, cast[j])
             return fn(*new_args, **kwargs)
-        target = to_mx_dtype(d.dtype)
         for p in positions:
             name = p[0] if p[0] is not None else (info.inputs[p[1]] if p[1] < declared else "")
             if name not in d.keep_fp32:
-                put(p, _sym_amp_cast(get(p), dtype=target))
+                put(p, _cast_sym(get(p), d.dtype))
         return fn(*new_args, **kwargs)
 
     return amp_op
@@ -148,7 +165,7 @@ def _recompose(sym: Symbol, d: Decision, info: registry.OpInfo) -> Symbol:
         elif d.dtype is None:
             inputs.append(child)
         else:
-            inputs.append(_sym_amp_cast(child, dtype=to_mx_dtype(d.dtype)))
+            inputs.append(_cast_sym(child, d.dtype))
     return sym._gen_atomic_symbol()(*inputs, name=sym.name)
 
 

@@ -1,0 +1,129 @@
+import warnings
+
+import numpy as np
+import mxnet as mx
+import pytest
+
+import gluon_amp
+from gluon_amp.dtypes import BFLOAT16, dtype_name
+from nets import make_net
+
+
+def test_disable_restores_every_original_object():
+    gluon_amp.init("bfloat16")
+    record = gluon_amp.patched_functions()
+    assert len(record) > 1000
+    assert all(getattr(p.module, p.name) is not p.original for p in record)
+    gluon_amp.disable()
+    bad = [(p.module.__name__, p.name) for p in record if getattr(p.module, p.name) is not p.original]
+    assert not bad
+    assert gluon_amp.patched_functions() == ()
+
+
+def test_wrappers_keep_names_and_docs():
+    gluon_amp.init("float16")
+    assert mx.nd.Convolution.__name__ == "Convolution"
+    assert mx.nd.Convolution.__wrapped__ is not None
+    assert "Convolution" in (mx.sym.Convolution.__doc__ or "")
+
+
+def test_init_twice_same_args_is_noop_and_different_args_raise():
+    t1 = gluon_amp.init("bfloat16")
+    n = len(gluon_amp.patched_functions())
+    assert gluon_amp.init("bfloat16") is t1
+    assert len(gluon_amp.patched_functions()) == n
+    with pytest.raises(RuntimeError, match="disable"):
+        gluon_amp.init("float16")
+    with pytest.raises(RuntimeError):
+        gluon_amp.init("bfloat16", fp32_ops=["softmax"])
+
+
+def test_bad_arguments_raise_value_error_and_leave_amp_off():
+    with pytest.raises(ValueError, match="'float16', 'bfloat16'"):
+        gluon_amp.init("float32")
+    with pytest.raises(ValueError, match="Did you mean 'softmax'"):
+        gluon_amp.init("bfloat16", fp32_ops=["softmx"])
+    with pytest.raises(ValueError, match="in both"):
+        gluon_amp.init("bfloat16", fp32_ops=["softmax"], target_precision_ops=["softmax"])
+    assert not gluon_amp.is_enabled()
+
+
+def test_none_picks_bfloat16_without_gpu():
+    assert gluon_amp.init(None).target_dtype == "bfloat16"
+
+
+def test_autocast_scopes_patching():
+    orig = mx.nd.Convolution
+    with gluon_amp.autocast("bfloat16") as table:
+        assert table.target_dtype == "bfloat16"
+        assert mx.nd.Convolution is not orig
+    assert mx.nd.Convolution is orig and not gluon_amp.is_enabled()
+
+
+def test_autocast_restores_on_error():
+    orig = mx.sym.FullyConnected
+    with pytest.raises(KeyError):
+        with gluon_amp.autocast("float16"):
+            raise KeyError("boom")
+    assert mx.sym.FullyConnected is orig
+
+
+def test_imperative_casts():
+    x = mx.nd.random.uniform(shape=(2, 3, 6, 6))
+    w = mx.nd.random.uniform(shape=(4, 3, 3, 3))
+    with gluon_amp.autocast("bfloat16"):
+        y = mx.nd.Convolution(x, w, kernel=(3, 3), num_filter=4, no_bias=True)
+        assert y.dtype == BFLOAT16
+        assert mx.nd.softmax(y).dtype == np.float32
+        assert (y + mx.nd.ones(y.shape)).dtype == np.float32     # widest
+        assert mx.nd.Activation(y, act_type="relu").dtype == BFLOAT16       # neutral
+        assert mx.nd.Activation(y, act_type="softrelu").dtype == np.float32  # conditional
+        idx = mx.nd.array([0, 1], dtype="int32")
+        assert mx.nd.take(mx.nd.softmax(y), idx).dtype == np.float32
+    assert mx.nd.Convolution(x, w, kernel=(3, 3), num_filter=4, no_bias=True).dtype == np.float32
+
+
+def test_numpy_front_end_casts():
+    x = mx.np.random.uniform(size=(2, 8))
+    w = mx.np.random.uniform(size=(4, 8))
+    with gluon_amp.autocast("bfloat16"):
+        y = mx.npx.fully_connected(x, w, num_hidden=4, no_bias=True)
+        assert isinstance(y, mx.np.ndarray) and dtype_name(y.dtype) == "bfloat16"
+        z = mx.npx.softmax(y)
+        assert isinstance(z, mx.np.ndarray) and z.dtype == np.float32
+
+
+def test_ops_without_inputs_work_in_graphs():
+    with gluon_amp.autocast("bfloat16"):
+        a = mx.sym.arange(0, 10)
+        z = mx.sym.zeros((2, 3))
+        r = mx.sym.random.uniform(shape=(2,))
+        out = mx.sym.Group([a, z, r])
+        assert out.infer_type()[1] == [np.float32] * 3
+        assert mx.nd.arange(0, 3).dtype == np.float32
+
+
+def test_symbol_api_with_auto_created_weights():
+    with gluon_amp.autocast("float16"):
+        data = mx.sym.var("data")
+        fc = mx.sym.FullyConnected(data, num_hidden=4, name="fc")
+        out = mx.sym.softmax(fc)
+    assert set(fc.list_arguments()) == {"data", "fc_weight", "fc_bias"}
+    # parameters stay float32 (master copies); the cast sits between them and the op
+    types = dict(data=np.float32, fc_weight=np.float32, fc_bias=np.float32)
+    internals = fc.get_internals()
+    got = dict(zip(internals.list_outputs(), internals.infer_type(**types)[1]))
+    assert got["fc_output"] == np.float16
+    assert out.infer_type(**types)[1] == [np.float32]
+
+
+def test_warns_about_graph_cached_before_init():
+    net = make_net()
+    net(mx.nd.ones((1, 3, 8, 8)))
+    with pytest.warns(RuntimeWarning, match="hybridize"):
+        gluon_amp.init("bfloat16")
+    gluon_amp.disable()
+    net.hybridize()  # drops the cache: no warning any more
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gluon_amp.init("bfloat16")
