@@ -16,7 +16,7 @@ setup(
         "bench": ["gluoncv==0.10.5.post0", "opencv-python==4.11.0.86", "scipy==1.15.3",
                   "matplotlib<3.9", "psutil", "tqdm"],
         "notebook": ["nbclient>=0.7", "nbformat>=5.7", "ipykernel>=6"],
-        "test": ["pytest>=7", "torch==2.13.0"],
+        "test": ["pytest>=7"],
     },
     entry_points={"console_scripts": ["gluon-amp-convert=gluon_amp.convert.cli:main"]},
 )

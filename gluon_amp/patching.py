@@ -122,7 +122,8 @@ def _sym_wrapper(fn: Callable, op: str, table: OpTable, info: registry.OpInfo) -
             return fn(*args, **kwargs)
         if not info.variadic and n_given < declared:
             # MXNet creates the missing inputs (weights) itself: build, then re-wire casts.
-            return _recompose(fn(*args, **kwargs), d, info)
+            given = {a.name for a in [*args, *kwargs.values()] if isinstance(a, Symbol)}
+            return _recompose(fn(*args, **kwargs), d, info, given)
         positions = [(None, i) for i, a in enumerate(args) if isinstance(a, Symbol)]
         positions += [(k, None) for k in sym_kw]
         new_args = list(args)
@@ -151,7 +152,7 @@ def _sym_wrapper(fn: Callable, op: str, table: OpTable, info: registry.OpInfo) -
     return amp_op
 
 
-def _recompose(sym: Symbol, d: Decision, info: registry.OpInfo) -> Symbol:
+def _recompose(sym: Symbol, d: Decision, info: registry.OpInfo, given: set) -> Symbol:
     children = sym.get_children()
     if children is None:
         return sym
@@ -159,6 +160,11 @@ def _recompose(sym: Symbol, d: Decision, info: registry.OpInfo) -> Symbol:
     inputs = []
     for i in range(len(children)):
         child = children[i]
+        if (child.name not in given and child.get_children() is None
+                and "__dtype__" not in child.list_attr()):
+            # A weight the op created itself: pin it to float32 (the master copy), since
+            # the cast in front of the op stops infer_type from reaching it.
+            child._set_attr(__dtype__="0")
         name = info.inputs[i] if i < len(info.inputs) else ""
         if child.name in aux or name in d.keep_fp32:
             inputs.append(child)
