@@ -24,7 +24,7 @@ class Decision:
         ``'low_precision'``, ``'fp32'``, ``'conditional_fp32'``, ``'conditional_neutral'``,
         ``'widest'``, ``'neutral'`` or ``'excluded'``.
     keep_fp32 : frozenset of str
-        Input names that are never cast (normalisation parameters).
+        Input names that are never cast (normalisation parameters and running stats).
     """
 
     dtype: Optional[str]
@@ -54,23 +54,23 @@ def decide(
         The caller excluded this node by name: it runs in float32.
     """
     if excluded:
-        return Decision("float32", "excluded")
+        return Decision("float32", "excluded", table.keep_fp32_inputs.get(table.aliases.get(op, op), _EMPTY))
     name = table.aliases.get(op, op)
     op_class = table.classes.get(name, OpClass.NEUTRAL)
     keep = table.keep_fp32_inputs.get(name, _EMPTY)
     if op_class is OpClass.LOW_PRECISION:
         return Decision(table.target_dtype, "low_precision", keep)
     if op_class is OpClass.FP32:
-        return Decision("float32", "fp32")
+        return Decision("float32", "fp32", keep)
     if op_class is OpClass.CONDITIONAL_FP32:
         rule = table.conditions[name]
         value = attrs.get(rule.attr)
         if value is not None and str(value) in rule.values:
-            return Decision("float32", "conditional_fp32")
+            return Decision("float32", "conditional_fp32", keep)
         return Decision(None, "conditional_neutral")
     if op_class is OpClass.WIDEST:
         floats = [d for d in input_dtypes if d is None or d in FLOAT_DTYPES]
         if not floats or any(d is None for d in floats):
             return Decision(None, "widest")
-        return Decision(widest(floats), "widest")
+        return Decision(widest(floats), "widest", keep)
     return Decision(None, "neutral")

@@ -127,3 +127,10 @@ def test_warns_about_graph_cached_before_init():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gluon_amp.init("bfloat16")
+
+
+def test_keep_batchnorm_fp32_graph_runs():
+    with gluon_amp.autocast("bfloat16", keep_batchnorm_fp32=True):
+        net = make_net()
+        out = net(mx.nd.ones((2, 3, 8, 8)))
+        assert out.dtype == np.float32

@@ -208,9 +208,12 @@ signsgd_update signum_update slice slice_axis slice_like sqrt square squeeze tak
 zeros_like
 """.split()
 
-# Inputs that stay float32 when the op itself runs in low precision (normalisation parameters).
+# Inputs never cast, whatever class the op is in: normalisation parameters, and the
+# running statistics MXNet updates in place (a cast there breaks the graph).
 KEEP_FP32_INPUTS = {
     "BatchNorm": ("gamma", "beta", "moving_mean", "moving_var"),
+    "BatchNorm_v1": ("gamma", "beta", "moving_mean", "moving_var"),
+    "_contrib_SyncBatchNorm": ("gamma", "beta", "moving_mean", "moving_var"),
     "_contrib_BatchNormWithReLU": ("gamma", "beta", "moving_mean", "moving_var"),
     "LayerNorm": ("gamma", "beta"),
     "InstanceNorm": ("gamma", "beta"),
