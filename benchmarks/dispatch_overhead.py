@@ -1,0 +1,178 @@
+"""Per-op Python dispatch overhead of AMP-patched imperative ``mx.nd`` calls.
+
+For each of a few ops (one per AMP class: float32, widest-type, low-precision, neutral)
+this times many calls on tiny tensors -- so the cost is Python dispatch and casting, not
+compute -- first unpatched, then with AMP on, in the same process. It does that twice,
+each in its own worker subprocess started from this script:
+
+* ``ours``: ``gluon_amp.init(target_dtype)``
+* ``peer``: ``mxnet.contrib.amp.init(target_dtype)`` (irreversible and global, hence
+  the separate process; ours gets one too so both are measured the same way).
+
+Each figure is the median over ``--repeats`` runs of ``--calls`` calls (after a warm-up),
+each run ending with ``mx.nd.waitall()``. Overhead = patched - unpatched, in µs/call.
+The report is printed as JSON, then as a table.
+
+Run::
+
+    PYTHONPATH=. python benchmarks/dispatch_overhead.py [--calls 3000] [--repeats 5]
+        [--target-dtype bfloat16] [--json out.json]
+
+float16 is accepted only when a GPU is visible (the ops then run on ``mx.gpu(0)``):
+MXNet's CPU backend has no float16 FullyConnected. On CPU use bfloat16 (the default).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, List
+
+OPS: Dict[str, str] = {  # name -> AMP class (the same in both libraries' default lists)
+    "softmax": "fp32",
+    "elemwise_add": "widest",
+    "broadcast_add": "widest",
+    "FullyConnected": "lp16",
+    "relu": "neutral",
+}
+LIBS = ("ours", "peer")
+
+
+def _op_calls(mx: Any, ctx: Any) -> Dict[str, Callable[[], Any]]:
+    """Zero-arg callables; each looks its function up on ``mx.nd`` at call time, so
+    it sees the patched function once AMP is on. Inputs are fixed, so both workers match."""
+    import numpy as np
+    rng = np.random.RandomState(0)
+    x, y = (mx.nd.array(rng.randn(1, 8), ctx=ctx, dtype="float32") for _ in range(2))
+    w = mx.nd.array(rng.randn(8, 8), ctx=ctx, dtype="float32")
+    nd = mx.nd
+    return {
+        "softmax": lambda: nd.softmax(x),
+        "elemwise_add": lambda: nd.elemwise_add(x, y),
+        "broadcast_add": lambda: nd.broadcast_add(x, y),
+        "FullyConnected": lambda: nd.FullyConnected(x, w, num_hidden=8, no_bias=True),
+        "relu": lambda: nd.relu(x),
+    }
+
+
+def _time_all(mx: Any, calls: Dict[str, Callable[[], Any]], n: int, repeats: int) -> Dict[str, float]:
+    """Median µs/call for each op."""
+    for fn in calls.values():  # warm-up (also builds any oneDNN primitives / casts)
+        for _ in range(max(50, n // 10)):
+            fn()
+    mx.nd.waitall()
+    samples: Dict[str, List[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            mx.nd.waitall()
+            samples[name].append((time.perf_counter() - t0) / n * 1e6)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def worker(lib: str, target_dtype: str, n: int, repeats: int) -> Dict[str, Any]:
+    """Runs in a subprocess: unpatched timings, then patched timings, for one library."""
+    if lib == "ours":
+        import gluon_amp
+        import mxnet as mx
+    else:
+        import mxnet as mx
+        from mxnet.contrib import amp
+    ctx = mx.gpu(0) if target_dtype == "float16" else mx.cpu()
+    calls = _op_calls(mx, ctx)
+    unpatched = _time_all(mx, calls, n, repeats)
+    if lib == "ours":
+        gluon_amp.init(target_dtype)
+    else:
+        amp.init(target_dtype=target_dtype)
+    out_dtypes = {name: str(fn().dtype.__name__) for name, fn in calls.items()}
+    patched = _time_all(mx, calls, n, repeats)
+    return {"unpatched_us": unpatched, "patched_us": patched, "patched_out_dtype": out_dtypes}
+
+
+def _run_worker(lib: str, args: argparse.Namespace) -> Dict[str, Any]:
+    cmd = [sys.executable, __file__, "--worker", lib, "--calls", str(args.calls),
+           "--repeats", str(args.repeats), "--target-dtype", args.target_dtype]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{lib} worker failed (exit {proc.returncode}):\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # last line: the JSON
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def build_report(res: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> Dict[str, Any]:
+    ops: Dict[str, Any] = {}
+    for name, cls in OPS.items():
+        row: Dict[str, Any] = {"class": cls}
+        for lib in LIBS:
+            u, p = res[lib]["unpatched_us"][name], res[lib]["patched_us"][name]
+            row[lib] = {"unpatched_us": round(u, 3), "patched_us": round(p, 3),
+                        "overhead_us": round(p - u, 3),
+                        "patched_out_dtype": res[lib]["patched_out_dtype"][name]}
+        row["overhead_ratio_ours_over_peer"] = _ratio(row["ours"]["overhead_us"], row["peer"]["overhead_us"])
+        row["patched_ratio_ours_over_peer"] = _ratio(row["ours"]["patched_us"], row["peer"]["patched_us"])
+        ops[name] = row
+    mean = {lib: round(statistics.mean(r[lib]["overhead_us"] for r in ops.values()), 3) for lib in LIBS}
+    return {"target_dtype": args.target_dtype, "calls": args.calls, "repeats": args.repeats,
+            "statistic": "median", "ops": ops,
+            "mean_overhead_us": {**mean, "ratio_ours_over_peer": _ratio(mean["ours"], mean["peer"])}}
+
+
+def format_table(rep: Dict[str, Any]) -> str:
+    def f(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.2f}"
+    head = (f"{'op':<15}{'class':<8}{'base ours':>10}{'amp ours':>10}{'ovh ours':>10}"
+            f"{'base peer':>10}{'amp peer':>10}{'ovh peer':>10}{'ovh o/p':>9}{'amp o/p':>9}")
+    lines = [f"dispatch overhead, µs/call (median of {rep['repeats']} x {rep['calls']} calls, "
+             f"target {rep['target_dtype']}); base = unpatched, amp = patched, ovh = amp - base",
+             head, "-" * len(head)]
+    for name, r in rep["ops"].items():
+        o, p = r["ours"], r["peer"]
+        lines.append(f"{name:<15}{r['class']:<8}{o['unpatched_us']:>10.2f}{o['patched_us']:>10.2f}"
+                     f"{o['overhead_us']:>10.2f}{p['unpatched_us']:>10.2f}{p['patched_us']:>10.2f}"
+                     f"{p['overhead_us']:>10.2f}{f(r['overhead_ratio_ours_over_peer']):>9}"
+                     f"{f(r['patched_ratio_ours_over_peer']):>9}")
+    m = rep["mean_overhead_us"]
+    lines.append(f"mean overhead: ours {m['ours']:.2f} µs/call vs peer {m['peer']:.2f} µs/call "
+                 f"(ours/peer = {f(m['ratio_ours_over_peer'])})")
+    return "\n".join(lines)
+
+
+def main(argv: List[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=int, default=3000, help="calls per op per repeat")
+    ap.add_argument("--repeats", type=int, default=5, help="repeats; the median is reported")
+    ap.add_argument("--target-dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    ap.add_argument("--json", metavar="PATH", help="also write the JSON report here")
+    ap.add_argument("--worker", choices=LIBS, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.calls < 1 or args.repeats < 1:
+        ap.error("--calls and --repeats must be >= 1")
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.target_dtype, args.calls, args.repeats)))
+        return
+    if args.target_dtype == "float16":
+        import mxnet as mx
+        if mx.context.num_gpus() == 0:
+            ap.error("--target-dtype float16 needs a GPU: MXNet has no float16 FullyConnected "
+                     "on CPU. Use bfloat16 on CPU.")
+    rep = build_report({lib: _run_worker(lib, args) for lib in LIBS}, args)
+    text = json.dumps(rep, indent=2)
+    if args.json:
+        with open(args.json, "w") as fh:
+            fh.write(text + "\n")
+    print(text)
+    print()
+    print(format_table(rep))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Render ``docs/op_reference.md`` from the op tables.
+
+Regenerate with ``python -m gluon_amp.op_reference > docs/op_reference.md``; a test
+checks the committed file is current.
+"""
+from __future__ import annotations
+
+from typing import List
+
+from .dtypes import LOW_PRECISION_DTYPES
+from .table import OpClass, OpTable, default_table
+
+_RULES = """\
+# gluon_amp op reference
+
+Generated from `gluon_amp/lists/` by `python -m gluon_amp.op_reference`. Do not edit by hand.
+
+## How an op's precision is chosen
+
+Under `gluon_amp.init(target_dtype)`, every MXNet operator belongs to exactly one class.
+The same rule (`gluon_amp.decide.decide`) drives imperative calls, hybridized graphs and
+the inference converter.
+
+| class | what happens to the op's floating-point inputs |
+|---|---|
+| low precision | cast to the target dtype (`float16` or `bfloat16`) |
+| fp32 | cast to `float32` |
+| conditional fp32 | cast to `float32` when an attribute takes a listed value, else neutral |
+| widest | cast to the widest float type among the inputs (`float16` + `bfloat16` widen to `float32`) |
+| neutral | left as they are; the op runs in whatever dtype it is given |
+
+- Integer and boolean inputs are never cast.
+- Normalisation parameters and running statistics (listed under *kept inputs*) stay
+  `float32` whatever the class.
+- Aliases (`concat`, `_PlusScalar`, `_npx_convolution`, ...) take the class of the op
+  they name; the lists below give registered op names only.
+- Ops with no tensor inputs (creation and sampling ops such as `_arange`, `_zeros`) are
+  neutral: there is nothing to cast.
+- Override any list with the matching `init` argument; an override *replaces* the default
+  list of its class, and an op may be in one list only.
+"""
+
+
+def _names(names) -> str:
+    return ", ".join(f"`{n}`" for n in names) if names else "(none)"
+
+
+def render_table(t: OpTable) -> List[str]:
+    out = [f"## target dtype `{t.target_dtype}`", ""]
+    titles = {
+        OpClass.LOW_PRECISION: f"Ops that run in {t.target_dtype}",
+        OpClass.FP32: "Ops that run in float32",
+        OpClass.CONDITIONAL_FP32: "Ops that run in float32 for some attribute values",
+        OpClass.WIDEST: "Ops that run in the widest input type",
+        OpClass.NEUTRAL: "Neutral ops",
+    }
+    for cls, title in titles.items():
+        names = t.names(cls)
+        out += [f"### {title} ({len(names)})", ""]
+        if cls is OpClass.CONDITIONAL_FP32:
+            out += [f"- `{n}` when `{t.conditions[n].attr}` in "
+                    f"{sorted(t.conditions[n].values)}" for n in names]
+        else:
+            out.append(_names(names))
+        out.append("")
+    out += ["### Kept float32 inputs", ""]
+    out += [f"- `{op}`: {_names(sorted(v))}" for op, v in sorted(t.keep_fp32_inputs.items())]
+    out.append("")
+    return out
+
+
+def render() -> str:
+    lines = [_RULES]
+    for dt in LOW_PRECISION_DTYPES:
+        lines += render_table(default_table(dt))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render(), end="")
