@@ -30,7 +30,11 @@ from .lists_api import (  # noqa: E402
     list_widest_type_cast,
 )
 from .patching import autocast, current_table, disable, init, is_enabled, patched_functions  # noqa: E402
+from .loss_scale import LossScaler, ScaleState  # noqa: E402
 from .runtime import runtime_info  # noqa: E402
+from .trainer import (  # noqa: E402
+    clip_global_norm, get_scaler, init_trainer, load_states, save_states, scale_loss, unscale,
+)
 from .table import OpClass, OpTable  # noqa: E402
 
 __version__ = "0.1.0"
@@ -39,4 +43,6 @@ __all__ = [
     "init", "disable", "autocast", "is_enabled", "current_table", "patched_functions",
     "list_lp16_ops", "list_fp32_ops", "list_lp16_fp32_ops", "list_conditional_fp32_ops",
     "list_widest_type_cast", "runtime_info", "OpClass", "OpTable",
+    "LossScaler", "ScaleState", "init_trainer", "scale_loss", "unscale", "clip_global_norm",
+    "get_scaler", "save_states", "load_states",
 ]

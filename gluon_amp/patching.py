@@ -56,11 +56,6 @@ _lock = threading.RLock()
 _active: Optional[_Active] = None
 
 
-def _float_name(x: NDArray) -> str:
-    """Canonical name of a float NDArray's dtype; ``'other'`` for integer/bool arrays."""
-    return _NP_TO_NAME.get(x.dtype, "other")
-
-
 def _cast_nd(x: NDArray, dtype: str) -> NDArray:
     if isinstance(x, _np_ndarray):  # amp_cast is a legacy op: go through a zero-copy view
         return _nd_amp_cast(x.as_nd_ndarray(), dtype=to_mx_dtype(dtype)).as_np_ndarray()
@@ -81,29 +76,54 @@ def _multicast_sym(xs: Sequence[Symbol]) -> List[Symbol]:
 
 
 def _nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str]) -> Callable:
-    """Imperative wrapper: cast float NDArray inputs as ``decide`` says, then call ``fn``."""
+    """Imperative wrapper: cast float NDArray inputs as ``decide`` says, then call ``fn``.
 
-    @functools.wraps(fn)
-    def amp_op(*args: Any, **kwargs: Any) -> Any:
-        dtypes = [_float_name(a) if isinstance(a, NDArray) else "" for a in args]
-        kw_nd = [k for k, v in kwargs.items() if isinstance(v, NDArray) and k != "out"]
-        attrs = {k: v for k, v in kwargs.items() if k not in kw_nd}
-        d = decide(op, attrs, [*dtypes, *(_float_name(kwargs[k]) for k in kw_nd)], table)
-        want = d.dtype
-        if want is None:
-            return fn(*args, **kwargs)
-        keep = d.keep_fp32
-        new_args = list(args)
+    The decision for fixed classes (low precision, fp32) does not depend on the call, so
+    it is taken once here; conditional ops decide per call on their attributes and
+    widest ops on their input dtypes. Dispatch cost matters: this runs on every op call.
+    """
+    op_class = table.classes.get(op, OpClass.NEUTRAL)
+    fixed = decide(op, {}, [], table) if op_class in (OpClass.LOW_PRECISION, OpClass.FP32) else None
+    to_name = _NP_TO_NAME
+
+    def cast_all(args: tuple, kwargs: dict, d: Decision) -> Any:
+        want, keep = d.dtype, d.keep_fp32
+        new_args = None
         for i, a in enumerate(args):
-            dt = dtypes[i]
-            if dt in FLOAT_DTYPES and dt != want and not (keep and i < len(input_names) and input_names[i] in keep):
-                new_args[i] = _cast_nd(a, want)
-        for k in kw_nd:
-            v = kwargs[k]
-            dt = _float_name(v)
-            if dt in FLOAT_DTYPES and dt != want and k not in keep:
-                kwargs[k] = _cast_nd(v, want)
-        return fn(*new_args, **kwargs)
+            if isinstance(a, NDArray):
+                dt = to_name.get(a.dtype)
+                if dt is not None and dt != want and not (keep and i < len(input_names) and input_names[i] in keep):
+                    if new_args is None:
+                        new_args = list(args)
+                    new_args[i] = _cast_nd(a, want)
+        if kwargs:
+            for k, v in kwargs.items():
+                if k != "out" and k not in keep and isinstance(v, NDArray):
+                    dt = to_name.get(v.dtype)
+                    if dt is not None and dt != want:
+                        kwargs[k] = _cast_nd(v, want)
+        return fn(*(args if new_args is None else new_args), **kwargs)
+
+    if fixed is not None:
+        @functools.wraps(fn)
+        def amp_op(*args: Any, **kwargs: Any) -> Any:
+            return cast_all(args, kwargs, fixed)
+    elif op_class is OpClass.WIDEST:
+        @functools.wraps(fn)
+        def amp_op(*args: Any, **kwargs: Any) -> Any:
+            dts = [to_name.get(a.dtype, "other") for a in args if isinstance(a, NDArray)]
+            if kwargs:
+                dts += [to_name.get(v.dtype, "other") for k, v in kwargs.items()
+                        if k != "out" and isinstance(v, NDArray)]
+            if len(dts) < 2 or all(d == dts[0] for d in dts):
+                return fn(*args, **kwargs)
+            d = decide(op, kwargs, dts, table)
+            return fn(*args, **kwargs) if d.dtype is None else cast_all(args, kwargs, d)
+    else:
+        @functools.wraps(fn)
+        def amp_op(*args: Any, **kwargs: Any) -> Any:
+            d = decide(op, kwargs, (), table)
+            return fn(*args, **kwargs) if d.dtype is None else cast_all(args, kwargs, d)
 
     return amp_op
 

@@ -1,0 +1,174 @@
+"""Loss-scale state and its update rule. Pure: no MXNet.
+
+The update rule is PyTorch GradScaler's (tested against a recorded torch trajectory):
+a non-finite step multiplies the scale by ``backoff_factor`` and resets the growth
+tracker; ``growth_interval`` finite steps in a row multiply it by ``growth_factor``.
+On top of that the scale is clamped to ``[min_scale, max_scale]``, and the count of
+consecutive skipped steps is kept so a collapsing run can be stopped with a diagnosis.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Dict, Union
+
+
+@dataclass(frozen=True)
+class ScaleState:
+    """Where a loss scaler stands. Immutable: ``LossScaler.next_state`` returns a new one."""
+
+    scale: float
+    growth_tracker: int = 0
+    consecutive_skips: int = 0
+    total_steps: int = 0
+    skipped_steps: int = 0
+    last_skipped: bool = False
+
+
+def _positive(name: str, value: Any, allow_inf: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not (value > 0 and (allow_inf or math.isfinite(value))):
+        raise ValueError(f"{name} must be a positive{'' if allow_inf else ' finite'} number, got {value!r}")
+    return value
+
+
+class LossScaler:
+    """Loss scaler: dynamic (default), static, or disabled.
+
+    Parameters
+    ----------
+    init_scale : float
+        Starting scale (2**16, as in PyTorch and Apex).
+    growth_factor, backoff_factor : float
+        Multipliers after ``growth_interval`` finite steps / after a non-finite step.
+    growth_interval : int
+        Finite steps in a row before the scale grows.
+    min_scale, max_scale : float
+        Clamp for the scale. ``min_scale=0`` and ``max_scale=inf`` give torch's behaviour.
+    max_consecutive_skips : int or None
+        After this many skipped steps in a row, :meth:`update` raises ``RuntimeError``
+        (the scale has collapsed; something other than range is wrong). ``None`` never raises.
+    dynamic : bool
+        ``False`` keeps ``init_scale`` fixed; non-finite steps are still skipped.
+    enabled : bool
+        ``False`` makes the scaler a no-op: scale 1, nothing skipped, nothing checked.
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 min_scale: float = 1.0, max_scale: float = 2.0 ** 24,
+                 max_consecutive_skips: int | None = 25, dynamic: bool = True,
+                 enabled: bool = True) -> None:
+        self.init_scale = _positive("init_scale", init_scale)
+        self.growth_factor = _positive("growth_factor", growth_factor)
+        self.backoff_factor = _positive("backoff_factor", backoff_factor)
+        if self.growth_factor <= 1.0:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
+        if self.backoff_factor >= 1.0:
+            raise ValueError(f"backoff_factor must be < 1, got {backoff_factor!r}")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
+        self.growth_interval = growth_interval
+        if isinstance(min_scale, bool) or not isinstance(min_scale, (int, float)) or min_scale < 0:
+            raise ValueError(f"min_scale must be a number >= 0, got {min_scale!r}")
+        self.min_scale = float(min_scale)
+        self.max_scale = _positive("max_scale", max_scale, allow_inf=True)
+        if not self.min_scale <= self.init_scale <= self.max_scale:
+            raise ValueError(f"init_scale={init_scale!r} must lie in [min_scale={min_scale!r}, "
+                             f"max_scale={max_scale!r}]")
+        if max_consecutive_skips is not None and (
+                isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int)
+                or max_consecutive_skips < 1):
+            raise ValueError(f"max_consecutive_skips must be a positive int or None, got {max_consecutive_skips!r}")
+        self.max_consecutive_skips = max_consecutive_skips
+        self.dynamic = bool(dynamic)
+        self.enabled = bool(enabled)
+        self.state = ScaleState(scale=self.init_scale if enabled else 1.0)
+
+    # -- constructors ---------------------------------------------------------------
+    @classmethod
+    def static(cls, scale: float, **kwargs: Any) -> "LossScaler":
+        """A fixed scale. Non-finite steps are still skipped."""
+        return cls(init_scale=scale, dynamic=False, min_scale=0.0, max_scale=math.inf, **kwargs)
+
+    @classmethod
+    def disabled(cls) -> "LossScaler":
+        return cls(enabled=False)
+
+    # -- reading --------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return self.state.scale
+
+    @property
+    def last_step_skipped(self) -> bool:
+        return self.state.last_skipped
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.state.skipped_steps
+
+    @property
+    def total_steps(self) -> int:
+        return self.state.total_steps
+
+    # -- the rule -------------------------------------------------------------------
+    def next_state(self, state: ScaleState, finite: bool) -> ScaleState:
+        """The state after one step whose gradients were (not) all finite. Pure."""
+        if not self.enabled:
+            return replace(state, total_steps=state.total_steps + 1, last_skipped=False)
+        steps = state.total_steps + 1
+        if not finite:
+            scale = state.scale
+            if self.dynamic:
+                scale = max(scale * self.backoff_factor, self.min_scale)
+            return ScaleState(scale, 0, state.consecutive_skips + 1, steps, state.skipped_steps + 1, True)
+        tracker, scale = state.growth_tracker + 1, state.scale
+        if self.dynamic and tracker >= self.growth_interval:
+            scale, tracker = min(scale * self.growth_factor, self.max_scale), 0
+        return ScaleState(scale, tracker, 0, steps, state.skipped_steps, False)
+
+    def update(self, finite: bool) -> bool:
+        """Advance by one step; return True if that step must be skipped."""
+        self.state = self.next_state(self.state, finite)
+        return self.state.last_skipped
+
+    def collapsed(self) -> bool:
+        """True once ``max_consecutive_skips`` steps in a row were skipped."""
+        limit = self.max_consecutive_skips
+        return self.enabled and limit is not None and self.state.consecutive_skips >= limit
+
+    # -- checkpoints ----------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Union[float, int, bool]]:
+        """Settings and state as plain Python values (JSON- and pickle-safe)."""
+        return {
+            "init_scale": self.init_scale, "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
+            "min_scale": self.min_scale, "max_scale": self.max_scale,
+            "max_consecutive_skips": self.max_consecutive_skips, "dynamic": self.dynamic,
+            "enabled": self.enabled, **asdict(self.state),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict`. Unknown or missing keys raise ``ValueError``."""
+        if not isinstance(state, dict):
+            raise TypeError(f"load_state_dict expects a dict from LossScaler.state_dict(), got {type(state).__name__}")
+        expected = set(self.state_dict())
+        if set(state) != expected:
+            raise ValueError(f"not a LossScaler state_dict: missing {sorted(expected - set(state))}, "
+                             f"unexpected {sorted(set(state) - expected)}")
+        fresh = LossScaler(**{k: state[k] for k in (
+            "init_scale", "growth_factor", "backoff_factor", "growth_interval", "min_scale",
+            "max_scale", "max_consecutive_skips", "dynamic", "enabled")})
+        fresh.state = ScaleState(float(state["scale"]), int(state["growth_tracker"]),
+                                 int(state["consecutive_skips"]), int(state["total_steps"]),
+                                 int(state["skipped_steps"]), bool(state["last_skipped"]))
+        self.__dict__.update(fresh.__dict__)
+
+    def __repr__(self) -> str:
+        kind = "disabled" if not self.enabled else ("dynamic" if self.dynamic else "static")
+        s = self.state
+        return (f"LossScaler({kind}, scale={s.scale:g}, skipped={s.skipped_steps}/{s.total_steps}, "
+                f"last_skipped={s.last_skipped})")

@@ -1,0 +1,218 @@
+"""Attach a loss scaler to a Gluon ``Trainer``: init_trainer, scale_loss, unscale, checkpoints.
+
+Integration uses the hook MXNet 1.9's ``Trainer._update`` already calls
+(``trainer._amp_loss_scaler.has_overflow(params)``): that is the only attribute written
+onto the user's trainer, besides ``trainer._scale``, which ``scale_loss`` sets so that
+unscaling folds into the optimizer's ``rescale_grad`` (no extra pass over the gradients).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import tempfile
+import weakref
+from typing import Any, Iterator, List, Optional, Sequence, Union
+
+import mxnet as mx
+from mxnet import autograd
+from mxnet.gluon import Trainer
+
+from . import overflow
+from .loss_scale import LossScaler
+
+_FORMAT = "gluon_amp.trainer_states.v1"
+
+
+class _Hook:
+    """What ``Trainer._update`` calls. Holds the per-trainer step state."""
+
+    def __init__(self, trainer: Trainer, scaler: LossScaler) -> None:
+        self._trainer = weakref.ref(trainer)
+        self.scaler = scaler
+        self.original_scale = trainer._scale
+        self.unscaled = False
+
+    def has_overflow(self, params: Sequence[mx.gluon.Parameter]) -> bool:
+        trainer = self._trainer()
+        finite = True if not self.scaler.enabled else overflow.all_finite(params)
+        skip = _report(self.scaler, self, finite)
+        if trainer is not None:
+            trainer._scale = self.original_scale  # the next step is unscaled unless scale_loss runs
+        self.unscaled = False
+        if skip and self.scaler.collapsed():
+            names = overflow.non_finite_names(params)
+            raise RuntimeError(
+                f"{self.scaler.state.consecutive_skips} steps in a row had non-finite gradients "
+                f"(loss scale now {self.scaler.loss_scale:g}); this is not an fp16 range problem. "
+                f"Parameters with inf/NaN gradients: {names or 'none now (inf/NaN came from the loss)'}. "
+                "Check the learning rate, the data and the loss, or raise max_consecutive_skips.")
+        return skip
+
+
+# One scaler may serve several trainers (PyTorch: one GradScaler, several optimizers):
+# each trainer skips on its own gradients, and the scale moves once per round.
+_rounds: "weakref.WeakKeyDictionary[LossScaler, dict]" = weakref.WeakKeyDictionary()
+_hooks: "weakref.WeakKeyDictionary[Trainer, _Hook]" = weakref.WeakKeyDictionary()
+
+
+def _report(scaler: LossScaler, hook: _Hook, finite: bool) -> bool:
+    users = [h for h in list(_hooks.values()) if h.scaler is scaler]
+    if len(users) <= 1:
+        return scaler.update(finite)
+    pending = _rounds.setdefault(scaler, {})
+    pending[id(hook)] = finite
+    if len(pending) >= len(users):
+        scaler.update(all(pending.values()))
+        pending.clear()
+    return not finite
+
+
+def _make_scaler(loss_scale: Any) -> LossScaler:
+    if isinstance(loss_scale, LossScaler):
+        return loss_scale
+    if loss_scale == "dynamic":
+        return LossScaler()
+    if loss_scale is None or loss_scale is False:
+        return LossScaler.disabled()
+    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+        return LossScaler.static(loss_scale)
+    raise ValueError(f"loss_scale={loss_scale!r} is not valid; use 'dynamic', a positive number "
+                     "(static scale), None (no scaling) or a gluon_amp.LossScaler.")
+
+
+def init_trainer(trainer: Trainer, loss_scale: Union[str, float, LossScaler, None] = "dynamic") -> LossScaler:
+    """Attach loss scaling to ``trainer``; return its :class:`LossScaler`.
+
+    The trainer must update on the worker, not the kvstore: build it with
+    ``update_on_kvstore=False``. If it was left at ``None``, it is set to False here.
+
+    Parameters
+    ----------
+    trainer : mxnet.gluon.Trainer
+    loss_scale : 'dynamic', float, None or LossScaler
+        ``'dynamic'`` (default) makes a new dynamic scaler; a number a static one; ``None``
+        turns scaling off but keeps skip-on-overflow off too. Pass the same ``LossScaler``
+        to several trainers to share one scale.
+    """
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"init_trainer expects a mxnet.gluon.Trainer, got {type(trainer).__name__}")
+    if trainer in _hooks:
+        raise RuntimeError("this Trainer already has a loss scaler; use gluon_amp.get_scaler(trainer) "
+                           "to read it, or build a new Trainer.")
+    wanted = trainer._kvstore_params.get("update_on_kvstore")
+    if wanted or (trainer._kv_initialized and trainer._update_on_kvstore):
+        raise ValueError("loss scaling needs the update on the worker: create the Trainer with "
+                         "update_on_kvstore=False (got update_on_kvstore=True).")
+    if wanted is None:
+        trainer._kvstore_params["update_on_kvstore"] = False
+    scaler = _make_scaler(loss_scale)
+    hook = _Hook(trainer, scaler)
+    _hooks[trainer] = hook
+    trainer._amp_loss_scaler = hook
+    return scaler
+
+
+def _hook_of(trainer: Trainer, caller: str) -> _Hook:
+    hook = _hooks.get(trainer) if isinstance(trainer, Trainer) else None
+    if hook is None:
+        if not isinstance(trainer, Trainer):
+            raise TypeError(f"{caller} expects a mxnet.gluon.Trainer, got {type(trainer).__name__}")
+        raise RuntimeError(f"{caller}: this Trainer has no loss scaler; call gluon_amp.init_trainer(trainer) first.")
+    return hook
+
+
+def get_scaler(trainer: Trainer) -> LossScaler:
+    """The :class:`LossScaler` attached to ``trainer``."""
+    return _hook_of(trainer, "get_scaler").scaler
+
+
+@contextlib.contextmanager
+def scale_loss(loss: Any, trainer: Trainer) -> Iterator[Any]:
+    """Yield ``loss`` (an NDArray or a list of them) multiplied by the loss scale.
+
+    Call ``backward`` on what it yields. The next ``trainer.step`` divides the gradients by
+    the same scale (folded into ``rescale_grad``), checks them and skips the update on
+    inf/NaN. Several ``scale_loss``/``backward`` calls may precede one ``step``
+    (gradient accumulation with ``grad_req='add'``).
+    """
+    hook = _hook_of(trainer, "scale_loss")
+    scale = hook.scaler.loss_scale
+    if hook.unscaled:
+        raise RuntimeError("scale_loss after unscale(trainer) in the same step: the new gradients "
+                           "would not be unscaled. Call unscale after the last backward.")
+    trainer._scale = hook.original_scale / scale
+    if isinstance(loss, (list, tuple)):
+        yield type(loss)(l * scale for l in loss) if scale != 1.0 else loss
+    else:
+        yield loss * scale if scale != 1.0 else loss
+
+
+def unscale(trainer: Trainer) -> None:
+    """Divide the gradients by the loss scale now, in place (e.g. before clipping).
+
+    Once per step: a second call before ``trainer.step`` raises ``RuntimeError``.
+    """
+    hook = _hook_of(trainer, "unscale")
+    if hook.unscaled:
+        raise RuntimeError("unscale(trainer) was already called since the last trainer.step(); "
+                           "the gradients are unscaled already.")
+    inv = trainer._scale / hook.original_scale  # 1/loss_scale when scale_loss ran, else 1
+    if inv != 1.0:
+        with autograd.pause():
+            for grads in overflow.grads_by_context(trainer._params).values():
+                for g in grads:
+                    g *= inv
+    trainer._scale = hook.original_scale
+    hook.unscaled = True
+
+
+def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
+    """Unscale (if not done yet) and clip all gradients to a global L2 norm ``max_norm``.
+
+    Each context's gradient copy is clipped on its own. Returns the largest norm before
+    clipping; a non-finite norm leaves the gradients alone for ``step`` to skip.
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+    hook = _hook_of(trainer, "clip_global_norm")
+    if not hook.unscaled:
+        unscale(trainer)
+    norms: List[float] = []
+    with autograd.pause():
+        for grads in overflow.grads_by_context(trainer._params).values():
+            norms.append(float(mx.gluon.utils.clip_global_norm(grads, max_norm, check_isfinite=False)))
+    return max(norms) if norms else 0.0
+
+
+def save_states(trainer: Trainer, fname: str) -> None:
+    """Save the trainer's optimizer states *and* its loss-scaler state to one file."""
+    hook = _hook_of(trainer, "save_states")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trainer.states")
+        trainer.save_states(path)
+        with open(path, "rb") as f:
+            blob = f.read()
+    with open(fname, "wb") as f:
+        pickle.dump({"format": _FORMAT, "trainer": blob, "scaler": hook.scaler.state_dict()}, f)
+
+
+def load_states(trainer: Trainer, fname: str) -> None:
+    """Load what :func:`save_states` wrote into ``trainer`` and its scaler."""
+    hook = _hook_of(trainer, "load_states")
+    if not os.path.isfile(fname):
+        raise ValueError(f"load_states: no such file {fname!r}")
+    with open(fname, "rb") as f:
+        try:
+            data = pickle.load(f)
+        except Exception as exc:
+            raise ValueError(f"{fname!r} is not a gluon_amp.save_states file ({exc}); "
+                             "for plain Trainer.save_states files use trainer.load_states") from exc
+    if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        raise ValueError(f"{fname!r} is not a gluon_amp.save_states file")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trainer.states")
+        with open(path, "wb") as f:
+            f.write(data["trainer"])
+        trainer.load_states(path)
+    hook.scaler.load_state_dict(data["scaler"])

@@ -1,0 +1,114 @@
+import json
+import math
+import os
+
+import pytest
+
+from gluon_amp.loss_scale import LossScaler
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "data", "gradscaler_trajectory.json")
+
+
+def _torch_like(s):
+    # torch's GradScaler has no clamp: min 0, max inf
+    return LossScaler(init_scale=s["init_scale"], growth_factor=s["growth_factor"],
+                      backoff_factor=s["backoff_factor"], growth_interval=s["growth_interval"],
+                      min_scale=0.0, max_scale=math.inf, max_consecutive_skips=None)
+
+
+with open(GOLDEN) as _f:
+    _SCENARIOS = json.load(_f)["scenarios"]
+
+
+@pytest.mark.parametrize("scenario", _SCENARIOS, ids=[s["name"] for s in _SCENARIOS])
+def test_trajectory_matches_torch_gradscaler(scenario):
+    """Recorded from torch 2.13 GradScaler by tools/gen_gradscaler_golden.py."""
+    scaler = _torch_like(scenario)
+    scales, skipped, trackers = [], [], []
+    for finite in scenario["steps"]:
+        skipped.append(scaler.update(finite))
+        scales.append(scaler.loss_scale)
+        trackers.append(scaler.state.growth_tracker)
+    assert scales == scenario["scales_after_update"]
+    assert skipped == scenario["skipped"]
+    assert trackers == scenario["growth_tracker_after_update"]
+    assert scaler.skipped_steps == sum(scenario["skipped"])
+
+
+def test_defaults_match_torch_except_clamp():
+    s = LossScaler()
+    assert (s.loss_scale, s.growth_factor, s.backoff_factor, s.growth_interval) == (2.0 ** 16, 2.0, 0.5, 2000)
+    assert s.max_scale == 2.0 ** 24
+
+
+def test_clamps():
+    s = LossScaler(init_scale=2.0 ** 24, growth_interval=1)
+    s.update(True)
+    assert s.loss_scale == 2.0 ** 24
+    s = LossScaler(init_scale=2.0, min_scale=1.0, max_consecutive_skips=None)
+    for _ in range(5):
+        s.update(False)
+    assert s.loss_scale == 1.0
+
+
+def test_static_and_disabled():
+    s = LossScaler.static(128.0)
+    assert s.update(False) is True and s.loss_scale == 128.0
+    for _ in range(5000):
+        s.update(True)
+    assert s.loss_scale == 128.0
+    d = LossScaler.disabled()
+    assert d.loss_scale == 1.0 and d.update(False) is False
+
+
+def test_collapse_detection():
+    s = LossScaler(max_consecutive_skips=3)
+    s.update(False), s.update(False)
+    assert not s.collapsed()
+    s.update(False)
+    assert s.collapsed()
+    s.update(True)
+    assert not s.collapsed()
+
+
+def test_state_dict_round_trip_exact():
+    a = LossScaler(init_scale=1024.0, growth_interval=3, min_scale=0.5)
+    for f in [True, False, True, True, True, True]:
+        a.update(f)
+    sd = a.state_dict()
+    json.dumps(sd)  # plain values
+    b = LossScaler()
+    b.load_state_dict(sd)
+    assert b.state == a.state and b.state_dict() == sd
+    for f in [True, True, False, True]:
+        assert a.update(f) == b.update(f)
+    assert a.state == b.state
+
+
+def test_next_state_is_pure():
+    s = LossScaler()
+    before = s.state
+    after = s.next_state(before, False)
+    assert s.state is before and after.scale == before.scale / 2
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(init_scale=0), dict(init_scale=-1.0), dict(init_scale=float("nan")), dict(growth_factor=1.0),
+    dict(backoff_factor=1.5), dict(growth_interval=0), dict(growth_interval=2.5), dict(min_scale=-1),
+    dict(init_scale=2.0 ** 30), dict(max_consecutive_skips=0),
+])
+def test_bad_settings_raise_value_error(kwargs):
+    with pytest.raises(ValueError):
+        LossScaler(**kwargs)
+
+
+def test_bad_types_raise_type_error():
+    with pytest.raises(TypeError):
+        LossScaler(init_scale="big")
+
+
+def test_load_state_dict_rejects_foreign_dicts():
+    with pytest.raises(ValueError, match="missing"):
+        LossScaler().load_state_dict({"scale": 2.0})
+    with pytest.raises(TypeError):
+        LossScaler().load_state_dict([1, 2])
