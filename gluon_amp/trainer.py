@@ -181,7 +181,8 @@ def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
     norms: List[float] = []
     with autograd.pause():
         for grads in overflow.grads_by_context(trainer._params).values():
-            norms.append(float(mx.gluon.utils.clip_global_norm(grads, max_norm, check_isfinite=False)))
+            norm = mx.gluon.utils.clip_global_norm(grads, max_norm, check_isfinite=False)
+            norms.append(float(norm.asscalar() if isinstance(norm, mx.nd.NDArray) else norm))
     return max(norms) if norms else 0.0
 
 
