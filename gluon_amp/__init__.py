@@ -25,12 +25,14 @@ from ._compat import import_mxnet as _import_mxnet  # noqa: E402
 
 _import_mxnet()
 
+from .convert import convert_hybrid_block, convert_model, convert_symbol  # noqa: E402
 from .lists_api import (  # noqa: E402
     list_conditional_fp32_ops, list_fp32_ops, list_lp16_fp32_ops, list_lp16_ops,
     list_widest_type_cast,
 )
 from .patching import autocast, current_table, disable, init, is_enabled, patched_functions  # noqa: E402
 from .loss_scale import LossScaler, ScaleState  # noqa: E402
+from .report import Report, report  # noqa: E402
 from .runtime import runtime_info  # noqa: E402
 from .trainer import (  # noqa: E402
     clip_global_norm, get_scaler, init_trainer, load_states, save_states, scale_loss, unscale,
@@ -45,4 +47,5 @@ __all__ = [
     "list_widest_type_cast", "runtime_info", "OpClass", "OpTable",
     "LossScaler", "ScaleState", "init_trainer", "scale_loss", "unscale", "clip_global_norm",
     "get_scaler", "save_states", "load_states",
+    "convert_symbol", "convert_model", "convert_hybrid_block", "report", "Report",
 ]

@@ -67,10 +67,10 @@ def decide(
         value = attrs.get(rule.attr)
         if value is not None and str(value) in rule.values:
             return Decision("float32", "conditional_fp32", keep)
-        return Decision(None, "conditional_neutral")
+        return Decision(None, "conditional_neutral", keep)
     if op_class is OpClass.WIDEST:
         floats = [d for d in input_dtypes if d is None or d in FLOAT_DTYPES]
         if not floats or any(d is None for d in floats):
-            return Decision(None, "widest")
+            return Decision(None, "widest", keep)
         return Decision(widest(floats), "widest", keep)
-    return Decision(None, "neutral")
+    return Decision(None, "neutral", keep)

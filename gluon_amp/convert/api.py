@@ -1,0 +1,221 @@
+"""convert_symbol / convert_model / convert_hybrid_block: FP32 networks to mixed precision."""
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import mxnet as mx
+from mxnet.gluon import HybridBlock, SymbolBlock
+from mxnet.symbol import Symbol
+
+from .. import registry
+from ..dtypes import dtype_name, to_mx_dtype
+from ..patching import make_table
+from ..table import ConditionalSpec, _unknown_message
+from .graph import PassResult, convert_graph, strip_casts
+
+_OP_INPUTS = None
+
+
+def _op_inputs() -> Dict[str, Tuple[str, ...]]:
+    global _OP_INPUTS
+    if _OP_INPUTS is None:
+        _OP_INPUTS = {n: i.inputs for n, i in registry.op_infos().items()}
+    return _OP_INPUTS
+
+
+def _original_dtypes(graph: dict, sym: Symbol, data_names: Sequence[str],
+                     param_types: Dict[str, Any]) -> Dict[Tuple[int, int], str]:
+    """Output dtypes of the FP32 graph, by (node index, output index)."""
+    internals = sym.get_internals()
+    known = {n: "float32" for n in data_names}
+    known.update({k: v for k, v in param_types.items()})
+    args = set(internals.list_inputs())
+    _, out_types, _ = internals.infer_type_partial(**{k: to_mx_dtype(v) for k, v in known.items() if k in args})
+    by_name = {n: (dtype_name(t) if t is not None else "float32")
+               for n, t in zip(internals.list_outputs(), out_types)}
+    out = {}
+    for i, node in enumerate(graph["nodes"]):
+        name = node["name"]
+        if node["op"] == "null":
+            out[(i, 0)] = by_name.get(name, "float32")
+        elif name + "_output" in by_name:
+            out[(i, 0)] = by_name[name + "_output"]
+        else:
+            k = 0
+            while f"{name}_output{k}" in by_name:
+                out[(i, k)] = by_name[f"{name}_output{k}"]
+                k += 1
+    return out
+
+
+def _check_list(name: str, value: Any) -> List[str]:
+    if value is None:
+        return []
+    if isinstance(value, str) or not isinstance(value, (list, tuple, set)):
+        raise TypeError(f"{name} must be a list of str, got {value!r}")
+    return list(value)
+
+
+def convert_symbol_detailed(sym: Symbol, target_dtype: Any = None, target_dtype_ops=None,
+                            fp32_ops=None, conditional_fp32_ops=None, excluded_sym_names=None,
+                            data_names=None, cast_optional_params: bool = False,
+                            param_dtypes: Optional[Dict[str, str]] = None,
+                            widest_type_ops=None) -> Tuple[Symbol, PassResult]:
+    """:func:`convert_symbol`, also returning what the pass did (casts, reasons, dtypes)."""
+    if not isinstance(sym, Symbol):
+        raise TypeError(f"convert_symbol expects an mxnet Symbol, got {type(sym).__name__}")
+    table = make_table(target_dtype, target_dtype_ops, conditional_fp32_ops, fp32_ops, widest_type_ops)
+    excluded = _check_list("excluded_sym_names", excluded_sym_names)
+    graph = strip_casts(json.loads(sym.tojson(remove_amp_cast=False)))
+    op_names = {n["name"] for n in graph["nodes"] if n["op"] != "null"}
+    missing = [n for n in excluded if n not in op_names]
+    if missing:
+        raise ValueError(_unknown_message(missing[0], op_names, "graph's op nodes").replace(
+            "operator known to the graph's op nodes", "op node name in this graph") +
+            f" (excluded_sym_names not found: {missing})")
+    clean = mx.sym.load_json(json.dumps(graph))
+    if data_names is None:
+        attrs = clean.attr_dict()
+        data_names = [n for n in clean.list_inputs() if "__dtype__" not in attrs.get(n, {})]
+    data_names = _check_list("data_names", data_names)
+    unknown_inputs = [n for n in data_names if n not in clean.list_inputs()]
+    if unknown_inputs:
+        raise ValueError(f"data_names {unknown_inputs} are not inputs of the symbol; its inputs are "
+                         f"{clean.list_inputs()[:10]}...")
+    original = _original_dtypes(graph, clean, data_names, param_dtypes or {})
+    result = convert_graph(graph, table, data_names, original, _op_inputs(), excluded,
+                           cast_optional_params)
+    converted = mx.sym.load_json(json.dumps(result.graph))
+    _verify(converted, result, data_names)
+    return converted, result
+
+
+def _verify(sym: Symbol, result: PassResult, data_names: Sequence[str]) -> None:
+    """MXNet's own type inference must agree with the pass on every output."""
+    internals = sym.get_internals()
+    known = {n: "float32" for n in data_names}
+    known.update(result.param_dtypes)
+    args = set(internals.list_inputs())
+    _, out_types, _ = internals.infer_type(**{k: to_mx_dtype(v) for k, v in known.items() if k in args})
+    if out_types is None:
+        raise RuntimeError("the converted graph does not type-check; please report this with the model")
+    inferred = {n: dtype_name(t) for n, t in zip(internals.list_outputs(), out_types)}
+    wrong = []
+    for (name, k), want in result.dtypes.items():
+        key = name if (name, 0) == (name, k) and name in inferred else None
+        for cand in (f"{name}_output", f"{name}_output{k}", name if k == 0 else None):
+            if cand in inferred:
+                key = cand
+                break
+        if key is not None and inferred[key] != want:
+            wrong.append(f"{key}: pass {want}, MXNet {inferred[key]}")
+    if wrong:
+        raise RuntimeError("gluon_amp's conversion disagrees with MXNet's type inference at "
+                           f"{len(wrong)} outputs, e.g. {wrong[:3]}; please report this with the model")
+
+
+def convert_symbol(sym: Symbol, target_dtype: Any = None, target_dtype_ops: Optional[Sequence[str]] = None,
+                   fp32_ops: Optional[Sequence[str]] = None,
+                   conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
+                   excluded_sym_names: Optional[Sequence[str]] = None,
+                   data_names: Optional[Sequence[str]] = None,
+                   cast_optional_params: bool = False) -> Symbol:
+    """Return a new Symbol running ``sym`` (an FP32 graph) in mixed precision.
+
+    Parameters
+    ----------
+    sym : Symbol
+    target_dtype : {'float16', 'bfloat16', None}
+        ``None`` picks float16 with a GPU, else bfloat16.
+    target_dtype_ops, fp32_ops, conditional_fp32_ops :
+        Override the op lists, as for :func:`gluon_amp.init`.
+    excluded_sym_names : list of str
+        Op node names forced to float32. A name not in the graph raises ``ValueError``.
+    data_names : list of str
+        The data inputs; by default the inputs without a ``__dtype__`` attribute.
+    cast_optional_params : bool
+        Store parameters read only by low-precision ops in the target dtype.
+    """
+    return convert_symbol_detailed(sym, target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
+                                   excluded_sym_names, data_names, cast_optional_params)[0]
+
+
+def _cast_array(arr: mx.nd.NDArray, dtype: str) -> mx.nd.NDArray:
+    if dtype_name(arr.dtype) == dtype:
+        return arr.copy()
+    return mx.nd.amp_cast(arr, dtype=to_mx_dtype(dtype))
+
+
+def _check_params(name: str, params: Any) -> Dict[str, mx.nd.NDArray]:
+    if not isinstance(params, dict):
+        raise TypeError(f"{name} must be a dict of name -> NDArray, got {type(params).__name__}")
+    bad = [k for k, v in params.items() if not isinstance(v, mx.nd.NDArray)]
+    if bad:
+        raise TypeError(f"{name} values must be NDArrays; not for {bad[:5]}")
+    return params
+
+
+def convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params: Dict[str, mx.nd.NDArray],
+                  target_dtype: Any = None, target_dtype_ops=None, fp32_ops=None,
+                  conditional_fp32_ops=None, excluded_sym_names=None,
+                  cast_optional_params: bool = False):
+    """Convert an FP32 model; return new ``(sym, arg_params, aux_params)``.
+
+    The caller's dicts and arrays are not modified: the returned dicts hold copies, cast
+    where the converted graph stores a parameter in another dtype.
+    """
+    _check_params("arg_params", arg_params)
+    _check_params("aux_params", aux_params)
+    names = set(arg_params) | set(aux_params)
+    data_names = [n for n in sym.list_inputs() if n not in names]
+    types = {k: dtype_name(v.dtype) for k, v in {**arg_params, **aux_params}.items()}
+    new_sym, result = convert_symbol_detailed(sym, target_dtype, target_dtype_ops, fp32_ops,
+                                              conditional_fp32_ops, excluded_sym_names, data_names,
+                                              cast_optional_params, param_dtypes=types)
+    new_args = {k: _cast_array(v, result.param_dtypes.get(k, types[k])) for k, v in arg_params.items()}
+    new_aux = {k: _cast_array(v, result.param_dtypes.get(k, types[k])) for k, v in aux_params.items()}
+    return new_sym, new_args, new_aux
+
+
+class MixedPrecisionBlock(SymbolBlock):
+    """The :class:`SymbolBlock` :func:`convert_hybrid_block` returns.
+
+    Only difference: :meth:`export` keeps the cast nodes by default. MXNet's own default
+    (``remove_amp_cast=True``) would write a graph that no longer type-checks.
+    """
+
+    def export(self, path: str, epoch: int = 0, remove_amp_cast: bool = False):  # type: ignore[override]
+        return super().export(path, epoch, remove_amp_cast=remove_amp_cast)
+
+
+def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dtype_ops=None,
+                         fp32_ops=None, conditional_fp32_ops=None, excluded_sym_names=None,
+                         ctx: Optional[mx.Context] = None,
+                         cast_optional_params: bool = False) -> SymbolBlock:
+    """Convert a hybridized FP32 block into a mixed-precision :class:`SymbolBlock`.
+
+    The block must have been hybridized and run once (its graph is read from the cache).
+    ``ctx`` defaults to where the block's parameters live. The block is not modified.
+    The result's ``export`` keeps the cast nodes (see :class:`MixedPrecisionBlock`).
+    """
+    if not isinstance(block, HybridBlock):
+        raise TypeError(f"convert_hybrid_block expects a gluon HybridBlock, got {type(block).__name__}")
+    if not getattr(block, "_cached_graph", ()):
+        raise RuntimeError("the block has no cached graph: call block.hybridize() and run one forward "
+                           "pass (e.g. block(x)) before convert_hybrid_block.")
+    inputs, sym = block._cached_graph
+    params = {p.name: p for p in block.collect_params().values()}
+    if ctx is None:
+        ctx = next(iter(params.values())).list_ctx()[0] if params else mx.current_context()
+    arg_names, aux_names = set(sym.list_arguments()), set(sym.list_auxiliary_states())
+    arg_params = {n: params[n].data(params[n].list_ctx()[0]) for n in arg_names if n in params}
+    aux_params = {n: params[n].data(params[n].list_ctx()[0]) for n in aux_names if n in params}
+    new_sym, new_args, new_aux = convert_model(sym, arg_params, aux_params, target_dtype, target_dtype_ops,
+                                               fp32_ops, conditional_fp32_ops, excluded_sym_names,
+                                               cast_optional_params)
+    data_vars = [mx.sym.var(i.name, dtype="float32") for i in inputs]
+    out = MixedPrecisionBlock(new_sym, data_vars)
+    loaded = {**{f"arg:{k}": v for k, v in new_args.items()}, **{f"aux:{k}": v for k, v in new_aux.items()}}
+    out.collect_params().load_dict(loaded, ctx=ctx, cast_dtype=True, dtype_source="saved")
+    return out

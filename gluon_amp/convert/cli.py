@@ -1,0 +1,82 @@
+"""``python -m gluon_amp.convert PREFIX EPOCH --target-dtype bfloat16 --out OUT``."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+from typing import List, Optional
+
+from ..dtypes import LOW_PRECISION_DTYPES
+
+
+def _nbytes(params) -> int:
+    import numpy as np
+    total = 0
+    for v in params.values():
+        total += int(np.prod(v.shape)) * (2 if str(v.dtype).find("bfloat16") >= 0 else np.dtype(v.dtype).itemsize)
+    return total
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m gluon_amp.convert",
+        description="Convert an exported FP32 model (PREFIX-symbol.json + PREFIX-EPOCH.params) "
+                    "to mixed precision for inference.")
+    parser.add_argument("prefix", help="model prefix, as given to HybridBlock.export")
+    parser.add_argument("epoch", type=int, help="epoch number of the .params file")
+    parser.add_argument("--target-dtype", default="bfloat16", choices=LOW_PRECISION_DTYPES)
+    parser.add_argument("--out", required=True, help="output prefix; writes OUT-symbol.json and OUT-EPOCH.params")
+    parser.add_argument("--exclude", action="append", default=[], metavar="NAME",
+                        help="op node to keep in float32 (repeatable)")
+    parser.add_argument("--fp32-op", action="append", default=None, metavar="OP",
+                        help="replace the float32 op list with these ops (repeatable)")
+    parser.add_argument("--no-cast-params", action="store_true",
+                        help="keep every parameter in float32 (default: store low-precision-only ones cast)")
+    args = parser.parse_args(argv)
+
+    sym_file = f"{args.prefix}-symbol.json"
+    params_file = f"{args.prefix}-{args.epoch:04d}.params"
+    for path in (sym_file, params_file):
+        if not os.path.isfile(path):
+            print(f"error: {path} not found; PREFIX and EPOCH must name an exported model "
+                  f"(HybridBlock.export(PREFIX, EPOCH) writes both files)", file=sys.stderr)
+            return 2
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        print(f"error: output directory {out_dir} does not exist", file=sys.stderr)
+        return 2
+
+    import mxnet as mx
+    from .api import convert_model, convert_symbol_detailed  # noqa: F401
+    from ..report import report
+
+    try:
+        sym, arg_params, aux_params = mx.model.load_checkpoint(args.prefix, args.epoch)
+    except Exception as exc:  # a corrupt file: MXNetError or JSON errors
+        print(f"error: could not load {args.prefix} epoch {args.epoch}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        new_sym, new_args, new_aux = convert_model(
+            sym, arg_params, aux_params, target_dtype=args.target_dtype, fp32_ops=args.fp32_op,
+            excluded_sym_names=args.exclude or None, cast_optional_params=not args.no_cast_params)
+    except (ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    new_sym.save(f"{args.out}-symbol.json", remove_amp_cast=False)
+    mx.nd.save(f"{args.out}-{args.epoch:04d}.params",
+               {**{f"arg:{k}": v for k, v in new_args.items()}, **{f"aux:{k}": v for k, v in new_aux.items()}})
+    rep = report(new_sym, target_dtype=args.target_dtype)
+    before = _nbytes({**arg_params, **aux_params})
+    after = _nbytes({**new_args, **new_aux})
+    print(f"converted {args.prefix} epoch {args.epoch} to {args.target_dtype} -> {args.out}")
+    print(f"ops per dtype:   {dict(sorted(Counter(r.dtype for r in rep.rows).items()))}")
+    print(f"casts inserted:  {rep.casts}")
+    print(f"parameter bytes: {before:,} -> {after:,} ({after / max(before, 1):.0%})")
+    if args.exclude:
+        print(f"kept in float32: {', '.join(args.exclude)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+import os
+import subprocess
+import sys
+
+import numpy as np
+import mxnet as mx
+import pytest
+from mxnet.gluon.model_zoo import vision
+
+import gluon_amp
+from gluon_amp.convert import convert_symbol_detailed
+from gluon_amp.dtypes import dtype_name
+from gluon_amp.patching import make_table
+from conftest import gluoncv_or_skip
+from graphcheck import check_graph
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ZOO = ["resnet18_v1", "mobilenet1.0", "vgg11_bn", "densenet121"]
+X = mx.nd.random.uniform(-1, 1, shape=(2, 3, 224, 224))
+
+
+def _zoo(name):
+    mx.random.seed(0)
+    net = vision.get_model(name)
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    net(X)
+    return net
+
+
+def _sym(net):
+    return net._cached_graph[1]
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    return {name: _zoo(name) for name in ZOO}
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_fp16_conversion_types_follow_table(zoo, name):
+    sym = convert_symbol_detailed(_sym(zoo[name]), "float16")[0]
+    problems, counts = check_graph(sym, make_table("float16"), data=np.float32)
+    assert not problems, problems[:5]
+    assert counts["low_precision"] >= 1
+    arg_t, _, aux_t = sym.infer_type(data=np.float32)
+    assert all(t == np.float32 for t in aux_t)  # BN running stats
+
+
+def test_fp16_ssd512_converts():
+    gluoncv_or_skip()
+    from gluoncv.model_zoo import get_model
+    net = get_model("ssd_512_resnet50_v1_coco", pretrained_base=False, norm_layer=mx.gluon.nn.BatchNorm)
+    net.initialize()
+    net.hybridize()
+    net(mx.nd.random.uniform(-1, 1, shape=(1, 3, 512, 512)))
+    block = gluon_amp.convert_hybrid_block(net, "float16", cast_optional_params=True)
+    sym = block._cached_graph[1] if block._cached_graph else block(mx.sym.var("data"))
+    problems, counts = check_graph(sym, make_table("float16"), data=np.float32)
+    assert not problems, problems[:5]
+    assert counts["low_precision"] > 50
+    conv_w = [p for n, p in block.collect_params().items() if n.endswith("conv0_weight")]
+    assert conv_w and all(dtype_name(p.dtype) == "float16" for p in conv_w)
+    bn = [p for n, p in block.collect_params().items() if "batchnorm" in n]
+    assert bn and all(dtype_name(p.dtype) == "float32" for p in bn)
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_bf16_executes_close_to_fp32(zoo, name, tmp_path):
+    net = zoo[name]
+    ref = net(X).asnumpy()
+    block = gluon_amp.convert_hybrid_block(net, "bfloat16", cast_optional_params=True)
+    out = block(X).asnumpy()
+    assert out.dtype == np.float32
+    assert np.linalg.norm(out - ref) <= 0.03 * np.linalg.norm(ref)
+    assert (out.argmax(1) == ref.argmax(1)).all()
+    block.hybridize()
+    block(X)
+    block.export(str(tmp_path / "m"), 0)
+    loaded = mx.gluon.SymbolBlock.imports(str(tmp_path / "m-symbol.json"), ["data"],
+                                          str(tmp_path / "m-0000.params"))
+    assert np.array_equal(loaded(X).asnumpy(), out)
+
+
+def test_cast_optional_params_stores_low_precision_weights(zoo):
+    block = gluon_amp.convert_hybrid_block(zoo["resnet18_v1"], "bfloat16", cast_optional_params=True)
+    params = block.collect_params()
+    conv = [p for n, p in params.items() if n.endswith("_weight") and "conv" in n]
+    assert conv and all(dtype_name(p.dtype) == "bfloat16" for p in conv)
+    assert all(dtype_name(p.dtype) == "float32" for n, p in params.items() if "batchnorm" in n)
+    plain = gluon_amp.convert_hybrid_block(zoo["resnet18_v1"], "bfloat16")
+    assert all(dtype_name(p.dtype) == "float32" for p in plain.collect_params().values())
+
+
+def test_exclusions_and_conditional_ops_stay_fp32():
+    data = mx.sym.var("data")
+    fc1 = mx.sym.FullyConnected(data, num_hidden=8, name="fc1")
+    act = mx.sym.Activation(fc1, act_type="softrelu", name="soft")
+    fc2 = mx.sym.FullyConnected(act, num_hidden=4, name="fc2")
+    sym, result = convert_symbol_detailed(fc2, "bfloat16", excluded_sym_names=["fc2"],
+                                          data_names=["data"])
+    assert result.reasons == {"fc1": "low_precision", "soft": "conditional_fp32", "fc2": "excluded"}
+    internals = sym.get_internals()
+    types = dict(zip(internals.list_outputs(), internals.infer_type(data=np.float32)[1]))
+    assert types["soft_output"] == np.float32 and types["fc2_output"] == np.float32
+    with pytest.raises(ValueError, match="fc3"):
+        gluon_amp.convert_symbol(fc2, "bfloat16", excluded_sym_names=["fc3"])
+
+
+def test_bad_arguments():
+    data = mx.sym.var("data")
+    fc = mx.sym.FullyConnected(data, num_hidden=8, name="fc")
+    with pytest.raises(ValueError, match="'bfloat16'"):
+        gluon_amp.convert_symbol(fc, "int8")
+    with pytest.raises(TypeError):
+        gluon_amp.convert_symbol("not a symbol")
+    with pytest.raises(TypeError):
+        gluon_amp.convert_symbol(fc, "bfloat16", excluded_sym_names="fc")
+    with pytest.raises(ValueError, match="Did you mean"):
+        gluon_amp.convert_symbol(fc, "bfloat16", fp32_ops=["FullyConnectd"])
+    net = vision.get_model("resnet18_v1")
+    net.initialize()
+    with pytest.raises(RuntimeError, match="hybridize"):
+        gluon_amp.convert_hybrid_block(net, "bfloat16")
+    with pytest.raises(TypeError):
+        gluon_amp.convert_hybrid_block(fc, "bfloat16")
+
+
+def test_convert_model_leaves_inputs_untouched(zoo):
+    net = zoo["resnet18_v1"]
+    sym = _sym(net)
+    params = {p.name: p.data() for p in net.collect_params().values()}
+    aux_names = set(sym.list_auxiliary_states())
+    arg = {k: v for k, v in params.items() if k not in aux_names}
+    aux = {k: v for k, v in params.items() if k in aux_names}
+    arg_before = {k: (v.dtype, v.asnumpy().copy()) for k, v in arg.items()}
+    arg_ids = {k: id(v) for k, v in arg.items()}
+    _, new_arg, new_aux = gluon_amp.convert_model(sym, arg, aux, "bfloat16", cast_optional_params=True)
+    assert {k: id(v) for k, v in arg.items()} == arg_ids  # same dict contents
+    for k, (dt, val) in arg_before.items():
+        assert arg[k].dtype == dt and np.array_equal(arg[k].asnumpy(), val)
+        assert new_arg[k] is not arg[k]
+    assert any(dtype_name(v.dtype) == "bfloat16" for v in new_arg.values())
+    assert all(dtype_name(p.dtype) == "float32" for p in net.collect_params().values())
+
+
+def test_ctx_defaults_to_the_blocks_context(zoo):
+    block = gluon_amp.convert_hybrid_block(zoo["resnet18_v1"], "bfloat16")
+    assert {c for p in block.collect_params().values() for c in p.list_ctx()} == {mx.cpu()}
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "gluon_amp.convert", *args], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+
+
+def test_cli_converts_an_exported_model(zoo, tmp_path):
+    zoo["resnet18_v1"].export(str(tmp_path / "r18"), 3)
+    r = _cli(str(tmp_path / "r18"), "3", "--target-dtype", "bfloat16", "--out", str(tmp_path / "r18bf"),
+             "--exclude", "resnetv10_dense0_fwd")
+    assert r.returncode == 0, r.stderr
+    assert "casts inserted" in r.stdout and "parameter bytes" in r.stdout and "ops per dtype" in r.stdout
+    loaded = mx.gluon.SymbolBlock.imports(str(tmp_path / "r18bf-symbol.json"), ["data"],
+                                          str(tmp_path / "r18bf-0003.params"))
+    ref = zoo["resnet18_v1"](X).asnumpy()
+    assert (loaded(X).asnumpy().argmax(1) == ref.argmax(1)).all()
+
+
+def test_cli_errors(tmp_path):
+    r = _cli(str(tmp_path / "missing"), "0", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "not found" in r.stderr
+    r = _cli(str(tmp_path / "missing"), "0", "--out", str(tmp_path / "o"), "--target-dtype", "int8")
+    assert r.returncode == 2 and "invalid choice" in r.stderr

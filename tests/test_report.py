@@ -1,0 +1,39 @@
+import numpy as np
+import mxnet as mx
+import pytest
+
+import gluon_amp
+from nets import make_net
+
+
+def test_report_of_training_graph_under_init():
+    gluon_amp.init("bfloat16")
+    net = make_net()
+    net(mx.nd.ones((1, 3, 8, 8)))
+    rep = gluon_amp.report(net)
+    by_op = {r.op: r for r in rep.rows}
+    assert by_op["Convolution"].dtype == "bfloat16" and by_op["Convolution"].reason == "low_precision"
+    assert by_op["softmax"].dtype == "float32" and by_op["softmax"].reason == "fp32"
+    assert by_op["elemwise_add"].reason == "widest" and by_op["elemwise_add"].dtype == "float32"
+    assert rep.casts > 0 and sum(rep.totals_by_dtype.values()) == len(rep.rows)
+    text = str(rep)
+    assert "ops by dtype" in text and "casts:" in text
+
+
+def test_report_of_converted_graph_marks_exclusions():
+    data = mx.sym.var("data")
+    fc1 = mx.sym.FullyConnected(data, num_hidden=8, name="fc1")
+    fc2 = mx.sym.FullyConnected(mx.sym.relu(fc1), num_hidden=4, name="fc2")
+    sym = gluon_amp.convert_symbol(fc2, "bfloat16", excluded_sym_names=["fc2"], data_names=["data"])
+    rep = gluon_amp.report(sym, target_dtype="bfloat16")
+    reasons = {r.name: (r.dtype, r.reason) for r in rep.rows}
+    assert reasons["fc1"] == ("bfloat16", "low_precision")
+    assert reasons["fc2"] == ("float32", "excluded")
+    assert rep.to_dict()["totals_by_reason"]["excluded"] == 1
+
+
+def test_report_errors():
+    with pytest.raises(TypeError):
+        gluon_amp.report(42)
+    with pytest.raises(RuntimeError, match="hybridize"):
+        gluon_amp.report(make_net(hybridize=False))
