@@ -307,7 +307,6 @@ def disable() -> None:
             return
         _restore(_active.patches)
         _active = None
-        _warn_cached_blocks("while gluon_amp was on", "keep running in mixed precision")
 
 
 def is_enabled() -> bool:

@@ -1,0 +1,315 @@
+"""SSD-512 ResNet-50 training on synthetic data: FP32 against AMP, as in MXNet's AMP tutorial.
+
+    python benchmarks/ssd_synthetic.py --compare                 # FP32 and gluon_amp, interleaved
+    python benchmarks/ssd_synthetic.py --compare --impl gluon_amp,mxnet-contrib
+    python benchmarks/ssd_synthetic.py --amp --batch-size 8 --iters 50
+
+The workload is the tutorial's: GluonCV ``ssd_512_resnet50_v1_coco`` (``pretrained_base=False``,
+nothing is downloaded), inputs uniform in (-1, 1), SSDMultiBoxLoss, SGD(lr 0.001, wd 0.0005,
+momentum 0.9), ``hybridize(static_alloc=True, static_shape=True)``.
+
+With ``--compare`` every mode is built from the same seed and the modes take turns, one
+iteration each, so drift on a busy machine hits them alike; the ratio is per-mode median
+throughput over FP32's. ``mxnet-contrib`` (the peer) patches MXNet for good, so it is built
+last. Prints log lines, a closing table and a JSON document (``--json`` also writes it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mxnet as mx  # noqa: E402
+from mxnet import autograd, gluon  # noqa: E402
+
+import gluon_amp  # noqa: E402
+
+IMPLS = ("gluon_amp", "mxnet-contrib")
+NUM_ANCHORS = 6132
+logger = logging.getLogger("ssd_synthetic")
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    target_dtype: Optional[str]
+    batch_size: int
+    iter_seconds: List[float] = field(default_factory=list)
+    ce: List[float] = field(default_factory=list)
+    smoothl1: List[float] = field(default_factory=list)
+    rss_delta_mb: float = 0.0
+    loss_scale: Optional[float] = None
+    skipped_steps: int = 0
+    build_seconds: float = 0.0
+
+    def summary(self) -> Dict[str, Any]:
+        med = statistics.median(self.iter_seconds) if self.iter_seconds else float("nan")
+        return {"mode": self.mode, "target_dtype": self.target_dtype, "batch_size": self.batch_size,
+                "samples_per_sec": self.batch_size / med, "sec_per_iter": med,
+                "final_ce": self.ce[-1] if self.ce else None,
+                "final_smoothl1": self.smoothl1[-1] if self.smoothl1 else None,
+                "rss_delta_mb": self.rss_delta_mb, "loss_scale": self.loss_scale,
+                "skipped_steps": self.skipped_steps, "iters": len(self.iter_seconds)}
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class SyntheticData:
+    """The tutorial's synthetic batch, made once (seeded) and reused every iteration."""
+
+    def __init__(self, batch_size: int, ctx: mx.Context, seed: int) -> None:
+        mx.random.seed(seed)
+        self.data = mx.nd.random.uniform(-1, 1, shape=(batch_size, 3, 512, 512), ctx=ctx)
+        self.cls_targets = mx.nd.random.uniform(0, 1, shape=(batch_size, NUM_ANCHORS), ctx=ctx)
+        self.box_targets = mx.nd.random.uniform(0, 1, shape=(batch_size, NUM_ANCHORS, 4), ctx=ctx)
+
+
+class Mode:
+    """One way of training (fp32, gluon_amp or the peer) with its own net and trainer."""
+
+    def __init__(self, name: str, ctx: mx.Context, batch: SyntheticData, seed: int,
+                 target_dtype: Optional[str]) -> None:
+        self.name, self.ctx, self.batch, self.target_dtype = name, ctx, batch, target_dtype
+        self.result = ModeResult(name, target_dtype, batch.data.shape[0])
+        self.loss_fn = None
+        self.scaler = None
+        self.peer = None
+        rss0, t0 = rss_mb(), time.time()
+        if name == "gluon_amp":
+            with gluon_amp.autocast(target_dtype):
+                self._build(seed)
+                self.scaler = gluon_amp.init_trainer(self.trainer)
+                self.step(record=False)  # the graph is cached on the first call, with AMP on
+        elif name == "mxnet-contrib":
+            from mxnet.contrib import amp as peer
+            peer.init(target_dtype=target_dtype)
+            self.peer = peer
+            self._build(seed)
+            peer.init_trainer(self.trainer)
+            self.step(record=False)
+        else:
+            self._build(seed)
+            self.step(record=False)
+        mx.nd.waitall()
+        self.result.build_seconds = time.time() - t0
+        self.result.rss_delta_mb = rss_mb() - rss0
+
+    def _build(self, seed: int) -> None:
+        import gluoncv as gcv
+        from gluoncv.model_zoo import get_model
+        mx.random.seed(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            net = get_model("ssd_512_resnet50_v1_coco", pretrained_base=False,
+                            norm_layer=gluon.nn.BatchNorm)
+            net.initialize(ctx=self.ctx)
+        net.hybridize(static_alloc=True, static_shape=True)
+        self.net = net
+        self.trainer = gluon.Trainer(net.collect_params(), "sgd",
+                                     {"learning_rate": 0.001, "wd": 0.0005, "momentum": 0.9},
+                                     update_on_kvstore=False)
+        self.loss_fn = gcv.loss.SSDMultiBoxLoss()
+
+    def step(self, record: bool = True) -> float:
+        b = self.batch
+        t0 = time.time()
+        with autograd.record():
+            cls_pred, box_pred, _ = self.net(b.data)
+            sum_loss, cls_loss, box_loss = self.loss_fn([cls_pred], [box_pred], [b.cls_targets], [b.box_targets])
+            if self.name == "gluon_amp":
+                with gluon_amp.scale_loss(sum_loss, self.trainer) as scaled:
+                    autograd.backward(scaled)
+            elif self.name == "mxnet-contrib":
+                with self.peer.scale_loss(sum_loss, self.trainer) as scaled:
+                    autograd.backward(scaled)
+            else:
+                autograd.backward(sum_loss)
+        self.trainer.step(1)
+        ce, l1 = float(cls_loss[0].mean().asscalar()), float(box_loss[0].mean().asscalar())  # syncs the step
+        dt = time.time() - t0
+        if record:
+            r = self.result
+            r.iter_seconds.append(dt)
+            r.ce.append(ce)
+            r.smoothl1.append(l1)
+            if self.scaler is not None:
+                r.loss_scale, r.skipped_steps = self.scaler.loss_scale, self.scaler.skipped_steps
+            elif self.peer is not None:
+                r.loss_scale = self.trainer._amp_loss_scaler.loss_scale
+        return dt
+
+
+def resolve_ctx(arg: str) -> mx.Context:
+    gpus = mx.context.num_gpus()
+    if arg == "gpu" and gpus == 0:
+        raise SystemExit("error: --ctx gpu, but MXNet sees no GPU (is mxnet-cu112 installed and CUDA "
+                         "available?); use --ctx cpu")
+    return mx.gpu(0) if (arg == "gpu" or (arg == "auto" and gpus > 0)) else mx.cpu()
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--amp", action="store_true", help="train with AMP (without --compare: AMP only)")
+    p.add_argument("--compare", action="store_true", help="FP32 and AMP in one run, interleaved")
+    p.add_argument("--impl", default="gluon_amp",
+                   help=f"AMP implementation(s), comma separated, from {', '.join(IMPLS)}")
+    p.add_argument("--target-dtype", default="auto", choices=("auto", "float16", "bfloat16"))
+    p.add_argument("--ctx", default="auto", choices=("auto", "cpu", "gpu"))
+    p.add_argument("--batch-size", type=int, default=None, help="default 2 on CPU, 8 on GPU")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations; default 6 on CPU, 200 on GPU")
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations per mode after the first")
+    p.add_argument("--log-interval", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="also write the JSON document here")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG with throughput bars and loss curves")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    impls = [s.strip() for s in args.impl.split(",") if s.strip()]
+    bad = [i for i in impls if i not in IMPLS]
+    if bad or not impls:
+        p.error(f"--impl {args.impl!r}: choose from {', '.join(IMPLS)} (comma separated)")
+    args.impls = impls
+    for name in ("batch_size", "iters"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
+    ctx = resolve_ctx(args.ctx)
+    on_gpu = ctx.device_type == "gpu"
+    batch_size = args.batch_size or (8 if on_gpu else 2)
+    iters = args.iters or (200 if on_gpu else 6)
+    target = None if args.target_dtype == "auto" else args.target_dtype
+    target = target or ("float16" if on_gpu else "bfloat16")
+    if target == "float16" and not on_gpu:
+        raise SystemExit("error: float16 training needs a GPU (MXNet's CPU build has no float16 "
+                         "convolution/GEMM); use --target-dtype bfloat16 on CPU")
+    names = (["fp32"] if (args.compare or not args.amp) else []) + (args.impls if (args.amp or args.compare) else [])
+    if "mxnet-contrib" in names:  # irreversible: build it last
+        names = [n for n in names if n != "mxnet-contrib"] + ["mxnet-contrib"]
+
+    batch = SyntheticData(batch_size, ctx, args.seed)
+    modes = []
+    for n in names:
+        logger.info("building %s (batch %d, %s)", n, batch_size, ctx)
+        modes.append(Mode(n, ctx, batch, args.seed, None if n == "fp32" else target))
+    for _ in range(args.warmup):
+        for m in modes:
+            m.step(record=False)
+
+    bar = None
+    if not args.no_progress:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=iters * len(modes), desc="training", unit="it", file=sys.stderr)
+        except ImportError:
+            bar = None
+    tic = {m.name: time.time() for m in modes}
+    for i in range(iters):
+        for m in modes:
+            m.step()
+            if bar is not None:
+                bar.update(1)
+            r = m.result
+            if (i + 1) % args.log_interval == 0 or i + 1 == iters:
+                span = r.iter_seconds[-min(args.log_interval, len(r.iter_seconds)):]
+                logger.info("[%s][Epoch 0][Batch %d], Speed: %.3f samples/sec, CrossEntropy=%.3f, SmoothL1=%.3f",
+                            m.name, i, batch_size * len(span) / sum(span), statistics.mean(r.ce), statistics.mean(r.smoothl1))
+    if bar is not None:
+        bar.close()
+
+    summaries = [m.result.summary() for m in modes]
+    base = next((s for s in summaries if s["mode"] == "fp32"), None)
+    for s in summaries:
+        s["speedup_vs_fp32"] = s["samples_per_sec"] / base["samples_per_sec"] if base else None
+    curves = {m.name: {"ce": m.result.ce, "smoothl1": m.result.smoothl1} for m in modes}
+    loss_match = {}
+    if base:
+        ref = curves["fp32"]
+        for name, c in curves.items():
+            if name == "fp32":
+                continue
+            n = min(12, len(c["ce"]))
+            rel = [abs(a + b - (x + y)) / abs(x + y) for a, b, x, y in
+                   zip(c["ce"][:n], c["smoothl1"][:n], ref["ce"][:n], ref["smoothl1"][:n])]
+            loss_match[name] = {"max_rel_diff_total_loss": max(rel) if rel else None, "iters": n,
+                                "within_2pct": bool(rel) and max(rel) <= 0.02}
+    doc = {"benchmark": "ssd_512_resnet50_v1_coco synthetic training", "ctx": str(ctx),
+           "batch_size": batch_size, "iters": iters, "warmup": args.warmup, "seed": args.seed,
+           "target_dtype": target, "modes": summaries, "loss_curves": curves, "loss_match": loss_match,
+           "peak_rss_mb_process": peak_rss_mb(), "runtime": gluon_amp.runtime_info(),
+           "command": " ".join(["python", "benchmarks/ssd_synthetic.py"] + (argv if argv is not None else sys.argv[1:]))}
+    print(json.dumps(doc, indent=1, default=str))
+    print_table(doc)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+    if args.plot:
+        plot(doc, args.plot)
+    return doc
+
+
+def print_table(doc: Dict[str, Any]) -> None:
+    print(f"\nSSD-512 ResNet-50 synthetic training, batch {doc['batch_size']}, {doc['ctx']}, "
+          f"{doc['iters']} timed iterations (median), target {doc['target_dtype']}, "
+          f"bf16 ISA: {doc['runtime']['bf16_isa']}")
+    head = f"{'mode':<14}{'samples/s':>10}{'s/iter':>9}{'vs fp32':>9}{'mem +MB':>9}{'CE':>8}{'SmoothL1':>10}{'scale':>9}{'skipped':>8}"
+    print(head)
+    print("-" * len(head))
+    for s in doc["modes"]:
+        sp = f"{s['speedup_vs_fp32']:.2f}x" if s["speedup_vs_fp32"] else "-"
+        scale = f"{s['loss_scale']:g}" if s["loss_scale"] is not None else "-"
+        print(f"{s['mode']:<14}{s['samples_per_sec']:>10.2f}{s['sec_per_iter']:>9.2f}{sp:>9}"
+              f"{s['rss_delta_mb']:>9.0f}{s['final_ce']:>8.3f}{s['final_smoothl1']:>10.3f}{scale:>9}{s['skipped_steps']:>8}")
+    for name, m in doc["loss_match"].items():
+        if m["max_rel_diff_total_loss"] is not None:
+            print(f"loss curve {name} vs fp32, first {m['iters']} iterations: max rel. diff "
+                  f"{m['max_rel_diff_total_loss']:.4f} ({'within' if m['within_2pct'] else 'NOT within'} 2%)")
+    print(f"process peak RSS {doc['peak_rss_mb_process']:.0f} MB; 'mem +MB' is the RSS each mode "
+          "added when built and first run")
+
+
+def plot(doc: Dict[str, Any], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [s["mode"] for s in doc["modes"]]
+    a.bar(names, [s["samples_per_sec"] for s in doc["modes"]], color=["#888", "#2a7", "#c73"][:len(names)])
+    a.set_ylabel("samples/s")
+    a.set_title(f"SSD-512 training, batch {doc['batch_size']}")
+    for name, c in doc["loss_curves"].items():
+        b.plot([x + y for x, y in zip(c["ce"], c["smoothl1"])], label=name)
+    b.set_xlabel("iteration")
+    b.set_ylabel("CrossEntropy + SmoothL1")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
