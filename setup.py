@@ -1,10 +1,16 @@
+import os
+
 from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+    README = f.read()
 
 setup(
     name="gluon-amp",
     version="0.1.0",
     description="Automatic mixed precision (float16/bfloat16) for MXNet Gluon",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=README,
     long_description_content_type="text/markdown",
     packages=find_packages(include=["gluon_amp", "gluon_amp.*"]),
     python_requires=">=3.8",
