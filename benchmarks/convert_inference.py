@@ -51,6 +51,8 @@ import traceback
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from _report import emit  # benchmarks/ is on sys.path when run as a script
+
 MODELS = ("resnet50", "ssd512")
 VARIANTS = ("fp32", "ours", "peer")
 DEFAULT_ITERS = {"resnet50": 10, "ssd512": 5}
@@ -368,13 +370,7 @@ def main(argv: List[str] | None = None) -> None:
             args.iters is not None and args.iters < 1):
         ap.error("batch sizes and --iters must be >= 1, --warmup >= 0")
     rep = run(args)
-    text = json.dumps(rep, indent=2)
-    if args.json:
-        with open(args.json, "w") as fh:
-            fh.write(text + "\n")
-    print(text)
-    print()
-    print(format_table(rep))
+    emit(rep, format_table(rep), args.json)
 
 
 if __name__ == "__main__":

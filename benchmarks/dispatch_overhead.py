@@ -31,6 +31,8 @@ import sys
 import time
 from typing import Any, Callable, Dict, List
 
+from _report import emit  # benchmarks/ is on sys.path when run as a script
+
 # name -> AMP class in gluon_amp's bfloat16 table. The peer agrees except for relu, which
 # it lists in BF16_FP32_FUNCS (run in the input's dtype) and so wraps; gluon_amp leaves it alone.
 OPS: Dict[str, str] = {
@@ -175,13 +177,7 @@ def main(argv: List[str] | None = None) -> None:
             ap.error("--target-dtype float16 needs a GPU: MXNet has no float16 FullyConnected "
                      "on CPU. Use bfloat16 on CPU.")
     rep = build_report({lib: _run_worker(lib, args) for lib in LIBS}, args)
-    text = json.dumps(rep, indent=2)
-    if args.json:
-        with open(args.json, "w") as fh:
-            fh.write(text + "\n")
-    print(text)
-    print()
-    print(format_table(rep))
+    emit(rep, format_table(rep), args.json)
 
 
 if __name__ == "__main__":

@@ -26,11 +26,12 @@ Run::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 import warnings
 from typing import Any, Callable, Dict, List
+
+from _report import emit  # benchmarks/ is on sys.path when run as a script
 
 TARGET_MS = 50.0
 LIBS = ("ours", "peer")
@@ -165,13 +166,7 @@ def main(argv: List[str] | None = None) -> None:
     if args.repeats < 1 or args.warmup < 0:
         ap.error("--repeats must be >= 1 and --warmup >= 0")
     rep = run(args)
-    text = json.dumps(rep, indent=2)
-    if args.json:
-        with open(args.json, "w") as fh:
-            fh.write(text + "\n")
-    print(text)
-    print()
-    print(format_table(rep))
+    emit(rep, format_table(rep), args.json)
 
 
 if __name__ == "__main__":
