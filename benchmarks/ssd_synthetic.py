@@ -142,7 +142,10 @@ class Mode:
             else:
                 autograd.backward(sum_loss)
         self.trainer.step(1)
-        ce, l1 = float(cls_loss[0].mean().asscalar()), float(box_loss[0].mean().asscalar())  # syncs the step
+        ce, l1 = float(cls_loss[0].mean().asscalar()), float(box_loss[0].mean().asscalar())
+        # asscalar only waits for the forward pass; without this the backward and update of
+        # one mode would be charged to the next mode's iteration.
+        mx.nd.waitall()
         dt = time.time() - t0
         if record:
             r = self.result

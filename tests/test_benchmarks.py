@@ -1,0 +1,63 @@
+"""Smoke tests: the benchmark scripts run at tiny sizes and report what they promise."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script, *args, timeout=900):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def test_ssd_synthetic_compare_smoke(tmp_path):
+    pytest.importorskip("gluoncv")
+    out = tmp_path / "ssd.json"
+    plot = tmp_path / "ssd.png"
+    r = _run("ssd_synthetic.py", "--compare", "--batch-size", "1", "--iters", "2", "--warmup", "0",
+             "--no-progress", "--json", str(out), "--plot", str(plot))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert [m["mode"] for m in doc["modes"]] == ["fp32", "gluon_amp"]
+    for m in doc["modes"]:
+        for key in ("samples_per_sec", "sec_per_iter", "final_ce", "final_smoothl1", "rss_delta_mb",
+                    "skipped_steps", "speedup_vs_fp32"):
+            assert key in m, key
+        assert m["samples_per_sec"] > 0 and m["iters"] == 2
+        assert math.isfinite(m["final_ce"]) and math.isfinite(m["final_smoothl1"])
+    amp = doc["modes"][1]
+    assert amp["loss_scale"] == 65536.0 and amp["skipped_steps"] == 0
+    assert all(math.isfinite(v) for c in doc["loss_curves"].values() for v in c["ce"] + c["smoothl1"])
+    assert "gluon_amp" in doc["loss_match"]
+    assert "[Epoch 0][Batch 1], Speed:" in r.stderr and "CrossEntropy=" in r.stderr
+    assert "samples/s" in r.stdout and "vs fp32" in r.stdout
+    assert plot.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--impl", "tensorrt"], "--impl"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--target-dtype", "int8"], "invalid choice"),
+    (["--ctx", "gpu"], "no GPU"),
+])
+def test_ssd_synthetic_bad_flags(args, message):
+    r = _run("ssd_synthetic.py", *args, timeout=120)
+    assert r.returncode != 0 and message in r.stderr
+
+
+def test_dispatch_overhead_smoke(tmp_path):
+    out = tmp_path / "d.json"
+    r = _run("dispatch_overhead.py", "--calls", "50", "--repeats", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    fc = doc["ops"]["FullyConnected"]
+    # both workers really ran patched: the low-precision op returned bfloat16
+    assert fc["ours"]["patched_out_dtype"] == fc["peer"]["patched_out_dtype"] == "bfloat16"
+    assert doc["ops"]["softmax"]["ours"]["patched_out_dtype"] == "float32"
+    assert doc["mean_overhead_us"]["ours"] > 0
