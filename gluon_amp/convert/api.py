@@ -1,6 +1,7 @@
 """convert_symbol / convert_model / convert_hybrid_block: FP32 networks to mixed precision."""
 from __future__ import annotations
 
+import difflib
 import json
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -11,7 +12,7 @@ from mxnet.symbol import Symbol
 from .. import registry
 from ..dtypes import dtype_name, to_mx_dtype
 from ..patching import make_table
-from ..table import ConditionalSpec, _unknown_message
+from ..table import ConditionalSpec
 from .graph import PassResult, convert_graph, strip_casts
 
 _OP_INPUTS = None
@@ -71,9 +72,10 @@ def convert_symbol_detailed(sym: Symbol, target_dtype: Any = None, target_dtype_
     op_names = {n["name"] for n in graph["nodes"] if n["op"] != "null"}
     missing = [n for n in excluded if n not in op_names]
     if missing:
-        raise ValueError(_unknown_message(missing[0], op_names, "graph's op nodes").replace(
-            "operator known to the graph's op nodes", "op node name in this graph") +
-            f" (excluded_sym_names not found: {missing})")
+        near = difflib.get_close_matches(missing[0], sorted(op_names), n=3, cutoff=0.6)
+        raise ValueError(f"excluded_sym_names {missing} are not op nodes of this graph"
+                         + (f"; did you mean {near}?" if near else "")
+                         + " Use gluon_amp.report(sym) to list the node names.")
     clean = mx.sym.load_json(json.dumps(graph))
     if data_names is None:
         attrs = clean.attr_dict()
@@ -103,11 +105,8 @@ def _verify(sym: Symbol, result: PassResult, data_names: Sequence[str]) -> None:
     inferred = {n: dtype_name(t) for n, t in zip(internals.list_outputs(), out_types)}
     wrong = []
     for (name, k), want in result.dtypes.items():
-        key = name if (name, 0) == (name, k) and name in inferred else None
-        for cand in (f"{name}_output", f"{name}_output{k}", name if k == 0 else None):
-            if cand in inferred:
-                key = cand
-                break
+        candidates = (f"{name}_output", f"{name}_output{k}") + ((name,) if k == 0 else ())
+        key = next((c for c in candidates if c in inferred), None)
         if key is not None and inferred[key] != want:
             wrong.append(f"{key}: pass {want}, MXNet {inferred[key]}")
     if wrong:
