@@ -49,7 +49,7 @@ import statistics
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from _report import emit  # benchmarks/ is on sys.path when run as a script
 

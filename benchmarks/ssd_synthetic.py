@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -234,7 +234,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             bar = tqdm(total=iters * len(modes), desc="training", unit="it", file=sys.stderr)
         except ImportError:
             bar = None
-    tic = {m.name: time.time() for m in modes}
     for i in range(iters):
         for m in modes:
             m.step()

@@ -18,7 +18,7 @@ from mxnet.symbol import Symbol
 
 from . import registry, runtime
 from .decide import Decision, decide
-from .dtypes import BFLOAT16, FLOAT_DTYPES, parse_target_dtype, to_mx_dtype
+from .dtypes import BFLOAT16, parse_target_dtype, to_mx_dtype
 from .table import ConditionalSpec, OpClass, OpTable, build_table
 
 _log = logging.getLogger(__name__)
@@ -186,12 +186,8 @@ def _recompose(sym: Symbol, d: Decision, info: registry.OpInfo, given: set) -> S
             # the cast in front of the op stops infer_type from reaching it.
             child._set_attr(__dtype__="0")
         name = info.inputs[i] if i < len(info.inputs) else ""
-        if child.name in aux or name in d.keep_fp32:
-            inputs.append(child)
-        elif d.dtype is None:
-            inputs.append(child)
-        else:
-            inputs.append(_cast_sym(child, d.dtype))
+        keep = d.dtype is None or child.name in aux or name in d.keep_fp32
+        inputs.append(child if keep else _cast_sym(child, d.dtype))
     return sym._gen_atomic_symbol()(*inputs, name=sym.name)
 
 
@@ -265,7 +261,7 @@ def init(target_dtype: Any = None,
         table = make_table(dtype, target_precision_ops, conditional_fp32_ops, fp32_ops,
                            widest_type_ops, keep_batchnorm_fp32)
         runtime.check_target(dtype)
-        _warn_cached_blocks("before gluon_amp.init()", "run without mixed precision")
+        _warn_cached_blocks()
         _active = _Active(key, table, _patch_all(table))
         _log.info("gluon_amp: mixed precision on, target dtype %s, %d functions patched",
                   dtype, len(_active.patches))
@@ -278,8 +274,8 @@ def _patch_all(table: OpTable) -> List[Patch]:
     patches: List[Patch] = []
     try:
         for module, attr, fn, op, kind in list(registry.op_function_sites()):
-            if table.classes.get(op, OpClass.NEUTRAL) is OpClass.NEUTRAL or op.startswith("amp_"):
-                continue
+            if table.classes.get(op, OpClass.NEUTRAL) is OpClass.NEUTRAL:
+                continue  # amp_cast/amp_multicast are neutral in every table
             new = wrapped.get(id(fn))
             if new is None:
                 info = infos[op]
@@ -339,7 +335,7 @@ def autocast(target_dtype: Any = None, **kwargs: Any) -> Iterator[OpTable]:
             disable()
 
 
-def _warn_cached_blocks(when: str, consequence: str) -> None:
+def _warn_cached_blocks() -> None:
     from mxnet.gluon import HybridBlock
     stale = []
     for obj in gc.get_objects():
@@ -351,6 +347,7 @@ def _warn_cached_blocks(when: str, consequence: str) -> None:
     if stale:
         shown = ", ".join(stale[:5]) + (" ..." if len(stale) > 5 else "")
         warnings.warn(
-            f"{len(stale)} hybridized block(s) cached their graph {when} and will {consequence}: "
-            f"{shown}. Call block.hybridize() again (it drops the cached graph) or rebuild the "
+            f"{len(stale)} hybridized block(s) cached their graph before gluon_amp.init() and will "
+            f"run without mixed precision: {shown}. Call block.hybridize() again (it drops the "
+            "cached graph) or rebuild the "
             "block, then run it once.", RuntimeWarning, stacklevel=3)

@@ -6,14 +6,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-import mxnet as mx
-import numpy as np
 from mxnet.gluon import HybridBlock
 from mxnet.symbol import Symbol
 
 from .convert.graph import REASON_ATTR
 from .decide import decide
-from .dtypes import dtype_name
+from .graph_types import infer_dtypes
 from .patching import current_table, make_table
 from .table import OpTable
 
@@ -78,20 +76,14 @@ def report(symbol_or_block: Any, target_dtype: Optional[str] = None, **input_typ
     graph = json.loads(sym.tojson(remove_amp_cast=False))
     nodes = graph["nodes"]
     attrs = sym.attr_dict()
-    known = {n: np.float32 for n in sym.list_inputs() if "__dtype__" not in attrs.get(n, {})}
-    known.update({k: v for k, v in input_types.items()})
-    internals = sym.get_internals()
-    _, out_types, _ = internals.infer_type(**known)
-    if out_types is None:
+    known = {n: "float32" for n in sym.list_inputs() if "__dtype__" not in attrs.get(n, {})}
+    by_name = infer_dtypes(sym, {**known, **input_types})
+    if by_name is None:
         raise ValueError("could not infer the graph's dtypes; pass the dtype of every data input, "
                          f"e.g. report(sym, data='float32'); inputs: {sym.list_inputs()[:8]}")
-    by_name = {n: dtype_name(t) for n, t in zip(internals.list_outputs(), out_types)}
 
     def out_type(i: int, k: int) -> Optional[str]:
-        name = nodes[i]["name"]
-        if nodes[i]["op"] == "null":
-            return by_name.get(name)
-        return by_name.get(f"{name}_output", by_name.get(f"{name}_output{k}"))
+        return by_name.get((nodes[i]["name"], k))
 
     rows, casts = [], 0
     for i, node in enumerate(nodes):

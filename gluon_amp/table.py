@@ -118,9 +118,8 @@ def build_table(
 ) -> OpTable:
     """Build and validate the op table for ``target_dtype``.
 
-    Each override list *replaces* the default list of its class (as in
-    ``mxnet.contrib.amp``): ops named there move into that class, and default members
-    that are not named become neutral. An op named in two override lists, or a name that
+    Each override list *replaces* the default list of its class: ops named there move
+    into that class, and default members that are not named become neutral. An op named in two override lists, or a name that
     is not a registered op, raises ``ValueError``.
 
     Parameters

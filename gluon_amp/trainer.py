@@ -12,7 +12,7 @@ import os
 import pickle
 import tempfile
 import weakref
-from typing import Any, Iterator, List, Optional, Sequence, Union
+from typing import Any, Iterator, List, Sequence, Union
 
 import mxnet as mx
 from mxnet import autograd

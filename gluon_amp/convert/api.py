@@ -11,43 +11,25 @@ from mxnet.symbol import Symbol
 
 from .. import registry
 from ..dtypes import dtype_name, to_mx_dtype
+from ..graph_types import infer_dtypes
 from ..patching import make_table
 from ..table import ConditionalSpec
 from .graph import PassResult, convert_graph, strip_casts
 
-_OP_INPUTS = None
-
-
-def _op_inputs() -> Dict[str, Tuple[str, ...]]:
-    global _OP_INPUTS
-    if _OP_INPUTS is None:
-        _OP_INPUTS = {n: i.inputs for n, i in registry.op_infos().items()}
-    return _OP_INPUTS
-
-
 def _original_dtypes(graph: dict, sym: Symbol, data_names: Sequence[str],
                      param_types: Dict[str, Any]) -> Dict[Tuple[int, int], str]:
-    """Output dtypes of the FP32 graph, by (node index, output index)."""
-    internals = sym.get_internals()
-    known = {n: "float32" for n in data_names}
-    known.update({k: v for k, v in param_types.items()})
-    args = set(internals.list_inputs())
-    _, out_types, _ = internals.infer_type_partial(**{k: to_mx_dtype(v) for k, v in known.items() if k in args})
-    by_name = {n: (dtype_name(t) if t is not None else "float32")
-               for n, t in zip(internals.list_outputs(), out_types)}
-    out = {}
-    for i, node in enumerate(graph["nodes"]):
-        name = node["name"]
-        if node["op"] == "null":
-            out[(i, 0)] = by_name.get(name, "float32")
-        elif name + "_output" in by_name:
-            out[(i, 0)] = by_name[name + "_output"]
-        else:
-            k = 0
-            while f"{name}_output{k}" in by_name:
-                out[(i, k)] = by_name[f"{name}_output{k}"]
-                k += 1
-    return out
+    """Output dtypes of the FP32 graph, by (node index, output index); untyped -> float32."""
+    known = {**{n: "float32" for n in data_names}, **param_types}
+    by_name = infer_dtypes(sym, known, partial=True)
+    return {(i, k): t or "float32" for i, node in enumerate(graph["nodes"])
+            for (name, k), t in _outputs_of(by_name, node["name"])}
+
+
+def _outputs_of(by_name: Dict[Tuple[str, int], Optional[str]], name: str):
+    k = 0
+    while (name, k) in by_name:
+        yield (name, k), by_name[(name, k)]
+        k += 1
 
 
 def _check_list(name: str, value: Any) -> List[str]:
@@ -86,8 +68,8 @@ def convert_symbol_detailed(sym: Symbol, target_dtype: Any = None, target_dtype_
         raise ValueError(f"data_names {unknown_inputs} are not inputs of the symbol; its inputs are "
                          f"{clean.list_inputs()[:10]}...")
     original = _original_dtypes(graph, clean, data_names, param_dtypes or {})
-    result = convert_graph(graph, table, data_names, original, _op_inputs(), excluded,
-                           cast_optional_params)
+    op_inputs = {n: i.inputs for n, i in registry.op_infos().items()}
+    result = convert_graph(graph, table, data_names, original, op_inputs, excluded, cast_optional_params)
     converted = mx.sym.load_json(json.dumps(result.graph))
     _verify(converted, result, data_names)
     return converted, result
@@ -95,20 +77,12 @@ def convert_symbol_detailed(sym: Symbol, target_dtype: Any = None, target_dtype_
 
 def _verify(sym: Symbol, result: PassResult, data_names: Sequence[str]) -> None:
     """MXNet's own type inference must agree with the pass on every output."""
-    internals = sym.get_internals()
-    known = {n: "float32" for n in data_names}
-    known.update(result.param_dtypes)
-    args = set(internals.list_inputs())
-    _, out_types, _ = internals.infer_type(**{k: to_mx_dtype(v) for k, v in known.items() if k in args})
-    if out_types is None:
+    inferred = infer_dtypes(sym, {**{n: "float32" for n in data_names}, **result.param_dtypes})
+    if inferred is None:
         raise RuntimeError("the converted graph does not type-check; please report this with the model")
-    inferred = {n: dtype_name(t) for n, t in zip(internals.list_outputs(), out_types)}
-    wrong = []
-    for (name, k), want in result.dtypes.items():
-        candidates = (f"{name}_output", f"{name}_output{k}") + ((name,) if k == 0 else ())
-        key = next((c for c in candidates if c in inferred), None)
-        if key is not None and inferred[key] != want:
-            wrong.append(f"{key}: pass {want}, MXNet {inferred[key]}")
+    wrong = [f"{name}[{k}]: pass {want}, MXNet {inferred[(name, k)]}"
+             for (name, k), want in result.dtypes.items()
+             if (name, k) in inferred and inferred[(name, k)] != want]
     if wrong:
         raise RuntimeError("gluon_amp's conversion disagrees with MXNet's type inference at "
                            f"{len(wrong)} outputs, e.g. {wrong[:3]}; please report this with the model")

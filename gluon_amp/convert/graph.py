@@ -121,7 +121,7 @@ def convert_graph(
         out_nodes.append(node)
         return len(out_nodes) - 1
 
-    def cast(entry: Entry, dtype: str, consumer: str) -> Entry:
+    def cast(entry: Entry, dtype: str) -> Entry:
         nonlocal cast_count
         key = (entry, dtype)
         if key not in casts:
@@ -151,11 +151,11 @@ def convert_graph(
         d = decide(op, attrs, in_types, table, excluded=node["name"] in excluded)
         reasons[node["name"]] = d.reason
         names = op_inputs.get(op, ())
+        kept = [k < len(names) and names[k] in d.keep_fp32 for k in range(len(inputs))]
         new_inputs = []
-        for k, (e, t) in enumerate(zip(inputs, in_types)):
-            kept = k < len(names) and names[k] in d.keep_fp32
-            if d.dtype is not None and t in FLOAT_DTYPES and t != d.dtype and not kept:
-                e = cast(e, d.dtype, node["name"])
+        for e, t, keep in zip(inputs, in_types, kept):
+            if d.dtype is not None and t in FLOAT_DTYPES and t != d.dtype and not keep:
+                e = cast(e, d.dtype)
             new_inputs.append([e[0], e[1], 0])
         new_node = dict(node)
         new_node["inputs"] = new_inputs
@@ -163,9 +163,8 @@ def convert_graph(
             new_node["attrs"] = {**attrs, REASON_ATTR: "excluded"}
         j = add(new_node)
         index[i] = j
-        float_in = [dtypes[(e[0], e[1])] for k, e in enumerate(new_inputs)
-                    if dtypes.get((e[0], e[1])) in FLOAT_DTYPES
-                    and not (k < len(names) and names[k] in d.keep_fp32)]
+        float_in = [dtypes[(e[0], e[1])] for e, keep in zip(new_inputs, kept)
+                    if dtypes.get((e[0], e[1])) in FLOAT_DTYPES and not keep]
         k = 0
         while (i, k) in original_dtypes:
             orig = original_dtypes[(i, k)]
@@ -180,38 +179,35 @@ def convert_graph(
             dtypes[(j, k)] = out_t
             k += 1
 
-    result_nodes = out_nodes
-    param_dtypes = {n["name"]: dtypes[(j, 0)] for j, n in enumerate(out_nodes)
-                    if n["op"] == "null" and n["name"] not in data}
     heads = []
     for h in graph["heads"]:
         e = (index[h[0]], h[1])
         if float32_outputs and dtypes.get(e) in ("float16", "bfloat16"):
-            e = cast(e, "float32", "output")
+            e = cast(e, "float32")
         heads.append([e[0], e[1], 0])
     if cast_optional_params:
-        result_nodes, param_dtypes, cast_count = _fold_param_casts(out_nodes, dtypes, data, param_dtypes, cast_count)
+        consumers: Dict[int, List[int]] = {}
+        for j, n in enumerate(out_nodes):
+            for e in n["inputs"]:
+                consumers.setdefault(e[0], []).append(j)
+        outputs = {h[0] for h in heads}
+        for j, n in enumerate(out_nodes):
+            if n["op"] == "null" and n["name"] not in data and j not in outputs:
+                folded = _foldable_cast(out_nodes, consumers, j)
+                if folded is not None:
+                    dtypes[(j, 0)] = out_nodes[folded]["attrs"]["dtype"]
+    param_dtypes = {n["name"]: dtypes[(j, 0)] for j, n in enumerate(out_nodes)
+                    if n["op"] == "null" and n["name"] not in data}
+    result_nodes, heads, folded_count = _drop_param_casts(out_nodes, heads, param_dtypes)
     names_left = {n["name"] for n in result_nodes}
     by_name = {(out_nodes[j]["name"], k): t for (j, k), t in dtypes.items()
                if out_nodes[j]["name"] in names_left}
-    if len(result_nodes) != len(out_nodes):
-        heads = _reindex_heads(out_nodes, result_nodes, heads)
+    cast_count -= folded_count
     new_graph = _finish(graph, result_nodes, heads)
     for n in new_graph["nodes"]:
         if n["op"] == "null" and n["name"] in param_dtypes:
             n["attrs"] = {**n.get("attrs", {}), "__dtype__": str(DTYPE_CODE[param_dtypes[n["name"]]])}
     return PassResult(new_graph, by_name, param_dtypes, reasons, cast_count)
-
-
-def _reindex_heads(old: List[dict], new: List[dict], heads: List[list]) -> List[list]:
-    pos = {n["name"]: k for k, n in enumerate(new)}
-    out = []
-    for h in heads:
-        node = old[h[0]]
-        if node["op"] == "amp_cast" and node["name"] not in pos:  # a folded cast is a head
-            node = old[node["inputs"][0][0]]
-        out.append([pos[node["name"]], h[1], 0])
-    return out
 
 
 def _needs_fp32_param(node: dict, dtype: str) -> bool:
@@ -220,32 +216,36 @@ def _needs_fp32_param(node: dict, dtype: str) -> bool:
             and int(node.get("attrs", {}).get("num_group", "1")) > 1)
 
 
-def _fold_param_casts(nodes: List[dict], dtypes: Dict[Entry, str], data: set,
-                      param_dtypes: Dict[str, str], cast_count: int):
-    """Parameters whose every consumer is one cast: store them cast, drop the cast node."""
-    consumers: Dict[int, List[int]] = {}
+def _foldable_cast(nodes: List[dict], consumers: Mapping[int, List[int]], param: int) -> Optional[int]:
+    """The cast a parameter can be stored as: its only consumer, read by ops that accept it."""
+    users = consumers.get(param, [])
+    if len(users) != 1 or nodes[users[0]]["op"] != "amp_cast":
+        return None
+    dtype = nodes[users[0]]["attrs"]["dtype"]
+    if any(_needs_fp32_param(nodes[u], dtype) for u in consumers.get(users[0], [])):
+        return None
+    return users[0]
+
+
+def _drop_param_casts(nodes: List[dict], heads: List[list], param_dtypes: Dict[str, str]):
+    """Remove casts of parameters now stored in the cast's dtype; rewire their consumers."""
+    drop = {}
     for j, n in enumerate(nodes):
-        for e in n["inputs"]:
-            consumers.setdefault(e[0], []).append(j)
-    drop: Dict[int, int] = {}  # cast node -> param node
-    for j, n in enumerate(nodes):
-        if n["op"] != "null" or n["name"] in data:
-            continue
-        users = consumers.get(j, [])
-        if len(users) == 1 and nodes[users[0]]["op"] == "amp_cast" and not any(
-                _needs_fp32_param(nodes[u], nodes[users[0]]["attrs"]["dtype"]) for u in consumers.get(users[0], [])):
-            c = users[0]
-            drop[c] = j
-            param_dtypes = {**param_dtypes, n["name"]: nodes[c]["attrs"]["dtype"]}
-            dtypes[(j, 0)] = nodes[c]["attrs"]["dtype"]
+        if n["op"] == "amp_cast":
+            src = nodes[n["inputs"][0][0]]
+            if src["op"] == "null" and param_dtypes.get(src["name"]) == n["attrs"]["dtype"]:
+                drop[j] = n["inputs"][0][0]
     if not drop:
-        return nodes, param_dtypes, cast_count
+        return nodes, heads, 0
     keep = [j for j in range(len(nodes)) if j not in drop]
     new_index = {j: k for k, j in enumerate(keep)}
+
+    def remap(e: list) -> list:
+        return [new_index[drop[e[0]]], 0, 0] if e[0] in drop else [new_index[e[0]], e[1], 0]
+
     out = []
     for j in keep:
         n = dict(nodes[j])
-        n["inputs"] = [[new_index[drop.get(e[0], e[0])], e[1] if e[0] not in drop else 0, 0] for e in n["inputs"]]
+        n["inputs"] = [remap(e) for e in n["inputs"]]
         out.append(n)
-    # dtypes keyed by old indices are no longer needed by callers beyond params
-    return out, param_dtypes, cast_count - len(drop)
+    return out, [remap(h) for h in heads], len(drop)
