@@ -26,9 +26,10 @@ from ._compat import import_mxnet as _import_mxnet  # noqa: E402
 _import_mxnet()
 
 from .convert import convert_hybrid_block, convert_model, convert_symbol  # noqa: E402
+from .convert.bucketing import convert_bucketing_module  # noqa: E402
 from .lists_api import (  # noqa: E402
     list_conditional_fp32_ops, list_fp32_ops, list_lp16_fp32_ops, list_lp16_ops,
-    list_widest_type_cast,
+    list_widest_type_cast, list_loss_output_functions, list_lp16_use_fp32_params,
 )
 from .patching import autocast, current_table, disable, init, is_enabled, patched_functions  # noqa: E402
 from .loss_scale import LossScaler, ScaleState  # noqa: E402
@@ -48,4 +49,5 @@ __all__ = [
     "LossScaler", "ScaleState", "init_trainer", "scale_loss", "unscale", "clip_global_norm",
     "get_scaler", "save_states", "load_states",
     "convert_symbol", "convert_model", "convert_hybrid_block", "report", "Report",
+    "convert_bucketing_module", "list_loss_output_functions", "list_lp16_use_fp32_params",
 ]

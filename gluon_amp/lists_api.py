@@ -1,8 +1,9 @@
 """The peer-compatible ``list_*_ops`` functions, read from the op table."""
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Tuple
 
+from .lists.loss_outputs import LOSS_OUTPUT_FUNCTIONS
 from .table import OpClass, default_table
 
 
@@ -31,6 +32,31 @@ def list_conditional_fp32_ops(target_dtype: Any = "float16") -> List[Tuple[str, 
 def list_widest_type_cast(target_dtype: Any = "float16") -> List[str]:
     """Ops run in the widest float type among their inputs."""
     return list(default_table(_name(target_dtype)).names(OpClass.WIDEST))
+
+
+def list_loss_output_functions(target_dtype: Any = "float16") -> List[str]:
+    """Loss-output ops (``SoftmaxOutput`` and the ``*RegressionOutput`` ops).
+
+    Their backward ignores the gradient ``scale_loss`` scales and starts from their
+    ``grad_scale`` attribute instead. The list is the same for both target dtypes.
+    """
+    _name(target_dtype)
+    return list(LOSS_OUTPUT_FUNCTIONS)
+
+
+def list_lp16_use_fp32_params(target_dtype: Any = "float16") -> Dict[str, List[str]]:
+    """``{op: [input name or '', ...]}``: inputs kept in float32 whatever the op's dtype.
+
+    One entry per declared input of the op, in order: the input's name when it stays
+    float32 (normalisation parameters, running statistics), ``''`` when it follows the
+    op's dtype. Unlike ``mxnet.contrib.amp``, which returns ``None`` for float16, the
+    float16 table keeps these inputs in float32 too, so both dtypes return the mapping.
+    """
+    from . import registry  # reads MXNet's op registry; the rest of this module is pure
+    infos = registry.op_infos()
+    keep = default_table(_name(target_dtype)).keep_fp32_inputs
+    return {op: [n if n in names else "" for n in infos[op].inputs]
+            for op, names in sorted(keep.items()) if op in infos}
 
 
 def _name(target_dtype: Any) -> str:

@@ -1,0 +1,99 @@
+"""convert_bucketing_module: every bucket of a Module-API ``BucketingModule`` in mixed precision."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
+
+import mxnet as mx
+from mxnet.module import BucketingModule
+from mxnet.symbol import Symbol
+
+from ..dtypes import dtype_name
+from ..table import ConditionalSpec
+from .api import convert_model, convert_symbol
+
+_SymGen = Callable[[Hashable], Tuple[Symbol, Sequence[str], Sequence[str]]]
+
+
+def _check_module(mod: Any) -> None:
+    if not isinstance(mod, BucketingModule):
+        raise TypeError("convert_bucketing_module expects a mxnet.module.BucketingModule, "
+                        f"got {type(mod).__name__}")
+    if not mod._buckets:
+        raise ValueError("the BucketingModule has no buckets yet: call mod.bind(...) first.")
+    if not mod.params_initialized:
+        raise ValueError("the BucketingModule's parameters are not initialized: call "
+                         "mod.init_params() (or mod.set_params / fit) before converting it.")
+
+
+def _merge(into: Dict[str, mx.nd.NDArray], new: Dict[str, mx.nd.NDArray], used: set,
+           key: Hashable) -> None:
+    """Keep each parameter as converted by a bucket that reads it; buckets must agree."""
+    for name in used & set(new):
+        if name in into and into[name].dtype != new[name].dtype:
+            raise RuntimeError(
+                f"bucket {key!r} stores parameter {name!r} as {dtype_name(new[name].dtype)} but "
+                f"another bucket as {dtype_name(into[name].dtype)}; the buckets share parameters, "
+                "so convert with cast_optional_params=False.")
+        into.setdefault(name, new[name])
+
+
+def _converting_sym_gen(sym_gen: _SymGen, param_names: set, options: Dict[str, Any]) -> _SymGen:
+    """``sym_gen`` whose symbols come back converted; cached per bucket key."""
+    cache: Dict[Hashable, Tuple[Symbol, Sequence[str], Sequence[str]]] = {}
+
+    def converted_sym_gen(bucket_key: Hashable):
+        if bucket_key not in cache:
+            sym, data_names, label_names = sym_gen(bucket_key)
+            inputs = [n for n in sym.list_inputs() if n not in param_names]
+            cache[bucket_key] = (convert_symbol(sym, data_names=inputs, **options), data_names,
+                                 label_names)
+        return cache[bucket_key]
+
+    return converted_sym_gen
+
+
+def convert_bucketing_module(bucketing_mod: BucketingModule, target_dtype: Any = None,
+                             target_dtype_ops: Optional[Sequence[str]] = None,
+                             fp32_ops: Optional[Sequence[str]] = None,
+                             conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
+                             excluded_sym_names: Optional[Sequence[str]] = None,
+                             cast_optional_params: bool = False) -> BucketingModule:
+    """Return a new, unbound ``BucketingModule`` running every bucket in mixed precision.
+
+    Parameters
+    ----------
+    bucketing_mod : mxnet.module.BucketingModule
+        Bound, with initialized parameters. It is not modified.
+    target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops, excluded_sym_names,
+    cast_optional_params :
+        As for :func:`gluon_amp.convert_model`; applied to every bucket.
+
+    Notes
+    -----
+    Every bucket the module has created is converted with :func:`convert_model`. Buckets
+    created later (a new bucket key at ``switch_bucket``/``forward``) are converted too:
+    the new module's ``sym_gen`` wraps the original one.
+    """
+    _check_module(bucketing_mod)
+    options = dict(target_dtype=target_dtype, target_dtype_ops=target_dtype_ops, fp32_ops=fp32_ops,
+                   conditional_fp32_ops=conditional_fp32_ops, excluded_sym_names=excluded_sym_names,
+                   cast_optional_params=cast_optional_params)
+    arg_params, aux_params = bucketing_mod.get_params()  # synced from the executors
+    new_args: Dict[str, mx.nd.NDArray] = {}
+    new_aux: Dict[str, mx.nd.NDArray] = {}
+    sym_dict = {}
+    for key, module in bucketing_mod._buckets.items():
+        sym = module.symbol
+        sym_dict[key], args, aux = convert_model(sym, arg_params, aux_params, **options)
+        _merge(new_args, args, set(sym.list_arguments()), key)
+        _merge(new_aux, aux, set(sym.list_auxiliary_states()), key)
+    for src, dst in ((arg_params, new_args), (aux_params, new_aux)):
+        for name, value in src.items():  # read by no converted bucket: keep as is
+            dst.setdefault(name, value.copy())
+    sym_gen = _converting_sym_gen(bucketing_mod._sym_gen, set(arg_params) | set(aux_params), options)
+    return BucketingModule.load_dict(
+        sym_dict, sym_gen=sym_gen, default_bucket_key=bucketing_mod._default_bucket_key,
+        arg_params=new_args, aux_params=new_aux, logger=bucketing_mod.logger,
+        context=bucketing_mod._context, work_load_list=bucketing_mod._work_load_list,
+        fixed_param_names=bucketing_mod._fixed_param_names, state_names=bucketing_mod._state_names,
+        group2ctxs=bucketing_mod._group2ctxs, compression_params=bucketing_mod._compression_params)
