@@ -138,17 +138,26 @@ def input_shapes(name: str) -> List[Shape]:
 
 
 def construct(name: str) -> Any:
-    """The FP32 network with random weights (not initialized yet)."""
+    """The FP32 network with random weights (not initialized yet); never downloads.
+
+    Offline keywords are passed where the zoo function takes them: ``pretrained_base=False``,
+    ``use_kinetics_pretrain=False`` (action-recognition fine-tunes), and two dummy
+    ``classes`` for the ``*_custom`` detectors.
+    """
     if name.startswith(VISION):
         from mxnet.gluon.model_zoo import vision
         return vision.get_model(name[len(VISION):], pretrained=False)
-    from gluoncv import model_zoo
-    try:
-        return model_zoo.get_model(name, pretrained=False, pretrained_base=False)
-    except TypeError as exc:
-        if "pretrained_base" not in str(exc):
-            raise
-        return model_zoo.get_model(name, pretrained=False)
+    from gluoncv.model_zoo import model_zoo
+    fn = model_zoo._models[name.lower()]
+    params = inspect.signature(fn).parameters
+    kwargs: Dict[str, Any] = {"pretrained": False}
+    for key, value in (("pretrained_base", False), ("use_kinetics_pretrain", False),
+                       ("classes", ["a", "b"])):
+        if key in params:
+            kwargs[key] = value
+    if "classes" in kwargs and params["classes"].default is not inspect.Parameter.empty:
+        del kwargs["classes"]
+    return fn(**kwargs)
 
 
 def _quiet() -> contextlib.ExitStack:
@@ -165,7 +174,7 @@ def build_fp32(name: str) -> Tuple[Any, Shape]:
     for shape in input_shapes(name):
         with _quiet():
             net = construct(name)
-            net.initialize(mx.init.Xavier(), force_reinit=True)
+            net.initialize(mx.init.Uniform(0.05), force_reinit=True)  # any shape, incl. 1-D "weight"s
             net.hybridize()
             try:
                 out = net(mx.nd.random.uniform(shape=shape))
@@ -388,6 +397,24 @@ def read_state(path: str) -> Dict[Tuple[str, str], Dict[str, Any]]:
     return out
 
 
+def forget(path: str, models: set, kinds: set) -> None:
+    """Drop the records of ``models`` x ``kinds`` from the state file."""
+    if not os.path.exists(path):
+        return
+    with open(path) as fh:
+        keep = [l for l in fh if not _matches(l, models, kinds)]
+    with open(path, "w") as fh:
+        fh.writelines(keep)
+
+
+def _matches(line: str, models: set, kinds: set) -> bool:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return True
+    return rec.get("model") in models and rec.get("kind") in kinds
+
+
 def worker_kinds(dtypes: Sequence[str], peer: bool) -> List[str]:
     return ["ours"] + (["peer-convert"] + [f"peer-init-{d}" for d in dtypes] if peer else [])
 
@@ -530,6 +557,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--state", default="/tmp/model_zoo_sweep.jsonl")
     ap.add_argument("--timeout", type=float, default=900, help="seconds without progress before a worker is killed")
+    ap.add_argument("--redo", action="store_true", help="forget earlier results of the selected networks")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     dtypes = [d.strip() for d in a.dtypes.split(",") if d.strip()]
@@ -540,6 +568,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         worker(a.worker, a.models.split(","), dtypes, a.state)
         return 0
     models = select_models(a.models)
+    if a.redo:
+        forget(a.state, set(models), set(worker_kinds(dtypes, not a.no_peer)))
     orchestrate(models, dtypes, not a.no_peer, a.jobs, a.state, a.timeout)
     results = collect(models, dtypes, not a.no_peer, a.state)
     report = {"commit": _commit(), "dtypes": dtypes, "peer": not a.no_peer, "totals": totals(results, dtypes, not a.no_peer),
