@@ -1,0 +1,316 @@
+"""Apex-style opt levels: ``initialize(net, trainer, opt_level)`` for O0-O3.
+
+| level | weights      | op patching | batch norm                  | master weights | loss scale |
+|-------|--------------|-------------|-----------------------------|----------------|------------|
+| O0    | float32      | off         | float32                     | no             | 1 (static) |
+| O1    | float32      | ``init()``  | by the op table             | no             | dynamic    |
+| O2    | target dtype | ``init()``  | float32 params and stats    | yes            | dynamic    |
+| O3    | target dtype | ``init()``  | computes in the target dtype| no             | 1 (static) |
+
+At O2/O3 the trainable weights are stored in the target dtype, so they are not cast again
+every step and their gradients are half the size. MXNet's BatchNorm kernels take float16
+and bfloat16 data only with float32 gamma/beta/statistics, so normalisation parameters
+stay float32 at every level; ``keep_batchnorm_fp32=True`` makes batch norm compute on
+float32 data as well. O2/O3 still run ``init()``'s op table: with the weights already in
+the target dtype its casts in front of convolutions are no-ops, and it keeps the ops that
+have no usable low-precision kernel in MXNet 1.9 (``transpose`` on bfloat16 corrupts the
+heap, ``softmax``...) in float32.
+"""
+from __future__ import annotations
+
+import types
+import weakref
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Tuple, Union
+
+import mxnet as mx
+from mxnet.gluon import Block, HybridBlock, Parameter, Trainer
+from mxnet.gluon.parameter import DeferredInitializationError
+
+from gluon_amp_core.dtypes import FLOAT_DTYPES, dtype_name
+from gluon_amp_core.loss_scale import LossScaler
+from gluon_amp_core.policy import Policy
+
+from . import master_weights as master_weights_mod, patching, trainer as trainer_mod
+from .mxnet_internals import to_mx_dtype, updates_on_kvstore
+from .policies import make_policy
+
+__all__ = ["OptLevel", "OPT_LEVELS", "properties", "initialize"]
+
+LossScale = Union[str, float, LossScaler]
+
+
+@dataclass(frozen=True)
+class OptLevel:
+    """What one opt level does (after overrides). Immutable; built by :func:`properties`.
+
+    Attributes
+    ----------
+    name : str
+        ``'O0'`` .. ``'O3'``.
+    cast_weights : bool
+        Trainable weights (outside normalisation layers) are stored in the target dtype,
+        inputs are cast to it at the net's entry and outputs back to float32.
+    patch_ops : bool
+        Run :func:`gluon_amp.init` with the op table.
+    keep_batchnorm_fp32 : bool or None
+        ``True``: batch norm computes in float32; ``False``: on target-dtype data (with
+        float32 parameters); ``None``: as the op table says.
+    master_weights : bool
+        Keep float32 master copies of the low-precision weights in the optimizer.
+    loss_scale : 'dynamic', float or LossScaler
+    """
+
+    name: str
+    cast_weights: bool
+    patch_ops: bool
+    keep_batchnorm_fp32: Optional[bool]
+    master_weights: bool
+    loss_scale: LossScale
+
+
+OPT_LEVELS = {
+    "O0": OptLevel("O0", cast_weights=False, patch_ops=False, keep_batchnorm_fp32=None,
+                   master_weights=False, loss_scale=1.0),
+    "O1": OptLevel("O1", cast_weights=False, patch_ops=True, keep_batchnorm_fp32=None,
+                   master_weights=False, loss_scale="dynamic"),
+    "O2": OptLevel("O2", cast_weights=True, patch_ops=True, keep_batchnorm_fp32=None,
+                   master_weights=True, loss_scale="dynamic"),
+    "O3": OptLevel("O3", cast_weights=True, patch_ops=True, keep_batchnorm_fp32=False,
+                   master_weights=False, loss_scale=1.0),
+}
+
+
+def _check_level(opt_level: Any) -> OptLevel:
+    if isinstance(opt_level, str) and opt_level in OPT_LEVELS:
+        return OPT_LEVELS[opt_level]
+    hint = ""
+    if isinstance(opt_level, str) and opt_level.upper().replace("0", "O", 1) in OPT_LEVELS:
+        hint = f" Did you mean {opt_level.upper().replace('0', 'O', 1)!r} (capital letter O)?"
+    raise ValueError(f"opt_level={opt_level!r} is not an opt level; choose one of "
+                     f"{', '.join(repr(k) for k in OPT_LEVELS)}.{hint}")
+
+
+def _check_flag(name: str, value: Any) -> Optional[bool]:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be True, False or None (the level's default), got {value!r}")
+    return value
+
+
+def _check_loss_scale(value: Any) -> Optional[LossScale]:
+    if value is None or value == "dynamic" or isinstance(value, LossScaler):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    raise ValueError(f"loss_scale={value!r} is not valid; use 'dynamic', a positive number "
+                     "(static scale), a gluon_amp.LossScaler, or None for the level's default.")
+
+
+def properties(opt_level: str = "O1", *, keep_batchnorm_fp32: Optional[bool] = None,
+               loss_scale: Optional[LossScale] = None,
+               master_weights: Optional[bool] = None) -> OptLevel:
+    """The :class:`OptLevel` for ``opt_level`` with the given overrides (``None``: default).
+
+    Raises ``ValueError`` for an unknown level, a bad loss scale, or an override that
+    contradicts the level (master weights without low-precision weights, batch norm
+    settings at O0) and ``TypeError`` for a non-bool flag.
+    """
+    level = _check_level(opt_level)
+    kbn = _check_flag("keep_batchnorm_fp32", keep_batchnorm_fp32)
+    mw = _check_flag("master_weights", master_weights)
+    scale = _check_loss_scale(loss_scale)
+    if kbn is not None and not level.patch_ops:
+        raise ValueError(f"keep_batchnorm_fp32={kbn} has no effect at {level.name} (pure float32); "
+                         "leave it None, or pick O1-O3.")
+    if mw and not level.cast_weights:
+        raise ValueError(f"master_weights=True needs low-precision weights (O2 or O3); at "
+                         f"{level.name} the weights are float32 already.")
+    return replace(level,
+                   keep_batchnorm_fp32=level.keep_batchnorm_fp32 if kbn is None else kbn,
+                   master_weights=level.master_weights if mw is None else mw,
+                   loss_scale=level.loss_scale if scale is None else scale)
+
+
+# -- MXNet 1.9.1 private attributes (to join gluon_amp.mxnet_internals) -----------------
+# A HybridBlock caches its graph (with the parameter dtypes it saw) until
+# ``_clear_cached_op``; HybridBlock.cast calls it too. A later MXNet that renames it makes
+# initialize fail with AttributeError here.
+
+def _drop_cached_graph(block: Block) -> None:
+    if isinstance(block, HybridBlock):
+        block._clear_cached_op()
+
+# ------------------------------------------------------------------------------------------
+
+
+_NORM_SUFFIXES = ("gamma", "beta", "running_mean", "running_var", "moving_mean", "moving_var")
+
+# Nets and trainers initialize() has set up (weak: nothing is kept alive).
+_done_nets: "weakref.WeakSet[Block]" = weakref.WeakSet()
+_done_trainers: "weakref.WeakSet[Trainer]" = weakref.WeakSet()
+
+
+def _is_norm_param(param: Parameter) -> bool:
+    # The names Gluon's and GluonCV's normalisation layers (and symbols imported into a
+    # SymbolBlock) give their parameters; MXNet's own SymbolBlock.cast keys on them too.
+    return param.name.endswith(_NORM_SUFFIXES)
+
+
+def _uninitialized(params: dict, need_shapes: bool) -> list:
+    bad = []
+    for name, p in params.items():
+        try:
+            p.list_data()
+        except DeferredInitializationError:
+            if need_shapes:
+                bad.append(name)
+        except RuntimeError:
+            bad.append(name)
+    return bad
+
+
+def _has_scaler(trainer: Trainer) -> bool:
+    try:
+        trainer_mod.get_scaler(trainer)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _check_trainer(trainer: Optional[Trainer]) -> None:
+    if trainer is None:
+        return
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"trainer must be a mxnet.gluon.Trainer or None, got {type(trainer).__name__}")
+    if trainer in _done_trainers:
+        raise RuntimeError("gluon_amp.initialize was already called with this Trainer; call it "
+                           "once, with the net and trainer together.")
+    if updates_on_kvstore(trainer):
+        raise ValueError("initialize needs the update on the worker: create the Trainer with "
+                         "update_on_kvstore=False (got update_on_kvstore=True).")
+    if master_weights_mod.has_optimizer_state(trainer):
+        raise RuntimeError("gluon_amp.initialize must come before the first trainer.step() (and "
+                           "before trainer.load_states); this Trainer already has optimizer state. "
+                           "Build a new Trainer, initialize, then load states.")
+    if _has_scaler(trainer):
+        raise RuntimeError("this Trainer already has a loss scaler from gluon_amp.init_trainer; "
+                           "initialize attaches one itself (use its loss_scale argument).")
+
+
+def _check_net(net: Block, level: OptLevel) -> None:
+    if not isinstance(net, Block):
+        raise TypeError(f"net must be a mxnet.gluon.Block, got {type(net).__name__}")
+    if net in _done_nets:
+        raise RuntimeError("gluon_amp.initialize was already called with this net; call it once.")
+    bad = _uninitialized(net.collect_params(), need_shapes=level.cast_weights)
+    if bad:
+        shown = ", ".join(bad[:5]) + (" ..." if len(bad) > 5 else "")
+        raise RuntimeError(
+            f"{len(bad)} parameter(s) of the net are not initialized yet: {shown}. Call "
+            "net.initialize() first" + (" and, for shapes inferred from data (deferred "
+            "initialization), run one forward pass or give in_units/in_channels, so the "
+            f"weights exist to be cast at {level.name}." if level.cast_weights else "."))
+
+
+def _cast_tree(x: Any, dtype: str) -> Any:
+    """Cast every float NDArray/Symbol in ``x`` (nested lists/tuples) to ``dtype``."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cast_tree(v, dtype) for v in x)
+    if isinstance(x, mx.nd.NDArray):
+        legacy = x.as_nd_ndarray() if isinstance(x, mx.np.ndarray) else x
+        name = dtype_name(legacy.dtype)
+        if name not in FLOAT_DTYPES or name == dtype:
+            return x
+        out = mx.nd.amp_cast(legacy, dtype=to_mx_dtype(dtype))
+        return out.as_np_ndarray() if isinstance(x, mx.np.ndarray) else out
+    if isinstance(x, mx.sym.Symbol):  # traced inside a parent's hybridized graph
+        is_np = isinstance(x, mx.sym.np._Symbol)
+        out = mx.sym.amp_cast(x.as_nd_ndarray() if is_np else x, dtype=to_mx_dtype(dtype))
+        return out.as_np_ndarray() if is_np else out
+    return x
+
+
+def _boundary_forward(forward: Callable, dtype: str) -> Callable:
+    def amp_boundary_forward(self: Block, *args: Any) -> Any:
+        return _cast_tree(forward(*_cast_tree(args, dtype)), "float32")
+    return amp_boundary_forward
+
+
+def _cast_weights(net: Block, dtype: str) -> int:
+    """Cast the net's trainable, non-normalisation parameters to ``dtype``; return how many."""
+    n = 0
+    for p in net.collect_params().values():
+        if p.grad_req == "null" or _is_norm_param(p) or dtype_name(p.dtype) != "float32":
+            continue
+        # MXNet 1.9.1: astype of a weight held in a oneDNN layout (after a forward pass) to
+        # another dtype fails, or corrupts the heap under the threaded engine. A float32
+        # copy first brings it back to the default layout.
+        p.cast("float32")
+        p.cast(to_mx_dtype(dtype))
+        n += 1
+    return n
+
+
+def _policy(level: OptLevel, target_dtype: Any) -> Optional[Policy]:
+    """The policy O1-O3 patch with (resolved for this machine); ``None`` at O0."""
+    if not level.patch_ops:
+        if target_dtype is not None:
+            raise ValueError(f"target_dtype={target_dtype!r} has no effect at O0 (pure float32); "
+                             "leave it None, or pick O1-O3.")
+        return None
+    return make_policy(target_dtype, keep_batchnorm_fp32=level.keep_batchnorm_fp32)
+
+
+def initialize(net: Block, trainer: Optional[Trainer] = None, opt_level: str = "O1", *,
+               target_dtype: Any = None, keep_batchnorm_fp32: Optional[bool] = None,
+               loss_scale: Optional[LossScale] = None,
+               master_weights: Optional[bool] = None) -> Tuple[Block, Optional[Trainer]]:
+    """Set up ``net`` and ``trainer`` for mixed precision at an Apex opt level.
+
+    Call it once, after building and initializing the net and the trainer, before the
+    first ``trainer.step``. Then train as usual with ``gluon_amp.scale_loss(loss, trainer)``
+    (at every level, O0 included). ``net`` and ``trainer`` are changed in place and returned.
+
+    Parameters
+    ----------
+    net : mxnet.gluon.Block
+        Its parameters must be initialized; at O2/O3 their shapes must be known (run one
+        forward pass after a deferred ``net.initialize()``).
+    trainer : mxnet.gluon.Trainer, optional
+        Built with ``update_on_kvstore=False``. It gets a loss scaler (see
+        :func:`gluon_amp.get_scaler`) and, at O2, float32 master weights.
+    opt_level : {'O0', 'O1', 'O2', 'O3'}
+        See the module table.
+    target_dtype : {'float16', 'bfloat16', None}
+        ``None`` picks for this machine as :func:`gluon_amp.init` does; where it picks
+        float32 (no usable low precision) every level behaves as O0.
+    keep_batchnorm_fp32, loss_scale, master_weights : optional
+        Override the level's default, as in Apex. ``loss_scale`` is ``'dynamic'``, a number
+        (static scale) or a :class:`LossScaler`.
+
+    Returns
+    -------
+    (net, trainer)
+    """
+    level = properties(opt_level, keep_batchnorm_fp32=keep_batchnorm_fp32,
+                       loss_scale=loss_scale, master_weights=master_weights)
+    _check_net(net, level)
+    _check_trainer(trainer)
+    policy = _policy(level, target_dtype)
+    if policy is not None and not policy.enabled:  # no useful low precision here (warned): O0
+        level = replace(OPT_LEVELS["O0"], loss_scale=level.loss_scale if loss_scale is not None else 1.0)
+    dtype = policy.target_dtype if policy is not None else "float32"
+    if level.patch_ops:
+        net.apply(_drop_cached_graph)  # rebuilt under AMP at the next call
+        patching.init(policy)
+    if level.cast_weights:
+        _cast_weights(net, dtype)
+        net.apply(_drop_cached_graph)
+        net.forward = types.MethodType(_boundary_forward(net.forward, dtype), net)
+    if trainer is not None:
+        if level.cast_weights:
+            master_weights_mod.install(trainer, dtype, keep_master=level.master_weights)
+        trainer_mod.init_trainer(trainer, level.loss_scale)
+        _done_trainers.add(trainer)
+    _done_nets.add(net)
+    return net, trainer
