@@ -1,6 +1,8 @@
 """gluon_amp.initialize: the O0-O3 table, overrides, misuse errors; float16 at graph level
 (never executing a float16 convolution), bfloat16 executed where oneDNN has the kernels."""
 import json
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -10,6 +12,7 @@ from mxnet import autograd, gluon
 from mxnet.gluon import nn
 
 import gluon_amp
+from conftest import no_bf16_env
 from gluon_amp import master_weights as mw
 from gluon_amp import opt_levels
 from gluon_amp.mxnet_internals import BFLOAT16
@@ -386,3 +389,39 @@ def test_bfloat16_o3_updates_without_master_copies():
     assert mw.master_copies(tr) == {}
     assert not (net.collect_params()["conv0_weight"].data().asnumpy() == before).all()
     assert gluon_amp.get_scaler(tr).loss_scale == 1.0
+
+
+FALLBACK = r'''
+import json, warnings
+import mxnet as mx
+from mxnet import autograd, gluon
+from mxnet.gluon import nn
+import gluon_amp
+
+net = nn.HybridSequential()
+net.add(nn.Conv2D(4, 3, in_channels=1), nn.BatchNorm(in_channels=4), nn.Dense(2, in_units=64))
+net.initialize()
+trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, update_on_kvstore=False)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    gluon_amp.initialize(net, trainer, "O2")
+with autograd.record():
+    loss = net(mx.nd.ones((2, 1, 6, 6))).sum()
+    with gluon_amp.scale_loss(loss, trainer) as scaled:
+        autograd.backward(scaled)
+trainer.step(2)
+mx.nd.waitall()
+print(json.dumps({"dtypes": sorted({str(p.data().dtype) for p in net.collect_params().values()}),
+                  "enabled": gluon_amp.is_enabled(), "scale": gluon_amp.get_scaler(trainer).loss_scale,
+                  "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning]}))
+'''
+
+
+def test_without_bf16_kernels_every_level_falls_back_to_o0():
+    out = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, text=True,
+                         env=no_bf16_env(), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["dtypes"] == ["<class 'numpy.float32'>"]
+    assert got["enabled"] is False and got["scale"] == 1.0
+    assert len(got["warnings"]) == 1 and "float32" in got["warnings"][0], got["warnings"]
