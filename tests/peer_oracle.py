@@ -171,6 +171,30 @@ def training_graph(build: Any) -> Dict[str, Any]:
     return summarize(sym, {n: np.float32 for n in sym.list_inputs()})
 
 
+def softmax_output_step(amp: Any) -> List[List[float]]:
+    """One SGD step through ``SoftmaxOutput`` with loss scaling by ``amp`` (None: plain FP32).
+
+    Only float32-or-widest ops run (``dot``), so it executes under float16 AMP on a CPU.
+    Returns the updated weights.
+    """
+    from mxnet import autograd, gluon
+    w = gluon.Parameter("w_lossout", shape=(2, 3))
+    w.initialize(mx.init.Constant(0.1))
+    trainer = gluon.Trainer([w], "sgd", {"learning_rate": 1.0}, update_on_kvstore=False)
+    if amp is not None:
+        amp.init_trainer(trainer)
+    x, y = mx.nd.array([[1.0, 2.0, 3.0]]), mx.nd.array([1.0])
+    with autograd.record():
+        out = mx.nd.SoftmaxOutput(mx.nd.dot(x, w.data(), transpose_b=True), y)
+        if amp is None:
+            out.backward()
+        else:
+            with amp.scale_loss(out, trainer) as scaled:
+                autograd.backward(scaled)
+    trainer.step(1)
+    return w.data().asnumpy().tolist()
+
+
 def canonical(name: str) -> Optional[str]:
     """The registered op name behind ``name`` (an alias or itself); None if not registered."""
     import ctypes

@@ -29,7 +29,8 @@ from mxnet import autograd, gluon
 
 import gluon_amp
 from peer_oracle import (BF16, GRAPHS, bucket_summaries, bucketing_module, block_summary, canonical,
-                         fp32_params, param_dtypes, run_gluon_net, start_peer, summarize, training_graph)
+                         fp32_params, param_dtypes, run_gluon_net, softmax_output_step, start_peer, summarize,
+                         training_graph)
 
 DTYPES = ("float16", "bfloat16")
 LISTS = ("list_lp16_ops", "list_fp32_ops", "list_lp16_fp32_ops", "list_widest_type_cast",
@@ -98,6 +99,7 @@ if {trainer}:
     trainer.step(1)
     out["w"] = w.data().asnumpy().tolist()
     result["trainer"] = out
+    result["loss_output"] = softmax_output_step(amp)
 '''
 
 
@@ -293,6 +295,17 @@ def _train_step(keyword: bool):
     out["w"] = w.data().asnumpy().tolist()
     mx.nd.waitall()
     return out
+
+
+def test_loss_output_op_trains_like_fp32(peer):
+    """SoftmaxOutput's backward ignores the scaled head gradient and starts from grad_scale:
+    under AMP the loss scale must reach it there (list_loss_output_functions), or the step
+    is divided by a scale that was never applied. The peer does it; so must we."""
+    fp32 = softmax_output_step(None)
+    np.testing.assert_allclose(peer["float16"]["loss_output"], fp32, rtol=1e-5)
+    with gluon_amp.autocast("float16"):
+        ours = softmax_output_step(gluon_amp)
+    np.testing.assert_allclose(ours, fp32, rtol=1e-5)
 
 
 @pytest.mark.parametrize("keyword", [False, True], ids=["positional", "optimizer_or_trainer="])
