@@ -16,7 +16,7 @@ install: venv
 	$(PIP) install -q -e ".[cpu,bench,notebook,test]"
 
 bench: install
-	$(PYTHON) benchmarks/ssd_synthetic.py --compare
+	$(PYTHON) benchmarks/ssd_synthetic.py --amp
 
 test: install
 	$(PYTHON) -m pytest -q tests

@@ -6,11 +6,9 @@ from typing import Any, Dict, Optional
 
 
 def emit(report: Dict[str, Any], table: str, json_path: Optional[str] = None) -> None:
-    """Print ``report`` as JSON and ``table`` after it; also write the JSON to ``json_path``."""
-    text = json.dumps(report, indent=2, default=str)
+    """Print the readable ``table``; write the full JSON ``report`` to ``json_path`` if given."""
+    print(table)
     if json_path:
         with open(json_path, "w") as fh:
-            fh.write(text + "\n")
-    print(text)
-    print()
-    print(table)
+            fh.write(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"JSON written to {json_path}")

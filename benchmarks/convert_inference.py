@@ -263,15 +263,15 @@ def bench_model(mx: Any, model: str, batch: int, warmup: int, iters: int) -> Dic
     rep["ours_vs_peer_rel_err"] = (_rel_l2(got["ours"][idx], got["peer"][idx])
                                    if "ours" in got and "peer" in got else None)
     ips = {v: variants[v].get("images_per_s") for v in VARIANTS}
-    rep["speedup"] = {"ours_over_fp32": _ratio(ips["ours"], ips["fp32"]),
-                      "peer_over_fp32": _ratio(ips["peer"], ips["fp32"]),
-                      "ours_over_peer": _ratio(ips["ours"], ips["peer"])}
+    rep["speedup"] = {"ours_over_fp32": _ratio(ips.get("ours"), ips["fp32"]),
+                      "peer_over_fp32": _ratio(ips.get("peer"), ips["fp32"]),
+                      "ours_over_peer": _ratio(ips.get("ours"), ips.get("peer"))}
     if model == "ssd512":
         sp = rep["speedup"]["ours_over_fp32"]
         rep["target"] = {"desc": f"ours >= {TARGET_SSD_SPEEDUP:g}x fp32",
                          "met": None if sp is None else sp >= TARGET_SSD_SPEEDUP}
     else:
-        o, p = (variants[v].get("median_s_per_batch") for v in ("ours", "peer"))
+        o, p = (variants.get(v, {}).get("median_s_per_batch") for v in ("ours", "peer"))
         rep["target"] = {"desc": f"ours no slower than peer (within {NOISE_TOL:.0%} timing noise)",
                          "met": None if not (o and p) else o <= p * (1 + NOISE_TOL)}
     del net, blocks
@@ -369,8 +369,17 @@ def main(argv: List[str] | None = None) -> None:
     if args.batch_resnet < 1 or args.batch_ssd < 1 or args.warmup < 0 or (
             args.iters is not None and args.iters < 1):
         ap.error("batch sizes and --iters must be >= 1, --warmup >= 0")
+    global VARIANTS
+    import gluon_amp
+    res = gluon_amp.runtime.resolve_quietly("bfloat16")
+    not_run = None
+    if not res.executable:
+        not_run = f"AMP was not run (FP32 only): {res.warning}"
+        print(not_run)
+        VARIANTS = ("fp32",)
     rep = run(args)
-    emit(rep, format_table(rep), args.json)
+    rep["amp_not_run"] = not_run
+    emit(rep, format_table(rep) + (f"\n{not_run}" if not_run else ""), args.json)
 
 
 if __name__ == "__main__":

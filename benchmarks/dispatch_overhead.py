@@ -84,7 +84,7 @@ def _dtype_name(dt: Any) -> str:
     return getattr(dt, "__name__", None) or (dt.names[0] if getattr(dt, "names", None) else str(dt))
 
 
-def worker(lib: str, target_dtype: str, n: int, repeats: int) -> Dict[str, Any]:
+def worker(lib: str, target_dtype: str, n: int, repeats: int, ops: List[str]) -> Dict[str, Any]:
     """Runs in a subprocess: unpatched timings, then patched timings, for one library."""
     if lib == "ours":
         import gluon_amp
@@ -93,7 +93,7 @@ def worker(lib: str, target_dtype: str, n: int, repeats: int) -> Dict[str, Any]:
         import mxnet as mx
         from mxnet.contrib import amp
     ctx = mx.gpu(0) if target_dtype == "float16" else mx.cpu()
-    calls = _op_calls(mx, ctx)
+    calls = {k: v for k, v in _op_calls(mx, ctx).items() if k in ops}
     unpatched = _time_all(mx, calls, n, repeats)
     if lib == "ours":
         gluon_amp.init(target_dtype)
@@ -106,7 +106,8 @@ def worker(lib: str, target_dtype: str, n: int, repeats: int) -> Dict[str, Any]:
 
 def _run_worker(lib: str, args: argparse.Namespace) -> Dict[str, Any]:
     cmd = [sys.executable, __file__, "--worker", lib, "--calls", str(args.calls),
-           "--repeats", str(args.repeats), "--target-dtype", args.target_dtype]
+           "--repeats", str(args.repeats), "--target-dtype", args.target_dtype,
+           "--ops", ",".join(args.ops)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{lib} worker failed (exit {proc.returncode}):\n{proc.stderr}")
@@ -122,8 +123,8 @@ def _ratio(a: float, b: float) -> float | None:
 
 def build_report(res: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> Dict[str, Any]:
     ops: Dict[str, Any] = {}
-    for name, cls in OPS.items():
-        row: Dict[str, Any] = {"class": cls}
+    for name in args.ops:
+        row: Dict[str, Any] = {"class": OPS[name]}
         for lib in LIBS:
             u, p = res[lib]["unpatched_us"][name], res[lib]["patched_us"][name]
             row[lib] = {"unpatched_us": round(u, 3), "patched_us": round(p, 3),
@@ -134,7 +135,7 @@ def build_report(res: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> Di
         ops[name] = row
     mean = {lib: round(statistics.mean(r[lib]["overhead_us"] for r in ops.values()), 3) for lib in LIBS}
     return {"target_dtype": args.target_dtype, "calls": args.calls, "repeats": args.repeats,
-            "statistic": "median", "ops": ops,
+            "statistic": "median", "ops": ops, "not_measured": args.not_measured,
             "mean_overhead_us": {**mean, "ratio_ours_over_peer": _ratio(mean["ours"], mean["peer"])}}
 
 
@@ -155,6 +156,8 @@ def format_table(rep: Dict[str, Any]) -> str:
     m = rep["mean_overhead_us"]
     lines.append(f"mean overhead: ours {m['ours']:.2f} µs/call vs peer {m['peer']:.2f} µs/call "
                  f"(ours/peer = {f(m['ratio_ours_over_peer'])})")
+    if rep["not_measured"]:
+        lines.append(rep["not_measured"])
     return "\n".join(lines)
 
 
@@ -165,17 +168,20 @@ def main(argv: List[str] | None = None) -> None:
     ap.add_argument("--target-dtype", choices=("bfloat16", "float16"), default="bfloat16")
     ap.add_argument("--json", metavar="PATH", help="also write the JSON report here")
     ap.add_argument("--worker", choices=LIBS, help=argparse.SUPPRESS)
+    ap.add_argument("--ops", default=",".join(OPS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.ops = args.ops.split(",")
     if args.calls < 1 or args.repeats < 1:
         ap.error("--calls and --repeats must be >= 1")
     if args.worker:
-        print(json.dumps(worker(args.worker, args.target_dtype, args.calls, args.repeats)))
+        print(json.dumps(worker(args.worker, args.target_dtype, args.calls, args.repeats, args.ops)))
         return
-    if args.target_dtype == "float16":
-        import mxnet as mx
-        if mx.context.num_gpus() == 0:
-            ap.error("--target-dtype float16 needs a GPU: MXNet has no float16 FullyConnected "
-                     "on CPU. Use bfloat16 on CPU.")
+    import gluon_amp
+    res = gluon_amp.runtime.resolve_quietly(args.target_dtype)
+    args.not_measured = None
+    if not res.executable:  # FullyConnected would run a low-precision kernel this machine lacks
+        args.ops = [n for n in args.ops if OPS[n] != "lp16"]
+        args.not_measured = f"FullyConnected (a {args.target_dtype} kernel) was not measured: {res.warning}"
     rep = build_report({lib: _run_worker(lib, args) for lib in LIBS}, args)
     emit(rep, format_table(rep), args.json)
 

@@ -1,17 +1,21 @@
 """SSD-512 ResNet-50 training on synthetic data: FP32 against AMP, as in MXNet's AMP tutorial.
 
-    python benchmarks/ssd_synthetic.py --compare                 # FP32 and gluon_amp, interleaved
-    python benchmarks/ssd_synthetic.py --compare --impl gluon_amp,mxnet-contrib
-    python benchmarks/ssd_synthetic.py --amp --batch-size 8 --iters 50
+    python benchmarks/ssd_synthetic.py --amp                     # FP32 baseline and gluon_amp, interleaved
+    python benchmarks/ssd_synthetic.py --amp --impl gluon_amp,mxnet-contrib
+    python benchmarks/ssd_synthetic.py --amp --no-baseline --batch-size 8 --iters 50
 
 The workload is the tutorial's: GluonCV ``ssd_512_resnet50_v1_coco`` (``pretrained_base=False``,
 nothing is downloaded), inputs uniform in (-1, 1), SSDMultiBoxLoss, SGD(lr 0.001, wd 0.0005,
 momentum 0.9), ``hybridize(static_alloc=True, static_shape=True)``.
 
-With ``--compare`` every mode is built from the same seed and the modes take turns, one
-iteration each, so drift on a busy machine hits them alike; the ratio is per-mode median
-throughput over FP32's. ``mxnet-contrib`` (the peer) patches MXNet for good, so it is built
-last. Prints log lines, a closing table and a JSON document (``--json`` also writes it).
+With ``--amp`` an FP32 baseline runs in the same process (``--no-baseline`` drops it); every
+mode is built from the same seed and the modes take turns, one iteration each, so drift on a
+busy machine hits them alike; the ratio is per-mode median throughput over FP32's.
+``mxnet-contrib`` (the peer) patches MXNet for good, so it is built last. On a machine that
+cannot run the target dtype usefully (no bfloat16 kernels, or only emulated ones with
+``--target-dtype auto``), AMP modes are not run: FP32 runs alone and the reason is printed.
+stdout carries the log lines, a progress bar and the closing table; ``--json`` writes the
+full document.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -173,8 +177,10 @@ def resolve_ctx(arg: str) -> mx.Context:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--amp", action="store_true", help="train with AMP (without --compare: AMP only)")
-    p.add_argument("--compare", action="store_true", help="FP32 and AMP in one run, interleaved")
+    p.add_argument("--amp", action="store_true",
+                   help="train with AMP, interleaved with an FP32 baseline in the same process")
+    p.add_argument("--compare", action="store_true", help="same as --amp (kept for old commands)")
+    p.add_argument("--no-baseline", action="store_true", help="with --amp: skip the FP32 baseline")
     p.add_argument("--impl", default="gluon_amp",
                    help=f"AMP implementation(s), comma separated, from {', '.join(IMPLS)}")
     p.add_argument("--target-dtype", default="auto", choices=("auto", "float16", "bfloat16"))
@@ -184,7 +190,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations per mode after the first")
     p.add_argument("--log-interval", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="also write the JSON document here")
+    p.add_argument("--json", metavar="PATH", help="write the full JSON document here")
     p.add_argument("--plot", metavar="PATH", help="write a PNG with throughput bars and loss curves")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -202,38 +208,32 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s")
-    ctx = resolve_ctx(args.ctx)
-    on_gpu = ctx.device_type == "gpu"
-    batch_size = args.batch_size or (8 if on_gpu else 2)
-    iters = args.iters or (200 if on_gpu else 6)
-    target = None if args.target_dtype == "auto" else args.target_dtype
-    target = target or ("float16" if on_gpu else "bfloat16")
-    if target == "float16" and not on_gpu:
-        raise SystemExit("error: float16 training needs a GPU (MXNet's CPU build has no float16 "
-                         "convolution/GEMM); use --target-dtype bfloat16 on CPU")
-    names = (["fp32"] if (args.compare or not args.amp) else []) + (args.impls if (args.amp or args.compare) else [])
-    if "mxnet-contrib" in names:  # irreversible: build it last
-        names = [n for n in names if n != "mxnet-contrib"] + ["mxnet-contrib"]
+def plan_modes(args: argparse.Namespace) -> Tuple[List[str], str, Optional[str]]:
+    """The modes to run, the target dtype, and why AMP is not run (``None`` if it is)."""
+    amp = args.amp or args.compare
+    requested = None if args.target_dtype == "auto" else args.target_dtype
+    res = gluon_amp.runtime.resolve_quietly(requested)
+    skip_amp = None
+    if amp and (res.dtype == "float32" or not res.executable):
+        skip_amp = f"AMP was not run: {res.warning}"
+    elif amp and res.warning:
+        logger.warning("%s", res.warning)
+    names = [] if (amp and args.no_baseline and not skip_amp) else ["fp32"]
+    if amp and not skip_amp:
+        names += [n for n in args.impls if n != "mxnet-contrib"]
+        names += [n for n in args.impls if n == "mxnet-contrib"]  # irreversible: built last
+    return names, res.dtype, skip_amp
 
-    batch = SyntheticData(batch_size, ctx, args.seed)
-    modes = []
-    for n in names:
-        logger.info("building %s (batch %d, %s)", n, batch_size, ctx)
-        modes.append(Mode(n, ctx, batch, args.seed, None if n == "fp32" else target))
+
+def train(modes: List[Mode], iters: int, args: argparse.Namespace, batch_size: int) -> None:
+    """Warm up, then run the modes in turns, logging as the tutorial does."""
     for _ in range(args.warmup):
         for m in modes:
             m.step(record=False)
-
     bar = None
     if not args.no_progress:
-        try:
-            from tqdm import tqdm
-            bar = tqdm(total=iters * len(modes), desc="training", unit="it", file=sys.stderr)
-        except ImportError:
-            bar = None
+        from tqdm import tqdm
+        bar = tqdm(total=iters * len(modes), desc="training", unit="it", file=sys.stdout)
     for i in range(iters):
         for m in modes:
             m.step()
@@ -242,39 +242,68 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             r = m.result
             if (i + 1) % args.log_interval == 0 or i + 1 == iters:
                 span = r.iter_seconds[-min(args.log_interval, len(r.iter_seconds)):]
-                logger.info("[%s][Epoch 0][Batch %d], Speed: %.3f samples/sec, CrossEntropy=%.3f, SmoothL1=%.3f",
-                            m.name, i, batch_size * len(span) / sum(span), statistics.mean(r.ce), statistics.mean(r.smoothl1))
+                log = bar.write if bar is not None else print
+                log(f"INFO:ssd_synthetic:[{m.name}][Epoch 0][Batch {i}], Speed: "
+                    f"{batch_size * len(span) / sum(span):.3f} samples/sec, "
+                    f"CrossEntropy={statistics.mean(r.ce):.3f}, SmoothL1={statistics.mean(r.smoothl1):.3f}")
     if bar is not None:
         bar.close()
+
+
+def loss_agreement(curves: Dict[str, Dict[str, List[float]]]) -> Dict[str, Any]:
+    """Per AMP mode: the largest relative gap of the total loss to FP32's, first 12 iterations."""
+    if "fp32" not in curves:
+        return {}
+    ref, out = curves["fp32"], {}
+    for name, c in curves.items():
+        if name == "fp32":
+            continue
+        n = min(12, len(c["ce"]))
+        rel = [abs(a + b - (x + y)) / abs(x + y) for a, b, x, y in
+               zip(c["ce"][:n], c["smoothl1"][:n], ref["ce"][:n], ref["smoothl1"][:n])]
+        out[name] = {"max_rel_diff_total_loss": max(rel) if rel else None, "iters": n,
+                     "within_2pct": bool(rel) and max(rel) <= 0.02}
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s",
+                        stream=sys.stdout)
+    ctx = resolve_ctx(args.ctx)
+    on_gpu = ctx.device_type == "gpu"
+    batch_size = args.batch_size or (8 if on_gpu else 2)
+    iters = args.iters or (200 if on_gpu else 6)
+    names, target, skip_amp = plan_modes(args)
+    if skip_amp:
+        logger.warning("%s Running FP32 only.", skip_amp)
+
+    batch = SyntheticData(batch_size, ctx, args.seed)
+    modes = []
+    for n in names:
+        logger.info("building %s (batch %d, %s)", n, batch_size, ctx)
+        modes.append(Mode(n, ctx, batch, args.seed, None if n == "fp32" else target))
+    train(modes, iters, args, batch_size)
 
     summaries = [m.result.summary() for m in modes]
     base = next((s for s in summaries if s["mode"] == "fp32"), None)
     for s in summaries:
         s["speedup_vs_fp32"] = s["samples_per_sec"] / base["samples_per_sec"] if base else None
     curves = {m.name: {"ce": m.result.ce, "smoothl1": m.result.smoothl1} for m in modes}
-    loss_match = {}
-    if base:
-        ref = curves["fp32"]
-        for name, c in curves.items():
-            if name == "fp32":
-                continue
-            n = min(12, len(c["ce"]))
-            rel = [abs(a + b - (x + y)) / abs(x + y) for a, b, x, y in
-                   zip(c["ce"][:n], c["smoothl1"][:n], ref["ce"][:n], ref["smoothl1"][:n])]
-            loss_match[name] = {"max_rel_diff_total_loss": max(rel) if rel else None, "iters": n,
-                                "within_2pct": bool(rel) and max(rel) <= 0.02}
     doc = {"benchmark": "ssd_512_resnet50_v1_coco synthetic training", "ctx": str(ctx),
            "batch_size": batch_size, "iters": iters, "warmup": args.warmup, "seed": args.seed,
-           "target_dtype": target, "modes": summaries, "loss_curves": curves, "loss_match": loss_match,
+           "target_dtype": target, "amp_not_run": skip_amp, "modes": summaries,
+           "loss_curves": curves, "loss_match": loss_agreement(curves),
            "peak_rss_mb_process": peak_rss_mb(), "runtime": gluon_amp.runtime_info(),
            "command": " ".join(["python", "benchmarks/ssd_synthetic.py"] + (argv if argv is not None else sys.argv[1:]))}
-    print(json.dumps(doc, indent=1, default=str))
     print_table(doc)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1, default=str)
+        print(f"JSON written to {args.json}")
     if args.plot:
         plot(doc, args.plot)
+        print(f"plot written to {args.plot}")
     return doc
 
 
@@ -296,6 +325,8 @@ def print_table(doc: Dict[str, Any]) -> None:
                   f"{m['max_rel_diff_total_loss']:.4f} ({'within' if m['within_2pct'] else 'NOT within'} 2%)")
     print(f"process peak RSS {doc['peak_rss_mb_process']:.0f} MB; 'mem +MB' is the RSS each mode "
           "added when built and first run")
+    if doc["amp_not_run"]:
+        print(doc["amp_not_run"])
 
 
 def plot(doc: Dict[str, Any], path: str) -> None:

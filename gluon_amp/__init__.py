@@ -31,23 +31,29 @@ from .lists_api import (  # noqa: E402
     list_conditional_fp32_ops, list_fp32_ops, list_lp16_fp32_ops, list_lp16_ops,
     list_widest_type_cast, list_loss_output_functions, list_lp16_use_fp32_params,
 )
-from .patching import autocast, current_table, disable, init, is_enabled, patched_functions  # noqa: E402
-from .loss_scale import LossScaler, ScaleState  # noqa: E402
+from gluon_amp_core.loss_scale import LossScaler, ScaleState  # noqa: E402
+from gluon_amp_core.policy import Policy  # noqa: E402
+from .patching import (  # noqa: E402
+    autocast, current_policy, current_table, disable, init, is_enabled, patched_functions,
+)
+from .policies import make_policy  # noqa: E402
+from .opt_levels import initialize  # noqa: E402
 from .report import Report, report  # noqa: E402
 from .runtime import runtime_info  # noqa: E402
 from .trainer import (  # noqa: E402
     clip_global_norm, get_scaler, init_trainer, load_states, save_states, scale_loss, unscale,
 )
-from .table import OpClass, OpTable  # noqa: E402
+from gluon_amp_core.table import OpClass, OpTable  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "init", "disable", "autocast", "is_enabled", "current_table", "patched_functions",
+    "init", "disable", "autocast", "is_enabled", "current_policy", "current_table", "patched_functions",
+    "Policy", "make_policy",
     "list_lp16_ops", "list_fp32_ops", "list_lp16_fp32_ops", "list_conditional_fp32_ops",
     "list_widest_type_cast", "runtime_info", "OpClass", "OpTable",
     "LossScaler", "ScaleState", "init_trainer", "scale_loss", "unscale", "clip_global_norm",
-    "get_scaler", "save_states", "load_states",
+    "get_scaler", "save_states", "load_states", "initialize",
     "convert_symbol", "convert_model", "convert_hybrid_block", "report", "Report",
     "convert_bucketing_module", "list_loss_output_functions", "list_lp16_use_fp32_params",
 ]

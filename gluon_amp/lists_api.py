@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
-from .lists.loss_outputs import LOSS_OUTPUT_FUNCTIONS
-from .table import OpClass, default_table
+from gluon_amp_core.lists.loss_outputs import LOSS_OUTPUT_FUNCTIONS
+from gluon_amp_core.table import OpClass, default_table
 
 
 def list_lp16_ops(target_dtype: Any = "float16") -> List[str]:
@@ -52,7 +52,7 @@ def list_lp16_use_fp32_params(target_dtype: Any = "float16") -> Dict[str, List[s
     op's dtype. Unlike ``mxnet.contrib.amp``, which returns ``None`` for float16, the
     float16 table keeps these inputs in float32 too, so both dtypes return the mapping.
     """
-    from . import registry  # reads MXNet's op registry; the rest of this module is pure
+    from . import mxnet_internals as registry  # reads MXNet's op registry; the rest of this module is pure
     infos = registry.op_infos()
     keep = default_table(_name(target_dtype)).keep_fp32_inputs
     return {op: [n if n in names else "" for n in infos[op].inputs]
@@ -60,5 +60,5 @@ def list_lp16_use_fp32_params(target_dtype: Any = "float16") -> Dict[str, List[s
 
 
 def _name(target_dtype: Any) -> str:
-    from .dtypes import parse_target_dtype
+    from gluon_amp_core.dtypes import parse_target_dtype
     return parse_target_dtype(target_dtype)

@@ -16,10 +16,12 @@ import mxnet as mx
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
-from . import registry, runtime
-from .decide import Decision, decide
-from .dtypes import BFLOAT16, parse_target_dtype, to_mx_dtype
-from .table import ConditionalSpec, OpClass, OpTable, build_table
+from . import mxnet_internals as registry, runtime
+from gluon_amp_core.decide import Decision, decide
+from .mxnet_internals import BFLOAT16, to_mx_dtype
+from .policies import as_policy
+from gluon_amp_core.policy import Policy
+from gluon_amp_core.table import ConditionalSpec, OpClass, OpTable
 
 _log = logging.getLogger(__name__)
 
@@ -47,8 +49,7 @@ class Patch:
 
 @dataclass
 class _Active:
-    key: Tuple
-    table: OpTable
+    policy: Policy
     patches: List[Patch]
 
 
@@ -191,46 +192,22 @@ def _recompose(sym: Symbol, d: Decision, info: registry.OpInfo, given: set) -> S
     return sym._gen_atomic_symbol()(*inputs, name=sym.name)
 
 
-def _make_key(target_dtype, target_precision_ops, conditional_fp32_ops, fp32_ops,
-              widest_type_ops, keep_batchnorm_fp32) -> Tuple:
-    def frz(x):
-        if x is None:
-            return None
-        return tuple(tuple(frz(i)) if isinstance(i, (list, tuple)) else i for i in x)
-    return (target_dtype, frz(target_precision_ops), frz(conditional_fp32_ops), frz(fp32_ops),
-            frz(widest_type_ops), keep_batchnorm_fp32)
-
-
-def resolve_target_dtype(target_dtype: Any) -> str:
-    """``None`` -> float16 with a GPU, else bfloat16; anything else is parsed strictly."""
-    if target_dtype is None:
-        return "float16" if mx.context.num_gpus() > 0 else "bfloat16"
-    return parse_target_dtype(target_dtype)
-
-
-def make_table(target_dtype: Any = None, target_precision_ops=None, conditional_fp32_ops=None,
-               fp32_ops=None, widest_type_ops=None, keep_batchnorm_fp32=None) -> OpTable:
-    """Build the op table checked against the installed MXNet's registry."""
-    return build_table(resolve_target_dtype(target_dtype), target_precision_ops,
-                       conditional_fp32_ops, fp32_ops, widest_type_ops, keep_batchnorm_fp32,
-                       known_ops=registry.op_infos().keys(), aliases=registry.aliases())
-
-
 def init(target_dtype: Any = None,
          target_precision_ops: Optional[Sequence[str]] = None,
          conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
          fp32_ops: Optional[Sequence[str]] = None,
          *,
          widest_type_ops: Optional[Sequence[str]] = None,
-         keep_batchnorm_fp32: Optional[bool] = None) -> OpTable:
+         keep_batchnorm_fp32: Optional[bool] = None) -> Policy:
     """Turn on automatic mixed precision for ``mx.nd``, ``mx.sym``, ``mx.np`` and ``mx.npx``.
 
     Call it before building (or hybridizing) the network. Undo with :func:`disable`.
 
     Parameters
     ----------
-    target_dtype : {'float16', 'bfloat16', None}
-        ``None`` picks float16 when a GPU is visible, else bfloat16.
+    target_dtype : {'float16', 'bfloat16', None} or Policy
+        ``None`` picks float16 with a GPU, bfloat16 on a CPU with native bfloat16, and
+        otherwise stays in float32 (see Returns). A :class:`Policy` is used as it is.
     target_precision_ops, fp32_ops : list of str, optional
         Replace the default list of ops run in the target dtype / in float32.
     conditional_fp32_ops : list of (op, attr, [values]), optional
@@ -242,30 +219,32 @@ def init(target_dtype: Any = None,
 
     Returns
     -------
-    OpTable
-        The table in force. Calling ``init`` again with the same arguments is a no-op;
-        with different arguments while active it raises ``RuntimeError``.
+    Policy
+        The policy in force. In the float32 fallback (``target_dtype=None`` on a machine
+        without useful low precision) it has ``target_dtype == 'float32'`` and
+        ``enabled == False``, nothing is patched and :func:`is_enabled` is False; loss
+        scaling still works. Calling ``init`` again with an equal policy is a no-op; with
+        another one while active it raises ``RuntimeError``.
     """
     global _active
     with _lock:
-        dtype = resolve_target_dtype(target_dtype)
-        key = _make_key(dtype, target_precision_ops, conditional_fp32_ops, fp32_ops,
-                        widest_type_ops, keep_batchnorm_fp32)
+        policy = as_policy(target_dtype, target_precision_ops=target_precision_ops,
+                           conditional_fp32_ops=conditional_fp32_ops, fp32_ops=fp32_ops,
+                           widest_type_ops=widest_type_ops, keep_batchnorm_fp32=keep_batchnorm_fp32)
         if _active is not None:
-            if _active.key == key:
-                return _active.table
+            if _active.policy == policy:
+                return _active.policy
             raise RuntimeError(
-                f"gluon_amp is already initialised with target_dtype={_active.table.target_dtype!r} "
-                "and other op lists; call gluon_amp.disable() first, or use "
+                f"gluon_amp is already on with policy {_active.policy.describe()}; asked for "
+                f"{policy.describe()}. Call gluon_amp.disable() first, or use "
                 "`with gluon_amp.autocast(...)` for a scoped change.")
-        table = make_table(dtype, target_precision_ops, conditional_fp32_ops, fp32_ops,
-                           widest_type_ops, keep_batchnorm_fp32)
-        runtime.check_target(dtype)
+        if not policy.enabled:
+            return policy
         _warn_cached_blocks()
-        _active = _Active(key, table, _patch_all(table))
-        _log.info("gluon_amp: mixed precision on, target dtype %s, %d functions patched",
-                  dtype, len(_active.patches))
-        return table
+        _active = _Active(policy, _patch_all(policy.table))
+        _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
+                  policy.describe(), len(_active.patches))
+        return policy
 
 
 def _patch_all(table: OpTable) -> List[Patch]:
@@ -309,9 +288,14 @@ def is_enabled() -> bool:
     return _active is not None
 
 
+def current_policy() -> Optional[Policy]:
+    """The policy in force, or ``None`` when nothing is patched."""
+    return _active.policy if _active is not None else None
+
+
 def current_table() -> Optional[OpTable]:
-    """The table in force, or ``None`` when AMP is off."""
-    return _active.table if _active is not None else None
+    """The op table in force, or ``None`` when nothing is patched."""
+    return _active.policy.table if _active is not None else None
 
 
 def patched_functions() -> Tuple[Patch, ...]:
@@ -320,16 +304,16 @@ def patched_functions() -> Tuple[Patch, ...]:
 
 
 @contextlib.contextmanager
-def autocast(target_dtype: Any = None, **kwargs: Any) -> Iterator[OpTable]:
+def autocast(target_dtype: Any = None, **kwargs: Any) -> Iterator[Policy]:
     """Scope :func:`init`: AMP is on inside the block and restored on exit.
 
     If AMP was already on with the same arguments, the block changes nothing; with other
     arguments it raises ``RuntimeError`` as ``init`` does.
     """
     was_on = is_enabled()
-    table = init(target_dtype, **kwargs)
+    policy = init(target_dtype, **kwargs)
     try:
-        yield table
+        yield policy
     finally:
         if not was_on:
             disable()

@@ -4,16 +4,21 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from mxnet.gluon import HybridBlock
 from mxnet.symbol import Symbol
 
-from .convert.graph import REASON_ATTR
-from .decide import decide
-from .graph_types import infer_dtypes
-from .patching import current_table, make_table
-from .table import OpTable
+from gluon_amp_core.decide import Reason
+from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
+from gluon_amp_core.policy import Policy
+from gluon_amp_core.table import default_table
+from gluon_amp_core.walk import REASON_ATTR, walk
+
+from . import mxnet_internals as mxi
+from .patching import current_policy
+from .policies import make_policy
+from .type_inference import infer_dtypes
 
 
 @dataclass(frozen=True)
@@ -49,60 +54,61 @@ class Report:
         return "\n".join(lines)
 
 
-def _graph_of(obj: Any) -> Symbol:
+def _graph_and_policy(obj: Any, target_dtype: Any) -> Tuple[Symbol, Optional[Policy]]:
+    """The graph to report on, and the policy that made it when that is known."""
     if isinstance(obj, Symbol):
-        return obj
-    if isinstance(obj, HybridBlock):
-        cached = getattr(obj, "_cached_graph", ())
-        if not cached:
-            raise RuntimeError("the block has no cached graph: hybridize() it and run one forward pass "
-                               "before gluon_amp.report(block).")
-        return cached[1]
-    raise TypeError(f"report expects a Symbol or a hybridized HybridBlock, got {type(obj).__name__}")
+        sym, made_by = obj, None
+    elif isinstance(obj, HybridBlock):
+        sym = mxi.cached_graph(obj, "gluon_amp.report")[1]
+        made_by = getattr(getattr(obj, "amp_result", None), "policy", None)
+    else:
+        raise TypeError(f"report expects a Symbol or a hybridized HybridBlock, got {type(obj).__name__}")
+    if isinstance(target_dtype, Policy):
+        return sym, target_dtype
+    if target_dtype is not None:
+        return sym, make_policy(target_dtype)
+    return sym, made_by or current_policy()
 
 
-def report(symbol_or_block: Any, target_dtype: Optional[str] = None, **input_types: Any) -> Report:
+def _label(policy: Optional[Policy], dtypes: Dict[Tuple[str, int], Optional[str]]) -> str:
+    """The target dtype to print: the policy's, else the low precision the graph uses."""
+    if policy is not None:
+        return policy.target_dtype
+    present = set(dtypes.values())
+    return next((d for d in LOW_PRECISION_DTYPES if d in present), "float32")
+
+
+def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -> Report:
     """List every op of a graph with its dtype and the reason for it.
 
     Works on training graphs built under :func:`gluon_amp.init` and on converted
     inference graphs. Data inputs default to float32; pass ``name=dtype`` to change one.
-    Reasons come from the op table (``low_precision``, ``fp32``, ``conditional_fp32``,
-    ``widest``, ``neutral``...) or ``excluded`` for nodes the converter forced to float32.
+    Reasons are the walker's (:mod:`gluon_amp_core.walk`), or, for converted graphs, the
+    ones the converter recorded on each node. ``target_dtype`` (a dtype or a Policy)
+    defaults to the policy that made the graph, the one in force, or the low-precision
+    dtype found in the graph.
     """
-    sym = _graph_of(symbol_or_block)
-    table: OpTable = current_table() or make_table(target_dtype)
-    if target_dtype is not None and table.target_dtype != target_dtype:
-        table = make_table(target_dtype)
-    graph = json.loads(sym.tojson(remove_amp_cast=False))
-    nodes = graph["nodes"]
+    sym, policy = _graph_and_policy(symbol_or_block, target_dtype)
+    nodes = json.loads(sym.tojson(remove_amp_cast=False))["nodes"]
     attrs = sym.attr_dict()
     known = {n: "float32" for n in sym.list_inputs() if "__dtype__" not in attrs.get(n, {})}
     by_name = infer_dtypes(sym, {**known, **input_types})
     if by_name is None:
         raise ValueError("could not infer the graph's dtypes; pass the dtype of every data input, "
                          f"e.g. report(sym, data='float32'); inputs: {sym.list_inputs()[:8]}")
-
-    def out_type(i: int, k: int) -> Optional[str]:
-        return by_name.get((nodes[i]["name"], k))
-
+    label = _label(policy, by_name)
+    table = policy.table if policy is not None and policy.enabled else \
+        default_table(label if label in LOW_PRECISION_DTYPES else "bfloat16")
     rows, casts = [], 0
-    for i, node in enumerate(nodes):
-        op = node["op"]
-        if op == "null":
-            continue
-        if op in ("amp_cast", "amp_multicast"):
+    for nd in walk(nodes, table, lambda e: by_name.get((nodes[e[0]]["name"], e[1]))):
+        if nd.reason is Reason.CAST:
             casts += 1
             continue
-        in_types = [out_type(e[0], e[1]) for e in node["inputs"]]
-        node_attrs = node.get("attrs", {})
-        if node_attrs.get(REASON_ATTR) == "excluded":
-            reason = "excluded"
-        else:
-            d = decide(op, node_attrs, in_types, table)
-            reason = d.reason
-            rule = table.conditions.get(table.canonical(op))
-            if rule is not None:
-                reason += f" ({rule.attr}={node_attrs.get(rule.attr, 'default')})"
-        rows.append(OpRow(node["name"], op, out_type(i, 0) or "?", reason))
-    return Report(table.target_dtype, rows, casts,
-                  dict(Counter(r.dtype for r in rows)), dict(Counter(r.reason.split(" ")[0] for r in rows)))
+        node_attrs = nodes[nd.index].get("attrs", {})
+        reason = node_attrs.get(REASON_ATTR, nd.reason.value)
+        rule = table.conditions.get(table.canonical(nd.op))
+        if rule is not None and reason.startswith("conditional"):
+            reason += f" ({rule.attr}={node_attrs.get(rule.attr, 'default')})"
+        rows.append(OpRow(nd.name, nd.op, by_name.get((nd.name, 0)) or "?", reason))
+    return Report(label, rows, casts, dict(Counter(r.dtype for r in rows)),
+                  dict(Counter(r.reason.split(" ")[0] for r in rows)))

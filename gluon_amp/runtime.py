@@ -9,10 +9,13 @@ primitive is created (it reads ``DNNL_MAX_CPU_ISA`` once).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import warnings
-from typing import Any, Dict, FrozenSet
+from typing import Any, Dict, FrozenSet, Optional, Set
+
+from gluon_amp_core.capability import Bf16, Capability, Resolution, classify, resolve_target
 
 _SYS_ARCH_PRCTL = 158
 _ARCH_REQ_XCOMP_PERM = 0x1023
@@ -69,42 +72,87 @@ def enable_amx() -> bool:
     return ok
 
 
-def has_fast_bf16() -> bool:
-    flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+def _probe_bf16() -> Optional[str]:
+    """Run a tiny bfloat16 convolution and dense layer; ``None`` if they ran, else the error.
+
+    MXNet reports a missing kernel when the op runs, and logs it on stderr from C++ too:
+    fd 2 is silenced while probing, and the engine's pending error is drained so it cannot
+    surface in the caller's next op.
+    """
+    import mxnet as mx
+    from .mxnet_internals import BFLOAT16
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        x = mx.nd.amp_cast(mx.nd.ones((1, 4, 4, 4), ctx=mx.cpu()), dtype=BFLOAT16)
+        w = mx.nd.amp_cast(mx.nd.ones((4, 4, 1, 1), ctx=mx.cpu()), dtype=BFLOAT16)
+        y = mx.nd.Convolution(x, w, kernel=(1, 1), num_filter=4, no_bias=True)
+        v = mx.nd.amp_cast(mx.nd.ones((2, 64), ctx=mx.cpu()), dtype=BFLOAT16)
+        f = mx.nd.FullyConnected(y.reshape((1, -1)), v, num_hidden=2, no_bias=True)
+        mx.nd.amp_cast(f, dtype="float32").asnumpy()
+        return None
+    except mx.base.MXNetError as exc:
+        try:
+            mx.nd.waitall()
+        except mx.base.MXNetError:
+            pass
+        return str(exc).strip().splitlines()[0].replace("MXNetError: ", "")
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
-def check_target(target_dtype: str) -> None:
-    """Warn when bfloat16 is chosen on a CPU without native bfloat16 instructions."""
-    if target_dtype == "bfloat16" and cpu_flags() and not has_fast_bf16():
-        warnings.warn(
-            "This CPU has neither avx512_bf16 nor amx_bf16: bfloat16 ops are emulated and "
-            "will be slower than float32. Use gluon_amp only for numerics checks here.",
-            RuntimeWarning, stacklevel=3)
+@functools.lru_cache(maxsize=None)
+def capability() -> Capability:
+    """What this process can execute: GPUs, and bfloat16 from the CPU flags, the
+    ``DNNL_MAX_CPU_ISA`` cap and a probe that runs one tiny bf16 op. Cached: the ISA
+    oneDNN uses is fixed for the life of the process."""
+    import mxnet as mx
+    return classify(cpu_flags(), bool(_state["amx_permission"]), os.environ.get("DNNL_MAX_CPU_ISA"),
+                    gpus=mx.context.num_gpus(), probe_error=_probe_bf16())
+
+
+_warned: Set[str] = set()
+
+
+def resolve(target_dtype: Any) -> Resolution:
+    """Resolve ``target_dtype`` for this machine; warn (once per message) as it says."""
+    res = resolve_target(target_dtype, capability())
+    if res.warning and res.warning not in _warned:
+        _warned.add(res.warning)
+        warnings.warn(res.warning, RuntimeWarning, stacklevel=3)
+    return res
+
+
+def resolve_quietly(target_dtype: Any) -> Resolution:
+    """:func:`resolve` for callers that show the warning themselves (CLI, benchmarks)."""
+    res = resolve_target(target_dtype, capability())
+    if res.warning:
+        _warned.add(res.warning)
+    return res
 
 
 def runtime_info() -> Dict[str, Any]:
-    """What gluon_amp found and chose on this machine."""
+    """What gluon_amp found on this machine and what ``target_dtype=None`` picks, with why."""
     import mxnet as mx
     flags = cpu_flags()
-    features = mx.runtime.Features()
-    gpus = mx.context.num_gpus()
-    if _state["amx_permission"]:
-        isa = "avx512_core_amx"
-    elif "avx512_bf16" in flags:
-        isa = "avx512_core_bf16"
-    else:
-        isa = "no native bfloat16"
+    cap = capability()
     return {
         "mxnet": mx.__version__,
-        "onednn": features.is_enabled("MKLDNN"),
-        "gpus": gpus,
-        "default_target_dtype": "float16" if gpus > 0 else "bfloat16",
+        "onednn": mx.runtime.Features().is_enabled("MKLDNN"),
+        "gpus": cap.gpus,
+        "default_target_dtype": resolve_target(None, cap).dtype,
+        "bf16": cap.bf16.value,
+        "bf16_why": cap.why,
+        "onednn_isa": cap.isa.lower(),
+        "cpu_avx512f": "avx512f" in flags,
         "cpu_avx512_bf16": "avx512_bf16" in flags,
         "cpu_amx_bf16": "amx_bf16" in flags,
         "amx_permission": bool(_state["amx_permission"]),
         "DNNL_MAX_CPU_ISA": os.environ.get("DNNL_MAX_CPU_ISA"),
         "isa_set_by": _state["isa_set_by"],
-        "bf16_isa": isa,
+        "bf16_isa": cap.isa.lower() if cap.bf16 is Bf16.NATIVE else f"no native bfloat16 ({cap.bf16.value})",
         "error": _state["error"],
     }

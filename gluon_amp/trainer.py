@@ -18,8 +18,8 @@ import mxnet as mx
 from mxnet import autograd
 from mxnet.gluon import Trainer
 
-from . import overflow
-from .loss_scale import LossScaler
+from . import distributed, overflow
+from gluon_amp_core.loss_scale import LossScaler
 
 _FORMAT = "gluon_amp.trainer_states.v1"
 
@@ -35,7 +35,7 @@ class _Hook:
 
     def has_overflow(self, params: Sequence[mx.gluon.Parameter]) -> bool:
         trainer = self._trainer()
-        finite = True if not self.scaler.enabled else overflow.all_finite(params)
+        finite = True if not self.scaler.enabled else distributed.agree_finite(trainer, overflow.all_finite(params))
         skip = _report(self.scaler, self, finite)
         if trainer is not None:
             trainer._scale = self.original_scale  # the next step is unscaled unless scale_loss runs

@@ -5,17 +5,51 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import mxnet as mx  # noqa: E402
+
 import gluon_amp  # noqa: E402
+from gluon_amp_core.capability import Bf16  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "bf16_kernels: executes bfloat16 kernels; skipped, naming the missing CPU "
+        "feature, where oneDNN has none (below AVX-512, or DNNL_MAX_CPU_ISA caps it there)")
+
+
+def pytest_collection_modifyitems(config, items):
+    cap = gluon_amp.runtime.capability()
+    if cap.bf16 is not Bf16.NONE:
+        return
+    skip = pytest.mark.skip(reason=f"needs bfloat16 kernels: {cap.why}")
+    for item in items:
+        if "bf16_kernels" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
-def _amp_off():
-    """Every test starts and ends with AMP off, whatever it did."""
+def _isolated():
+    """Every test starts and ends with AMP off and MXNet's engine drained.
+
+    A deferred kernel error surfaces here, in the test that caused it, not in the next.
+    """
     gluon_amp.disable()
+    mx.nd.waitall()
     yield
-    gluon_amp.disable()
+    try:
+        mx.nd.waitall()
+    finally:
+        gluon_amp.disable()
 
 
 def gluoncv_or_skip():
-    """GluonCV is in the [bench] extra that `make test` installs; skip only outside it."""
-    return pytest.importorskip("gluoncv")
+    """GluonCV is installed by `make test` (the [bench] extra): a missing one is an error."""
+    import gluoncv
+    return gluoncv
+
+
+def no_bf16_env() -> dict:
+    """Environment for a subprocess that behaves like an AVX2-only host on any CPU."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {**os.environ, "DNNL_MAX_CPU_ISA": "AVX2",
+            "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}

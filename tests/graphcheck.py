@@ -1,53 +1,35 @@
-"""Check a typed graph against the op table: every op sees the dtypes ``decide`` asks for."""
+"""Check a typed graph against the policy: every op sees the dtypes the walker decides."""
 import json
 
-from gluon_amp import registry
-from gluon_amp.decide import decide
-from gluon_amp.dtypes import FLOAT_DTYPES, dtype_name
+from gluon_amp import mxnet_internals as registry
+from gluon_amp.type_inference import infer_dtypes
+from gluon_amp_core.dtypes import FLOAT_DTYPES
+from gluon_amp_core.walk import walk
 
 
-def node_dtypes(sym, **input_types):
-    """{(node index, output index): dtype name} from infer_type over all internals."""
-    internals = sym.get_internals()
-    _, out_types, _ = internals.infer_type(**input_types)
-    assert out_types is not None, "infer_type could not type the whole graph"
-    by_name = {n: dtype_name(t) for n, t in zip(internals.list_outputs(), out_types)}
+def check_graph(sym, policy, excluded=(), **input_types):
+    """Return ``(violations, counts by reason)``; no violations when every op runs as decided.
+
+    ``policy`` is a Policy (what ``init`` returns) or its OpTable."""
+    table = getattr(policy, "table", None) or policy
+    types = infer_dtypes(sym, {k: v for k, v in input_types.items()})
+    assert types is not None, "infer_type could not type the whole graph"
     nodes = json.loads(sym.tojson(remove_amp_cast=False))["nodes"]
-    out = {}
-    for i, node in enumerate(nodes):
-        name = node["name"]
-        if node["op"] == "null":
-            out[(i, 0)] = by_name[name]
-            continue
-        if name + "_output" in by_name:
-            out[(i, 0)] = by_name[name + "_output"]
-        k = 0
-        while f"{name}_output{k}" in by_name:
-            out[(i, k)] = by_name[f"{name}_output{k}"]
-            k += 1
-    return nodes, out
-
-
-def check_graph(sym, table, excluded=(), **input_types):
-    """Return a list of violations; empty when every op runs as the table says."""
-    nodes, types = node_dtypes(sym, **input_types)
     infos = registry.op_infos()
     problems, counts = [], {}
-    for i, node in enumerate(nodes):
-        op = node["op"]
-        if op == "null" or op.startswith("amp_"):
+    for nd in walk(nodes, table, lambda e: types.get((nodes[e[0]]["name"], e[1])), excluded):
+        if nd.reason == "cast":
             continue
-        in_types = [types.get((e[0], e[1])) for e in node["inputs"]]
-        d = decide(op, node.get("attrs", {}), in_types, table, excluded=node["name"] in excluded)
-        counts[d.reason] = counts.get(d.reason, 0) + 1
+        d = nd.decision
+        counts[d.reason.value] = counts.get(d.reason.value, 0) + 1
         if d.dtype is None:
             continue
-        names = infos[op].inputs if op in infos else ()
-        for j, t in enumerate(in_types):
+        names = infos[nd.op].inputs if nd.op in infos else ()
+        for j, t in enumerate(nd.input_dtypes):
             if j < len(names) and names[j] in d.keep_fp32:
                 if t != "float32":
-                    problems.append(f"{node['name']} ({op}): kept input {names[j]} is {t}")
+                    problems.append(f"{nd.name} ({nd.op}): kept input {names[j]} is {t}")
                 continue
             if t in FLOAT_DTYPES and t != d.dtype:
-                problems.append(f"{node['name']} ({op}, {d.reason}): input {j} is {t}, want {d.dtype}")
+                problems.append(f"{nd.name} ({nd.op}, {d.reason.value}): input {j} is {t}, want {d.dtype}")
     return problems, counts

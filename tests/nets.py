@@ -33,7 +33,7 @@ def make_net(seed=0, hybridize=True):
 
 def internal_types(sym, **input_types):
     """{output name: dtype name} for every node of ``sym``."""
-    from gluon_amp.dtypes import dtype_name
+    from gluon_amp_core.dtypes import dtype_name
     internals = sym.get_internals()
     _, out_types, _ = internals.infer_type(**input_types)
     return {n: dtype_name(t) for n, t in zip(internals.list_outputs(), out_types)}

@@ -1,4 +1,5 @@
 """bfloat16 executes on this CPU (oneDNN): compare numerics against float32."""
+import pytest
 import numpy as np
 import mxnet as mx
 from mxnet import autograd
@@ -17,6 +18,7 @@ def _run(net, x):
     return out.asnumpy(), grads
 
 
+@pytest.mark.bf16_kernels
 def test_mixed_net_forward_backward_within_bf16_tolerance():
     x = mx.nd.random.uniform(-1, 1, shape=(4, 3, 8, 8))
     ref_out, ref_grads = _run(make_net(seed=1), x)
@@ -31,6 +33,7 @@ def test_mixed_net_forward_backward_within_bf16_tolerance():
         assert np.linalg.norm(g - r) <= 0.05 * np.linalg.norm(r) + 1e-4, i
 
 
+@pytest.mark.bf16_kernels
 def test_ssd512_hybridized_train_and_predict_bf16():
     gluoncv_or_skip()
     from gluoncv.model_zoo import get_model

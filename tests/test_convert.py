@@ -8,9 +8,9 @@ import pytest
 from mxnet.gluon.model_zoo import vision
 
 import gluon_amp
-from gluon_amp.convert import convert_symbol_detailed
-from gluon_amp.dtypes import dtype_name
-from gluon_amp.patching import make_table
+from gluon_amp.convert import convert_with_policy
+from gluon_amp_core.dtypes import dtype_name
+from gluon_amp.policies import make_policy
 from conftest import gluoncv_or_skip
 from graphcheck import check_graph
 
@@ -39,8 +39,8 @@ def zoo():
 
 @pytest.mark.parametrize("name", ZOO)
 def test_fp16_conversion_types_follow_table(zoo, name):
-    sym = convert_symbol_detailed(_sym(zoo[name]), "float16")[0]
-    problems, counts = check_graph(sym, make_table("float16"), data=np.float32)
+    sym = convert_with_policy(_sym(zoo[name]), make_policy("float16"))[0]
+    problems, counts = check_graph(sym, make_policy("float16").table, data=np.float32)
     assert not problems, problems[:5]
     assert counts["low_precision"] >= 1
     arg_t, _, aux_t = sym.infer_type(data=np.float32)
@@ -56,7 +56,7 @@ def test_fp16_ssd512_converts():
     net(mx.nd.random.uniform(-1, 1, shape=(1, 3, 512, 512)))
     block = gluon_amp.convert_hybrid_block(net, "float16", cast_optional_params=True)
     sym = block._cached_graph[1] if block._cached_graph else block(mx.sym.var("data"))
-    problems, counts = check_graph(sym, make_table("float16"), data=np.float32)
+    problems, counts = check_graph(sym, make_policy("float16").table, data=np.float32)
     assert not problems, problems[:5]
     assert counts["low_precision"] > 50
     conv_w = [p for n, p in block.collect_params().items() if n.endswith("conv0_weight")]
@@ -65,6 +65,7 @@ def test_fp16_ssd512_converts():
     assert bn and all(dtype_name(p.dtype) == "float32" for p in bn)
 
 
+@pytest.mark.bf16_kernels
 def test_bf16_ssd512_executes_and_exports(tmp_path):
     gluoncv_or_skip()
     from gluoncv.model_zoo import get_model
@@ -86,6 +87,7 @@ def test_bf16_ssd512_executes_and_exports(tmp_path):
     assert np.array_equal(loaded(x)[1].asnumpy(), scores)
 
 
+@pytest.mark.bf16_kernels
 @pytest.mark.parametrize("name", ZOO)
 def test_bf16_executes_close_to_fp32(zoo, name, tmp_path):
     net = zoo[name]
@@ -118,8 +120,8 @@ def test_exclusions_and_conditional_ops_stay_fp32():
     fc1 = mx.sym.FullyConnected(data, num_hidden=8, name="fc1")
     act = mx.sym.Activation(fc1, act_type="softrelu", name="soft")
     fc2 = mx.sym.FullyConnected(act, num_hidden=4, name="fc2")
-    sym, result = convert_symbol_detailed(fc2, "bfloat16", excluded_sym_names=["fc2"],
-                                          data_names=["data"])
+    sym, result = convert_with_policy(fc2, make_policy("bfloat16"), excluded_sym_names=["fc2"],
+                                      data_names=["data"])
     assert result.reasons == {"fc1": "low_precision", "soft": "conditional_fp32", "fc2": "excluded"}
     internals = sym.get_internals()
     types = dict(zip(internals.list_outputs(), internals.infer_type(data=np.float32)[1]))
@@ -175,14 +177,27 @@ def _cli(*args):
                           text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
 
 
-def test_cli_converts_an_exported_model(zoo, tmp_path):
+def _cli_convert(zoo, tmp_path):
     zoo["resnet18_v1"].export(str(tmp_path / "r18"), 3)
     r = _cli(str(tmp_path / "r18"), "3", "--target-dtype", "bfloat16", "--out", str(tmp_path / "r18bf"),
              "--exclude", "resnetv10_dense0_fwd")
     assert r.returncode == 0, r.stderr
     assert "casts inserted" in r.stdout and "parameter bytes" in r.stdout and "ops per dtype" in r.stdout
-    loaded = mx.gluon.SymbolBlock.imports(str(tmp_path / "r18bf-symbol.json"), ["data"],
-                                          str(tmp_path / "r18bf-0003.params"))
+    return mx.gluon.SymbolBlock.imports(str(tmp_path / "r18bf-symbol.json"), ["data"],
+                                        str(tmp_path / "r18bf-0003.params"))
+
+
+def test_cli_converts_an_exported_model(zoo, tmp_path):
+    _cli_convert(zoo, tmp_path)
+    params = mx.nd.load(str(tmp_path / "r18bf-0003.params"))
+    assert "bfloat16" in {dtype_name(v.dtype) for v in params.values()}
+    sym = mx.sym.load(str(tmp_path / "r18bf-symbol.json"))
+    assert any(n.startswith("resnetv10_dense0_fwd") for n in sym.get_internals().list_outputs())
+
+
+@pytest.mark.bf16_kernels
+def test_cli_converted_model_predicts_like_fp32(zoo, tmp_path):
+    loaded = _cli_convert(zoo, tmp_path)
     ref = zoo["resnet18_v1"](X).asnumpy()
     assert (loaded(X).asnumpy().argmax(1) == ref.argmax(1)).all()
 

@@ -1,5 +1,5 @@
-from gluon_amp.decide import decide
-from gluon_amp.table import build_table
+from gluon_amp_core.decide import decide
+from gluon_amp_core.table import build_table
 
 BF = build_table("bfloat16")
 FP = build_table("float16")

@@ -1,8 +1,15 @@
-"""The conversion pass on hand-written JSON graphs: no MXNet involved."""
-from gluon_amp.convert.graph import REASON_ATTR, convert_graph, strip_casts
-from gluon_amp.table import build_table
+"""The conversion pass on hand-written JSON graphs: no MXNet involved.
 
-TABLE = build_table("bfloat16")
+``toy_op_types`` stands in for MXNet's type inference: outputs and free (parameter) inputs
+take the dtype of the float inputs, which must agree; BatchNorm keeps float32 parameters;
+casts produce their ``dtype``.
+"""
+from gluon_amp_core.dtypes import FLOAT_DTYPES
+from gluon_amp_core.graph_pass import convert_graph
+from gluon_amp_core.policy import Policy
+from gluon_amp_core.walk import REASON_ATTR
+
+POLICY = Policy.create("bfloat16")
 OP_INPUTS = {"FullyConnected": ("data", "weight", "bias"), "softmax": ("data",),
              "elemwise_add": ("lhs", "rhs"), "BatchNorm": ("data", "gamma", "beta", "moving_mean", "moving_var")}
 
@@ -20,9 +27,21 @@ def graph(nodes, heads):
     return {"nodes": nodes, "arg_nodes": [], "heads": [[h, 0, 0] for h in heads], "attrs": {}}
 
 
+def toy_op_types(op, attrs, in_dtypes):
+    if op == "amp_cast":
+        return in_dtypes, (attrs["dtype"],)
+    data = in_dtypes[:1] if op == "BatchNorm" else in_dtypes
+    known = {t for t in data if t in FLOAT_DTYPES}
+    if len(known) > 1:
+        return None
+    t = known.pop() if known else None
+    if op == "BatchNorm":
+        return (t,) + ("float32",) * (len(in_dtypes) - 1), (t,)
+    return tuple(d if d is not None else t for d in in_dtypes), (t,)
+
+
 def run(g, **kw):
-    original = {(i, 0): "float32" for i in range(len(g["nodes"]))}
-    return convert_graph(g, TABLE, ["x"], original, OP_INPUTS, **kw)
+    return convert_graph(g, POLICY, ["x"], {}, toy_op_types, OP_INPUTS, **kw)
 
 
 def two_fc():
@@ -74,8 +93,30 @@ def test_batchnorm_parameters_are_never_cast():
     assert [r.graph["nodes"][i[0]]["name"] for i in bn["inputs"][1:]] == ["g", "b", "m", "v"]
 
 
-def test_strip_casts_restores_the_fp32_graph():
-    r = run(two_fc())
-    stripped = strip_casts(r.graph)
-    assert [n["op"] for n in stripped["nodes"]] == [n["op"] for n in two_fc()["nodes"]]
-    assert stripped["heads"] == [[5, 0, 0]]
+def test_user_casts_are_kept():
+    # relu(amp_cast(x, float16)): the user's cast stays, relu (neutral) runs in float16
+    g = graph([var("x"), node("amp_cast", "mine", 0, dtype="float16"), node("relu", "r", 1)], [2])
+    r = run(g, float32_outputs=False)
+    assert [n["name"] for n in r.graph["nodes"]] == ["x", "mine", "r"]
+    assert r.dtypes[("r", 0)] == "float16" and r.reasons["mine"] == "cast"
+
+
+def test_parameters_of_ops_that_follow_their_input_get_its_dtype():
+    # fc (bf16) -> LeakyReLU(prelu) with its own slope parameter: the slope is cast to bf16
+    g = graph([var("x"), var("w"), node("FullyConnected", "fc", 0, 1, num_hidden=4, no_bias=True),
+               var("slope"), node("LeakyReLU", "prelu", 2, 3, act_type="prelu")], [4])
+    r = run(g, cast_optional_params=True)
+    assert r.dtypes[("prelu", 0)] == "bfloat16"
+    assert r.param_dtypes["slope"] == "bfloat16" and r.param_dtypes["w"] == "bfloat16"
+
+
+def test_pass_is_driven_by_the_type_rule_it_is_given():
+    # an op whose output follows only its first input (slice_like): the rule says so, not the pass
+    def first_input_rule(op, attrs, in_dtypes):
+        if op == "slice_like":
+            return in_dtypes, (in_dtypes[0],)
+        return toy_op_types(op, attrs, in_dtypes)
+    g = graph([var("x"), var("w"), node("FullyConnected", "fc", 0, 1, num_hidden=4, no_bias=True),
+               node("slice_like", "s", 2, 0)], [3])
+    r = convert_graph(g, POLICY, ["x"], {}, first_input_rule, OP_INPUTS, float32_outputs=False)
+    assert r.dtypes[("s", 0)] == "bfloat16"

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from gluon_amp.loss_scale import LossScaler
+from gluon_amp_core.loss_scale import LossScaler
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "gradscaler_trajectory.json")
 

@@ -8,16 +8,15 @@ NOTEBOOK = os.path.join(ROOT, "notebooks", "amp_ssd_tutorial.ipynb")
 
 
 def test_notebook_is_committed_without_outputs():
-    nbformat = pytest.importorskip("nbformat")
+    import nbformat
     nb = nbformat.read(NOTEBOOK, as_version=4)
     assert all(not c.get("outputs") and c.get("execution_count") is None
                for c in nb.cells if c.cell_type == "code")
 
 
 def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    pytest.importorskip("gluoncv")
+    import nbformat
+    import nbclient
     monkeypatch.setenv("GLUON_AMP_NB_SMALL", "1")
     monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     nb = nbformat.read(NOTEBOOK, as_version=4)

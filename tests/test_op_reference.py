@@ -1,6 +1,6 @@
 import os
 
-from gluon_amp import op_reference
+from gluon_amp_core import op_reference
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "op_reference.md")
 
@@ -9,7 +9,7 @@ def test_committed_op_reference_is_current():
     with open(DOC, encoding="utf-8") as f:
         committed = f.read()
     assert committed == op_reference.render(), \
-        "docs/op_reference.md is stale: run python -m gluon_amp.op_reference > docs/op_reference.md"
+        "docs/op_reference.md is stale: run python -m gluon_amp_core.op_reference > docs/op_reference.md"
 
 
 def test_reference_lists_every_class_for_both_dtypes():

@@ -1,7 +1,11 @@
 import subprocess
 import sys
 
+import warnings
+
 import pytest
+
+from gluon_amp_core.capability import Bf16, Capability
 
 from gluon_amp import runtime
 
@@ -57,10 +61,22 @@ def test_no_amx_cpu_is_a_quiet_no_op(fresh_state, monkeypatch):
     assert runtime.enable_amx() is False and not called
 
 
-def test_warns_when_cpu_has_no_native_bf16(monkeypatch):
-    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx2"}))
+def test_resolve_warns_once_per_message(monkeypatch):
+    emulated = Capability(0, Bf16.EMULATED, "AVX512_CORE", "no avx512_bf16: slower than float32")
+    monkeypatch.setattr(runtime, "capability", lambda: emulated)
+    monkeypatch.setattr(runtime, "_warned", set())
     with pytest.warns(RuntimeWarning, match="slower than float32"):
-        runtime.check_target("bfloat16")
+        assert runtime.resolve("bfloat16").dtype == "bfloat16"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert runtime.resolve("bfloat16").dtype == "bfloat16"   # said once already
+    with pytest.warns(RuntimeWarning, match="stay in float32"):
+        assert runtime.resolve(None).dtype == "float32"
+
+
+def test_probe_matches_the_classification_of_this_host():
+    cap = runtime.capability()
+    assert (runtime._probe_bf16() is None) == (cap.bf16 is not Bf16.NONE)
 
 
 def test_real_syscall_never_crashes():

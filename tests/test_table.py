@@ -2,8 +2,9 @@ import types
 
 import pytest
 
-from gluon_amp import table as table_mod
-from gluon_amp.table import OpClass, build_table
+from gluon_amp_core import table as table_mod
+from gluon_amp_core.policy import Policy
+from gluon_amp_core.table import OpClass, build_table
 
 
 def test_default_tables_build_for_both_dtypes():
@@ -72,10 +73,11 @@ def test_conditional_override_and_type_errors():
     t = build_table("float16", conditional_fp32_ops=[("LeakyReLU", "act_type", ["gelu"])])
     assert t.conditions["LeakyReLU"].values == frozenset({"gelu"})
     assert t.class_of("Activation") is OpClass.NEUTRAL
+    # argument types are validated where the policy is built
     with pytest.raises(TypeError):
-        build_table("float16", conditional_fp32_ops=[("Activation", "act_type", "softrelu")])
+        Policy.create("float16", conditional_fp32_ops=[("Activation", "act_type", "softrelu")])
     with pytest.raises(TypeError):
-        build_table("float16", fp32_ops="softmax")
+        Policy.create("float16", fp32_ops="softmax")
 
 
 def test_keep_batchnorm_fp32():
@@ -84,7 +86,7 @@ def test_keep_batchnorm_fp32():
     assert t.class_of("BatchNorm") is OpClass.LOW_PRECISION
     assert "gamma" in t.keep_fp32_inputs["BatchNorm"]
     with pytest.raises(TypeError):
-        build_table("bfloat16", keep_batchnorm_fp32="yes")
+        Policy.create("bfloat16", keep_batchnorm_fp32="yes")
 
 
 def test_table_is_immutable():

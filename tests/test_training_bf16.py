@@ -1,4 +1,5 @@
 """bfloat16 AMP training executes on this CPU: quality and bitwise-exact resume."""
+import pytest
 import numpy as np
 import mxnet as mx
 from mxnet import autograd, gluon
@@ -52,6 +53,7 @@ def _accuracy(net, x, y):
     return float((net(x).argmax(axis=1) == y).mean().asscalar())
 
 
+@pytest.mark.bf16_kernels
 def test_bf16_training_reaches_fp32_accuracy():
     x, y = _data()
     xt, yt = _data(seed=1)
@@ -66,6 +68,7 @@ def test_bf16_training_reaches_fp32_accuracy():
     assert acc >= ref_acc - 0.01, (acc, ref_acc)
 
 
+@pytest.mark.bf16_kernels
 def test_resume_is_bitwise_exact(tmp_path):
     x, y = _data(n=256)
     n = 8

@@ -9,27 +9,21 @@ import mxnet as mx
 from mxnet.gluon import HybridBlock, SymbolBlock
 from mxnet.symbol import Symbol
 
-from .. import registry
-from ..dtypes import dtype_name, to_mx_dtype
-from ..graph_types import infer_dtypes
-from ..patching import make_table
-from ..table import ConditionalSpec
-from .graph import PassResult, convert_graph, strip_casts
+from .. import mxnet_internals as mxi
+from .. import mxnet_internals as registry
+from gluon_amp_core.dtypes import dtype_name
+from ..mxnet_internals import to_mx_dtype
+from ..type_inference import infer_dtypes, op_types
+from ..policies import as_policy
+from gluon_amp_core.policy import Policy
+from gluon_amp_core.table import ConditionalSpec
+from gluon_amp_core.graph_pass import PassResult, convert_graph
 
-def _original_dtypes(graph: dict, sym: Symbol, data_names: Sequence[str],
-                     param_types: Dict[str, Any]) -> Dict[Tuple[int, int], str]:
-    """Output dtypes of the FP32 graph, by (node index, output index); untyped -> float32."""
+def _var_dtypes(sym: Symbol, data_names: Sequence[str], param_types: Dict[str, Any]) -> Dict[str, str]:
+    """Dtype of every variable in the FP32 graph (declared, given or inferred)."""
     known = {**{n: "float32" for n in data_names}, **param_types}
     by_name = infer_dtypes(sym, known, partial=True)
-    return {(i, k): t or "float32" for i, node in enumerate(graph["nodes"])
-            for (name, k), t in _outputs_of(by_name, node["name"])}
-
-
-def _outputs_of(by_name: Dict[Tuple[str, int], Optional[str]], name: str):
-    k = 0
-    while (name, k) in by_name:
-        yield (name, k), by_name[(name, k)]
-        k += 1
+    return {name: t for (name, k), t in by_name.items() if k == 0 and t is not None and name in set(sym.list_inputs())}
 
 
 def _check_list(name: str, value: Any) -> List[str]:
@@ -40,17 +34,7 @@ def _check_list(name: str, value: Any) -> List[str]:
     return list(value)
 
 
-def convert_symbol_detailed(sym: Symbol, target_dtype: Any = None, target_dtype_ops=None,
-                            fp32_ops=None, conditional_fp32_ops=None, excluded_sym_names=None,
-                            data_names=None, cast_optional_params: bool = False,
-                            param_dtypes: Optional[Dict[str, str]] = None,
-                            widest_type_ops=None) -> Tuple[Symbol, PassResult]:
-    """:func:`convert_symbol`, also returning what the pass did (casts, reasons, dtypes)."""
-    if not isinstance(sym, Symbol):
-        raise TypeError(f"convert_symbol expects an mxnet Symbol, got {type(sym).__name__}")
-    table = make_table(target_dtype, target_dtype_ops, conditional_fp32_ops, fp32_ops, widest_type_ops)
-    excluded = _check_list("excluded_sym_names", excluded_sym_names)
-    graph = strip_casts(json.loads(sym.tojson(remove_amp_cast=False)))
+def _check_excluded(graph: dict, excluded: List[str]) -> None:
     op_names = {n["name"] for n in graph["nodes"] if n["op"] != "null"}
     missing = [n for n in excluded if n not in op_names]
     if missing:
@@ -58,18 +42,36 @@ def convert_symbol_detailed(sym: Symbol, target_dtype: Any = None, target_dtype_
         raise ValueError(f"excluded_sym_names {missing} are not op nodes of this graph"
                          + (f"; did you mean {near}?" if near else "")
                          + " Use gluon_amp.report(sym) to list the node names.")
-    clean = mx.sym.load_json(json.dumps(graph))
+
+
+def _data_names(clean: Symbol, data_names: Any) -> List[str]:
     if data_names is None:
         attrs = clean.attr_dict()
-        data_names = [n for n in clean.list_inputs() if "__dtype__" not in attrs.get(n, {})]
+        return [n for n in clean.list_inputs() if "__dtype__" not in attrs.get(n, {})]
     data_names = _check_list("data_names", data_names)
-    unknown_inputs = [n for n in data_names if n not in clean.list_inputs()]
-    if unknown_inputs:
-        raise ValueError(f"data_names {unknown_inputs} are not inputs of the symbol; its inputs are "
+    unknown = [n for n in data_names if n not in clean.list_inputs()]
+    if unknown:
+        raise ValueError(f"data_names {unknown} are not inputs of the symbol; its inputs are "
                          f"{clean.list_inputs()[:10]}...")
-    original = _original_dtypes(graph, clean, data_names, param_dtypes or {})
+    return data_names
+
+
+def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = None,
+                        data_names: Any = None, cast_optional_params: bool = False,
+                        param_dtypes: Optional[Dict[str, str]] = None) -> Tuple[Symbol, PassResult]:
+    """Convert ``sym`` as ``policy`` says; also return what the pass did (casts, decisions)."""
+    if not isinstance(sym, Symbol):
+        raise TypeError(f"convert_symbol expects an mxnet Symbol, got {type(sym).__name__}")
+    excluded = _check_list("excluded_sym_names", excluded_sym_names)
+    graph = json.loads(sym.tojson(remove_amp_cast=False))
+    _check_excluded(graph, excluded)
+    if not policy.enabled:  # no useful low precision here: the FP32 graph, unchanged
+        return mx.sym.load_json(json.dumps(graph)), PassResult(graph, {}, dict(param_dtypes or {}), policy)
+    data_names = _data_names(sym, data_names)
+    var_dtypes = _var_dtypes(sym, data_names, param_dtypes or {})
     op_inputs = {n: i.inputs for n, i in registry.op_infos().items()}
-    result = convert_graph(graph, table, data_names, original, op_inputs, excluded, cast_optional_params)
+    result = convert_graph(graph, policy, data_names, var_dtypes, op_types, op_inputs, excluded,
+                           cast_optional_params)
     converted = mx.sym.load_json(json.dumps(result.graph))
     _verify(converted, result, data_names)
     return converted, result
@@ -88,20 +90,30 @@ def _verify(sym: Symbol, result: PassResult, data_names: Sequence[str]) -> None:
                            f"{len(wrong)} outputs, e.g. {wrong[:3]}; please report this with the model")
 
 
+def _policy(target_dtype: Any, target_dtype_ops: Any, fp32_ops: Any, conditional_fp32_ops: Any,
+            widest_type_ops: Any, keep_batchnorm_fp32: Any) -> Policy:
+    return as_policy(target_dtype, target_precision_ops=target_dtype_ops, fp32_ops=fp32_ops,
+                     conditional_fp32_ops=conditional_fp32_ops, widest_type_ops=widest_type_ops,
+                     keep_batchnorm_fp32=keep_batchnorm_fp32)
+
+
 def convert_symbol(sym: Symbol, target_dtype: Any = None, target_dtype_ops: Optional[Sequence[str]] = None,
                    fp32_ops: Optional[Sequence[str]] = None,
                    conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
                    excluded_sym_names: Optional[Sequence[str]] = None,
                    data_names: Optional[Sequence[str]] = None,
-                   cast_optional_params: bool = False) -> Symbol:
+                   cast_optional_params: bool = False, *,
+                   widest_type_ops: Optional[Sequence[str]] = None,
+                   keep_batchnorm_fp32: Optional[bool] = None) -> Symbol:
     """Return a new Symbol running ``sym`` (an FP32 graph) in mixed precision.
 
     Parameters
     ----------
     sym : Symbol
-    target_dtype : {'float16', 'bfloat16', None}
-        ``None`` picks float16 with a GPU, else bfloat16.
-    target_dtype_ops, fp32_ops, conditional_fp32_ops :
+    target_dtype : {'float16', 'bfloat16', None} or Policy
+        As for :func:`gluon_amp.init`; ``None`` on a machine without useful low precision
+        returns the graph unchanged (with a warning).
+    target_dtype_ops, fp32_ops, conditional_fp32_ops, widest_type_ops, keep_batchnorm_fp32 :
         Override the op lists, as for :func:`gluon_amp.init`.
     excluded_sym_names : list of str
         Op node names forced to float32. A name not in the graph raises ``ValueError``.
@@ -110,8 +122,9 @@ def convert_symbol(sym: Symbol, target_dtype: Any = None, target_dtype_ops: Opti
     cast_optional_params : bool
         Store parameters read only by low-precision ops in the target dtype.
     """
-    return convert_symbol_detailed(sym, target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
-                                   excluded_sym_names, data_names, cast_optional_params)[0]
+    policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
+                     widest_type_ops, keep_batchnorm_fp32)
+    return convert_with_policy(sym, policy, excluded_sym_names, data_names, cast_optional_params)[0]
 
 
 def _cast_array(arr: mx.nd.NDArray, dtype: str) -> mx.nd.NDArray:
@@ -132,23 +145,31 @@ def _check_params(name: str, params: Any) -> Dict[str, mx.nd.NDArray]:
 def convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params: Dict[str, mx.nd.NDArray],
                   target_dtype: Any = None, target_dtype_ops=None, fp32_ops=None,
                   conditional_fp32_ops=None, excluded_sym_names=None,
-                  cast_optional_params: bool = False):
+                  cast_optional_params: bool = False, *, widest_type_ops=None,
+                  keep_batchnorm_fp32: Optional[bool] = None):
     """Convert an FP32 model; return new ``(sym, arg_params, aux_params)``.
 
-    The caller's dicts and arrays are not modified: the returned dicts hold copies, cast
-    where the converted graph stores a parameter in another dtype.
+    Arguments as for :func:`convert_symbol`. The caller's dicts and arrays are not
+    modified: the returned dicts hold copies, cast where the converted graph stores a
+    parameter in another dtype.
     """
+    policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
+                     widest_type_ops, keep_batchnorm_fp32)
+    return _convert_model(sym, arg_params, aux_params, policy, excluded_sym_names, cast_optional_params)[:3]
+
+
+def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params: Dict[str, mx.nd.NDArray],
+                   policy: Policy, excluded_sym_names: Any, cast_optional_params: bool):
     _check_params("arg_params", arg_params)
     _check_params("aux_params", aux_params)
     names = set(arg_params) | set(aux_params)
     data_names = [n for n in sym.list_inputs() if n not in names]
     types = {k: dtype_name(v.dtype) for k, v in {**arg_params, **aux_params}.items()}
-    new_sym, result = convert_symbol_detailed(sym, target_dtype, target_dtype_ops, fp32_ops,
-                                              conditional_fp32_ops, excluded_sym_names, data_names,
-                                              cast_optional_params, param_dtypes=types)
+    new_sym, result = convert_with_policy(sym, policy, excluded_sym_names, data_names,
+                                          cast_optional_params, param_dtypes=types)
     new_args = {k: _cast_array(v, result.param_dtypes.get(k, types[k])) for k, v in arg_params.items()}
     new_aux = {k: _cast_array(v, result.param_dtypes.get(k, types[k])) for k, v in aux_params.items()}
-    return new_sym, new_args, new_aux
+    return new_sym, new_args, new_aux, result
 
 
 class MixedPrecisionBlock(SymbolBlock):
@@ -165,30 +186,31 @@ class MixedPrecisionBlock(SymbolBlock):
 def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dtype_ops=None,
                          fp32_ops=None, conditional_fp32_ops=None, excluded_sym_names=None,
                          ctx: Optional[mx.Context] = None,
-                         cast_optional_params: bool = False) -> SymbolBlock:
+                         cast_optional_params: bool = False, *, widest_type_ops=None,
+                         keep_batchnorm_fp32: Optional[bool] = None) -> SymbolBlock:
     """Convert a hybridized FP32 block into a mixed-precision :class:`SymbolBlock`.
 
     The block must have been hybridized and run once (its graph is read from the cache).
     ``ctx`` defaults to where the block's parameters live. The block is not modified.
-    The result's ``export`` keeps the cast nodes (see :class:`MixedPrecisionBlock`).
+    Other arguments as for :func:`convert_symbol`. The result's ``export`` keeps the cast
+    nodes, and its ``amp_result`` holds the pass's per-node decisions (read by ``report``).
     """
     if not isinstance(block, HybridBlock):
         raise TypeError(f"convert_hybrid_block expects a gluon HybridBlock, got {type(block).__name__}")
-    if not getattr(block, "_cached_graph", ()):
-        raise RuntimeError("the block has no cached graph: call block.hybridize() and run one forward "
-                           "pass (e.g. block(x)) before convert_hybrid_block.")
-    inputs, sym = block._cached_graph
+    inputs, sym = mxi.cached_graph(block, "convert_hybrid_block")
+    policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
+                     widest_type_ops, keep_batchnorm_fp32)
     params = {p.name: p for p in block.collect_params().values()}
     if ctx is None:
         ctx = next(iter(params.values())).list_ctx()[0] if params else mx.current_context()
     arg_names, aux_names = set(sym.list_arguments()), set(sym.list_auxiliary_states())
     arg_params = {n: params[n].data(params[n].list_ctx()[0]) for n in arg_names if n in params}
     aux_params = {n: params[n].data(params[n].list_ctx()[0]) for n in aux_names if n in params}
-    new_sym, new_args, new_aux = convert_model(sym, arg_params, aux_params, target_dtype, target_dtype_ops,
-                                               fp32_ops, conditional_fp32_ops, excluded_sym_names,
-                                               cast_optional_params)
+    new_sym, new_args, new_aux, result = _convert_model(sym, arg_params, aux_params, policy,
+                                                        excluded_sym_names, cast_optional_params)
     data_vars = [mx.sym.var(i.name, dtype="float32") for i in inputs]
     out = MixedPrecisionBlock(new_sym, data_vars)
+    out.amp_result = result
     loaded = {**{f"arg:{k}": v for k, v in new_args.items()}, **{f"aux:{k}": v for k, v in new_aux.items()}}
     out.collect_params().load_dict(loaded, ctx=ctx, cast_dtype=True, dtype_source="saved")
     return out

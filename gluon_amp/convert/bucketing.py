@@ -7,8 +7,8 @@ import mxnet as mx
 from mxnet.module import BucketingModule
 from mxnet.symbol import Symbol
 
-from ..dtypes import dtype_name
-from ..table import ConditionalSpec
+from gluon_amp_core.dtypes import dtype_name
+from gluon_amp_core.table import ConditionalSpec
 from .api import convert_model, convert_symbol
 
 _SymGen = Callable[[Hashable], Tuple[Symbol, Sequence[str], Sequence[str]]]

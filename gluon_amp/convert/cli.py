@@ -7,7 +7,7 @@ import sys
 from collections import Counter
 from typing import List, Optional
 
-from ..dtypes import LOW_PRECISION_DTYPES
+from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
 
 
 def _nbytes(params) -> int:
@@ -25,7 +25,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "to mixed precision for inference.")
     parser.add_argument("prefix", help="model prefix, as given to HybridBlock.export")
     parser.add_argument("epoch", type=int, help="epoch number of the .params file")
-    parser.add_argument("--target-dtype", default="bfloat16", choices=LOW_PRECISION_DTYPES)
+    parser.add_argument("--target-dtype", default="auto", choices=("auto",) + LOW_PRECISION_DTYPES,
+                        help="auto: float16 with a GPU, bfloat16 on a CPU with native bf16, else "
+                             "no conversion (the model is written unchanged, and the reason printed)")
     parser.add_argument("--out", required=True, help="output prefix; writes OUT-symbol.json and OUT-EPOCH.params")
     parser.add_argument("--exclude", action="append", default=[], metavar="NAME",
                         help="op node to keep in float32 (repeatable)")
@@ -48,8 +50,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
 
     import mxnet as mx
-    from .api import convert_model, convert_symbol_detailed  # noqa: F401
+    from .api import convert_model
     from ..report import report
+    from .. import runtime
+
+    requested = None if args.target_dtype == "auto" else args.target_dtype
+    resolution = runtime.resolve_quietly(requested)
+    if resolution.warning:
+        print(resolution.warning)
 
     try:
         sym, arg_params, aux_params = mx.model.load_checkpoint(args.prefix, args.epoch)
@@ -58,7 +66,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     try:
         new_sym, new_args, new_aux = convert_model(
-            sym, arg_params, aux_params, target_dtype=args.target_dtype, fp32_ops=args.fp32_op,
+            sym, arg_params, aux_params, target_dtype=requested,
+            fp32_ops=args.fp32_op,
             excluded_sym_names=args.exclude or None, cast_optional_params=not args.no_cast_params)
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -66,10 +75,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     new_sym.save(f"{args.out}-symbol.json", remove_amp_cast=False)
     mx.nd.save(f"{args.out}-{args.epoch:04d}.params",
                {**{f"arg:{k}": v for k, v in new_args.items()}, **{f"aux:{k}": v for k, v in new_aux.items()}})
-    rep = report(new_sym, target_dtype=args.target_dtype)
     before = _nbytes({**arg_params, **aux_params})
     after = _nbytes({**new_args, **new_aux})
-    print(f"converted {args.prefix} epoch {args.epoch} to {args.target_dtype} -> {args.out}")
+    if resolution.dtype == "float32":
+        print(f"not converted: wrote {args.prefix} epoch {args.epoch} unchanged (float32) -> {args.out}")
+        return 0
+    rep = report(new_sym, target_dtype=resolution.dtype)
+    print(f"converted {args.prefix} epoch {args.epoch} to {resolution.dtype} -> {args.out}")
     print(f"ops per dtype:   {dict(sorted(Counter(r.dtype for r in rep.rows).items()))}")
     print(f"casts inserted:  {rep.casts}")
     print(f"parameter bytes: {before:,} -> {after:,} ({after / max(before, 1):.0%})")

@@ -1,12 +1,7 @@
-"""Dtype names and parsing. Pure: needs NumPy only, not MXNet."""
+"""Dtype names and parsing. Pure: no MXNet, no NumPy (dtype objects are read by duck typing)."""
 from __future__ import annotations
 
 from typing import Any, Iterable, Optional
-
-import numpy as np
-
-#: MXNet 1.x spells bfloat16 as this structured NumPy dtype.
-BFLOAT16 = np.dtype([("bfloat16", np.uint16)])
 
 LOW_PRECISION_DTYPES = ("float16", "bfloat16")
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
@@ -16,14 +11,26 @@ _ALIASES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
 }
 
+#: MXNet's integer dtype codes, as stored in a graph's ``__dtype__`` attribute.
+DTYPE_CODE = {"float32": 0, "float64": 1, "float16": 2, "uint8": 3, "int32": 4, "int8": 5,
+              "int64": 6, "bool": 7, "int16": 8, "uint16": 9, "uint32": 10, "uint64": 11,
+              "bfloat16": 12}
+CODE_DTYPE = {v: k for k, v in DTYPE_CODE.items()}
+
 
 def dtype_name(dtype: Any) -> str:
-    """Return the canonical name of a NumPy/MXNet dtype, e.g. ``'bfloat16'``."""
+    """The canonical name of a dtype: a string, a NumPy dtype or scalar type, or MXNet's
+    bfloat16 (a structured NumPy dtype with the single field ``bfloat16``)."""
     if isinstance(dtype, str):
         return _ALIASES.get(dtype, dtype)
-    if dtype is BFLOAT16 or (isinstance(dtype, np.dtype) and dtype == BFLOAT16):
+    if getattr(dtype, "names", None) == ("bfloat16",):
         return "bfloat16"
-    return np.dtype(dtype).name
+    name = getattr(dtype, "name", None)
+    if not isinstance(name, str):
+        name = getattr(dtype, "__name__", None)
+    if not isinstance(name, str):
+        raise TypeError(f"not a dtype: {dtype!r}")
+    return _ALIASES.get(name, name)
 
 
 def parse_target_dtype(value: Any) -> str:
@@ -43,11 +50,6 @@ def parse_target_dtype(value: Any) -> str:
             "float16 on GPU and bfloat16 on CPU)."
         )
     return name
-
-
-def to_mx_dtype(name: str) -> Any:
-    """The object MXNet accepts as ``dtype=`` for a canonical dtype name."""
-    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
 
 
 def widest(dtypes: Iterable[Optional[str]]) -> Optional[str]:

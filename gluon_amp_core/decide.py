@@ -1,6 +1,7 @@
 """The dtype decision: one pure function shared by ``init`` and the graph converter."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -8,6 +9,25 @@ from .dtypes import FLOAT_DTYPES, widest
 from .table import OpClass, OpTable
 
 _EMPTY: frozenset = frozenset()
+
+
+class Reason(str, enum.Enum):
+    """Why an op runs in the dtype it does."""
+
+    LOW_PRECISION = "low_precision"
+    FP32 = "fp32"
+    CONDITIONAL_FP32 = "conditional_fp32"
+    CONDITIONAL_NEUTRAL = "conditional_neutral"
+    WIDEST = "widest"
+    NEUTRAL = "neutral"
+    EXCLUDED = "excluded"
+    CAST = "cast"            # amp_cast / amp_multicast: a cast node itself
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_CAST_OPS = frozenset({"amp_cast", "amp_multicast"})
 
 
 @dataclass(frozen=True)
@@ -20,15 +40,13 @@ class Decision:
         Float inputs are cast to this dtype. ``None`` leaves them as they are (neutral),
         or, for ``reason == 'widest'`` with unknown input dtypes, asks the caller to cast
         to the widest at run time (``amp_multicast``).
-    reason : str
-        ``'low_precision'``, ``'fp32'``, ``'conditional_fp32'``, ``'conditional_neutral'``,
-        ``'widest'``, ``'neutral'`` or ``'excluded'``.
+    reason : Reason
     keep_fp32 : frozenset of str
         Input names that are never cast (normalisation parameters and running stats).
     """
 
     dtype: Optional[str]
-    reason: str
+    reason: Reason
     keep_fp32: frozenset = _EMPTY
 
 
@@ -53,24 +71,26 @@ def decide(
     excluded : bool
         The caller excluded this node by name: it runs in float32.
     """
-    if excluded:
-        return Decision("float32", "excluded", table.keep_fp32_inputs.get(table.aliases.get(op, op), _EMPTY))
     name = table.aliases.get(op, op)
+    if name in _CAST_OPS:
+        return Decision(None, Reason.CAST)
+    if excluded:
+        return Decision("float32", Reason.EXCLUDED, table.keep_fp32_inputs.get(name, _EMPTY))
     op_class = table.classes.get(name, OpClass.NEUTRAL)
     keep = table.keep_fp32_inputs.get(name, _EMPTY)
     if op_class is OpClass.LOW_PRECISION:
-        return Decision(table.target_dtype, "low_precision", keep)
+        return Decision(table.target_dtype, Reason.LOW_PRECISION, keep)
     if op_class is OpClass.FP32:
-        return Decision("float32", "fp32", keep)
+        return Decision("float32", Reason.FP32, keep)
     if op_class is OpClass.CONDITIONAL_FP32:
         rule = table.conditions[name]
         value = attrs.get(rule.attr)
         if value is not None and str(value) in rule.values:
-            return Decision("float32", "conditional_fp32", keep)
-        return Decision(None, "conditional_neutral", keep)
+            return Decision("float32", Reason.CONDITIONAL_FP32, keep)
+        return Decision(None, Reason.CONDITIONAL_NEUTRAL, keep)
     if op_class is OpClass.WIDEST:
         floats = [d for d in input_dtypes if d is None or d in FLOAT_DTYPES]
         if not floats or any(d is None for d in floats):
-            return Decision(None, "widest", keep)
-        return Decision(widest(floats), "widest", keep)
-    return Decision(None, "neutral", keep)
+            return Decision(None, Reason.WIDEST, keep)
+        return Decision(widest(floats), Reason.WIDEST, keep)
+    return Decision(None, Reason.NEUTRAL, keep)

@@ -1,6 +1,6 @@
 """The op table: which precision class each operator belongs to, per target dtype.
 
-The data lives in ``gluon_amp.lists.<dtype>``; this module builds an immutable
+The data lives in ``gluon_amp_core.lists.<dtype>``; this module builds an immutable
 ``OpTable`` from it, applies user overrides and rejects overlaps and unknown names.
 Pure: it needs no MXNet (the registry is passed in as ``known_ops``/``aliases``).
 """
@@ -12,7 +12,7 @@ import functools
 import importlib
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 from .dtypes import parse_target_dtype
 
@@ -81,7 +81,8 @@ def _load_lists(target_dtype: str):
     return importlib.import_module(f"{__package__}.lists.{target_dtype}")
 
 
-def _check_name_list(arg: str, value: object) -> Tuple[str, ...]:
+def check_name_list(arg: str, value: object) -> Tuple[str, ...]:
+    """``value`` as a tuple of op names; ``TypeError`` naming ``arg`` otherwise."""
     if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
         raise TypeError(f"{arg} must be a list of op names, got {type(value).__name__}: {value!r}")
     for v in value:
@@ -90,7 +91,8 @@ def _check_name_list(arg: str, value: object) -> Tuple[str, ...]:
     return tuple(value)
 
 
-def _check_conditional(value: object) -> Tuple[ConditionalSpec, ...]:
+def check_conditional(value: object) -> Tuple[ConditionalSpec, ...]:
+    """``value`` as a tuple of ``(op, attr, (values...))``; ``TypeError`` otherwise."""
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
         raise TypeError("conditional_fp32_ops must be a list of (op_name, attr_name, [values]) "
                         f"tuples, got {value!r}")
@@ -106,40 +108,12 @@ def _check_conditional(value: object) -> Tuple[ConditionalSpec, ...]:
     return tuple(out)
 
 
-def build_table(
-    target_dtype: str,
-    target_precision_ops: Optional[Sequence[str]] = None,
-    conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
-    fp32_ops: Optional[Sequence[str]] = None,
-    widest_type_ops: Optional[Sequence[str]] = None,
-    keep_batchnorm_fp32: Optional[bool] = None,
-    known_ops: Optional[Iterable[str]] = None,
-    aliases: Optional[Mapping[str, str]] = None,
-) -> OpTable:
-    """Build and validate the op table for ``target_dtype``.
+_ARG_NAMES = {OpClass.LOW_PRECISION: "target_precision_ops", OpClass.FP32: "fp32_ops",
+              OpClass.WIDEST: "widest_type_ops", OpClass.CONDITIONAL_FP32: "conditional_fp32_ops"}
 
-    Each override list *replaces* the default list of its class: ops named there move
-    into that class, and default members that are not named become neutral. An op named in two override lists, or a name that
-    is not a registered op, raises ``ValueError``.
 
-    Parameters
-    ----------
-    target_dtype : {'float16', 'bfloat16'}
-    target_precision_ops, fp32_ops, widest_type_ops : list of str, optional
-    conditional_fp32_ops : list of (op, attr, [values]), optional
-    keep_batchnorm_fp32 : bool, optional
-        ``True`` runs batch norm in float32; ``False`` runs it in the target dtype with
-        float32 parameters; ``None`` leaves the table's default (neutral).
-    known_ops, aliases : optional
-        The registry (all names, and alias -> canonical); when given, every table entry
-        and every override must be in it.
-    """
-    target_dtype = parse_target_dtype(target_dtype)
-    data = _load_lists(target_dtype)
-    aliases = dict(aliases or {})
-    canon = lambda n: aliases.get(n, n)  # noqa: E731
-
-    classes: dict = {}
+def _default_classes(target_dtype: str, data: Any) -> Dict[str, OpClass]:
+    classes: Dict[str, OpClass] = {}
     lists = (
         (OpClass.LOW_PRECISION, data.LOW_PRECISION),
         (OpClass.FP32, data.FP32),
@@ -151,71 +125,90 @@ def build_table(
         for name in names:
             if name in classes:
                 raise ValueError(f"op table for {target_dtype} lists {name!r} as both "
-                                 f"{classes[name].value} and {op_class.value}; fix gluon_amp/lists/{target_dtype}.py")
+                                 f"{classes[name].value} and {op_class.value}; fix the lists/{target_dtype}.py data")
             classes[name] = op_class
-    conditions = {n: ConditionalRule(a, frozenset(v)) for n, a, v in data.CONDITIONAL_FP32}
-    keep = {n: frozenset(v) for n, v in data.KEEP_FP32_INPUTS.items()}
+    return classes
 
-    valid = set(classes) | set(aliases)
-    if known_ops is not None:
-        known = set(known_ops)
-        stale = sorted(n for n in classes if n not in known)
-        if stale:
-            raise ValueError(f"op table for {target_dtype} names ops this MXNet does not register: "
-                             f"{stale[:10]}{' ...' if len(stale) > 10 else ''}")
-        valid = known | set(aliases)
 
-    overrides = {}
-    if target_precision_ops is not None:
-        overrides[OpClass.LOW_PRECISION] = _check_name_list("target_precision_ops", target_precision_ops)
-    if fp32_ops is not None:
-        overrides[OpClass.FP32] = _check_name_list("fp32_ops", fp32_ops)
-    if widest_type_ops is not None:
-        overrides[OpClass.WIDEST] = _check_name_list("widest_type_ops", widest_type_ops)
-    cond_specs = None
-    if conditional_fp32_ops is not None:
-        cond_specs = _check_conditional(conditional_fp32_ops)
-        overrides[OpClass.CONDITIONAL_FP32] = tuple(c[0] for c in cond_specs)
+def _valid_names(target_dtype: str, classes: Mapping[str, OpClass], known_ops: Optional[Iterable[str]],
+                 aliases: Mapping[str, str]) -> set:
+    if known_ops is None:
+        return set(classes) | set(aliases)
+    known = set(known_ops)
+    stale = sorted(n for n in classes if n not in known)
+    if stale:
+        raise ValueError(f"op table for {target_dtype} names ops this MXNet does not register: "
+                         f"{stale[:10]}{' ...' if len(stale) > 10 else ''}")
+    return known | set(aliases)
 
-    arg_names = {OpClass.LOW_PRECISION: "target_precision_ops", OpClass.FP32: "fp32_ops",
-                 OpClass.WIDEST: "widest_type_ops", OpClass.CONDITIONAL_FP32: "conditional_fp32_ops"}
-    seen: dict = {}
+
+def _resolve_overrides(overrides: Mapping[OpClass, Sequence[str]], valid: set,
+                       aliases: Mapping[str, str]) -> Dict[str, OpClass]:
+    """Canonical op name -> the class an override puts it in; rejects unknown and doubled names."""
+    seen: Dict[str, OpClass] = {}
     for op_class, names in overrides.items():
         for raw in names:
             if raw not in valid:
-                raise ValueError(_unknown_message(raw, valid, f"op table ({arg_names[op_class]})"))
-            name = canon(raw)
+                raise ValueError(_unknown_message(raw, valid, f"op table ({_ARG_NAMES[op_class]})"))
+            name = aliases.get(raw, raw)
             if name in seen and seen[name] is not op_class:
-                raise ValueError(f"op {raw!r} is in both {arg_names[seen[name]]} and "
-                                 f"{arg_names[op_class]}; an op can be in one list only.")
+                raise ValueError(f"op {raw!r} is in both {_ARG_NAMES[seen[name]]} and "
+                                 f"{_ARG_NAMES[op_class]}; an op can be in one list only.")
             seen[name] = op_class
-    for op_class, names in overrides.items():
-        for name, c in list(classes.items()):
-            if c is op_class and name not in seen:
-                classes[name] = OpClass.NEUTRAL
-                conditions.pop(name, None)
+    return seen
+
+
+def build_table(
+    target_dtype: str,
+    target_precision_ops: Optional[Sequence[str]] = None,
+    conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
+    fp32_ops: Optional[Sequence[str]] = None,
+    widest_type_ops: Optional[Sequence[str]] = None,
+    keep_batchnorm_fp32: Optional[bool] = None,
+    known_ops: Optional[Iterable[str]] = None,
+    aliases: Optional[Mapping[str, str]] = None,
+) -> OpTable:
+    """Build and validate the op table for ``target_dtype`` from checked override lists.
+
+    Each override list *replaces* the default list of its class: ops named there move
+    into that class, and default members that are not named become neutral. An op named
+    in two override lists, or a name that is not a registered op, raises ``ValueError``.
+    ``known_ops``/``aliases`` are the registry (all names, and alias -> canonical); when
+    given, every table entry and every override must be in it. ``keep_batchnorm_fp32``:
+    True runs batch norm in float32, False in the target dtype, None as the table says.
+    """
+    target_dtype = parse_target_dtype(target_dtype)
+    data = _load_lists(target_dtype)
+    aliases = dict(aliases or {})
+    classes = _default_classes(target_dtype, data)
+    conditions = {n: ConditionalRule(a, frozenset(v)) for n, a, v in data.CONDITIONAL_FP32}
+    valid = _valid_names(target_dtype, classes, known_ops, aliases)
+    overrides: Dict[OpClass, Sequence[str]] = {}
+    for op_class, names in ((OpClass.LOW_PRECISION, target_precision_ops), (OpClass.FP32, fp32_ops),
+                            (OpClass.WIDEST, widest_type_ops)):
+        if names is not None:
+            overrides[op_class] = names
+    if conditional_fp32_ops is not None:
+        overrides[OpClass.CONDITIONAL_FP32] = [c[0] for c in conditional_fp32_ops]
+    seen = _resolve_overrides(overrides, valid, aliases)
+    for name, c in list(classes.items()):
+        if c in overrides and name not in seen:
+            classes[name] = OpClass.NEUTRAL
+            conditions.pop(name, None)
     for name, op_class in seen.items():
         classes[name] = op_class
         if op_class is not OpClass.CONDITIONAL_FP32:
             conditions.pop(name, None)
-    if cond_specs is not None:
-        for n, a, v in cond_specs:
-            conditions[canon(n)] = ConditionalRule(a, frozenset(v))
-
+    for n, a, v in conditional_fp32_ops or ():
+        conditions[aliases.get(n, n)] = ConditionalRule(a, frozenset(v))
     if keep_batchnorm_fp32 is not None:
-        if not isinstance(keep_batchnorm_fp32, bool):
-            raise TypeError(f"keep_batchnorm_fp32 must be True, False or None, got {keep_batchnorm_fp32!r}")
         for bn in _BATCHNORM_OPS:
             if bn in classes:
                 classes[bn] = OpClass.FP32 if keep_batchnorm_fp32 else OpClass.LOW_PRECISION
-
-    return OpTable(
-        target_dtype=target_dtype,
-        classes=MappingProxyType(classes),
-        conditions=MappingProxyType(conditions),
-        keep_fp32_inputs=MappingProxyType(keep),
-        aliases=MappingProxyType(aliases),
-    )
+    return OpTable(target_dtype=target_dtype, classes=MappingProxyType(classes),
+                   conditions=MappingProxyType(conditions),
+                   keep_fp32_inputs=MappingProxyType({n: frozenset(v) for n, v in data.KEEP_FP32_INPUTS.items()}),
+                   aliases=MappingProxyType(aliases))
 
 
 @functools.lru_cache(maxsize=None)

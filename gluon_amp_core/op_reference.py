@@ -1,6 +1,6 @@
 """Render ``docs/op_reference.md`` from the op tables.
 
-Regenerate with ``python -m gluon_amp.op_reference > docs/op_reference.md``; a test
+Regenerate with ``python -m gluon_amp_core.op_reference > docs/op_reference.md``; a test
 checks the committed file is current.
 """
 from __future__ import annotations
@@ -13,12 +13,12 @@ from .table import OpClass, OpTable, default_table
 _RULES = """\
 # gluon_amp op reference
 
-Generated from `gluon_amp/lists/` by `python -m gluon_amp.op_reference`. Do not edit by hand.
+Generated from `gluon_amp_core/lists/` by `python -m gluon_amp_core.op_reference`. Do not edit by hand.
 
 ## How an op's precision is chosen
 
 Under `gluon_amp.init(target_dtype)`, every MXNet operator belongs to exactly one class.
-The same rule (`gluon_amp.decide.decide`) drives imperative calls, hybridized graphs and
+The same rule (`gluon_amp_core.decide.decide`) drives imperative calls, hybridized graphs and
 the inference converter.
 
 | class | what happens to the op's floating-point inputs |

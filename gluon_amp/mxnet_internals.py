@@ -1,0 +1,217 @@
+"""Every use gluon_amp makes of MXNet internals, in one place.
+
+Each function names the MXNet version it was checked against (1.9.1) and what breaks if
+MXNet changes it. Everything else in gluon_amp uses MXNet's public API only.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import mxnet as mx
+from mxnet.base import _LIB, OpHandle, c_str, check_call, mx_uint, py_str
+from mxnet.gluon import HybridBlock, Parameter, Trainer
+from mxnet.symbol import Symbol
+
+#: MXNet 1.x spells bfloat16 as this structured NumPy dtype (1.9.1: mxnet/ndarray/ndarray.py
+#: ``bfloat16``). If MXNet gains a real bfloat16 dtype, casts to bf16 need the new object.
+BFLOAT16 = np.dtype([("bfloat16", np.uint16)])
+
+
+def to_mx_dtype(name: str) -> Any:
+    """The object MXNet accepts as ``dtype=`` for a canonical dtype name."""
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """One registered name: its canonical op and declared tensor inputs."""
+
+    name: str
+    canonical: str
+    inputs: Tuple[str, ...]
+    variadic: bool
+
+
+@functools.lru_cache(maxsize=None)
+def op_infos() -> Mapping[str, OpInfo]:
+    """Every registered op name (aliases included) -> ``OpInfo``."""
+    plist = ctypes.POINTER(ctypes.c_char_p)()
+    size = ctypes.c_uint()
+    check_call(_LIB.MXListAllOpNames(ctypes.byref(size), ctypes.byref(plist)))
+    names = [py_str(plist[i]) for i in range(size.value)]
+    out: Dict[str, OpInfo] = {}
+    for name in names:
+        handle = OpHandle()
+        check_call(_LIB.NNGetOpHandle(c_str(name), ctypes.byref(handle)))
+        real, desc, key_var = ctypes.c_char_p(), ctypes.c_char_p(), ctypes.c_char_p()
+        num_args, ret = mx_uint(), ctypes.c_char_p()
+        arg_names = ctypes.POINTER(ctypes.c_char_p)()
+        arg_types = ctypes.POINTER(ctypes.c_char_p)()
+        arg_descs = ctypes.POINTER(ctypes.c_char_p)()
+        check_call(_LIB.MXSymbolGetAtomicSymbolInfo(
+            handle, ctypes.byref(real), ctypes.byref(desc), ctypes.byref(num_args),
+            ctypes.byref(arg_names), ctypes.byref(arg_types), ctypes.byref(arg_descs),
+            ctypes.byref(key_var), ctypes.byref(ret)))
+        inputs = tuple(py_str(arg_names[i]) for i in range(num_args.value)
+                       if py_str(arg_types[i]).split(",")[0].split(" ")[0]
+                       in ("NDArray-or-Symbol", "Symbol", "NDArray"))
+        out[name] = OpInfo(name, py_str(real.value), inputs, bool(key_var.value))
+    return types.MappingProxyType(out)
+
+
+@functools.lru_cache(maxsize=None)
+def aliases() -> Mapping[str, str]:
+    """Alias -> canonical op name, for names that are not canonical."""
+    return types.MappingProxyType(
+        {n: i.canonical for n, i in op_infos().items() if n != i.canonical})
+
+
+@functools.lru_cache(maxsize=None)
+def _handle_to_name() -> Dict[int, str]:
+    out = {}
+    for name, info in op_infos().items():
+        handle = OpHandle()
+        check_call(_LIB.NNGetOpHandle(c_str(name), ctypes.byref(handle)))
+        out[handle.value] = info.canonical
+    return out
+
+
+def op_of_function(fn: object) -> Tuple[str, str] | None:
+    """``(canonical op, 'ndarray'|'symbol')`` for an MXNet-generated op function, else None."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    if "_imperative_invoke" in code.co_names:
+        kind = "ndarray"
+    elif "_symbol_creator" in code.co_names:
+        kind = "symbol"
+    else:
+        return None
+    table = _handle_to_name()
+    for const in code.co_consts:
+        if isinstance(const, int) and not isinstance(const, bool) and const in table:
+            return table[const], kind
+    return None
+
+
+# Namespaces whose op functions AMP patches (``op`` modules included, so ``F.X`` in
+# ``hybrid_forward`` is covered). Scanned by prefix so contrib/linalg/random/image/sparse,
+# ``_internal`` and the numpy front ends are all found.
+_ROOTS = ("mxnet.ndarray", "mxnet.symbol", "mxnet.numpy", "mxnet.numpy_extension")
+
+
+def op_function_sites() -> Iterator[Tuple[types.ModuleType, str, object, str, str]]:
+    """Yield ``(module, attribute, function, op, kind)`` for every op function in scope."""
+    import mxnet.ndarray.numpy_extension  # noqa: F401  make sure the np front ends are loaded
+    import mxnet.symbol.numpy_extension  # noqa: F401
+    for mod_name, module in sorted(sys.modules.items()):
+        if module is None or not any(mod_name == r or mod_name.startswith(r + ".") for r in _ROOTS):
+            continue
+        for attr, value in list(vars(module).items()):
+            if not isinstance(value, types.FunctionType):
+                continue
+            found = op_of_function(value)
+            if found is not None:
+                yield module, attr, value, found[0], found[1]
+
+
+# -- registry: ctypes calls of the C API (1.9.1: MXListAllOpNames, NNGetOpHandle,
+#    MXSymbolGetAtomicSymbolInfo). If their signatures change, op_infos() fails at init.
+#    op_of_function reads the op handle MXNet's code generator bakes into each generated
+#    function's constants (1.9.1: mxnet/ndarray/register.py, mxnet/symbol/register.py);
+#    if that changes, init patches nothing and the patching tests fail.
+
+
+# -- gluon blocks --------------------------------------------------------------------
+
+def cached_graph(block: HybridBlock, caller: str) -> Tuple[Sequence[Symbol], Symbol]:
+    """``(input symbols, output symbol)`` a hybridized block recorded on its first call.
+
+    1.9.1: ``HybridBlock._cached_graph`` is ``()`` until the first call, then that pair.
+    If renamed, converting or reporting a block raises the RuntimeError below.
+    """
+    cached = getattr(block, "_cached_graph", ())
+    if not cached:
+        raise RuntimeError(f"{caller}: the block has no cached graph: call block.hybridize() and run "
+                           "one forward pass (e.g. block(x)) first.")
+    return cached[0], cached[1]
+
+
+def has_cached_graph(block: Any) -> bool:
+    """True for a hybridized block that already recorded its graph (see :func:`cached_graph`)."""
+    return isinstance(block, HybridBlock) and bool(getattr(block, "_cached_graph", ()))
+
+
+# -- symbols -------------------------------------------------------------------------
+
+#: 1.9.1: the numpy-frontend Symbol class; amp_cast is a legacy op, so np symbols are
+#: converted through ``as_nd_ndarray``. If moved, importing gluon_amp fails here.
+NP_SYMBOL = mx.sym.np._Symbol
+
+
+def pin_float32(var: Symbol) -> None:
+    """Declare a variable float32 (``__dtype__='0'``). 1.9.1: ``Symbol._set_attr``; the
+    public ``var(dtype=)`` cannot change an existing variable."""
+    var._set_attr(__dtype__="0")
+
+
+def rebuild_op(sym: Symbol, inputs: List[Symbol]) -> Symbol:
+    """The op node ``sym`` applied to new ``inputs`` under the same name and attributes.
+
+    1.9.1: ``Symbol._gen_atomic_symbol`` makes an unbound copy of the head op. Used when
+    MXNet created an op's weights itself and casts must be wired in after the fact.
+    """
+    return sym._gen_atomic_symbol()(*inputs, name=sym.name)
+
+
+# -- trainer -------------------------------------------------------------------------
+# 1.9.1 mxnet/gluon/trainer.py: ``_update`` calls ``self._amp_loss_scaler.has_overflow(params)``
+# when that attribute exists and skips the update if it returns True; ``_scale`` is the
+# factor ``rescale_grad`` is built from on each step; ``_kvstore_params`` holds the
+# constructor's ``update_on_kvstore`` until the kvstore is initialised, after which
+# ``_update_on_kvstore`` holds the decision. If any of this changes, the trainer tests fail.
+
+def set_step_hook(trainer: Trainer, hook: Any) -> None:
+    trainer._amp_loss_scaler = hook
+
+
+def get_step_hook(trainer: Trainer) -> Any:
+    return getattr(trainer, "_amp_loss_scaler", None)
+
+
+def grad_scale(trainer: Trainer) -> float:
+    return trainer._scale
+
+
+def set_grad_scale(trainer: Trainer, value: float) -> None:
+    trainer._scale = value
+
+
+def trainer_params(trainer: Trainer) -> List[Parameter]:
+    return trainer._params
+
+
+def updates_on_kvstore(trainer: Trainer) -> Optional[bool]:
+    """True/False once decided or asked for; None when left to MXNet."""
+    wanted = trainer._kvstore_params.get("update_on_kvstore")
+    if trainer._kv_initialized:
+        return bool(trainer._update_on_kvstore)
+    return wanted
+
+
+def force_update_on_worker(trainer: Trainer) -> None:
+    trainer._kvstore_params["update_on_kvstore"] = False
+
+
+# -- parameters ----------------------------------------------------------------------
+
+def has_grad(p: Parameter) -> bool:
+    """1.9.1: ``Parameter._grad`` is None until the parameter is initialised with a grad
+    (``list_grad`` raises instead). If renamed, every step would look gradient-free."""
+    return p.grad_req != "null" and p._grad is not None

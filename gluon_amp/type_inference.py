@@ -1,0 +1,78 @@
+"""MXNet's type inference, asked for what gluon_amp needs: every output of a graph, and one
+op's rule for given input dtypes (what the graph pass plugs in)."""
+from __future__ import annotations
+
+import functools
+import json
+import re
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import mxnet as mx
+from mxnet.base import MXNetError
+from mxnet.symbol import Symbol
+
+from gluon_amp_core.dtypes import DTYPE_CODE, dtype_name
+from .mxnet_internals import to_mx_dtype
+
+_MULTI = re.compile(r"^(.*)_output(\d+)$")
+
+
+def infer_dtypes(sym: Symbol, input_types: Mapping[str, Any],
+                 partial: bool = False) -> Optional[Dict[Tuple[str, int], Optional[str]]]:
+    """``{(node name, output index): dtype name}`` for every node of ``sym``.
+
+    ``input_types`` maps input names to dtypes (names or NumPy/MXNet dtypes); names that are
+    not inputs of ``sym`` are ignored. Returns ``None`` when the graph does not type-check,
+    or with ``partial=True`` leaves untyped outputs as ``None``.
+    """
+    internals = sym.get_internals()
+    args = set(internals.list_inputs())
+    given = {k: to_mx_dtype(dtype_name(v)) for k, v in input_types.items() if k in args}
+    infer = internals.infer_type_partial if partial else internals.infer_type
+    _, out_types, _ = infer(**given)
+    if out_types is None:
+        return None
+    out: Dict[Tuple[str, int], Optional[str]] = {}
+    for name, t in zip(internals.list_outputs(), out_types):
+        m = _MULTI.match(name)
+        if m:
+            key = (m.group(1), int(m.group(2)))
+        elif name.endswith("_output"):
+            key = (name[: -len("_output")], 0)
+        else:  # a variable
+            key = (name, 0)
+        out[key] = dtype_name(t) if t is not None else None
+    return out
+
+
+def op_types(op: str, attrs: Mapping[str, str], in_dtypes: Tuple[Optional[str], ...]
+             ) -> Optional[Tuple[Tuple[Optional[str], ...], Tuple[Optional[str], ...]]]:
+    """MXNet's own type rule for one op: the dtype each input must have and the output
+    dtypes, given ``in_dtypes`` (``None``: free). ``None`` when MXNet rejects the inputs.
+
+    The graph pass's ``op_types`` argument. Cached per (op, attributes, input dtypes).
+    """
+    return _op_types(op, tuple(sorted(attrs.items())), in_dtypes)
+
+
+@functools.lru_cache(maxsize=8192)
+def _op_types(op: str, attrs: Tuple[Tuple[str, str], ...], in_dtypes: Tuple[Optional[str], ...]):
+    # Input dtypes are declared as ``__dtype__`` attributes: MXNet 1.9.1's
+    # ``infer_type(name=dtype)`` silently drops bfloat16 (its NumPy type is ``void``).
+    n = len(in_dtypes)
+    nodes = [{"op": "null", "name": f"in{k}", "inputs": [],
+              **({"attrs": {"__dtype__": str(DTYPE_CODE[t])}} if t in DTYPE_CODE else {})}
+             for k, t in enumerate(in_dtypes)]
+    nodes.append({"op": op, "name": "node", "attrs": dict(attrs), "inputs": [[k, 0, 0] for k in range(n)]})
+    graph = {"nodes": nodes, "arg_nodes": list(range(n)), "heads": [[n, 0, 0]],
+             "attrs": {"mxnet_version": ["int", 10901]}}
+    internals = mx.sym.load_json(json.dumps(graph)).get_internals()
+    try:
+        _, out_types, _ = internals.infer_type_partial()
+    except MXNetError:
+        return None
+    by_name = {name: (dtype_name(t) if t is not None else None)
+               for name, t in zip(internals.list_outputs(), out_types)}
+    required = tuple(by_name.get(f"in{k}") for k in range(n))
+    outs = tuple(t for name, t in by_name.items() if name.startswith("node_output"))
+    return required, outs

@@ -1,0 +1,153 @@
+"""What low precision a machine can execute, and which target dtype to use. Pure: no MXNet.
+
+MXNet 1.9's oneDNN 2.4 runs bfloat16 only from AVX-512 up: natively with AVX512-BF16 or
+AMX, emulated (slower than float32) with plain AVX-512, not at all below. ``DNNL_MAX_CPU_ISA``
+caps the ISA oneDNN may use, so a user's cap removes bfloat16 as surely as the hardware.
+The MXNet layer adds what flags cannot tell: a probe that executes a tiny bf16 op.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import FrozenSet, Optional
+
+from .dtypes import parse_target_dtype
+
+#: oneDNN 2.4 ISA names (``DNNL_MAX_CPU_ISA``), lowest first.
+_ISA_ORDER = ("SSE41", "AVX", "AVX2", "AVX512_MIC", "AVX512_MIC_4OPS", "AVX512_CORE",
+              "AVX512_CORE_VNNI", "AVX512_CORE_BF16", "AVX512_CORE_AMX", "ALL")
+_RANK = {name: i for i, name in enumerate(_ISA_ORDER)}
+_FIRST_AVX512 = _RANK["AVX512_CORE"]
+_FIRST_BF16 = _RANK["AVX512_CORE_BF16"]
+
+_FAST_HW = ("a CPU with AVX512-BF16 (Intel Cooper Lake or newer, AMD Zen 4 or newer) or AMX "
+            "(Intel Sapphire Rapids or newer), or a GPU with float16")
+
+
+class Bf16(enum.Enum):
+    """How this process can run bfloat16 on the CPU."""
+
+    NATIVE = "native"        # AVX512-BF16 or AMX instructions
+    EMULATED = "emulated"    # AVX-512 without bf16 instructions: runs, slower than float32
+    NONE = "none"            # no bf16 kernels at all (below AVX-512, or capped there)
+
+
+@dataclass(frozen=True)
+class Capability:
+    """What this machine can execute.
+
+    Attributes
+    ----------
+    gpus : int
+        GPUs MXNet sees (float16 runs there).
+    bf16 : Bf16
+    isa : str
+        The highest oneDNN ISA in effect (CPU flags, capped by ``DNNL_MAX_CPU_ISA``).
+    why : str
+        Why ``bf16`` is what it is, naming the CPU feature or setting.
+    """
+
+    gpus: int
+    bf16: Bf16
+    isa: str
+    why: str
+
+
+def cpu_isa(flags: FrozenSet[str], amx_granted: bool) -> str:
+    """The highest oneDNN ISA these ``/proc/cpuinfo`` flags support."""
+    if amx_granted and {"amx_bf16", "amx_tile"} <= flags:
+        return "AVX512_CORE_AMX"
+    if "avx512_bf16" in flags:
+        return "AVX512_CORE_BF16"
+    if "avx512f" in flags:
+        return "AVX512_CORE_VNNI" if "avx512_vnni" in flags else "AVX512_CORE"
+    for name in ("avx2", "avx", "sse4_1"):
+        if name in flags:
+            return {"avx2": "AVX2", "avx": "AVX", "sse4_1": "SSE41"}[name]
+    return "SSE41"
+
+
+def effective_isa(cpu: str, cap: Optional[str]) -> str:
+    """``cpu`` limited by a ``DNNL_MAX_CPU_ISA`` value (unknown values are ignored)."""
+    if not cap or cap.upper() not in _RANK:
+        return cpu
+    return min(cpu, cap.upper(), key=_RANK.__getitem__)
+
+
+def classify(flags: FrozenSet[str], amx_granted: bool, isa_cap: Optional[str], gpus: int = 0,
+             probe_error: Optional[str] = None) -> Capability:
+    """Build a :class:`Capability` from CPU flags, the ISA cap and the probe's outcome.
+
+    ``probe_error`` is the message of a failed bf16 probe (``None``: it ran). A failed
+    probe means no bf16 whatever the flags say; a passing one on a CPU whose flags show
+    no AVX-512 (another architecture) counts as emulated: it runs, speed unknown.
+    """
+    cpu = cpu_isa(flags, amx_granted)
+    isa = effective_isa(cpu, isa_cap)
+    capped = isa != cpu
+    rank = _RANK[isa]
+    if probe_error is not None:
+        return Capability(gpus, Bf16.NONE, isa, _why_none(cpu, isa, capped, probe_error))
+    if rank >= _FIRST_BF16:
+        return Capability(gpus, Bf16.NATIVE, isa, f"oneDNN runs bfloat16 natively ({isa.lower()})")
+    if rank >= _FIRST_AVX512:
+        cause = (f"DNNL_MAX_CPU_ISA={isa_cap} caps oneDNN below AVX512_CORE_BF16" if capped else
+                 "this CPU has AVX-512 but neither avx512_bf16 nor amx_bf16")
+        return Capability(gpus, Bf16.EMULATED, isa, f"{cause}: bfloat16 runs emulated, slower than float32")
+    return Capability(gpus, Bf16.EMULATED, isa, "a bf16 probe ran although the CPU flags show no "
+                      "AVX-512 (not x86?): bfloat16 executes, its speed is unknown")
+
+
+def _why_none(cpu: str, isa: str, capped: bool, probe_error: str) -> str:
+    if capped and _RANK[isa] < _FIRST_AVX512 <= _RANK[cpu]:
+        cause = (f"DNNL_MAX_CPU_ISA={isa} caps oneDNN below AVX-512, where MXNet 1.9's oneDNN has "
+                 "no bfloat16 kernels; unset DNNL_MAX_CPU_ISA to use them")
+    elif _RANK[cpu] < _FIRST_AVX512:
+        cause = (f"this CPU lacks avx512f (best ISA {cpu.lower()}), and MXNet 1.9's oneDNN has no "
+                 f"bfloat16 kernels below AVX-512; {_FAST_HW} would enable mixed precision")
+    else:
+        cause = "a bfloat16 convolution could not run on this machine"
+    return f"{cause} (probe: {probe_error})"
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The dtype AMP will use, and what to tell the user about it.
+
+    ``dtype`` is ``'float32'`` when no useful low precision exists (AMP stays off).
+    ``executable`` is False when the dtype cannot run on this machine (graph work only).
+    """
+
+    dtype: str
+    warning: Optional[str]
+    executable: bool = True
+
+
+def resolve_target(requested: object, cap: Capability) -> Resolution:
+    """Choose the target dtype for ``requested`` (``None``: pick for this machine).
+
+    ``None`` never picks a dtype this machine cannot execute, nor bfloat16 where it is
+    emulated (slower than float32): then AMP stays in float32. An explicit dtype is kept,
+    with a warning when it cannot execute or is slow here. Raises ``ValueError`` for a
+    dtype that is not ``float16``/``bfloat16``.
+    """
+    if requested is None:
+        if cap.gpus > 0:
+            return Resolution("float16", None)
+        if cap.bf16 is Bf16.NATIVE:
+            return Resolution("bfloat16", None)
+        return Resolution("float32", f"gluon_amp: mixed precision is off, training and inference "
+                                     f"stay in float32: {cap.why}.")
+    dtype = parse_target_dtype(requested)
+    if dtype == "float16" and cap.gpus == 0:
+        return Resolution(dtype, "gluon_amp: target_dtype='float16' without a GPU: MXNet's CPU build "
+                                 "has no float16 convolution or GEMM. Graph building, type inference "
+                                 "and conversion work; running float16 ops needs a GPU.", False)
+    if dtype == "bfloat16" and cap.bf16 is Bf16.NONE:
+        return Resolution(dtype, f"gluon_amp: target_dtype='bfloat16' cannot execute here: {cap.why}. "
+                                 "Graph building, type inference and conversion still work; running "
+                                 "a bfloat16 convolution or dense layer will fail in oneDNN.", False)
+    if dtype == "bfloat16" and cap.bf16 is Bf16.EMULATED:
+        return Resolution(dtype, f"gluon_amp: target_dtype='bfloat16': {cap.why}. Use it for numerics "
+                                 f"checks; {_FAST_HW} runs it fast.")
+    return Resolution(dtype, None)

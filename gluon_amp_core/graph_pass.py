@@ -1,0 +1,253 @@
+"""The conversion pass over an MXNet graph in its JSON form. Pure: no MXNet.
+
+It walks the nodes (:func:`gluon_amp_core.walk.walk`), casts each op's float inputs as the
+decision says, one ``amp_cast`` per (tensor, dtype) shared by all consumers, and keeps the
+dtype of every output. What an op does with dtypes is not modelled here: the caller passes
+``op_types``, which answers from the framework's own type inference (the MXNet layer asks
+MXNet), so the pass and MXNet agree by construction. Parameters get the dtype the op
+requires (a PReLU slope after a float16 convolution becomes float16). Casts already in the
+graph (the user's ``amp_cast``/``amp_multicast``, an explicit ``Cast``) are kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .decide import Decision, Reason
+from .dtypes import CODE_DTYPE, DTYPE_CODE, FLOAT_DTYPES, widest
+from .policy import Policy
+from .walk import REASON_ATTR, Entry, NodeDecision, walk
+
+#: ``op_types(op, attrs, input dtypes)`` -> (dtype each input must have, output dtypes), or
+#: None when the op cannot be typed with those inputs. ``None`` in the input dtypes means
+#: "free" (a parameter whose dtype the op may choose).
+OpTypes = Callable[[str, Mapping[str, str], Tuple[Optional[str], ...]],
+                   Optional[Tuple[Tuple[Optional[str], ...], Tuple[Optional[str], ...]]]]
+
+
+@dataclass
+class PassResult:
+    """The converted graph and what the pass did."""
+
+    graph: dict
+    dtypes: Dict[Tuple[str, int], Optional[str]]  # dtype of every output, by (node name, index)
+    param_dtypes: Dict[str, str]                  # parameter name -> stored dtype
+    policy: Optional[Policy] = None
+    decisions: List[NodeDecision] = field(default_factory=list)
+    casts_inserted: int = 0
+
+    @property
+    def reasons(self) -> Dict[str, str]:
+        """Op node name -> the reason of its decision."""
+        return {nd.name: nd.reason.value for nd in self.decisions}
+
+
+class _Builder:
+    """The new node list under construction, with output dtypes and shared casts."""
+
+    def __init__(self) -> None:
+        self.nodes: List[dict] = []
+        self.dtypes: Dict[Entry, Optional[str]] = {}
+        self.casts: Dict[Tuple[Entry, str], Entry] = {}
+        self.count = 0
+
+    def add(self, node: dict) -> int:
+        self.nodes.append(node)
+        return len(self.nodes) - 1
+
+    def cast(self, entry: Entry, dtype: str) -> Entry:
+        key = (entry, dtype)
+        if key not in self.casts:
+            src = self.nodes[entry[0]]
+            name = f"{src['name']}_amp_cast_{dtype}" + (f"_{entry[1]}" if entry[1] else "")
+            j = self.add({"op": "amp_cast", "name": name, "attrs": {"dtype": dtype},
+                          "inputs": [[entry[0], entry[1], 0]]})
+            self.casts[key] = (j, 0)
+            self.dtypes[(j, 0)] = dtype
+            self.count += 1
+        return self.casts[key]
+
+
+def convert_graph(graph: dict, policy: Policy, input_names: Sequence[str],
+                  var_dtypes: Mapping[str, str], op_types: OpTypes,
+                  op_inputs: Mapping[str, Sequence[str]], excluded: Collection[str] = (),
+                  cast_optional_params: bool = False, float32_outputs: bool = True) -> PassResult:
+    """Insert casts so every op runs in the dtype the policy gives it.
+
+    Parameters
+    ----------
+    graph : dict
+        ``json.loads(sym.tojson())`` of an FP32 graph.
+    policy : Policy
+        An enabled policy (its table decides).
+    input_names : sequence of str
+        Data inputs; every other variable is a parameter.
+    var_dtypes : mapping
+        Variable name -> dtype in the FP32 graph (declared or inferred); missing: float32.
+    op_types : OpTypes
+        The framework's type rule per op (see the module docstring).
+    op_inputs : mapping
+        Op name -> declared input names, to honour the table's kept-float32 inputs.
+    excluded : names of op nodes forced to float32.
+    cast_optional_params : bool
+        Store a parameter in the low-precision dtype when every consumer casts it there.
+    float32_outputs : bool
+        Cast low-precision graph outputs back to float32.
+    """
+    b, index, data = _Builder(), {}, set(input_names)
+    params = set()
+    for i, node in enumerate(graph["nodes"]):
+        if node["op"] == "null":
+            index[i] = b.add(dict(node))
+            b.dtypes[(index[i], 0)] = _var_dtype(node, var_dtypes)
+            if node["name"] not in data:
+                params.add(index[i])
+    decisions = []
+    for nd in walk(graph["nodes"], policy.table, lambda e: b.dtypes.get((index[e[0]], e[1])), excluded):
+        node = graph["nodes"][nd.index]
+        inputs = [(index[e[0]], e[1]) for e in node["inputs"]]
+        names = op_inputs.get(node["op"], ())
+        kept = [k < len(names) and names[k] in nd.decision.keep_fp32 for k in range(len(inputs))]
+        new_inputs, outs = _type_node(b, node, nd.decision, inputs, kept, params, op_types)
+        new_node = {**node, "inputs": [[e[0], e[1], 0] for e in new_inputs],
+                    "attrs": {**node.get("attrs", {}), REASON_ATTR: nd.reason.value}}
+        index[nd.index] = j = b.add(new_node)
+        for k, t in enumerate(outs):
+            b.dtypes[(j, k)] = t
+        decisions.append(nd)
+    heads = [_head(b, (index[h[0]], h[1]), float32_outputs) for h in graph["heads"]]
+    return _finish_pass(graph, b, heads, data, policy, decisions, cast_optional_params)
+
+
+def _var_dtype(node: dict, var_dtypes: Mapping[str, str]) -> str:
+    declared = node.get("attrs", {}).get("__dtype__")
+    if declared not in (None, "-1"):
+        return CODE_DTYPE.get(int(declared), "float32")
+    return var_dtypes.get(node["name"], "float32")
+
+
+def _type_node(b: _Builder, node: dict, d: Decision, inputs: List[Entry], kept: List[bool],
+               params: Collection[int], op_types: OpTypes) -> Tuple[List[Entry], Tuple[Optional[str], ...]]:
+    """Cast ``node``'s inputs as decided, let ``op_types`` type it, and fit its parameters."""
+    cast_to = [d.dtype if (d.dtype and not keep) else None for keep in kept]
+    typed = _try_types(b, node, inputs, cast_to, params, op_types)
+    if typed is None:  # e.g. a neutral op fed float16 and float32: run it in the widest
+        wide = widest(b.dtypes.get(e) for e in inputs if e[0] not in params)
+        cast_to = [wide if not keep else None for keep in kept]
+        typed = _try_types(b, node, inputs, cast_to, params, op_types)
+    if typed is None:
+        got = [b.dtypes.get(e) for e in inputs]
+        raise ValueError(f"node {node['name']!r} (op {node['op']}) cannot be typed with input dtypes "
+                         f"{got}; exclude it with excluded_sym_names=[{node['name']!r}] and please report this")
+    required, outs = typed
+    new_inputs = []
+    for e, want, target in zip(inputs, required, cast_to):
+        have = b.dtypes.get(e)
+        if e[0] in params:
+            target = want
+        if target in FLOAT_DTYPES and have in FLOAT_DTYPES and have != target:
+            e = b.cast(e, target)
+        new_inputs.append(e)
+    return new_inputs, outs
+
+
+def _try_types(b: _Builder, node: dict, inputs: List[Entry], cast_to: List[Optional[str]],
+               params: Collection[int], op_types: OpTypes):
+    """``op_types`` of the node with its inputs cast; parameters left free for the op to
+    type, or, where that leaves anything untyped, fixed at their stored dtype."""
+    attrs = {k: v for k, v in node.get("attrs", {}).items() if not k.startswith("__")}
+    fixed = [target if (target and b.dtypes.get(e) in FLOAT_DTYPES) else b.dtypes.get(e)
+             for e, target in zip(inputs, cast_to)]
+    free = tuple(None if (e[0] in params and t in FLOAT_DTYPES) else t for e, t in zip(inputs, fixed))
+    typed = op_types(node["op"], attrs, free)
+    if typed is not None and None not in typed[1] and all(
+            r is not None for e, r, t in zip(inputs, typed[0], free) if t is None and e[0] in params):
+        return typed
+    stored = tuple(b.dtypes.get(e) if e[0] in params else t for e, t in zip(inputs, fixed))
+    return op_types(node["op"], attrs, stored) if stored != free else typed
+
+
+def _head(b: _Builder, e: Entry, float32_outputs: bool) -> list:
+    if float32_outputs and b.dtypes.get(e) in ("float16", "bfloat16"):
+        e = b.cast(e, "float32")
+    return [e[0], e[1], 0]
+
+
+def _finish_pass(graph: dict, b: _Builder, heads: List[list], data: Collection[str], policy: Policy,
+                 decisions: List[NodeDecision], cast_optional_params: bool) -> PassResult:
+    nodes = b.nodes
+    if cast_optional_params:
+        _fold_param_casts(b, heads, data)
+    param_dtypes = {n["name"]: b.dtypes[(j, 0)] for j, n in enumerate(nodes)
+                    if n["op"] == "null" and n["name"] not in data}
+    result_nodes, heads, folded = _drop_param_casts(nodes, heads, param_dtypes)
+    left = {n["name"] for n in result_nodes}
+    by_name = {(nodes[j]["name"], k): t for (j, k), t in b.dtypes.items() if nodes[j]["name"] in left}
+    new_graph = _finish(graph, result_nodes, heads)
+    for n in new_graph["nodes"]:
+        if n["op"] == "null" and n["name"] in param_dtypes:
+            n["attrs"] = {**n.get("attrs", {}), "__dtype__": str(DTYPE_CODE[param_dtypes[n["name"]]])}
+    return PassResult(new_graph, by_name, param_dtypes, policy, decisions, b.count - folded)
+
+
+def _finish(graph: dict, nodes: List[dict], heads: List[list]) -> dict:
+    out = {k: v for k, v in graph.items() if k not in ("nodes", "arg_nodes", "heads", "node_row_ptr")}
+    out["nodes"] = nodes
+    out["arg_nodes"] = [i for i, n in enumerate(nodes) if n["op"] == "null"]
+    out["heads"] = heads
+    return out
+
+
+def _fold_param_casts(b: _Builder, heads: List[list], data: Collection[str]) -> None:
+    """Store a parameter in its cast's dtype when that cast is its only consumer."""
+    consumers: Dict[int, List[int]] = {}
+    for j, n in enumerate(b.nodes):
+        for e in n["inputs"]:
+            consumers.setdefault(e[0], []).append(j)
+    outputs = {h[0] for h in heads}
+    for j, n in enumerate(b.nodes):
+        if n["op"] == "null" and n["name"] not in data and j not in outputs:
+            folded = _foldable_cast(b.nodes, consumers, j)
+            if folded is not None:
+                b.dtypes[(j, 0)] = b.nodes[folded]["attrs"]["dtype"]
+
+
+def _needs_fp32_param(node: dict, dtype: str) -> bool:
+    """oneDNN 2.4 cannot reorder stored bfloat16 weights of grouped convolutions."""
+    return (dtype == "bfloat16" and node["op"] == "Convolution"
+            and int(node.get("attrs", {}).get("num_group", "1")) > 1)
+
+
+def _foldable_cast(nodes: List[dict], consumers: Mapping[int, List[int]], param: int) -> Optional[int]:
+    """The cast a parameter can be stored as: its only consumer, read by ops that accept it."""
+    users = consumers.get(param, [])
+    if len(users) != 1 or nodes[users[0]]["op"] != "amp_cast":
+        return None
+    dtype = nodes[users[0]]["attrs"]["dtype"]
+    if any(_needs_fp32_param(nodes[u], dtype) for u in consumers.get(users[0], [])):
+        return None
+    return users[0]
+
+
+def _drop_param_casts(nodes: List[dict], heads: List[list], param_dtypes: Dict[str, str]):
+    """Remove casts of parameters now stored in the cast's dtype; rewire their consumers."""
+    drop = {}
+    for j, n in enumerate(nodes):
+        if n["op"] == "amp_cast" and n["name"].endswith(f"_amp_cast_{n['attrs']['dtype']}"):
+            src = nodes[n["inputs"][0][0]]
+            if src["op"] == "null" and param_dtypes.get(src["name"]) == n["attrs"]["dtype"]:
+                drop[j] = n["inputs"][0][0]
+    if not drop:
+        return nodes, heads, 0
+    keep = [j for j in range(len(nodes)) if j not in drop]
+    new_index = {j: k for k, j in enumerate(keep)}
+
+    def remap(e: list) -> list:
+        return [new_index[drop[e[0]]], 0, 0] if e[0] in drop else [new_index[e[0]], e[1], 0]
+
+    out = []
+    for j in keep:
+        n = dict(nodes[j])
+        n["inputs"] = [remap(e) for e in n["inputs"]]
+        out.append(n)
+    return out, [remap(h) for h in heads], len(drop)

@@ -1,0 +1,91 @@
+"""The AMP policy: one immutable value holding everything that decides an op's dtype. Pure.
+
+A :class:`Policy` is built once from the user's arguments (``Policy.create``), validated
+there, and then passed around whole: to patching, the converters, the graph pass and the
+report, so training and deployment cannot disagree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
+
+from .table import ConditionalSpec, OpTable, build_table, check_conditional, check_name_list
+
+#: A ``target_dtype`` of ``FLOAT32`` means AMP is off: no useful low precision here.
+FLOAT32 = "float32"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Target dtype, op lists and batch-norm rule, validated.
+
+    Attributes
+    ----------
+    target_dtype : {'float16', 'bfloat16', 'float32'}
+        ``'float32'``: mixed precision is off (``reason`` says why); ``table`` is None.
+    target_precision_ops, fp32_ops, widest_type_ops : tuple of str or None
+        Overrides that replace the default list of their class (``None``: the default).
+    conditional_fp32_ops : tuple of (op, attr, values) or None
+    keep_batchnorm_fp32 : bool or None
+        As in Apex: True forces batch norm to float32, False to the target dtype.
+    table : OpTable or None
+        The op table these settings give, checked against the registry it was built with.
+    reason : str or None
+        Why the policy is float32, when it is.
+    """
+
+    target_dtype: str
+    target_precision_ops: Optional[Tuple[str, ...]] = None
+    fp32_ops: Optional[Tuple[str, ...]] = None
+    conditional_fp32_ops: Optional[Tuple[ConditionalSpec, ...]] = None
+    widest_type_ops: Optional[Tuple[str, ...]] = None
+    keep_batchnorm_fp32: Optional[bool] = None
+    table: Optional[OpTable] = field(default=None, compare=False, repr=False)
+    reason: Optional[str] = field(default=None, compare=False)
+
+    @property
+    def enabled(self) -> bool:
+        """True when ops run in a low-precision dtype under this policy."""
+        return self.table is not None
+
+    @classmethod
+    def create(cls, target_dtype: str, target_precision_ops: Optional[Sequence[str]] = None,
+               fp32_ops: Optional[Sequence[str]] = None,
+               conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
+               widest_type_ops: Optional[Sequence[str]] = None,
+               keep_batchnorm_fp32: Optional[bool] = None, *,
+               known_ops: Optional[Iterable[str]] = None,
+               aliases: Optional[Mapping[str, str]] = None,
+               reason: Optional[str] = None) -> "Policy":
+        """Validate the arguments and build the policy (and its table).
+
+        ``target_dtype`` must already be resolved (``'float16'``, ``'bfloat16'`` or
+        ``'float32'`` for off). ``known_ops``/``aliases`` are the registry to check op
+        names against. Raises ``TypeError``/``ValueError`` naming the bad argument.
+        """
+        lists = dict(
+            target_precision_ops=_opt(check_name_list, "target_precision_ops", target_precision_ops),
+            fp32_ops=_opt(check_name_list, "fp32_ops", fp32_ops),
+            conditional_fp32_ops=None if conditional_fp32_ops is None else check_conditional(conditional_fp32_ops),
+            widest_type_ops=_opt(check_name_list, "widest_type_ops", widest_type_ops),
+        )
+        if keep_batchnorm_fp32 is not None and not isinstance(keep_batchnorm_fp32, bool):
+            raise TypeError(f"keep_batchnorm_fp32 must be True, False or None, got {keep_batchnorm_fp32!r}")
+        if target_dtype == FLOAT32:
+            return cls(FLOAT32, **lists, keep_batchnorm_fp32=keep_batchnorm_fp32, reason=reason)
+        table = build_table(target_dtype, lists["target_precision_ops"], lists["conditional_fp32_ops"],
+                            lists["fp32_ops"], lists["widest_type_ops"], keep_batchnorm_fp32,
+                            known_ops=known_ops, aliases=aliases)
+        return cls(table.target_dtype, **lists, keep_batchnorm_fp32=keep_batchnorm_fp32, table=table)
+
+    def describe(self) -> str:
+        """One line for logs and errors."""
+        if not self.enabled:
+            return f"float32 (mixed precision off: {self.reason or 'no low-precision target'})"
+        overrides = [n for n in ("target_precision_ops", "fp32_ops", "conditional_fp32_ops",
+                                 "widest_type_ops", "keep_batchnorm_fp32") if getattr(self, n) is not None]
+        return self.target_dtype + (f" with {', '.join(overrides)}" if overrides else "")
+
+
+def _opt(check: Any, name: str, value: Any) -> Optional[Tuple[str, ...]]:
+    return None if value is None else check(name, value)

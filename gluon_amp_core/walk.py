@@ -1,0 +1,51 @@
+"""The one graph walker: a decision for every op node of a graph in MXNet's JSON form. Pure.
+
+The converter, the precision report and the tests all consume what it yields, so they
+read the same decision for the same node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Collection, Iterator, Optional, Sequence, Tuple
+
+from .decide import Decision, Reason, decide
+from .table import OpTable
+
+Entry = Tuple[int, int]  # (node index, output index)
+
+#: Node attribute where the converter records its decision's reason.
+REASON_ATTR = "__amp_reason__"
+
+
+@dataclass(frozen=True)
+class NodeDecision:
+    """What was decided for one op node."""
+
+    index: int
+    name: str
+    op: str
+    input_dtypes: Tuple[Optional[str], ...]
+    decision: Decision
+
+    @property
+    def reason(self) -> Reason:
+        return self.decision.reason
+
+
+def walk(nodes: Sequence[dict], table: OpTable, dtype_of: Callable[[Entry], Optional[str]],
+         excluded: Collection[str] = ()) -> Iterator[NodeDecision]:
+    """Yield a :class:`NodeDecision` for every op node, in graph (topological) order.
+
+    ``dtype_of((node, output))`` gives the dtype of an input, or ``None`` when unknown. It
+    is called when the node is reached, so a caller may fill it in as it goes (the
+    converter does). A node named in ``excluded``, or marked excluded by an earlier
+    conversion, runs in float32.
+    """
+    for i, node in enumerate(nodes):
+        if node["op"] == "null":
+            continue
+        attrs = node.get("attrs", {})
+        in_types = tuple(dtype_of((e[0], e[1])) for e in node["inputs"])
+        is_excluded = node["name"] in excluded or attrs.get(REASON_ATTR) == Reason.EXCLUDED.value
+        yield NodeDecision(i, node["name"], node["op"], in_types,
+                           decide(node["op"], attrs, in_types, table, excluded=is_excluded))
