@@ -27,12 +27,12 @@ import mxnet as mx
 from mxnet.gluon import Block, HybridBlock, Parameter, Trainer
 from mxnet.gluon.parameter import DeferredInitializationError
 
-from gluon_amp_core.dtypes import FLOAT_DTYPES, dtype_name
+from gluon_amp_core.dtypes import FLOAT_DTYPES, LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.loss_scale import LossScaler
 from gluon_amp_core.policy import Policy
 
 from . import master_weights as master_weights_mod, patching, trainer as trainer_mod
-from .mxnet_internals import to_mx_dtype, updates_on_kvstore
+from .mxnet_internals import NP_SYMBOL, to_mx_dtype, updates_on_kvstore
 from .policies import make_policy
 
 __all__ = ["OptLevel", "OPT_LEVELS", "properties", "initialize"]
@@ -143,6 +143,7 @@ def _drop_cached_graph(block: Block) -> None:
 # ------------------------------------------------------------------------------------------
 
 
+_LOW = frozenset(LOW_PRECISION_DTYPES)
 _NORM_SUFFIXES = ("gamma", "beta", "running_mean", "running_var", "moving_mean", "moving_var")
 
 # Nets and trainers initialize() has set up (weak: nothing is kept alive).
@@ -212,27 +213,30 @@ def _check_net(net: Block, level: OptLevel) -> None:
             f"weights exist to be cast at {level.name}." if level.cast_weights else "."))
 
 
-def _cast_tree(x: Any, dtype: str) -> Any:
-    """Cast every float NDArray/Symbol in ``x`` (nested lists/tuples) to ``dtype``."""
+def _cast_tree(x: Any, dtype: str, sources: frozenset) -> Any:
+    """Cast every NDArray in ``x`` (nested lists/tuples) whose dtype is in ``sources`` to
+    ``dtype``; Symbols (dtype unknown while tracing) always get a cast node."""
     if isinstance(x, (list, tuple)):
-        return type(x)(_cast_tree(v, dtype) for v in x)
+        return type(x)(_cast_tree(v, dtype, sources) for v in x)
     if isinstance(x, mx.nd.NDArray):
         legacy = x.as_nd_ndarray() if isinstance(x, mx.np.ndarray) else x
         name = dtype_name(legacy.dtype)
-        if name not in FLOAT_DTYPES or name == dtype:
+        if name not in sources or name == dtype:
             return x
         out = mx.nd.amp_cast(legacy, dtype=to_mx_dtype(dtype))
         return out.as_np_ndarray() if isinstance(x, mx.np.ndarray) else out
     if isinstance(x, mx.sym.Symbol):  # traced inside a parent's hybridized graph
-        is_np = isinstance(x, mx.sym.np._Symbol)
+        is_np = isinstance(x, NP_SYMBOL)
         out = mx.sym.amp_cast(x.as_nd_ndarray() if is_np else x, dtype=to_mx_dtype(dtype))
         return out.as_np_ndarray() if is_np else out
     return x
 
 
 def _boundary_forward(forward: Callable, dtype: str) -> Callable:
+    """Float inputs to ``dtype`` at the entry, low-precision outputs back to float32."""
     def amp_boundary_forward(self: Block, *args: Any) -> Any:
-        return _cast_tree(forward(*_cast_tree(args, dtype)), "float32")
+        out = forward(*_cast_tree(args, dtype, FLOAT_DTYPES))
+        return _cast_tree(out, "float32", _LOW)
     return amp_boundary_forward
 
 
