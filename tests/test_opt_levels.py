@@ -426,3 +426,23 @@ def test_without_bf16_kernels_every_level_falls_back_to_o0():
     assert got["dtypes"] == ["<class 'numpy.float32'>"]
     assert got["enabled"] is False and got["scale"] == 1.0
     assert len(got["warnings"]) == 1 and "float32" in got["warnings"][0], got["warnings"]
+
+
+@pytest.mark.parametrize("level,override,want", [("O2", False, False), ("O3", True, True)])
+def test_master_weights_override_float16(level, override, want):
+    net = _cnn()
+    tr = _trainer(net)
+    _fp16(net, tr, level, master_weights=override)
+    assert tr.optimizer.multi_precision is want
+    assert dtype_name(net.collect_params()["conv0_weight"].dtype) == "float16"
+
+
+@pytest.mark.parametrize("override", [False, True])
+def test_master_weights_override_bfloat16_wiring(override):
+    net = _cnn()
+    tr = _trainer(net)
+    gluon_amp.initialize(net, tr, "O2", target_dtype="bfloat16", master_weights=override)
+    updaters = mw.trainer_updaters(tr)
+    assert all(isinstance(u, mw.MasterWeightUpdater) for u in updaters)  # bf16 updates need float32 math
+    assert all(u.keep_master is override for u in updaters)
+    assert tr.optimizer.multi_precision is False
