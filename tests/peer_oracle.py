@@ -217,9 +217,11 @@ def summarize(sym: mx.sym.Symbol, input_types: Dict[str, Any]) -> Dict[str, Any]
     """What a converted graph does, independent of cast node names.
 
     ``ops``: op node name -> {'op', 'in': dtypes its inputs arrive in, 'out': output dtypes};
-    cast nodes are not listed. ``casts``: sorted ``[consumer, input index, cast op, dtype]``
-    for every cast output feeding a non-cast node (consumer ``'<output>'`` for a graph
-    output). ``typed``: False when infer_type could not type the graph.
+    cast nodes are not listed. ``casts``: sorted ``[consumer, input index, cast op, dtype,
+    'var'|'op']`` for every cast output feeding a non-cast node (consumer ``'<output>'``
+    for a graph output; the last field says whether a variable or an op output is cast).
+    ``reads``: variable name -> the dtypes ops read it in (after casts). ``typed``: False
+    when infer_type could not type the graph.
     """
     internals = sym.get_internals()
     names = set(internals.list_inputs())
@@ -241,7 +243,20 @@ def summarize(sym: mx.sym.Symbol, input_types: Dict[str, Any]) -> Dict[str, Any]
         key = f"{node['name']}_output" if f"{node['name']}_output" in out_t else f"{node['name']}_output{e[1]}"
         return out_t[key]
 
-    ops, casts = {}, []
+    def origin(e: Sequence[int]) -> Dict[str, Any]:
+        """The node an input entry comes from, looking through cast nodes."""
+        node = nodes[e[0]]
+        while node["op"] in CASTS:
+            e = node["inputs"][e[1] if node["op"] == "amp_multicast" else 0]
+            node = nodes[e[0]]
+        return node
+
+    def cast_is_noop(e: Sequence[int]) -> bool:
+        cast = nodes[e[0]]
+        src = cast["inputs"][e[1] if cast["op"] == "amp_multicast" else 0]
+        return entry_type(src) == entry_type(e)
+
+    ops, casts, reads = {}, [], {}
     for node in nodes:
         if node["op"] == "null" or node["op"] in CASTS:
             continue
@@ -250,13 +265,17 @@ def summarize(sym: mx.sym.Symbol, input_types: Dict[str, Any]) -> Dict[str, Any]
                 or (n.startswith(node["name"] + "_output") and n[len(node["name"]) + 7:].isdigit())]
         ops[node["name"]] = {"op": node["op"], "in": ins, "out": outs}
         for j, e in enumerate(node["inputs"]):
-            src = nodes[e[0]]
-            if src["op"] in CASTS:
-                casts.append([node["name"], j, src["op"], entry_type(e)])
+            src = origin(e)
+            if src["op"] == "null":
+                reads.setdefault(src["name"], set()).add(entry_type(e))
+            if nodes[e[0]]["op"] in CASTS:
+                casts.append([node["name"], j, nodes[e[0]]["op"], entry_type(e),
+                              "var" if src["op"] == "null" else "op", cast_is_noop(e)])
     for e in graph["heads"]:
         if nodes[e[0]]["op"] in CASTS:
-            casts.append(["<output>", 0, nodes[e[0]]["op"], entry_type(e)])
-    return {"typed": True, "ops": ops, "casts": sorted(casts)}
+            casts.append(["<output>", 0, nodes[e[0]]["op"], entry_type(e), "op", cast_is_noop(e)])
+    return {"typed": True, "ops": ops, "casts": sorted(casts),
+            "reads": {k: sorted(v) for k, v in sorted(reads.items())}}
 
 
 def param_dtypes(params: Dict[str, mx.nd.NDArray]) -> Dict[str, str]:
