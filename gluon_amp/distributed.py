@@ -1,0 +1,173 @@
+"""Keep workers in step: one reduced finite flag and loss-scale check per step.
+
+With ``Trainer.step`` the gradients are already reduced when the overflow check runs, so
+every worker sees the same inf/NaN. That stops being true when the check sees gradients
+before they meet (``trainer.update()`` without ``allreduce_grads()``) or when one scaler
+serves a distributed and a local trainer. :func:`agree_finite` makes the decision a
+collective one: each worker sends ``[not finite, scale, scale**2]``, one tiny sum comes
+back, and every worker skips if any worker saw inf/NaN. The two scale sums also reveal
+workers whose scales differ (a checkpoint restored on one rank only), which would
+otherwise mix gradients multiplied by different scales without a sign.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import mxnet as mx
+import numpy as np
+from mxnet.gluon import Trainer
+
+# A dist kvstore key of our own. ps-lite picks the server with ``key * 9973`` in a C int,
+# so the key must stay below 2**31 / 9973; Trainer uses keys 0..len(params)-1.
+FLAG_KEY = 214_000
+
+_EPS32 = float(np.finfo(np.float32).eps)
+_Reduce = Callable[[np.ndarray], np.ndarray]
+_kinds: "weakref.WeakKeyDictionary[Trainer, str]" = weakref.WeakKeyDictionary()
+_flag_ready: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_kvstore_ready: "weakref.WeakSet[Trainer]" = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class Engine:
+    """How a trainer's gradients meet across processes."""
+
+    name: str
+    workers: int
+    reduce: _Reduce  # sums a small float32 vector over the workers; same result on each
+    kvstore: bool = False
+
+
+def _kvstore_reduce(kv: Any) -> _Reduce:
+    def reduce(values: np.ndarray) -> np.ndarray:
+        # float32, like the gradients: on MXNet 1.9.1's dist_sync server a float64 key
+        # corrupted the summed float32 gradients of the other keys.
+        arr = mx.nd.array(values, dtype="float32")
+        if kv not in _flag_ready:  # collective: every worker reaches here on the same step
+            kv.init(FLAG_KEY, mx.nd.zeros_like(arr))
+            _flag_ready.add(kv)
+        kv.pushpull(FLAG_KEY, arr, out=arr)
+        return arr.asnumpy()
+    return reduce
+
+
+def _horovod_reduce(hvd: Any, process_set: Any) -> _Reduce:
+    def reduce(values: np.ndarray) -> np.ndarray:
+        out = hvd.allreduce(mx.nd.array(values, dtype="float32"), op=hvd.Sum,
+                            name="gluon_amp.agree_finite", process_set=process_set)
+        return out.asnumpy()
+    return reduce
+
+
+def _from_horovod(obj: Any) -> bool:
+    return type(obj).__module__.split(".")[0] == "horovod"
+
+
+def engine_of(trainer: Trainer) -> Optional[Engine]:
+    """The cross-process engine of ``trainer``, or None when its gradients stay in this process.
+
+    Recognised: a native ``dist_*`` kvstore with more than one worker, and Horovod's
+    ``DistributedTrainer`` with more than one process in its process set.
+    """
+    kv = trainer._kvstore
+    if isinstance(kv, mx.kvstore.KVStore) and "dist" in kv.type and kv.num_workers > 1:
+        return Engine(f"the {kv.type} kvstore", kv.num_workers, _kvstore_reduce(kv), kvstore=True)
+    process_set = getattr(trainer, "_process_set", None)
+    if _from_horovod(trainer) and process_set is not None and "horovod.mxnet" in sys.modules:
+        if process_set.size() > 1 and process_set.included():
+            hvd = sys.modules["horovod.mxnet"]
+            return Engine("Horovod", process_set.size(), _horovod_reduce(hvd, process_set))
+    return None
+
+
+def init_kvstore(trainer: Trainer) -> None:
+    """Create ``trainer``'s kvstore and broadcast rank 0's weights now, then wait for them.
+
+    Call it once on every worker after the parameters are initialised and before the first
+    ``trainer.step``, whenever the kvstore is ``dist_sync``/``dist_device_sync``. Otherwise
+    MXNet 1.9.1 broadcasts the weights inside the first step, and that pull races with the
+    first gradient push of the same key: a server that has summed the gradients first
+    answers the pull with that sum, and every worker silently starts from the summed
+    gradients instead of the weights (seen in about 1 of 8 runs with 2 workers on loopback).
+    """
+    if not isinstance(trainer, Trainer):
+        raise TypeError(f"init_kvstore expects a mxnet.gluon.Trainer, got {type(trainer).__name__}")
+    deferred = [p.name for p in trainer._params if p._deferred_init]
+    if deferred:
+        raise RuntimeError(f"init_kvstore: parameters {deferred} are not initialised yet (deferred "
+                           "shapes); run one forward pass, then call init_kvstore before backward.")
+    if not trainer._kv_initialized:
+        trainer._init_kvstore()
+    if trainer._params_to_init:
+        trainer._init_params()
+    mx.nd.waitall()
+    _kvstore_ready.add(trainer)
+
+
+def _refuse_horovod_optimizer(trainer: Trainer) -> None:
+    opt = trainer._optimizer
+    if _from_horovod(opt) and type(opt).__name__ == "DistributedOptimizer":
+        raise RuntimeError(
+            "gluon_amp cannot scale losses through horovod.mxnet.DistributedOptimizer inside a "
+            "gluon Trainer: the Trainer sets rescale_grad on the wrapper, not on the optimizer it "
+            "wraps, so gradients would stay multiplied by the loss scale (and by the batch size), "
+            "and its allreduce runs after the overflow check. Use "
+            "hvd.DistributedTrainer(params, optimizer, optimizer_params) instead.")
+
+
+def _check_shared_scaler(trainer: Trainer, scaler: Any, engine: Optional[Engine]) -> None:
+    from .trainer import get_scaler  # trainer.py calls into this module
+
+    _kinds[trainer] = engine.name if engine else "local"
+    kinds = {kind for t, kind in list(_kinds.items()) if get_scaler(t) is scaler}
+    if "local" in kinds and len(kinds) > 1:
+        spread = sorted(kinds - {"local"})
+        raise RuntimeError(
+            f"one LossScaler is shared by a trainer that reduces gradients over {', '.join(spread)} "
+            "and by a trainer whose gradients stay in this process: the local trainer's overflows "
+            "would move the scale on one worker only. Give the local trainer its own scaler "
+            "(gluon_amp.init_trainer(trainer) without passing the shared one) or build it on the "
+            "same distributed kvstore.")
+
+
+def agree_finite(trainer: Trainer, finite: bool) -> bool:
+    """Return whether every worker of ``trainer`` saw finite gradients this step.
+
+    Collective for distributed trainers: all workers must call it on the same step (every
+    ``trainer.step``/``update`` does). Raises ``RuntimeError`` when the workers' loss scales
+    differ, when one scaler mixes distributed and local trainers, and for Horovod's
+    ``DistributedOptimizer`` (use ``DistributedTrainer``).
+    """
+    from .trainer import get_scaler
+
+    scaler = get_scaler(trainer)
+    if not scaler.enabled:  # nothing is checked or skipped, so there is nothing to agree on
+        return bool(finite)
+    _refuse_horovod_optimizer(trainer)
+    engine = engine_of(trainer)
+    _check_shared_scaler(trainer, scaler, engine)
+    if engine is None:
+        return bool(finite)
+    if engine.kvstore and trainer not in _kvstore_ready:
+        _kvstore_ready.add(trainer)  # warn once
+        warnings.warn("this Trainer's first step broadcast the weights over a dist kvstore while "
+                      "pushing gradients; MXNet 1.9.1 can answer that broadcast with the summed "
+                      "gradients. Call gluon_amp.distributed.init_kvstore(trainer) before the first "
+                      "step.", RuntimeWarning, stacklevel=4)
+    scale = float(scaler.loss_scale)
+    sums = engine.reduce(np.array([0.0 if finite else 1.0, scale, scale * scale], dtype="float32"))
+    bad, total, squares = (float(v) for v in sums)
+    # All scales equal <=> n * sum(s^2) == (sum s)^2 (exact for powers of two; the tolerance
+    # covers float32 rounding of other static scales). Every worker reaches the same verdict.
+    n = engine.workers
+    if abs(n * squares - total * total) > 8 * n * _EPS32 * total * total:
+        raise RuntimeError(
+            f"the loss scale differs between the {engine.workers} workers of {engine.name} "
+            f"(this worker: {scale:g}, mean: {total / engine.workers:g}); their gradients would be "
+            "summed at different scales. Restore checkpoints on every rank with "
+            "gluon_amp.load_states(trainer, fname) and give every rank the same LossScaler settings.")
+    return bad == 0
