@@ -23,6 +23,9 @@ setup(
                   "matplotlib<3.9", "psutil", "tqdm"],
         "notebook": ["nbclient>=0.7", "nbformat>=5.7", "ipykernel>=6"],
         "test": ["pytest>=7"],
+        # Build horovod against the installed MXNet first (see README / `make install-dist`):
+        # a plain pip build of it has no MXNet support.
+        "dist": ["horovod==0.28.1", "psutil"],
     },
     entry_points={"console_scripts": ["gluon-amp-convert=gluon_amp.convert.cli:main"]},
 )
