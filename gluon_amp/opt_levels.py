@@ -304,12 +304,13 @@ def initialize(net: Block, trainer: Optional[Trainer] = None, opt_level: str = "
     if policy is not None and not policy.enabled:  # no useful low precision here (warned): O0
         level = replace(OPT_LEVELS["O0"], loss_scale=level.loss_scale if loss_scale is not None else 1.0)
     dtype = policy.target_dtype if policy is not None else "float32"
+    # A graph cached before (e.g. by the forward pass that finished deferred init, maybe in
+    # inference mode) is rebuilt at the next call, under this level's precision.
+    net.apply(_drop_cached_graph)
     if level.patch_ops:
-        net.apply(_drop_cached_graph)  # rebuilt under AMP at the next call
         patching.init(policy)
     if level.cast_weights:
         _cast_weights(net, dtype)
-        net.apply(_drop_cached_graph)
         net.forward = types.MethodType(_boundary_forward(net.forward, dtype), net)
     if trainer is not None:
         if level.cast_weights:

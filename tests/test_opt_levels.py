@@ -446,3 +446,27 @@ def test_master_weights_override_bfloat16_wiring(override):
     assert all(isinstance(u, mw.MasterWeightUpdater) for u in updaters)  # bf16 updates need float32 math
     assert all(u.keep_master is override for u in updaters)
     assert tr.optimizer.multi_precision is False
+
+
+@pytest.mark.parametrize("level", ["O0", "O1"])
+def test_graph_cached_before_initialize_is_rebuilt(level):
+    class ModeDependent(nn.HybridBlock):  # like SSD: other outputs in training than in inference
+        def __init__(self):
+            super().__init__()
+            self.w = self.params.get("w", shape=(1,), init=mx.init.One())
+
+        def hybrid_forward(self, F, x, w):
+            return F.broadcast_mul(x, w) * (2 if autograd.is_training() else 1)
+
+    net = ModeDependent()
+    net.initialize()
+    net.hybridize(static_alloc=True, static_shape=True)
+    x = mx.nd.ones((1, 2))
+    assert net(x).asnumpy().tolist() == [[1, 1]]  # caches the inference graph
+    if level == "O0":
+        gluon_amp.initialize(net, None, level)
+    else:
+        _fp16(net, None, level)
+    with autograd.record():
+        y = net(x)
+    assert y.asnumpy().tolist() == [[2, 2]]
