@@ -152,6 +152,13 @@ def agree_finite(trainer: Trainer, finite: bool) -> bool:
     _check_shared_scaler(trainer, scaler, engine)
     if engine is None:
         return bool(finite)
+    if engine.kvstore and trainer._compression_params:
+        raise RuntimeError(
+            f"loss scaling cannot run over a kvstore with gradient compression "
+            f"({trainer._compression_params!r}): 2-bit compression turns the inf/NaN the overflow "
+            "check looks for into +-threshold, and would quantise the workers' finite flags too. "
+            "Create the Trainer without compression_params, or without loss scaling "
+            "(gluon_amp.init_trainer(trainer, None)).")
     if engine.kvstore and trainer not in _kvstore_ready:
         _kvstore_ready.add(trainer)  # warn once
         warnings.warn("this Trainer's first step broadcast the weights over a dist kvstore while "

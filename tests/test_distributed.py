@@ -272,3 +272,16 @@ def test_disabled_scaler_needs_no_agreement(monkeypatch):
         raise AssertionError("a disabled scaler must not start a collective")
     monkeypatch.setattr(distributed, "engine_of", lambda t: distributed.Engine("x", 2, no_collective))
     assert distributed.agree_finite(trainer, True) is True
+
+
+def test_dist_kvstore_with_gradient_compression_is_refused(monkeypatch):
+    net = gluon.nn.Dense(2, in_units=3)
+    net.initialize()
+    trainer = gluon.Trainer(net.collect_params(), "sgd", kvstore=None, update_on_kvstore=False,
+                            compression_params={"type": "2bit", "threshold": 0.5})
+    scaler = gluon_amp.init_trainer(trainer)
+    engine = _other_worker(True, scaler.loss_scale)
+    monkeypatch.setattr(distributed, "engine_of",
+                        lambda t: distributed.Engine(engine.name, 2, engine.reduce, kvstore=True))
+    with pytest.raises(RuntimeError, match="gradient compression.*2bit"):
+        distributed.agree_finite(trainer, True)
