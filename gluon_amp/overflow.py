@@ -8,12 +8,14 @@ import mxnet as mx
 from mxnet import autograd
 from mxnet.gluon import Parameter
 
+from . import mxnet_internals as mxi
+
 
 def grads_by_context(params: Sequence[Parameter]) -> Dict[mx.Context, List[mx.nd.NDArray]]:
     """Every dense gradient array of ``params``, grouped by the context it lives on."""
     groups: Dict[mx.Context, List[mx.nd.NDArray]] = OrderedDict()
     for p in params:
-        if p.grad_req == "null" or p._grad is None:
+        if not mxi.has_grad(p):
             continue
         for g in p.list_grad():
             if g.stype != "default":
@@ -46,7 +48,7 @@ def non_finite_names(params: Sequence[Parameter]) -> List[str]:
     bad = []
     with autograd.pause():
         for p in params:
-            if p.grad_req == "null" or p._grad is None:
+            if not mxi.has_grad(p):
                 continue
             if not all(mx.nd.all_finite(g if g.stype == "default" else g.data).asscalar() == 1
                        for g in p.list_grad()):

@@ -8,7 +8,8 @@ import logging
 import threading
 import types
 import warnings
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -16,12 +17,15 @@ import mxnet as mx
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
-from . import mxnet_internals as registry, runtime
-from gluon_amp_core.decide import Decision, decide
-from .mxnet_internals import BFLOAT16, to_mx_dtype
-from .policies import as_policy
+from gluon_amp_core.decide import Decision, Reason, decide
+from gluon_amp_core.lists.loss_outputs import LOSS_OUTPUT_FUNCTIONS
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec, OpClass, OpTable
+
+from . import follow
+from . import mxnet_internals as registry
+from .mxnet_internals import BFLOAT16, to_mx_dtype
+from .policies import as_policy
 
 _log = logging.getLogger(__name__)
 
@@ -34,7 +38,7 @@ _nd_amp_cast = mx.nd.amp_cast
 _sym_amp_cast = mx.sym.amp_cast
 _sym_amp_multicast = mx.sym.amp_multicast
 _np_ndarray = mx.np.ndarray
-_np_symbol = mx.sym.np._Symbol
+_np_symbol = registry.NP_SYMBOL
 
 
 @dataclass(frozen=True)
@@ -44,13 +48,14 @@ class Patch:
     module: types.ModuleType
     name: str
     original: Callable
-    op: str
 
 
 @dataclass
 class _Active:
     policy: Policy
     patches: List[Patch]
+    #: loss scalers attached (init_trainer) while this init is on; loss-output ops read them
+    scalers: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
 
 
 _lock = threading.RLock()
@@ -69,20 +74,23 @@ def _cast_sym(x: Symbol, dtype: str) -> Symbol:
     return _sym_amp_cast(x, dtype=to_mx_dtype(dtype))
 
 
-def _multicast_sym(xs: Sequence[Symbol]) -> List[Symbol]:
+def _multicast_sym(xs: Sequence[Symbol], narrow: bool = False) -> List[Symbol]:
     is_np = [isinstance(x, _np_symbol) for x in xs]
     legacy = [x.as_nd_ndarray() if n else x for x, n in zip(xs, is_np)]
-    out = _sym_amp_multicast(*legacy, num_outputs=len(xs))
+    out = _sym_amp_multicast(*legacy, num_outputs=len(xs), cast_narrow=narrow)
     return [out[i].as_np_ndarray() if n else out[i] for i, n in enumerate(is_np)]
 
 
-def _nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str]) -> Callable:
+def _nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str],
+                neutral: Optional[Callable] = None) -> Callable:
     """Imperative wrapper: cast float NDArray inputs as ``decide`` says, then call ``fn``.
 
     The decision for fixed classes (low precision, fp32) does not depend on the call, so
     it is taken once here; conditional ops decide per call on their attributes and
     widest ops on their input dtypes. Dispatch cost matters: this runs on every op call.
+    ``neutral`` runs the op when a conditional op's rule does not apply (default ``fn``).
     """
+    neutral = neutral or fn
     op_class = table.classes.get(op, OpClass.NEUTRAL)
     fixed = decide(op, {}, [], table) if op_class in (OpClass.LOW_PRECISION, OpClass.FP32) else None
     to_name = _NP_TO_NAME
@@ -124,14 +132,18 @@ def _nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str
         @functools.wraps(fn)
         def amp_op(*args: Any, **kwargs: Any) -> Any:
             d = decide(op, kwargs, (), table)
-            return fn(*args, **kwargs) if d.dtype is None else cast_all(args, kwargs, d)
+            return neutral(*args, **kwargs) if d.dtype is None else cast_all(args, kwargs, d)
 
     return amp_op
 
 
-def _sym_wrapper(fn: Callable, op: str, table: OpTable, info: registry.OpInfo) -> Callable:
-    """Symbolic wrapper: insert ``amp_cast``/``amp_multicast`` nodes before the op."""
+def _sym_wrapper(fn: Callable, op: str, table: OpTable, info: registry.OpInfo,
+                 neutral: Optional[Callable] = None) -> Callable:
+    """Symbolic wrapper: insert ``amp_cast``/``amp_multicast`` nodes before the op.
+
+    ``neutral`` builds the op when the decision leaves its inputs alone (default ``fn``)."""
     declared = len(info.inputs)
+    neutral = neutral or fn
 
     @functools.wraps(fn)
     def amp_op(*args: Any, **kwargs: Any) -> Any:
@@ -139,8 +151,8 @@ def _sym_wrapper(fn: Callable, op: str, table: OpTable, info: registry.OpInfo) -
         attrs = {k: v for k, v in kwargs.items() if k not in sym_kw}
         n_given = sum(isinstance(a, Symbol) for a in args) + len(sym_kw)
         d = decide(op, attrs, [None] * n_given, table)
-        if d.dtype is None and d.reason != "widest":
-            return fn(*args, **kwargs)
+        if d.dtype is None and d.reason is not Reason.WIDEST:
+            return neutral(*args, **kwargs)
         if not info.variadic and n_given < declared:
             # MXNet creates the missing inputs (weights) itself: build, then re-wire casts.
             given = {a.name for a in [*args, *kwargs.values()] if isinstance(a, Symbol)}
@@ -185,11 +197,11 @@ def _recompose(sym: Symbol, d: Decision, info: registry.OpInfo, given: set) -> S
                 and "__dtype__" not in child.list_attr()):
             # A weight the op created itself: pin it to float32 (the master copy), since
             # the cast in front of the op stops infer_type from reaching it.
-            child._set_attr(__dtype__="0")
+            registry.pin_float32(child)
         name = info.inputs[i] if i < len(info.inputs) else ""
         keep = d.dtype is None or child.name in aux or name in d.keep_fp32
         inputs.append(child if keep else _cast_sym(child, d.dtype))
-    return sym._gen_atomic_symbol()(*inputs, name=sym.name)
+    return registry.rebuild_op(sym, inputs)
 
 
 def init(target_dtype: Any = None,
@@ -247,21 +259,80 @@ def init(target_dtype: Any = None,
         return policy
 
 
+_CAST_OPS = ("amp_cast", "amp_multicast")
+
+
+def register_scaler(scaler: Any) -> None:
+    """Make a trainer's loss scaler known to the loss-output ops while AMP is on."""
+    if _active is not None:
+        _active.scalers.add(scaler)
+
+
+def _loss_output_scale(op: str) -> float:
+    """The scale a loss-output op multiplies its ``grad_scale`` by: the attached scalers'."""
+    scales = {s.loss_scale for s in list(_active.scalers)} if _active is not None else set()
+    if len(scales) > 1:
+        raise RuntimeError(
+            f"{op} starts its backward from grad_scale, and {len(scales)} loss scalers with different "
+            f"scales {sorted(scales)} are attached: gluon_amp cannot tell which one this loss belongs "
+            "to. Share one LossScaler between the trainers, or compute this loss with a gluon.loss block.")
+    return scales.pop() if scales else 1.0
+
+
+def _loss_output_nd(fn: Callable, op: str) -> Callable:
+    """Multiply ``grad_scale`` by the loss scale, which ``scale_loss`` cannot reach here."""
+    @functools.wraps(fn)
+    def amp_op(*args: Any, **kwargs: Any) -> Any:
+        kwargs["grad_scale"] = float(kwargs.get("grad_scale", 1.0)) * _loss_output_scale(op)
+        return fn(*args, **kwargs)
+    return amp_op
+
+
+def _loss_output_sym(fn: Callable, op: str) -> Callable:
+    @functools.wraps(fn)
+    def amp_op(*args: Any, **kwargs: Any) -> Any:
+        warnings.warn(f"{op} in a symbolic or hybridized graph starts its backward from grad_scale, "
+                      "which a dynamic loss scale cannot reach: use a gluon.loss block, or a static "
+                      "LossScaler and grad_scale=<scale>.", RuntimeWarning, stacklevel=2)
+        return fn(*args, **kwargs)
+    return amp_op
+
+
+def _wrapper_for(fn: Callable, op: str, kind: str, table: OpTable,
+                 info: registry.OpInfo) -> Optional[Callable]:
+    """The wrapper ``op`` needs under ``table``; None when it runs as it is.
+
+    Where the op may run neutral (its class, or a conditional rule that does not apply)
+    and has several inputs, the neutral path makes them agree (:mod:`gluon_amp.follow`).
+    """
+    if op in LOSS_OUTPUT_FUNCTIONS:
+        fn = _loss_output_nd(fn, op) if kind == "ndarray" else _loss_output_sym(fn, op)
+    op_class = table.classes.get(op, OpClass.NEUTRAL)
+    neutral = None
+    if op_class in (OpClass.NEUTRAL, OpClass.CONDITIONAL_FP32) and not (
+            op in _CAST_OPS or info.variadic or len(info.inputs) < 2):
+        neutral = (follow.nd_wrapper(fn, op, info.inputs, _cast_nd) if kind == "ndarray" else
+                   follow.sym_wrapper(fn, op, info.inputs, table.target_dtype,
+                                      lambda xs: _multicast_sym(xs, narrow=True)))
+    if op_class is OpClass.NEUTRAL:
+        return neutral or (fn if op in LOSS_OUTPUT_FUNCTIONS else None)
+    if kind == "ndarray":
+        return _nd_wrapper(fn, op, table, info.inputs, neutral)
+    return _sym_wrapper(fn, op, table, info, neutral)
+
+
 def _patch_all(table: OpTable) -> List[Patch]:
     infos = registry.op_infos()
-    wrapped: Dict[int, Callable] = {}
+    wrapped: Dict[int, Optional[Callable]] = {}
     patches: List[Patch] = []
     try:
         for module, attr, fn, op, kind in list(registry.op_function_sites()):
-            if table.classes.get(op, OpClass.NEUTRAL) is OpClass.NEUTRAL:
-                continue  # amp_cast/amp_multicast are neutral in every table
-            new = wrapped.get(id(fn))
+            if id(fn) not in wrapped:
+                wrapped[id(fn)] = _wrapper_for(fn, op, kind, table, infos[op])
+            new = wrapped[id(fn)]
             if new is None:
-                info = infos[op]
-                new = (_nd_wrapper(fn, op, table, info.inputs) if kind == "ndarray"
-                       else _sym_wrapper(fn, op, table, info))
-                wrapped[id(fn)] = new
-            patches.append(Patch(module, attr, fn, op))
+                continue
+            patches.append(Patch(module, attr, fn))
             setattr(module, attr, new)
     except BaseException:
         _restore(patches)
@@ -320,11 +391,10 @@ def autocast(target_dtype: Any = None, **kwargs: Any) -> Iterator[Policy]:
 
 
 def _warn_cached_blocks() -> None:
-    from mxnet.gluon import HybridBlock
     stale = []
     for obj in gc.get_objects():
         try:
-            if isinstance(obj, HybridBlock) and getattr(obj, "_cached_graph", ()):
+            if registry.has_cached_graph(obj):
                 stale.append(obj.name)
         except ReferenceError:
             continue

@@ -1,9 +1,9 @@
 """Attach a loss scaler to a Gluon ``Trainer``: init_trainer, scale_loss, unscale, checkpoints.
 
-Integration uses the hook MXNet 1.9's ``Trainer._update`` already calls
-(``trainer._amp_loss_scaler.has_overflow(params)``): that is the only attribute written
-onto the user's trainer, besides ``trainer._scale``, which ``scale_loss`` sets so that
-unscaling folds into the optimizer's ``rescale_grad`` (no extra pass over the gradients).
+Integration uses the hook MXNet's ``Trainer._update`` already calls before each update
+(see :mod:`gluon_amp.mxnet_internals`), and the trainer's gradient scale, which
+``scale_loss`` sets so that unscaling folds into the optimizer's ``rescale_grad`` (no
+extra pass over the gradients). Per-trainer stages and rounds live in the LossScaler.
 """
 from __future__ import annotations
 
@@ -12,60 +12,47 @@ import os
 import pickle
 import tempfile
 import weakref
-from typing import Any, Iterator, List, Sequence, Union
+from typing import Any, Iterator, List, Optional, Sequence, Union
 
 import mxnet as mx
 from mxnet import autograd
 from mxnet.gluon import Trainer
 
-from . import distributed, overflow
-from gluon_amp_core.loss_scale import LossScaler
+from gluon_amp_core.loss_scale import LossScaler, Stage
+
+from . import distributed, overflow, patching
+from . import mxnet_internals as mxi
 
 _FORMAT = "gluon_amp.trainer_states.v1"
 
 
 class _Hook:
-    """What ``Trainer._update`` calls. Holds the per-trainer step state."""
+    """What ``Trainer._update`` calls before updating: the overflow check of one trainer.
+
+    The hook is the trainer's member token in its :class:`LossScaler`, which keeps the
+    trainer's stage (ready, unscaled, stepped) and the round.
+    """
 
     def __init__(self, trainer: Trainer, scaler: LossScaler) -> None:
         self._trainer = weakref.ref(trainer)
         self.scaler = scaler
-        self.original_scale = trainer._scale
-        self.unscaled = False
+        self.original_scale = mxi.grad_scale(trainer)
+        scaler.attach(self)
 
     def has_overflow(self, params: Sequence[mx.gluon.Parameter]) -> bool:
         trainer = self._trainer()
-        finite = True if not self.scaler.enabled else distributed.agree_finite(trainer, overflow.all_finite(params))
-        skip = _report(self.scaler, self, finite)
+        finite = True if not self.scaler.enabled else overflow.all_finite(params)
         if trainer is not None:
-            trainer._scale = self.original_scale  # the next step is unscaled unless scale_loss runs
-        self.unscaled = False
+            finite = distributed.agree_finite(trainer, finite)
+            mxi.set_grad_scale(trainer, self.original_scale)  # unscaled unless scale_loss runs again
+        skip = self.scaler.record_step(self, finite)
         if skip and self.scaler.collapsed():
-            names = overflow.non_finite_names(params)
             raise RuntimeError(
                 f"{self.scaler.state.consecutive_skips} steps in a row had non-finite gradients "
                 f"(loss scale now {self.scaler.loss_scale:g}); this is not an fp16 range problem. "
-                f"Parameters with inf/NaN gradients: {names or 'none now (inf/NaN came from the loss)'}. "
+                f"Parameters with inf/NaN gradients: {overflow.non_finite_names(params) or 'none now (inf/NaN came from the loss)'}. "
                 "Check the learning rate, the data and the loss, or raise max_consecutive_skips.")
         return skip
-
-
-# One scaler may serve several trainers (PyTorch: one GradScaler, several optimizers):
-# each trainer skips on its own gradients, and the scale moves once per round.
-_rounds: "weakref.WeakKeyDictionary[LossScaler, dict]" = weakref.WeakKeyDictionary()
-_hooks: "weakref.WeakKeyDictionary[Trainer, _Hook]" = weakref.WeakKeyDictionary()
-
-
-def _report(scaler: LossScaler, hook: _Hook, finite: bool) -> bool:
-    users = [h for h in list(_hooks.values()) if h.scaler is scaler]
-    if len(users) <= 1:
-        return scaler.update(finite)
-    pending = _rounds.setdefault(scaler, {})
-    pending[id(hook)] = finite
-    if len(pending) >= len(users):
-        scaler.update(all(pending.values()))
-        pending.clear()
-    return not finite
 
 
 def _make_scaler(loss_scale: Any) -> LossScaler:
@@ -81,7 +68,18 @@ def _make_scaler(loss_scale: Any) -> LossScaler:
                      "(static scale), None (no scaling) or a gluon_amp.LossScaler.")
 
 
-def init_trainer(trainer: Trainer, loss_scale: Union[str, float, LossScaler, None] = "dynamic") -> LossScaler:
+def _one_trainer(trainer: Any, optimizer_or_trainer: Any, caller: str) -> Any:
+    """The trainer given either as ``trainer`` or as the peer's ``optimizer_or_trainer=``."""
+    if trainer is not None and optimizer_or_trainer is not None:
+        raise TypeError(f"{caller}: pass the trainer once, as trainer or as optimizer_or_trainer, not both")
+    if trainer is None and optimizer_or_trainer is None:
+        raise TypeError(f"{caller}: missing the trainer (first argument, or optimizer_or_trainer=)")
+    return trainer if trainer is not None else optimizer_or_trainer
+
+
+def init_trainer(trainer: Optional[Trainer] = None,
+                 loss_scale: Union[str, float, LossScaler, None] = "dynamic", *,
+                 optimizer_or_trainer: Optional[Trainer] = None) -> LossScaler:
     """Attach loss scaling to ``trainer``; return its :class:`LossScaler`.
 
     The trainer must update on the worker, not the kvstore: build it with
@@ -94,28 +92,30 @@ def init_trainer(trainer: Trainer, loss_scale: Union[str, float, LossScaler, Non
         ``'dynamic'`` (default) makes a new dynamic scaler; a number a static one; ``None``
         turns scaling off but keeps skip-on-overflow off too. Pass the same ``LossScaler``
         to several trainers to share one scale.
+    optimizer_or_trainer : mxnet.gluon.Trainer
+        The peer's name for ``trainer``; give one of the two.
     """
+    trainer = _one_trainer(trainer, optimizer_or_trainer, "init_trainer")
     if not isinstance(trainer, Trainer):
         raise TypeError(f"init_trainer expects a mxnet.gluon.Trainer, got {type(trainer).__name__}")
-    if trainer in _hooks:
+    if isinstance(mxi.get_step_hook(trainer), _Hook):
         raise RuntimeError("this Trainer already has a loss scaler; use gluon_amp.get_scaler(trainer) "
                            "to read it, or build a new Trainer.")
-    wanted = trainer._kvstore_params.get("update_on_kvstore")
-    if wanted or (trainer._kv_initialized and trainer._update_on_kvstore):
+    on_kvstore = mxi.updates_on_kvstore(trainer)
+    if on_kvstore:
         raise ValueError("loss scaling needs the update on the worker: create the Trainer with "
                          "update_on_kvstore=False (got update_on_kvstore=True).")
-    if wanted is None:
-        trainer._kvstore_params["update_on_kvstore"] = False
     scaler = _make_scaler(loss_scale)
-    hook = _Hook(trainer, scaler)
-    _hooks[trainer] = hook
-    trainer._amp_loss_scaler = hook
+    if on_kvstore is None:
+        mxi.force_update_on_worker(trainer)
+    mxi.set_step_hook(trainer, _Hook(trainer, scaler))
+    patching.register_scaler(scaler)
     return scaler
 
 
 def _hook_of(trainer: Trainer, caller: str) -> _Hook:
-    hook = _hooks.get(trainer) if isinstance(trainer, Trainer) else None
-    if hook is None:
+    hook = mxi.get_step_hook(trainer) if isinstance(trainer, Trainer) else None
+    if not isinstance(hook, _Hook):
         if not isinstance(trainer, Trainer):
             raise TypeError(f"{caller} expects a mxnet.gluon.Trainer, got {type(trainer).__name__}")
         raise RuntimeError(f"{caller}: this Trainer has no loss scaler; call gluon_amp.init_trainer(trainer) first.")
@@ -128,7 +128,8 @@ def get_scaler(trainer: Trainer) -> LossScaler:
 
 
 @contextlib.contextmanager
-def scale_loss(loss: Any, trainer: Trainer) -> Iterator[Any]:
+def scale_loss(loss: Any, trainer: Optional[Trainer] = None, *,
+               optimizer_or_trainer: Optional[Trainer] = None) -> Iterator[Any]:
     """Yield ``loss`` (an NDArray or a list of them) multiplied by the loss scale.
 
     Call ``backward`` on what it yields. The next ``trainer.step`` divides the gradients by
@@ -136,35 +137,34 @@ def scale_loss(loss: Any, trainer: Trainer) -> Iterator[Any]:
     inf/NaN. Several ``scale_loss``/``backward`` calls may precede one ``step``
     (gradient accumulation with ``grad_req='add'``).
     """
+    trainer = _one_trainer(trainer, optimizer_or_trainer, "scale_loss")
     hook = _hook_of(trainer, "scale_loss")
     scale = hook.scaler.loss_scale
-    if hook.unscaled:
+    if hook.scaler.stage(hook) is Stage.UNSCALED:
         raise RuntimeError("scale_loss after unscale(trainer) in the same step: the new gradients "
                            "would not be unscaled. Call unscale after the last backward.")
-    trainer._scale = hook.original_scale / scale
+    mxi.set_grad_scale(trainer, hook.original_scale / scale)
     if isinstance(loss, (list, tuple)):
         yield type(loss)(l * scale for l in loss) if scale != 1.0 else loss
     else:
         yield loss * scale if scale != 1.0 else loss
 
 
-def unscale(trainer: Trainer) -> None:
+def unscale(trainer: Optional[Trainer] = None, *, optimizer_or_trainer: Optional[Trainer] = None) -> None:
     """Divide the gradients by the loss scale now, in place (e.g. before clipping).
 
     Once per step: a second call before ``trainer.step`` raises ``RuntimeError``.
     """
+    trainer = _one_trainer(trainer, optimizer_or_trainer, "unscale")
     hook = _hook_of(trainer, "unscale")
-    if hook.unscaled:
-        raise RuntimeError("unscale(trainer) was already called since the last trainer.step(); "
-                           "the gradients are unscaled already.")
-    inv = trainer._scale / hook.original_scale  # 1/loss_scale when scale_loss ran, else 1
+    hook.scaler.mark_unscaled(hook)
+    inv = mxi.grad_scale(trainer) / hook.original_scale  # 1/loss_scale when scale_loss ran, else 1
     if inv != 1.0:
         with autograd.pause():
-            for grads in overflow.grads_by_context(trainer._params).values():
+            for grads in overflow.grads_by_context(mxi.trainer_params(trainer)).values():
                 for g in grads:
                     g *= inv
-    trainer._scale = hook.original_scale
-    hook.unscaled = True
+    mxi.set_grad_scale(trainer, hook.original_scale)
 
 
 def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
@@ -176,11 +176,11 @@ def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
     hook = _hook_of(trainer, "clip_global_norm")
-    if not hook.unscaled:
+    if hook.scaler.stage(hook) is not Stage.UNSCALED:
         unscale(trainer)
     norms: List[float] = []
     with autograd.pause():
-        for grads in overflow.grads_by_context(trainer._params).values():
+        for grads in overflow.grads_by_context(mxi.trainer_params(trainer)).values():
             norm = mx.gluon.utils.clip_global_norm(grads, max_norm, check_isfinite=False)
             norms.append(float(norm.asscalar() if isinstance(norm, mx.nd.NDArray) else norm))
     return max(norms) if norms else 0.0

@@ -8,9 +8,19 @@ consecutive skipped steps is kept so a collapsing run can be stopped with a diag
 """
 from __future__ import annotations
 
+import enum
 import math
+import weakref
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, Union
+
+
+class Stage(enum.Enum):
+    """Where one trainer (optimizer) stands in the current step, as in PyTorch's GradScaler."""
+
+    READY = "ready"          # gradients may be scaled and accumulated
+    UNSCALED = "unscaled"    # unscale() ran: gradients are true-sized until the step
+    STEPPED = "stepped"      # stepped; waiting for the other trainers of the round
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,8 @@ class LossScaler:
         self.dynamic = bool(dynamic)
         self.enabled = bool(enabled)
         self.state = ScaleState(scale=self.init_scale if enabled else 1.0)
+        self._stages: "weakref.WeakKeyDictionary[Any, Stage]" = weakref.WeakKeyDictionary()
+        self._round_finite = True
 
     # -- constructors ---------------------------------------------------------------
     @classmethod
@@ -135,6 +147,53 @@ class LossScaler:
         self.state = self.next_state(self.state, finite)
         return self.state.last_skipped
 
+    # -- per-trainer stages and rounds -----------------------------------------------
+    # A round is one step of every trainer attached to this scaler. The scale moves once
+    # per round, on whether all their gradients were finite; each trainer skips on its
+    # own gradients. A round ends when every attached trainer has stepped, or when
+    # end_round() is called (needed when trainers step at different rates).
+
+    def attach(self, member: Any) -> None:
+        """Register ``member`` (one per trainer, weakly held) as a participant of each round."""
+        self._stages[member] = Stage.READY
+
+    def stage(self, member: Any) -> Stage:
+        try:
+            return self._stages[member]
+        except KeyError:
+            raise RuntimeError("this trainer is not attached to the scaler; call "
+                               "gluon_amp.init_trainer(trainer, scaler) first") from None
+
+    def mark_unscaled(self, member: Any) -> None:
+        """READY -> UNSCALED; ``RuntimeError`` if the gradients were already unscaled."""
+        if self.stage(member) is Stage.UNSCALED:
+            raise RuntimeError("unscale(trainer) was already called since the last trainer.step(); "
+                               "the gradients are unscaled already.")
+        self._stages[member] = Stage.UNSCALED
+
+    def record_step(self, member: Any, finite: bool) -> bool:
+        """``member`` stepped with (non-)finite gradients; return True if it must skip.
+
+        Ends the round, moving the scale, once every attached member has stepped.
+        """
+        if self.stage(member) is Stage.STEPPED:
+            raise RuntimeError(
+                "a trainer stepped twice in one round of a shared LossScaler before the other "
+                f"{len(self._stages) - 1} trainer(s) stepped; when trainers step at different rates, "
+                "call scaler.end_round() once per iteration after the last step.")
+        self._stages[member] = Stage.STEPPED
+        self._round_finite = self._round_finite and finite
+        if all(s is Stage.STEPPED for s in self._stages.values()):
+            self.end_round()
+        return self.enabled and not finite
+
+    def end_round(self) -> None:
+        """Close the round: update the scale once and make every trainer READY again."""
+        self.update(self._round_finite)
+        self._round_finite = True
+        for member in list(self._stages):
+            self._stages[member] = Stage.READY
+
     def collapsed(self) -> bool:
         """True once ``max_consecutive_skips`` steps in a row were skipped."""
         limit = self.max_consecutive_skips
@@ -165,6 +224,7 @@ class LossScaler:
         fresh.state = ScaleState(float(state["scale"]), int(state["growth_tracker"]),
                                  int(state["consecutive_skips"]), int(state["total_steps"]),
                                  int(state["skipped_steps"]), bool(state["last_skipped"]))
+        fresh._stages, fresh._round_finite = self._stages, self._round_finite  # attachments stay
         self.__dict__.update(fresh.__dict__)
 
     def __repr__(self) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
 
+from .dtypes import parse_target_dtype
 from .table import ConditionalSpec, OpTable, build_table, check_conditional, check_name_list
 
 #: A ``target_dtype`` of ``FLOAT32`` means AMP is off: no useful low precision here.
@@ -59,8 +60,9 @@ class Policy:
                reason: Optional[str] = None) -> "Policy":
         """Validate the arguments and build the policy (and its table).
 
-        ``target_dtype`` must already be resolved (``'float16'``, ``'bfloat16'`` or
-        ``'float32'`` for off). ``known_ops``/``aliases`` are the registry to check op
+        ``target_dtype`` is a low-precision dtype (any spelling ``parse_target_dtype``
+        takes) or ``'float32'`` for off; ``None`` is resolved by the MXNet layer
+        (:func:`gluon_amp.make_policy`), which knows the machine. ``known_ops``/``aliases`` are the registry to check op
         names against. Raises ``TypeError``/``ValueError`` naming the bad argument.
         """
         lists = dict(
@@ -73,7 +75,7 @@ class Policy:
             raise TypeError(f"keep_batchnorm_fp32 must be True, False or None, got {keep_batchnorm_fp32!r}")
         if target_dtype == FLOAT32:
             return cls(FLOAT32, **lists, keep_batchnorm_fp32=keep_batchnorm_fp32, reason=reason)
-        table = build_table(target_dtype, lists["target_precision_ops"], lists["conditional_fp32_ops"],
+        table = build_table(parse_target_dtype(target_dtype), lists["target_precision_ops"], lists["conditional_fp32_ops"],
                             lists["fp32_ops"], lists["widest_type_ops"], keep_batchnorm_fp32,
                             known_ops=known_ops, aliases=aliases)
         return cls(table.target_dtype, **lists, keep_batchnorm_fp32=keep_batchnorm_fp32, table=table)

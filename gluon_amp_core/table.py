@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
-from .dtypes import parse_target_dtype
+from .dtypes import LOW_PRECISION_DTYPES
 
 
 class OpClass(enum.Enum):
@@ -177,7 +177,9 @@ def build_table(
     given, every table entry and every override must be in it. ``keep_batchnorm_fp32``:
     True runs batch norm in float32, False in the target dtype, None as the table says.
     """
-    target_dtype = parse_target_dtype(target_dtype)
+    if target_dtype not in LOW_PRECISION_DTYPES:  # resolved by the caller; only checked here
+        raise ValueError(f"build_table needs target_dtype 'float16' or 'bfloat16', got {target_dtype!r}; "
+                         "parse user input with gluon_amp_core.dtypes.parse_target_dtype first")
     data = _load_lists(target_dtype)
     aliases = dict(aliases or {})
     classes = _default_classes(target_dtype, data)

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from gluon_amp_core.loss_scale import LossScaler
+from gluon_amp_core.loss_scale import LossScaler, Stage
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "gradscaler_trajectory.json")
 
@@ -112,3 +112,57 @@ def test_load_state_dict_rejects_foreign_dicts():
         LossScaler().load_state_dict({"scale": 2.0})
     with pytest.raises(TypeError):
         LossScaler().load_state_dict([1, 2])
+
+
+class _Member:
+    """Stands in for a trainer's hook: any weak-referenceable object."""
+
+
+def test_stages_follow_unscale_and_step():
+    s = LossScaler(init_scale=8.0)
+    m = _Member()
+    s.attach(m)
+    assert s.stage(m) is Stage.READY
+    s.mark_unscaled(m)
+    assert s.stage(m) is Stage.UNSCALED
+    with pytest.raises(RuntimeError, match="already"):
+        s.mark_unscaled(m)
+    assert s.record_step(m, finite=True) is False
+    assert s.stage(m) is Stage.READY and s.total_steps == 1   # alone: the round ends at once
+    with pytest.raises(RuntimeError, match="not attached"):
+        s.stage(_Member())
+
+
+def test_shared_scaler_moves_once_per_round():
+    s = LossScaler(init_scale=8.0)
+    a, b = _Member(), _Member()
+    s.attach(a)
+    s.attach(b)
+    assert s.record_step(a, finite=False) is True      # a skips on its own gradients
+    assert s.stage(a) is Stage.STEPPED and s.loss_scale == 8.0
+    assert s.record_step(b, finite=True) is False      # b does not
+    assert s.loss_scale == 4.0 and s.total_steps == 1  # one update for the round
+    assert s.stage(a) is Stage.READY and s.stage(b) is Stage.READY
+
+
+def test_uneven_rates_need_an_explicit_end_of_round():
+    s = LossScaler(init_scale=8.0)
+    a, b = _Member(), _Member()
+    s.attach(a)
+    s.attach(b)
+    s.record_step(a, finite=True)
+    with pytest.raises(RuntimeError, match="end_round"):
+        s.record_step(a, finite=True)
+    s.end_round()
+    assert s.total_steps == 1 and s.stage(a) is Stage.READY
+    s.record_step(a, finite=True)
+    s.end_round()
+    assert s.total_steps == 2
+
+
+def test_checkpoint_keeps_attachments():
+    s = LossScaler(init_scale=8.0)
+    m = _Member()
+    s.attach(m)
+    s.load_state_dict(LossScaler(init_scale=2.0).state_dict())
+    assert s.loss_scale == 2.0 and s.stage(m) is Stage.READY

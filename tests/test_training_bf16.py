@@ -32,7 +32,7 @@ def _cnn(seed):
 def _train(net, x, y, steps, amp, trainer=None, start=0, bs=32):
     trainer = trainer or gluon.Trainer(net.collect_params(), "sgd",
                                        {"learning_rate": 0.05, "momentum": 0.9}, update_on_kvstore=False)
-    if amp and trainer not in gluon_amp.trainer._hooks:
+    if amp and start == 0:
         gluon_amp.init_trainer(trainer)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     for i in range(start, start + steps):

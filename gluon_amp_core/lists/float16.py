@@ -3,10 +3,9 @@
 GPU through cuDNN/cuBLAS. GEMM-like ops run in float16; reductions, exponentials and
 losses run in float32; element-wise ops with several inputs take the widest input type.
 
-Data only: ``gluon_amp.table`` validates it against the registry.
+Data only: ``gluon_amp_core.table`` validates it against the registry.
 """
 
-TARGET_DTYPE = "float16"
 
 # Run in float16: every float input is cast to it.
 LOW_PRECISION = """

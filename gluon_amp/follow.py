@@ -1,0 +1,114 @@
+"""Neutral ops that own parameters: make their float inputs agree, as MXNet requires.
+
+A neutral op runs in the dtype it is given. Some of them also read parameters that must
+have the data's dtype (a PReLU slope, a FullyConnected weight when FullyConnected is not
+in any list): after a low-precision op their data is low precision while the parameter is
+a float32 master copy, and MXNet rejects the pair. Which ops care is not listed by hand:
+MXNet's own type inference (:func:`gluon_amp.type_inference.op_types`) is asked.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+from mxnet.ndarray import NDArray
+from mxnet.symbol import Symbol
+
+from gluon_amp_core.dtypes import FLOAT_DTYPES, dtype_name
+
+from .type_inference import op_types
+
+_SKIP_ATTRS = ("out", "name")
+
+
+def _attrs(kwargs: dict) -> dict:
+    return {k: str(v) for k, v in kwargs.items()
+            if k not in _SKIP_ATTRS and not isinstance(v, (NDArray, Symbol)) and v is not None}
+
+
+def _name(x: NDArray) -> str:
+    try:
+        return dtype_name(x.dtype)
+    except TypeError:
+        return "other"
+
+
+def _tensor_slots(args: tuple, kwargs: dict, kind: type, names: Sequence[str]) -> Optional[List[Tuple[Any, int]]]:
+    """``[(key, slot)]`` for the tensor inputs, in the op's declared input order; a key is a
+    positional index or a keyword. None when a keyword is not a declared input."""
+    slots = [(i, i) for i, a in enumerate(args) if isinstance(a, kind)]
+    for k, v in kwargs.items():
+        if isinstance(v, kind) and k not in _SKIP_ATTRS:
+            if k not in names:
+                return None
+            slots.append((k, names.index(k)))
+    return sorted(slots, key=lambda s: s[1])
+
+
+def _get(args: list, kwargs: dict, key: Any) -> Any:
+    return kwargs[key] if isinstance(key, str) else args[key]
+
+
+def _put(args: list, kwargs: dict, key: Any, value: Any) -> None:
+    if isinstance(key, str):
+        kwargs[key] = value
+    else:
+        args[key] = value
+
+
+def nd_wrapper(fn: Callable, op: str, names: Sequence[str], cast: Callable[[NDArray, str], NDArray]) -> Callable:
+    """Imperative: when float inputs differ in dtype and MXNet rejects them, cast the
+    others to the dtype MXNet infers from the first float input."""
+
+    @functools.wraps(fn)
+    def amp_op(*args: Any, **kwargs: Any) -> Any:
+        slots = _tensor_slots(args, kwargs, NDArray, names)
+        if not slots or len(slots) < 2:
+            return fn(*args, **kwargs)
+        new = list(args)
+        dts = [_name(_get(new, kwargs, key)) for key, _ in slots]
+        if len({d for d in dts if d in FLOAT_DTYPES}) < 2:
+            return fn(*args, **kwargs)
+        required = _required(op, _attrs(kwargs), dts)
+        if required is None:
+            return fn(*args, **kwargs)  # MXNet reports it, as it would without AMP
+        for (key, _), have, want in zip(slots, dts, required):
+            if have in FLOAT_DTYPES and want in FLOAT_DTYPES and have != want:
+                _put(new, kwargs, key, cast(_get(new, kwargs, key), want))
+        return fn(*new, **kwargs)
+
+    return amp_op
+
+
+def _required(op: str, attrs: dict, dts: List[str]) -> Optional[Tuple[Optional[str], ...]]:
+    """Input dtypes MXNet accepts: as given, or the first float input's with the rest free."""
+    given = tuple(dts)
+    if op_types(op, attrs, given) is not None:
+        return given
+    first = next(k for k, d in enumerate(dts) if d in FLOAT_DTYPES)
+    free = tuple(d if (k == first or d not in FLOAT_DTYPES) else None for k, d in enumerate(dts))
+    typed = op_types(op, attrs, free)
+    return typed[0] if typed is not None else None
+
+
+def sym_wrapper(fn: Callable, op: str, names: Sequence[str], target_dtype: str,
+                multicast_narrow: Callable[[Sequence[Symbol]], List[Symbol]]) -> Callable:
+    """Symbolic: dtypes are known only at run time, so when MXNet would reject low-precision
+    data with float32 parameters, an ``amp_multicast(cast_narrow=True)`` in front of the op
+    gives all float inputs the narrowest dtype among them when the graph runs."""
+
+    @functools.wraps(fn)
+    def amp_op(*args: Any, **kwargs: Any) -> Any:
+        slots = _tensor_slots(args, kwargs, Symbol, names)
+        if not slots or len(slots) < 2 or slots[0][1] != 0:
+            return fn(*args, **kwargs)
+        hypothesis = (target_dtype,) + ("float32",) * (len(slots) - 1)
+        if op_types(op, _attrs(kwargs), hypothesis) is not None:
+            return fn(*args, **kwargs)
+        new = list(args)
+        cast = multicast_narrow([_get(new, kwargs, key) for key, _ in slots])
+        for (key, _), c in zip(slots, cast):
+            _put(new, kwargs, key, c)
+        return fn(*new, **kwargs)
+
+    return amp_op
