@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -207,3 +208,25 @@ def test_cli_errors(tmp_path):
     assert r.returncode == 2 and "not found" in r.stderr
     r = _cli(str(tmp_path / "missing"), "0", "--out", str(tmp_path / "o"), "--target-dtype", "int8")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+@pytest.mark.bf16_kernels
+def test_fused_block_runs_onednn_subgraphs(zoo, tmp_path):
+    net = zoo["resnet18_v1"]
+    ref = net(X).asnumpy()
+    block = gluon_amp.convert_hybrid_block(net, "bfloat16", cast_optional_params=True, fuse=True)
+    out = block(X).asnumpy()
+    assert (out.argmax(1) == ref.argmax(1)).all()
+    block.hybridize(static_alloc=True)  # a later hybridize keeps the fusion backend
+    assert np.array_equal(block(X).asnumpy(), out)
+    block.export(str(tmp_path / "f"), 0)
+    with open(tmp_path / "f-symbol.json") as f:
+        ops = {n["op"] for n in json.load(f)["nodes"]}
+    assert "_sg_mkldnn_conv" in ops
+
+
+def test_fuse_needs_a_cpu_with_onednn(zoo):
+    with pytest.raises(ValueError, match="fuse=True needs a CPU"):
+        gluon_amp.convert_hybrid_block(zoo["resnet18_v1"], "bfloat16", ctx=mx.gpu(0), fuse=True)
+    with pytest.raises(TypeError, match="fuse must be True or False"):
+        gluon_amp.convert_hybrid_block(zoo["resnet18_v1"], "bfloat16", fuse="yes")

@@ -175,25 +175,50 @@ def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params
 class MixedPrecisionBlock(SymbolBlock):
     """The :class:`SymbolBlock` :func:`convert_hybrid_block` returns.
 
-    Only difference: :meth:`export` keeps the cast nodes by default. MXNet's own default
-    (``remove_amp_cast=True``) would write a graph that no longer type-checks.
+    Differences from a plain SymbolBlock: :meth:`export` keeps the cast nodes by default
+    (MXNet's own default, ``remove_amp_cast=True``, writes a graph that no longer
+    type-checks), and when ``fuse_backend`` is set (``'MKLDNN'`` on CPU), every
+    :meth:`hybridize` without an explicit ``backend`` uses MXNet's oneDNN subgraph fusion.
+    ``amp_result`` holds the pass's per-node decisions.
     """
+
+    fuse_backend: Optional[str] = None
+    amp_result: Optional[PassResult] = None
+
+    def hybridize(self, active: bool = True, backend: Optional[str] = None, **kwargs: Any) -> None:
+        if active and backend is None and self.fuse_backend:
+            backend = self.fuse_backend
+        super().hybridize(active, backend=backend, **kwargs)
 
     def export(self, path: str, epoch: int = 0, remove_amp_cast: bool = False):  # type: ignore[override]
         return super().export(path, epoch, remove_amp_cast=remove_amp_cast)
+
+
+def _fuse_backend(fuse: bool, ctx: mx.Context) -> Optional[str]:
+    """``'MKLDNN'`` when fusing is asked for and possible, else None."""
+    if not isinstance(fuse, bool):
+        raise TypeError(f"fuse must be True or False, got {fuse!r}")
+    if fuse and not (ctx.device_type == "cpu" and mx.runtime.Features().is_enabled("MKLDNN")):
+        raise ValueError(f"fuse=True needs a CPU context and MXNet built with oneDNN (MKLDNN); "
+                         f"got ctx={ctx}. Use fuse=False on this context.")
+    return "MKLDNN" if fuse else None
 
 
 def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dtype_ops=None,
                          fp32_ops=None, conditional_fp32_ops=None, excluded_sym_names=None,
                          ctx: Optional[mx.Context] = None,
                          cast_optional_params: bool = False, *, widest_type_ops=None,
-                         keep_batchnorm_fp32: Optional[bool] = None) -> SymbolBlock:
-    """Convert a hybridized FP32 block into a mixed-precision :class:`SymbolBlock`.
+                         keep_batchnorm_fp32: Optional[bool] = None,
+                         fuse: bool = False) -> SymbolBlock:
+    """Convert a hybridized FP32 block into a mixed-precision :class:`MixedPrecisionBlock`.
 
     The block must have been hybridized and run once (its graph is read from the cache).
     ``ctx`` defaults to where the block's parameters live. The block is not modified.
-    Other arguments as for :func:`convert_symbol`. The result's ``export`` keeps the cast
-    nodes, and its ``amp_result`` holds the pass's per-node decisions (read by ``report``).
+    ``fuse=True`` (CPU with oneDNN) makes the result use MXNet's oneDNN subgraph fusion
+    (conv+BN+ReLU+sum), as ``hybridize(backend='MKLDNN')`` does: faster, but folding batch
+    norm into bfloat16 weights rounds them twice (see README for the measured cost). Other arguments as for :func:`convert_symbol`. The result's
+    ``export`` keeps the cast nodes, and its ``amp_result`` holds the pass's per-node
+    decisions (read by ``report``).
     """
     if not isinstance(block, HybridBlock):
         raise TypeError(f"convert_hybrid_block expects a gluon HybridBlock, got {type(block).__name__}")
@@ -203,6 +228,7 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     params = {p.name: p for p in block.collect_params().values()}
     if ctx is None:
         ctx = next(iter(params.values())).list_ctx()[0] if params else mx.current_context()
+    backend = _fuse_backend(fuse, ctx)
     arg_names, aux_names = set(sym.list_arguments()), set(sym.list_auxiliary_states())
     arg_params = {n: params[n].data(params[n].list_ctx()[0]) for n in arg_names if n in params}
     aux_params = {n: params[n].data(params[n].list_ctx()[0]) for n in aux_names if n in params}
@@ -210,7 +236,9 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
                                                         excluded_sym_names, cast_optional_params)
     data_vars = [mx.sym.var(i.name, dtype="float32") for i in inputs]
     out = MixedPrecisionBlock(new_sym, data_vars)
-    out.amp_result = result
+    out.amp_result, out.fuse_backend = result, backend
     loaded = {**{f"arg:{k}": v for k, v in new_args.items()}, **{f"aux:{k}": v for k, v in new_aux.items()}}
     out.collect_params().load_dict(loaded, ctx=ctx, cast_dtype=True, dtype_source="saved")
+    if backend:
+        out.hybridize()
     return out

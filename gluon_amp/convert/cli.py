@@ -18,7 +18,7 @@ def _nbytes(params) -> int:
     return total
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m gluon_amp.convert",
         description="Convert an exported FP32 model (PREFIX-symbol.json + PREFIX-EPOCH.params) "
@@ -35,18 +35,25 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="replace the float32 op list with these ops (repeatable)")
     parser.add_argument("--no-cast-params", action="store_true",
                         help="keep every parameter in float32 (default: store low-precision-only ones cast)")
-    args = parser.parse_args(argv)
+    return parser
 
-    sym_file = f"{args.prefix}-symbol.json"
-    params_file = f"{args.prefix}-{args.epoch:04d}.params"
-    for path in (sym_file, params_file):
+
+def _path_error(args: argparse.Namespace) -> Optional[str]:
+    for path in (f"{args.prefix}-symbol.json", f"{args.prefix}-{args.epoch:04d}.params"):
         if not os.path.isfile(path):
-            print(f"error: {path} not found; PREFIX and EPOCH must name an exported model "
-                  f"(HybridBlock.export(PREFIX, EPOCH) writes both files)", file=sys.stderr)
-            return 2
+            return (f"{path} not found; PREFIX and EPOCH must name an exported model "
+                    "(HybridBlock.export(PREFIX, EPOCH) writes both files)")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
-        print(f"error: output directory {out_dir} does not exist", file=sys.stderr)
+        return f"output directory {out_dir} does not exist"
+    return None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    error = _path_error(args)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
 
     import mxnet as mx

@@ -6,10 +6,9 @@ pooling, relu) stay neutral so a bfloat16 tensor is not cast back and forth. Ele
 math outside oneDNN (x*scalar, clip, sigmoid, sqrt...) runs an unvectorised bfloat16 loop in
 MXNet 1.9, 2.5-6x slower than float32 (measured), so those ops are float32.
 
-Data only: ``gluon_amp.table`` validates it against the registry.
+Data only: ``gluon_amp_core.table`` validates it against the registry.
 """
 
-TARGET_DTYPE = "bfloat16"
 
 # Run in bfloat16: every float input is cast to it.
 LOW_PRECISION = """
@@ -67,9 +66,11 @@ space_to_depth sqrt square sum tan tanh topk transpose trunc
 """.split()
 
 # Run in float32 only when the attribute takes one of the values; otherwise neutral.
+# LeakyReLU prelu/rrelu: MXNet 1.9.1's CPU build has no bfloat16 kernel for them ("Unknown
+# type enum 12"), so after a bfloat16 convolution they must get float32 inputs.
 CONDITIONAL_FP32 = (
     ("Activation", "act_type", ("softrelu",)),
-    ("LeakyReLU", "act_type", ("elu", "selu")),
+    ("LeakyReLU", "act_type", ("elu", "selu", "prelu", "rrelu")),
 )
 
 # Run in the widest float type among the inputs.
