@@ -12,7 +12,7 @@ setup(
     description="Automatic mixed precision (float16/bfloat16) for MXNet Gluon",
     long_description=README,
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["gluon_amp", "gluon_amp.*"]),
+    packages=find_packages(include=["gluon_amp", "gluon_amp.*", "gluon_amp_core", "gluon_amp_core.*"]),
     python_requires=">=3.8",
     install_requires=["numpy<1.24"],
     extras_require={

@@ -162,7 +162,7 @@ class Mode:
             if self.scaler is not None:
                 r.loss_scale, r.skipped_steps = self.scaler.loss_scale, self.scaler.skipped_steps
             elif self.peer is not None:
-                r.loss_scale = self.trainer._amp_loss_scaler.loss_scale
+                r.loss_scale = self.trainer._amp_loss_scaler.loss_scale  # the peer's scaler: its own attribute
         return dt
 
 

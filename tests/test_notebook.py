@@ -14,16 +14,31 @@ def test_notebook_is_committed_without_outputs():
                for c in nb.cells if c.cell_type == "code")
 
 
-def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
-    import nbformat
+def _execute(tmp_path, monkeypatch, **env):
     import nbclient
+    import nbformat
     monkeypatch.setenv("GLUON_AMP_NB_SMALL", "1")
     monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()
-    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    return "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+@pytest.mark.bf16_kernels
+def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
+    text = _execute(tmp_path, monkeypatch)
     assert "samples/s" in text and "same class: True" in text
     assert "is not an operator known" in text  # the misspelt-op cell shows the error
     assert "excluded" in text
+
+
+def test_notebook_runs_without_bf16_kernels(tmp_path, monkeypatch):
+    """The same notebook on a host without bf16 kernels (simulated on any CPU)."""
+    text = _execute(tmp_path, monkeypatch, DNNL_MAX_CPU_ISA="AVX2")
+    assert "mixed precision off" in text and "DNNL_MAX_CPU_ISA" in text
+    assert "samples/s" in text and "graph level only" in text
+    assert "is not an operator known" in text and "excluded" in text
