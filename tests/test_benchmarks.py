@@ -66,6 +66,7 @@ def test_ssd_synthetic_bad_flags(args, message):
     assert r.returncode != 0 and message in r.stderr
 
 
+@pytest.mark.bf16_kernels
 def test_dispatch_overhead_smoke(tmp_path):
     out = tmp_path / "d.json"
     r = _run("dispatch_overhead.py", "--calls", "50", "--repeats", "1", "--json", str(out))
@@ -76,3 +77,14 @@ def test_dispatch_overhead_smoke(tmp_path):
     assert fc["ours"]["patched_out_dtype"] == fc["peer"]["patched_out_dtype"] == "bfloat16"
     assert doc["ops"]["softmax"]["ours"]["patched_out_dtype"] == "float32"
     assert doc["mean_overhead_us"]["ours"] > 0
+    assert "mean overhead" in r.stdout and '"ops"' not in r.stdout
+
+
+def test_dispatch_overhead_without_bf16_kernels_skips_the_bf16_op_and_says_why(tmp_path):
+    out = tmp_path / "d.json"
+    r = _run("dispatch_overhead.py", "--calls", "50", "--repeats", "1", "--json", str(out),
+             env=no_bf16_env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert "FullyConnected" not in doc["ops"] and "softmax" in doc["ops"]
+    assert "not measured" in r.stdout and "DNNL_MAX_CPU_ISA" in doc["not_measured"]

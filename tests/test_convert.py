@@ -12,7 +12,7 @@ import gluon_amp
 from gluon_amp.convert import convert_with_policy
 from gluon_amp_core.dtypes import dtype_name
 from gluon_amp.policies import make_policy
-from conftest import gluoncv_or_skip
+from conftest import gluoncv_or_skip, no_bf16_env
 from graphcheck import check_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -201,6 +201,16 @@ def test_cli_converted_model_predicts_like_fp32(zoo, tmp_path):
     loaded = _cli_convert(zoo, tmp_path)
     ref = zoo["resnet18_v1"](X).asnumpy()
     assert (loaded(X).asnumpy().argmax(1) == ref.argmax(1)).all()
+
+
+def test_cli_auto_without_bf16_kernels_writes_fp32_and_says_why(zoo, tmp_path):
+    zoo["resnet18_v1"].export(str(tmp_path / "r18"), 1)
+    r = subprocess.run([sys.executable, "-m", "gluon_amp.convert", str(tmp_path / "r18"), "1", "--out",
+                        str(tmp_path / "o")], capture_output=True, text=True, env=no_bf16_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "not converted" in r.stdout and "DNNL_MAX_CPU_ISA" in r.stdout
+    params = mx.nd.load(str(tmp_path / "o-0001.params"))
+    assert {dtype_name(v.dtype) for v in params.values()} == {"float32"}
 
 
 def test_cli_errors(tmp_path):

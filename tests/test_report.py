@@ -8,8 +8,7 @@ from nets import make_net
 def test_report_of_training_graph_under_init():
     gluon_amp.init("bfloat16")
     net = make_net()
-    net(mx.nd.ones((1, 3, 8, 8)))
-    rep = gluon_amp.report(net)
+    rep = gluon_amp.report(net(mx.sym.var("data")))  # the graph hybridize would cache
     by_op = {r.op: r for r in rep.rows}
     assert by_op["Convolution"].dtype == "bfloat16" and by_op["Convolution"].reason == "low_precision"
     assert by_op["softmax"].dtype == "float32" and by_op["softmax"].reason == "fp32"
@@ -29,6 +28,20 @@ def test_report_of_converted_graph_marks_exclusions():
     assert reasons["fc1"] == ("bfloat16", "low_precision")
     assert reasons["fc2"] == ("float32", "excluded")
     assert rep.to_dict()["totals_by_reason"]["excluded"] == 1
+
+
+def test_report_labels_a_float16_graph_float16():
+    """With no AMP on and no target given, the label comes from the graph (or its converter)."""
+    data = mx.sym.var("data")
+    fc = mx.sym.FullyConnected(data, num_hidden=4, name="fc")
+    sym = gluon_amp.convert_symbol(fc, "float16", data_names=["data"])
+    assert gluon_amp.current_policy() is None
+    rep = gluon_amp.report(sym)
+    assert rep.target_dtype == "float16" and "target dtype float16" in str(rep)
+    net = make_net()
+    net(mx.nd.ones((1, 3, 8, 8)))
+    block = gluon_amp.convert_hybrid_block(net, "float16")
+    assert gluon_amp.report(block).target_dtype == "float16"
 
 
 def test_report_errors():

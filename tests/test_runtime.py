@@ -15,7 +15,8 @@ def test_runtime_info_reports_choice():
     for key in ("mxnet", "onednn", "default_target_dtype", "cpu_avx512_bf16", "cpu_amx_bf16",
                 "amx_permission", "DNNL_MAX_CPU_ISA", "bf16_isa"):
         assert key in info
-    assert info["default_target_dtype"] in ("float16", "bfloat16")
+    assert info["default_target_dtype"] in ("float16", "bfloat16", "float32")
+    assert info["bf16"] in ("native", "emulated", "none") and info["bf16_why"]
     if not info["cpu_amx_bf16"]:
         assert info["amx_permission"] is False and info["bf16_isa"] != "avx512_core_amx"
 
