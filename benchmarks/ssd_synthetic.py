@@ -193,6 +193,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the full JSON document here")
     p.add_argument("--plot", metavar="PATH", help="write a PNG with throughput bars and loss curves")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--horovod", type=int, metavar="N", default=0,
+                   help="run the gluon_amp mode under Horovod (gloo) with 1 and with N processes on "
+                        "this machine and report per-worker and total throughput (_horovod_mode.py)")
     args = p.parse_args(argv)
     impls = [s.strip() for s in args.impl.split(",") if s.strip()]
     bad = [i for i in impls if i not in IMPLS]
@@ -268,6 +271,10 @@ def loss_agreement(curves: Dict[str, Dict[str, List[float]]]) -> Dict[str, Any]:
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = parse_args(argv)
+    if args.horovod:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _horovod_mode import run as run_horovod
+        return run_horovod(args, args.horovod)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:%(name)s:%(message)s",
                         stream=sys.stdout)
     ctx = resolve_ctx(args.ctx)

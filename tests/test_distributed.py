@@ -285,3 +285,24 @@ def test_dist_kvstore_with_gradient_compression_is_refused(monkeypatch):
                         lambda t: distributed.Engine(engine.name, 2, engine.reduce, kvstore=True))
     with pytest.raises(RuntimeError, match="gradient compression.*2bit"):
         distributed.agree_finite(trainer, True)
+
+
+@pytest.mark.bf16_kernels
+def test_ssd_benchmark_under_horovod_reports_per_worker_and_total(tmp_path):
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                         "ssd_synthetic.py")
+    out = tmp_path / "hvd.json"
+    with dist_launcher.Job(str(tmp_path), timeout=600) as job:
+        job.start("bench", [sys.executable, bench, "--horovod", "2", "--batch-size", "1", "--iters", "1",
+                            "--warmup", "0", "--json", str(out)], dict(os.environ))
+        job.wait()
+    doc = json.loads(out.read_text())
+    assert [r["processes"] for r in doc["runs"]] == [1, 2]
+    for run in doc["runs"]:
+        per = run["per_worker_samples_per_sec"]
+        assert len(per) == run["processes"] and all(v > 0 for v in per)
+        assert run["total_samples_per_sec"] == pytest.approx(sum(per))
+        assert [r["rank"] for r in run["ranks"]] == list(range(run["processes"]))
+        assert len({r["loss_scale"] for r in run["ranks"]}) == 1  # the workers agree
+    assert doc["runs"][0]["total_vs_1_process"] == 1.0
+    assert "per-worker samples/s" in (tmp_path / "bench.log").read_text()

@@ -1,0 +1,148 @@
+"""``ssd_synthetic.py --horovod N``: its gluon_amp mode under Horovod, 1 process against N.
+
+Each run is ``horovodrun -np P -H localhost:P --gloo`` of this file with ``--worker``: every
+process trains SSD-512 with gluon_amp at the per-process batch (weak scaling) through
+``hvd.DistributedTrainer`` and writes its own per-iteration times. The report gives each
+worker's samples/s, the total (their sum) and the total against one process. The cores are
+split evenly between the processes (``OMP_NUM_THREADS``), so on a small machine N processes
+share what one process had: the numbers say what they cost, not what more hardware would give.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any, Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _horovodrun() -> str:
+    path = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    if not os.path.exists(path):
+        raise SystemExit("error: --horovod needs horovodrun next to this Python; install Horovod "
+                         "with MXNet support: `make install-dist` (see README, 'Training on several "
+                         "processes or machines')")
+    return path
+
+
+def _launch(procs: int, args: argparse.Namespace, out_dir: str, timeout: float) -> List[Dict[str, Any]]:
+    threads = max(1, (os.cpu_count() or 1) // procs)
+    cmd = [_horovodrun(), "-np", str(procs), "-H", f"localhost:{procs}", "--gloo",
+           sys.executable, os.path.abspath(__file__), "--worker", "--out", out_dir,
+           "--batch-size", str(args.batch_size), "--iters", str(args.iters),
+           "--warmup", str(args.warmup), "--seed", str(args.seed), "--target-dtype", args.target_dtype]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    # start_new_session + killpg: horovodrun's workers must not outlive a timeout.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        raise SystemExit(f"error: horovodrun -np {procs} did not finish in {timeout:.0f} s")
+    if rc != 0:
+        raise SystemExit(f"error: horovodrun -np {procs} failed with exit code {rc}")
+    ranks = []
+    for rank in range(procs):
+        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+            ranks.append({**json.load(f), "threads": threads})
+    return ranks
+
+
+def run(args: Any, processes: int, timeout: float = 3600) -> Dict[str, Any]:
+    """Run the AMP mode with 1 and with ``processes`` Horovod processes; print and return the report."""
+    if processes < 2:
+        raise SystemExit(f"error: --horovod N needs N >= 2 (got {processes}); 1 process is the baseline it runs anyway")
+    opts = argparse.Namespace(batch_size=args.batch_size or 2, iters=args.iters or 6,
+                              warmup=args.warmup, seed=args.seed, target_dtype=args.target_dtype)
+    runs = []
+    for procs in (1, processes):
+        with tempfile.TemporaryDirectory() as out:
+            print(f"horovodrun -np {procs} -H localhost:{procs} --gloo ... (batch {opts.batch_size} "
+                  f"per process, {opts.iters} timed iterations)", flush=True)
+            ranks = _launch(procs, opts, out, timeout)
+        total = sum(r["samples_per_sec"] for r in ranks)
+        runs.append({"processes": procs, "threads_per_process": ranks[0]["threads"],
+                     "per_worker_samples_per_sec": [r["samples_per_sec"] for r in ranks],
+                     "total_samples_per_sec": total, "ranks": ranks})
+    base = runs[0]["total_samples_per_sec"]
+    for r in runs:
+        r["total_vs_1_process"] = r["total_samples_per_sec"] / base
+    doc = {"benchmark": "ssd_512_resnet50_v1_coco synthetic training, gluon_amp under Horovod (gloo)",
+           "batch_size_per_process": opts.batch_size, "iters": opts.iters, "warmup": opts.warmup,
+           "cpu_count": os.cpu_count(), "target_dtype": runs[0]["ranks"][0]["target_dtype"], "runs": runs}
+    print_report(doc)
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"JSON written to {args.json}")
+    return doc
+
+
+def print_report(doc: Dict[str, Any]) -> None:
+    print(f"\nSSD-512 gluon_amp ({doc['target_dtype']}) under Horovod/gloo, batch "
+          f"{doc['batch_size_per_process']} per process, {doc['iters']} timed iterations (median), "
+          f"{doc['cpu_count']} cores split between the processes")
+    head = f"{'processes':>9}{'threads':>9}  {'per-worker samples/s':<24}{'total':>8}{'vs 1 proc':>11}  scale / skipped per rank"
+    print(head)
+    print("-" * len(head))
+    for r in doc["runs"]:
+        per = ", ".join(f"{v:.3f}" for v in r["per_worker_samples_per_sec"])
+        agree = ", ".join(f"{k['loss_scale']:g}/{k['skipped_steps']}" for k in r["ranks"])
+        print(f"{r['processes']:>9}{r['threads_per_process']:>9}  {per:<24}{r['total_samples_per_sec']:>8.3f}"
+              f"{r['total_vs_1_process']:>10.2f}x  {agree}")
+    n = doc["runs"][-1]["processes"]
+    print(f"The {n} processes share the same {doc['cpu_count']} cores the single process had: a total "
+          f"above 1 process comes from {n} narrower processes using the cores better than one wide "
+          "one, not from added hardware; below 1x is the cost of the allreduce and of sharing.")
+
+
+def worker(argv: Optional[List[str]] = None) -> None:
+    """One Horovod process: build the gluon_amp mode on a DistributedTrainer, train, write times."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--out", required=True)
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--iters", type=int, required=True)
+    p.add_argument("--warmup", type=int, required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--target-dtype", required=True)
+    a = p.parse_args(argv)
+    sys.path.insert(0, HERE)
+    import horovod.mxnet as hvd
+    import mxnet as mx
+    import ssd_synthetic as ssd
+
+    hvd.init()
+
+    class HorovodMode(ssd.Mode):
+        def _build(self, seed: int) -> None:
+            super()._build(seed)
+            hvd.broadcast_parameters(self.net.collect_params(), root_rank=0)
+            # the optimizer ssd_synthetic chose, on Horovod's trainer (it averages over processes)
+            self.trainer = hvd.DistributedTrainer(self.net.collect_params(), self.trainer._optimizer)
+
+    names, target, skip = ssd.plan_modes(ssd.parse_args(["--amp", "--no-baseline", "--target-dtype", a.target_dtype]))
+    if skip:
+        raise SystemExit(f"error: {skip}")
+    ctx = mx.cpu()
+    mode = HorovodMode("gluon_amp", ctx, ssd.SyntheticData(a.batch_size, ctx, a.seed + hvd.rank()), a.seed, target)
+    for _ in range(a.warmup):
+        mode.step(record=False)
+    for _ in range(a.iters):
+        mode.step()
+    med = statistics.median(mode.result.iter_seconds)
+    with open(os.path.join(a.out, f"rank{hvd.rank()}.json"), "w") as f:
+        json.dump({"rank": hvd.rank(), "size": hvd.size(), "target_dtype": target,
+                   "sec_per_iter": med, "samples_per_sec": a.batch_size / med,
+                   "iter_seconds": mode.result.iter_seconds, "loss_scale": mode.scaler.loss_scale,
+                   "skipped_steps": mode.scaler.skipped_steps}, f)
+
+
+if __name__ == "__main__":
+    worker()
