@@ -76,7 +76,7 @@ def test_dispatch_overhead_smoke(tmp_path):
     # both workers really ran patched: the low-precision op returned bfloat16
     assert fc["ours"]["patched_out_dtype"] == fc["peer"]["patched_out_dtype"] == "bfloat16"
     assert doc["ops"]["softmax"]["ours"]["patched_out_dtype"] == "float32"
-    assert doc["mean_overhead_us"]["ours"] > 0
+    assert math.isfinite(doc["mean_overhead_us"]["ours"])  # a figure, not a timing assertion
     assert "mean overhead" in r.stdout and '"ops"' not in r.stdout
 
 

@@ -103,11 +103,15 @@ def test_user_casts_are_kept():
 
 def test_parameters_of_ops_that_follow_their_input_get_its_dtype():
     # fc (bf16) -> LeakyReLU(prelu) with its own slope parameter: the slope is cast to bf16
+    # (float16: the bfloat16 table runs prelu in float32, having no bf16 kernel for it)
     g = graph([var("x"), var("w"), node("FullyConnected", "fc", 0, 1, num_hidden=4, no_bias=True),
                var("slope"), node("LeakyReLU", "prelu", 2, 3, act_type="prelu")], [4])
-    r = run(g, cast_optional_params=True)
-    assert r.dtypes[("prelu", 0)] == "bfloat16"
-    assert r.param_dtypes["slope"] == "bfloat16" and r.param_dtypes["w"] == "bfloat16"
+    r = convert_graph(g, Policy.create("float16"), ["x"], {}, toy_op_types, OP_INPUTS,
+                      cast_optional_params=True)
+    assert r.dtypes[("prelu", 0)] == "float16"
+    assert r.param_dtypes["slope"] == "float16" and r.param_dtypes["w"] == "float16"
+    bf = run(g)
+    assert bf.dtypes[("prelu", 0)] == "float32" and bf.reasons["prelu"] == "conditional_fp32"
 
 
 def test_pass_is_driven_by_the_type_rule_it_is_given():
