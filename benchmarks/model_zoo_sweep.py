@@ -66,6 +66,7 @@ def block_network() -> str:
     """Point MXNet/GluonCV homes at a temp dir and make any socket connection raise."""
     home = tempfile.mkdtemp(prefix="zoo_sweep_home_")
     os.environ["MXNET_HOME"] = home
+    os.environ["GLUON_MODEL_LOCK_TIMEOUT"] = "1"  # GluonCV waits 300 s on a model file lock
 
     def refuse(*_a: Any, **_k: Any) -> None:
         raise RuntimeError("download attempted (network is blocked in the sweep)")
@@ -310,13 +311,18 @@ def trace_training_graph(name: str, shape: Shape, dtype: str) -> Dict[str, int]:
     return graph_counts(sym, {"data": np.float32}, dtype)
 
 
-def ours_cells(name: str, dtypes: Sequence[str]) -> Dict[str, Any]:
-    """Every cell for gluon_amp: {'shape', 'cells': {dtype: {cell: result}}} or {'skip': why}."""
+def ours_cells(name: str, dtypes: Sequence[str], built: Callable[[], None] = lambda: None) -> Dict[str, Any]:
+    """Every cell for gluon_amp: {'shape', 'cells': {dtype: {cell: result}}} or {'skip': why}.
+
+    ``built`` is called once the FP32 network ran (the worker logs it: a crash before that
+    means the network does not build, after it that a conversion crashed).
+    """
     import gluon_amp
     try:
         net, shape = build_fp32(name)
     except Exception as exc:
         return {"skip": first_line(exc)}
+    built()
     cells = {}
     for dtype in dtypes:
         cells[dtype] = converter_cells(gluon_amp, net, dtype, peer=False)
@@ -331,12 +337,13 @@ def ours_cells(name: str, dtypes: Sequence[str]) -> Dict[str, Any]:
     return {"shape": list(shape), "cells": cells}
 
 
-def peer_convert_cells(name: str, dtypes: Sequence[str]) -> Dict[str, Any]:
+def peer_convert_cells(name: str, dtypes: Sequence[str], built: Callable[[], None] = lambda: None) -> Dict[str, Any]:
     from mxnet.contrib import amp
     try:
         net, shape = build_fp32(name)
     except Exception as exc:
         return {"skip": first_line(exc)}
+    built()
     cells = {d: converter_cells(amp, net, d, peer=True) for d in dtypes}
     del net
     gc.collect()
@@ -362,12 +369,13 @@ def worker(kind: str, models: Sequence[str], dtypes: Sequence[str], state: str) 
             amp.init(target_dtype=kind[len("peer-init-"):])
     for name in models:
         _append(state, {"kind": kind, "model": name, "status": "started"})
+        built = lambda name=name: _append(state, {"kind": kind, "model": name, "status": "built"})  # noqa: E731
         t0 = time.perf_counter()
         try:
             if kind == "ours":
-                res = ours_cells(name, dtypes)
+                res = ours_cells(name, dtypes, built)
             elif kind == "peer-convert":
-                res = peer_convert_cells(name, dtypes)
+                res = peer_convert_cells(name, dtypes, built)
             else:
                 res = peer_init_cells(name, kind[len("peer-init-"):])
         except Exception as exc:  # a bug in the sweep itself: record and go on
@@ -462,9 +470,14 @@ def _recover(state: str, kind: str, chunk: List[str], why: str, pending: list) -
     left = [m for m in chunk if recs.get((kind, m), {}).get("status") != "done"]
     if not left:
         return
-    if recs.get((kind, left[0]), {}).get("status") == "started":
+    status = recs.get((kind, left[0]), {}).get("status")
+    if status == "started" and kind in ("ours", "peer-convert"):
         _append(state, {"kind": kind, "model": left[0], "status": "done",
-                        "error": f"worker died on this network ({why})"})
+                        "skip": f"the process died building the FP32 network ({why})"})
+        left = left[1:]
+    elif status in ("started", "built"):
+        _append(state, {"kind": kind, "model": left[0], "status": "done",
+                        "error": f"the process died converting this network ({why})"})
         left = left[1:]
     if left:
         pending.append((kind, left))
