@@ -92,7 +92,7 @@ def init_kvstore(trainer: Trainer) -> None:
     MXNet 1.9.1 broadcasts the weights inside the first step, and that pull races with the
     first gradient push of the same key: a server that has summed the gradients first
     answers the pull with that sum, and every worker silently starts from the summed
-    gradients instead of the weights (seen in about 1 of 8 runs with 2 workers on loopback).
+    gradients instead of the weights (3 of 32 runs with 2 workers on loopback here).
     """
     if not isinstance(trainer, Trainer):
         raise TypeError(f"init_kvstore expects a mxnet.gluon.Trainer, got {type(trainer).__name__}")
@@ -134,13 +134,42 @@ def _check_shared_scaler(trainer: Trainer, scaler: Any, engine: Optional[Engine]
             "same distributed kvstore.")
 
 
+def _check_kvstore(trainer: Trainer) -> None:
+    if trainer._compression_params:
+        raise RuntimeError(
+            f"loss scaling cannot run over a kvstore with gradient compression "
+            f"({trainer._compression_params!r}): 2-bit compression turns the inf/NaN the overflow "
+            "check looks for into +-threshold, and would quantise the workers' finite flags too. "
+            "Create the Trainer without compression_params, or without loss scaling "
+            "(gluon_amp.init_trainer(trainer, None)).")
+    if trainer not in _kvstore_ready:
+        _kvstore_ready.add(trainer)  # warn once
+        # stacklevel: agree_finite <- has_overflow <- Trainer._update <- step/update <- user
+        warnings.warn("this Trainer's first step broadcast the weights over a dist kvstore while "
+                      "pushing gradients; MXNet 1.9.1 can answer that broadcast with the summed "
+                      "gradients. Call gluon_amp.distributed.init_kvstore(trainer) before the first "
+                      "step.", RuntimeWarning, stacklevel=6)
+
+
+def _check_same_scale(engine: Engine, scale: float, total: float, squares: float) -> None:
+    # All scales equal <=> n * sum(s^2) == (sum s)^2 (exact for powers of two; the tolerance
+    # covers float32 rounding of other static scales). Every worker reaches the same verdict.
+    n = engine.workers
+    if abs(n * squares - total * total) > 8 * n * _EPS32 * total * total:
+        raise RuntimeError(
+            f"the loss scale differs between the {n} workers of {engine.name} (this worker: "
+            f"{scale:g}, mean: {total / n:g}); their gradients would be summed at different scales. "
+            "Restore checkpoints on every rank with gluon_amp.load_states(trainer, fname) and give "
+            "every rank the same LossScaler settings.")
+
+
 def agree_finite(trainer: Trainer, finite: bool) -> bool:
     """Return whether every worker of ``trainer`` saw finite gradients this step.
 
     Collective for distributed trainers: all workers must call it on the same step (every
     ``trainer.step``/``update`` does). Raises ``RuntimeError`` when the workers' loss scales
-    differ, when one scaler mixes distributed and local trainers, and for Horovod's
-    ``DistributedOptimizer`` (use ``DistributedTrainer``).
+    differ, when one scaler mixes distributed and local trainers, for a dist kvstore with
+    gradient compression, and for Horovod's ``DistributedOptimizer`` (use ``DistributedTrainer``).
     """
     from .trainer import get_scaler
 
@@ -152,29 +181,10 @@ def agree_finite(trainer: Trainer, finite: bool) -> bool:
     _check_shared_scaler(trainer, scaler, engine)
     if engine is None:
         return bool(finite)
-    if engine.kvstore and trainer._compression_params:
-        raise RuntimeError(
-            f"loss scaling cannot run over a kvstore with gradient compression "
-            f"({trainer._compression_params!r}): 2-bit compression turns the inf/NaN the overflow "
-            "check looks for into +-threshold, and would quantise the workers' finite flags too. "
-            "Create the Trainer without compression_params, or without loss scaling "
-            "(gluon_amp.init_trainer(trainer, None)).")
-    if engine.kvstore and trainer not in _kvstore_ready:
-        _kvstore_ready.add(trainer)  # warn once
-        warnings.warn("this Trainer's first step broadcast the weights over a dist kvstore while "
-                      "pushing gradients; MXNet 1.9.1 can answer that broadcast with the summed "
-                      "gradients. Call gluon_amp.distributed.init_kvstore(trainer) before the first "
-                      "step.", RuntimeWarning, stacklevel=4)
+    if engine.kvstore:
+        _check_kvstore(trainer)
     scale = float(scaler.loss_scale)
     sums = engine.reduce(np.array([0.0 if finite else 1.0, scale, scale * scale], dtype="float32"))
     bad, total, squares = (float(v) for v in sums)
-    # All scales equal <=> n * sum(s^2) == (sum s)^2 (exact for powers of two; the tolerance
-    # covers float32 rounding of other static scales). Every worker reaches the same verdict.
-    n = engine.workers
-    if abs(n * squares - total * total) > 8 * n * _EPS32 * total * total:
-        raise RuntimeError(
-            f"the loss scale differs between the {engine.workers} workers of {engine.name} "
-            f"(this worker: {scale:g}, mean: {total / engine.workers:g}); their gradients would be "
-            "summed at different scales. Restore checkpoints on every rank with "
-            "gluon_amp.load_states(trainer, fname) and give every rank the same LossScaler settings.")
+    _check_same_scale(engine, scale, total, squares)
     return bad == 0
