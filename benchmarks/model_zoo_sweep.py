@@ -31,7 +31,8 @@ was on, which is recorded as failed.
 Run::
 
     PYTHONPATH=. python benchmarks/model_zoo_sweep.py [--models resnet18_v1,yolo3 | all]
-        [--dtypes float16,bfloat16] [--jobs 2] [--no-peer] [--json out.json] [--state s.jsonl]
+        [--dtypes float16,bfloat16] [--jobs 2] [--no-peer | --peer-only] [--redo] [--json out.json]
+        [--state s.jsonl]
 """
 from __future__ import annotations
 
@@ -423,16 +424,16 @@ def _matches(line: str, models: set, kinds: set) -> bool:
     return rec.get("model") in models and rec.get("kind") in kinds
 
 
-def worker_kinds(dtypes: Sequence[str], peer: bool) -> List[str]:
-    return ["ours"] + (["peer-convert"] + [f"peer-init-{d}" for d in dtypes] if peer else [])
+def worker_kinds(dtypes: Sequence[str], peer: bool, ours: bool = True) -> List[str]:
+    return (["ours"] if ours else []) + (["peer-convert"] + [f"peer-init-{d}" for d in dtypes] if peer else [])
 
 
 def orchestrate(models: Sequence[str], dtypes: Sequence[str], peer: bool, jobs: int, state: str,
-                timeout: float) -> None:
+                timeout: float, ours: bool = True) -> None:
     """Run worker processes (``jobs`` at a time) until every (kind, model) is done."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     pending: List[Tuple[str, List[str]]] = []
-    for kind in worker_kinds(dtypes, peer):
+    for kind in worker_kinds(dtypes, peer, ours):
         todo = [m for m in models if read_state(state).get((kind, m), {}).get("status") != "done"]
         per = max(1, -(-len(todo) // max(1, jobs if kind in ("ours", "peer-convert") else 1)))
         pending += [(kind, todo[i:i + per]) for i in range(0, len(todo), per)]
@@ -567,6 +568,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--peer-only", action="store_true",
+                    help="run only the peer's workers (e.g. into another --state, concatenated later)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--state", default="/tmp/model_zoo_sweep.jsonl")
     ap.add_argument("--timeout", type=float, default=900, help="seconds without progress before a worker is killed")
@@ -582,8 +585,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     models = select_models(a.models)
     if a.redo:
-        forget(a.state, set(models), set(worker_kinds(dtypes, not a.no_peer)))
-    orchestrate(models, dtypes, not a.no_peer, a.jobs, a.state, a.timeout)
+        forget(a.state, set(models), set(worker_kinds(dtypes, not a.no_peer, not a.peer_only)))
+    orchestrate(models, dtypes, not a.no_peer, a.jobs, a.state, a.timeout, ours=not a.peer_only)
     results = collect(models, dtypes, not a.no_peer, a.state)
     report = {"commit": _commit(), "dtypes": dtypes, "peer": not a.no_peer, "totals": totals(results, dtypes, not a.no_peer),
               "networks": results}
