@@ -74,6 +74,7 @@ def run(args: Any, processes: int, timeout: float = 3600) -> Dict[str, Any]:
             ranks = _launch(procs, threads, opts, out, timeout)
         total = sum(r["samples_per_sec"] for r in ranks)
         runs.append({"processes": procs, "threads_per_process": ranks[0]["threads"],
+                     "load_avg_1min_after": os.getloadavg()[0],
                      "per_worker_samples_per_sec": [r["samples_per_sec"] for r in ranks],
                      "total_samples_per_sec": total, "ranks": ranks})
     base = runs[0]["total_samples_per_sec"]
@@ -94,18 +95,21 @@ def print_report(doc: Dict[str, Any]) -> None:
     print(f"\nSSD-512 gluon_amp ({doc['target_dtype']}) under Horovod/gloo, batch "
           f"{doc['batch_size_per_process']} per process, {doc['iters']} timed iterations (median), "
           f"{doc['cpu_count']} cores split between the processes")
-    head = f"{'processes':>9}{'threads':>9}  {'per-worker samples/s':<24}{'total':>8}{'vs 1 proc':>11}  scale / skipped per rank"
+    head = (f"{'processes':>9}{'threads':>9}  {'per-worker samples/s':<24}{'total':>8}{'vs 1 proc':>11}"
+            f"{'load':>6}  scale / skipped per rank")
     print(head)
     print("-" * len(head))
     for r in doc["runs"]:
         per = ", ".join(f"{v:.3f}" for v in r["per_worker_samples_per_sec"])
         agree = ", ".join(f"{k['loss_scale']:g}/{k['skipped_steps']}" for k in r["ranks"])
         print(f"{r['processes']:>9}{r['threads_per_process']:>9}  {per:<24}{r['total_samples_per_sec']:>8.3f}"
-              f"{r['total_vs_1_process']:>10.2f}x  {agree}")
+              f"{r['total_vs_1_process']:>10.2f}x{r['load_avg_1min_after']:>6.1f}  {agree}")
     n = doc["runs"][-1]["processes"]
     print(f"The {n} processes share the {doc['cpu_count']} cores the first row had: no hardware is "
           "added. Their total against the first row is what Horovod costs or gains on this machine; "
-          "the narrow single process shows how much of that is only thread scaling.")
+          "the narrow single process shows how much of that is only thread scaling. 'load' is the "
+          "1-minute load average after each run: above the core count, other work shared the CPU "
+          "and the row is not comparable.")
 
 
 def worker(argv: Optional[List[str]] = None) -> None:
