@@ -21,6 +21,8 @@ import mxnet as mx
 import numpy as np
 from mxnet.gluon import Trainer
 
+from . import mxnet_internals as mxi
+
 # A dist kvstore key of our own. ps-lite picks the server with ``key * 9973`` in a C int,
 # so the key must stay below 2**31 / 9973; Trainer uses keys 0..len(params)-1.
 FLAG_KEY = 214_000
@@ -73,10 +75,10 @@ def engine_of(trainer: Trainer) -> Optional[Engine]:
     Recognised: a native ``dist_*`` kvstore with more than one worker, and Horovod's
     ``DistributedTrainer`` with more than one process in its process set.
     """
-    kv = trainer._kvstore
+    kv = mxi.trainer_kvstore(trainer)
     if isinstance(kv, mx.kvstore.KVStore) and "dist" in kv.type and kv.num_workers > 1:
         return Engine(f"the {kv.type} kvstore", kv.num_workers, _kvstore_reduce(kv), kvstore=True)
-    process_set = getattr(trainer, "_process_set", None)
+    process_set = mxi.horovod_process_set(trainer)
     if _from_horovod(trainer) and process_set is not None and "horovod.mxnet" in sys.modules:
         if process_set.size() > 1 and process_set.included():
             hvd = sys.modules["horovod.mxnet"]
@@ -96,20 +98,17 @@ def init_kvstore(trainer: Trainer) -> None:
     """
     if not isinstance(trainer, Trainer):
         raise TypeError(f"init_kvstore expects a mxnet.gluon.Trainer, got {type(trainer).__name__}")
-    deferred = [p.name for p in trainer._params if p._deferred_init]
+    deferred = mxi.deferred_param_names(trainer)
     if deferred:
         raise RuntimeError(f"init_kvstore: parameters {deferred} are not initialised yet (deferred "
                            "shapes); run one forward pass, then call init_kvstore before backward.")
-    if not trainer._kv_initialized:
-        trainer._init_kvstore()
-    if trainer._params_to_init:
-        trainer._init_params()
+    mxi.init_kvstore_now(trainer)
     mx.nd.waitall()
     _kvstore_ready.add(trainer)
 
 
 def _refuse_horovod_optimizer(trainer: Trainer) -> None:
-    opt = trainer._optimizer
+    opt = mxi.trainer_optimizer(trainer)
     if _from_horovod(opt) and type(opt).__name__ == "DistributedOptimizer":
         raise RuntimeError(
             "gluon_amp cannot scale losses through horovod.mxnet.DistributedOptimizer inside a "
@@ -119,11 +118,17 @@ def _refuse_horovod_optimizer(trainer: Trainer) -> None:
             "hvd.DistributedTrainer(params, optimizer, optimizer_params) instead.")
 
 
-def _check_shared_scaler(trainer: Trainer, scaler: Any, engine: Optional[Engine]) -> None:
-    from .trainer import get_scaler  # trainer.py calls into this module
+def _scaler_of(trainer: Trainer) -> Any:
+    """The LossScaler gluon_amp attached to ``trainer`` (its step hook holds it)."""
+    hook = mxi.get_step_hook(trainer)
+    if hook is None or not hasattr(hook, "scaler"):
+        raise RuntimeError("this Trainer has no loss scaler; call gluon_amp.init_trainer(trainer) first.")
+    return hook.scaler
 
+
+def _check_shared_scaler(trainer: Trainer, scaler: Any, engine: Optional[Engine]) -> None:
     _kinds[trainer] = engine.name if engine else "local"
-    kinds = {kind for t, kind in list(_kinds.items()) if get_scaler(t) is scaler}
+    kinds = {kind for t, kind in list(_kinds.items()) if _scaler_of(t) is scaler}
     if "local" in kinds and len(kinds) > 1:
         spread = sorted(kinds - {"local"})
         raise RuntimeError(
@@ -135,10 +140,10 @@ def _check_shared_scaler(trainer: Trainer, scaler: Any, engine: Optional[Engine]
 
 
 def _check_kvstore(trainer: Trainer) -> None:
-    if trainer._compression_params:
+    if mxi.compression_params(trainer):
         raise RuntimeError(
             f"loss scaling cannot run over a kvstore with gradient compression "
-            f"({trainer._compression_params!r}): 2-bit compression turns the inf/NaN the overflow "
+            f"({mxi.compression_params(trainer)!r}): 2-bit compression turns the inf/NaN the overflow "
             "check looks for into +-threshold, and would quantise the workers' finite flags too. "
             "Create the Trainer without compression_params, or without loss scaling "
             "(gluon_amp.init_trainer(trainer, None)).")
@@ -171,9 +176,7 @@ def agree_finite(trainer: Trainer, finite: bool) -> bool:
     differ, when one scaler mixes distributed and local trainers, for a dist kvstore with
     gradient compression, and for Horovod's ``DistributedOptimizer`` (use ``DistributedTrainer``).
     """
-    from .trainer import get_scaler
-
-    scaler = get_scaler(trainer)
+    scaler = _scaler_of(trainer)
     if not scaler.enabled:  # nothing is checked or skipped, so there is nothing to agree on
         return bool(finite)
     _refuse_horovod_optimizer(trainer)

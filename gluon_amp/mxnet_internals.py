@@ -209,6 +209,40 @@ def force_update_on_worker(trainer: Trainer) -> None:
     trainer._kvstore_params["update_on_kvstore"] = False
 
 
+def trainer_kvstore(trainer: Trainer) -> Any:
+    """1.9.1: ``Trainer._kvstore``, None until the first step (or :func:`init_kvstore_now`)."""
+    return trainer._kvstore
+
+
+def trainer_optimizer(trainer: Trainer) -> Any:
+    """1.9.1: ``Trainer._optimizer``, the optimizer object the updaters call."""
+    return trainer._optimizer
+
+
+def compression_params(trainer: Trainer) -> Any:
+    """1.9.1: ``Trainer._compression_params``, the constructor's ``compression_params``."""
+    return trainer._compression_params
+
+
+def horovod_process_set(trainer: Trainer) -> Any:
+    """Horovod 0.28.1's ``DistributedTrainer._process_set``; None for other trainers."""
+    return getattr(trainer, "_process_set", None)
+
+
+def deferred_param_names(trainer: Trainer) -> List[str]:
+    """Parameters whose shapes are still unknown (1.9.1: ``Parameter._deferred_init``)."""
+    return [p.name for p in trainer._params if p._deferred_init]
+
+
+def init_kvstore_now(trainer: Trainer) -> None:
+    """What 1.9.1's ``Trainer`` does lazily in its first step: create the kvstore
+    (``_init_kvstore``) and broadcast the initial weights (``_init_params``)."""
+    if not trainer._kv_initialized:
+        trainer._init_kvstore()
+    if trainer._params_to_init:
+        trainer._init_params()
+
+
 # -- parameters ----------------------------------------------------------------------
 
 def has_grad(p: Parameter) -> bool:
