@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,7 @@ def _horovodrun() -> str:
 def _launch(procs: int, threads: int, args: argparse.Namespace, out_dir: str,
             timeout: float) -> List[Dict[str, Any]]:
     cmd = [_horovodrun(), "-np", str(procs), "-H", f"localhost:{procs}", "--gloo",
-           sys.executable, os.path.abspath(__file__), "--worker", "--out", out_dir,
+           sys.executable, os.path.join(HERE, "_horovod_worker.py"), "--out", out_dir,
            "--batch-size", str(args.batch_size), "--iters", str(args.iters),
            "--warmup", str(args.warmup), "--seed", str(args.seed), "--target-dtype", args.target_dtype]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
@@ -110,49 +109,3 @@ def print_report(doc: Dict[str, Any]) -> None:
           "the narrow single process shows how much of that is only thread scaling. 'load' is the "
           "1-minute load average after each run: above the core count, other work shared the CPU "
           "and the row is not comparable.")
-
-
-def worker(argv: Optional[List[str]] = None) -> None:
-    """One Horovod process: build the gluon_amp mode on a DistributedTrainer, train, write times."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--out", required=True)
-    p.add_argument("--batch-size", type=int, required=True)
-    p.add_argument("--iters", type=int, required=True)
-    p.add_argument("--warmup", type=int, required=True)
-    p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--target-dtype", required=True)
-    a = p.parse_args(argv)
-    sys.path.insert(0, HERE)
-    import horovod.mxnet as hvd
-    import mxnet as mx
-    import ssd_synthetic as ssd
-
-    hvd.init()
-
-    class HorovodMode(ssd.Mode):
-        def _build(self, seed: int) -> None:
-            super()._build(seed)
-            hvd.broadcast_parameters(self.net.collect_params(), root_rank=0)
-            # the optimizer ssd_synthetic chose, on Horovod's trainer (it averages over processes)
-            self.trainer = hvd.DistributedTrainer(self.net.collect_params(), self.trainer._optimizer)
-
-    names, target, skip = ssd.plan_modes(ssd.parse_args(["--amp", "--no-baseline", "--target-dtype", a.target_dtype]))
-    if skip:
-        raise SystemExit(f"error: {skip}")
-    ctx = mx.cpu()
-    mode = HorovodMode("gluon_amp", ctx, ssd.SyntheticData(a.batch_size, ctx, a.seed + hvd.rank()), a.seed, target)
-    for _ in range(a.warmup):
-        mode.step(record=False)
-    for _ in range(a.iters):
-        mode.step()
-    med = statistics.median(mode.result.iter_seconds)
-    with open(os.path.join(a.out, f"rank{hvd.rank()}.json"), "w") as f:
-        json.dump({"rank": hvd.rank(), "size": hvd.size(), "target_dtype": target,
-                   "sec_per_iter": med, "samples_per_sec": a.batch_size / med,
-                   "iter_seconds": mode.result.iter_seconds, "loss_scale": mode.scaler.loss_scale,
-                   "skipped_steps": mode.scaler.skipped_steps}, f)
-
-
-if __name__ == "__main__":
-    worker()
