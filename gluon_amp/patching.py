@@ -22,7 +22,7 @@ from gluon_amp_core.lists.loss_outputs import LOSS_OUTPUT_FUNCTIONS
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec, OpClass, OpTable
 
-from . import follow
+from . import follow, loss_output
 from . import mxnet_internals as registry
 from .mxnet_internals import BFLOAT16, to_mx_dtype
 from .policies import as_policy
@@ -279,25 +279,6 @@ def _loss_output_scale(op: str) -> float:
     return scales.pop() if scales else 1.0
 
 
-def _loss_output_nd(fn: Callable, op: str) -> Callable:
-    """Multiply ``grad_scale`` by the loss scale, which ``scale_loss`` cannot reach here."""
-    @functools.wraps(fn)
-    def amp_op(*args: Any, **kwargs: Any) -> Any:
-        kwargs["grad_scale"] = float(kwargs.get("grad_scale", 1.0)) * _loss_output_scale(op)
-        return fn(*args, **kwargs)
-    return amp_op
-
-
-def _loss_output_sym(fn: Callable, op: str) -> Callable:
-    @functools.wraps(fn)
-    def amp_op(*args: Any, **kwargs: Any) -> Any:
-        warnings.warn(f"{op} in a symbolic or hybridized graph starts its backward from grad_scale, "
-                      "which a dynamic loss scale cannot reach: use a gluon.loss block, or a static "
-                      "LossScaler and grad_scale=<scale>.", RuntimeWarning, stacklevel=2)
-        return fn(*args, **kwargs)
-    return amp_op
-
-
 def _wrapper_for(fn: Callable, op: str, kind: str, table: OpTable,
                  info: registry.OpInfo) -> Optional[Callable]:
     """The wrapper ``op`` needs under ``table``; None when it runs as it is.
@@ -306,7 +287,8 @@ def _wrapper_for(fn: Callable, op: str, kind: str, table: OpTable,
     and has several inputs, the neutral path makes them agree (:mod:`gluon_amp.follow`).
     """
     if op in LOSS_OUTPUT_FUNCTIONS:
-        fn = _loss_output_nd(fn, op) if kind == "ndarray" else _loss_output_sym(fn, op)
+        fn = (loss_output.nd_wrapper(fn, op, _loss_output_scale) if kind == "ndarray"
+              else loss_output.sym_wrapper(fn, op))
     op_class = table.classes.get(op, OpClass.NEUTRAL)
     neutral = None
     if op_class in (OpClass.NEUTRAL, OpClass.CONDITIONAL_FP32) and not (
