@@ -6,6 +6,7 @@ then, in the same process, converts it two ways:
 
 * ``fp32``: the original hybridized block.
 * ``ours``: ``gluon_amp.convert_hybrid_block(net, 'bfloat16', cast_optional_params=True)``.
+* ``fused``: the same with ``fuse=True`` (MXNet's oneDNN subgraph backend: conv+BN+ReLU+sum).
 * ``peer``: ``mxnet.contrib.amp.amp.convert_hybrid_block(net, target_dtype='bfloat16',
   ctx=mx.cpu(), cast_optional_params=True)`` (the peer's ``amp.init()`` is NOT called: it
   is not needed for conversion and would patch MXNet globally).
@@ -54,7 +55,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from _report import emit  # benchmarks/ is on sys.path when run as a script
 
 MODELS = ("resnet50", "ssd512")
-VARIANTS = ("fp32", "ours", "peer")
+VARIANTS = ("fp32", "ours", "fused", "peer")
 DEFAULT_ITERS = {"resnet50": 10, "ssd512": 5}
 TARGET_SSD_SPEEDUP = 3.0
 NOISE_TOL = 0.01  # "no slower" allows this much relative timing noise
@@ -134,9 +135,10 @@ def convert(mx: Any, variant: str, net: Any, x: Any) -> Any:
     """The ``variant`` block, hybridized and run once."""
     if variant == "fp32":
         return net
-    if variant == "ours":
+    if variant in ("ours", "fused"):
         import gluon_amp
-        block = gluon_amp.convert_hybrid_block(net, "bfloat16", cast_optional_params=True)
+        block = gluon_amp.convert_hybrid_block(net, "bfloat16", cast_optional_params=True,
+                                               fuse=variant == "fused")
     else:
         from mxnet.contrib.amp import amp as peer_amp
         block = peer_amp.convert_hybrid_block(net, target_dtype="bfloat16", ctx=mx.cpu(),
@@ -264,6 +266,7 @@ def bench_model(mx: Any, model: str, batch: int, warmup: int, iters: int) -> Dic
                                    if "ours" in got and "peer" in got else None)
     ips = {v: variants[v].get("images_per_s") for v in VARIANTS}
     rep["speedup"] = {"ours_over_fp32": _ratio(ips.get("ours"), ips["fp32"]),
+                      "fused_over_fp32": _ratio(ips.get("fused"), ips["fp32"]),
                       "peer_over_fp32": _ratio(ips.get("peer"), ips["fp32"]),
                       "ours_over_peer": _ratio(ips.get("ours"), ips.get("peer"))}
     if model == "ssd512":
@@ -331,6 +334,7 @@ def format_table(rep: Dict[str, Any]) -> str:
         met = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")
         x = {k: "n/a" if v is None else f"{v:.2f}x" for k, v in s.items()}
         lines.append(f"{'':<10}batch {r['batch']}, {r['iters']} iters; ours/fp32 {x['ours_over_fp32']}, "
+                     f"fused/fp32 {x['fused_over_fp32']}, "
                      f"peer/fp32 {x['peer_over_fp32']}, ours/peer {x['ours_over_peer']}; "
                      f"target {t['desc']}: {met}")
         lines.append(f"{'':<10}rel err ours vs peer {f(r['ours_vs_peer_rel_err'], '.2e')}; "
