@@ -18,6 +18,8 @@ import sys
 import tempfile
 from typing import Any, Dict, List, Optional
 
+from _report import write_json
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -83,10 +85,7 @@ def run(args: Any, processes: int, timeout: float = 3600) -> Dict[str, Any]:
            "batch_size_per_process": opts.batch_size, "iters": opts.iters, "warmup": opts.warmup,
            "cpu_count": os.cpu_count(), "target_dtype": runs[0]["ranks"][0]["target_dtype"], "runs": runs}
     print_report(doc)
-    if getattr(args, "json", None):
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"JSON written to {args.json}")
+    write_json(doc, getattr(args, "json", None))
     return doc
 
 

@@ -20,7 +20,6 @@ full document.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import resource
@@ -37,6 +36,7 @@ import mxnet as mx  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
 
 import gluon_amp  # noqa: E402
+from _report import write_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 IMPLS = ("gluon_amp", "mxnet-contrib")
 NUM_ANCHORS = 6132
@@ -304,10 +304,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
            "peak_rss_mb_process": peak_rss_mb(), "runtime": gluon_amp.runtime_info(),
            "command": " ".join(["python", "benchmarks/ssd_synthetic.py"] + (argv if argv is not None else sys.argv[1:]))}
     print_table(doc)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        print(f"JSON written to {args.json}")
+    write_json(doc, args.json)
     if args.plot:
         plot(doc, args.plot)
         print(f"plot written to {args.plot}")
