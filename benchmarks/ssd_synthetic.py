@@ -3,6 +3,7 @@
     python benchmarks/ssd_synthetic.py --amp                     # FP32 baseline and gluon_amp, interleaved
     python benchmarks/ssd_synthetic.py --amp --impl gluon_amp,mxnet-contrib
     python benchmarks/ssd_synthetic.py --amp --no-baseline --batch-size 8 --iters 50
+    python benchmarks/ssd_synthetic.py --opt-level O1,O2,O3   # Apex opt levels (initialize), with FP32
 
 The workload is the tutorial's: GluonCV ``ssd_512_resnet50_v1_coco`` (``pretrained_base=False``,
 nothing is downloaded), inputs uniform in (-1, 1), SSDMultiBoxLoss, SGD(lr 0.001, wd 0.0005,
@@ -39,6 +40,7 @@ import gluon_amp  # noqa: E402
 from _report import write_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 IMPLS = ("gluon_amp", "mxnet-contrib")
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
 NUM_ANCHORS = 6132
 logger = logging.getLogger("ssd_synthetic")
 
@@ -95,6 +97,7 @@ class Mode:
         self.loss_fn = None
         self.scaler = None
         self.peer = None
+        self.policy = None  # the gluon_amp op policy this mode's steps run under (None: AMP off)
         rss0, t0 = rss_mb(), time.time()
         if name == "gluon_amp":
             with warnings.catch_warnings():
@@ -104,6 +107,8 @@ class Mode:
                     self._build(seed)
                     self.scaler = gluon_amp.init_trainer(self.trainer)
                     self.step(record=False)  # the graph is cached on the first call, with AMP on
+        elif name in OPT_LEVELS:
+            self._build_opt_level(seed)
         elif name == "mxnet-contrib":
             from mxnet.contrib import amp as peer
             peer.init(target_dtype=target_dtype)
@@ -134,13 +139,37 @@ class Mode:
                                      update_on_kvstore=False)
         self.loss_fn = gcv.loss.SSDMultiBoxLoss()
 
+    def _build_opt_level(self, seed: int) -> None:
+        gluon_amp.disable()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*cached their graph before gluon_amp.init")
+            self._build(seed)
+            with autograd.train_mode():  # finish deferred init: O2/O3 cast the real weights
+                self.net(self.batch.data[:1])
+            gluon_amp.initialize(self.net, self.trainer, self.name, target_dtype=self.target_dtype)
+        self.policy = gluon_amp.current_policy()
+        self.scaler = gluon_amp.get_scaler(self.trainer)
+        self.step(record=False)
+
+    def _use_policy(self) -> None:
+        """Opt levels differ in op policy (O3's batch norm), and init is process-wide: switch
+        to this mode's policy before its step, outside the timed region. Peer modes are left alone."""
+        if self.peer is not None or gluon_amp.current_policy() == self.policy:
+            return
+        gluon_amp.disable()
+        if self.policy is not None:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*cached their graph before gluon_amp.init")
+                gluon_amp.init(self.policy)
+
     def step(self, record: bool = True) -> float:
         b = self.batch
+        self._use_policy()
         t0 = time.time()
         with autograd.record():
             cls_pred, box_pred, _ = self.net(b.data)
             sum_loss, cls_loss, box_loss = self.loss_fn([cls_pred], [box_pred], [b.cls_targets], [b.box_targets])
-            if self.name == "gluon_amp":
+            if self.name == "gluon_amp" or self.name in OPT_LEVELS:
                 with gluon_amp.scale_loss(sum_loss, self.trainer) as scaled:
                     autograd.backward(scaled)
             elif self.name == "mxnet-contrib":
@@ -183,6 +212,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-baseline", action="store_true", help="with --amp: skip the FP32 baseline")
     p.add_argument("--impl", default="gluon_amp",
                    help=f"AMP implementation(s), comma separated, from {', '.join(IMPLS)}")
+    p.add_argument("--opt-level", default="",
+                   help=f"Apex opt levels to run with gluon_amp.initialize, comma separated, from "
+                        f"{', '.join(OPT_LEVELS)}; interleaved with the FP32 baseline")
     p.add_argument("--target-dtype", default="auto", choices=("auto", "float16", "bfloat16"))
     p.add_argument("--ctx", default="auto", choices=("auto", "cpu", "gpu"))
     p.add_argument("--batch-size", type=int, default=None, help="default 2 on CPU, 8 on GPU")
@@ -202,6 +234,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if bad or not impls:
         p.error(f"--impl {args.impl!r}: choose from {', '.join(IMPLS)} (comma separated)")
     args.impls = impls
+    levels = [s.strip() for s in args.opt_level.split(",") if s.strip()]
+    if any(lv not in OPT_LEVELS for lv in levels) or len(set(levels)) != len(levels):
+        p.error(f"--opt-level {args.opt_level!r}: choose distinct levels from {', '.join(OPT_LEVELS)} "
+                "(comma separated, capital letter O)")
+    if levels and (args.amp or args.compare) and "mxnet-contrib" in impls:
+        p.error("--opt-level cannot run with --impl mxnet-contrib: the peer patches MXNet for good")
+    if levels and args.horovod:
+        p.error("--opt-level cannot run with --horovod (that mode trains the gluon_amp mode only)")
+    args.opt_levels = levels
     for name in ("batch_size", "iters"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -213,7 +254,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def plan_modes(args: argparse.Namespace) -> Tuple[List[str], str, Optional[str]]:
     """The modes to run, the target dtype, and why AMP is not run (``None`` if it is)."""
-    amp = args.amp or args.compare
+    amp = args.amp or args.compare or bool(args.opt_levels)
     requested = None if args.target_dtype == "auto" else args.target_dtype
     res = gluon_amp.runtime.resolve_quietly(requested)
     skip_amp = None
@@ -223,8 +264,10 @@ def plan_modes(args: argparse.Namespace) -> Tuple[List[str], str, Optional[str]]
         logger.warning("%s", res.warning)
     names = [] if (amp and args.no_baseline and not skip_amp) else ["fp32"]
     if amp and not skip_amp:
-        names += [n for n in args.impls if n != "mxnet-contrib"]
-        names += [n for n in args.impls if n == "mxnet-contrib"]  # irreversible: built last
+        impls = args.impls if (args.amp or args.compare) else []
+        names += [n for n in impls if n != "mxnet-contrib"]
+        names += args.opt_levels
+        names += [n for n in impls if n == "mxnet-contrib"]  # irreversible: built last
     return names, res.dtype, skip_amp
 
 
@@ -339,7 +382,8 @@ def plot(doc: Dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     names = [s["mode"] for s in doc["modes"]]
-    a.bar(names, [s["samples_per_sec"] for s in doc["modes"]], color=["#888", "#2a7", "#c73"][:len(names)])
+    a.bar(names, [s["samples_per_sec"] for s in doc["modes"]],
+          color=["#888", "#2a7", "#c73", "#37c", "#a4a", "#bb3"][:len(names)])
     a.set_ylabel("samples/s")
     a.set_title(f"SSD-512 training, batch {doc['batch_size']}")
     for name, c in doc["loss_curves"].items():
