@@ -159,6 +159,12 @@ def construct(name: str) -> Any:
             kwargs[key] = value
     if "classes" in kwargs and params["classes"].default is not inspect.Parameter.empty:
         del kwargs["classes"]
+    if "pretrained_base" not in kwargs and any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        try:  # e.g. fcn_resnet50_voc(**kwargs) hands it on to the class
+            return fn(pretrained_base=False, **kwargs)
+        except TypeError as exc:
+            if "pretrained_base" not in str(exc):
+                raise
     return fn(**kwargs)
 
 
