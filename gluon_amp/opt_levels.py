@@ -19,12 +19,13 @@ heap, ``softmax``...) in float32.
 from __future__ import annotations
 
 import types
+import warnings
 import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Tuple, Union
 
 import mxnet as mx
-from mxnet.gluon import Block, HybridBlock, Parameter, Trainer
+from mxnet.gluon import Block, HybridBlock, Parameter, SymbolBlock, Trainer
 from mxnet.gluon.parameter import DeferredInitializationError
 
 from gluon_amp_core.dtypes import FLOAT_DTYPES, LOW_PRECISION_DTYPES, dtype_name
@@ -255,6 +256,19 @@ def _cast_weights(net: Block, dtype: str) -> int:
     return n
 
 
+def _warn_frozen_graphs(net: Block) -> None:
+    """O1 patches op functions: a SymbolBlock's graph was composed before, and stays float32."""
+    frozen: list = []
+    net.apply(lambda b: frozen.append(b.name) if isinstance(b, SymbolBlock) else None)
+    if frozen:
+        shown = ", ".join(frozen[:5]) + (" ..." if len(frozen) > 5 else "")
+        warnings.warn(
+            f"O1: {len(frozen)} SymbolBlock(s) in the net ({shown}) composed their graph before "
+            "gluon_amp.initialize and will run in float32 (GluonCV's SSD backbone is one). Call "
+            "gluon_amp.init() before building the net, or use O2, whose low-precision weights "
+            "carry such graphs along.", RuntimeWarning, stacklevel=3)
+
+
 def _policy(level: OptLevel, target_dtype: Any) -> Optional[Policy]:
     """The policy O1-O3 patch with (resolved for this machine); ``None`` at O0."""
     if not level.patch_ops:
@@ -309,6 +323,8 @@ def initialize(net: Block, trainer: Optional[Trainer] = None, opt_level: str = "
     net.apply(_drop_cached_graph)
     if level.patch_ops:
         patching.init(policy)
+        if not level.cast_weights:
+            _warn_frozen_graphs(net)
     if level.cast_weights:
         _cast_weights(net, dtype)
         net.forward = types.MethodType(_boundary_forward(net.forward, dtype), net)

@@ -470,3 +470,32 @@ def test_graph_cached_before_initialize_is_rebuilt(level):
     with autograd.record():
         y = net(x)
     assert y.asnumpy().tolist() == [[2, 2]]
+
+
+def _with_symbol_block():
+    data = mx.sym.var("data")
+    inner = gluon.SymbolBlock(mx.sym.FullyConnected(data, num_hidden=2, name="fc"), [data])
+    inner.initialize()
+    outer = nn.HybridSequential()
+    outer.add(inner)
+    outer(mx.nd.ones((1, 3)))  # shapes
+    return outer, inner
+
+
+def test_o1_warns_about_graphs_composed_before():
+    net, inner = _with_symbol_block()
+    with pytest.warns(RuntimeWarning, match=f"O1: 1 SymbolBlock.*{inner.name}"):
+        gluon_amp.initialize(net, None, "O1", target_dtype="float16")
+
+
+def test_o2_carries_symbol_blocks_along():
+    net, _ = _with_symbol_block()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        warnings.filterwarnings("ignore", message=".*float16.*without a GPU")
+        warnings.filterwarnings("ignore", message=".*cached their graph")
+        gluon_amp.initialize(net, None, "O2", target_dtype="float16")
+    assert dtype_name(net.collect_params()["fc_weight"].dtype) == "float16"
+    types, out = _graph_types(net)
+    fc = next(n for n in types if n.startswith("fc") and n.endswith("_output"))
+    assert types[fc] == "float16" and types[out.list_outputs()[0]] == "float32"
