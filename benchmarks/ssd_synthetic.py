@@ -98,6 +98,7 @@ class Mode:
         self.scaler = None
         self.peer = None
         self.policy = None  # the gluon_amp op policy this mode's steps run under (None: AMP off)
+        self.built = False  # the first step, inside the build, runs under the build's own AMP state
         rss0, t0 = rss_mb(), time.time()
         if name == "gluon_amp":
             with warnings.catch_warnings():
@@ -120,6 +121,7 @@ class Mode:
             self._build(seed)
             self.step(record=False)
         mx.nd.waitall()
+        self.built = True
         self.result.build_seconds = time.time() - t0
         self.result.rss_delta_mb = rss_mb() - rss0
 
@@ -154,7 +156,7 @@ class Mode:
     def _use_policy(self) -> None:
         """Opt levels differ in op policy (O3's batch norm), and init is process-wide: switch
         to this mode's policy before its step, outside the timed region. Peer modes are left alone."""
-        if self.peer is not None or gluon_amp.current_policy() == self.policy:
+        if not self.built or self.peer is not None or gluon_amp.current_policy() == self.policy:
             return
         gluon_amp.disable()
         if self.policy is not None:
