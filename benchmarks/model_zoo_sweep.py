@@ -199,6 +199,8 @@ def build_fp32(name: str) -> Tuple[Any, Shape]:
 def first_line(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip()
     lines = [l for l in text.splitlines() if l.strip() and not l.startswith(("Stack trace", "  File"))]
+    if lines and lines[0].endswith("Traceback (most recent call last):"):  # MXNet's C++ trace
+        lines = [f"{type(exc).__name__}: {l}" for l in lines[1:] if "Check failed" in l or "Error" in l] or lines
     return (lines[0] if lines else type(exc).__name__)[:300]
 
 
