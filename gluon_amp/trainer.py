@@ -150,6 +150,20 @@ def scale_loss(loss: Any, trainer: Optional[Trainer] = None, *,
         yield loss * scale if scale != 1.0 else loss
 
 
+@contextlib.contextmanager
+def _in_float32(grads: Sequence[mx.nd.NDArray]) -> Iterator[List[mx.nd.NDArray]]:
+    """float32 stand-ins for bfloat16 gradients (O2/O3 weights), written back on exit.
+
+    MXNet 1.9.1 has no bfloat16 kernel for in-place scaling or norms, and the op table's
+    float32 casts break ``out=`` ("Type inconsistent, Provided = bfloat16").
+    """
+    work = [mx.nd.amp_cast(g, dtype="float32") if g.dtype == mxi.BFLOAT16 else g for g in grads]
+    yield work
+    for g, w in zip(grads, work):
+        if w is not g:
+            mx.nd.amp_cast(w, dtype=mxi.BFLOAT16, out=g)
+
+
 def unscale(trainer: Optional[Trainer] = None, *, optimizer_or_trainer: Optional[Trainer] = None) -> None:
     """Divide the gradients by the loss scale now, in place (e.g. before clipping).
 
@@ -162,8 +176,9 @@ def unscale(trainer: Optional[Trainer] = None, *, optimizer_or_trainer: Optional
     if inv != 1.0:
         with autograd.pause():
             for grads in overflow.grads_by_context(mxi.trainer_params(trainer)).values():
-                for g in grads:
-                    g *= inv
+                with _in_float32(grads) as work:
+                    for g in work:
+                        g *= inv
     mxi.set_grad_scale(trainer, hook.original_scale)
 
 
@@ -181,7 +196,8 @@ def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
     norms: List[float] = []
     with autograd.pause():
         for grads in overflow.grads_by_context(mxi.trainer_params(trainer)).values():
-            norm = mx.gluon.utils.clip_global_norm(grads, max_norm, check_isfinite=False)
+            with _in_float32(grads) as work:
+                norm = mx.gluon.utils.clip_global_norm(work, max_norm, check_isfinite=False)
             norms.append(float(norm.asscalar() if isinstance(norm, mx.nd.NDArray) else norm))
     return max(norms) if norms else 0.0
 

@@ -88,3 +88,14 @@ def test_dispatch_overhead_without_bf16_kernels_skips_the_bf16_op_and_says_why(t
     doc = json.loads(out.read_text())
     assert "FullyConnected" not in doc["ops"] and "softmax" in doc["ops"]
     assert "not measured" in r.stdout and "DNNL_MAX_CPU_ISA" in doc["not_measured"]
+
+
+@pytest.mark.bf16_kernels
+def test_ssd_synthetic_opt_level_smoke(tmp_path):
+    out = tmp_path / "o.json"
+    r = _run("ssd_synthetic.py", "--opt-level", "O2", "--target-dtype", "bfloat16", "--batch-size", "1",
+             "--iters", "1", "--warmup", "0", "--no-progress", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert [m["mode"] for m in doc["modes"]] == ["fp32", "O2"]
+    assert all(math.isfinite(m["final_ce"]) for m in doc["modes"])

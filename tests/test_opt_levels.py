@@ -499,3 +499,20 @@ def test_o2_carries_symbol_blocks_along():
     types, out = _graph_types(net)
     fc = next(n for n in types if n.startswith("fc") and n.endswith("_output"))
     assert types[fc] == "float16" and types[out.list_outputs()[0]] == "float32"
+
+
+@pytest.mark.bf16_kernels
+def test_bfloat16_o2_clip_global_norm():
+    x, y = _blobs(n=64)
+    net, tr = _bf16_run("O2")
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    with autograd.record():
+        loss = loss_fn(net(x[:32]), y[:32])
+        with gluon_amp.scale_loss(loss, tr) as scaled:
+            autograd.backward(scaled)
+    norm = gluon_amp.clip_global_norm(tr, 1e-3)
+    assert np.isfinite(norm) and norm > 1e-3
+    grads = [p.grad() for p in net.collect_params().values() if p.grad_req != "null"]
+    after = np.sqrt(sum(float((mx.nd.amp_cast(g, dtype="float32") ** 2).sum().asscalar()) for g in grads))
+    assert after == pytest.approx(1e-3, rel=0.02)
+    tr.step(32)
