@@ -23,40 +23,15 @@ from mxnet import autograd
 from mxnet.gluon import Trainer
 from mxnet.optimizer import Optimizer, Updater
 
+from . import mxnet_internals as mxi
 from gluon_amp_core.dtypes import dtype_name
 from .mxnet_internals import to_mx_dtype, trainer_params
 
 __all__ = ["MasterState", "MasterWeightUpdater", "install", "master_copies"]
 
 
-# -- MXNet 1.9.1 private attributes (to join gluon_amp.mxnet_internals) -----------------
-# Trainer keeps its optimizer in ``_optimizer`` and one ``Updater`` per context in
-# ``_updaters`` (built in Trainer._init_optimizer, re-pointed in Trainer.load_states), and
-# Updater.__call__ calls ``optimizer._set_current_context``. If a later MXNet renames them,
-# ``install`` fails with AttributeError and master weights must be re-wired here.
+# MXNet internals (optimizer, updaters) come from mxnet_internals.
 
-def trainer_optimizer(trainer: Trainer) -> Optimizer:
-    return trainer._optimizer
-
-
-def trainer_updaters(trainer: Trainer) -> List[Updater]:
-    return list(trainer._updaters)
-
-
-def set_trainer_updaters(trainer: Trainer, updaters: Sequence[Updater]) -> None:
-    trainer._updaters = list(updaters)
-
-
-def has_optimizer_state(trainer: Trainer) -> bool:
-    """True once the trainer has stepped (or loaded optimizer states)."""
-    opt = trainer._optimizer
-    return bool(any(u.states for u in trainer._updaters) or opt.num_update > opt.begin_num_update)
-
-
-def _set_context(opt: Optimizer, ctx: mx.Context) -> None:
-    opt._set_current_context(ctx.device_id)
-
-# ------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -131,7 +106,7 @@ class MasterWeightUpdater(Updater):
 
     def _update_low(self, indices: list, grads: list, weights: list) -> None:
         opt = self.optimizer
-        _set_context(opt, weights[0].context)
+        mxi.set_optimizer_context(opt, weights[0].context)
         with autograd.pause():
             pairs = [self._state_for(i, w) for i, w in zip(indices, weights)]
             masters = [m for m, _ in pairs]
@@ -164,13 +139,13 @@ def install(trainer: Trainer, dtype: str, keep_master: bool = True) -> None:
     copy. Call it before the first ``trainer.step``.
     """
     name = dtype_name(dtype)
-    opt = trainer_optimizer(trainer)
+    opt = mxi.trainer_optimizer(trainer)
     if name == "float16":
         if keep_master:
             opt.multi_precision = True
         return
-    set_trainer_updaters(trainer, [MasterWeightUpdater(opt, name, keep_master)
-                                   for _ in trainer_updaters(trainer)])
+    mxi.set_trainer_updaters(trainer, [MasterWeightUpdater(opt, name, keep_master)
+                                   for _ in mxi.trainer_updaters(trainer)])
 
 
 def master_copies(trainer: Trainer) -> Dict[str, mx.nd.NDArray]:
@@ -181,5 +156,5 @@ def master_copies(trainer: Trainer) -> Dict[str, mx.nd.NDArray]:
     """
     params = trainer_params(trainer)
     return {params[idx].name: state.master
-            for idx, state in trainer_updaters(trainer)[0].states.items()
+            for idx, state in mxi.trainer_updaters(trainer)[0].states.items()
             if isinstance(state, MasterState)}

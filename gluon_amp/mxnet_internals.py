@@ -249,3 +249,40 @@ def has_grad(p: Parameter) -> bool:
     """1.9.1: ``Parameter._grad`` is None until the parameter is initialised with a grad
     (``list_grad`` raises instead). If renamed, every step would look gradient-free."""
     return p.grad_req != "null" and p._grad is not None
+
+
+# -- optimizer state (master weights) --------------------------------------------------
+# 1.9.1: Trainer keeps one ``Updater`` per context in ``_updaters`` (built in
+# ``_init_optimizer``, re-pointed by ``load_states``), and ``Updater.__call__`` calls
+# ``optimizer._set_current_context``. If renamed, installing master weights fails with
+# AttributeError (the opt-level tests fail).
+
+def trainer_updaters(trainer: Trainer) -> List[Any]:
+    return list(trainer._updaters)
+
+
+def set_trainer_updaters(trainer: Trainer, updaters: Sequence[Any]) -> None:
+    trainer._updaters = list(updaters)
+
+
+def has_optimizer_state(trainer: Trainer) -> bool:
+    """True once the trainer has stepped (or loaded optimizer states)."""
+    opt = trainer._optimizer
+    return bool(any(u.states for u in trainer._updaters) or opt.num_update > opt.begin_num_update)
+
+
+def set_optimizer_context(opt: Any, ctx: mx.Context) -> None:
+    opt._set_current_context(ctx.device_id)
+
+
+def drop_cached_graph(block: Any) -> None:
+    """Forget a hybridized block's recorded graph (1.9.1: ``_clear_cached_op``; also what
+    ``HybridBlock.cast`` calls). The next call traces it again."""
+    if isinstance(block, HybridBlock):
+        block._clear_cached_op()
+
+
+def bucketing_module_options(mod: Any) -> Dict[str, Any]:
+    """Constructor options of a ``BucketingModule`` that it keeps only privately (1.9.1:
+    ``_group2ctxs``, ``_compression_params``), to build an equivalent module."""
+    return {"group2ctxs": mod._group2ctxs, "compression_params": mod._compression_params}

@@ -33,6 +33,7 @@ from gluon_amp_core.loss_scale import LossScaler
 from gluon_amp_core.policy import Policy
 
 from . import master_weights as master_weights_mod, patching, trainer as trainer_mod
+from . import mxnet_internals as mxi
 from .mxnet_internals import NP_SYMBOL, to_mx_dtype, updates_on_kvstore
 from .policies import make_policy
 
@@ -131,19 +132,6 @@ def properties(opt_level: str = "O1", *, keep_batchnorm_fp32: Optional[bool] = N
                    master_weights=level.master_weights if mw is None else mw,
                    loss_scale=level.loss_scale if scale is None else scale)
 
-
-# -- MXNet 1.9.1 private attributes (to join gluon_amp.mxnet_internals) -----------------
-# A HybridBlock caches its graph (with the parameter dtypes it saw) until
-# ``_clear_cached_op``; HybridBlock.cast calls it too. A later MXNet that renames it makes
-# initialize fail with AttributeError here.
-
-def _drop_cached_graph(block: Block) -> None:
-    if isinstance(block, HybridBlock):
-        block._clear_cached_op()
-
-# ------------------------------------------------------------------------------------------
-
-
 _LOW = frozenset(LOW_PRECISION_DTYPES)
 _NORM_SUFFIXES = ("gamma", "beta", "running_mean", "running_var", "moving_mean", "moving_var")
 
@@ -190,7 +178,7 @@ def _check_trainer(trainer: Optional[Trainer]) -> None:
     if updates_on_kvstore(trainer):
         raise ValueError("initialize needs the update on the worker: create the Trainer with "
                          "update_on_kvstore=False (got update_on_kvstore=True).")
-    if master_weights_mod.has_optimizer_state(trainer):
+    if mxi.has_optimizer_state(trainer):
         raise RuntimeError("gluon_amp.initialize must come before the first trainer.step() (and "
                            "before trainer.load_states); this Trainer already has optimizer state. "
                            "Build a new Trainer, initialize, then load states.")
@@ -320,7 +308,7 @@ def initialize(net: Block, trainer: Optional[Trainer] = None, opt_level: str = "
     dtype = policy.target_dtype if policy is not None else "float32"
     # A graph cached before (e.g. by the forward pass that finished deferred init, maybe in
     # inference mode) is rebuilt at the next call, under this level's precision.
-    net.apply(_drop_cached_graph)
+    net.apply(mxi.drop_cached_graph)
     if level.patch_ops:
         patching.init(policy)
         if not level.cast_weights:

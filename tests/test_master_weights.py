@@ -12,6 +12,7 @@ from mxnet import gluon
 from mxnet.optimizer import Updater
 
 from gluon_amp import master_weights as mw
+from gluon_amp import mxnet_internals as mxi
 from gluon_amp.mxnet_internals import BFLOAT16
 
 OPTIMIZERS = [
@@ -123,21 +124,21 @@ def test_install_bfloat16_replaces_updaters():
     tr = _trainer(BFLOAT16)
     opt = tr.optimizer
     mw.install(tr, "bfloat16")
-    assert all(isinstance(u, mw.MasterWeightUpdater) and u.keep_master for u in mw.trainer_updaters(tr))
+    assert all(isinstance(u, mw.MasterWeightUpdater) and u.keep_master for u in mxi.trainer_updaters(tr))
     assert tr.optimizer is opt and not opt.multi_precision  # the user's optimizer is kept as is
     assert mw.master_copies(tr) == {}
 
 
 def test_install_float16_uses_multi_precision():
     tr = _trainer("float16")
-    before = mw.trainer_updaters(tr)
+    before = mxi.trainer_updaters(tr)
     mw.install(tr, "float16")
     assert tr.optimizer.multi_precision is True
-    assert mw.trainer_updaters(tr) == before
+    assert mxi.trainer_updaters(tr) == before
 
 
 def test_install_without_master_for_float16_changes_nothing():
     tr = _trainer("float16")
     mw.install(tr, "float16", keep_master=False)
     assert tr.optimizer.multi_precision is False
-    assert not any(isinstance(u, mw.MasterWeightUpdater) for u in mw.trainer_updaters(tr))
+    assert not any(isinstance(u, mw.MasterWeightUpdater) for u in mxi.trainer_updaters(tr))

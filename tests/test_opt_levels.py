@@ -12,6 +12,7 @@ from mxnet import autograd, gluon
 from mxnet.gluon import nn
 
 import gluon_amp
+from gluon_amp import mxnet_internals as mxi
 from conftest import no_bf16_env
 from gluon_amp import master_weights as mw
 from gluon_amp import opt_levels
@@ -138,7 +139,7 @@ def test_float16_parameter_dtypes_and_loss_scale(level):
     assert scaler.dynamic is (scale == "dynamic")
     assert scaler.loss_scale == (2.0 ** 16 if scale == "dynamic" else 1.0)
     assert tr.optimizer.multi_precision is master  # float16: MXNet's own master copies
-    assert not any(isinstance(u, mw.MasterWeightUpdater) for u in mw.trainer_updaters(tr))
+    assert not any(isinstance(u, mw.MasterWeightUpdater) for u in mxi.trainer_updaters(tr))
 
 
 @pytest.mark.parametrize("level", ["O2", "O3"])
@@ -442,7 +443,7 @@ def test_master_weights_override_bfloat16_wiring(override):
     net = _cnn()
     tr = _trainer(net)
     gluon_amp.initialize(net, tr, "O2", target_dtype="bfloat16", master_weights=override)
-    updaters = mw.trainer_updaters(tr)
+    updaters = mxi.trainer_updaters(tr)
     assert all(isinstance(u, mw.MasterWeightUpdater) for u in updaters)  # bf16 updates need float32 math
     assert all(u.keep_master is override for u in updaters)
     assert tr.optimizer.multi_precision is False

@@ -9,6 +9,7 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import dtype_name
 from gluon_amp_core.table import ConditionalSpec
+from .. import mxnet_internals as mxi
 from .api import convert_model, convert_symbol
 
 _SymGen = Callable[[Hashable], Tuple[Symbol, Sequence[str], Sequence[str]]]
@@ -96,4 +97,4 @@ def convert_bucketing_module(bucketing_mod: BucketingModule, target_dtype: Any =
         arg_params=new_args, aux_params=new_aux, logger=bucketing_mod.logger,
         context=bucketing_mod._context, work_load_list=bucketing_mod._work_load_list,
         fixed_param_names=bucketing_mod._fixed_param_names, state_names=bucketing_mod._state_names,
-        group2ctxs=bucketing_mod._group2ctxs, compression_params=bucketing_mod._compression_params)
+        **mxi.bucketing_module_options(bucketing_mod))
