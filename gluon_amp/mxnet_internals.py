@@ -283,6 +283,15 @@ def drop_cached_graph(block: Any) -> None:
 
 
 def bucketing_module_options(mod: Any) -> Dict[str, Any]:
-    """Constructor options of a ``BucketingModule`` that it keeps only privately (1.9.1:
-    ``_group2ctxs``, ``_compression_params``), to build an equivalent module."""
-    return {"group2ctxs": mod._group2ctxs, "compression_params": mod._compression_params}
+    """Constructor options a ``BucketingModule`` keeps only privately (1.9.1: ``_sym_gen``,
+    ``_default_bucket_key``, ``_context``, ...), to build an equivalent module. If renamed,
+    convert_bucketing_module fails with AttributeError (the peer-compat tests fail)."""
+    return {"sym_gen": mod._sym_gen, "default_bucket_key": mod._default_bucket_key,
+            "context": mod._context, "work_load_list": mod._work_load_list,
+            "fixed_param_names": mod._fixed_param_names, "state_names": mod._state_names,
+            "group2ctxs": mod._group2ctxs, "compression_params": mod._compression_params}
+
+
+def bucketing_buckets(mod: Any) -> Dict[Any, Any]:
+    """Bucket key -> bound Module (1.9.1: ``BucketingModule._buckets``)."""
+    return mod._buckets

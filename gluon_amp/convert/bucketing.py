@@ -19,7 +19,7 @@ def _check_module(mod: Any) -> None:
     if not isinstance(mod, BucketingModule):
         raise TypeError("convert_bucketing_module expects a mxnet.module.BucketingModule, "
                         f"got {type(mod).__name__}")
-    if not mod._buckets:
+    if not mxi.bucketing_buckets(mod):
         raise ValueError("the BucketingModule has no buckets yet: call mod.bind(...) first.")
     if not mod.params_initialized:
         raise ValueError("the BucketingModule's parameters are not initialized: call "
@@ -83,7 +83,7 @@ def convert_bucketing_module(bucketing_mod: BucketingModule, target_dtype: Any =
     new_args: Dict[str, mx.nd.NDArray] = {}
     new_aux: Dict[str, mx.nd.NDArray] = {}
     sym_dict = {}
-    for key, module in bucketing_mod._buckets.items():
+    for key, module in mxi.bucketing_buckets(bucketing_mod).items():
         sym = module.symbol
         sym_dict[key], args, aux = convert_model(sym, arg_params, aux_params, **options)
         _merge(new_args, args, set(sym.list_arguments()), key)
@@ -91,10 +91,7 @@ def convert_bucketing_module(bucketing_mod: BucketingModule, target_dtype: Any =
     for src, dst in ((arg_params, new_args), (aux_params, new_aux)):
         for name, value in src.items():  # read by no converted bucket: keep as is
             dst.setdefault(name, value.copy())
-    sym_gen = _converting_sym_gen(bucketing_mod._sym_gen, set(arg_params) | set(aux_params), options)
-    return BucketingModule.load_dict(
-        sym_dict, sym_gen=sym_gen, default_bucket_key=bucketing_mod._default_bucket_key,
-        arg_params=new_args, aux_params=new_aux, logger=bucketing_mod.logger,
-        context=bucketing_mod._context, work_load_list=bucketing_mod._work_load_list,
-        fixed_param_names=bucketing_mod._fixed_param_names, state_names=bucketing_mod._state_names,
-        **mxi.bucketing_module_options(bucketing_mod))
+    opts = mxi.bucketing_module_options(bucketing_mod)
+    sym_gen = _converting_sym_gen(opts.pop("sym_gen"), set(arg_params) | set(aux_params), options)
+    return BucketingModule.load_dict(sym_dict, sym_gen=sym_gen, arg_params=new_args, aux_params=new_aux,
+                                     logger=bucketing_mod.logger, **opts)
