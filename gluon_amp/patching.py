@@ -291,8 +291,10 @@ def _wrapper_for(fn: Callable, op: str, kind: str, table: OpTable,
               else loss_output.sym_wrapper(fn, op))
     op_class = table.classes.get(op, OpClass.NEUTRAL)
     neutral = None
+    kept = table.keep_fp32_inputs.get(op, frozenset())
     if op_class in (OpClass.NEUTRAL, OpClass.CONDITIONAL_FP32) and not (
-            op in _CAST_OPS or info.variadic or len(info.inputs) < 2):
+            op in _CAST_OPS or info.variadic or len(info.inputs) < 2
+            or set(info.inputs[1:]) <= kept):  # normalisation: its parameters stay float32
         neutral = (follow.nd_wrapper(fn, op, info.inputs, _cast_nd) if kind == "ndarray" else
                    follow.sym_wrapper(fn, op, info.inputs, table.target_dtype,
                                       lambda xs: _multicast_sym(xs, narrow=True)))

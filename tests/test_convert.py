@@ -240,3 +240,16 @@ def test_fuse_needs_a_cpu_with_onednn(zoo):
         gluon_amp.convert_hybrid_block(zoo["resnet18_v1"], "bfloat16", ctx=mx.gpu(0), fuse=True)
     with pytest.raises(TypeError, match="fuse must be True or False"):
         gluon_amp.convert_hybrid_block(zoo["resnet18_v1"], "bfloat16", fuse="yes")
+
+
+def test_fused_or_quantized_graph_is_refused_clearly(tmp_path):
+    mx.random.seed(0)
+    net = vision.get_model("resnet18_v1")
+    net.initialize(mx.init.Xavier())
+    net.hybridize(backend="MKLDNN")  # MXNet's own FP32 oneDNN fusion: runs on any CPU
+    net(X)
+    net.export(str(tmp_path / "fused"), 0)
+    fused = mx.sym.load(str(tmp_path / "fused-symbol.json"))
+    assert "_sg_mkldnn_conv" in fused.tojson()
+    with pytest.raises(ValueError, match="convert the FP32 graph before"):
+        gluon_amp.convert_symbol(fused, "bfloat16")

@@ -201,3 +201,10 @@ def test_loss_output_op_gets_the_loss_scale_in_grad_scale():
     with gluon_amp.autocast("float16"):
         scaled = grad(True)
     np.testing.assert_allclose(scaled, 8.0 * plain, rtol=1e-6)
+
+
+def test_neutral_normalisation_ops_are_not_wrapped():
+    """Their parameters stay float32 by design, so there is nothing to make agree."""
+    originals = (mx.sym.BatchNorm, mx.nd.BatchNorm, mx.sym.contrib.BatchNormWithReLU)
+    with gluon_amp.autocast("float16"):
+        assert (mx.sym.BatchNorm, mx.nd.BatchNorm, mx.sym.contrib.BatchNormWithReLU) == originals

@@ -34,6 +34,14 @@ def _check_list(name: str, value: Any) -> List[str]:
     return list(value)
 
 
+def _check_no_subgraphs(graph: dict) -> None:
+    fused = [n["name"] for n in graph["nodes"] if n.get("subgraphs") or n["op"].startswith("_sg_")]
+    if fused:
+        raise ValueError(f"the graph contains fused or quantized subgraph ops ({fused[:3]}"
+                         f"{' ...' if len(fused) > 3 else ''}); convert the FP32 graph before "
+                         "quantization or oneDNN fusion (fuse=True fuses after converting).")
+
+
 def _check_excluded(graph: dict, excluded: List[str]) -> None:
     op_names = {n["name"] for n in graph["nodes"] if n["op"] != "null"}
     missing = [n for n in excluded if n not in op_names]
@@ -64,6 +72,7 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
         raise TypeError(f"convert_symbol expects an mxnet Symbol, got {type(sym).__name__}")
     excluded = _check_list("excluded_sym_names", excluded_sym_names)
     graph = json.loads(sym.tojson(remove_amp_cast=False))
+    _check_no_subgraphs(graph)
     _check_excluded(graph, excluded)
     if not policy.enabled:  # no useful low precision here: the FP32 graph, unchanged
         return mx.sym.load_json(json.dumps(graph)), PassResult(graph, {}, dict(param_dtypes or {}), policy)
