@@ -23,7 +23,8 @@ def _var_dtypes(sym: Symbol, data_names: Sequence[str], param_types: Dict[str, A
     """Dtype of every variable in the FP32 graph (declared, given or inferred)."""
     known = {**{n: "float32" for n in data_names}, **param_types}
     by_name = infer_dtypes(sym, known, partial=True)
-    return {name: t for (name, k), t in by_name.items() if k == 0 and t is not None and name in set(sym.list_inputs())}
+    inputs = set(sym.list_inputs())
+    return {name: t for (name, k), t in by_name.items() if k == 0 and t is not None and name in inputs}
 
 
 def _check_list(name: str, value: Any) -> List[str]:
