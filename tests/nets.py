@@ -1,4 +1,5 @@
-"""Small networks shared by the tests."""
+"""Small networks and data shared by the tests."""
+import numpy as np
 import mxnet as mx
 from mxnet.gluon import nn
 
@@ -37,3 +38,17 @@ def internal_types(sym, **input_types):
     internals = sym.get_internals()
     _, out_types, _ = internals.infer_type(**input_types)
     return {n: dtype_name(t) for n, t in zip(internals.list_outputs(), out_types)}
+
+
+def blobs(n=512, seed=0):
+    """Two classes of 8x8 images: a bright blob top-left vs bottom-right, plus noise."""
+    # (seeded) of 8x8 images: a bright blob top-left vs bottom-right, plus noise
+    rng = np.random.RandomState(seed)
+    x = rng.normal(0, 1, size=(n, 1, 8, 8)).astype("float32")
+    y = rng.randint(0, 2, size=n)
+    for i in range(n):
+        r = slice(0, 4) if y[i] == 0 else slice(4, 8)
+        x[i, 0, r, r] += 1.0
+    return mx.nd.array(x), mx.nd.array(y)
+
+

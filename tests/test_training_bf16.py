@@ -6,17 +6,7 @@ from mxnet import autograd, gluon
 from mxnet.gluon import nn
 
 import gluon_amp
-
-
-def _data(n=512, seed=0):
-    # two classes of 8x8 images: a bright blob top-left vs bottom-right, plus noise
-    rng = np.random.RandomState(seed)
-    x = rng.normal(0, 1, size=(n, 1, 8, 8)).astype("float32")
-    y = rng.randint(0, 2, size=n)
-    for i in range(n):
-        r = slice(0, 4) if y[i] == 0 else slice(4, 8)
-        x[i, 0, r, r] += 1.0
-    return mx.nd.array(x), mx.nd.array(y)
+from nets import blobs as _data
 
 
 def _cnn(seed):
