@@ -375,7 +375,7 @@ def main(argv: List[str] | None = None) -> None:
         ap.error("batch sizes and --iters must be >= 1, --warmup >= 0")
     global VARIANTS
     import gluon_amp
-    res = gluon_amp.runtime.resolve_quietly("bfloat16")
+    res = gluon_amp.runtime.resolve("bfloat16", warn=False)
     not_run = None
     if not res.executable:
         not_run = f"AMP was not run (FP32 only): {res.warning}"

@@ -177,7 +177,7 @@ def main(argv: List[str] | None = None) -> None:
         print(json.dumps(worker(args.worker, args.target_dtype, args.calls, args.repeats, args.ops)))
         return
     import gluon_amp
-    res = gluon_amp.runtime.resolve_quietly(args.target_dtype)
+    res = gluon_amp.runtime.resolve(args.target_dtype, warn=False)
     args.not_measured = None
     if not res.executable:  # FullyConnected would run a low-precision kernel this machine lacks
         args.ops = [n for n in args.ops if OPS[n] != "lp16"]

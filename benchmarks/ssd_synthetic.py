@@ -258,7 +258,7 @@ def plan_modes(args: argparse.Namespace) -> Tuple[List[str], str, Optional[str]]
     """The modes to run, the target dtype, and why AMP is not run (``None`` if it is)."""
     amp = args.amp or args.compare or bool(args.opt_levels)
     requested = None if args.target_dtype == "auto" else args.target_dtype
-    res = gluon_amp.runtime.resolve_quietly(requested)
+    res = gluon_amp.runtime.resolve(requested, warn=False)
     skip_amp = None
     if amp and (res.dtype == "float32" or not res.executable):
         skip_amp = f"AMP was not run: {res.warning}"

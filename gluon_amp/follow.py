@@ -16,6 +16,7 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import FLOAT_DTYPES, dtype_name
 
+from .mxnet_internals import FLOAT_NAMES
 from .type_inference import op_types
 
 _SKIP_ATTRS = ("out", "name")
@@ -27,6 +28,9 @@ def _attrs(kwargs: dict) -> dict:
 
 
 def _name(x: NDArray) -> str:
+    name = FLOAT_NAMES.get(x.dtype)  # the common case, on every call of a wrapped op
+    if name is not None:
+        return name
     try:
         return dtype_name(x.dtype)
     except TypeError:

@@ -49,8 +49,7 @@ def list_lp16_use_fp32_params(target_dtype: Any = "float16") -> Dict[str, List[s
 
     One entry per declared input of the op, in order: the input's name when it stays
     float32 (normalisation parameters, running statistics), ``''`` when it follows the
-    op's dtype. Unlike ``mxnet.contrib.amp``, which returns ``None`` for float16, the
-    float16 table keeps these inputs in float32 too, so both dtypes return the mapping.
+    op's dtype. Both tables keep these inputs in float32, so both dtypes return the mapping.
     """
     from . import mxnet_internals as registry  # reads MXNet's op registry; the rest of this module is pure
     infos = registry.op_infos()

@@ -23,6 +23,14 @@ from mxnet.symbol import Symbol
 BFLOAT16 = np.dtype([("bfloat16", np.uint16)])
 
 
+#: MXNet's float dtype objects -> names: ``NDArray.dtype`` is a NumPy scalar type (or
+#: BFLOAT16), ``mx.np`` arrays give ``np.dtype`` instances, which hash differently. A dict
+#: lookup, because patched ops read it on every call.
+FLOAT_NAMES = {np.float16: "float16", np.float32: "float32", np.float64: "float64",
+               BFLOAT16: "bfloat16", np.dtype("float16"): "float16",
+               np.dtype("float32"): "float32", np.dtype("float64"): "float64"}
+
+
 def to_mx_dtype(name: str) -> Any:
     """The object MXNet accepts as ``dtype=`` for a canonical dtype name."""
     return BFLOAT16 if name == "bfloat16" else np.dtype(name)
@@ -285,7 +293,7 @@ def drop_cached_graph(block: Any) -> None:
 def bucketing_module_options(mod: Any) -> Dict[str, Any]:
     """Constructor options a ``BucketingModule`` keeps only privately (1.9.1: ``_sym_gen``,
     ``_default_bucket_key``, ``_context``, ...), to build an equivalent module. If renamed,
-    convert_bucketing_module fails with AttributeError (the peer-compat tests fail)."""
+    convert_bucketing_module fails with AttributeError (the bucketing tests fail)."""
     return {"sym_gen": mod._sym_gen, "default_bucket_key": mod._default_bucket_key,
             "context": mod._context, "work_load_list": mod._work_load_list,
             "fixed_param_names": mod._fixed_param_names, "state_names": mod._state_names,

@@ -12,28 +12,22 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import numpy as np
 import mxnet as mx
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
-from gluon_amp_core.decide import Decision, Reason, decide
+from gluon_amp_core.decide import CAST_OPS, Decision, Reason, decide
 from gluon_amp_core.lists.loss_outputs import LOSS_OUTPUT_FUNCTIONS
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec, OpClass, OpTable
 
 from . import follow, loss_output
 from . import mxnet_internals as registry
-from .mxnet_internals import BFLOAT16, to_mx_dtype
+from .mxnet_internals import to_mx_dtype
 from .policies import as_policy
 
 _log = logging.getLogger(__name__)
 
-# MXNet's NDArray.dtype returns numpy scalar types (np.float32) or the bf16 dtype.
-# mx.np arrays return np.dtype instances, which hash differently from the scalar types.
-_NP_TO_NAME = {np.float16: "float16", np.float32: "float32", np.float64: "float64", BFLOAT16: "bfloat16",
-               np.dtype("float16"): "float16", np.dtype("float32"): "float32",
-               np.dtype("float64"): "float64"}
 _nd_amp_cast = mx.nd.amp_cast
 _sym_amp_cast = mx.sym.amp_cast
 _sym_amp_multicast = mx.sym.amp_multicast
@@ -93,7 +87,7 @@ def _nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str
     neutral = neutral or fn
     op_class = table.classes.get(op, OpClass.NEUTRAL)
     fixed = decide(op, {}, [], table) if op_class in (OpClass.LOW_PRECISION, OpClass.FP32) else None
-    to_name = _NP_TO_NAME
+    to_name = registry.FLOAT_NAMES
 
     def cast_all(args: tuple, kwargs: dict, d: Decision) -> Any:
         want, keep = d.dtype, d.keep_fp32
@@ -259,9 +253,6 @@ def init(target_dtype: Any = None,
         return policy
 
 
-_CAST_OPS = ("amp_cast", "amp_multicast")
-
-
 def register_scaler(scaler: Any) -> None:
     """Make a trainer's loss scaler known to the loss-output ops while AMP is on."""
     if _active is not None:
@@ -293,7 +284,7 @@ def _wrapper_for(fn: Callable, op: str, kind: str, table: OpTable,
     neutral = None
     kept = table.keep_fp32_inputs.get(op, frozenset())
     if op_class in (OpClass.NEUTRAL, OpClass.CONDITIONAL_FP32) and not (
-            op in _CAST_OPS or info.variadic or len(info.inputs) < 2
+            op in CAST_OPS or info.variadic or len(info.inputs) < 2
             or set(info.inputs[1:]) <= kept):  # normalisation: its parameters stay float32
         neutral = (follow.nd_wrapper(fn, op, info.inputs, _cast_nd) if kind == "ndarray" else
                    follow.sym_wrapper(fn, op, info.inputs, table.target_dtype,

@@ -117,20 +117,17 @@ def capability() -> Capability:
 _warned: Set[str] = set()
 
 
-def resolve(target_dtype: Any) -> Resolution:
-    """Resolve ``target_dtype`` for this machine; warn (once per message) as it says."""
+def resolve(target_dtype: Any, warn: bool = True) -> Resolution:
+    """Resolve ``target_dtype`` for this machine; warn (once per message) as it says.
+
+    ``warn=False`` is for callers that print the message themselves (CLI, benchmarks); it
+    still counts as said, so a later :func:`gluon_amp.init` does not repeat it.
+    """
     res = resolve_target(target_dtype, capability())
     if res.warning and res.warning not in _warned:
         _warned.add(res.warning)
-        warnings.warn(res.warning, RuntimeWarning, stacklevel=3)
-    return res
-
-
-def resolve_quietly(target_dtype: Any) -> Resolution:
-    """:func:`resolve` for callers that show the warning themselves (CLI, benchmarks)."""
-    res = resolve_target(target_dtype, capability())
-    if res.warning:
-        _warned.add(res.warning)
+        if warn:
+            warnings.warn(res.warning, RuntimeWarning, stacklevel=3)
     return res
 
 

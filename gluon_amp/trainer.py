@@ -69,7 +69,7 @@ def _make_scaler(loss_scale: Any) -> LossScaler:
 
 
 def _one_trainer(trainer: Any, optimizer_or_trainer: Any, caller: str) -> Any:
-    """The trainer given either as ``trainer`` or as the peer's ``optimizer_or_trainer=``."""
+    """The trainer given either as ``trainer`` or as ``optimizer_or_trainer=`` (the name older AMP code uses)."""
     if trainer is not None and optimizer_or_trainer is not None:
         raise TypeError(f"{caller}: pass the trainer once, as trainer or as optimizer_or_trainer, not both")
     if trainer is None and optimizer_or_trainer is None:

@@ -25,9 +25,13 @@ def infer_dtypes(sym: Symbol, input_types: Mapping[str, Any],
     not inputs of ``sym`` are ignored. Returns ``None`` when the graph does not type-check,
     or with ``partial=True`` leaves untyped outputs as ``None``.
     """
+    args = set(sym.list_inputs())
+    names = {k: dtype_name(v) for k, v in input_types.items() if k in args}
+    if "bfloat16" in names.values():
+        sym, given = _declared(sym, names), {}
+    else:
+        given = {k: to_mx_dtype(v) for k, v in names.items()}
     internals = sym.get_internals()
-    args = set(internals.list_inputs())
-    given = {k: to_mx_dtype(dtype_name(v)) for k, v in input_types.items() if k in args}
     infer = internals.infer_type_partial if partial else internals.infer_type
     _, out_types, _ = infer(**given)
     if out_types is None:
@@ -45,6 +49,16 @@ def infer_dtypes(sym: Symbol, input_types: Mapping[str, Any],
     return out
 
 
+def _declared(sym: Symbol, names: Mapping[str, str]) -> Symbol:
+    """``sym`` with these input dtypes declared as ``__dtype__`` attributes: MXNet 1.9.1's
+    ``infer_type(name=dtype)`` silently drops bfloat16 (its NumPy type is ``void``)."""
+    graph = json.loads(sym.tojson(remove_amp_cast=False))
+    for node in graph["nodes"]:
+        if node["op"] == "null" and node["name"] in names:
+            node["attrs"] = {**node.get("attrs", {}), "__dtype__": str(DTYPE_CODE[names[node["name"]]])}
+    return mx.sym.load_json(json.dumps(graph))
+
+
 def op_types(op: str, attrs: Mapping[str, str], in_dtypes: Tuple[Optional[str], ...]
              ) -> Optional[Tuple[Tuple[Optional[str], ...], Tuple[Optional[str], ...]]]:
     """MXNet's own type rule for one op: the dtype each input must have and the output
@@ -57,8 +71,7 @@ def op_types(op: str, attrs: Mapping[str, str], in_dtypes: Tuple[Optional[str], 
 
 @functools.lru_cache(maxsize=8192)
 def _op_types(op: str, attrs: Tuple[Tuple[str, str], ...], in_dtypes: Tuple[Optional[str], ...]):
-    # Input dtypes are declared as ``__dtype__`` attributes: MXNet 1.9.1's
-    # ``infer_type(name=dtype)`` silently drops bfloat16 (its NumPy type is ``void``).
+    # Input dtypes are declared as ``__dtype__`` attributes (see _declared).
     n = len(in_dtypes)
     nodes = [{"op": "null", "name": f"in{k}", "inputs": [],
               **({"attrs": {"__dtype__": str(DTYPE_CODE[t])}} if t in DTYPE_CODE else {})}

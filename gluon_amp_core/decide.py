@@ -27,7 +27,8 @@ class Reason(str, enum.Enum):
         return self.value
 
 
-_CAST_OPS = frozenset({"amp_cast", "amp_multicast"})
+#: The cast ops AMP inserts (and users may write): they decide nothing themselves.
+CAST_OPS = frozenset({"amp_cast", "amp_multicast"})
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def decide(
         The caller excluded this node by name: it runs in float32.
     """
     name = table.aliases.get(op, op)
-    if name in _CAST_OPS:
+    if name in CAST_OPS:
         return Decision(None, Reason.CAST)
     if excluded:
         return Decision("float32", Reason.EXCLUDED, table.keep_fp32_inputs.get(name, _EMPTY))

@@ -180,7 +180,8 @@ def _finish_pass(graph: dict, b: _Builder, heads: List[list], data: Collection[s
         _fold_param_casts(b, heads, data)
     param_dtypes = {n["name"]: b.dtypes[(j, 0)] for j, n in enumerate(nodes)
                     if n["op"] == "null" and n["name"] not in data}
-    result_nodes, heads, folded = _drop_param_casts(nodes, heads, param_dtypes)
+    ours = {e[0] for e in b.casts.values()}
+    result_nodes, heads, folded = _drop_param_casts(nodes, heads, param_dtypes, ours)
     left = {n["name"] for n in result_nodes}
     by_name = {(nodes[j]["name"], k): t for (j, k), t in b.dtypes.items() if nodes[j]["name"] in left}
     new_graph = _finish(graph, result_nodes, heads)
@@ -229,11 +230,13 @@ def _foldable_cast(nodes: List[dict], consumers: Mapping[int, List[int]], param:
     return users[0]
 
 
-def _drop_param_casts(nodes: List[dict], heads: List[list], param_dtypes: Dict[str, str]):
-    """Remove casts of parameters now stored in the cast's dtype; rewire their consumers."""
+def _drop_param_casts(nodes: List[dict], heads: List[list], param_dtypes: Dict[str, str],
+                      ours: Collection[int]):
+    """Remove the pass's own casts (node indices ``ours``) of parameters now stored in the
+    cast's dtype; rewire their consumers. The user's casts stay."""
     drop = {}
     for j, n in enumerate(nodes):
-        if n["op"] == "amp_cast" and n["name"].endswith(f"_amp_cast_{n['attrs']['dtype']}"):
+        if j in ours:
             src = nodes[n["inputs"][0][0]]
             if src["op"] == "null" and param_dtypes.get(src["name"]) == n["attrs"]["dtype"]:
                 drop[j] = n["inputs"][0][0]

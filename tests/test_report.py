@@ -49,3 +49,12 @@ def test_report_errors():
         gluon_amp.report(42)
     with pytest.raises(RuntimeError, match="hybridize"):
         gluon_amp.report(make_net(hybridize=False))
+
+
+def test_report_takes_a_bfloat16_data_input():
+    """MXNet's infer_type drops bfloat16 keyword dtypes; the report must not."""
+    data = mx.sym.var("data")
+    sym = mx.sym.relu(mx.sym.FullyConnected(data, num_hidden=4, name="fc"), name="r")
+    rep = gluon_amp.report(sym, target_dtype="float16", data="bfloat16", fc_weight="bfloat16",
+                           fc_bias="bfloat16")
+    assert {r.name: r.dtype for r in rep.rows}["r"] == "bfloat16"

@@ -62,7 +62,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .. import runtime
 
     requested = None if args.target_dtype == "auto" else args.target_dtype
-    resolution = runtime.resolve_quietly(requested)
+    resolution = runtime.resolve(requested, warn=False)
     if resolution.warning:
         print(resolution.warning)
 
