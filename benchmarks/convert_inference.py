@@ -5,8 +5,10 @@ For each model (random weights, nothing is downloaded) this builds the FP32 netw
 then, in the same process, converts it two ways:
 
 * ``fp32``: the original hybridized block.
-* ``ours``: ``gluon_amp.convert_hybrid_block(net, 'bfloat16', cast_optional_params=True)``.
-* ``fused``: the same with ``fuse=True`` (MXNet's oneDNN subgraph backend: conv+BN+ReLU+sum).
+* ``ours``: ``gluon_amp.convert_hybrid_block(net, 'bfloat16', cast_optional_params=True,
+  fuse=False)``: the plain mixed-precision graph.
+* ``fused``: the same call with the default ``fuse`` (on a CPU: MXNet's oneDNN subgraph
+  backend, conv+BN+ReLU+sum, with batch norm folded into the weights in float32 first).
 * ``peer``: ``mxnet.contrib.amp.amp.convert_hybrid_block(net, target_dtype='bfloat16',
   ctx=mx.cpu(), cast_optional_params=True)`` (the peer's ``amp.init()`` is NOT called: it
   is not needed for conversion and would patch MXNet globally).
@@ -137,8 +139,8 @@ def convert(mx: Any, variant: str, net: Any, x: Any) -> Any:
         return net
     if variant in ("ours", "fused"):
         import gluon_amp
-        block = gluon_amp.convert_hybrid_block(net, "bfloat16", cast_optional_params=True,
-                                               fuse=variant == "fused")
+        fuse = None if variant == "fused" else False  # None: the default, fused on a CPU
+        block = gluon_amp.convert_hybrid_block(net, "bfloat16", cast_optional_params=True, fuse=fuse)
     else:
         from mxnet.contrib.amp import amp as peer_amp
         block = peer_amp.convert_hybrid_block(net, target_dtype="bfloat16", ctx=mx.cpu(),

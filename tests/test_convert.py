@@ -184,6 +184,7 @@ def _cli_convert(zoo, tmp_path):
              "--exclude", "resnetv10_dense0_fwd")
     assert r.returncode == 0, r.stderr
     assert "casts inserted" in r.stdout and "parameter bytes" in r.stdout and "ops per dtype" in r.stdout
+    assert "fused subgraph ops" in r.stdout
     return mx.gluon.SymbolBlock.imports(str(tmp_path / "r18bf-symbol.json"), ["data"],
                                         str(tmp_path / "r18bf-0003.params"))
 
@@ -193,7 +194,22 @@ def test_cli_converts_an_exported_model(zoo, tmp_path):
     params = mx.nd.load(str(tmp_path / "r18bf-0003.params"))
     assert "bfloat16" in {dtype_name(v.dtype) for v in params.values()}
     sym = mx.sym.load(str(tmp_path / "r18bf-symbol.json"))
-    assert any(n.startswith("resnetv10_dense0_fwd") for n in sym.get_internals().list_outputs())
+    assert "_sg_mkldnn_conv" in sym.tojson()
+
+
+def test_cli_no_fuse_writes_the_plain_graph(zoo, tmp_path):
+    zoo["resnet18_v1"].export(str(tmp_path / "r18"), 0)
+    r = _cli(str(tmp_path / "r18"), "0", "--target-dtype", "bfloat16", "--out", str(tmp_path / "p"),
+             "--no-fuse", "--exclude", "resnetv10_dense0_fwd")
+    assert r.returncode == 0, r.stderr
+    assert "oneDNN fusion:   off" in r.stdout
+    sym = mx.sym.load(str(tmp_path / "p-symbol.json"))
+    types = dict(zip(sym.get_internals().list_outputs(),
+                     sym.get_internals().infer_type(data=np.float32)[1]))
+    assert types["resnetv10_dense0_fwd_output"] == np.float32
+    with open(tmp_path / "p-symbol.json") as f:
+        ops = {n["op"] for n in json.load(f)["nodes"]}
+    assert "Convolution" in ops and not any(op.startswith("_sg_") for op in ops)
 
 
 @pytest.mark.bf16_kernels
@@ -220,12 +236,39 @@ def test_cli_errors(tmp_path):
     assert r.returncode == 2 and "invalid choice" in r.stderr
 
 
-@pytest.mark.bf16_kernels
-def test_fused_block_runs_onednn_subgraphs(zoo, tmp_path):
+def _trained_like(net):
+    """Batch-norm statistics away from their initial values, as after training."""
+    rng = np.random.RandomState(1)
+    for p in net.collect_params().values():
+        for suffix, low, high in (("gamma", .5, 1.5), ("running_var", .5, 1.5),
+                                  ("running_mean", -.2, .2), ("beta", -.2, .2)):
+            if p.name.endswith(suffix):
+                p.set_data(mx.nd.array(rng.uniform(low, high, size=p.shape)))
+    return net
+
+
+def test_fusion_is_on_by_default_on_cpu_and_can_be_opted_out(zoo):
     net = zoo["resnet18_v1"]
+    assert gluon_amp.convert_hybrid_block(net, "bfloat16").fuse_backend == "MKLDNN"
+    assert gluon_amp.convert_hybrid_block(net, "bfloat16", fuse=False).fuse_backend is None
+    assert gluon_amp.convert_hybrid_block(net, "float16").fuse_backend is None  # no CPU fp16 kernels
+
+
+def test_unfused_block_keeps_the_users_parameter_values(zoo):
+    net = zoo["resnet18_v1"]
+    block = gluon_amp.convert_hybrid_block(net, "bfloat16", fuse=False)
+    mine = {p.name: p.data().asnumpy() for p in net.collect_params().values()}
+    assert all(np.array_equal(p.data().asnumpy(), mine[p.name]) for p in block.collect_params().values())
+
+
+@pytest.mark.bf16_kernels
+def test_fused_bf16_block_stays_within_tolerance(tmp_path):
+    # MXNet's own bf16 fold rounded every weight towards zero: 4% off on this net, failing here
+    net = _trained_like(_zoo("resnet18_v1"))
     ref = net(X).asnumpy()
-    block = gluon_amp.convert_hybrid_block(net, "bfloat16", cast_optional_params=True, fuse=True)
+    block = gluon_amp.convert_hybrid_block(net, "bfloat16", cast_optional_params=True)
     out = block(X).asnumpy()
+    assert np.linalg.norm(out - ref) <= 0.03 * np.linalg.norm(ref)
     assert (out.argmax(1) == ref.argmax(1)).all()
     block.hybridize(static_alloc=True)  # a later hybridize keeps the fusion backend
     assert np.array_equal(block(X).asnumpy(), out)
@@ -238,7 +281,9 @@ def test_fused_block_runs_onednn_subgraphs(zoo, tmp_path):
 def test_fuse_needs_a_cpu_with_onednn(zoo):
     with pytest.raises(ValueError, match="fuse=True needs a CPU"):
         gluon_amp.convert_hybrid_block(zoo["resnet18_v1"], "bfloat16", ctx=mx.gpu(0), fuse=True)
-    with pytest.raises(TypeError, match="fuse must be True or False"):
+    from gluon_amp.convert.api import _fuse_backend
+    assert _fuse_backend(None, mx.gpu(0), make_policy("bfloat16")) is None  # default: no error, no fusion
+    with pytest.raises(TypeError, match="fuse must be None, True or False"):
         gluon_amp.convert_hybrid_block(zoo["resnet18_v1"], "bfloat16", fuse="yes")
 
 

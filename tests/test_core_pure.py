@@ -12,7 +12,7 @@ for blocked in ("mxnet", "numpy"):
     sys.modules[blocked] = None          # any import of them now raises ImportError
 env_before = dict(os.environ)
 import gluon_amp_core
-from gluon_amp_core import capability, decide, dtypes, graph_pass, loss_scale, policy, table, walk
+from gluon_amp_core import capability, decide, dtypes, fold, graph_pass, loss_scale, policy, table, walk
 from gluon_amp_core.op_reference import render
 p = policy.Policy.create("float16", fp32_ops=["softmax"])
 d = decide.decide("Convolution", {}, ["float32"], p.table)

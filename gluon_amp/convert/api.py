@@ -18,6 +18,7 @@ from ..policies import as_policy
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
 from gluon_amp_core.graph_pass import PassResult, convert_graph
+from .fold import fold_batch_norm
 
 def _var_dtypes(sym: Symbol, data_names: Sequence[str], param_types: Dict[str, Any]) -> Dict[str, str]:
     """Dtype of every variable in the FP32 graph (declared, given or inferred)."""
@@ -205,13 +206,20 @@ class MixedPrecisionBlock(SymbolBlock):
         return super().export(path, epoch, remove_amp_cast=remove_amp_cast)
 
 
-def _fuse_backend(fuse: bool, ctx: mx.Context) -> Optional[str]:
-    """``'MKLDNN'`` when fusing is asked for and possible, else None."""
-    if not isinstance(fuse, bool):
-        raise TypeError(f"fuse must be True or False, got {fuse!r}")
-    if fuse and not (ctx.device_type == "cpu" and mx.runtime.Features().is_enabled("MKLDNN")):
+def _fuse_backend(fuse: Optional[bool], ctx: mx.Context, policy: Policy) -> Optional[str]:
+    """``'MKLDNN'`` when the result should use MXNet's oneDNN fusion, else None.
+
+    ``None`` (the default) fuses on a CPU with oneDNN unless the target is float16, which
+    has no CPU kernels to fuse. Fusion is faster there in bfloat16 and in float32 alike.
+    """
+    if fuse is not None and not isinstance(fuse, bool):
+        raise TypeError(f"fuse must be None, True or False, got {fuse!r}")
+    possible = ctx.device_type == "cpu" and mx.runtime.Features().is_enabled("MKLDNN")
+    if fuse and not possible:
         raise ValueError(f"fuse=True needs a CPU context and MXNet built with oneDNN (MKLDNN); "
-                         f"got ctx={ctx}. Use fuse=False on this context.")
+                         f"got ctx={ctx}. Use fuse=False (or None) on this context.")
+    if fuse is None:
+        fuse = possible and policy.target_dtype != "float16"
     return "MKLDNN" if fuse else None
 
 
@@ -220,16 +228,19 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
                          ctx: Optional[mx.Context] = None,
                          cast_optional_params: bool = False, *, widest_type_ops=None,
                          keep_batchnorm_fp32: Optional[bool] = None,
-                         fuse: bool = False) -> SymbolBlock:
+                         fuse: Optional[bool] = None) -> SymbolBlock:
     """Convert a hybridized FP32 block into a mixed-precision :class:`MixedPrecisionBlock`.
 
     The block must have been hybridized and run once (its graph is read from the cache).
     ``ctx`` defaults to where the block's parameters live. The block is not modified.
-    ``fuse=True`` (CPU with oneDNN) makes the result use MXNet's oneDNN subgraph fusion
-    (conv+BN+ReLU+sum), as ``hybridize(backend='MKLDNN')`` does: faster, but folding batch
-    norm into bfloat16 weights rounds them twice (see README for the measured cost). Other arguments as for :func:`convert_symbol`. The result's
-    ``export`` keeps the cast nodes, and its ``amp_result`` holds the pass's per-node
-    decisions (read by ``report``).
+    ``fuse`` (default: on for a CPU context with oneDNN, unless the target is float16)
+    makes the result use MXNet's oneDNN subgraph fusion (conv+BN+ReLU+sum), as
+    ``hybridize(backend='MKLDNN')`` does, also after a later ``hybridize``; ``fuse=False``
+    opts out. Fusing for bfloat16 first folds each convolution's batch norm into its
+    weights in float32 (the result's parameters hold the folded values and an identity
+    batch norm), because MXNet's own fold rounds bfloat16 weights towards zero. Other
+    arguments as for :func:`convert_symbol`. The result's ``export`` keeps the cast
+    nodes, and its ``amp_result`` holds the pass's per-node decisions (read by ``report``).
     """
     if not isinstance(block, HybridBlock):
         raise TypeError(f"convert_hybrid_block expects a gluon HybridBlock, got {type(block).__name__}")
@@ -239,10 +250,12 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     params = {p.name: p for p in block.collect_params().values()}
     if ctx is None:
         ctx = next(iter(params.values())).list_ctx()[0] if params else mx.current_context()
-    backend = _fuse_backend(fuse, ctx)
+    backend = _fuse_backend(fuse, ctx, policy)
     arg_names, aux_names = set(sym.list_arguments()), set(sym.list_auxiliary_states())
     arg_params = {n: params[n].data(params[n].list_ctx()[0]) for n in arg_names if n in params}
     aux_params = {n: params[n].data(params[n].list_ctx()[0]) for n in aux_names if n in params}
+    if backend and policy.enabled and policy.target_dtype == "bfloat16":
+        arg_params, aux_params, _ = fold_batch_norm(sym, arg_params, aux_params)
     new_sym, new_args, new_aux, result = _convert_model(sym, arg_params, aux_params, policy,
                                                         excluded_sym_names, cast_optional_params)
     data_vars = [mx.sym.var(i.name, dtype="float32") for i in inputs]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections import Counter
@@ -35,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="replace the float32 op list with these ops (repeatable)")
     parser.add_argument("--no-cast-params", action="store_true",
                         help="keep every parameter in float32 (default: store low-precision-only ones cast)")
+    parser.add_argument("--no-fuse", action="store_true",
+                        help="write the plain graph (default for bfloat16 with a oneDNN build of MXNet: "
+                             "fold batch norm into the convolutions in float32 and write the graph "
+                             "partitioned by MXNet's oneDNN backend, conv+BN+ReLU+sum fused)")
     return parser
 
 
@@ -58,6 +63,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import mxnet as mx
     from .api import convert_model
+    from .fold import fold_batch_norm
     from ..report import report
     from .. import runtime
 
@@ -71,6 +77,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as exc:  # a corrupt file: MXNetError or JSON errors
         print(f"error: could not load {args.prefix} epoch {args.epoch}: {exc}", file=sys.stderr)
         return 2
+    fuse = (not args.no_fuse and resolution.dtype == "bfloat16"
+            and mx.runtime.Features().is_enabled("MKLDNN"))
+    if fuse:
+        arg_params, aux_params, _ = fold_batch_norm(sym, arg_params, aux_params)
     try:
         new_sym, new_args, new_aux = convert_model(
             sym, arg_params, aux_params, target_dtype=requested,
@@ -79,21 +89,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    rep = report(new_sym, target_dtype=resolution.dtype) if resolution.dtype != "float32" else None
+    if fuse:
+        new_sym = new_sym.optimize_for("MKLDNN")  # the partitioned graph: _sg_mkldnn_* nodes
     new_sym.save(f"{args.out}-symbol.json", remove_amp_cast=False)
     mx.nd.save(f"{args.out}-{args.epoch:04d}.params",
                {**{f"arg:{k}": v for k, v in new_args.items()}, **{f"aux:{k}": v for k, v in new_aux.items()}})
     before = _nbytes({**arg_params, **aux_params})
     after = _nbytes({**new_args, **new_aux})
-    if resolution.dtype == "float32":
+    if rep is None:
         print(f"not converted: wrote {args.prefix} epoch {args.epoch} unchanged (float32) -> {args.out}")
         return 0
-    rep = report(new_sym, target_dtype=resolution.dtype)
     print(f"converted {args.prefix} epoch {args.epoch} to {resolution.dtype} -> {args.out}")
     print(f"ops per dtype:   {dict(sorted(Counter(r.dtype for r in rep.rows).items()))}")
     print(f"casts inserted:  {rep.casts}")
     print(f"parameter bytes: {before:,} -> {after:,} ({after / max(before, 1):.0%})")
     if args.exclude:
         print(f"kept in float32: {', '.join(args.exclude)}")
+    fused = sum(1 for n in json.loads(new_sym.tojson())["nodes"] if n["op"].startswith("_sg_"))
+    print(f"oneDNN fusion:   {f'{fused} fused subgraph ops (--no-fuse writes the plain graph)' if fuse else 'off'}")
     return 0
 
 
