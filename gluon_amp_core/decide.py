@@ -22,6 +22,7 @@ class Reason(str, enum.Enum):
     NEUTRAL = "neutral"
     EXCLUDED = "excluded"
     CAST = "cast"            # amp_cast / amp_multicast: a cast node itself
+    KEPT = "kept"            # a fused or quantized op: the dtypes it has in the FP32 graph
 
     def __str__(self) -> str:
         return self.value

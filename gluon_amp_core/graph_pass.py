@@ -68,10 +68,21 @@ class _Builder:
         return self.casts[key]
 
 
+#: Ops that only type inside their own graph (oneDNN subgraphs) or carry quantized data.
+_KEPT_PREFIXES = ("_sg_", "_contrib_quantize", "_contrib_quantized_", "_contrib_requantize",
+                  "_contrib_dequantize")
+
+
+def is_kept(node: dict) -> bool:
+    """A fused or quantized op node: it keeps the dtypes it has in the FP32 graph."""
+    return bool(node.get("subgraphs")) or node["op"].startswith(_KEPT_PREFIXES)
+
+
 def convert_graph(graph: dict, policy: Policy, input_names: Sequence[str],
                   var_dtypes: Mapping[str, str], op_types: OpTypes,
                   op_inputs: Mapping[str, Sequence[str]], excluded: Collection[str] = (),
-                  cast_optional_params: bool = False, float32_outputs: bool = True) -> PassResult:
+                  cast_optional_params: bool = False, float32_outputs: bool = True,
+                  fp32_types: Optional[Mapping[Tuple[str, int], Optional[str]]] = None) -> PassResult:
     """Insert casts so every op runs in the dtype the policy gives it.
 
     Parameters
@@ -93,6 +104,10 @@ def convert_graph(graph: dict, policy: Policy, input_names: Sequence[str],
         Store a parameter in the low-precision dtype when every consumer casts it there.
     float32_outputs : bool
         Cast low-precision graph outputs back to float32.
+    fp32_types : mapping, optional
+        ``(node name, output) -> dtype`` of the FP32 graph, needed when it holds fused or
+        quantized ops (:func:`is_kept`): they get their inputs in, and give their outputs
+        in, exactly these dtypes.
     """
     b, index, data = _Builder(), {}, set(input_names)
     params = set()
@@ -107,8 +122,12 @@ def convert_graph(graph: dict, policy: Policy, input_names: Sequence[str],
         node = graph["nodes"][nd.index]
         inputs = [(index[e[0]], e[1]) for e in node["inputs"]]
         names = op_inputs.get(node["op"], ())
-        kept = [k < len(names) and names[k] in nd.decision.keep_fp32 for k in range(len(inputs))]
-        new_inputs, outs = _type_node(b, node, nd.decision, inputs, kept, params, op_types)
+        if is_kept(node):
+            nd = NodeDecision(nd.index, nd.name, nd.op, nd.input_dtypes, Decision(None, Reason.KEPT))
+            new_inputs, outs = _keep_node(b, graph["nodes"], node, inputs, fp32_types or {})
+        else:
+            kept = [k < len(names) and names[k] in nd.decision.keep_fp32 for k in range(len(inputs))]
+            new_inputs, outs = _type_node(b, node, nd.decision, inputs, kept, params, op_types)
         new_node = {**node, "inputs": [[e[0], e[1], 0] for e in new_inputs],
                     "attrs": {**node.get("attrs", {}), REASON_ATTR: nd.reason.value}}
         index[nd.index] = j = b.add(new_node)
@@ -149,6 +168,26 @@ def _type_node(b: _Builder, node: dict, d: Decision, inputs: List[Entry], kept: 
             e = b.cast(e, target)
         new_inputs.append(e)
     return new_inputs, outs
+
+
+def _keep_node(b: _Builder, nodes: Sequence[dict], node: dict, inputs: List[Entry],
+               fp32_types: Mapping[Tuple[str, int], Optional[str]]) -> Tuple[List[Entry], Tuple[Optional[str], ...]]:
+    """A fused or quantized node, typed as in the FP32 graph: float inputs cast back there."""
+    new_inputs = []
+    for old, e in zip(node["inputs"], inputs):
+        want, have = fp32_types.get((nodes[old[0]]["name"], old[1])), b.dtypes.get(e)
+        if want in FLOAT_DTYPES and have in FLOAT_DTYPES and have != want:
+            e = b.cast(e, want)
+        new_inputs.append(e)
+    outs, k = [], 0
+    while (node["name"], k) in fp32_types:
+        outs.append(fp32_types[(node["name"], k)])
+        k += 1
+    if not outs or None in outs:
+        raise ValueError(f"node {node['name']!r} (op {node['op']}) is a fused or quantized op whose "
+                         "dtypes MXNet could not infer in the FP32 graph; convert the FP32 graph "
+                         "before fusion or quantization")
+    return new_inputs, tuple(outs)
 
 
 def _try_types(b: _Builder, node: dict, inputs: List[Entry], cast_to: List[Optional[str]],

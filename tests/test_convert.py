@@ -287,7 +287,7 @@ def test_fuse_needs_a_cpu_with_onednn(zoo):
         gluon_amp.convert_hybrid_block(zoo["resnet18_v1"], "bfloat16", fuse="yes")
 
 
-def test_fused_or_quantized_graph_is_refused_clearly(tmp_path):
+def test_fused_graph_converts_around_its_fused_ops_with_a_warning(tmp_path):
     mx.random.seed(0)
     net = vision.get_model("resnet18_v1")
     net.initialize(mx.init.Xavier())
@@ -296,5 +296,11 @@ def test_fused_or_quantized_graph_is_refused_clearly(tmp_path):
     net.export(str(tmp_path / "fused"), 0)
     fused = mx.sym.load(str(tmp_path / "fused-symbol.json"))
     assert "_sg_mkldnn_conv" in fused.tojson()
-    with pytest.raises(ValueError, match="convert the FP32 graph before"):
-        gluon_amp.convert_symbol(fused, "bfloat16")
+    with pytest.warns(UserWarning, match="convert the FP32 graph before fusion"):
+        sym, result = convert_with_policy(fused, make_policy("bfloat16"), data_names=["data"])
+    kept = {n for n, r in result.reasons.items() if r == "kept"}
+    assert kept and all(n.startswith("sg_mkldnn") for n in kept)
+    types = {k: v for k, v in result.dtypes.items() if k[0] in kept}
+    assert set(types.values()) == {"float32"}
+    assert {"neutral"} <= set(result.reasons.values())  # pooling between them is walked as usual
+    assert sym.infer_type(data=np.float32)[1] == [np.float32]

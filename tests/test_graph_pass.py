@@ -124,3 +124,24 @@ def test_pass_is_driven_by_the_type_rule_it_is_given():
                node("slice_like", "s", 2, 0)], [3])
     r = convert_graph(g, POLICY, ["x"], {}, first_input_rule, OP_INPUTS, float32_outputs=False)
     assert r.dtypes[("s", 0)] == "bfloat16"
+
+
+def test_fused_and_quantized_nodes_keep_their_fp32_graph_dtypes():
+    # x -> fc (bf16) -> quantize -> fused int8 op -> dequantize -> softmax
+    g = graph([var("x"), var("w"), node("FullyConnected", "fc", 0, 1, num_hidden=4, no_bias=True),
+               node("_contrib_quantize_v2", "q", 2), node("_sg_fake_conv", "sg", 3),
+               node("_contrib_dequantize", "dq", 4), node("softmax", "sm", 5)], [6])
+    fp32 = {("x", 0): "float32", ("w", 0): "float32", ("fc", 0): "float32", ("q", 0): "int8",
+            ("sg", 0): "int8", ("dq", 0): "float32", ("sm", 0): "float32"}
+
+    def op_types(op, attrs, in_dtypes):
+        assert op in ("FullyConnected", "softmax", "amp_cast"), f"{op} typed outside its graph"
+        return toy_op_types(op, attrs, in_dtypes)
+
+    r = convert_graph(g, POLICY, ["x"], {}, op_types, OP_INPUTS, fp32_types=fp32)
+    assert r.reasons["q"] == r.reasons["sg"] == r.reasons["dq"] == "kept"
+    assert r.dtypes[("fc", 0)] == "bfloat16" and r.dtypes[("sg", 0)] == "int8"
+    nodes = r.graph["nodes"]
+    q = next(n for n in nodes if n["name"] == "q")
+    src = nodes[q["inputs"][0][0]]
+    assert src["op"] == "amp_cast" and src["attrs"]["dtype"] == "float32"  # back to what q had

@@ -4,7 +4,8 @@ Each network is built in FP32 with random weights, then converted with convert_s
 convert_model and convert_hybrid_block and traced under ``autocast`` in float16 and
 bfloat16, all at graph level (type inference; nothing runs in low precision). The picks
 cover what broke before: YOLOv3 (``slice_like`` after low-precision convolutions) and
-CenterNet (an explicit ``Cast`` to float32), next to plain classifiers.
+CenterNet (an explicit ``Cast`` to float32) and a pre-quantized int8 network (oneDNN
+subgraph ops), next to plain classifiers.
 """
 import os
 import socket
@@ -22,7 +23,11 @@ NETWORKS = [
     "squeezenet1.1",
     "yolo3_mobilenet0.25_coco",
     "center_net_mobilenetv3_small_duc_voc",
+    "mobilenet1.0_int8",  # pre-quantized: its fused int8 ops keep their dtypes, the rest converts
 ]
+
+#: Networks GluonCV loads as a SymbolBlock from a stored graph, so ``init`` never sees their ops.
+LOADED_FROM_JSON = {"mobilenet1.0_int8"}
 
 
 @pytest.fixture
@@ -43,6 +48,10 @@ def test_every_cell_converts(offline, name):
     assert not bad, f"{name}: {bad}"
     for d, cells in res["cells"].items():
         for c, r in cells.items():
+            if name in LOADED_FROM_JSON and c == "init":
+                # a SymbolBlock read from a stored graph: no op function is called, nothing to patch
+                assert r["lp_ops"] == 0
+                continue
             assert r["lp_ops"] > 0, f"{name} {d}/{c}: no op runs in {d}"
             assert r["casts"] > 0, f"{name} {d}/{c}: no cast was inserted"
             assert r["lp_ops"] <= r["ops"]

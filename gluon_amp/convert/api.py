@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mxnet as mx
@@ -17,15 +18,19 @@ from ..type_inference import infer_dtypes, op_types
 from ..policies import as_policy
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
-from gluon_amp_core.graph_pass import PassResult, convert_graph
+from gluon_amp_core.graph_pass import PassResult, convert_graph, is_kept
 from .fold import fold_batch_norm
 
-def _var_dtypes(sym: Symbol, data_names: Sequence[str], param_types: Dict[str, Any]) -> Dict[str, str]:
-    """Dtype of every variable in the FP32 graph (declared, given or inferred)."""
+def _fp32_types(sym: Symbol, data_names: Sequence[str], param_types: Dict[str, Any]
+                ) -> Dict[Tuple[str, int], Optional[str]]:
+    """Dtype of every output of the FP32 graph (variables included), as far as MXNet infers."""
     known = {**{n: "float32" for n in data_names}, **param_types}
-    by_name = infer_dtypes(sym, known, partial=True)
+    return infer_dtypes(sym, known, partial=True) or {}
+
+
+def _var_dtypes(sym: Symbol, fp32_types: Dict[Tuple[str, int], Optional[str]]) -> Dict[str, str]:
     inputs = set(sym.list_inputs())
-    return {name: t for (name, k), t in by_name.items() if k == 0 and t is not None and name in inputs}
+    return {name: t for (name, k), t in fp32_types.items() if k == 0 and t is not None and name in inputs}
 
 
 def _check_list(name: str, value: Any) -> List[str]:
@@ -36,12 +41,15 @@ def _check_list(name: str, value: Any) -> List[str]:
     return list(value)
 
 
-def _check_no_subgraphs(graph: dict) -> None:
-    fused = [n["name"] for n in graph["nodes"] if n.get("subgraphs") or n["op"].startswith("_sg_")]
-    if fused:
-        raise ValueError(f"the graph contains fused or quantized subgraph ops ({fused[:3]}"
-                         f"{' ...' if len(fused) > 3 else ''}); convert the FP32 graph before "
-                         "quantization or oneDNN fusion (fuse=True fuses after converting).")
+def _warn_kept(graph: dict, policy: Policy) -> None:
+    kept = [n["name"] for n in graph["nodes"] if n["op"] != "null" and is_kept(n)]
+    if kept and policy.enabled:
+        warnings.warn(
+            f"{len(kept)} fused or quantized op(s) ({kept[:3]}{' ...' if len(kept) > 3 else ''}) keep "
+            f"the dtypes they have in this graph; only the other ops are converted to "
+            f"{policy.target_dtype}. To run the fused ops in {policy.target_dtype}, convert the FP32 "
+            "graph before fusion or quantization (convert_hybrid_block fuses after converting).",
+            UserWarning, stacklevel=3)
 
 
 def _check_excluded(graph: dict, excluded: List[str]) -> None:
@@ -74,15 +82,15 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
         raise TypeError(f"convert_symbol expects an mxnet Symbol, got {type(sym).__name__}")
     excluded = _check_list("excluded_sym_names", excluded_sym_names)
     graph = json.loads(sym.tojson(remove_amp_cast=False))
-    _check_no_subgraphs(graph)
     _check_excluded(graph, excluded)
+    _warn_kept(graph, policy)
     if not policy.enabled:  # no useful low precision here: the FP32 graph, unchanged
         return mx.sym.load_json(json.dumps(graph)), PassResult(graph, {}, dict(param_dtypes or {}), policy)
     data_names = _data_names(sym, data_names)
-    var_dtypes = _var_dtypes(sym, data_names, param_dtypes or {})
+    fp32_types = _fp32_types(sym, data_names, param_dtypes or {})
     op_inputs = {n: i.inputs for n, i in registry.op_infos().items()}
-    result = convert_graph(graph, policy, data_names, var_dtypes, op_types, op_inputs, excluded,
-                           cast_optional_params)
+    result = convert_graph(graph, policy, data_names, _var_dtypes(sym, fp32_types), op_types, op_inputs,
+                           excluded, cast_optional_params, fp32_types=fp32_types)
     converted = mx.sym.load_json(json.dumps(result.graph))
     _verify(converted, result, data_names)
     return converted, result
