@@ -78,6 +78,27 @@ def is_kept(node: dict) -> bool:
     return bool(node.get("subgraphs")) or node["op"].startswith(_KEPT_PREFIXES)
 
 
+#: Declared op input names that only ever hold learned parameters or running statistics.
+PARAMETER_SLOTS = frozenset({"weight", "bias", "gamma", "beta", "moving_mean", "moving_var",
+                             "running_mean", "running_var", "parameters"})
+
+
+def parameter_only_inputs(graph: dict, op_inputs: Mapping[str, Sequence[str]]) -> set:
+    """Variables that every consumer reads in a parameter slot (``weight``, ``gamma``, ...).
+
+    A symbolic graph's auto-created weights carry no ``__dtype__``; this tells them apart
+    from data without guessing from their names.
+    """
+    slots: Dict[int, set] = {}
+    for node in graph["nodes"]:
+        names = op_inputs.get(node["op"], ())
+        for k, e in enumerate(node["inputs"]):
+            slots.setdefault(e[0], set()).add(names[k] if k < len(names) else "")
+    heads = {h[0] for h in graph.get("heads", [])}
+    return {n["name"] for i, n in enumerate(graph["nodes"])
+            if n["op"] == "null" and i not in heads and slots.get(i) and slots[i] <= PARAMETER_SLOTS}
+
+
 def convert_graph(graph: dict, policy: Policy, input_names: Sequence[str],
                   var_dtypes: Mapping[str, str], op_types: OpTypes,
                   op_inputs: Mapping[str, Sequence[str]], excluded: Collection[str] = (),

@@ -304,3 +304,16 @@ def test_fused_graph_converts_around_its_fused_ops_with_a_warning(tmp_path):
     assert set(types.values()) == {"float32"}
     assert {"neutral"} <= set(result.reasons.values())  # pooling between them is walked as usual
     assert sym.infer_type(data=np.float32)[1] == [np.float32]
+
+
+def test_default_data_names_leave_auto_created_weights_as_parameters():
+    # symbolic layers create their weights without a dtype (GluonCV's SSD feature expander)
+    data = mx.sym.var("data")
+    conv = mx.sym.Convolution(data, num_filter=4, kernel=(3, 3), name="c")
+    bn = mx.sym.BatchNorm(conv, name="bn")
+    fc = mx.sym.FullyConnected(mx.sym.relu(bn), num_hidden=3, name="fc")
+    out = gluon_amp.convert_symbol(fc, "bfloat16")
+    assert out.infer_type(data=np.float32)[1] == [np.float32]
+    declared = out.attr_dict()
+    assert declared["c_weight"]["__dtype__"] == declared["fc_weight"]["__dtype__"] == "0"
+    assert "__dtype__" not in declared.get("data", {})

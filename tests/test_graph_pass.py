@@ -145,3 +145,14 @@ def test_fused_and_quantized_nodes_keep_their_fp32_graph_dtypes():
     q = next(n for n in nodes if n["name"] == "q")
     src = nodes[q["inputs"][0][0]]
     assert src["op"] == "amp_cast" and src["attrs"]["dtype"] == "float32"  # back to what q had
+
+
+def test_variables_read_only_as_parameters_are_parameters():
+    from gluon_amp_core.graph_pass import parameter_only_inputs
+    g = graph([var("x"), var("w"), var("y"), var("v"),
+               node("FullyConnected", "fc1", 0, 1, num_hidden=4, no_bias=True),
+               node("FullyConnected", "fc2", 2, 3, num_hidden=4, no_bias=True),
+               node("FullyConnected", "fc3", 3, 1, num_hidden=4, no_bias=True),
+               node("elemwise_add", "add", 4, 5)], [7])
+    # w: weight of fc1 and fc3; v: weight of fc2 but data of fc3; x, y: data
+    assert parameter_only_inputs(g, OP_INPUTS) == {"w"}

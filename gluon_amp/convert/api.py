@@ -18,7 +18,7 @@ from ..type_inference import infer_dtypes, op_types
 from ..policies import as_policy
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
-from gluon_amp_core.graph_pass import PassResult, convert_graph, is_kept
+from gluon_amp_core.graph_pass import PassResult, convert_graph, is_kept, parameter_only_inputs
 from .fold import fold_batch_norm
 
 def _fp32_types(sym: Symbol, data_names: Sequence[str], param_types: Dict[str, Any]
@@ -62,10 +62,12 @@ def _check_excluded(graph: dict, excluded: List[str]) -> None:
                          + " Use gluon_amp.report(sym) to list the node names.")
 
 
-def _data_names(clean: Symbol, data_names: Any) -> List[str]:
+def _data_names(clean: Symbol, data_names: Any, graph: dict) -> List[str]:
     if data_names is None:
         attrs = clean.attr_dict()
-        return [n for n in clean.list_inputs() if "__dtype__" not in attrs.get(n, {})]
+        op_inputs = {n: i.inputs for n, i in registry.op_infos().items()}
+        params = parameter_only_inputs(graph, op_inputs)
+        return [n for n in clean.list_inputs() if "__dtype__" not in attrs.get(n, {}) and n not in params]
     data_names = _check_list("data_names", data_names)
     unknown = [n for n in data_names if n not in clean.list_inputs()]
     if unknown:
@@ -86,7 +88,7 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
     _warn_kept(graph, policy)
     if not policy.enabled:  # no useful low precision here: the FP32 graph, unchanged
         return mx.sym.load_json(json.dumps(graph)), PassResult(graph, {}, dict(param_dtypes or {}), policy)
-    data_names = _data_names(sym, data_names)
+    data_names = _data_names(sym, data_names, graph)
     fp32_types = _fp32_types(sym, data_names, param_dtypes or {})
     op_inputs = {n: i.inputs for n, i in registry.op_infos().items()}
     result = convert_graph(graph, policy, data_names, _var_dtypes(sym, fp32_types), op_types, op_inputs,
@@ -138,7 +140,8 @@ def convert_symbol(sym: Symbol, target_dtype: Any = None, target_dtype_ops: Opti
     excluded_sym_names : list of str
         Op node names forced to float32. A name not in the graph raises ``ValueError``.
     data_names : list of str
-        The data inputs; by default the inputs without a ``__dtype__`` attribute.
+        The data inputs; by default the inputs without a ``__dtype__`` attribute, except
+        those every consumer reads as a parameter (``weight``, ``bias``, ``gamma``, ...).
     cast_optional_params : bool
         Store parameters read only by low-precision ops in the target dtype.
     """
