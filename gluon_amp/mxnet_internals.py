@@ -9,6 +9,7 @@ import ctypes
 import functools
 import sys
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -91,10 +92,13 @@ def _handle_to_name() -> Dict[int, str]:
 
 
 def op_of_function(fn: object) -> Tuple[str, str] | None:
-    """``(canonical op, 'ndarray'|'symbol')`` for an MXNet-generated op function, else None."""
+    """``(canonical op, 'ndarray'|'symbol')`` for an MXNet-generated op function, else None.
+
+    A function redirected by :func:`redirect` is read through its original code."""
     code = getattr(fn, "__code__", None)
     if code is None:
         return None
+    code = _original_code.get(fn, code) if code is _TRAMPOLINE_CODE else code
     if "_imperative_invoke" in code.co_names:
         kind = "ndarray"
     elif "_symbol_creator" in code.co_names:
@@ -134,6 +138,92 @@ def op_function_sites() -> Iterator[Tuple[types.ModuleType, str, object, str, st
 #    op_of_function reads the op handle MXNet's code generator bakes into each generated
 #    function's constants (1.9.1: mxnet/ndarray/register.py, mxnet/symbol/register.py);
 #    if that changes, init patches nothing and the patching tests fail.
+
+
+# -- op functions patched in place ----------------------------------------------------
+# init() must change what *every* reference to an op function does, including references
+# taken before init: GluonCV's nn/feature.py does ``from mxnet.symbol.contrib import
+# SyncBatchNorm`` at import and later tests ``norm_layer is SyncBatchNorm`` against
+# ``mx.sym.contrib.SyncBatchNorm``, and MXNet's optimizers import ``sgd_update`` & co by
+# name. Replacing module attributes breaks the first and misses the second, so the
+# function objects stay where they are and only their code is swapped for a trampoline
+# into the AMP wrapper; a copy of the function (same code, globals and defaults) is the
+# original implementation the wrapper calls. 1.9.1: the generated op functions
+# (mxnet/ndarray/register.py, mxnet/symbol/register.py, via ``exec``) have no closure and
+# no keyword-only defaults; redirect() refuses any function that does.
+
+_IMPL_KW = "_gluon_amp_impl"
+
+
+def _trampoline(*args: Any, _gluon_amp_impl: Callable, **kwargs: Any) -> Any:
+    return _gluon_amp_impl(*args, **kwargs)
+
+
+_TRAMPOLINE_CODE = _trampoline.__code__
+_NOT_SET = object()
+#: redirected function -> its original code, for op_of_function while AMP is on
+_original_code: "weakref.WeakKeyDictionary[types.FunctionType, types.CodeType]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class SavedFunction:
+    """What :func:`redirect` changed on ``function``; :func:`restore` puts it back."""
+
+    function: types.FunctionType
+    wrapper: Callable
+    code: types.CodeType
+    defaults: Optional[tuple]
+    kwdefaults: Optional[dict]
+    wrapped: Any  # the prior ``__wrapped__`` attribute, or _NOT_SET
+
+
+def copy_function(fn: types.FunctionType) -> types.FunctionType:
+    """A new function object running ``fn``'s current code: its original implementation."""
+    if fn.__closure__ or fn.__kwdefaults__ or fn.__code__ is _TRAMPOLINE_CODE:
+        raise RuntimeError(f"gluon_amp cannot patch {fn.__module__}.{fn.__qualname__} in place: it has a "
+                           "closure or keyword-only defaults, or is patched already (MXNet changed how it "
+                           "generates op functions?)")
+    impl = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    impl.__kwdefaults__ = fn.__kwdefaults__
+    impl.__dict__.update(fn.__dict__)
+    impl.__doc__, impl.__qualname__, impl.__module__ = fn.__doc__, fn.__qualname__, fn.__module__
+    impl.__annotations__ = dict(fn.__annotations__)
+    return impl
+
+
+def redirect(fn: types.FunctionType, wrapper: Callable) -> SavedFunction:
+    """Make every call of ``fn`` (through any reference) call ``wrapper`` instead.
+
+    ``fn`` keeps its identity, name and doc; ``fn.__wrapped__`` is ``wrapper``, so
+    ``inspect.signature`` reaches the original signature. The order of the assignments
+    keeps ``fn`` callable between them (a thread may call it meanwhile).
+    """
+    saved = SavedFunction(fn, wrapper, fn.__code__, fn.__defaults__, fn.__kwdefaults__,
+                          fn.__dict__.get("__wrapped__", _NOT_SET))
+    _original_code[fn] = saved.code
+    fn.__kwdefaults__ = {_IMPL_KW: wrapper}  # ignored by the original code
+    fn.__code__ = _TRAMPOLINE_CODE
+    fn.__defaults__ = None  # ignored by the trampoline
+    fn.__wrapped__ = wrapper
+    return saved
+
+
+def is_redirected_to(fn: types.FunctionType, wrapper: Callable) -> bool:
+    """True while ``fn`` still trampolines into ``wrapper`` (nobody changed it since)."""
+    return fn.__code__ is _TRAMPOLINE_CODE and (fn.__kwdefaults__ or {}).get(_IMPL_KW) is wrapper
+
+
+def restore(saved: SavedFunction) -> None:
+    """Undo :func:`redirect` (callers check :func:`is_redirected_to` first)."""
+    fn = saved.function
+    if saved.wrapped is _NOT_SET:
+        fn.__dict__.pop("__wrapped__", None)
+    else:
+        fn.__wrapped__ = saved.wrapped
+    fn.__defaults__ = saved.defaults
+    fn.__code__ = saved.code
+    fn.__kwdefaults__ = saved.kwdefaults
+    _original_code.pop(fn, None)
 
 
 # -- gluon blocks --------------------------------------------------------------------

@@ -10,7 +10,7 @@ import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mxnet as mx
 from mxnet.ndarray import NDArray
@@ -37,11 +37,29 @@ _np_symbol = registry.NP_SYMBOL
 
 @dataclass(frozen=True)
 class Patch:
-    """One replaced attribute: ``setattr(module, name, original)`` undoes it."""
+    """One op function ``init`` redirected in place.
+
+    ``function`` stays MXNet's own object: every module attribute, and every reference
+    taken before ``init`` (``from mxnet.symbol.contrib import SyncBatchNorm``), still
+    names it, and calls through any of them reach ``wrapper``, which runs ``impl``, a
+    copy of the function as MXNet made it. ``saved`` holds the code, defaults and
+    ``__wrapped__`` that :func:`disable` puts back. ``module.name`` is where the
+    function was first found.
+    """
 
     module: types.ModuleType
     name: str
-    original: Callable
+    op: str
+    impl: Callable
+    saved: registry.SavedFunction
+
+    @property
+    def function(self) -> types.FunctionType:
+        return self.saved.function
+
+    @property
+    def wrapper(self) -> Callable:
+        return self.saved.wrapper
 
 
 @dataclass
@@ -297,18 +315,20 @@ def _wrapper_for(fn: Callable, op: str, kind: str, table: OpTable,
 
 
 def _patch_all(table: OpTable) -> List[Patch]:
+    """Redirect each op function that needs a wrapper, once per function object (one
+    object is often reachable as several module attributes: ``mx.nd.X``, ``mx.nd.op.X``)."""
     infos = registry.op_infos()
-    wrapped: Dict[int, Optional[Callable]] = {}
+    seen = set()
     patches: List[Patch] = []
     try:
         for module, attr, fn, op, kind in list(registry.op_function_sites()):
-            if id(fn) not in wrapped:
-                wrapped[id(fn)] = _wrapper_for(fn, op, kind, table, infos[op])
-            new = wrapped[id(fn)]
-            if new is None:
+            if id(fn) in seen:
                 continue
-            patches.append(Patch(module, attr, fn))
-            setattr(module, attr, new)
+            seen.add(id(fn))
+            impl = registry.copy_function(fn)  # the wrappers call this, never fn (fn calls them)
+            wrapper = _wrapper_for(impl, op, kind, table, infos[op])
+            if wrapper is not None:
+                patches.append(Patch(module, attr, op, impl, registry.redirect(fn, wrapper)))
     except BaseException:
         _restore(patches)
         raise
@@ -316,8 +336,19 @@ def _patch_all(table: OpTable) -> List[Patch]:
 
 
 def _restore(patches: Sequence[Patch]) -> None:
+    """Put back each function that still calls its wrapper; leave (and name) the others."""
+    changed = []
     for p in reversed(patches):
-        setattr(p.module, p.name, p.original)
+        if registry.is_redirected_to(p.function, p.wrapper):
+            registry.restore(p.saved)
+        else:
+            changed.append(f"{p.module.__name__}.{p.name}")
+    if changed:
+        shown = ", ".join(changed[:5]) + (" ..." if len(changed) > 5 else "")
+        warnings.warn(
+            f"gluon_amp: {len(changed)} op function(s) were changed by someone else while patched "
+            f"and are left as they are now, not restored: {shown}",
+            RuntimeWarning, stacklevel=3)
 
 
 def disable() -> None:
@@ -345,7 +376,7 @@ def current_table() -> Optional[OpTable]:
 
 
 def patched_functions() -> Tuple[Patch, ...]:
-    """The record of what ``init`` replaced (empty when off)."""
+    """The record of the op functions ``init`` redirected, one per function (empty when off)."""
     return tuple(_active.patches) if _active is not None else ()
 
 

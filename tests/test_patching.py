@@ -1,3 +1,6 @@
+import inspect
+import json
+import sys
 import warnings
 
 import numpy as np
@@ -7,20 +10,144 @@ import pytest
 import gluon_amp
 from gluon_amp_core.capability import resolve_target
 from gluon_amp_core.dtypes import dtype_name
+from gluon_amp import mxnet_internals as registry
 from gluon_amp.mxnet_internals import BFLOAT16
 from gluon_amp import LossScaler
+from conftest import gluoncv_or_skip
 from nets import make_net
 
 
+def _op_functions():
+    """{(module name, attribute): function} and {id(function): (code, defaults, kwdefaults,
+    attributes)} as they are now."""
+    sites = {(m.__name__, a): f for m, a, f, _, _ in registry.op_function_sites()}
+    return sites, _state(sites)
+
+
+def _state(sites):
+    return {id(f): (f.__code__, f.__defaults__, f.__kwdefaults__, dict(vars(f))) for f in sites.values()}
+
+
+def _attributes(sites):
+    """The objects the module attributes of ``sites`` name now."""
+    return {(m, a): getattr(sys.modules[m], a) for m, a in sites}
+
+
 def test_disable_restores_every_original_object():
+    sites, before = _op_functions()
     gluon_amp.init("bfloat16")
     record = gluon_amp.patched_functions()
     assert len(record) > 1000
-    assert all(getattr(p.module, p.name) is not p.original for p in record)
+    assert len({id(p.function) for p in record}) == len(record)  # one record per function
+    assert all(p.function.__code__ is not before[id(p.function)][0] for p in record)
+    assert _attributes(sites) == sites  # patched in place: the attributes name MXNet's objects
     gluon_amp.disable()
-    bad = [(p.module.__name__, p.name) for p in record if getattr(p.module, p.name) is not p.original]
+    assert _attributes(sites) == sites
+    after = _state(sites)
+    bad = [f"{p.module.__name__}.{p.name}" for p in record
+           if after[id(p.function)][0] is not before[id(p.function)][0]
+           or after[id(p.function)] != before[id(p.function)]]
     assert not bad
     assert gluon_amp.patched_functions() == ()
+
+
+def test_a_second_init_finds_every_function_again():
+    gluon_amp.init("float16")
+    first = {id(p.function) for p in gluon_amp.patched_functions()}
+    # op_of_function reads a patched function through its original code
+    assert {id(f) for _, _, f, _, _ in registry.op_function_sites()} >= first
+    gluon_amp.disable()
+    gluon_amp.init("float16")
+    assert {id(p.function) for p in gluon_amp.patched_functions()} == first
+
+
+def test_failed_init_rolls_back(monkeypatch):
+    from gluon_amp import patching
+    _, state = _op_functions()
+    real, calls = patching._wrapper_for, []
+
+    def fail_late(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 500:
+            raise KeyError("boom")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(patching, "_wrapper_for", fail_late)
+    with pytest.raises(KeyError):
+        gluon_amp.init("float16")
+    assert not gluon_amp.is_enabled()
+    _, after = _op_functions()
+    assert [k for k in state if after[k][0] is not state[k][0]] == []
+
+
+def test_disable_leaves_a_function_someone_else_changed_and_says_so():
+    gluon_amp.init("float16")
+    p = next(p for p in gluon_amp.patched_functions() if p.function is mx.sym.Convolution)
+    theirs = {"_gluon_amp_impl": lambda *a, **k: "theirs"}
+    p.function.__kwdefaults__ = theirs
+    try:
+        with pytest.warns(RuntimeWarning, match="Convolution"):
+            gluon_amp.disable()
+        assert mx.sym.Convolution.__kwdefaults__ is theirs  # not clobbered
+    finally:
+        registry.restore(p.saved)
+    assert "amp_cast" not in mx.sym.Convolution(mx.sym.var("d"), kernel=(1, 1), num_filter=1).tojson()
+
+
+def test_references_taken_before_init_get_amp_and_keep_identity():
+    from mxnet.ndarray import softmax as cap_softmax
+    from mxnet.symbol import Convolution as cap_conv
+    from mxnet.symbol.contrib import SyncBatchNorm as cap_sbn
+    sig = inspect.signature(mx.nd.Convolution)
+    code = cap_conv.__code__
+    x = mx.nd.ones((2, 3), dtype="float16")
+
+    def conv_json():
+        return cap_conv(mx.sym.var("d"), kernel=(1, 1), num_filter=2, name="c").tojson(remove_amp_cast=False)
+
+    with gluon_amp.autocast("float16"):
+        assert cap_sbn is mx.sym.contrib.SyncBatchNorm and cap_conv is mx.sym.Convolution
+        assert "amp_cast" in conv_json()
+        assert cap_softmax(x).dtype == np.float32  # fp32 op, through the captured reference
+        assert inspect.signature(mx.nd.Convolution) == sig
+    assert "amp_cast" not in conv_json()
+    assert cap_conv.__code__ is code
+    assert cap_softmax(x).dtype == np.float16
+    assert inspect.signature(mx.nd.Convolution) == sig
+
+
+@pytest.mark.bf16_kernels
+def test_captured_imperative_reference_runs_in_bfloat16():
+    from mxnet.ndarray import Convolution as cap_nd
+    x = mx.nd.random.uniform(shape=(1, 2, 4, 4))
+    w = mx.nd.random.uniform(shape=(2, 2, 1, 1))
+    with gluon_amp.autocast("bfloat16"):
+        assert cap_nd(x, w, kernel=(1, 1), num_filter=2, no_bias=True).dtype == BFLOAT16
+    assert cap_nd(x, w, kernel=(1, 1), num_filter=2, no_bias=True).dtype == np.float32
+
+
+def test_gluoncv_fpn_syncbn_builds_under_init_after_importing_gluoncv(monkeypatch, tmp_path):
+    """GluonCV imports SyncBatchNorm at import time and compares it with ``is`` later."""
+    import socket
+
+    def refuse(*_a, **_k):
+        raise RuntimeError("download attempted")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setenv("MXNET_HOME", str(tmp_path))
+    gluoncv_or_skip()
+    import gluoncv.nn.feature
+    from gluoncv.model_zoo import get_model
+    with gluon_amp.autocast("float16"):
+        assert gluoncv.nn.feature.SyncBatchNorm is mx.sym.contrib.SyncBatchNorm
+        net = get_model("faster_rcnn_fpn_syncbn_resnet50_v1b_coco", pretrained=False, pretrained_base=False)
+        out = net(mx.sym.var("data"))
+    sym = mx.sym.Group(list(out)) if isinstance(out, (list, tuple)) else out
+    nodes = json.loads(sym.tojson(remove_amp_cast=False))["nodes"]
+    keys = [n["attrs"]["key"] for n in nodes if n["op"] == "_contrib_SyncBatchNorm"]
+    assert keys and len(set(keys)) == len(keys)
+    assert any(n["op"] == "amp_cast" for n in nodes)
+    assert sym.infer_type(data=np.float32)[1] is not None
 
 
 def test_wrappers_keep_names_and_docs():
@@ -63,19 +190,21 @@ def test_none_follows_what_this_machine_executes():
 
 
 def test_autocast_scopes_patching():
-    orig = mx.nd.Convolution
+    orig, code = mx.nd.Convolution, mx.nd.Convolution.__code__
     with gluon_amp.autocast("bfloat16") as table:
         assert table.target_dtype == "bfloat16"
-        assert mx.nd.Convolution is not orig
-    assert mx.nd.Convolution is orig and not gluon_amp.is_enabled()
+        assert mx.nd.Convolution is orig and orig.__code__ is not code
+    assert mx.nd.Convolution is orig and orig.__code__ is code and not gluon_amp.is_enabled()
+    assert "__wrapped__" not in vars(orig)
 
 
 def test_autocast_restores_on_error():
-    orig = mx.sym.FullyConnected
+    code = mx.sym.FullyConnected.__code__
     with pytest.raises(KeyError):
         with gluon_amp.autocast("float16"):
+            assert mx.sym.FullyConnected.__code__ is not code
             raise KeyError("boom")
-    assert mx.sym.FullyConnected is orig
+    assert mx.sym.FullyConnected.__code__ is code
 
 
 @pytest.mark.bf16_kernels
@@ -205,6 +334,8 @@ def test_loss_output_op_gets_the_loss_scale_in_grad_scale():
 
 def test_neutral_normalisation_ops_are_not_wrapped():
     """Their parameters stay float32 by design, so there is nothing to make agree."""
-    originals = (mx.sym.BatchNorm, mx.nd.BatchNorm, mx.sym.contrib.BatchNormWithReLU)
+    fns = (mx.sym.BatchNorm, mx.nd.BatchNorm, mx.sym.contrib.BatchNormWithReLU)
+    codes = [f.__code__ for f in fns]
     with gluon_amp.autocast("float16"):
-        assert (mx.sym.BatchNorm, mx.nd.BatchNorm, mx.sym.contrib.BatchNormWithReLU) == originals
+        assert [f.__code__ for f in fns] == codes
+        assert not {id(f) for f in fns} & {id(p.function) for p in gluon_amp.patched_functions()}
