@@ -72,6 +72,11 @@ def enable_amx() -> bool:
     return ok
 
 
+def amx_active() -> bool:
+    """True when oneDNN may use AMX in this process (permission granted, ISA cap allows it)."""
+    return enable_amx() and os.environ.get("DNNL_MAX_CPU_ISA", "").upper() == _AMX_ISA
+
+
 def _probe_bf16() -> Optional[str]:
     """Run a tiny bfloat16 convolution and dense layer; ``None`` if they ran, else the error.
 

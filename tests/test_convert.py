@@ -317,3 +317,17 @@ def test_default_data_names_leave_auto_created_weights_as_parameters():
     declared = out.attr_dict()
     assert declared["c_weight"]["__dtype__"] == declared["fc_weight"]["__dtype__"] == "0"
     assert "__dtype__" not in declared.get("data", {})
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_quantized_graph_warning_names_the_amx_int8_crash_only_with_amx(monkeypatch, amx):
+    data = mx.sym.var("data")
+    q = mx.sym.contrib.quantize_v2(data, out_type="int8", min_calib_range=-1.0, max_calib_range=1.0)
+    deq = mx.sym.contrib.dequantize(q[0], q[1], q[2])
+    fc = mx.sym.FullyConnected(deq, num_hidden=4, name="fc")
+    monkeypatch.setattr(gluon_amp.runtime, "amx_active", lambda: amx)
+    with pytest.warns(UserWarning, match="fused or quantized") as record:
+        sym, result = convert_with_policy(fc, make_policy("bfloat16"), data_names=["data"])
+    assert ("GLUON_AMP_DISABLE_AMX=1" in str(record[0].message)) == amx
+    assert result.reasons["fc"] == "low_precision" and result.dtypes[(q.name, 0)] == "int8"
+    assert sym.infer_type(data=np.float32)[1] == [np.float32]

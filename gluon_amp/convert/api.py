@@ -16,6 +16,7 @@ from gluon_amp_core.dtypes import dtype_name
 from ..mxnet_internals import to_mx_dtype
 from ..type_inference import infer_dtypes, op_types
 from ..policies import as_policy
+from .. import runtime
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
 from gluon_amp_core.graph_pass import PassResult, convert_graph, is_kept, parameter_only_inputs
@@ -48,8 +49,14 @@ def _warn_kept(graph: dict, policy: Policy) -> None:
             f"{len(kept)} fused or quantized op(s) ({kept[:3]}{' ...' if len(kept) > 3 else ''}) keep "
             f"the dtypes they have in this graph; only the other ops are converted to "
             f"{policy.target_dtype}. To run the fused ops in {policy.target_dtype}, convert the FP32 "
-            "graph before fusion or quantization (convert_hybrid_block fuses after converting).",
+            "graph before fusion or quantization (convert_hybrid_block fuses after converting)."
+            + _AMX_INT8_NOTE * (runtime.amx_active() and any("quantize" in n["op"] for n in graph["nodes"])),
             UserWarning, stacklevel=3)
+
+
+_AMX_INT8_NOTE = (" AMX is on in this process (gluon_amp enables it at import), and MXNet 1.9.1's oneDNN "
+                  "2.4.4 crashes on some int8 networks with AMX (GluonCV's simple_pose_*_int8); if this "
+                  "one does, set GLUON_AMP_DISABLE_AMX=1 before importing gluon_amp.")
 
 
 def _check_excluded(graph: dict, excluded: List[str]) -> None:
