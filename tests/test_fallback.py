@@ -63,6 +63,28 @@ print(json.dumps({"enabled": amp.is_enabled(), "fc": str(types["fc_output"]),
                   "warnings": [str(w.message) for w in caught if "gluon_amp" in str(w.message)]}))
 '''
 
+CONVERT_DEFAULT = r'''
+import json, warnings
+import numpy as np
+import gluon_amp as amp
+import mxnet as mx
+from mxnet.gluon import nn
+warnings.simplefilter("ignore")
+mx.random.seed(0)
+net = nn.HybridSequential()
+net.add(nn.Conv2D(8, 3, in_channels=3), nn.BatchNorm(), nn.Activation("relu"), nn.Dense(4))
+net.initialize(mx.init.Xavier())
+net.hybridize()
+x = mx.nd.random.uniform(shape=(2, 3, 8, 8))
+ref = net(x).asnumpy()
+block = amp.convert_hybrid_block(net)
+out = block(x)
+block.export("CONVERTED", 0)
+ops = [n["op"] for n in json.load(open("CONVERTED-symbol.json"))["nodes"]]
+print(json.dumps({"backend": block.fuse_backend, "dtype": str(out.dtype), "ops": ops,
+                  "max_rel": float(np.abs(out.asnumpy() - ref).max() / np.abs(ref).max())}))
+'''
+
 
 def _run(code):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
@@ -87,3 +109,10 @@ def test_explicit_bfloat16_is_announced_and_graphs_still_build():
     assert out["enabled"] and "bfloat16" in out["fc"]
     assert len(out["warnings"]) == 1 and "cannot execute" in out["warnings"][0]
     assert "conversion still work" in out["warnings"][0]
+
+
+def test_converter_default_is_fused_float32_without_bf16_kernels(tmp_path):
+    out = _run(CONVERT_DEFAULT.replace("CONVERTED", str(tmp_path / "c")))
+    assert out["backend"] == "MKLDNN" and out["dtype"].endswith("float32'>")
+    assert "_sg_mkldnn_conv" in out["ops"] and "amp_cast" not in out["ops"]
+    assert out["max_rel"] < 1e-5  # MXNet's float32 fold is exact to rounding
