@@ -69,10 +69,10 @@ def _check_excluded(graph: dict, excluded: List[str]) -> None:
                          + " Use gluon_amp.report(sym) to list the node names.")
 
 
-def _data_names(clean: Symbol, data_names: Any, graph: dict) -> List[str]:
+def _data_names(clean: Symbol, data_names: Any, graph: dict,
+                op_inputs: Dict[str, Sequence[str]]) -> List[str]:
     if data_names is None:
         attrs = clean.attr_dict()
-        op_inputs = {n: i.inputs for n, i in registry.op_infos().items()}
         params = parameter_only_inputs(graph, op_inputs)
         return [n for n in clean.list_inputs() if "__dtype__" not in attrs.get(n, {}) and n not in params]
     data_names = _check_list("data_names", data_names)
@@ -95,9 +95,9 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
     _warn_kept(graph, policy)
     if not policy.enabled:  # no useful low precision here: the FP32 graph, unchanged
         return mx.sym.load_json(json.dumps(graph)), PassResult(graph, {}, dict(param_dtypes or {}), policy)
-    data_names = _data_names(sym, data_names, graph)
-    fp32_types = _fp32_types(sym, data_names, param_dtypes or {})
     op_inputs = {n: i.inputs for n, i in registry.op_infos().items()}
+    data_names = _data_names(sym, data_names, graph, op_inputs)
+    fp32_types = _fp32_types(sym, data_names, param_dtypes or {})
     result = convert_graph(graph, policy, data_names, _var_dtypes(sym, fp32_types), op_types, op_inputs,
                            excluded, cast_optional_params, fp32_types=fp32_types)
     converted = mx.sym.load_json(json.dumps(result.graph))
