@@ -35,8 +35,9 @@ interleaved (fp32, ours, peer, fp32, ...) to spread drift on a noisy machine eve
 forward is timed between two ``mx.nd.waitall()``. Median seconds per batch and images/s
 are reported, with the speedups ours/fp32, peer/fp32 and ours/peer (throughput ratios). A
 variant that fails to convert or run is recorded with its error and the others carry on.
-The targets from the issue are SSD-512 ours >= ``TARGET_SSD_SPEEDUP`` x FP32 and ResNet-50
-ours no slower than the peer. ``gluon_amp.runtime_info()`` is included (AMX or not). The
+The targets from the issue are SSD-512 with gluon_amp's default (fused on a CPU) >=
+``TARGET_SSD_SPEEDUP`` x FP32 and ResNet-50 unfused ("ours", the peer's graph) no slower
+than the peer. ``gluon_amp.runtime_info()`` is included (AMX or not). The
 report is printed as JSON, then as a table.
 
 Run::
@@ -271,9 +272,9 @@ def bench_model(mx: Any, model: str, batch: int, warmup: int, iters: int) -> Dic
                       "fused_over_fp32": _ratio(ips.get("fused"), ips["fp32"]),
                       "peer_over_fp32": _ratio(ips.get("peer"), ips["fp32"]),
                       "ours_over_peer": _ratio(ips.get("ours"), ips.get("peer"))}
-    if model == "ssd512":
-        sp = rep["speedup"]["ours_over_fp32"]
-        rep["target"] = {"desc": f"ours >= {TARGET_SSD_SPEEDUP:g}x fp32",
+    if model == "ssd512":  # what a user gets: the default, fused on a CPU
+        sp = rep["speedup"]["fused_over_fp32"]
+        rep["target"] = {"desc": f"gluon_amp's default (fused) >= {TARGET_SSD_SPEEDUP:g}x fp32",
                          "met": None if sp is None else sp >= TARGET_SSD_SPEEDUP}
     else:
         o, p = (variants.get(v, {}).get("median_s_per_batch") for v in ("ours", "peer"))
