@@ -41,16 +41,13 @@ class Patch:
 
     ``function`` stays MXNet's own object: every module attribute, and every reference
     taken before ``init`` (``from mxnet.symbol.contrib import SyncBatchNorm``), still
-    names it, and calls through any of them reach ``wrapper``, which runs ``impl``, a
-    copy of the function as MXNet made it. ``saved`` holds the code, defaults and
-    ``__wrapped__`` that :func:`disable` puts back. ``module.name`` is where the
-    function was first found.
+    names it, and calls through any of them reach ``wrapper``, which runs a copy of the
+    function as MXNet made it. ``saved`` holds the code, defaults and ``__wrapped__``
+    that :func:`disable` puts back. ``module.name`` is where the function was first found.
     """
 
     module: types.ModuleType
     name: str
-    op: str
-    impl: Callable
     saved: registry.SavedFunction
 
     @property
@@ -328,7 +325,7 @@ def _patch_all(table: OpTable) -> List[Patch]:
             impl = registry.copy_function(fn)  # the wrappers call this, never fn (fn calls them)
             wrapper = _wrapper_for(impl, op, kind, table, infos[op])
             if wrapper is not None:
-                patches.append(Patch(module, attr, op, impl, registry.redirect(fn, wrapper)))
+                patches.append(Patch(module, attr, registry.redirect(fn, wrapper)))
     except BaseException:
         _restore(patches)
         raise

@@ -136,6 +136,13 @@ def resolve(target_dtype: Any, warn: bool = True) -> Resolution:
     return res
 
 
+@functools.lru_cache(maxsize=None)
+def has_onednn() -> bool:
+    """True when this MXNet build has oneDNN (the CPU builds do): its fusion backend exists."""
+    import mxnet as mx
+    return mx.runtime.Features().is_enabled("MKLDNN")
+
+
 def runtime_info() -> Dict[str, Any]:
     """What gluon_amp found on this machine and what ``target_dtype=None`` picks, with why."""
     import mxnet as mx
@@ -143,7 +150,7 @@ def runtime_info() -> Dict[str, Any]:
     cap = capability()
     return {
         "mxnet": mx.__version__,
-        "onednn": mx.runtime.Features().is_enabled("MKLDNN"),
+        "onednn": has_onednn(),
         "gpus": cap.gpus,
         "default_target_dtype": resolve_target(None, cap).dtype,
         "bf16": cap.bf16.value,

@@ -55,6 +55,13 @@ class _Builder:
         self.nodes.append(node)
         return len(self.nodes) - 1
 
+    def cast_float(self, entry: Entry, dtype: Optional[str]) -> Entry:
+        """``entry`` cast to ``dtype`` when both are float dtypes and differ, else as it is."""
+        have = self.dtypes.get(entry)
+        if dtype in FLOAT_DTYPES and have in FLOAT_DTYPES and have != dtype:
+            return self.cast(entry, dtype)
+        return entry
+
     def cast(self, entry: Entry, dtype: str) -> Entry:
         key = (entry, dtype)
         if key not in self.casts:
@@ -182,24 +189,15 @@ def _type_node(b: _Builder, node: dict, d: Decision, inputs: List[Entry], kept: 
     required, outs = typed
     new_inputs = []
     for e, want, target in zip(inputs, required, cast_to):
-        have = b.dtypes.get(e)
-        if e[0] in params:
-            target = want
-        if target in FLOAT_DTYPES and have in FLOAT_DTYPES and have != target:
-            e = b.cast(e, target)
-        new_inputs.append(e)
+        new_inputs.append(b.cast_float(e, want if e[0] in params else target))
     return new_inputs, outs
 
 
 def _keep_node(b: _Builder, nodes: Sequence[dict], node: dict, inputs: List[Entry],
                fp32_types: Mapping[Tuple[str, int], Optional[str]]) -> Tuple[List[Entry], Tuple[Optional[str], ...]]:
     """A fused or quantized node, typed as in the FP32 graph: float inputs cast back there."""
-    new_inputs = []
-    for old, e in zip(node["inputs"], inputs):
-        want, have = fp32_types.get((nodes[old[0]]["name"], old[1])), b.dtypes.get(e)
-        if want in FLOAT_DTYPES and have in FLOAT_DTYPES and have != want:
-            e = b.cast(e, want)
-        new_inputs.append(e)
+    new_inputs = [b.cast_float(e, fp32_types.get((nodes[old[0]]["name"], old[1])))
+                  for old, e in zip(node["inputs"], inputs)]
     outs, k = [], 0
     while (node["name"], k) in fp32_types:
         outs.append(fp32_types[(node["name"], k)])

@@ -232,7 +232,7 @@ def _fuse_backend(fuse: Optional[bool], ctx: mx.Context, policy: Policy) -> Opti
     """
     if fuse is not None and not isinstance(fuse, bool):
         raise TypeError(f"fuse must be None, True or False, got {fuse!r}")
-    possible = ctx.device_type == "cpu" and mx.runtime.Features().is_enabled("MKLDNN")
+    possible = ctx.device_type == "cpu" and runtime.has_onednn()
     if fuse and not possible:
         raise ValueError(f"fuse=True needs a CPU context and MXNet built with oneDNN (MKLDNN); "
                          f"got ctx={ctx}. Use fuse=False (or None) on this context.")

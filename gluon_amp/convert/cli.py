@@ -77,8 +77,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as exc:  # a corrupt file: MXNetError or JSON errors
         print(f"error: could not load {args.prefix} epoch {args.epoch}: {exc}", file=sys.stderr)
         return 2
-    fuse = (not args.no_fuse and resolution.dtype == "bfloat16"
-            and mx.runtime.Features().is_enabled("MKLDNN"))
+    fuse = not args.no_fuse and resolution.dtype == "bfloat16" and runtime.has_onednn()
     if fuse:
         arg_params, aux_params, _ = fold_batch_norm(sym, arg_params, aux_params)
     try:
