@@ -48,6 +48,22 @@ def gluoncv_or_skip():
     return gluoncv
 
 
+@pytest.fixture(scope="session")
+def no_bf16_why() -> str:
+    """Why a no-bf16 process (``no_bf16_env``) has no bfloat16, as gluon_amp says it there.
+
+    Tests check that this reason reaches the user, never its wording: it names the cap
+    under the simulation and the missing ``avx512f`` on a real AVX2 CPU.
+    """
+    import subprocess
+    code = "import gluon_amp; print(gluon_amp.runtime.capability().why)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=no_bf16_env(), timeout=300, check=True)
+    why = r.stdout.strip().splitlines()[-1]
+    assert why, "the no-bf16 process gave no reason"
+    return why
+
+
 def no_bf16_env() -> dict:
     """Environment for a subprocess that behaves like an AVX2-only host on any CPU."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
