@@ -393,3 +393,42 @@ def bucketing_module_options(mod: Any) -> Dict[str, Any]:
 def bucketing_buckets(mod: Any) -> Dict[Any, Any]:
     """Bucket key -> bound Module (1.9.1: ``BucketingModule._buckets``)."""
     return mod._buckets
+
+
+# -- graph hook ----------------------------------------------------------------------
+# 1.9.1 mxnet/gluon/block.py: ``HybridBlock._get_graph(*args)`` builds the block's graph
+# once (``self._cached_graph = (inputs, out)``) and returns it; ``_build_cache``,
+# ``infer_shape`` and ``export`` read it from there. Rewriting it on its first build
+# changes what the CachedOp runs. If the method is renamed, init(emulate=True) fails here.
+
+_GET_GRAPH = HybridBlock._get_graph
+
+
+def install_graph_hook(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], Symbol]) -> Callable:
+    """Make every HybridBlock's freshly built graph pass through ``rewrite(block, args,
+    inputs, out)``; return the installed method, for :func:`remove_graph_hook`."""
+
+    def _get_graph(self: HybridBlock, *args: Any) -> Any:
+        fresh = not self._cached_graph
+        inputs, out = _GET_GRAPH(self, *args)
+        if fresh:
+            self._cached_graph = (inputs, rewrite(self, args, inputs, out))
+        return self._cached_graph
+
+    HybridBlock._get_graph = _get_graph
+    return _get_graph
+
+
+def remove_graph_hook(installed: Callable) -> None:
+    """Put MXNet's ``_get_graph`` back, if ``installed`` is still the one in place."""
+    if HybridBlock.__dict__.get("_get_graph") is installed:
+        HybridBlock._get_graph = _GET_GRAPH
+
+
+def full_op_name(name: Any) -> Optional[str]:
+    """The node name an op built now with ``name=`` gets (Gluon's prefix applied), or
+    ``None`` when MXNet will make one up. 1.9.1: ``NameManager.current.get(name, hint)``
+    returns ``name`` (prefixed under ``Prefix``) without side effects when ``name`` is set."""
+    if not name or not isinstance(name, str):
+        return None
+    return mx.name.NameManager.current.get(name, None)

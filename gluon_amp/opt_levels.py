@@ -257,20 +257,36 @@ def _warn_frozen_graphs(net: Block) -> None:
             "carry such graphs along.", RuntimeWarning, stacklevel=3)
 
 
-def _policy(level: OptLevel, target_dtype: Any) -> Optional[Policy]:
-    """The policy O1-O3 patch with (resolved for this machine); ``None`` at O0."""
+def _policy(level: OptLevel, target_dtype: Any, emulate: Optional[bool]) -> Optional[Policy]:
+    """The policy O1-O3 patch with (resolved for this machine); ``None`` at O0.
+
+    A ready :class:`Policy` is used as it is; its batch-norm rule must agree with the level's."""
     if not level.patch_ops:
-        if target_dtype is not None:
-            raise ValueError(f"target_dtype={target_dtype!r} has no effect at O0 (pure float32); "
-                             "leave it None, or pick O1-O3.")
+        if target_dtype is not None or emulate:
+            raise ValueError(f"target_dtype={target_dtype!r}, emulate={emulate!r} have no effect at O0 "
+                             "(pure float32); leave them unset, or pick O1-O3.")
         return None
-    return make_policy(target_dtype, keep_batchnorm_fp32=level.keep_batchnorm_fp32)
+    if emulate and level.cast_weights:
+        raise ValueError(f"emulate=True supports opt_level 'O1' (op patching); {level.name} stores the "
+                         "weights in the target dtype, which emulation does not model. Use O1 with "
+                         "emulate=True for a numerics check.")
+    if isinstance(target_dtype, Policy):
+        if emulate is not None and emulate != target_dtype.emulate:
+            raise ValueError(f"emulate={emulate!r} disagrees with the Policy passed as target_dtype "
+                             f"(emulate={target_dtype.emulate}); build the Policy with make_policy(emulate=...).")
+        if target_dtype.enabled and target_dtype.keep_batchnorm_fp32 != level.keep_batchnorm_fp32:
+            raise ValueError(f"the Policy's keep_batchnorm_fp32={target_dtype.keep_batchnorm_fp32!r} "
+                             f"disagrees with {level.name}'s {level.keep_batchnorm_fp32!r}; pass the same "
+                             "value to make_policy and initialize.")
+        return target_dtype
+    return make_policy(target_dtype, keep_batchnorm_fp32=level.keep_batchnorm_fp32, emulate=emulate)
 
 
 def initialize(net: Block, trainer: Optional[Trainer] = None, opt_level: str = "O1", *,
                target_dtype: Any = None, keep_batchnorm_fp32: Optional[bool] = None,
                loss_scale: Optional[LossScale] = None,
-               master_weights: Optional[bool] = None) -> Tuple[Block, Optional[Trainer]]:
+               master_weights: Optional[bool] = None,
+               emulate: Optional[bool] = None) -> Tuple[Block, Optional[Trainer]]:
     """Set up ``net`` and ``trainer`` for mixed precision at an Apex opt level.
 
     Call it once, after building and initializing the net and the trainer, before the
@@ -287,9 +303,12 @@ def initialize(net: Block, trainer: Optional[Trainer] = None, opt_level: str = "
         :func:`gluon_amp.get_scaler`) and, at O2, float32 master weights.
     opt_level : {'O0', 'O1', 'O2', 'O3'}
         See the module table.
-    target_dtype : {'float16', 'bfloat16', None}
+    target_dtype : {'float16', 'bfloat16', None} or Policy
         ``None`` picks for this machine as :func:`gluon_amp.init` does; where it picks
-        float32 (no usable low precision) every level behaves as O0.
+        float32 (no usable low precision) every level behaves as O0. A :class:`Policy`
+        (from :func:`gluon_amp.make_policy`) is used as it is.
+    emulate : bool, optional
+        O1 only: run the plan emulated in float32 on any CPU (see :func:`gluon_amp.init`).
     keep_batchnorm_fp32, loss_scale, master_weights : optional
         Override the level's default, as in Apex. ``loss_scale`` is ``'dynamic'``, a number
         (static scale) or a :class:`LossScaler`.
@@ -302,7 +321,7 @@ def initialize(net: Block, trainer: Optional[Trainer] = None, opt_level: str = "
                        loss_scale=loss_scale, master_weights=master_weights)
     _check_net(net, level)
     _check_trainer(trainer)
-    policy = _policy(level, target_dtype)
+    policy = _policy(level, target_dtype, emulate)
     if policy is not None and not policy.enabled:  # no useful low precision here (warned): O0
         level = replace(OPT_LEVELS["O0"], loss_scale=level.loss_scale if loss_scale is not None else 1.0)
     dtype = policy.target_dtype if policy is not None else "float32"

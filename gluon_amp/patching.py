@@ -21,8 +21,9 @@ from gluon_amp_core.lists.loss_outputs import LOSS_OUTPUT_FUNCTIONS
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec, OpClass, OpTable
 
-from . import follow, loss_output
+from . import follow, loss_output, runtime
 from . import mxnet_internals as registry
+from .emulation import cannot_run, graph_rewriter, round_nd
 from .mxnet_internals import to_mx_dtype
 from .policies import as_policy
 
@@ -63,6 +64,8 @@ class Patch:
 class _Active:
     policy: Policy
     patches: List[Patch]
+    #: the HybridBlock graph hook (emulation, or the cannot-run check)
+    graph_hook: Callable
     #: loss scalers attached (init_trainer) while this init is on; loss-output ops read them
     scalers: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
 
@@ -91,36 +94,50 @@ def _multicast_sym(xs: Sequence[Symbol], narrow: bool = False) -> List[Symbol]:
 
 
 def _nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str],
-                neutral: Optional[Callable] = None) -> Callable:
+                neutral: Optional[Callable] = None, emulate: bool = False,
+                runs_on_cpu: bool = True) -> Callable:
     """Imperative wrapper: cast float NDArray inputs as ``decide`` says, then call ``fn``.
 
     The decision for fixed classes (low precision, fp32) does not depend on the call, so
     it is taken once here; conditional ops decide per call on their attributes and
     widest ops on their input dtypes. Dispatch cost matters: this runs on every op call.
     ``neutral`` runs the op when a conditional op's rule does not apply (default ``fn``).
+    ``emulate``: inputs and outputs are rounded to the target in float32 instead of cast
+    (imperative emulation rounds at decided ops only; hybridized graphs are exact).
+    ``runs_on_cpu=False``: a low-precision op with CPU inputs raises a RuntimeError.
     """
     neutral = neutral or fn
     op_class = table.classes.get(op, OpClass.NEUTRAL)
     fixed = decide(op, {}, [], table) if op_class in (OpClass.LOW_PRECISION, OpClass.FP32) else None
     to_name = registry.FLOAT_NAMES
+    low = table.target_dtype
+    cast = (lambda x, dt: round_nd(x, dt) if dt == low else x) if emulate else _cast_nd
+    guard = not emulate and not runs_on_cpu and op_class is OpClass.LOW_PRECISION
 
     def cast_all(args: tuple, kwargs: dict, d: Decision) -> Any:
         want, keep = d.dtype, d.keep_fp32
+        if guard and any(isinstance(a, NDArray) and a.context.device_type == "cpu"
+                         for a in [*args, *kwargs.values()]):
+            raise RuntimeError(cannot_run(f"{op} (imperative)", want, "cpu"))
         new_args = None
         for i, a in enumerate(args):
             if isinstance(a, NDArray):
                 dt = to_name.get(a.dtype)
-                if dt is not None and dt != want and not (keep and i < len(input_names) and input_names[i] in keep):
+                if dt is not None and (dt != want or emulate) and not (
+                        keep and i < len(input_names) and input_names[i] in keep):
                     if new_args is None:
                         new_args = list(args)
-                    new_args[i] = _cast_nd(a, want)
+                    new_args[i] = cast(a, want)
         if kwargs:
             for k, v in kwargs.items():
                 if k != "out" and k not in keep and isinstance(v, NDArray):
                     dt = to_name.get(v.dtype)
-                    if dt is not None and dt != want:
-                        kwargs[k] = _cast_nd(v, want)
-        return fn(*(args if new_args is None else new_args), **kwargs)
+                    if dt is not None and (dt != want or emulate):
+                        kwargs[k] = cast(v, want)
+        out = fn(*(args if new_args is None else new_args), **kwargs)
+        if emulate and want == low and "out" not in kwargs:
+            return _round_outputs(out, low)
+        return out
 
     if fixed is not None:
         @functools.wraps(fn)
@@ -146,11 +163,20 @@ def _nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str
     return amp_op
 
 
+def _round_outputs(out: Any, dtype: str) -> Any:
+    if isinstance(out, NDArray):
+        return round_nd(out, dtype) if registry.FLOAT_NAMES.get(out.dtype) == "float32" else out
+    if isinstance(out, (list, tuple)):
+        return type(out)(_round_outputs(o, dtype) for o in out)
+    return out
+
+
 def _sym_wrapper(fn: Callable, op: str, table: OpTable, info: registry.OpInfo,
-                 neutral: Optional[Callable] = None) -> Callable:
+                 neutral: Optional[Callable] = None, excluded: frozenset = frozenset()) -> Callable:
     """Symbolic wrapper: insert ``amp_cast``/``amp_multicast`` nodes before the op.
 
-    ``neutral`` builds the op when the decision leaves its inputs alone (default ``fn``)."""
+    ``neutral`` builds the op when the decision leaves its inputs alone (default ``fn``).
+    An op built with a ``name=`` that resolves to a node name in ``excluded`` runs in float32."""
     declared = len(info.inputs)
     neutral = neutral or fn
 
@@ -159,7 +185,8 @@ def _sym_wrapper(fn: Callable, op: str, table: OpTable, info: registry.OpInfo,
         sym_kw = [k for k, v in kwargs.items() if isinstance(v, Symbol)]
         attrs = {k: v for k, v in kwargs.items() if k not in sym_kw}
         n_given = sum(isinstance(a, Symbol) for a in args) + len(sym_kw)
-        d = decide(op, attrs, [None] * n_given, table)
+        is_excluded = bool(excluded) and registry.full_op_name(kwargs.get("name")) in excluded
+        d = decide(op, attrs, [None] * n_given, table, excluded=is_excluded)
         if d.dtype is None and d.reason is not Reason.WIDEST:
             return neutral(*args, **kwargs)
         if not info.variadic and n_given < declared:
@@ -219,10 +246,19 @@ def init(target_dtype: Any = None,
          fp32_ops: Optional[Sequence[str]] = None,
          *,
          widest_type_ops: Optional[Sequence[str]] = None,
-         keep_batchnorm_fp32: Optional[bool] = None) -> Policy:
+         keep_batchnorm_fp32: Optional[bool] = None,
+         emulate: Optional[bool] = None,
+         excluded_sym_names: Optional[Sequence[str]] = None) -> Policy:
     """Turn on automatic mixed precision for ``mx.nd``, ``mx.sym``, ``mx.np`` and ``mx.npx``.
 
     Call it before building (or hybridizing) the network. Undo with :func:`disable`.
+    AMP is process-wide, not nestable: one policy at a time, for every thread.
+
+    How: every MXNet op function that needs it (over 1,000) is patched *in place*: its
+    ``__code__`` becomes a small trampoline into gluon_amp's wrapper, so references taken
+    before ``init`` get AMP too and identity checks still hold. Tracebacks and
+    ``inspect.getsource`` show the trampoline while AMP is on; :func:`disable` puts every
+    function back, checked by identity.
 
     Parameters
     ----------
@@ -237,6 +273,14 @@ def init(target_dtype: Any = None,
         Replace the default list of ops that run in their widest input type.
     keep_batchnorm_fp32 : bool, optional
         As in Apex: ``True`` forces batch norm to float32, ``False`` to the target dtype.
+    emulate : bool, optional
+        ``True`` runs the plan of ``target_dtype`` emulated on any CPU: every op in
+        float32, every value real AMP holds in low precision rounded to it (hybridized
+        blocks exactly; imperative calls round at the decided ops). Without it, a target
+        this machine cannot execute builds graphs, and running one raises RuntimeError.
+    excluded_sym_names : list of str, optional
+        Op node names (as in a hybridized block's graph, e.g. ``'dense0_fwd'``, and as
+        :func:`gluon_amp.debug.bisect` returns them) kept in float32.
 
     Returns
     -------
@@ -244,14 +288,20 @@ def init(target_dtype: Any = None,
         The policy in force. In the float32 fallback (``target_dtype=None`` on a machine
         without useful low precision) it has ``target_dtype == 'float32'`` and
         ``enabled == False``, nothing is patched and :func:`is_enabled` is False; loss
-        scaling still works. Calling ``init`` again with an equal policy is a no-op; with
-        another one while active it raises ``RuntimeError``.
+        scaling still works. Calling ``init()`` again without arguments, or with an equal
+        policy, is a no-op returning the active policy; with another one while active it
+        raises ``RuntimeError``.
     """
     global _active
     with _lock:
+        given = (target_dtype, target_precision_ops, conditional_fp32_ops, fp32_ops, widest_type_ops,
+                 keep_batchnorm_fp32, emulate, excluded_sym_names)
+        if _active is not None and all(v is None for v in given):
+            return _active.policy  # asks for nothing in particular (a launcher's second init)
         policy = as_policy(target_dtype, target_precision_ops=target_precision_ops,
                            conditional_fp32_ops=conditional_fp32_ops, fp32_ops=fp32_ops,
-                           widest_type_ops=widest_type_ops, keep_batchnorm_fp32=keep_batchnorm_fp32)
+                           widest_type_ops=widest_type_ops, keep_batchnorm_fp32=keep_batchnorm_fp32,
+                           emulate=emulate, excluded_sym_names=excluded_sym_names)
         if _active is not None:
             if _active.policy == policy:
                 return _active.policy
@@ -262,7 +312,8 @@ def init(target_dtype: Any = None,
         if not policy.enabled:
             return policy
         _warn_cached_blocks()
-        _active = _Active(policy, _patch_all(policy.table))
+        patches = _patch_all(policy)
+        _active = _Active(policy, patches, registry.install_graph_hook(graph_rewriter(policy)))
         _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
                   policy.describe(), len(_active.patches))
         return policy
@@ -285,13 +336,14 @@ def _loss_output_scale(op: str) -> float:
     return scales.pop() if scales else 1.0
 
 
-def _wrapper_for(fn: Callable, op: str, kind: str, table: OpTable,
+def _wrapper_for(fn: Callable, op: str, kind: str, policy: Policy,
                  info: registry.OpInfo) -> Optional[Callable]:
     """The wrapper ``op`` needs under ``table``; None when it runs as it is.
 
     Where the op may run neutral (its class, or a conditional rule that does not apply)
     and has several inputs, the neutral path makes them agree (:mod:`gluon_amp.follow`).
     """
+    table = policy.table
     if op in LOSS_OUTPUT_FUNCTIONS:
         fn = (loss_output.nd_wrapper(fn, op, _loss_output_scale) if kind == "ndarray"
               else loss_output.sym_wrapper(fn, op))
@@ -307,11 +359,12 @@ def _wrapper_for(fn: Callable, op: str, kind: str, table: OpTable,
     if op_class is OpClass.NEUTRAL:
         return neutral or (fn if op in LOSS_OUTPUT_FUNCTIONS else None)
     if kind == "ndarray":
-        return _nd_wrapper(fn, op, table, info.inputs, neutral)
-    return _sym_wrapper(fn, op, table, info, neutral)
+        return _nd_wrapper(fn, op, table, info.inputs, neutral, emulate=policy.emulate,
+                           runs_on_cpu=runtime.executable(table.target_dtype, "cpu"))
+    return _sym_wrapper(fn, op, table, info, neutral, policy.excluded)
 
 
-def _patch_all(table: OpTable) -> List[Patch]:
+def _patch_all(policy: Policy) -> List[Patch]:
     """Redirect each op function that needs a wrapper, once per function object (one
     object is often reachable as several module attributes: ``mx.nd.X``, ``mx.nd.op.X``)."""
     infos = registry.op_infos()
@@ -323,7 +376,7 @@ def _patch_all(table: OpTable) -> List[Patch]:
                 continue
             seen.add(id(fn))
             impl = registry.copy_function(fn)  # the wrappers call this, never fn (fn calls them)
-            wrapper = _wrapper_for(impl, op, kind, table, infos[op])
+            wrapper = _wrapper_for(impl, op, kind, policy, infos[op])
             if wrapper is not None:
                 patches.append(Patch(module, attr, registry.redirect(fn, wrapper)))
     except BaseException:
@@ -355,6 +408,7 @@ def disable() -> None:
         if _active is None:
             return
         _restore(_active.patches)
+        registry.remove_graph_hook(_active.graph_hook)
         _active = None
 
 

@@ -1,4 +1,4 @@
-"""Build a :class:`~gluon_amp.policy.Policy` for this machine and this MXNet.
+"""Build a :class:`~gluon_amp_core.policy.Policy` for this machine and this MXNet.
 
 The peer-compatible signatures (``init``, ``convert_*``, ``report``) are shims over
 :func:`as_policy`: they accept a ready ``Policy`` or the classic arguments.
@@ -17,16 +17,29 @@ def make_policy(target_dtype: Any = None,
                 conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
                 fp32_ops: Optional[Sequence[str]] = None, *,
                 widest_type_ops: Optional[Sequence[str]] = None,
-                keep_batchnorm_fp32: Optional[bool] = None) -> Policy:
+                keep_batchnorm_fp32: Optional[bool] = None,
+                emulate: Optional[bool] = None,
+                excluded_sym_names: Optional[Sequence[str]] = None) -> Policy:
     """A validated policy: ``target_dtype`` resolved for this machine (``None`` picks;
-    see :func:`gluon_amp.capability.resolve_target`), op names checked against MXNet's
+    see :func:`gluon_amp_core.capability.resolve_target`), op names checked against MXNet's
     registry. Where no useful low precision exists the policy is float32 (AMP off) and a
-    ``RuntimeWarning`` says why, once per process."""
-    res = runtime.resolve(target_dtype)
-    return Policy.create(res.dtype, target_precision_ops, fp32_ops, conditional_fp32_ops,
-                         widest_type_ops, keep_batchnorm_fp32, known_ops=registry.op_infos().keys(),
-                         aliases=registry.aliases(),
-                         reason=res.warning if res.dtype == FLOAT32 else None)
+    ``RuntimeWarning`` says why, once per process.
+
+    ``emulate=True`` runs the plan of ``target_dtype`` emulated in float32 on any CPU
+    (``None`` then picks float16 with a GPU, else bfloat16); no capability warning.
+    ``excluded_sym_names`` keeps those op nodes in float32.
+    """
+    if emulate not in (None, True, False):
+        raise TypeError(f"emulate must be True, False or None, got {emulate!r}")
+    if emulate:
+        dtype, reason = runtime.emulated_target(target_dtype), None
+    else:
+        res = runtime.resolve(target_dtype)
+        dtype, reason = res.dtype, (res.warning if res.dtype == FLOAT32 else None)
+    return Policy.create(dtype, target_precision_ops, fp32_ops, conditional_fp32_ops,
+                         widest_type_ops, keep_batchnorm_fp32, emulate=bool(emulate),
+                         excluded_sym_names=excluded_sym_names, known_ops=registry.op_infos().keys(),
+                         aliases=registry.aliases(), reason=reason)
 
 
 def as_policy(target_dtype: Any = None, **lists: Any) -> Policy:

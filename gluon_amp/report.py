@@ -11,6 +11,7 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import Reason
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
+from gluon_amp_core.emulate import REAL_DTYPE_ATTR, ROUND_SUFFIX
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import default_table
 from gluon_amp_core.walk import REASON_ATTR, walk
@@ -27,6 +28,7 @@ class OpRow:
     op: str
     dtype: str
     reason: str
+    emulated: bool = False
 
 
 @dataclass
@@ -38,19 +40,23 @@ class Report:
     casts: int
     totals_by_dtype: Dict[str, int] = field(default_factory=dict)
     totals_by_reason: Dict[str, int] = field(default_factory=dict)
+    #: the graph runs the plan emulated in float32 (dtypes shown are the plan's)
+    emulated: bool = False
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"target_dtype": self.target_dtype, "casts": self.casts,
+        return {"target_dtype": self.target_dtype, "casts": self.casts, "emulated": self.emulated,
                 "totals_by_dtype": self.totals_by_dtype, "totals_by_reason": self.totals_by_reason,
                 "ops": [r.__dict__ for r in self.rows]}
 
     def __str__(self) -> str:
         w = max([len(r.name) for r in self.rows] + [4])
         lines = [f"{'node':<{w}}  {'op':<22} {'dtype':<9} reason", "-" * (w + 45)]
-        lines += [f"{r.name:<{w}}  {r.op:<22} {r.dtype:<9} {r.reason}" for r in self.rows]
+        lines += [f"{r.name:<{w}}  {r.op:<22} {r.dtype:<9} {r.reason}" + " (emulated)" * r.emulated
+                  for r in self.rows]
         lines += ["", f"ops by dtype:  {dict(sorted(self.totals_by_dtype.items()))}",
                   f"ops by reason: {dict(sorted(self.totals_by_reason.items()))}",
-                  f"casts: {self.casts}  (target dtype {self.target_dtype})"]
+                  f"casts: {self.casts}  (target dtype {self.target_dtype}"
+                  + (", emulated in float32: dtypes are the plan's, values rounded to them)" if self.emulated else ")")]
         return "\n".join(lines)
 
 
@@ -101,14 +107,15 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
         default_table(label if label in LOW_PRECISION_DTYPES else "bfloat16")
     rows, casts = [], 0
     for nd in walk(nodes, table, lambda e: by_name.get((nodes[e[0]]["name"], e[1]))):
-        if nd.reason is Reason.CAST:
-            casts += 1
-            continue
         node_attrs = nodes[nd.index].get("attrs", {})
+        if nd.reason is Reason.CAST:
+            casts += ROUND_SUFFIX not in nd.name  # an emulated rounding is not a cast of the plan
+            continue
         reason = node_attrs.get(REASON_ATTR, nd.reason.value)
         rule = table.conditions.get(table.canonical(nd.op))
         if rule is not None and reason.startswith("conditional"):
             reason += f" ({rule.attr}={node_attrs.get(rule.attr, 'default')})"
-        rows.append(OpRow(nd.name, nd.op, by_name.get((nd.name, 0)) or "?", reason))
+        real = node_attrs.get(REAL_DTYPE_ATTR)
+        rows.append(OpRow(nd.name, nd.op, real or by_name.get((nd.name, 0)) or "?", reason, real is not None))
     return Report(label, rows, casts, dict(Counter(r.dtype for r in rows)),
-                  dict(Counter(r.reason.split(" ")[0] for r in rows)))
+                  dict(Counter(r.reason.split(" ")[0] for r in rows)), any(r.emulated for r in rows))

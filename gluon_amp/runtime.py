@@ -16,6 +16,7 @@ import warnings
 from typing import Any, Dict, FrozenSet, Optional, Set
 
 from gluon_amp_core.capability import Bf16, Capability, Resolution, classify, resolve_target
+from gluon_amp_core.dtypes import parse_target_dtype
 
 _SYS_ARCH_PRCTL = 158
 _ARCH_REQ_XCOMP_PERM = 0x1023
@@ -136,6 +137,23 @@ def resolve(target_dtype: Any, warn: bool = True) -> Resolution:
     return res
 
 
+def emulated_target(target_dtype: Any) -> str:
+    """The dtype ``emulate=True`` runs: ``target_dtype``, or for ``None`` what real AMP
+    would use on the fast hardware of this kind: float16 with a GPU, else bfloat16."""
+    if target_dtype is None:
+        return "float16" if capability().gpus > 0 else "bfloat16"
+    return parse_target_dtype(target_dtype)
+
+
+def executable(dtype: str, device_type: str) -> bool:
+    """True when ``dtype``'s convolution and GEMM kernels run on ``device_type`` here."""
+    if dtype not in ("float16", "bfloat16"):
+        return True
+    if device_type == "cpu":
+        return dtype == "bfloat16" and capability().bf16 is not Bf16.NONE
+    return True  # a GPU: MXNet decides
+
+
 @functools.lru_cache(maxsize=None)
 def has_onednn() -> bool:
     """True when this MXNet build has oneDNN (the CPU builds do): its fusion backend exists."""
@@ -164,4 +182,18 @@ def runtime_info() -> Dict[str, Any]:
         "isa_set_by": _state["isa_set_by"],
         "bf16_isa": cap.isa.lower() if cap.bf16 is Bf16.NATIVE else f"no native bfloat16 ({cap.bf16.value})",
         "error": _state["error"],
+        "mode": amp_mode(),
     }
+
+
+def amp_mode() -> str:
+    """How AMP runs now: ``'off'``, ``'native'`` (real low-precision kernels), ``'emulated'``
+    (``emulate=True``: float32 with the target's rounding) or ``'cannot execute'`` (an
+    explicit target this CPU has no kernels for: graphs build, running raises)."""
+    from .patching import current_policy
+    policy = current_policy()
+    if policy is None:
+        return "off"
+    if policy.emulate:
+        return "emulated"
+    return "native" if executable(policy.target_dtype, "cpu") or capability().gpus else "cannot execute"

@@ -110,6 +110,11 @@ def _why_none(cpu: str, isa: str, capped: bool, probe_error: str) -> str:
     return f"{cause} (probe: {probe_error})"
 
 
+#: What to do about a target this machine cannot execute, for numerics.
+EMULATE_HINT = ("Pass emulate=True to run the same plan emulated in float32 on this CPU "
+                "(the target's rounding, for numerics; not faster).")
+
+
 @dataclass(frozen=True)
 class Resolution:
     """The dtype AMP will use, and what to tell the user about it.
@@ -142,11 +147,11 @@ def resolve_target(requested: object, cap: Capability) -> Resolution:
     if dtype == "float16" and cap.gpus == 0:
         return Resolution(dtype, "gluon_amp: target_dtype='float16' without a GPU: MXNet's CPU build "
                                  "has no float16 convolution or GEMM. Graph building, type inference "
-                                 "and conversion work; running float16 ops needs a GPU.", False)
+                                 f"and conversion work; running float16 ops needs a GPU. {EMULATE_HINT}", False)
     if dtype == "bfloat16" and cap.bf16 is Bf16.NONE:
         return Resolution(dtype, f"gluon_amp: target_dtype='bfloat16' cannot execute here: {cap.why}. "
                                  "Graph building, type inference and conversion still work; running "
-                                 "a bfloat16 convolution or dense layer will fail in oneDNN.", False)
+                                 f"a bfloat16 convolution or dense layer cannot. {EMULATE_HINT}", False)
     if dtype == "bfloat16" and cap.bf16 is Bf16.EMULATED:
         return Resolution(dtype, f"gluon_amp: target_dtype='bfloat16': {cap.why}. Use it for numerics "
                                  f"checks; {_FAST_HW} runs it fast.")

@@ -29,6 +29,11 @@ class Policy:
     conditional_fp32_ops : tuple of (op, attr, values) or None
     keep_batchnorm_fp32 : bool or None
         As in Apex: True forces batch norm to float32, False to the target dtype.
+    emulate : bool
+        Run the plan emulated: every op in float32, every value real AMP holds in the
+        target dtype rounded to it (:mod:`gluon_amp_core.emulate`). Same decisions.
+    excluded_sym_names : tuple of str or None
+        Op node names kept in float32 (as ``excluded_sym_names`` of the converters).
     table : OpTable or None
         The op table these settings give, checked against the registry it was built with.
     reason : str or None
@@ -41,6 +46,8 @@ class Policy:
     conditional_fp32_ops: Optional[Tuple[ConditionalSpec, ...]] = None
     widest_type_ops: Optional[Tuple[str, ...]] = None
     keep_batchnorm_fp32: Optional[bool] = None
+    emulate: bool = False
+    excluded_sym_names: Optional[Tuple[str, ...]] = None
     table: Optional[OpTable] = field(default=None, compare=False, repr=False)
     reason: Optional[str] = field(default=None, compare=False)
 
@@ -55,6 +62,8 @@ class Policy:
                conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
                widest_type_ops: Optional[Sequence[str]] = None,
                keep_batchnorm_fp32: Optional[bool] = None, *,
+               emulate: bool = False,
+               excluded_sym_names: Optional[Sequence[str]] = None,
                known_ops: Optional[Iterable[str]] = None,
                aliases: Optional[Mapping[str, str]] = None,
                reason: Optional[str] = None) -> "Policy":
@@ -73,21 +82,42 @@ class Policy:
         )
         if keep_batchnorm_fp32 is not None and not isinstance(keep_batchnorm_fp32, bool):
             raise TypeError(f"keep_batchnorm_fp32 must be True, False or None, got {keep_batchnorm_fp32!r}")
+        if not isinstance(emulate, bool):
+            raise TypeError(f"emulate must be True or False, got {emulate!r}")
+        excluded = None if excluded_sym_names is None else _node_names(excluded_sym_names)
         if target_dtype == FLOAT32:
-            return cls(FLOAT32, **lists, keep_batchnorm_fp32=keep_batchnorm_fp32, reason=reason)
+            return cls(FLOAT32, **lists, keep_batchnorm_fp32=keep_batchnorm_fp32,
+                       excluded_sym_names=excluded, reason=reason)
         table = build_table(parse_target_dtype(target_dtype), lists["target_precision_ops"], lists["conditional_fp32_ops"],
                             lists["fp32_ops"], lists["widest_type_ops"], keep_batchnorm_fp32,
                             known_ops=known_ops, aliases=aliases)
-        return cls(table.target_dtype, **lists, keep_batchnorm_fp32=keep_batchnorm_fp32, table=table)
+        return cls(table.target_dtype, **lists, keep_batchnorm_fp32=keep_batchnorm_fp32, emulate=emulate,
+                   excluded_sym_names=excluded, table=table)
+
+    @property
+    def excluded(self) -> frozenset:
+        """The op node names kept in float32, as a set."""
+        return frozenset(self.excluded_sym_names or ())
 
     def describe(self) -> str:
         """One line for logs and errors."""
         if not self.enabled:
             return f"float32 (mixed precision off: {self.reason or 'no low-precision target'})"
         overrides = [n for n in ("target_precision_ops", "fp32_ops", "conditional_fp32_ops",
-                                 "widest_type_ops", "keep_batchnorm_fp32") if getattr(self, n) is not None]
-        return self.target_dtype + (f" with {', '.join(overrides)}" if overrides else "")
+                                 "widest_type_ops", "keep_batchnorm_fp32", "excluded_sym_names")
+                     if getattr(self, n) is not None]
+        return (self.target_dtype + " (emulated in float32)" * self.emulate
+                + (f" with {', '.join(overrides)}" if overrides else ""))
 
 
 def _opt(check: Any, name: str, value: Any) -> Optional[Tuple[str, ...]]:
     return None if value is None else check(name, value)
+
+
+def _node_names(value: Any) -> Tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
+        raise TypeError(f"excluded_sym_names must be a list of op node names (str), got {value!r}")
+    bad = [v for v in value if not isinstance(v, str)]
+    if bad:
+        raise TypeError(f"excluded_sym_names must hold str node names; got {bad[:3]}")
+    return tuple(sorted(set(value)))

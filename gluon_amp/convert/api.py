@@ -12,9 +12,10 @@ from mxnet.symbol import Symbol
 
 from .. import mxnet_internals as mxi
 from .. import mxnet_internals as registry
-from gluon_amp_core.dtypes import dtype_name
+from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
 from ..mxnet_internals import to_mx_dtype
 from ..type_inference import infer_dtypes, op_types
+from ..emulation import emulate_symbol, round_nd
 from ..policies import as_policy
 from .. import runtime
 from gluon_amp_core.policy import Policy
@@ -86,10 +87,13 @@ def _data_names(clean: Symbol, data_names: Any, graph: dict,
 def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = None,
                         data_names: Any = None, cast_optional_params: bool = False,
                         param_dtypes: Optional[Dict[str, str]] = None) -> Tuple[Symbol, PassResult]:
-    """Convert ``sym`` as ``policy`` says; also return what the pass did (casts, decisions)."""
+    """Convert ``sym`` as ``policy`` says; also return what the pass did (casts, decisions).
+
+    With ``policy.emulate`` the returned graph is the emulated one (float32, rounded where
+    the plan holds low precision) and ``result.dtypes`` stays the plan's."""
     if not isinstance(sym, Symbol):
         raise TypeError(f"convert_symbol expects an mxnet Symbol, got {type(sym).__name__}")
-    excluded = _check_list("excluded_sym_names", excluded_sym_names)
+    excluded = sorted(set(_check_list("excluded_sym_names", excluded_sym_names)) | policy.excluded)
     graph = json.loads(sym.tojson(remove_amp_cast=False))
     _check_excluded(graph, excluded)
     _warn_kept(graph, policy)
@@ -102,6 +106,8 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
                            excluded, cast_optional_params, fp32_types=fp32_types)
     converted = mx.sym.load_json(json.dumps(result.graph))
     _verify(converted, result, data_names)
+    if policy.emulate:
+        converted = emulate_symbol(converted, result.dtypes)[0]
     return converted, result
 
 
@@ -120,10 +126,10 @@ def _verify(sym: Symbol, result: PassResult, data_names: Sequence[str]) -> None:
 
 
 def _policy(target_dtype: Any, target_dtype_ops: Any, fp32_ops: Any, conditional_fp32_ops: Any,
-            widest_type_ops: Any, keep_batchnorm_fp32: Any) -> Policy:
+            widest_type_ops: Any, keep_batchnorm_fp32: Any, emulate: Any = None) -> Policy:
     return as_policy(target_dtype, target_precision_ops=target_dtype_ops, fp32_ops=fp32_ops,
                      conditional_fp32_ops=conditional_fp32_ops, widest_type_ops=widest_type_ops,
-                     keep_batchnorm_fp32=keep_batchnorm_fp32)
+                     keep_batchnorm_fp32=keep_batchnorm_fp32, emulate=emulate)
 
 
 def convert_symbol(sym: Symbol, target_dtype: Any = None, target_dtype_ops: Optional[Sequence[str]] = None,
@@ -133,7 +139,8 @@ def convert_symbol(sym: Symbol, target_dtype: Any = None, target_dtype_ops: Opti
                    data_names: Optional[Sequence[str]] = None,
                    cast_optional_params: bool = False, *,
                    widest_type_ops: Optional[Sequence[str]] = None,
-                   keep_batchnorm_fp32: Optional[bool] = None) -> Symbol:
+                   keep_batchnorm_fp32: Optional[bool] = None,
+                   emulate: Optional[bool] = None) -> Symbol:
     """Return a new Symbol running ``sym`` (an FP32 graph) in mixed precision.
 
     Parameters
@@ -151,13 +158,19 @@ def convert_symbol(sym: Symbol, target_dtype: Any = None, target_dtype_ops: Opti
         those every consumer reads as a parameter (``weight``, ``bias``, ``gamma``, ...).
     cast_optional_params : bool
         Store parameters read only by low-precision ops in the target dtype.
+    emulate : bool, optional
+        Return the plan emulated in float32 (runs on any CPU; values rounded to the target
+        wherever the plan holds it): see :func:`gluon_amp.init`.
     """
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
-                     widest_type_ops, keep_batchnorm_fp32)
+                     widest_type_ops, keep_batchnorm_fp32, emulate)
     return convert_with_policy(sym, policy, excluded_sym_names, data_names, cast_optional_params)[0]
 
 
-def _cast_array(arr: mx.nd.NDArray, dtype: str) -> mx.nd.NDArray:
+def _cast_array(arr: mx.nd.NDArray, dtype: str, emulate: bool = False) -> mx.nd.NDArray:
+    """A copy of ``arr`` stored in ``dtype``; emulated: in float32 holding ``dtype``'s values."""
+    if emulate and dtype in LOW_PRECISION_DTYPES:
+        return round_nd(arr.astype("float32", copy=False), dtype)
     if dtype_name(arr.dtype) == dtype:
         return arr.copy()
     return mx.nd.amp_cast(arr, dtype=to_mx_dtype(dtype))
@@ -176,15 +189,15 @@ def convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params:
                   target_dtype: Any = None, target_dtype_ops=None, fp32_ops=None,
                   conditional_fp32_ops=None, excluded_sym_names=None,
                   cast_optional_params: bool = False, *, widest_type_ops=None,
-                  keep_batchnorm_fp32: Optional[bool] = None):
+                  keep_batchnorm_fp32: Optional[bool] = None, emulate: Optional[bool] = None):
     """Convert an FP32 model; return new ``(sym, arg_params, aux_params)``.
 
     Arguments as for :func:`convert_symbol`. The caller's dicts and arrays are not
     modified: the returned dicts hold copies, cast where the converted graph stores a
-    parameter in another dtype.
+    parameter in another dtype (emulated: float32 copies rounded to that dtype).
     """
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
-                     widest_type_ops, keep_batchnorm_fp32)
+                     widest_type_ops, keep_batchnorm_fp32, emulate)
     return _convert_model(sym, arg_params, aux_params, policy, excluded_sym_names, cast_optional_params)[:3]
 
 
@@ -197,8 +210,9 @@ def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params
     types = {k: dtype_name(v.dtype) for k, v in {**arg_params, **aux_params}.items()}
     new_sym, result = convert_with_policy(sym, policy, excluded_sym_names, data_names,
                                           cast_optional_params, param_dtypes=types)
-    new_args = {k: _cast_array(v, result.param_dtypes.get(k, types[k])) for k, v in arg_params.items()}
-    new_aux = {k: _cast_array(v, result.param_dtypes.get(k, types[k])) for k, v in aux_params.items()}
+    emu = policy.emulate
+    new_args = {k: _cast_array(v, result.param_dtypes.get(k, types[k]), emu) for k, v in arg_params.items()}
+    new_aux = {k: _cast_array(v, result.param_dtypes.get(k, types[k]), emu) for k, v in aux_params.items()}
     return new_sym, new_args, new_aux, result
 
 
@@ -232,6 +246,11 @@ def _fuse_backend(fuse: Optional[bool], ctx: mx.Context, policy: Policy) -> Opti
     """
     if fuse is not None and not isinstance(fuse, bool):
         raise TypeError(f"fuse must be None, True or False, got {fuse!r}")
+    if policy.emulate:
+        if fuse:
+            raise ValueError("fuse=True with emulate=True: emulation checks the plan's numerics "
+                             "unfused; leave fuse unset (or False) when emulating.")
+        return None
     possible = ctx.device_type == "cpu" and runtime.has_onednn()
     if fuse and not possible:
         raise ValueError(f"fuse=True needs a CPU context and MXNet built with oneDNN (MKLDNN); "
@@ -246,7 +265,7 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
                          ctx: Optional[mx.Context] = None,
                          cast_optional_params: bool = False, *, widest_type_ops=None,
                          keep_batchnorm_fp32: Optional[bool] = None,
-                         fuse: Optional[bool] = None) -> SymbolBlock:
+                         fuse: Optional[bool] = None, emulate: Optional[bool] = None) -> SymbolBlock:
     """Convert a hybridized FP32 block into a mixed-precision :class:`MixedPrecisionBlock`.
 
     The block must have been hybridized and run once (its graph is read from the cache).
@@ -259,12 +278,13 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     batch norm), because MXNet's own fold rounds bfloat16 weights towards zero. Other
     arguments as for :func:`convert_symbol`. The result's ``export`` keeps the cast
     nodes, and its ``amp_result`` holds the pass's per-node decisions (read by ``report``).
+    ``emulate=True`` returns the plan emulated in float32 (never fused): it runs on any CPU.
     """
     if not isinstance(block, HybridBlock):
         raise TypeError(f"convert_hybrid_block expects a gluon HybridBlock, got {type(block).__name__}")
     inputs, sym = mxi.cached_graph(block, "convert_hybrid_block")
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
-                     widest_type_ops, keep_batchnorm_fp32)
+                     widest_type_ops, keep_batchnorm_fp32, emulate)
     params = {p.name: p for p in block.collect_params().values()}
     if ctx is None:
         ctx = next(iter(params.values())).list_ctx()[0] if params else mx.current_context()

@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="replace the float32 op list with these ops (repeatable)")
     parser.add_argument("--no-cast-params", action="store_true",
                         help="keep every parameter in float32 (default: store low-precision-only ones cast)")
+    parser.add_argument("--emulate", action="store_true",
+                        help="write the plan emulated in float32 (runs on any CPU; values rounded to the "
+                             "target dtype wherever the plan holds it); auto picks bfloat16 on a CPU")
     parser.add_argument("--no-fuse", action="store_true",
                         help="write the plain graph (default for bfloat16 with a oneDNN build of MXNet: "
                              "fold batch norm into the convolutions in float32 and write the graph "
@@ -68,7 +71,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .. import runtime
 
     requested = None if args.target_dtype == "auto" else args.target_dtype
-    resolution = runtime.resolve(requested, warn=False)
+    if args.emulate:
+        resolution = runtime.Resolution(runtime.emulated_target(requested), None)
+    else:
+        resolution = runtime.resolve(requested, warn=False)
     if resolution.warning:
         print(resolution.warning)
 
@@ -77,18 +83,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as exc:  # a corrupt file: MXNetError or JSON errors
         print(f"error: could not load {args.prefix} epoch {args.epoch}: {exc}", file=sys.stderr)
         return 2
-    fuse = not args.no_fuse and resolution.dtype == "bfloat16" and runtime.has_onednn()
+    fuse = not (args.no_fuse or args.emulate) and resolution.dtype == "bfloat16" and runtime.has_onednn()
     if fuse:
         arg_params, aux_params, _ = fold_batch_norm(sym, arg_params, aux_params)
     try:
         new_sym, new_args, new_aux = convert_model(
             sym, arg_params, aux_params, target_dtype=requested,
             fp32_ops=args.fp32_op,
-            excluded_sym_names=args.exclude or None, cast_optional_params=not args.no_cast_params)
+            excluded_sym_names=args.exclude or None, cast_optional_params=not args.no_cast_params,
+            emulate=args.emulate or None)
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     rep = report(new_sym, target_dtype=resolution.dtype) if resolution.dtype != "float32" else None
+    label = resolution.dtype + " (emulated in float32)" * args.emulate
     if fuse:
         new_sym = new_sym.optimize_for("MKLDNN")  # the partitioned graph: _sg_mkldnn_* nodes
     new_sym.save(f"{args.out}-symbol.json", remove_amp_cast=False)
@@ -99,7 +107,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if rep is None:
         print(f"not converted: wrote {args.prefix} epoch {args.epoch} unchanged (float32) -> {args.out}")
         return 0
-    print(f"converted {args.prefix} epoch {args.epoch} to {resolution.dtype} -> {args.out}")
+    print(f"converted {args.prefix} epoch {args.epoch} to {label} -> {args.out}")
     print(f"ops per dtype:   {dict(sorted(Counter(r.dtype for r in rep.rows).items()))}")
     print(f"casts inserted:  {rep.casts}")
     print(f"parameter bytes: {before:,} -> {after:,} ({after / max(before, 1):.0%})")

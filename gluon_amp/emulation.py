@@ -1,0 +1,93 @@
+"""Emulated float16/bfloat16 on any CPU: MXNet's side of :mod:`gluon_amp_core.emulate`.
+
+Graphs (converted ones, and a hybridized block's graph under ``init(emulate=True)``) are
+typed by MXNet as real AMP would run them, then rewritten by the pure core. Imperative
+calls round at the low-precision ops' inputs and outputs (see :func:`round_nd`).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+
+import mxnet as mx
+from mxnet.gluon import HybridBlock
+from mxnet.ndarray import NDArray
+from mxnet.symbol import Symbol
+
+from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
+from gluon_amp_core.emulate import EmulatedGraph, emulate_graph
+from gluon_amp_core.policy import Policy
+
+from . import runtime
+from .mxnet_internals import FLOAT_NAMES, to_mx_dtype
+from .type_inference import infer_dtypes
+
+Key = Tuple[str, int]
+
+
+def round_nd(x: NDArray, dtype: str) -> NDArray:
+    """``x`` (float32) holding only values of ``dtype``: MXNet's cast down and back up."""
+    if isinstance(x, mx.np.ndarray):
+        return round_nd(x.as_nd_ndarray(), dtype).as_np_ndarray()
+    return mx.nd.amp_cast(mx.nd.amp_cast(x, dtype=to_mx_dtype(dtype)), dtype="float32")
+
+
+def emulate_symbol(sym: Symbol, dtypes: Mapping[Key, Optional[str]]) -> Tuple[Symbol, EmulatedGraph]:
+    """``sym`` (typed by real AMP as ``dtypes``) rewritten for emulation."""
+    emulated = emulate_graph(json.loads(sym.tojson(remove_amp_cast=False)), dtypes)
+    return mx.sym.load_json(json.dumps(emulated.graph)), emulated
+
+
+def _input_dtypes(block: HybridBlock, args: tuple, inputs: Sequence[Symbol]) -> Dict[str, str]:
+    """Dtypes of the graph's inputs: data from the call's arrays, parameters as stored."""
+    known: Dict[str, str] = {}
+    for var, a in zip(inputs, _flat(args)):
+        if isinstance(a, NDArray):
+            known[var.name] = FLOAT_NAMES.get(a.dtype) or dtype_name(a.dtype)
+    for p in block.collect_params().values():
+        if p.dtype is not None:
+            known[p.name] = dtype_name(p.dtype)
+    return known
+
+
+def _flat(args: Any) -> list:
+    if isinstance(args, (list, tuple)):
+        return [x for a in args for x in _flat(a)]
+    return [args]
+
+
+def _devices(args: tuple) -> set:
+    return {a.context.device_type for a in _flat(args) if isinstance(a, NDArray)}
+
+
+def graph_rewriter(policy: Policy):
+    """What :func:`gluon_amp.init` hooks into every HybridBlock's first graph build.
+
+    Emulated policies get the emulated graph. Otherwise, a graph holding a dtype the call's
+    device cannot execute raises a ``RuntimeError`` before MXNet fails on it.
+    """
+
+    def rewrite(block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> Symbol:
+        dtypes = infer_dtypes(out, _input_dtypes(block, args, inputs), partial=True) or {}
+        low = {t for t in dtypes.values() if t in LOW_PRECISION_DTYPES}
+        if not low:
+            return out
+        if policy.emulate:
+            return emulate_symbol(out, dtypes)[0]
+        for device in _devices(args):
+            for dtype in sorted(low):
+                if not runtime.executable(dtype, device):
+                    raise RuntimeError(cannot_run(f"block {block.name!r}", dtype, device))
+        return out
+
+    return rewrite
+
+
+def cannot_run(what: str, dtype: str, device: str) -> str:
+    """The message for a low-precision op this machine cannot execute."""
+    why = ("MXNet's CPU build has no float16 convolution or GEMM" if dtype == "float16"
+           else runtime.capability().why)
+    return (f"gluon_amp: {what} would run {dtype} kernels on the {device}, which this machine cannot "
+            f"execute ({why}). Call gluon_amp.init(target_dtype={dtype!r}, emulate=True) to run the "
+            "same plan emulated in float32 on this CPU (for numerics), or run on hardware with "
+            f"{dtype} kernels.")

@@ -1,0 +1,162 @@
+"""Emulated low precision: the real AMP plan, run in float32 with the target's rounding. Pure.
+
+:func:`emulate_graph` takes a graph as real AMP types it (the dtype of every entry) and
+returns a graph in which every entry that real AMP holds in float16 or bfloat16 is a
+float32 entry holding exactly the values that dtype can represent. The rounding is a pair
+of ``amp_cast`` nodes (to the low dtype and back), which MXNet runs on every CPU: round
+to nearest even, float16 overflow to +-inf, float16 subnormals kept. Every op then runs
+in float32 between the roundings, where real low-precision kernels accumulate in float32
+and round their result: that accumulation inside one op is the one difference.
+
+In training, the backward of the same pair rounds each gradient where real AMP holds
+it in low precision, so the loss scaler sees real float16 overflows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Tuple
+
+from .dtypes import LOW_PRECISION_DTYPES
+
+Key = Tuple[str, int]  # (node name, output index)
+
+#: Suffix of the nodes that round an entry: ``<node>_amp_emulated`` (back in float32)
+#: after ``<node>_amp_emulated_<dtype>`` (the cast down).
+ROUND_SUFFIX = "_amp_emulated"
+#: Node attribute with the dtype real AMP gives the node's first output.
+REAL_DTYPE_ATTR = "__amp_dtype__"
+
+#: Ops whose outputs only hold values of their inputs: rounding after them changes
+#: nothing, so it is skipped (speed only: rounding is idempotent).
+VALUE_PRESERVING = frozenset({
+    "Reshape", "reshape", "Flatten", "flatten", "transpose", "expand_dims", "squeeze",
+    "slice", "slice_axis", "slice_like", "_slice", "Crop", "Concat", "concat", "stack",
+    "SliceChannel", "split", "_split_v2", "relu", "max", "min", "_copy", "identity",
+    "BlockGrad", "stop_gradient", "repeat", "tile", "broadcast_to", "broadcast_like", "take",
+    "pick", "gather_nd", "SwapAxis", "swapaxes", "flip", "reverse", "zeros_like", "ones_like",
+    "where", "_np_reshape", "_npi_concatenate", "_npx_reshape", "_npx_relu",
+})
+#: Ops that preserve values for some attribute values only: op -> (attr, values, default).
+VALUE_PRESERVING_IF = {"Activation": ("act_type", frozenset({"relu"}), ""),
+                       "Pooling": ("pool_type", frozenset({"max"}), "max")}
+
+_CAST_OPS = frozenset({"amp_cast", "Cast", "cast"})
+
+
+@dataclass
+class EmulatedGraph:
+    """The emulated graph and where each real entry's value lives in it.
+
+    Attributes
+    ----------
+    graph : dict
+        MXNet's JSON form; every float entry is float32.
+    entries : dict
+        ``(node name, output)`` of the real graph -> the entry of ``graph`` holding its
+        value (the rounding node after it, when there is one).
+    rounds : int
+        Rounding pairs inserted.
+    """
+
+    graph: dict
+    entries: Dict[Key, Key] = field(default_factory=dict)
+    rounds: int = 0
+
+
+def preserves_values(op: str, attrs: Mapping[str, str]) -> bool:
+    """True when ``op`` with ``attrs`` outputs only values found in its inputs."""
+    if op in VALUE_PRESERVING:
+        return True
+    rule = VALUE_PRESERVING_IF.get(op)
+    return rule is not None and attrs.get(rule[0], rule[2]) in rule[1]
+
+
+class _Rewriter:
+    def __init__(self, dtypes: Mapping[Key, Optional[str]]) -> None:
+        self.dtypes = dtypes
+        self.nodes: List[dict] = []
+        self.rounds = 0
+
+    def add(self, node: dict) -> int:
+        self.nodes.append(node)
+        return len(self.nodes) - 1
+
+    def round(self, entry: Tuple[int, int], dtype: str, base: str) -> Tuple[int, int]:
+        """``entry`` (float32) rounded to ``dtype``'s values, back in float32."""
+        down = self.add({"op": "amp_cast", "name": f"{base}{ROUND_SUFFIX}_{dtype}",
+                         "attrs": {"dtype": dtype}, "inputs": [[entry[0], entry[1], 0]]})
+        return self.up((down, 0), base)
+
+    def up(self, entry: Tuple[int, int], base: str) -> Tuple[int, int]:
+        """A low-precision ``entry`` back in float32: the second half of a rounding."""
+        j = self.add({"op": "amp_cast", "name": f"{base}{ROUND_SUFFIX}",
+                      "attrs": {"dtype": "float32"}, "inputs": [[entry[0], entry[1], 0]]})
+        self.rounds += 1
+        return j, 0
+
+
+def _outputs(dtypes: Mapping[Key, Optional[str]], name: str) -> List[Optional[str]]:
+    outs, k = [], 0
+    while (name, k) in dtypes:
+        outs.append(dtypes[(name, k)])
+        k += 1
+    return outs
+
+
+def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> EmulatedGraph:
+    """Rewrite a graph typed by real AMP (``dtypes``: every entry's dtype) for emulation.
+
+    Variables real AMP stores in a low dtype become float32 variables followed by a
+    rounding; casts to a low dtype become roundings; ``amp_multicast`` nodes resolve to
+    the roundings their typed outputs need; every other op runs in float32 and its
+    low-precision outputs are rounded (unless the op only moves values around).
+    """
+    rw, index = _Rewriter(dtypes), {}
+    entries: Dict[Key, Key] = {}
+
+    def new_entry(e: list) -> Tuple[int, int]:
+        return index[(e[0], e[1])]
+
+    for i, node in enumerate(graph["nodes"]):
+        name, op, attrs = node["name"], node["op"], dict(node.get("attrs", {}))
+        real = _outputs(dtypes, name)
+        inputs = [new_entry(e) for e in node["inputs"]]
+        if op == "amp_multicast":
+            for k, e in enumerate(inputs):
+                src = dtypes.get((graph["nodes"][node["inputs"][k][0]]["name"], node["inputs"][k][1]))
+                want = real[k] if k < len(real) else None
+                index[(i, k)] = (rw.round(e, want, f"{name}_{k}") if want in LOW_PRECISION_DTYPES
+                                 and src != want else e)
+            continue
+        if op == "null":
+            if real and real[0] in LOW_PRECISION_DTYPES:
+                if "__dtype__" in attrs:
+                    attrs["__dtype__"] = "0"
+                j = rw.add({**node, "attrs": {**attrs, REAL_DTYPE_ATTR: real[0]}})
+                index[(i, 0)] = rw.round((j, 0), real[0], name)
+            else:
+                index[(i, 0)] = (rw.add(dict(node)), 0)
+            continue
+        low_cast = op in _CAST_OPS and attrs.get("dtype") in LOW_PRECISION_DTYPES
+        if attrs.get("dtype") in LOW_PRECISION_DTYPES and not low_cast:
+            attrs["dtype"] = "float32"  # an op that creates low-precision data (zeros, ones)
+        if real:
+            attrs[REAL_DTYPE_ATTR] = str(real[0])
+        j = rw.add({**node, "attrs": attrs, "inputs": [[e[0], e[1], 0] for e in inputs]})
+        if low_cast:  # the cast down is half a rounding already: add the way back up
+            index[(i, 0)] = rw.up((j, 0), name)
+            continue
+        exact = preserves_values(op, attrs)
+        for k, dt in enumerate(real or [None]):
+            e = (j, k)
+            if dt in LOW_PRECISION_DTYPES and not exact:
+                e = rw.round((j, k), dt, name + (f"_{k}" if k else ""))
+            index[(i, k)] = e
+    for (i, k), (j, kk) in index.items():
+        entries[(graph["nodes"][i]["name"], k)] = (rw.nodes[j]["name"], kk)
+    heads = [[*index[(h[0], h[1])], 0] for h in graph["heads"]]
+    out = {key: v for key, v in graph.items() if key not in ("nodes", "arg_nodes", "heads", "node_row_ptr")}
+    out["nodes"] = rw.nodes
+    out["arg_nodes"] = [j for j, n in enumerate(rw.nodes) if n["op"] == "null"]
+    out["heads"] = heads
+    return EmulatedGraph(out, entries, rw.rounds)
