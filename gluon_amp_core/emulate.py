@@ -63,6 +63,12 @@ class EmulatedGraph:
     rounds: int = 0
 
 
+def rounding_node(name: str, output: int = 0) -> str:
+    """Name of the node that holds output ``output`` of node ``name`` rounded, in an
+    emulated graph (it exists only where the plan holds that output in low precision)."""
+    return f"{name}{f'_{output}' if output else ''}{ROUND_SUFFIX}"
+
+
 def preserves_values(op: str, attrs: Mapping[str, str]) -> bool:
     """True when ``op`` with ``attrs`` outputs only values found in its inputs."""
     if op in VALUE_PRESERVING:
@@ -150,7 +156,7 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> EmulatedG
         for k, dt in enumerate(real or [None]):
             e = (j, k)
             if dt in LOW_PRECISION_DTYPES and not exact:
-                e = rw.round((j, k), dt, name + (f"_{k}" if k else ""))
+                e = rw.round((j, k), dt, name + (f"_{k}" if k else ""))  # see rounding_node
             index[(i, k)] = e
     for (i, k), (j, kk) in index.items():
         entries[(graph["nodes"][i]["name"], k)] = (rw.nodes[j]["name"], kk)
