@@ -106,7 +106,8 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
     table = policy.table if policy is not None and policy.enabled else \
         default_table(label if label in LOW_PRECISION_DTYPES else "bfloat16")
     rows, casts = [], 0
-    for nd in walk(nodes, table, lambda e: by_name.get((nodes[e[0]]["name"], e[1]))):
+    excluded = policy.excluded if policy is not None else frozenset()
+    for nd in walk(nodes, table, lambda e: by_name.get((nodes[e[0]]["name"], e[1])), excluded):
         node_attrs = nodes[nd.index].get("attrs", {})
         if nd.reason is Reason.CAST:
             casts += ROUND_SUFFIX not in nd.name  # an emulated rounding is not a cast of the plan
