@@ -15,21 +15,37 @@ from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
-from gluon_amp_core.emulate import EmulatedGraph, emulate_graph
+from gluon_amp_core.emulate import BF16_ROUNDING, EmulatedGraph, emulate_graph
 from gluon_amp_core.policy import Policy
 
 from . import runtime
-from .mxnet_internals import FLOAT_NAMES, to_mx_dtype
+from .mxnet_internals import FLOAT_NAMES, copy_function, to_mx_dtype
 from .type_inference import infer_dtypes
 
 Key = Tuple[str, int]
 
 
+def _unpatched(op: str) -> Any:
+    """MXNet's own ``mx.nd`` function for ``op``, as a copy made before any patching (so
+    rounding inside an AMP wrapper does not re-enter the wrappers)."""
+    fn = getattr(mx.nd, op, None) or getattr(mx.nd._internal, op)
+    return copy_function(fn)
+
+
+_BF16_STEPS = [(_unpatched(op), args, {k: float(v) for k, v in attrs.items()}) for op, args, attrs in BF16_ROUNDING]
+_AMP_CAST = _unpatched("amp_cast")
+
+
 def round_nd(x: NDArray, dtype: str) -> NDArray:
-    """``x`` (float32) holding only values of ``dtype``: MXNet's cast down and back up."""
+    """``x`` (float32) holding only values of ``dtype`` (:mod:`gluon_amp_core.emulate`)."""
     if isinstance(x, mx.np.ndarray):
         return round_nd(x.as_nd_ndarray(), dtype).as_np_ndarray()
-    return mx.nd.amp_cast(mx.nd.amp_cast(x, dtype=to_mx_dtype(dtype)), dtype="float32")
+    if dtype == "bfloat16":
+        made: list = []
+        for fn, args, attrs in _BF16_STEPS:
+            made.append(fn(*[x if a == "x" else made[a] for a in args], **attrs))
+        return made[-1]
+    return _AMP_CAST(_AMP_CAST(x, dtype=to_mx_dtype(dtype)), dtype="float32")
 
 
 def emulate_symbol(sym: Symbol, dtypes: Mapping[Key, Optional[str]]) -> Tuple[Symbol, EmulatedGraph]:

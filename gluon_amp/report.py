@@ -109,8 +109,10 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
     excluded = policy.excluded if policy is not None else frozenset()
     for nd in walk(nodes, table, lambda e: by_name.get((nodes[e[0]]["name"], e[1])), excluded):
         node_attrs = nodes[nd.index].get("attrs", {})
+        if ROUND_SUFFIX in nd.name:  # an emulated rounding: not an op or a cast of the plan
+            continue
         if nd.reason is Reason.CAST:
-            casts += ROUND_SUFFIX not in nd.name  # an emulated rounding is not a cast of the plan
+            casts += 1
             continue
         reason = node_attrs.get(REASON_ATTR, nd.reason.value)
         rule = table.conditions.get(table.canonical(nd.op))

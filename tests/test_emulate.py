@@ -237,3 +237,67 @@ def test_cli_emulate_writes_a_float32_model_that_runs(tmp_path):
     assert np.abs(out - ref).max() < 2e-3 and not np.array_equal(out, ref)
     ops = [n["name"] for n in json.load(open(tmp_path / "e-symbol.json"))["nodes"]]
     assert any(n.endswith(ROUND_SUFFIX) for n in ops)
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.bf16_kernels
+def test_emulated_and_native_bfloat16_agree_on_resnet18():
+    from mxnet.gluon.model_zoo import vision
+    mx.random.seed(3)
+    net = vision.resnet18_v1()
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    x = mx.nd.random.normal(shape=(2, 3, 112, 112))
+    ref = net(x).asnumpy()
+    native = gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16", fuse=False)(x).asnumpy()
+    emulated = gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16", emulate=True)(x).asnumpy()
+    apart, off = _rel(emulated, native), _rel(native, ref)
+    print(f"ResNet-18 logits: emulated vs native {apart:.2e}, native vs FP32 {off:.2e}")
+    assert off > 0 and apart < 0.5 * off  # emulation is much closer to native bf16 than FP32 is
+
+
+def _ssd_losses(target, emulate, steps=10):
+    import gluoncv as gcv
+    from gluoncv.model_zoo import get_model
+    if target:
+        gluon_amp.init(target_dtype=target, emulate=emulate)
+    mx.random.seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        net = get_model("ssd_512_resnet50_v1_coco", pretrained_base=False, norm_layer=nn.BatchNorm)
+        net.initialize()
+    net.hybridize(static_alloc=True, static_shape=True)
+    x = mx.nd.random.uniform(-1, 1, shape=(1, 3, 256, 256))
+    with autograd.train_mode():  # inference mode returns detections, not per-anchor outputs
+        anchors = net(x)[0].shape[1]
+    cls_t = mx.nd.random.uniform(0, 1, shape=(1, anchors))
+    box_t = mx.nd.random.uniform(0, 1, shape=(1, anchors, 4))
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.001, "momentum": 0.9},
+                            update_on_kvstore=False)
+    gluon_amp.init_trainer(trainer)
+    loss_fn = gcv.loss.SSDMultiBoxLoss()
+    losses = []
+    for _ in range(steps):
+        with autograd.record():
+            cls, box, _ = net(x)
+            total, _, _ = loss_fn([cls], [box], [cls_t], [box_t])
+            with gluon_amp.scale_loss(total, trainer) as scaled:
+                autograd.backward(scaled)
+        trainer.step(1)
+        losses.append(float(total[0].mean().asscalar()))
+    gluon_amp.disable()
+    return np.array(losses)
+
+
+@pytest.mark.bf16_kernels
+def test_emulated_and_native_bfloat16_agree_on_ten_ssd_training_losses():
+    fp32 = _ssd_losses(None, False)
+    native = _ssd_losses("bfloat16", False)
+    emulated = _ssd_losses("bfloat16", True)
+    apart = np.abs(emulated - native) / np.abs(native)
+    off = np.abs(native - fp32) / np.abs(fp32)
+    print(f"SSD losses: emulated vs native max {apart.max():.2e}, native vs FP32 max {off.max():.2e}")
+    assert np.isfinite(emulated).all() and apart.max() < 0.01
