@@ -36,6 +36,26 @@ def _internals(block, x):
     return dict(zip(internals.list_outputs(), (o.asnumpy() for o in ex.forward(is_train=False))))
 
 
+def _rne_bfloat16(f):
+    """Round-to-nearest-even on the bits (the definition), float32 subnormals flushed."""
+    u = f.view(np.uint32).astype(np.uint64)
+    out = ((((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32)).view(np.float32)
+    return np.where(np.abs(f) < 2.0 ** -126, np.float32(0), out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rounding_is_round_to_nearest_even_with_overflow_and_subnormals(dtype):
+    rng = np.random.default_rng(7)
+    f = rng.integers(0, 2 ** 32, size=200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    f = f[np.isfinite(f) & (np.abs(f) < 2.0 ** 111)]
+    ties = ((rng.integers(0, 2 ** 15, 20_000, dtype=np.uint64).astype(np.uint32) << 16) | 0x8000).view(np.float32)
+    f = np.concatenate([f, ties[np.abs(ties) < 2.0 ** 111], np.float32([65504, 65519, 65520, 1e6, 2 ** -24, 2 ** -25])])
+    got = gluon_amp.emulation.round_nd(mx.nd.array(f), dtype).asnumpy()
+    with np.errstate(over="ignore"):
+        want = f.astype(np.float16).astype(np.float32) if dtype == "float16" else _rne_bfloat16(f)
+    assert np.array_equal(got, want, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_converted_graph_holds_only_target_values_where_the_plan_is_low(dtype):
     net = make_net()
