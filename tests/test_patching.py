@@ -64,7 +64,7 @@ def test_a_second_init_finds_every_function_again():
 def test_failed_init_rolls_back(monkeypatch):
     from gluon_amp import patching
     _, state = _op_functions()
-    real, calls = patching._wrapper_for, []
+    real, calls = patching.wrapper_for, []
 
     def fail_late(*args, **kwargs):
         calls.append(1)
@@ -72,7 +72,7 @@ def test_failed_init_rolls_back(monkeypatch):
             raise KeyError("boom")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(patching, "_wrapper_for", fail_late)
+    monkeypatch.setattr(patching, "wrapper_for", fail_late)
     with pytest.raises(KeyError):
         gluon_amp.init("float16")
     assert not gluon_amp.is_enabled()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import Any, Callable
 
 
@@ -28,3 +29,27 @@ def sym_wrapper(fn: Callable, op: str) -> Callable:
                       "LossScaler and grad_scale=<scale>.", RuntimeWarning, stacklevel=2)
         return fn(*args, **kwargs)
     return amp_op
+
+
+class ScalerRegistry:
+    """The loss scalers attached (``init_trainer``) while one ``init`` is on.
+
+    Loss-output ops start their backward from ``grad_scale``, so they need the scale of
+    the scaler their loss belongs to; the registry gives it, or refuses when ambiguous.
+    """
+
+    def __init__(self) -> None:
+        self._scalers: "weakref.WeakSet" = weakref.WeakSet()
+
+    def add(self, scaler: Any) -> None:
+        self._scalers.add(scaler)
+
+    def scale(self, op: str) -> float:
+        """The scale ``op`` multiplies its ``grad_scale`` by: the attached scalers' one."""
+        scales = {s.loss_scale for s in list(self._scalers)}
+        if len(scales) > 1:
+            raise RuntimeError(
+                f"{op} starts its backward from grad_scale, and {len(scales)} loss scalers with different "
+                f"scales {sorted(scales)} are attached: gluon_amp cannot tell which one this loss belongs "
+                "to. Share one LossScaler between the trainers, or compute this loss with a gluon.loss block.")
+        return scales.pop() if scales else 1.0

@@ -1,0 +1,38 @@
+"""Casts the wrappers insert: ``amp_cast``/``amp_multicast`` for NDArrays and Symbols,
+legacy and numpy frontends alike."""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import mxnet as mx
+from mxnet.ndarray import NDArray
+from mxnet.symbol import Symbol
+
+from .. import mxnet_internals as mxi
+
+# Copies of MXNet's cast functions: the wrappers call these, never the patched names
+# (a cast op is never wrapped, but these stay valid whatever is patched).
+_nd_amp_cast = mxi.copy_function(mx.nd.amp_cast)
+_sym_amp_cast = mxi.copy_function(mx.sym.amp_cast)
+_sym_amp_multicast = mxi.copy_function(mx.sym.amp_multicast)
+_np_ndarray = mx.np.ndarray
+_np_symbol = mxi.NP_SYMBOL
+
+
+def cast_nd(x: NDArray, dtype: str) -> NDArray:
+    if isinstance(x, _np_ndarray):  # amp_cast is a legacy op: go through a zero-copy view
+        return _nd_amp_cast(x.as_nd_ndarray(), dtype=mxi.to_mx_dtype(dtype)).as_np_ndarray()
+    return _nd_amp_cast(x, dtype=mxi.to_mx_dtype(dtype))
+
+
+def cast_sym(x: Symbol, dtype: str) -> Symbol:
+    if isinstance(x, _np_symbol):
+        return _sym_amp_cast(x.as_nd_ndarray(), dtype=mxi.to_mx_dtype(dtype)).as_np_ndarray()
+    return _sym_amp_cast(x, dtype=mxi.to_mx_dtype(dtype))
+
+
+def multicast_sym(xs: Sequence[Symbol], narrow: bool = False) -> List[Symbol]:
+    is_np = [isinstance(x, _np_symbol) for x in xs]
+    legacy = [x.as_nd_ndarray() if n else x for x, n in zip(xs, is_np)]
+    out = _sym_amp_multicast(*legacy, num_outputs=len(xs), cast_narrow=narrow)
+    return [out[i].as_np_ndarray() if n else out[i] for i, n in enumerate(is_np)]

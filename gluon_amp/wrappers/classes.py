@@ -1,0 +1,166 @@
+"""The class wrappers: cast (or, emulated, round) an op's inputs as its decision says.
+
+One wrapper per op function with a decision (low precision, fp32, conditional, widest);
+see :mod:`gluon_amp.wrappers` for how they compose with the others.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+from mxnet.ndarray import NDArray
+from mxnet.symbol import Symbol
+
+from gluon_amp_core.decide import Decision, Reason, decide
+from gluon_amp_core.table import OpClass, OpTable
+
+from .. import mxnet_internals as mxi
+from ..emulation import cannot_run, round_nd
+from .casts import cast_nd, cast_sym, multicast_sym
+
+
+def nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str],
+                neutral: Optional[Callable] = None, emulate: bool = False,
+                runs_on_cpu: bool = True) -> Callable:
+    """Imperative wrapper: cast float NDArray inputs as ``decide`` says, then call ``fn``.
+
+    The decision for fixed classes (low precision, fp32) does not depend on the call, so
+    it is taken once here; conditional ops decide per call on their attributes and
+    widest ops on their input dtypes. Dispatch cost matters: this runs on every op call.
+    ``neutral`` runs the op when a conditional op's rule does not apply (default ``fn``).
+    ``emulate``: inputs and outputs are rounded to the target in float32 instead of cast
+    (imperative emulation rounds at decided ops only; hybridized graphs are exact).
+    ``runs_on_cpu=False``: a low-precision op with CPU inputs raises a RuntimeError.
+    """
+    neutral = neutral or fn
+    op_class = table.classes.get(op, OpClass.NEUTRAL)
+    fixed = decide(op, {}, [], table) if op_class in (OpClass.LOW_PRECISION, OpClass.FP32) else None
+    to_name = mxi.FLOAT_NAMES
+    low = table.target_dtype
+    cast = (lambda x, dt: round_nd(x, dt) if dt == low else x) if emulate else cast_nd
+    guard = not emulate and not runs_on_cpu and op_class is OpClass.LOW_PRECISION
+
+    def cast_all(args: tuple, kwargs: dict, d: Decision) -> Any:
+        want, keep = d.dtype, d.keep_fp32
+        if guard and any(isinstance(a, NDArray) and a.context.device_type == "cpu"
+                         for a in [*args, *kwargs.values()]):
+            raise RuntimeError(cannot_run(f"{op} (imperative)", want, "cpu"))
+        new_args = None
+        for i, a in enumerate(args):
+            if isinstance(a, NDArray):
+                dt = to_name.get(a.dtype)
+                if dt is not None and (dt != want or emulate) and not (
+                        keep and i < len(input_names) and input_names[i] in keep):
+                    if new_args is None:
+                        new_args = list(args)
+                    new_args[i] = cast(a, want)
+        if kwargs:
+            for k, v in kwargs.items():
+                if k != "out" and k not in keep and isinstance(v, NDArray):
+                    dt = to_name.get(v.dtype)
+                    if dt is not None and (dt != want or emulate):
+                        kwargs[k] = cast(v, want)
+        out = fn(*(args if new_args is None else new_args), **kwargs)
+        if emulate and want == low and "out" not in kwargs:
+            return _round_outputs(out, low)
+        return out
+
+    if fixed is not None:
+        @functools.wraps(fn)
+        def amp_op(*args: Any, **kwargs: Any) -> Any:
+            return cast_all(args, kwargs, fixed)
+    elif op_class is OpClass.WIDEST:
+        @functools.wraps(fn)
+        def amp_op(*args: Any, **kwargs: Any) -> Any:
+            dts = [to_name.get(a.dtype, "other") for a in args if isinstance(a, NDArray)]
+            if kwargs:
+                dts += [to_name.get(v.dtype, "other") for k, v in kwargs.items()
+                        if k != "out" and isinstance(v, NDArray)]
+            if len(dts) < 2 or all(d == dts[0] for d in dts):
+                return fn(*args, **kwargs)
+            d = decide(op, kwargs, dts, table)
+            return fn(*args, **kwargs) if d.dtype is None else cast_all(args, kwargs, d)
+    else:
+        @functools.wraps(fn)
+        def amp_op(*args: Any, **kwargs: Any) -> Any:
+            d = decide(op, kwargs, (), table)
+            return neutral(*args, **kwargs) if d.dtype is None else cast_all(args, kwargs, d)
+
+    return amp_op
+
+
+def _round_outputs(out: Any, dtype: str) -> Any:
+    if isinstance(out, NDArray):
+        return round_nd(out, dtype) if mxi.FLOAT_NAMES.get(out.dtype) == "float32" else out
+    if isinstance(out, (list, tuple)):
+        return type(out)(_round_outputs(o, dtype) for o in out)
+    return out
+
+
+def sym_wrapper(fn: Callable, op: str, table: OpTable, info: mxi.OpInfo,
+                 neutral: Optional[Callable] = None, excluded: frozenset = frozenset()) -> Callable:
+    """Symbolic wrapper: insert ``amp_cast``/``amp_multicast`` nodes before the op.
+
+    ``neutral`` builds the op when the decision leaves its inputs alone (default ``fn``).
+    An op built with a ``name=`` that resolves to a node name in ``excluded`` runs in float32."""
+    declared = len(info.inputs)
+    neutral = neutral or fn
+
+    @functools.wraps(fn)
+    def amp_op(*args: Any, **kwargs: Any) -> Any:
+        sym_kw = [k for k, v in kwargs.items() if isinstance(v, Symbol)]
+        attrs = {k: v for k, v in kwargs.items() if k not in sym_kw}
+        n_given = sum(isinstance(a, Symbol) for a in args) + len(sym_kw)
+        is_excluded = bool(excluded) and mxi.full_op_name(kwargs.get("name")) in excluded
+        d = decide(op, attrs, [None] * n_given, table, excluded=is_excluded)
+        if d.dtype is None and d.reason is not Reason.WIDEST:
+            return neutral(*args, **kwargs)
+        if not info.variadic and n_given < declared:
+            # MXNet creates the missing inputs (weights) itself: build, then re-wire casts.
+            given = {a.name for a in [*args, *kwargs.values()] if isinstance(a, Symbol)}
+            return _recompose(fn(*args, **kwargs), d, info, given)
+        positions = [(None, i) for i, a in enumerate(args) if isinstance(a, Symbol)]
+        positions += [(k, None) for k in sym_kw]
+        new_args = list(args)
+
+        def get(p):
+            return kwargs[p[0]] if p[0] is not None else new_args[p[1]]
+
+        def put(p, v):
+            if p[0] is not None:
+                kwargs[p[0]] = v
+            else:
+                new_args[p[1]] = v
+
+        if d.dtype is None:  # widest, dtypes unknown until run time
+            if len(positions) > 1:
+                cast = multicast_sym([get(p) for p in positions])
+                for j, p in enumerate(positions):
+                    put(p, cast[j])
+            return fn(*new_args, **kwargs)
+        for p in positions:
+            name = p[0] if p[0] is not None else (info.inputs[p[1]] if p[1] < declared else "")
+            if name not in d.keep_fp32:
+                put(p, cast_sym(get(p), d.dtype))
+        return fn(*new_args, **kwargs)
+
+    return amp_op
+
+
+def _recompose(sym: Symbol, d: Decision, info: mxi.OpInfo, given: set) -> Symbol:
+    children = sym.get_children()
+    if children is None:
+        return sym
+    aux = set(sym.list_auxiliary_states())
+    inputs = []
+    for i in range(len(children)):
+        child = children[i]
+        if (child.name not in given and child.get_children() is None
+                and "__dtype__" not in child.list_attr()):
+            # A weight the op created itself: pin it to float32 (the master copy), since
+            # the cast in front of the op stops infer_type from reaching it.
+            mxi.pin_float32(child)
+        name = info.inputs[i] if i < len(info.inputs) else ""
+        keep = d.dtype is None or child.name in aux or name in d.keep_fp32
+        inputs.append(child if keep else cast_sym(child, d.dtype))
+    return mxi.rebuild_op(sym, inputs)
