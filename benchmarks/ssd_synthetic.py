@@ -68,6 +68,10 @@ class ModeResult:
                 "skipped_steps": self.skipped_steps, "iters": len(self.iter_seconds)}
 
 
+#: Prefix of the --emulate modes' names: ``emulated-float16``, ``emulated-bfloat16``.
+EMULATED = "emulated-"
+
+
 def rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
@@ -100,11 +104,12 @@ class Mode:
         self.policy = None  # the gluon_amp op policy this mode's steps run under (None: AMP off)
         self.built = False  # the first step, inside the build, runs under the build's own AMP state
         rss0, t0 = rss_mb(), time.time()
-        if name == "gluon_amp":
+        self.emulated = name.startswith(EMULATED)
+        if name == "gluon_amp" or self.emulated:
             with warnings.catch_warnings():
                 # the FP32 mode's graph is cached on purpose: it must stay FP32
                 warnings.filterwarnings("ignore", message=".*cached their graph before gluon_amp.init")
-                with gluon_amp.autocast(target_dtype):
+                with gluon_amp.autocast(target_dtype, emulate=self.emulated or None):
                     self._build(seed)
                     self.scaler = gluon_amp.init_trainer(self.trainer)
                     self.step(record=False)  # the graph is cached on the first call, with AMP on
@@ -171,7 +176,7 @@ class Mode:
         with autograd.record():
             cls_pred, box_pred, _ = self.net(b.data)
             sum_loss, cls_loss, box_loss = self.loss_fn([cls_pred], [box_pred], [b.cls_targets], [b.box_targets])
-            if self.name == "gluon_amp" or self.name in OPT_LEVELS:
+            if self.name == "gluon_amp" or self.name in OPT_LEVELS or self.emulated:
                 with gluon_amp.scale_loss(sum_loss, self.trainer) as scaled:
                     autograd.backward(scaled)
             elif self.name == "mxnet-contrib":
@@ -218,6 +223,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help=f"Apex opt levels to run with gluon_amp.initialize, comma separated, from "
                         f"{', '.join(OPT_LEVELS)}; interleaved with the FP32 baseline")
     p.add_argument("--target-dtype", default="auto", choices=("auto", "float16", "bfloat16"))
+    p.add_argument("--emulate", default="", metavar="DTYPES",
+                   help="also train gluon_amp with emulate=True for these target dtypes (float16, "
+                        "bfloat16, comma separated): the AMP plan in float32 with the target's rounding, "
+                        "on any CPU; loss, scale and skips are the target's, speed is not")
     p.add_argument("--ctx", default="auto", choices=("auto", "cpu", "gpu"))
     p.add_argument("--batch-size", type=int, default=None, help="default 2 on CPU, 8 on GPU")
     p.add_argument("--iters", type=int, default=None, help="timed iterations; default 6 on CPU, 200 on GPU")
@@ -245,6 +254,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if levels and args.horovod:
         p.error("--opt-level cannot run with --horovod (that mode trains the gluon_amp mode only)")
     args.opt_levels = levels
+    emulated = [s.strip() for s in args.emulate.split(",") if s.strip()]
+    if any(d not in ("float16", "bfloat16") for d in emulated) or len(set(emulated)) != len(emulated):
+        p.error(f"--emulate {args.emulate!r}: choose distinct dtypes from float16, bfloat16 (comma separated)")
+    args.emulated = emulated
     for name in ("batch_size", "iters"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -255,7 +268,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def plan_modes(args: argparse.Namespace) -> Tuple[List[str], str, Optional[str]]:
-    """The modes to run, the target dtype, and why AMP is not run (``None`` if it is)."""
+    """The modes to run, the target dtype, and why AMP is not run natively (``None`` if it is).
+
+    Emulated modes (``--emulate``) run on any machine, after the native ones."""
+    emulated = [EMULATED + d for d in args.emulated]
     amp = args.amp or args.compare or bool(args.opt_levels)
     requested = None if args.target_dtype == "auto" else args.target_dtype
     res = gluon_amp.runtime.resolve(requested, warn=False)
@@ -270,6 +286,8 @@ def plan_modes(args: argparse.Namespace) -> Tuple[List[str], str, Optional[str]]
         names += [n for n in impls if n != "mxnet-contrib"]
         names += args.opt_levels
         names += [n for n in impls if n == "mxnet-contrib"]  # irreversible: built last
+    if emulated:
+        names = [n for n in names if n != "mxnet-contrib"] + emulated + [n for n in names if n == "mxnet-contrib"]
     return names, res.dtype, skip_amp
 
 
@@ -334,7 +352,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     modes = []
     for n in names:
         logger.info("building %s (batch %d, %s)", n, batch_size, ctx)
-        modes.append(Mode(n, ctx, batch, args.seed, None if n == "fp32" else target))
+        dtype = n[len(EMULATED):] if n.startswith(EMULATED) else (None if n == "fp32" else target)
+        modes.append(Mode(n, ctx, batch, args.seed, dtype))
     train(modes, iters, args, batch_size)
 
     summaries = [m.result.summary() for m in modes]
@@ -360,13 +379,13 @@ def print_table(doc: Dict[str, Any]) -> None:
     print(f"\nSSD-512 ResNet-50 synthetic training, batch {doc['batch_size']}, {doc['ctx']}, "
           f"{doc['iters']} timed iterations (median), target {doc['target_dtype']}, "
           f"bf16 ISA: {doc['runtime']['bf16_isa']}")
-    head = f"{'mode':<14}{'samples/s':>10}{'s/iter':>9}{'vs fp32':>9}{'mem +MB':>9}{'CE':>8}{'SmoothL1':>10}{'scale':>9}{'skipped':>8}"
+    head = f"{'mode':<18}{'samples/s':>10}{'s/iter':>9}{'vs fp32':>9}{'mem +MB':>9}{'CE':>8}{'SmoothL1':>10}{'scale':>9}{'skipped':>8}"
     print(head)
     print("-" * len(head))
     for s in doc["modes"]:
         sp = f"{s['speedup_vs_fp32']:.2f}x" if s["speedup_vs_fp32"] else "-"
         scale = f"{s['loss_scale']:g}" if s["loss_scale"] is not None else "-"
-        print(f"{s['mode']:<14}{s['samples_per_sec']:>10.2f}{s['sec_per_iter']:>9.2f}{sp:>9}"
+        print(f"{s['mode']:<18}{s['samples_per_sec']:>10.2f}{s['sec_per_iter']:>9.2f}{sp:>9}"
               f"{s['rss_delta_mb']:>9.0f}{s['final_ce']:>8.3f}{s['final_smoothl1']:>10.3f}{scale:>9}{s['skipped_steps']:>8}")
     for name, m in doc["loss_match"].items():
         if m["max_rel_diff_total_loss"] is not None:
@@ -374,6 +393,9 @@ def print_table(doc: Dict[str, Any]) -> None:
                   f"{m['max_rel_diff_total_loss']:.4f} ({'within' if m['within_2pct'] else 'NOT within'} 2%)")
     print(f"process peak RSS {doc['peak_rss_mb_process']:.0f} MB; 'mem +MB' is the RSS each mode "
           "added when built and first run")
+    if any(s["mode"].startswith(EMULATED) for s in doc["modes"]):
+        print(f"{EMULATED}* modes: gluon_amp.init(emulate=True), float32 kernels with the target's "
+              "rounding; their speed columns are emulated (float32 plus rounding), not the target's")
     if doc["amp_not_run"]:
         print(doc["amp_not_run"])
 

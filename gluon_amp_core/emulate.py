@@ -46,25 +46,28 @@ _CAST_OPS = frozenset({"amp_cast", "Cast", "cast"})
 
 #: Round float32 ``x`` to bfloat16 to nearest even, in float32 arithmetic (MXNet's own
 #: float32->bfloat16 ``amp_cast`` is exact but ~40x slower than its float16 cast on CPUs
-#: without AVX-512, and its ``Cast`` truncates). ``v = r - (r - x)`` with ``r = 65537 x``
-#: (Veltkamp) has ``x``'s exponent; adding ``c = 65536 v`` puts ``x``'s bits below
+#: without AVX-512, and its ``Cast`` truncates). ``v = r - (r - s)`` with ``r = 65537 s``
+#: (Veltkamp) has ``s``'s exponent; adding ``c = 65536 v`` puts ``s``'s bits below
 #: bfloat16's last place out of the sum, so the FPU rounds them to nearest even, and
-#: subtracting ``c`` is exact. Like MXNet's cast, float32 subnormals flush to 0; values of
-#: magnitude >= 2**111 (and inf, NaN) pass unrounded. Its gradient is the identity: unlike
-#: float16's cast pair, bfloat16 emulation does not round gradients. Steps: (op, inputs, attrs);
-#: an input is "x" or the index of an earlier step.
+#: subtracting ``c`` is exact. It runs on ``s = BlockGrad(x)``, and ``x - s`` (zero) is
+#: added back: the gradient is the identity and nothing of the chain is kept for backward.
+#: Unlike float16's cast pair, bfloat16 emulation does not round gradients. Values of
+#: magnitude >= 2**111, inf and NaN pass unrounded; float32 subnormals (below 1.2e-38) are
+#: rounded relative to their own magnitude, where MXNet's cast flushes them to zero.
+#: Steps: (op, inputs, attrs); an input is "x" or the index of an earlier step.
 BF16_ROUNDING: Tuple[Tuple[str, Tuple, Dict[str, str]], ...] = (
-    ("_mul_scalar", ("x",), {"scalar": "65537.0"}),            # 0: r
-    ("elemwise_sub", (0, "x"), {}),                            # 1: r - x
-    ("elemwise_sub", (0, 1), {}),                              # 2: v
-    ("_mul_scalar", (2,), {"scalar": "65536.0"}),              # 3: c
-    ("elemwise_add", ("x", 3), {}),                            # 4: x + c, rounded by the FPU
-    ("elemwise_sub", (4, 3), {}),                              # 5: the rounded x
-    ("abs", ("x",), {}),                                       # 6
-    ("_lesser_scalar", (6,), {"scalar": str(2.0 ** 111)}),     # 7: 65537 x stays finite
-    ("where", (7, 5, "x"), {}),                                # 8
-    ("_greater_equal_scalar", (6,), {"scalar": str(2.0 ** -126)}),  # 9: not subnormal
-    ("elemwise_mul", (8, 9), {}),                              # 10: the result
+    ("BlockGrad", ("x",), {}),                                 # 0: s
+    ("_mul_scalar", (0,), {"scalar": "65537.0"}),              # 1: r
+    ("elemwise_sub", (1, 0), {}),                              # 2: r - s
+    ("elemwise_sub", (1, 2), {}),                              # 3: v
+    ("_mul_scalar", (3,), {"scalar": "65536.0"}),              # 4: c
+    ("elemwise_add", (0, 4), {}),                              # 5: s + c, rounded by the FPU
+    ("elemwise_sub", (5, 4), {}),                              # 6: s rounded
+    ("abs", (0,), {}),                                         # 7
+    ("_lesser_scalar", (7,), {"scalar": str(2.0 ** 111)}),     # 8: 65537 s stays finite
+    ("where", (8, 6, 0), {}),                                  # 9
+    ("elemwise_sub", ("x", 0), {}),                            # 10: zero, carries the gradient
+    ("elemwise_add", (9, 10), {}),                             # 11: the result
 )
 
 
