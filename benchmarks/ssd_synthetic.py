@@ -108,7 +108,7 @@ class Mode:
         if name == "gluon_amp" or self.emulated:
             with warnings.catch_warnings():
                 # the FP32 mode's graph is cached on purpose: it must stay FP32
-                warnings.filterwarnings("ignore", message=".*cached their graph before gluon_amp.init")
+                warnings.filterwarnings("ignore", message=".*cached its graph before gluon_amp.init")
                 with gluon_amp.autocast(target_dtype, emulate=self.emulated or None):
                     self._build(seed)
                     self.scaler = gluon_amp.init_trainer(self.trainer)
@@ -149,7 +149,7 @@ class Mode:
     def _build_opt_level(self, seed: int) -> None:
         gluon_amp.disable()
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*cached their graph before gluon_amp.init")
+            warnings.filterwarnings("ignore", message=".*cached its graph before gluon_amp.init")
             self._build(seed)
             with autograd.train_mode():  # finish deferred init: O2/O3 cast the real weights
                 self.net(self.batch.data[:1])
@@ -166,7 +166,7 @@ class Mode:
         gluon_amp.disable()
         if self.policy is not None:
             with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*cached their graph before gluon_amp.init")
+                warnings.filterwarnings("ignore", message=".*cached its graph before gluon_amp.init")
                 gluon_amp.init(self.policy)
 
     def step(self, record: bool = True) -> float:

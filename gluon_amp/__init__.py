@@ -34,7 +34,7 @@ from .lists_api import (  # noqa: E402
 from gluon_amp_core.loss_scale import LossScaler, ScaleState  # noqa: E402
 from gluon_amp_core.policy import Policy  # noqa: E402
 from .patching import (  # noqa: E402
-    autocast, current_policy, current_table, disable, init, is_enabled, patched_functions,
+    autocast, current_policy, disable, init, is_enabled, patched_functions,
 )
 from .policies import make_policy  # noqa: E402
 from .opt_levels import initialize  # noqa: E402
@@ -48,7 +48,7 @@ from gluon_amp_core.table import OpClass, OpTable  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
-    "init", "disable", "autocast", "is_enabled", "current_policy", "current_table", "patched_functions",
+    "init", "disable", "autocast", "is_enabled", "current_policy", "patched_functions",
     "Policy", "make_policy",
     "list_lp16_ops", "list_fp32_ops", "list_lp16_fp32_ops", "list_conditional_fp32_ops",
     "list_widest_type_cast", "runtime_info", "OpClass", "OpTable",

@@ -167,7 +167,13 @@ _original_code: "weakref.WeakKeyDictionary[types.FunctionType, types.CodeType]" 
 
 @dataclass(frozen=True)
 class SavedFunction:
-    """What :func:`redirect` changed on ``function``; :func:`restore` puts it back."""
+    """What :func:`redirect` changed on ``function``; :func:`restore` puts it back.
+
+    ``function`` stays MXNet's own object: every module attribute and every reference taken
+    before (``from mxnet.symbol.contrib import SyncBatchNorm``) still names it, and calls
+    through any of them reach ``wrapper``. ``site`` is where it was first found
+    (``'mxnet.symbol.Convolution'``), for messages.
+    """
 
     function: types.FunctionType
     wrapper: Callable
@@ -175,6 +181,7 @@ class SavedFunction:
     defaults: Optional[tuple]
     kwdefaults: Optional[dict]
     wrapped: Any  # the prior ``__wrapped__`` attribute, or _NOT_SET
+    site: str = ""
 
 
 def copy_function(fn: types.FunctionType) -> types.FunctionType:
@@ -191,7 +198,7 @@ def copy_function(fn: types.FunctionType) -> types.FunctionType:
     return impl
 
 
-def redirect(fn: types.FunctionType, wrapper: Callable) -> SavedFunction:
+def redirect(fn: types.FunctionType, wrapper: Callable, site: str = "") -> SavedFunction:
     """Make every call of ``fn`` (through any reference) call ``wrapper`` instead.
 
     ``fn`` keeps its identity, name and doc; ``fn.__wrapped__`` is ``wrapper``, so
@@ -199,7 +206,7 @@ def redirect(fn: types.FunctionType, wrapper: Callable) -> SavedFunction:
     keeps ``fn`` callable between them (a thread may call it meanwhile).
     """
     saved = SavedFunction(fn, wrapper, fn.__code__, fn.__defaults__, fn.__kwdefaults__,
-                          fn.__dict__.get("__wrapped__", _NOT_SET))
+                          fn.__dict__.get("__wrapped__", _NOT_SET), site)
     _original_code[fn] = saved.code
     fn.__kwdefaults__ = {_IMPL_KW: wrapper}  # ignored by the original code
     fn.__code__ = _TRAMPOLINE_CODE
@@ -395,34 +402,57 @@ def bucketing_buckets(mod: Any) -> Dict[Any, Any]:
     return mod._buckets
 
 
-# -- graph hook ----------------------------------------------------------------------
+# -- block hooks ---------------------------------------------------------------------
 # 1.9.1 mxnet/gluon/block.py: ``HybridBlock._get_graph(*args)`` builds the block's graph
 # once (``self._cached_graph = (inputs, out)``) and returns it; ``_build_cache``,
-# ``infer_shape`` and ``export`` read it from there. Rewriting it on its first build
-# changes what the CachedOp runs. If the method is renamed, init(emulate=True) fails here.
+# ``infer_shape`` and ``export`` read it from there. ``_call_cached_op(*args)`` runs every
+# hybridized call. Rewriting the graph on its first build changes what the CachedOp runs.
+# If either method is renamed, init fails here.
 
 _GET_GRAPH = HybridBlock._get_graph
+_CALL_CACHED_OP = HybridBlock._call_cached_op
 
 
-def install_graph_hook(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], Symbol]) -> Callable:
-    """Make every HybridBlock's freshly built graph pass through ``rewrite(block, args,
-    inputs, out)``; return the installed method, for :func:`remove_graph_hook`."""
+@dataclass(frozen=True)
+class BlockHooks:
+    """The two methods :func:`install_block_hooks` put on HybridBlock."""
+
+    get_graph: Callable
+    call_cached_op: Callable
+
+
+def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], Symbol],
+                        stale: Callable[[HybridBlock], None]) -> BlockHooks:
+    """Until :func:`remove_block_hooks`: every HybridBlock's freshly built graph passes
+    through ``rewrite(block, args, inputs, out)``, and a block that runs a graph it built
+    before (without the hooks) is passed to ``stale`` once. Costs a set lookup per call,
+    whatever the size of the heap."""
+    built: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
 
     def _get_graph(self: HybridBlock, *args: Any) -> Any:
         fresh = not self._cached_graph
         inputs, out = _GET_GRAPH(self, *args)
         if fresh:
             self._cached_graph = (inputs, rewrite(self, args, inputs, out))
+            built.add(self)
         return self._cached_graph
 
-    HybridBlock._get_graph = _get_graph
-    return _get_graph
+    def _call_cached_op(self: HybridBlock, *args: Any) -> Any:
+        if self._cached_graph and self not in built:
+            built.add(self)  # said once per block
+            stale(self)
+        return _CALL_CACHED_OP(self, *args)
+
+    HybridBlock._get_graph, HybridBlock._call_cached_op = _get_graph, _call_cached_op
+    return BlockHooks(_get_graph, _call_cached_op)
 
 
-def remove_graph_hook(installed: Callable) -> None:
-    """Put MXNet's ``_get_graph`` back, if ``installed`` is still the one in place."""
-    if HybridBlock.__dict__.get("_get_graph") is installed:
+def remove_block_hooks(hooks: BlockHooks) -> None:
+    """Put MXNet's methods back, where ``hooks`` are still the ones in place."""
+    if HybridBlock.__dict__.get("_get_graph") is hooks.get_graph:
         HybridBlock._get_graph = _GET_GRAPH
+    if HybridBlock.__dict__.get("_call_cached_op") is hooks.call_cached_op:
+        HybridBlock._call_cached_op = _CALL_CACHED_OP
 
 
 def full_op_name(name: Any) -> Optional[str]:

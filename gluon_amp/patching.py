@@ -6,7 +6,6 @@ swapped in place (and back) lives in :mod:`gluon_amp.mxnet_internals`.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import threading
 import types
@@ -15,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 from gluon_amp_core.policy import Policy
-from gluon_amp_core.table import ConditionalSpec, OpTable
+from gluon_amp_core.table import ConditionalSpec
 
 from . import mxnet_internals as mxi
 from .emulation import graph_rewriter
@@ -25,36 +24,12 @@ from .wrappers import ScalerRegistry, wrapper_for
 _log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Patch:
-    """One op function ``init`` redirected in place.
-
-    ``function`` stays MXNet's own object: every module attribute, and every reference
-    taken before ``init`` (``from mxnet.symbol.contrib import SyncBatchNorm``), still
-    names it, and calls through any of them reach ``wrapper``, which runs a copy of the
-    function as MXNet made it. ``saved`` holds the code, defaults and ``__wrapped__``
-    that :func:`disable` puts back. ``module.name`` is where the function was first found.
-    """
-
-    module: types.ModuleType
-    name: str
-    saved: mxi.SavedFunction
-
-    @property
-    def function(self) -> types.FunctionType:
-        return self.saved.function
-
-    @property
-    def wrapper(self) -> Callable:
-        return self.saved.wrapper
-
-
 @dataclass
 class _Active:
     policy: Policy
-    patches: List[Patch]
-    #: the HybridBlock graph hook (emulation, or the cannot-run check)
-    graph_hook: Callable
+    patches: List[mxi.SavedFunction]
+    #: the HybridBlock hooks (emulation or the cannot-run check; stale cached graphs)
+    hooks: mxi.BlockHooks
     #: loss scalers attached (init_trainer) while this init is on; loss-output ops read them
     scalers: ScalerRegistry = field(default_factory=ScalerRegistry)
 
@@ -134,10 +109,10 @@ def init(target_dtype: Any = None,
                 "`with gluon_amp.autocast(...)` for a scoped change.")
         if not policy.enabled:
             return policy
-        _warn_cached_blocks()
         scalers = ScalerRegistry()
         patches = _patch_all(policy, scalers)
-        _active = _Active(policy, patches, mxi.install_graph_hook(graph_rewriter(policy)), scalers)
+        hooks = mxi.install_block_hooks(graph_rewriter(policy), _warn_stale)
+        _active = _Active(policy, patches, hooks, scalers)
         _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
                   policy.describe(), len(_active.patches))
         return policy
@@ -149,12 +124,12 @@ def register_scaler(scaler: Any) -> None:
         _active.scalers.add(scaler)
 
 
-def _patch_all(policy: Policy, scalers: ScalerRegistry) -> List[Patch]:
+def _patch_all(policy: Policy, scalers: ScalerRegistry) -> List[mxi.SavedFunction]:
     """Redirect each op function that needs a wrapper, once per function object (one
     object is often reachable as several module attributes: ``mx.nd.X``, ``mx.nd.op.X``)."""
     infos = mxi.op_infos()
     seen = set()
-    patches: List[Patch] = []
+    patches: List[mxi.SavedFunction] = []
     try:
         for module, attr, fn, op, kind in list(mxi.op_function_sites()):
             if id(fn) in seen:
@@ -163,21 +138,21 @@ def _patch_all(policy: Policy, scalers: ScalerRegistry) -> List[Patch]:
             impl = mxi.copy_function(fn)  # the wrappers call this, never fn (fn calls them)
             wrapper = wrapper_for(impl, op, kind, policy, infos[op], scalers)
             if wrapper is not None:
-                patches.append(Patch(module, attr, mxi.redirect(fn, wrapper)))
+                patches.append(mxi.redirect(fn, wrapper, f"{module.__name__}.{attr}"))
     except BaseException:
         _restore(patches)
         raise
     return patches
 
 
-def _restore(patches: Sequence[Patch]) -> None:
+def _restore(patches: Sequence[mxi.SavedFunction]) -> None:
     """Put back each function that still calls its wrapper; leave (and name) the others."""
     changed = []
     for p in reversed(patches):
         if mxi.is_redirected_to(p.function, p.wrapper):
-            mxi.restore(p.saved)
+            mxi.restore(p)
         else:
-            changed.append(f"{p.module.__name__}.{p.name}")
+            changed.append(p.site)
     if changed:
         shown = ", ".join(changed[:5]) + (" ..." if len(changed) > 5 else "")
         warnings.warn(
@@ -193,7 +168,7 @@ def disable() -> None:
         if _active is None:
             return
         _restore(_active.patches)
-        mxi.remove_graph_hook(_active.graph_hook)
+        mxi.remove_block_hooks(_active.hooks)
         _active = None
 
 
@@ -206,12 +181,7 @@ def current_policy() -> Optional[Policy]:
     return _active.policy if _active is not None else None
 
 
-def current_table() -> Optional[OpTable]:
-    """The op table in force, or ``None`` when nothing is patched."""
-    return _active.policy.table if _active is not None else None
-
-
-def patched_functions() -> Tuple[Patch, ...]:
+def patched_functions() -> Tuple[mxi.SavedFunction, ...]:
     """The record of the op functions ``init`` redirected, one per function (empty when off)."""
     return tuple(_active.patches) if _active is not None else ()
 
@@ -232,18 +202,11 @@ def autocast(target_dtype: Any = None, **kwargs: Any) -> Iterator[Policy]:
             disable()
 
 
-def _warn_cached_blocks() -> None:
-    stale = []
-    for obj in gc.get_objects():
-        try:
-            if mxi.has_cached_graph(obj):
-                stale.append(obj.name)
-        except ReferenceError:
-            continue
-    if stale:
-        shown = ", ".join(stale[:5]) + (" ..." if len(stale) > 5 else "")
-        warnings.warn(
-            f"{len(stale)} hybridized block(s) cached their graph before gluon_amp.init() and will "
-            f"run without mixed precision: {shown}. Call block.hybridize() again (it drops the "
-            "cached graph) or rebuild the "
-            "block, then run it once.", RuntimeWarning, stacklevel=3)
+def _warn_stale(block: Any) -> None:
+    """A hybridized block runs a graph it cached before ``init``: it runs without AMP."""
+    if getattr(block, "amp_result", None) is not None:  # converted by gluon_amp already
+        return
+    warnings.warn(
+        f"hybridized block {block.name!r} cached its graph before gluon_amp.init() and runs without "
+        "mixed precision. Call block.hybridize() again (it drops the cached graph) or rebuild the "
+        "block, then run it.", RuntimeWarning, stacklevel=4)

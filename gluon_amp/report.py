@@ -16,7 +16,7 @@ from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import default_table
 from gluon_amp_core.walk import REASON_ATTR, walk
 
-from . import mxnet_internals as mxi
+from . import mxnet_internals as mxi, runtime
 from .patching import current_policy
 from .policies import make_policy
 from .type_inference import infer_dtypes
@@ -104,7 +104,7 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
                          f"e.g. report(sym, data='float32'); inputs: {sym.list_inputs()[:8]}")
     label = _label(policy, by_name)
     table = policy.table if policy is not None and policy.enabled else \
-        default_table(label if label in LOW_PRECISION_DTYPES else "bfloat16")
+        default_table(label if label in LOW_PRECISION_DTYPES else runtime.emulated_target(None))
     rows, casts = [], 0
     excluded = policy.excluded if policy is not None else frozenset()
     for nd in walk(nodes, table, lambda e: by_name.get((nodes[e[0]]["name"], e[1])), excluded):

@@ -135,7 +135,7 @@ def test_float16_parameter_dtypes_and_loss_scale(level):
         assert dtypes[name] == "float32", name
     assert gluon_amp.is_enabled() is patched
     if patched:
-        assert gluon_amp.current_table().target_dtype == "float16"
+        assert gluon_amp.current_policy().table.target_dtype == "float16"
     scaler = gluon_amp.get_scaler(tr)
     assert scaler.dynamic is (scale == "dynamic")
     assert scaler.loss_scale == (2.0 ** 16 if scale == "dynamic" else 1.0)
@@ -484,7 +484,7 @@ def test_o2_carries_symbol_blocks_along():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         warnings.filterwarnings("ignore", message=".*float16.*without a GPU")
-        warnings.filterwarnings("ignore", message=".*cached their graph")
+        warnings.filterwarnings("ignore", message=".*cached its graph")
         gluon_amp.initialize(net, None, "O2", target_dtype="float16")
     assert dtype_name(net.collect_params()["fc_weight"].dtype) == "float16"
     types, out = _graph_types(net)
