@@ -346,7 +346,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     iters = args.iters or (200 if on_gpu else 6)
     names, target, skip_amp = plan_modes(args)
     if skip_amp:
-        logger.warning("%s Running FP32 only.", skip_amp)
+        emulated = [n for n in names if n.startswith(EMULATED)]
+        logger.warning("%s Running FP32%s.", skip_amp, f" and {', '.join(emulated)}" if emulated else " only")
 
     batch = SyntheticData(batch_size, ctx, args.seed)
     modes = []
