@@ -36,7 +36,7 @@ from gluon_amp_core.policy import Policy  # noqa: E402
 from .patching import (  # noqa: E402
     autocast, current_policy, disable, init, is_enabled, patched_functions,
 )
-from .policies import make_policy  # noqa: E402
+from .policy_builder import make_policy  # noqa: E402
 from .opt_levels import initialize  # noqa: E402
 from .report import Report, report  # noqa: E402
 from .runtime import runtime_info  # noqa: E402

@@ -35,7 +35,7 @@ from gluon_amp_core.policy import Policy
 from . import master_weights as master_weights_mod, patching, trainer as trainer_mod
 from . import mxnet_internals as mxi
 from .mxnet_internals import NP_SYMBOL, to_mx_dtype, updates_on_kvstore
-from .policies import make_policy
+from .policy_builder import make_policy
 
 __all__ = ["OptLevel", "OPT_LEVELS", "properties", "initialize"]
 

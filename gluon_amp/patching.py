@@ -18,7 +18,7 @@ from gluon_amp_core.table import ConditionalSpec
 
 from . import mxnet_internals as mxi
 from .emulation import graph_rewriter
-from .policies import as_policy
+from .policy_builder import as_policy
 from .wrappers import ScalerRegistry, wrapper_for
 
 _log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from gluon_amp_core.walk import REASON_ATTR, walk
 
 from . import mxnet_internals as mxi, runtime
 from .patching import current_policy
-from .policies import make_policy
+from .policy_builder import make_policy
 from .type_inference import infer_dtypes
 
 

@@ -42,8 +42,8 @@ class Policy:
 
     target_dtype: str
     target_precision_ops: Optional[Tuple[str, ...]] = None
-    fp32_ops: Optional[Tuple[str, ...]] = None
     conditional_fp32_ops: Optional[Tuple[ConditionalSpec, ...]] = None
+    fp32_ops: Optional[Tuple[str, ...]] = None
     widest_type_ops: Optional[Tuple[str, ...]] = None
     keep_batchnorm_fp32: Optional[bool] = None
     emulate: bool = False
@@ -57,11 +57,11 @@ class Policy:
         return self.table is not None
 
     @classmethod
-    def create(cls, target_dtype: str, target_precision_ops: Optional[Sequence[str]] = None,
-               fp32_ops: Optional[Sequence[str]] = None,
+    def create(cls, target_dtype: str, *, target_precision_ops: Optional[Sequence[str]] = None,
                conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
+               fp32_ops: Optional[Sequence[str]] = None,
                widest_type_ops: Optional[Sequence[str]] = None,
-               keep_batchnorm_fp32: Optional[bool] = None, *,
+               keep_batchnorm_fp32: Optional[bool] = None,
                emulate: bool = False,
                excluded_sym_names: Optional[Sequence[str]] = None,
                known_ops: Optional[Iterable[str]] = None,
@@ -76,8 +76,8 @@ class Policy:
         """
         lists = dict(
             target_precision_ops=_opt(check_name_list, "target_precision_ops", target_precision_ops),
-            fp32_ops=_opt(check_name_list, "fp32_ops", fp32_ops),
             conditional_fp32_ops=None if conditional_fp32_ops is None else check_conditional(conditional_fp32_ops),
+            fp32_ops=_opt(check_name_list, "fp32_ops", fp32_ops),
             widest_type_ops=_opt(check_name_list, "widest_type_ops", widest_type_ops),
         )
         if keep_batchnorm_fp32 is not None and not isinstance(keep_batchnorm_fp32, bool):
@@ -88,8 +88,7 @@ class Policy:
         if target_dtype == FLOAT32:
             return cls(FLOAT32, **lists, keep_batchnorm_fp32=keep_batchnorm_fp32,
                        excluded_sym_names=excluded, reason=reason)
-        table = build_table(parse_target_dtype(target_dtype), lists["target_precision_ops"], lists["conditional_fp32_ops"],
-                            lists["fp32_ops"], lists["widest_type_ops"], keep_batchnorm_fp32,
+        table = build_table(parse_target_dtype(target_dtype), **lists, keep_batchnorm_fp32=keep_batchnorm_fp32,
                             known_ops=known_ops, aliases=aliases)
         return cls(table.target_dtype, **lists, keep_batchnorm_fp32=keep_batchnorm_fp32, emulate=emulate,
                    excluded_sym_names=excluded, table=table)

@@ -160,6 +160,7 @@ def _resolve_overrides(overrides: Mapping[OpClass, Sequence[str]], valid: set,
 
 def build_table(
     target_dtype: str,
+    *,
     target_precision_ops: Optional[Sequence[str]] = None,
     conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
     fp32_ops: Optional[Sequence[str]] = None,

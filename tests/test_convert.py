@@ -11,7 +11,7 @@ from mxnet.gluon.model_zoo import vision
 import gluon_amp
 from gluon_amp.convert import convert_with_policy
 from gluon_amp_core.dtypes import dtype_name
-from gluon_amp.policies import make_policy
+from gluon_amp.policy_builder import make_policy
 from conftest import gluoncv_or_skip, no_bf16_env
 from graphcheck import check_graph
 

@@ -3,7 +3,7 @@ import pytest
 
 from gluon_amp import mxnet_internals as registry
 from gluon_amp_core.lists import bfloat16 as bf16_lists, float16 as fp16_lists
-from gluon_amp.policies import make_policy
+from gluon_amp.policy_builder import make_policy
 from gluon_amp_core.table import OpClass
 
 

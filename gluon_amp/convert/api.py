@@ -16,7 +16,7 @@ from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
 from ..mxnet_internals import to_mx_dtype
 from ..type_inference import infer_dtypes, op_types
 from ..emulation import emulate_symbol, round_nd
-from ..policies import as_policy
+from ..policy_builder import as_policy
 from .. import runtime
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec

@@ -1,5 +1,8 @@
 """Build a :class:`~gluon_amp_core.policy.Policy` for this machine and this MXNet.
 
+The pure value and its validation live in :mod:`gluon_amp_core.policy`; this module adds
+what only the MXNet layer knows: the machine (resolving ``target_dtype``) and the op registry.
+
 The peer-compatible signatures (``init``, ``convert_*``, ``report``) are shims over
 :func:`as_policy`: they accept a ready ``Policy`` or the classic arguments.
 """
@@ -12,10 +15,10 @@ from gluon_amp_core.policy import FLOAT32, Policy
 from gluon_amp_core.table import ConditionalSpec
 
 
-def make_policy(target_dtype: Any = None,
+def make_policy(target_dtype: Any = None, *,
                 target_precision_ops: Optional[Sequence[str]] = None,
                 conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
-                fp32_ops: Optional[Sequence[str]] = None, *,
+                fp32_ops: Optional[Sequence[str]] = None,
                 widest_type_ops: Optional[Sequence[str]] = None,
                 keep_batchnorm_fp32: Optional[bool] = None,
                 emulate: Optional[bool] = None,
@@ -36,8 +39,10 @@ def make_policy(target_dtype: Any = None,
     else:
         res = runtime.resolve(target_dtype)
         dtype, reason = res.dtype, (res.warning if res.dtype == FLOAT32 else None)
-    return Policy.create(dtype, target_precision_ops, fp32_ops, conditional_fp32_ops,
-                         widest_type_ops, keep_batchnorm_fp32, emulate=bool(emulate),
+    return Policy.create(dtype, target_precision_ops=target_precision_ops,
+                         conditional_fp32_ops=conditional_fp32_ops, fp32_ops=fp32_ops,
+                         widest_type_ops=widest_type_ops, keep_batchnorm_fp32=keep_batchnorm_fp32,
+                         emulate=bool(emulate),
                          excluded_sym_names=excluded_sym_names, known_ops=registry.op_infos().keys(),
                          aliases=registry.aliases(), reason=reason)
 
