@@ -29,7 +29,8 @@ FLAG_KEY = 214_000
 
 _EPS32 = float(np.finfo(np.float32).eps)
 _Reduce = Callable[[np.ndarray], np.ndarray]
-_kinds: "weakref.WeakKeyDictionary[Trainer, str]" = weakref.WeakKeyDictionary()
+#: trainer -> (how it reduces: an engine name or "local", its loss scaler)
+_kinds: "weakref.WeakKeyDictionary[Trainer, tuple]" = weakref.WeakKeyDictionary()
 _flag_ready: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _kvstore_ready: "weakref.WeakSet[Trainer]" = weakref.WeakSet()
 
@@ -118,17 +119,9 @@ def _refuse_horovod_optimizer(trainer: Trainer) -> None:
             "hvd.DistributedTrainer(params, optimizer, optimizer_params) instead.")
 
 
-def _scaler_of(trainer: Trainer) -> Any:
-    """The LossScaler gluon_amp attached to ``trainer`` (its step hook holds it)."""
-    hook = mxi.get_step_hook(trainer)
-    if hook is None or not hasattr(hook, "scaler"):
-        raise RuntimeError("this Trainer has no loss scaler; call gluon_amp.init_trainer(trainer) first.")
-    return hook.scaler
-
-
 def _check_shared_scaler(trainer: Trainer, scaler: Any, engine: Optional[Engine]) -> None:
-    _kinds[trainer] = engine.name if engine else "local"
-    kinds = {kind for t, kind in list(_kinds.items()) if _scaler_of(t) is scaler}
+    _kinds[trainer] = (engine.name if engine else "local", scaler)
+    kinds = {kind for kind, s in list(_kinds.values()) if s is scaler}
     if "local" in kinds and len(kinds) > 1:
         spread = sorted(kinds - {"local"})
         raise RuntimeError(
@@ -168,15 +161,15 @@ def _check_same_scale(engine: Engine, scale: float, total: float, squares: float
             "every rank the same LossScaler settings.")
 
 
-def agree_finite(trainer: Trainer, finite: bool) -> bool:
-    """Return whether every worker of ``trainer`` saw finite gradients this step.
+def agree_finite(trainer: Trainer, scaler: Any, finite: bool) -> bool:
+    """Return whether every worker of ``trainer`` (whose loss scaler is ``scaler``) saw finite
+    gradients this step.
 
     Collective for distributed trainers: all workers must call it on the same step (every
     ``trainer.step``/``update`` does). Raises ``RuntimeError`` when the workers' loss scales
     differ, when one scaler mixes distributed and local trainers, for a dist kvstore with
     gradient compression, and for Horovod's ``DistributedOptimizer`` (use ``DistributedTrainer``).
     """
-    scaler = _scaler_of(trainer)
     if not scaler.enabled:  # nothing is checked or skipped, so there is nothing to agree on
         return bool(finite)
     _refuse_horovod_optimizer(trainer)

@@ -29,7 +29,7 @@ from mxnet.gluon import Block, HybridBlock, Parameter, SymbolBlock, Trainer
 from mxnet.gluon.parameter import DeferredInitializationError
 
 from gluon_amp_core.dtypes import FLOAT_DTYPES, LOW_PRECISION_DTYPES, dtype_name
-from gluon_amp_core.loss_scale import LossScaler
+from gluon_amp_core.loss_scale import LossScaler, loss_scaler_from
 from gluon_amp_core.policy import Policy
 
 from . import master_weights as master_weights_mod, patching, trainer as trainer_mod
@@ -100,12 +100,14 @@ def _check_flag(name: str, value: Any) -> Optional[bool]:
 
 
 def _check_loss_scale(value: Any) -> Optional[LossScale]:
-    if value is None or value == "dynamic" or isinstance(value, LossScaler):
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    raise ValueError(f"loss_scale={value!r} is not valid; use 'dynamic', a positive number "
-                     "(static scale), a gluon_amp.LossScaler, or None for the level's default.")
+    """``value`` checked by the one parser (:func:`loss_scaler_from`); ``None`` is the level's default."""
+    if value is None:
+        return None
+    try:
+        loss_scaler_from(value)
+    except ValueError as exc:
+        raise ValueError(f"{exc} At an opt level, None means the level's default.") from None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
 def properties(opt_level: str = "O1", *, keep_batchnorm_fp32: Optional[bool] = None,
@@ -159,14 +161,6 @@ def _uninitialized(params: dict, need_shapes: bool) -> list:
     return bad
 
 
-def _has_scaler(trainer: Trainer) -> bool:
-    try:
-        trainer_mod.get_scaler(trainer)
-    except RuntimeError:
-        return False
-    return True
-
-
 def _check_trainer(trainer: Optional[Trainer]) -> None:
     if trainer is None:
         return
@@ -182,7 +176,7 @@ def _check_trainer(trainer: Optional[Trainer]) -> None:
         raise RuntimeError("gluon_amp.initialize must come before the first trainer.step() (and "
                            "before trainer.load_states); this Trainer already has optimizer state. "
                            "Build a new Trainer, initialize, then load states.")
-    if _has_scaler(trainer):
+    if trainer_mod.attached_scaler(trainer) is not None:
         raise RuntimeError("this Trainer already has a loss scaler from gluon_amp.init_trainer; "
                            "initialize attaches one itself (use its loss_scale argument).")
 

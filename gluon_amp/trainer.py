@@ -18,7 +18,7 @@ import mxnet as mx
 from mxnet import autograd
 from mxnet.gluon import Trainer
 
-from gluon_amp_core.loss_scale import LossScaler, Stage
+from gluon_amp_core.loss_scale import LossScaler, Stage, loss_scaler_from
 
 from . import distributed, overflow, patching
 from . import mxnet_internals as mxi
@@ -43,7 +43,7 @@ class _Hook:
         trainer = self._trainer()
         finite = True if not self.scaler.enabled else overflow.all_finite(params)
         if trainer is not None:
-            finite = distributed.agree_finite(trainer, finite)
+            finite = distributed.agree_finite(trainer, self.scaler, finite)
             mxi.set_grad_scale(trainer, self.original_scale)  # unscaled unless scale_loss runs again
         skip = self.scaler.record_step(self, finite)
         if skip and self.scaler.collapsed():
@@ -53,19 +53,6 @@ class _Hook:
                 f"Parameters with inf/NaN gradients: {overflow.non_finite_names(params) or 'none now (inf/NaN came from the loss)'}. "
                 "Check the learning rate, the data and the loss, or raise max_consecutive_skips.")
         return skip
-
-
-def _make_scaler(loss_scale: Any) -> LossScaler:
-    if isinstance(loss_scale, LossScaler):
-        return loss_scale
-    if loss_scale == "dynamic":
-        return LossScaler()
-    if loss_scale is None or loss_scale is False:
-        return LossScaler.disabled()
-    if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-        return LossScaler.static(loss_scale)
-    raise ValueError(f"loss_scale={loss_scale!r} is not valid; use 'dynamic', a positive number "
-                     "(static scale), None (no scaling) or a gluon_amp.LossScaler.")
 
 
 def _one_trainer(trainer: Any, optimizer_or_trainer: Any, caller: str) -> Any:
@@ -98,14 +85,14 @@ def init_trainer(trainer: Optional[Trainer] = None,
     trainer = _one_trainer(trainer, optimizer_or_trainer, "init_trainer")
     if not isinstance(trainer, Trainer):
         raise TypeError(f"init_trainer expects a mxnet.gluon.Trainer, got {type(trainer).__name__}")
-    if isinstance(mxi.get_step_hook(trainer), _Hook):
+    if attached_scaler(trainer) is not None:
         raise RuntimeError("this Trainer already has a loss scaler; use gluon_amp.get_scaler(trainer) "
                            "to read it, or build a new Trainer.")
     on_kvstore = mxi.updates_on_kvstore(trainer)
     if on_kvstore:
         raise ValueError("loss scaling needs the update on the worker: create the Trainer with "
                          "update_on_kvstore=False (got update_on_kvstore=True).")
-    scaler = _make_scaler(loss_scale)
+    scaler = loss_scaler_from(loss_scale)
     if on_kvstore is None:
         mxi.force_update_on_worker(trainer)
     mxi.set_step_hook(trainer, _Hook(trainer, scaler))
@@ -114,17 +101,22 @@ def init_trainer(trainer: Optional[Trainer] = None,
 
 
 def _hook_of(trainer: Trainer, caller: str) -> _Hook:
-    hook = mxi.get_step_hook(trainer) if isinstance(trainer, Trainer) else None
-    if not isinstance(hook, _Hook):
+    if attached_scaler(trainer) is None:
         if not isinstance(trainer, Trainer):
             raise TypeError(f"{caller} expects a mxnet.gluon.Trainer, got {type(trainer).__name__}")
         raise RuntimeError(f"{caller}: this Trainer has no loss scaler; call gluon_amp.init_trainer(trainer) first.")
-    return hook
+    return mxi.get_step_hook(trainer)
 
 
 def get_scaler(trainer: Trainer) -> LossScaler:
-    """The :class:`LossScaler` attached to ``trainer``."""
+    """The :class:`LossScaler` attached to ``trainer``; ``RuntimeError`` if there is none."""
     return _hook_of(trainer, "get_scaler").scaler
+
+
+def attached_scaler(trainer: Any) -> Optional[LossScaler]:
+    """The :class:`LossScaler` attached to ``trainer``, or ``None``: the one place that asks."""
+    hook = mxi.get_step_hook(trainer) if isinstance(trainer, Trainer) else None
+    return hook.scaler if isinstance(hook, _Hook) else None
 
 
 @contextlib.contextmanager

@@ -232,3 +232,19 @@ class LossScaler:
         s = self.state
         return (f"LossScaler({kind}, scale={s.scale:g}, skipped={s.skipped_steps}/{s.total_steps}, "
                 f"last_skipped={s.last_skipped})")
+
+
+def loss_scaler_from(spec: Any) -> LossScaler:
+    """The :class:`LossScaler` a ``loss_scale`` argument asks for: ``'dynamic'``, a positive
+    number (static), ``None``/``False`` (disabled) or a ``LossScaler`` (itself). The one
+    parser of that argument; ``ValueError`` names the choices."""
+    if isinstance(spec, LossScaler):
+        return spec
+    if spec == "dynamic":
+        return LossScaler()
+    if spec is None or spec is False:
+        return LossScaler.disabled()
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool) and spec > 0:
+        return LossScaler.static(spec)
+    raise ValueError(f"loss_scale={spec!r} is not valid; use 'dynamic', a positive number "
+                     "(static scale), None (no scaling) or a gluon_amp.LossScaler.")

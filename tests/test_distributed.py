@@ -160,10 +160,10 @@ def test_agree_finite_skips_when_another_worker_overflowed(monkeypatch):
     _, trainer = _trainer()
     scaler = gluon_amp.init_trainer(trainer, LossScaler(init_scale=64.0))
     monkeypatch.setattr(distributed, "engine_of", lambda t: _other_worker(False, 64.0))
-    assert distributed.agree_finite(trainer, True) is False
+    assert distributed.agree_finite(trainer, gluon_amp.get_scaler(trainer), True) is False
     monkeypatch.setattr(distributed, "engine_of", lambda t: _other_worker(True, 64.0))
-    assert distributed.agree_finite(trainer, True) is True
-    assert distributed.agree_finite(trainer, False) is False
+    assert distributed.agree_finite(trainer, gluon_amp.get_scaler(trainer), True) is True
+    assert distributed.agree_finite(trainer, gluon_amp.get_scaler(trainer), False) is False
     assert scaler.loss_scale == 64.0  # agreeing does not step the scaler
 
 
@@ -173,14 +173,14 @@ def test_agree_finite_refuses_differing_scales(monkeypatch, other_scale):
     gluon_amp.init_trainer(trainer, LossScaler(init_scale=64.0))
     monkeypatch.setattr(distributed, "engine_of", lambda t: _other_worker(True, other_scale))
     with pytest.raises(RuntimeError, match="loss scale differs.*this worker: 64.*load_states"):
-        distributed.agree_finite(trainer, True)
+        distributed.agree_finite(trainer, gluon_amp.get_scaler(trainer), True)
 
 
 def test_agree_finite_accepts_equal_odd_static_scales(monkeypatch):
     _, trainer = _trainer()
     gluon_amp.init_trainer(trainer, 1234.567)
     monkeypatch.setattr(distributed, "engine_of", lambda t: _other_worker(True, 1234.567))
-    assert distributed.agree_finite(trainer, True) is True
+    assert distributed.agree_finite(trainer, gluon_amp.get_scaler(trainer), True) is True
 
 
 def test_scaler_shared_by_distributed_and_local_trainer_is_refused(monkeypatch):
@@ -190,9 +190,9 @@ def test_scaler_shared_by_distributed_and_local_trainer_is_refused(monkeypatch):
     gluon_amp.init_trainer(local_trainer, scaler)
     monkeypatch.setattr(distributed, "engine_of",
                         lambda t: _other_worker(True, scaler.loss_scale) if t is dist_trainer else None)
-    assert distributed.agree_finite(dist_trainer, True) is True
+    assert distributed.agree_finite(dist_trainer, gluon_amp.get_scaler(dist_trainer), True) is True
     with pytest.raises(RuntimeError, match="one LossScaler is shared.*a stand-in engine"):
-        distributed.agree_finite(local_trainer, True)
+        distributed.agree_finite(local_trainer, gluon_amp.get_scaler(local_trainer), True)
 
 
 def test_scaler_shared_by_local_trainers_is_fine():
@@ -200,8 +200,8 @@ def test_scaler_shared_by_local_trainers_is_fine():
     _, b = _trainer(ctxs=(mx.cpu(0), mx.cpu(1)), kvstore="device")
     scaler = gluon_amp.init_trainer(a)
     gluon_amp.init_trainer(b, scaler)
-    assert distributed.agree_finite(a, True) is True
-    assert distributed.agree_finite(b, False) is False
+    assert distributed.agree_finite(a, gluon_amp.get_scaler(a), True) is True
+    assert distributed.agree_finite(b, gluon_amp.get_scaler(b), False) is False
 
 
 def test_dist_kvstore_without_init_kvstore_warns_once(monkeypatch):
@@ -211,11 +211,11 @@ def test_dist_kvstore_without_init_kvstore_warns_once(monkeypatch):
     monkeypatch.setattr(distributed, "engine_of",
                         lambda t: distributed.Engine(engine.name, 2, engine.reduce, kvstore=True))
     with pytest.warns(RuntimeWarning, match="init_kvstore"):
-        distributed.agree_finite(trainer, True)
+        distributed.agree_finite(trainer, gluon_amp.get_scaler(trainer), True)
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        distributed.agree_finite(trainer, True)
+        distributed.agree_finite(trainer, gluon_amp.get_scaler(trainer), True)
 
 
 def test_init_kvstore_rejects_non_trainers_and_deferred_shapes():
@@ -271,7 +271,7 @@ def test_disabled_scaler_needs_no_agreement(monkeypatch):
     def no_collective(values):
         raise AssertionError("a disabled scaler must not start a collective")
     monkeypatch.setattr(distributed, "engine_of", lambda t: distributed.Engine("x", 2, no_collective))
-    assert distributed.agree_finite(trainer, True) is True
+    assert distributed.agree_finite(trainer, gluon_amp.get_scaler(trainer), True) is True
 
 
 def test_dist_kvstore_with_gradient_compression_is_refused(monkeypatch):
@@ -284,7 +284,7 @@ def test_dist_kvstore_with_gradient_compression_is_refused(monkeypatch):
     monkeypatch.setattr(distributed, "engine_of",
                         lambda t: distributed.Engine(engine.name, 2, engine.reduce, kvstore=True))
     with pytest.raises(RuntimeError, match="gradient compression.*2bit"):
-        distributed.agree_finite(trainer, True)
+        distributed.agree_finite(trainer, gluon_amp.get_scaler(trainer), True)
 
 
 @pytest.mark.bf16_kernels
