@@ -114,9 +114,4 @@ def _opt(check: Any, name: str, value: Any) -> Optional[Tuple[str, ...]]:
 
 
 def _node_names(value: Any) -> Tuple[str, ...]:
-    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
-        raise TypeError(f"excluded_sym_names must be a list of op node names (str), got {value!r}")
-    bad = [v for v in value if not isinstance(v, str)]
-    if bad:
-        raise TypeError(f"excluded_sym_names must hold str node names; got {bad[:3]}")
-    return tuple(sorted(set(value)))
+    return tuple(sorted(set(check_name_list("excluded_sym_names", value, "op node names"))))

@@ -81,13 +81,14 @@ def _load_lists(target_dtype: str):
     return importlib.import_module(f"{__package__}.lists.{target_dtype}")
 
 
-def check_name_list(arg: str, value: object) -> Tuple[str, ...]:
-    """``value`` as a tuple of op names; ``TypeError`` naming ``arg`` otherwise."""
+def check_name_list(arg: str, value: object, kind: str = "op names") -> Tuple[str, ...]:
+    """``value`` as a tuple of names (``kind``: op names, node names, ...); ``TypeError``
+    naming ``arg`` otherwise. The one check of every list-of-names argument."""
     if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
-        raise TypeError(f"{arg} must be a list of op names, got {type(value).__name__}: {value!r}")
+        raise TypeError(f"{arg} must be a list of {kind}, got {type(value).__name__}: {value!r}")
     for v in value:
         if not isinstance(v, str):
-            raise TypeError(f"{arg} must contain op names (str); got {v!r} of type {type(v).__name__}")
+            raise TypeError(f"{arg} must contain {kind} (str); got {v!r} of type {type(v).__name__}")
     return tuple(value)
 
 

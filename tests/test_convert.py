@@ -281,8 +281,10 @@ def test_fused_bf16_block_stays_within_tolerance(tmp_path):
 def test_fuse_needs_a_cpu_with_onednn(zoo):
     with pytest.raises(ValueError, match="fuse=True needs a CPU"):
         gluon_amp.convert_hybrid_block(zoo["resnet18_v1"], "bfloat16", ctx=mx.gpu(0), fuse=True)
-    from gluon_amp.convert.api import _fuse_backend
-    assert _fuse_backend(None, mx.gpu(0), make_policy("bfloat16")) is None  # default: no error, no fusion
+    from gluon_amp.convert.api import fusion_plan
+    assert fusion_plan(None, "gpu", make_policy("bfloat16")).backend is None  # default: no error, no fusion
+    assert fusion_plan(None, "cpu", make_policy("bfloat16")).fold  # fused bfloat16 folds batch norm first
+    assert not fusion_plan(None, "cpu", make_policy("bfloat16", emulate=True)).backend
     with pytest.raises(TypeError, match="fuse must be None, True or False"):
         gluon_amp.convert_hybrid_block(zoo["resnet18_v1"], "bfloat16", fuse="yes")
 

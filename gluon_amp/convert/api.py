@@ -4,23 +4,22 @@ from __future__ import annotations
 import difflib
 import json
 import warnings
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mxnet as mx
 from mxnet.gluon import HybridBlock, SymbolBlock
 from mxnet.symbol import Symbol
 
-from .. import mxnet_internals as mxi
-from .. import mxnet_internals as registry
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
-from ..mxnet_internals import to_mx_dtype
-from ..type_inference import infer_dtypes, op_types
+from gluon_amp_core.graph_pass import PassResult, convert_graph, is_kept, parameter_only_inputs
+from gluon_amp_core.policy import Policy
+from gluon_amp_core.table import ConditionalSpec, check_name_list
+
+from .. import mxnet_internals as mxi, runtime
 from ..emulation import emulate_symbol, round_nd
 from ..policy_builder import as_policy
-from .. import runtime
-from gluon_amp_core.policy import Policy
-from gluon_amp_core.table import ConditionalSpec
-from gluon_amp_core.graph_pass import PassResult, convert_graph, is_kept, parameter_only_inputs
+from ..type_inference import infer_dtypes, op_types
 from .fold import fold_batch_norm
 
 def _fp32_types(sym: Symbol, data_names: Sequence[str], param_types: Dict[str, Any]
@@ -35,12 +34,8 @@ def _var_dtypes(sym: Symbol, fp32_types: Dict[Tuple[str, int], Optional[str]]) -
     return {name: t for (name, k), t in fp32_types.items() if k == 0 and t is not None and name in inputs}
 
 
-def _check_list(name: str, value: Any) -> List[str]:
-    if value is None:
-        return []
-    if isinstance(value, str) or not isinstance(value, (list, tuple, set)):
-        raise TypeError(f"{name} must be a list of str, got {value!r}")
-    return list(value)
+def _names(arg: str, value: Any, kind: str) -> List[str]:
+    return [] if value is None else list(check_name_list(arg, value, kind))
 
 
 def _warn_kept(graph: dict, policy: Policy) -> None:
@@ -76,7 +71,7 @@ def _data_names(clean: Symbol, data_names: Any, graph: dict,
         attrs = clean.attr_dict()
         params = parameter_only_inputs(graph, op_inputs)
         return [n for n in clean.list_inputs() if "__dtype__" not in attrs.get(n, {}) and n not in params]
-    data_names = _check_list("data_names", data_names)
+    data_names = _names("data_names", data_names, "input names")
     unknown = [n for n in data_names if n not in clean.list_inputs()]
     if unknown:
         raise ValueError(f"data_names {unknown} are not inputs of the symbol; its inputs are "
@@ -93,13 +88,13 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
     the plan holds low precision) and ``result.dtypes`` stays the plan's."""
     if not isinstance(sym, Symbol):
         raise TypeError(f"convert_symbol expects an mxnet Symbol, got {type(sym).__name__}")
-    excluded = sorted(set(_check_list("excluded_sym_names", excluded_sym_names)) | policy.excluded)
+    excluded = sorted(set(_names("excluded_sym_names", excluded_sym_names, "op node names")) | policy.excluded)
     graph = json.loads(sym.tojson(remove_amp_cast=False))
     _check_excluded(graph, excluded)
     _warn_kept(graph, policy)
     if not policy.enabled:  # no useful low precision here: the FP32 graph, unchanged
         return mx.sym.load_json(json.dumps(graph)), PassResult(graph, {}, dict(param_dtypes or {}), policy)
-    op_inputs = {n: i.inputs for n, i in registry.op_infos().items()}
+    op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
     data_names = _data_names(sym, data_names, graph, op_inputs)
     fp32_types = _fp32_types(sym, data_names, param_dtypes or {})
     result = convert_graph(graph, policy, data_names, _var_dtypes(sym, fp32_types), op_types, op_inputs,
@@ -173,7 +168,7 @@ def _cast_array(arr: mx.nd.NDArray, dtype: str, emulate: bool = False) -> mx.nd.
         return round_nd(arr.astype("float32", copy=False), dtype)
     if dtype_name(arr.dtype) == dtype:
         return arr.copy()
-    return mx.nd.amp_cast(arr, dtype=to_mx_dtype(dtype))
+    return mx.nd.amp_cast(arr, dtype=mxi.to_mx_dtype(dtype))
 
 
 def _check_params(name: str, params: Any) -> Dict[str, mx.nd.NDArray]:
@@ -238,26 +233,36 @@ class MixedPrecisionBlock(SymbolBlock):
         return super().export(path, epoch, remove_amp_cast=remove_amp_cast)
 
 
-def _fuse_backend(fuse: Optional[bool], ctx: mx.Context, policy: Policy) -> Optional[str]:
-    """``'MKLDNN'`` when the result should use MXNet's oneDNN fusion, else None.
+@dataclass(frozen=True)
+class FusionPlan:
+    """How a converted model is fused: MXNet's subgraph ``backend`` (``'MKLDNN'``) or None,
+    and whether batch norm is ``fold``-ed into the convolutions in float32 first."""
 
-    ``None`` (the default) fuses on a CPU with oneDNN unless the target is float16, which
-    has no CPU kernels to fuse. Fusion is faster there in bfloat16 and in float32 alike.
+    backend: Optional[str]
+    fold: bool
+
+
+def fusion_plan(fuse: Optional[bool], device_type: str, policy: Policy) -> FusionPlan:
+    """The one fuse/fold rule, for :func:`convert_hybrid_block` and the CLI.
+
+    ``None`` (the default) fuses on a CPU with oneDNN unless the target is float16, which has
+    no CPU kernels to fuse, or the policy emulates (emulation checks the unfused plan). Fusion
+    is faster there in bfloat16 and in float32 alike. Fusing bfloat16 folds batch norm in
+    float32 first, because MXNet's own fold rounds bfloat16 weights towards zero.
     """
     if fuse is not None and not isinstance(fuse, bool):
         raise TypeError(f"fuse must be None, True or False, got {fuse!r}")
-    if policy.emulate:
-        if fuse:
-            raise ValueError("fuse=True with emulate=True: emulation checks the plan's numerics "
-                             "unfused; leave fuse unset (or False) when emulating.")
-        return None
-    possible = ctx.device_type == "cpu" and runtime.has_onednn()
+    if policy.emulate and fuse:
+        raise ValueError("fuse=True with emulate=True: emulation checks the plan's numerics "
+                         "unfused; leave fuse unset (or False) when emulating.")
+    possible = device_type == "cpu" and runtime.has_onednn()
     if fuse and not possible:
         raise ValueError(f"fuse=True needs a CPU context and MXNet built with oneDNN (MKLDNN); "
-                         f"got ctx={ctx}. Use fuse=False (or None) on this context.")
+                         f"got a {device_type} context. Use fuse=False (or None) there.")
     if fuse is None:
-        fuse = possible and policy.target_dtype != "float16"
-    return "MKLDNN" if fuse else None
+        fuse = possible and policy.target_dtype != "float16" and not policy.emulate
+    backend = "MKLDNN" if fuse else None
+    return FusionPlan(backend, bool(backend) and policy.enabled and policy.target_dtype == "bfloat16")
 
 
 def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dtype_ops=None,
@@ -288,11 +293,12 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     params = {p.name: p for p in block.collect_params().values()}
     if ctx is None:
         ctx = next(iter(params.values())).list_ctx()[0] if params else mx.current_context()
-    backend = _fuse_backend(fuse, ctx, policy)
+    plan = fusion_plan(fuse, ctx.device_type, policy)
+    backend = plan.backend
     arg_names, aux_names = set(sym.list_arguments()), set(sym.list_auxiliary_states())
     arg_params = {n: params[n].data(params[n].list_ctx()[0]) for n in arg_names if n in params}
     aux_params = {n: params[n].data(params[n].list_ctx()[0]) for n in aux_names if n in params}
-    if backend and policy.enabled and policy.target_dtype == "bfloat16":
+    if plan.fold:
         arg_params, aux_params, _ = fold_batch_norm(sym, arg_params, aux_params)
     new_sym, new_args, new_aux, result = _convert_model(sym, arg_params, aux_params, policy,
                                                         excluded_sym_names, cast_optional_params)

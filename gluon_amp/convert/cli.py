@@ -65,8 +65,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
 
     import mxnet as mx
-    from .api import convert_model
+    from .api import convert_model, fusion_plan
     from .fold import fold_batch_norm
+    from ..policy_builder import make_policy
     from ..report import report
     from .. import runtime
 
@@ -83,15 +84,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as exc:  # a corrupt file: MXNetError or JSON errors
         print(f"error: could not load {args.prefix} epoch {args.epoch}: {exc}", file=sys.stderr)
         return 2
-    fuse = not (args.no_fuse or args.emulate) and resolution.dtype == "bfloat16" and runtime.has_onednn()
-    if fuse:
-        arg_params, aux_params, _ = fold_batch_norm(sym, arg_params, aux_params)
     try:
+        policy = make_policy(requested, fp32_ops=args.fp32_op, emulate=args.emulate or None)
+        plan = fusion_plan(False if args.no_fuse else None, "cpu", policy)
+        fuse = plan.backend is not None and policy.enabled  # a float32 fallback is written unchanged
+        if plan.fold:
+            arg_params, aux_params, _ = fold_batch_norm(sym, arg_params, aux_params)
         new_sym, new_args, new_aux = convert_model(
-            sym, arg_params, aux_params, target_dtype=requested,
-            fp32_ops=args.fp32_op,
-            excluded_sym_names=args.exclude or None, cast_optional_params=not args.no_cast_params,
-            emulate=args.emulate or None)
+            sym, arg_params, aux_params, target_dtype=policy,
+            excluded_sym_names=args.exclude or None, cast_optional_params=not args.no_cast_params)
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
