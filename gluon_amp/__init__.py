@@ -38,6 +38,7 @@ from .patching import (  # noqa: E402
 )
 from .policy_builder import make_policy  # noqa: E402
 from .opt_levels import initialize  # noqa: E402
+from . import debug  # noqa: E402
 from .report import Report, report  # noqa: E402
 from .runtime import runtime_info  # noqa: E402
 from .trainer import (  # noqa: E402
@@ -55,5 +56,5 @@ __all__ = [
     "LossScaler", "ScaleState", "init_trainer", "scale_loss", "unscale", "clip_global_norm",
     "get_scaler", "save_states", "load_states", "initialize",
     "convert_symbol", "convert_model", "convert_hybrid_block", "report", "Report",
-    "convert_bucketing_module", "list_loss_output_functions", "list_lp16_use_fp32_params",
+    "convert_bucketing_module", "list_loss_output_functions", "list_lp16_use_fp32_params", "debug",
 ]

@@ -5,8 +5,10 @@ MXNet changes it. Everything else in gluon_amp uses MXNet's public API only.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import os
 import sys
 import types
 import weakref
@@ -462,3 +464,39 @@ def full_op_name(name: Any) -> Optional[str]:
     if not name or not isinstance(name, str):
         return None
     return mx.name.NameManager.current.get(name, None)
+
+
+# -- executors -----------------------------------------------------------------------
+# 1.9.1 src/executor/graph_executor.cc: Symbol.bind partitions the graph with the subgraph
+# backend named by MXNET_SUBGRAPH_BACKEND, read on every bind, MKLDNN by default on CPU
+# ("Subgraph backend MKLDNN is activated"). Fused nodes hide their inner outputs.
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """MXNet's C++ log lines (written to fd 2) are dropped inside the block; Python
+    exceptions still propagate."""
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+@contextlib.contextmanager
+def unfused_binds() -> Iterator[None]:
+    """Symbol.bind inside the block partitions nothing: every op's own output stays readable.
+    (MXNet logs a line per such bind; it is dropped.)"""
+    old = os.environ.get("MXNET_SUBGRAPH_BACKEND")
+    os.environ["MXNET_SUBGRAPH_BACKEND"] = "NONE"
+    try:
+        with quiet_stderr():
+            yield
+    finally:
+        if old is None:
+            os.environ.pop("MXNET_SUBGRAPH_BACKEND", None)
+        else:
+            os.environ["MXNET_SUBGRAPH_BACKEND"] = old

@@ -85,11 +85,14 @@ def _probe_bf16() -> Optional[str]:
     fd 2 is silenced while probing, and the engine's pending error is drained so it cannot
     surface in the caller's next op.
     """
+    from .mxnet_internals import quiet_stderr
+    with quiet_stderr():
+        return _run_probe()
+
+
+def _run_probe() -> Optional[str]:
     import mxnet as mx
     from .mxnet_internals import BFLOAT16
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
     try:
         x = mx.nd.amp_cast(mx.nd.ones((1, 4, 4, 4), ctx=mx.cpu()), dtype=BFLOAT16)
         w = mx.nd.amp_cast(mx.nd.ones((4, 4, 1, 1), ctx=mx.cpu()), dtype=BFLOAT16)
@@ -104,10 +107,6 @@ def _probe_bf16() -> Optional[str]:
         except mx.base.MXNetError:
             pass
         return str(exc).strip().splitlines()[0].replace("MXNetError: ", "")
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,144 @@
+"""``bisect``: a smallest set of ops to keep in float32 so a network meets a tolerance."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import mxnet as mx
+import numpy as np
+
+from gluon_amp_core.policy import Policy
+
+from .capture import feed, model_of, outputs_error, run_internals
+from .compare import compare_with_outputs, low_precision, resolve_policy
+
+
+@dataclass
+class BisectResult:
+    """What :func:`bisect` found; ``excluded_sym_names`` goes unchanged to
+    ``convert_hybrid_block(..., excluded_sym_names=...)`` and ``init(excluded_sym_names=...)``."""
+
+    excluded_sym_names: List[str]
+    trials: int
+    error_before: float
+    error_after: float
+    candidates: int
+    target_dtype: str
+    emulated: bool
+    ranking: List[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return (f"keep in float32: {self.excluded_sym_names or 'nothing'} ({self.trials} trials over "
+                f"{self.candidates} low-precision ops, {self.target_dtype}"
+                f"{' emulated' if self.emulated else ''}); output error {self.error_before:.3e} -> "
+                f"{self.error_after:.3e}")
+
+
+class _Trials:
+    """Runs the network with a set of ops kept in float32; counts the runs, none twice."""
+
+    def __init__(self, model: Any, policy: Policy, data: dict, reference: List[np.ndarray],
+                 tolerance: float, validate: Optional[Callable], max_trials: Optional[int]) -> None:
+        self.model, self.policy, self.data, self.reference = model, policy, data, reference
+        self.tolerance, self.validate, self.max_trials = tolerance, validate, max_trials
+        self.count = 0
+        self.seen: Dict[frozenset, Tuple[bool, float]] = {}
+
+    def judge(self, outputs: List[np.ndarray]) -> Tuple[bool, float]:
+        err = outputs_error(outputs, self.reference)
+        if self.validate is not None:
+            return bool(self.validate([mx.nd.array(o) for o in outputs])), err
+        return err <= self.tolerance, err
+
+    def passes(self, excluded: Sequence[str], again: bool = False) -> bool:
+        return self.error(excluded, again)[0]
+
+    def error(self, excluded: Sequence[str], again: bool = False) -> Tuple[bool, float]:
+        """``(passes, output error)`` with ``excluded`` in float32; ``again`` runs a set seen before."""
+        key = frozenset(excluded)
+        if key in self.seen and not again:
+            return self.seen[key]
+        if self.max_trials is not None and self.count >= self.max_trials:
+            raise RuntimeError(f"bisect used its max_trials={self.max_trials} runs without a verdict; "
+                               "raise max_trials (or None for no limit)")
+        self.count += 1
+        policy = replace(self.policy, excluded_sym_names=tuple(sorted(excluded)) or None)
+        sym, args, aux, _ = low_precision(self.model, policy)
+        out = run_internals(sym, self.data, args, aux, self.model.ctx, outputs_only=True)
+        self.seen[key] = self.judge([out[("", k)] for k in range(len(out))])
+        return self.seen[key]
+
+
+def _next_culprit(trials: _Trials, kept: List[str], rest: List[str]) -> str:
+    """The first of ``rest`` (in rank order) that ``kept`` needs: binary search for the smallest
+    prefix of ``rest`` that, kept in float32 with ``kept``, passes."""
+    lo, hi = 1, len(rest)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if trials.passes(kept + rest[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo == len(rest) and not trials.passes(kept + rest):
+        raise RuntimeError(f"keeping all {len(kept) + len(rest)} low-precision ops in float32 does not meet "
+                           "the tolerance either: the difference is not in one op's precision (check the "
+                           "tolerance, or the ops that already run in float32)")
+    return rest[lo - 1]
+
+
+def _ranking(rows: List[Any], graph: dict) -> List[str]:
+    """The low-precision ops, worst first. An op's score is the largest local error of itself
+    and of the neutral ops it feeds (up to the next low-precision op): an offset that a
+    bfloat16 dense layer rounds away only shows where a later op subtracts it."""
+    inputs = {n["name"]: [graph["nodes"][e[0]]["name"] for e in n["inputs"]] for n in graph["nodes"]}
+    owners: Dict[str, set] = {}
+    score: Dict[str, float] = {}
+    for r in rows:  # graph order: producers first
+        mine = {r.name} if r.reason == "low_precision" else set().union(*(owners.get(i, set()) for i in inputs[r.name]))
+        owners[r.name] = mine
+        err = r.local_error if r.local_error == r.local_error else float("inf")
+        for c in mine:
+            score[c] = max(score.get(c, 0.0), err)
+    index = {r.name: r.index for r in rows}
+    return sorted(score, key=lambda c: (-score[c], index[c]))
+
+
+def bisect(block: Any, *inputs: mx.nd.NDArray, target_dtype: Any = None, emulate: Optional[bool] = None,
+           tolerance: float = 1e-2, validate: Optional[Callable[[List[mx.nd.NDArray]], bool]] = None,
+           max_trials: Optional[int] = None) -> BisectResult:
+    """Find a smallest set of op nodes to keep in float32 so the output meets ``tolerance``
+    (relative L2 against FP32) or ``validate(outputs)`` returns True.
+
+    The candidates are the ops the plan runs in low precision, ranked by their local error
+    (:func:`compare`, whose run also gives the starting error). Each culprit is found by a
+    binary search over that ranking (group testing: about ``ceil(log2 n)`` runs per culprit,
+    none repeated); the set is then made 1-minimal (dropping any one name breaks it) and
+    re-validated by a final run, counted in ``trials``. Deterministic.
+    """
+    if max_trials is not None and (isinstance(max_trials, bool) or not isinstance(max_trials, int) or max_trials < 1):
+        raise ValueError(f"max_trials must be a positive int or None, got {max_trials!r}")
+    report, outputs = compare_with_outputs(block, *inputs, target_dtype=target_dtype, emulate=emulate,
+                                           tolerance=tolerance)
+    model = model_of(block, len(inputs), "gluon_amp.debug.bisect")
+    policy = resolve_policy(target_dtype, emulate, model.ctx.device_type)
+    data = feed(model, inputs)
+    ref = run_internals(model.sym, data, model.args, model.aux, model.ctx, outputs_only=True)
+    trials = _Trials(model, policy, data, [ref[("", k)] for k in range(len(ref))], tolerance, validate, max_trials)
+    ranked = _ranking(report.rows, model.graph)
+    trials.seen[frozenset()] = first = trials.judge(outputs)
+    kept: List[str] = []
+    if not first[0]:
+        rest = list(ranked)
+        while not trials.passes(kept):
+            culprit = _next_culprit(trials, kept, rest)
+            kept.append(culprit)
+            rest.remove(culprit)
+        for name in list(kept[:-1]):  # the last one was needed on top of all the others
+            if trials.passes([k for k in kept if k != name]):
+                kept.remove(name)
+    ok, after = trials.error(kept, again=True)  # the final, re-validating run
+    if not ok:
+        raise RuntimeError(f"bisect's result {kept} did not re-validate (error {after:.3e}); the network "
+                           "does not run the same twice: check for randomness (dropout) in inference mode")
+    return BisectResult(sorted(kept), trials.count, first[1], after, len(ranked), policy.target_dtype,
+                        policy.emulate, ranked)

@@ -1,0 +1,88 @@
+"""``python -m gluon_amp.debug MODEL-symbol.json MODEL-0000.params --shape data:1,3,512,512``."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Dict, List, Optional, Tuple
+
+
+def _shape(text: str) -> Tuple[str, Tuple[int, ...]]:
+    name, sep, dims = text.partition(":")
+    try:
+        shape = tuple(int(d) for d in dims.split(","))
+    except ValueError:
+        shape = ()
+    if not sep or not name or not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: use NAME:D1,D2,... with positive sizes, "
+                                         "e.g. data:1,3,512,512")
+    return name, shape
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gluon_amp.debug",
+                                description="Compare an exported FP32 model with its mixed-precision plan op by "
+                                            "op, on random input, and optionally bisect the ops to keep in float32.")
+    p.add_argument("symbol", help="MODEL-symbol.json")
+    p.add_argument("params", help="MODEL-0000.params")
+    p.add_argument("--shape", type=_shape, action="append", required=True, metavar="NAME:DIMS",
+                   help="shape of a data input, e.g. data:1,3,512,512 (repeat for several inputs)")
+    p.add_argument("--target-dtype", default="auto", choices=("auto", "float16", "bfloat16"))
+    p.add_argument("--emulate", action="store_true",
+                   help="emulate the target (default: emulate only where it cannot run natively)")
+    p.add_argument("--tolerance", type=float, default=1e-2)
+    p.add_argument("--bisect", action="store_true", help="also find the ops to keep in float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="write the comparison (and bisect result) as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of error against depth")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    for path in (args.symbol, args.params):
+        if not os.path.isfile(path):
+            print(f"error: {path} not found (HybridBlock.export writes MODEL-symbol.json and MODEL-0000.params)",
+                  file=sys.stderr)
+            return 2
+    if args.tolerance <= 0:
+        print(f"error: --tolerance must be positive, got {args.tolerance}", file=sys.stderr)
+        return 2
+    import mxnet as mx
+    from mxnet import gluon
+    from . import bisect, compare
+
+    shapes: Dict[str, Tuple[int, ...]] = dict(args.shape)
+    try:
+        block = gluon.SymbolBlock.imports(args.symbol, list(shapes), args.params)
+    except Exception as exc:  # a corrupt or mismatched file: MXNetError, JSON or assertion errors
+        print(f"error: could not load {args.symbol} with inputs {list(shapes)}: {exc}", file=sys.stderr)
+        return 2
+    mx.random.seed(args.seed)
+    inputs = [mx.nd.random.normal(shape=s) for s in shapes.values()]
+    target = None if args.target_dtype == "auto" else args.target_dtype
+    emulate = True if args.emulate else None
+    try:
+        report = compare(block, *inputs, target_dtype=target, emulate=emulate, tolerance=args.tolerance)
+        result = bisect(block, *inputs, target_dtype=target, emulate=emulate,
+                        tolerance=args.tolerance) if args.bisect else None
+    except (ValueError, TypeError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(report)
+    if result is not None:
+        print(result)
+        print(f"apply with: convert_hybrid_block(..., excluded_sym_names={result.excluded_sym_names}) or "
+              f"python -m gluon_amp.convert ... " + " ".join(f"--exclude {n}" for n in result.excluded_sym_names))
+    if args.json:
+        doc = report.to_dict()
+        if result is not None:
+            doc["bisect"] = {k: getattr(result, k) for k in ("excluded_sym_names", "trials", "error_before",
+                                                            "error_after", "candidates")}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.plot:
+        report.plot(args.plot)
+        print(f"plot written to {args.plot}")
+    return 0

@@ -1,0 +1,293 @@
+"""``compare``: where a low-precision network leaves FP32, op by op."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import mxnet as mx
+import numpy as np
+from mxnet import autograd, gluon
+
+from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
+from gluon_amp_core.emulate import rounding_node
+from gluon_amp_core.policy import Policy
+
+from .. import mxnet_internals as mxi, runtime
+from ..convert.api import _convert_model
+from ..emulation import round_nd
+from ..policy_builder import make_policy
+from .capture import Key, Model, as_float32, feed, model_of, relative_error, run_internals
+
+#: The largest finite value of each low-precision dtype.
+TARGET_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
+
+
+@dataclass(frozen=True)
+class OpCompare:
+    """One op of the plan against FP32 (its first output)."""
+
+    index: int
+    name: str
+    op: str
+    dtype: str
+    reason: str
+    error: float          # relative L2 of the output vs FP32, errors of earlier ops included
+    local_error: float    # this op alone in low precision, on FP32 inputs
+    max_abs_error: float
+    nonfinite: int        # inf/NaN in the low-precision output
+    overflow: int         # FP32 values beyond the target's largest finite value
+    underflow: float      # fraction of nonzero FP32 values the target flushes to 0
+
+
+@dataclass(frozen=True)
+class GradCompare:
+    """One parameter's gradient (unscaled) against FP32's."""
+
+    name: str
+    error: float
+    max_abs_fp32: float
+
+
+@dataclass
+class CompareReport:
+    """What :func:`compare` found. ``str()`` is a table; see ``to_json`` and ``plot``."""
+
+    target_dtype: str
+    emulated: bool
+    tolerance: float
+    rows: List[OpCompare]
+    output_error: float
+    first_divergence: Optional[OpCompare]
+    notes: List[str] = field(default_factory=list)
+    gradients: List[GradCompare] = field(default_factory=list)
+    loss_scale_headroom: Optional[float] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"target_dtype": self.target_dtype, "emulated": self.emulated, "tolerance": self.tolerance,
+                "output_error": self.output_error, "notes": self.notes,
+                "first_divergence": self.first_divergence.name if self.first_divergence else None,
+                "rows": [asdict(r) for r in self.rows], "gradients": [asdict(g) for g in self.gradients],
+                "loss_scale_headroom": self.loss_scale_headroom}
+
+    def to_json(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    def __str__(self) -> str:
+        w = max([len(r.name) for r in self.rows] + [4])
+        head = (f"{'#':>4} {'node':<{w}} {'op':<18} {'dtype':<9} {'reason':<20} {'error':>9} {'local':>9} "
+                f"{'max abs':>9} {'inf/nan':>7} {'overfl':>6} {'underfl':>7}")
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            mark = "  <- first divergence" if r is self.first_divergence else ""
+            lines.append(f"{r.index:>4} {r.name:<{w}} {r.op[:18]:<18} {r.dtype:<9} {r.reason[:20]:<20} "
+                         f"{r.error:>9.2e} {r.local_error:>9.2e} {r.max_abs_error:>9.2e} {r.nonfinite:>7} "
+                         f"{r.overflow:>6} {r.underflow:>7.1%}{mark}")
+        how = "emulated in float32" if self.emulated else "native kernels"
+        lines += ["", f"target {self.target_dtype} ({how}), tolerance {self.tolerance:g}: output error "
+                      f"{self.output_error:.3e}; first divergence: "
+                      f"{self.first_divergence.name if self.first_divergence else 'none'}"]
+        if self.gradients:
+            worst = max(self.gradients, key=lambda g: g.error)
+            lines.append(f"gradients: worst {worst.name} {worst.error:.3e}; loss-scale headroom "
+                         f"{self.loss_scale_headroom:g}")
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+    def plot(self, path: str) -> None:
+        """A PNG of error against depth; inf/NaN and the first divergence marked."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(10, 4))
+        xs = list(range(len(self.rows)))
+        finite = [r.error if math.isfinite(r.error) else np.nan for r in self.rows]
+        ax.semilogy(xs, [max(e, 1e-12) for e in finite], ".-", label="error (propagated)")
+        ax.semilogy(xs, [max(r.local_error, 1e-12) if math.isfinite(r.local_error) else np.nan
+                         for r in self.rows], "x", alpha=0.6, label="local error")
+        top = max([e for e in finite if e == e] + [self.tolerance]) * 10
+        bad = [i for i, r in enumerate(self.rows) if r.nonfinite]
+        ax.scatter(bad, [top] * len(bad), color="red", marker="^", label="inf/NaN")
+        ax.axhline(self.tolerance, color="gray", ls=":", label="tolerance")
+        if self.first_divergence is not None:
+            ax.axvline(self.rows.index(self.first_divergence), color="red", ls="--", label="first divergence")
+        ax.set_xlabel("op (graph order)")
+        ax.set_ylabel("relative L2 error vs FP32")
+        ax.set_title(f"{self.target_dtype}{' (emulated)' if self.emulated else ''}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+
+def resolve_policy(target_dtype: Any, emulate: Optional[bool], device: str,
+                   excluded: Optional[Sequence[str]] = None) -> Policy:
+    """The policy to debug: ``emulate=None`` emulates where the target cannot run natively."""
+    if isinstance(target_dtype, Policy):
+        if emulate is not None or excluded:
+            raise ValueError("pass either a Policy or target_dtype/emulate/excluded_sym_names, not both")
+        return target_dtype
+    if emulate is None:
+        if target_dtype is None:
+            res = runtime.resolve(None, warn=False)
+            target_dtype = res.dtype if res.dtype != "float32" else runtime.emulated_target(None)
+        emulate = not runtime.executable(runtime.emulated_target(target_dtype), device)
+    return make_policy(target_dtype, emulate=emulate, excluded_sym_names=excluded)
+
+
+def low_precision(model: Model, policy: Policy):
+    """The converted model (emulated if the policy says so) and the pass's result."""
+    sym, args, aux, result = _convert_model(model.sym, model.args, model.aux, policy, None, False)
+    return sym, args, aux, result
+
+
+def _round_np(x: np.ndarray, dtype: Optional[str]) -> np.ndarray:
+    if dtype not in LOW_PRECISION_DTYPES:
+        return x
+    return round_nd(mx.nd.array(x, dtype="float32"), dtype).asnumpy()
+
+
+def _underflow(fp32: np.ndarray, dtype: str) -> float:
+    nonzero = fp32 != 0
+    if not nonzero.any():
+        return 0.0
+    return float(((_round_np(fp32, dtype) == 0) & nonzero).sum() / nonzero.sum())
+
+
+def _local(model: Model, node: dict, plan_inputs: List[Optional[str]], out_dtype: Optional[str],
+           fp32: Dict[Key, np.ndarray]) -> np.ndarray:
+    """``node`` alone: FP32 inputs rounded as the plan holds them, float32 compute, rounded output."""
+    nodes = model.graph["nodes"]
+    n = len(node["inputs"])
+    attrs = {k: v for k, v in node.get("attrs", {}).items() if not k.startswith("__")}
+    graph = {"nodes": [{"op": "null", "name": f"in{k}", "inputs": []} for k in range(n)]
+             + [{"op": node["op"], "name": node["name"], "attrs": attrs,
+                 "inputs": [[k, 0, 0] for k in range(n)]}],
+             "arg_nodes": list(range(n)), "heads": [[n, 0, 0]], "attrs": {"mxnet_version": ["int", 10901]}}
+    sym = mx.sym.load_json(json.dumps(graph))
+    values = {f"in{k}": mx.nd.array(_round_np(fp32[(nodes[e[0]]["name"], e[1])], plan_inputs[k]), ctx=model.ctx)
+              for k, e in enumerate(node["inputs"])}
+    with mxi.unfused_binds():
+        ex = sym.bind(model.ctx, {k: values[k] for k in sym.list_arguments()},
+                      aux_states={k: values[k] for k in sym.list_auxiliary_states()}, grad_req="null")
+    return _round_np(as_float32(ex.forward(is_train=False)[0]), out_dtype)
+
+
+_CASTS = ("amp_cast", "amp_multicast")
+
+
+def _stored_dtype(nodes: List[dict], dtypes: Dict[Key, Optional[str]], entry: list) -> Optional[str]:
+    """The low dtype an input of the plan went through on its way from its producer (the
+    plan's own casts followed back), or None: what the consumer's input really holds."""
+    node = nodes[entry[0]]
+    dtype = dtypes.get((node["name"], entry[1]))
+    if dtype in LOW_PRECISION_DTYPES:
+        return dtype
+    if node["op"] in _CASTS:
+        src = node["inputs"][entry[1] if node["op"] == "amp_multicast" else 0]
+        return _stored_dtype(nodes, dtypes, src)
+    return None
+
+
+def _rows(model: Model, policy: Policy, result: Any, fp32: Dict[Key, np.ndarray],
+          low: Dict[Key, np.ndarray]) -> List[OpCompare]:
+    nodes = model.graph["nodes"]
+    plan = {n["name"]: n for n in result.graph["nodes"]}
+    plan_nodes = result.graph["nodes"]
+    rows = []
+    for nd in result.decisions:
+        name, dtype = nd.name, result.dtypes.get((nd.name, 0)) or "?"
+        ref = fp32[(name, 0)]
+        key = (rounding_node(name), 0) if policy.emulate and (rounding_node(name), 0) in low else (name, 0)
+        got = low[key]
+        plan_in = [_stored_dtype(plan_nodes, result.dtypes, e) for e in plan[name]["inputs"]]
+        local = _local(model, nodes[nd.index], plan_in, dtype, fp32)
+        is_low = dtype in LOW_PRECISION_DTYPES
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = np.abs(got.astype(np.float64) - ref)
+            rows.append(OpCompare(
+                len(rows), name, nd.op, dtype, nd.reason.value, relative_error(got, ref),
+                relative_error(local, ref), float(np.nanmax(diff)) if diff.size else 0.0,
+                int((~np.isfinite(got)).sum()),
+                int((np.abs(ref) > TARGET_MAX[policy.target_dtype]).sum()) if is_low else 0,
+                _underflow(ref, dtype) if is_low else 0.0))
+    return rows
+
+
+def _first_divergence(rows: List[OpCompare], tolerance: float) -> Optional[OpCompare]:
+    return next((r for r in rows if r.local_error > tolerance), None)
+
+
+def _gradients(model: Model, low_model: tuple, data: Dict[str, mx.nd.NDArray], loss_fn: Any,
+               labels: Any, target: str) -> tuple:
+    def grads(sym, args, aux):
+        block = gluon.SymbolBlock(sym, [mx.sym.var(n) for n in model.data_names])
+        block.collect_params().load_dict({**args, **aux}, ctx=model.ctx, cast_dtype=True, dtype_source="saved")
+        with autograd.record():
+            out = block(*[data[n] for n in model.data_names])
+            loss = loss_fn(*(list(out) if isinstance(out, (list, tuple)) else [out]), labels)
+        loss.backward()
+        return {p.name: as_float32(p.grad()) for p in block.collect_params().values() if p.grad_req != "null"}
+
+    ref, got = grads(model.sym, model.args, model.aux), grads(*low_model)
+    rows = [GradCompare(n, relative_error(got[n], ref[n]), float(np.abs(ref[n]).max())) for n in ref if n in got]
+    peak = max([g.max_abs_fp32 for g in rows] + [1e-30])
+    return rows, 2.0 ** math.floor(math.log2(TARGET_MAX[target] / peak))
+
+
+def compare(block: Any, *inputs: mx.nd.NDArray, target_dtype: Any = None, emulate: Optional[bool] = None,
+            tolerance: float = 1e-2, loss_fn: Any = None, labels: Any = None,
+            excluded_sym_names: Optional[Sequence[str]] = None) -> CompareReport:
+    return compare_with_outputs(block, *inputs, target_dtype=target_dtype, emulate=emulate, tolerance=tolerance,
+                                loss_fn=loss_fn, labels=labels, excluded_sym_names=excluded_sym_names)[0]
+
+
+def compare_with_outputs(block: Any, *inputs: mx.nd.NDArray, target_dtype: Any = None,
+                         emulate: Optional[bool] = None, tolerance: float = 1e-2, loss_fn: Any = None,
+                         labels: Any = None, excluded_sym_names: Optional[Sequence[str]] = None):
+    """:func:`compare`, also returning the low-precision outputs (for :func:`bisect`).
+
+    Every op of ``block`` in low precision against FP32, in graph order.
+
+    Parameters
+    ----------
+    block : HybridBlock
+        An FP32 block (hybridized or not); it and its parameters are not changed.
+    *inputs : NDArray
+        One batch of data.
+    target_dtype, emulate :
+        As for :func:`gluon_amp.init`; ``emulate=None`` emulates where the target has no
+        kernels on the block's device (always, on a CPU without AVX-512). A Policy works too.
+    tolerance : float
+        The local error above which an op is the first divergence.
+    loss_fn, labels : optional
+        Compare the parameter gradients (unscaled) of ``loss_fn(outputs..., labels)`` too, and
+        report the loss-scale headroom: the largest power of two by which the loss can be
+        scaled before a gradient of FP32 size overflows the target.
+    """
+    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or tolerance <= 0:
+        raise ValueError(f"tolerance must be a positive number, got {tolerance!r}")
+    if (loss_fn is None) != (labels is None):
+        raise ValueError("pass loss_fn and labels together (to compare gradients), or neither")
+    model = model_of(block, len(inputs), "gluon_amp.debug.compare")
+    policy = resolve_policy(target_dtype, emulate, model.ctx.device_type, excluded_sym_names)
+    if not policy.enabled:
+        raise RuntimeError(f"nothing to compare: the policy is float32 ({policy.reason})")
+    data = feed(model, inputs)
+    sym, args, aux, result = low_precision(model, policy)
+    fp32 = run_internals(model.sym, data, model.args, model.aux, model.ctx)
+    low = run_internals(sym, data, args, aux, model.ctx)
+    rows = _rows(model, policy, result, fp32, low)
+    heads = model.graph["heads"]
+    names = [model.graph["nodes"][h[0]]["name"] for h in heads]
+    out_low = run_internals(sym, data, args, aux, model.ctx, outputs_only=True)
+    out_error = max(relative_error(out_low[("", k)], fp32[(n, h[1])]) for k, (n, h) in enumerate(zip(names, heads)))
+    notes = ["values read by one executor over every internal output of the unfused graph (same ops; "
+             "no oneDNN fusion, which deployment may add); local errors are computed emulated"]
+    report = CompareReport(policy.target_dtype, policy.emulate, float(tolerance), rows, out_error,
+                           _first_divergence(rows, tolerance), notes)
+    if loss_fn is not None:
+        report.gradients, report.loss_scale_headroom = _gradients(
+            model, (sym, args, aux), data, loss_fn, labels, policy.target_dtype)
+    return report, [out_low[("", k)] for k in range(len(out_low))]
