@@ -46,14 +46,15 @@ _CAST_OPS = frozenset({"amp_cast", "Cast", "cast"})
 
 #: Round float32 ``x`` to bfloat16 to nearest even, in float32 arithmetic (MXNet's own
 #: float32->bfloat16 ``amp_cast`` is exact but ~40x slower than its float16 cast on CPUs
-#: without AVX-512, and its ``Cast`` truncates). ``v = r - (r - s)`` with ``r = 65537 s``
-#: (Veltkamp) has ``s``'s exponent; adding ``c = 65536 v`` puts ``s``'s bits below
-#: bfloat16's last place out of the sum, so the FPU rounds them to nearest even, and
-#: subtracting ``c`` is exact. It runs on ``s = BlockGrad(x)``, and ``x - s`` (zero) is
-#: added back: the gradient is the identity and nothing of the chain is kept for backward.
-#: Unlike float16's cast pair, bfloat16 emulation does not round gradients. Values of
-#: magnitude >= 2**111, inf and NaN pass unrounded; float32 subnormals (below 1.2e-38) are
-#: rounded relative to their own magnitude, where MXNet's cast flushes them to zero.
+#: without AVX-512, and its ``Cast`` truncates). On ``s = BlockGrad(x)``: ``v = r - (r - s)``
+#: with ``r = 65537 s`` (Veltkamp) has ``s``'s exponent; adding ``c = 65536 v`` puts ``s``'s
+#: bits below bfloat16's last place out of the float32 sum, so the FPU rounds them to nearest
+#: even, and subtracting ``c`` is exact. The result is ``x`` plus that exact change, so the
+#: gradient is the identity: unlike float16's cast pair, bfloat16 emulation does not round
+#: gradients. Values of magnitude >= 2**111, inf and NaN pass as
+#: they are; float32 subnormals (below 1.2e-38) are rounded relative to their own size,
+#: where MXNet's cast flushes them to zero. (The shorter ``RN(65537 x) - 65536 x`` is off by
+#: half a step just below each power of two, where the product carries into the next binade.)
 #: Steps: (op, inputs, attrs); an input is "x" or the index of an earlier step.
 BF16_ROUNDING: Tuple[Tuple[str, Tuple, Dict[str, str]], ...] = (
     ("BlockGrad", ("x",), {}),                                 # 0: s
@@ -63,12 +64,13 @@ BF16_ROUNDING: Tuple[Tuple[str, Tuple, Dict[str, str]], ...] = (
     ("_mul_scalar", (3,), {"scalar": "65536.0"}),              # 4: c
     ("elemwise_add", (0, 4), {}),                              # 5: s + c, rounded by the FPU
     ("elemwise_sub", (5, 4), {}),                              # 6: s rounded
-    ("abs", (0,), {}),                                         # 7
-    ("_lesser_scalar", (7,), {"scalar": str(2.0 ** 111)}),     # 8: 65537 s stays finite
-    ("where", (8, 6, 0), {}),                                  # 9
-    ("elemwise_sub", ("x", 0), {}),                            # 10: zero, carries the gradient
-    ("elemwise_add", (9, 10), {}),                             # 11: the result
-)
+    ("elemwise_sub", (6, 0), {}),                              # 7: the rounding's change (exact)
+    ("abs", (0,), {}),                                         # 8
+    ("_lesser_scalar", (8,), {"scalar": str(2.0 ** 111)}),     # 9: 65537 s stays finite
+    ("zeros_like", (0,), {}),                                  # 10
+    ("where", (9, 7, 10), {}),                                 # 11: no change out of range (inf, NaN)
+    ("elemwise_add", ("x", 11), {}),                           # 12: the result; an add, so MXNet's
+)                                                              #     shape inference runs both ways
 
 
 @dataclass
