@@ -500,3 +500,23 @@ def unfused_binds() -> Iterator[None]:
             os.environ.pop("MXNET_SUBGRAPH_BACKEND", None)
         else:
             os.environ["MXNET_SUBGRAPH_BACKEND"] = old
+
+
+# -- updater states ------------------------------------------------------------------
+# 1.9.1 mxnet/optimizer/optimizer.py ``Updater``: ``states`` maps a parameter index to its
+# optimizer state (NDArrays, tuples of them, None); ``states_synced[index] = False`` makes
+# the next update move the state to the weight's context. ``Trainer.load_states`` sets the
+# same states on every updater and points the optimizer's ``param_dict`` at the trainer's
+# parameters.
+
+def updater_states(updater: Any) -> Dict[Any, Any]:
+    return updater.states
+
+
+def set_updater_states(trainer: Trainer, make_states: Callable[[], Dict[Any, Any]]) -> None:
+    """Give every updater of ``trainer`` its own ``make_states()``, synced lazily to its context."""
+    init_kvstore_now(trainer)
+    for updater in trainer._updaters:
+        updater.states = make_states()
+        updater.states_synced = dict.fromkeys(updater.states.keys(), False)
+    trainer._optimizer.param_dict = dict(enumerate(trainer._params))

@@ -333,6 +333,7 @@ def initialize(net: Block, trainer: Optional[Trainer] = None, opt_level: str = "
         if level.cast_weights:
             master_weights_mod.install(trainer, dtype, keep_master=level.master_weights)
         trainer_mod.init_trainer(trainer, level.loss_scale)
+        trainer_mod.record_opt_level(trainer, level.name)
         _done_trainers.add(trainer)
     _done_nets.add(net)
     return net, trainer

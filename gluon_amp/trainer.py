@@ -12,7 +12,8 @@ import os
 import pickle
 import tempfile
 import weakref
-from typing import Any, Iterator, List, Optional, Sequence, Union
+import zipfile
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import mxnet as mx
 from mxnet import autograd
@@ -20,11 +21,8 @@ from mxnet.gluon import Trainer
 
 from gluon_amp_core.loss_scale import LossScaler, Stage, loss_scaler_from
 
-from . import distributed, overflow, patching
+from . import checkpoint, distributed, overflow, patching
 from . import mxnet_internals as mxi
-
-_FORMAT = "gluon_amp.trainer_states.v1"
-
 
 class _Hook:
     """What ``Trainer._update`` calls before updating: the overflow check of one trainer.
@@ -194,34 +192,68 @@ def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
     return max(norms) if norms else 0.0
 
 
+#: trainer -> the opt level gluon_amp.initialize set it up at (for checkpoints' metadata)
+_opt_levels: "weakref.WeakKeyDictionary[Trainer, str]" = weakref.WeakKeyDictionary()
+
+
+def record_opt_level(trainer: Trainer, level: str) -> None:
+    _opt_levels[trainer] = level
+
+
+def _mode(trainer: Trainer) -> Dict[str, Any]:
+    """The mixed-precision mode a checkpoint was written in."""
+    from .master_weights import MasterWeightUpdater
+    policy = patching.current_policy()
+    updater = mxi.trainer_updaters(trainer)[0] if mxi.trainer_updaters(trainer) else None
+    master = ({"dtype": updater.dtype, "keep_master": updater.keep_master}
+              if isinstance(updater, MasterWeightUpdater) else None)
+    return {"target_dtype": policy.target_dtype if policy else None, "emulate": bool(policy and policy.emulate),
+            "master_weights": master, "opt_level": _opt_levels.get(trainer)}
+
+
 def save_states(trainer: Trainer, fname: str) -> None:
-    """Save the trainer's optimizer states *and* its loss-scaler state to one file."""
+    """Save the trainer's optimizer states, its optimizer's settings and its loss scaler to
+    one file (see :mod:`gluon_amp.checkpoint`: no pickle, written atomically)."""
     hook = _hook_of(trainer, "save_states")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trainer.states")
-        trainer.save_states(path)
-        with open(path, "rb") as f:
-            blob = f.read()
-    with open(fname, "wb") as f:
-        pickle.dump({"format": _FORMAT, "trainer": blob, "scaler": hook.scaler.state_dict()}, f)
+    mxi.init_kvstore_now(trainer)
+    updater = mxi.trainer_updaters(trainer)[0]
+    checkpoint.write(fname, {"scaler": hook.scaler.state_dict(), "mode": _mode(trainer)},
+                     mxi.updater_states(updater), mxi.trainer_optimizer(trainer))
 
 
-def load_states(trainer: Trainer, fname: str) -> None:
-    """Load what :func:`save_states` wrote into ``trainer`` and its scaler."""
+def load_states(trainer: Trainer, fname: str, *, trusted: bool = False) -> None:
+    """Load what :func:`save_states` wrote into ``trainer`` and its scaler.
+
+    Nothing from the file is executed. Files written by older gluon_amp versions are
+    pickles: they load only with ``trusted=True`` (it runs pickle; only for files you
+    trust), or after ``python -m gluon_amp.checkpoint upgrade OLD NEW``.
+    """
     hook = _hook_of(trainer, "load_states")
-    if not os.path.isfile(fname):
-        raise ValueError(f"load_states: no such file {fname!r}")
-    with open(fname, "rb") as f:
-        try:
-            data = pickle.load(f)
-        except Exception as exc:
-            raise ValueError(f"{fname!r} is not a gluon_amp.save_states file ({exc}); "
-                             "for plain Trainer.save_states files use trainer.load_states") from exc
-    if not isinstance(data, dict) or data.get("format") != _FORMAT:
-        raise ValueError(f"{fname!r} is not a gluon_amp.save_states file")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trainer.states")
-        with open(path, "wb") as f:
-            f.write(data["trainer"])
-        trainer.load_states(path)
-    hook.scaler.load_state_dict(data["scaler"])
+    if not isinstance(trusted, bool):
+        raise TypeError(f"trusted must be True or False, got {trusted!r}")
+    if trusted and os.path.isfile(fname) and not zipfile.is_zipfile(fname):
+        scaler_state, _, _ = checkpoint.read_old(fname)
+        with open(fname, "rb") as f:
+            blob = pickle.load(f)["trainer"]  # noqa: S301 - the caller trusts this file
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trainer.states")
+            with open(path, "wb") as f:
+                f.write(blob)
+            trainer.load_states(path)
+        hook.scaler.load_state_dict(scaler_state)
+        return
+    meta, make_states = checkpoint.read(fname, mx.cpu())
+    _check_mode(trainer, meta.get("mode") or {}, fname)
+    checkpoint.restore_optimizer(mxi.trainer_optimizer(trainer), meta["optimizer"])
+    mxi.set_updater_states(trainer, make_states)
+    hook.scaler.load_state_dict(meta["scaler"])
+
+
+def _check_mode(trainer: Trainer, saved: Dict[str, Any], fname: str) -> None:
+    from .master_weights import MasterWeightUpdater
+    master = saved.get("master_weights")
+    if master and master.get("keep_master") and not isinstance(mxi.trainer_updaters(trainer)[0], MasterWeightUpdater):
+        raise checkpoint.CheckpointError(
+            f"{fname!r} was saved with float32 master weights ({saved.get('opt_level') or 'O2'}, "
+            f"{master['dtype']}); set the trainer up the same way (gluon_amp.initialize(net, trainer, "
+            f"{saved.get('opt_level') or 'O2'!r}, ...)) before load_states")
