@@ -44,7 +44,7 @@ from .runtime import runtime_info  # noqa: E402
 from .trainer import (  # noqa: E402
     clip_global_norm, get_scaler, init_trainer, load_states, save_states, scale_loss, unscale,
 )
-from gluon_amp_core.table import OpClass, OpTable  # noqa: E402
+from gluon_amp_core.table import OpClass, OpListError, OpListTypeError, OpTable  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -52,7 +52,7 @@ __all__ = [
     "init", "disable", "autocast", "is_enabled", "current_policy", "patched_functions",
     "Policy", "make_policy",
     "list_lp16_ops", "list_fp32_ops", "list_lp16_fp32_ops", "list_conditional_fp32_ops",
-    "list_widest_type_cast", "runtime_info", "OpClass", "OpTable",
+    "list_widest_type_cast", "runtime_info", "OpClass", "OpTable", "OpListError", "OpListTypeError",
     "LossScaler", "ScaleState", "init_trainer", "scale_loss", "unscale", "clip_global_norm",
     "get_scaler", "save_states", "load_states", "initialize",
     "convert_symbol", "convert_model", "convert_hybrid_block", "report", "Report",

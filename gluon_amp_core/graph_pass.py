@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .decide import Decision, Reason
-from .dtypes import CODE_DTYPE, DTYPE_CODE, FLOAT_DTYPES, widest
+from .dtypes import CODE_DTYPE, DTYPE_CODE, FLOAT_DTYPES, LOW_PRECISION_DTYPES, widest
 from .policy import Policy
 from .walk import REASON_ATTR, Entry, NodeDecision, walk
 
@@ -35,6 +35,9 @@ class PassResult:
     policy: Optional[Policy] = None
     decisions: List[NodeDecision] = field(default_factory=list)
     casts_inserted: int = 0
+    #: parameters folded into an ``amp_multicast`` changed its outputs' dtypes after typing:
+    #: ``dtypes`` must be read again from the framework's type inference
+    retyped: bool = False
 
     @property
     def reasons(self) -> Dict[str, str]:
@@ -49,7 +52,8 @@ class _Builder:
         self.nodes: List[dict] = []
         self.dtypes: Dict[Entry, Optional[str]] = {}
         self.casts: Dict[Tuple[Entry, str], Entry] = {}
-        self.count = 0
+        #: parameter node -> the low dtypes ops' type rules require of it (not optional casts)
+        self.required: Dict[int, set] = {}
 
     def add(self, node: dict) -> int:
         self.nodes.append(node)
@@ -71,7 +75,6 @@ class _Builder:
                           "inputs": [[entry[0], entry[1], 0]]})
             self.casts[key] = (j, 0)
             self.dtypes[(j, 0)] = dtype
-            self.count += 1
         return self.casts[key]
 
 
@@ -189,6 +192,8 @@ def _type_node(b: _Builder, node: dict, d: Decision, inputs: List[Entry], kept: 
     required, outs = typed
     new_inputs = []
     for e, want, target in zip(inputs, required, cast_to):
+        if e[0] in params and target is None and want in LOW_PRECISION_DTYPES and b.dtypes.get(e) != want:
+            b.required.setdefault(e[0], set()).add(want)  # the op's type rule, not AMP's decision
         new_inputs.append(b.cast_float(e, want if e[0] in params else target))
     return new_inputs, outs
 
@@ -234,8 +239,7 @@ def _head(b: _Builder, e: Entry, float32_outputs: bool) -> list:
 def _finish_pass(graph: dict, b: _Builder, heads: List[list], data: Collection[str], policy: Policy,
                  decisions: List[NodeDecision], cast_optional_params: bool) -> PassResult:
     nodes = b.nodes
-    if cast_optional_params:
-        _fold_param_casts(b, heads, data)
+    retyped = _fold_param_casts(b, heads, data, policy.target_dtype, cast_optional_params)
     param_dtypes = {n["name"]: b.dtypes[(j, 0)] for j, n in enumerate(nodes)
                     if n["op"] == "null" and n["name"] not in data}
     ours = {e[0] for e in b.casts.values()}
@@ -246,7 +250,7 @@ def _finish_pass(graph: dict, b: _Builder, heads: List[list], data: Collection[s
     for n in new_graph["nodes"]:
         if n["op"] == "null" and n["name"] in param_dtypes:
             n["attrs"] = {**n.get("attrs", {}), "__dtype__": str(DTYPE_CODE[param_dtypes[n["name"]]])}
-    return PassResult(new_graph, by_name, param_dtypes, policy, decisions, b.count - folded)
+    return PassResult(new_graph, by_name, param_dtypes, policy, decisions, len(b.casts) - folded, retyped)
 
 
 def _finish(graph: dict, nodes: List[dict], heads: List[list]) -> dict:
@@ -257,18 +261,27 @@ def _finish(graph: dict, nodes: List[dict], heads: List[list]) -> dict:
     return out
 
 
-def _fold_param_casts(b: _Builder, heads: List[list], data: Collection[str]) -> None:
-    """Store a parameter in its cast's dtype when that cast is its only consumer."""
+def _fold_param_casts(b: _Builder, heads: List[list], data: Collection[str], target: str,
+                      optional: bool) -> bool:
+    """Store parameters in the low dtype they are cast to, where nothing else reads them: always
+    when an op's type rule requires it (a FullyConnected weight after float16 data), and with
+    ``optional`` (``cast_optional_params``) whenever every consumer is a cast to one low dtype
+    or an ``amp_multicast``. Returns True when a multicast's inputs changed dtype."""
     consumers: Dict[int, List[int]] = {}
     for j, n in enumerate(b.nodes):
         for e in n["inputs"]:
             consumers.setdefault(e[0], []).append(j)
     outputs = {h[0] for h in heads}
+    retyped = False
     for j, n in enumerate(b.nodes):
-        if n["op"] == "null" and n["name"] not in data and j not in outputs:
-            folded = _foldable_cast(b.nodes, consumers, j)
-            if folded is not None:
-                b.dtypes[(j, 0)] = b.nodes[folded]["attrs"]["dtype"]
+        if n["op"] != "null" or n["name"] in data or j in outputs:
+            continue
+        required = b.required.get(j, set())
+        dtype = _foldable(b.nodes, consumers, j, target) if (optional or len(required) == 1) else None
+        if dtype is not None and (optional or {dtype} == required):
+            b.dtypes[(j, 0)] = dtype
+            retyped |= any(b.nodes[u]["op"] == "amp_multicast" for u in consumers[j])
+    return retyped
 
 
 def _needs_fp32_param(node: dict, dtype: str) -> bool:
@@ -277,15 +290,19 @@ def _needs_fp32_param(node: dict, dtype: str) -> bool:
             and int(node.get("attrs", {}).get("num_group", "1")) > 1)
 
 
-def _foldable_cast(nodes: List[dict], consumers: Mapping[int, List[int]], param: int) -> Optional[int]:
-    """The cast a parameter can be stored as: its only consumer, read by ops that accept it."""
+def _foldable(nodes: List[dict], consumers: Mapping[int, List[int]], param: int, target: str) -> Optional[str]:
+    """The low dtype a parameter can be stored in: every consumer is a cast to it (or an
+    ``amp_multicast``, which then gets ``target``), read by ops that accept it."""
     users = consumers.get(param, [])
-    if len(users) != 1 or nodes[users[0]]["op"] != "amp_cast":
+    if not users or any(nodes[u]["op"] not in ("amp_cast", "amp_multicast") for u in users):
         return None
-    dtype = nodes[users[0]]["attrs"]["dtype"]
-    if any(_needs_fp32_param(nodes[u], dtype) for u in consumers.get(users[0], [])):
+    dtypes = {nodes[u]["attrs"]["dtype"] for u in users if nodes[u]["op"] == "amp_cast"}
+    if len(dtypes) > 1 or not dtypes <= set(LOW_PRECISION_DTYPES):
         return None
-    return users[0]
+    dtype = dtypes.pop() if dtypes else target
+    if any(_needs_fp32_param(nodes[c], dtype) for u in users for c in consumers.get(u, [])):
+        return None
+    return dtype
 
 
 def _drop_param_casts(nodes: List[dict], heads: List[list], param_dtypes: Dict[str, str],

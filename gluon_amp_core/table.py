@@ -17,6 +17,15 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 from .dtypes import LOW_PRECISION_DTYPES
 
 
+class OpListError(ValueError, AssertionError):
+    """A mistake in an op list (an unknown op, an op in two lists). A ``ValueError``, and an
+    ``AssertionError`` too, for code written against ``mxnet.contrib.amp``, which asserted."""
+
+
+class OpListTypeError(TypeError, AssertionError):
+    """An op list of the wrong type. A ``TypeError``, and an ``AssertionError`` as above."""
+
+
 class OpClass(enum.Enum):
     """Precision class of an operator."""
 
@@ -60,7 +69,7 @@ class OpTable:
         try:
             return self.classes[name]
         except KeyError:
-            raise ValueError(_unknown_message(op, self.known_names(), "op table")) from None
+            raise OpListError(_unknown_message(op, self.known_names(), "op table")) from None
 
     def names(self, op_class: OpClass) -> Tuple[str, ...]:
         """Sorted canonical names in one class."""
@@ -85,17 +94,17 @@ def check_name_list(arg: str, value: object, kind: str = "op names") -> Tuple[st
     """``value`` as a tuple of names (``kind``: op names, node names, ...); ``TypeError``
     naming ``arg`` otherwise. The one check of every list-of-names argument."""
     if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
-        raise TypeError(f"{arg} must be a list of {kind}, got {type(value).__name__}: {value!r}")
+        raise OpListTypeError(f"{arg} must be a list of {kind}, got {type(value).__name__}: {value!r}")
     for v in value:
         if not isinstance(v, str):
-            raise TypeError(f"{arg} must contain {kind} (str); got {v!r} of type {type(v).__name__}")
+            raise OpListTypeError(f"{arg} must contain {kind} (str); got {v!r} of type {type(v).__name__}")
     return tuple(value)
 
 
 def check_conditional(value: object) -> Tuple[ConditionalSpec, ...]:
     """``value`` as a tuple of ``(op, attr, (values...))``; ``TypeError`` otherwise."""
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
-        raise TypeError("conditional_fp32_ops must be a list of (op_name, attr_name, [values]) "
+        raise OpListTypeError("conditional_fp32_ops must be a list of (op_name, attr_name, [values]) "
                         f"tuples, got {value!r}")
     out = []
     for item in value:
@@ -103,7 +112,7 @@ def check_conditional(value: object) -> Tuple[ConditionalSpec, ...]:
               and isinstance(item[1], str) and isinstance(item[2], (list, tuple))
               and all(isinstance(v, str) for v in item[2]))
         if not ok:
-            raise TypeError("each conditional_fp32_ops entry must be (op_name, attr_name, "
+            raise OpListTypeError("each conditional_fp32_ops entry must be (op_name, attr_name, "
                             f"[str values]), e.g. ('Activation', 'act_type', ['softrelu']); got {item!r}")
         out.append((item[0], item[1], tuple(item[2])))
     return tuple(out)
@@ -150,10 +159,10 @@ def _resolve_overrides(overrides: Mapping[OpClass, Sequence[str]], valid: set,
     for op_class, names in overrides.items():
         for raw in names:
             if raw not in valid:
-                raise ValueError(_unknown_message(raw, valid, f"op table ({_ARG_NAMES[op_class]})"))
+                raise OpListError(_unknown_message(raw, valid, f"op table ({_ARG_NAMES[op_class]})"))
             name = aliases.get(raw, raw)
             if name in seen and seen[name] is not op_class:
-                raise ValueError(f"op {raw!r} is in both {_ARG_NAMES[seen[name]]} and "
+                raise OpListError(f"op {raw!r} is in both {_ARG_NAMES[seen[name]]} and "
                                  f"{_ARG_NAMES[op_class]}; an op can be in one list only.")
             seen[name] = op_class
     return seen

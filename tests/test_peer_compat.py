@@ -178,12 +178,14 @@ def _compare(ours, theirs, dtype, peer):
         assert ours["reads"] == theirs["reads"]
 
 
-def _check_params(ours, theirs, cast_optional_params):
-    """Stored parameter dtypes: the peer's with cast_optional_params, else all float32."""
-    if cast_optional_params:
-        assert ours == theirs
-    else:
-        assert set(ours) == set(theirs) and set(ours.values()) == {"float32"}, ours
+def _check_params(ours, theirs, cast_optional_params, dtype):
+    """Stored parameter dtypes are the peer's: with cast_optional_params, and without it for
+    the parameters an op's type rule requires in low precision. Except the documented
+    difference: bfloat16 LeakyReLU prelu runs in float32 here, so its slope stays float32."""
+    exempt = {k for k in ours if dtype == "bfloat16" and k.endswith("_alpha")}
+    assert {k: v for k, v in ours.items() if k not in exempt} == \
+        {k: v for k, v in theirs.items() if k not in exempt}, (cast_optional_params, ours, theirs)
+    assert all(ours[k] == "float32" for k in exempt)
 
 
 def _types(shapes, params=None):
@@ -214,7 +216,7 @@ def test_convert_model_matches_peer(peer, graph, dtype, cast_optional_params):
     _compare(summarize(s, _types(shapes, {**a, **x})), theirs["graph"], dtype, peer)
     ours_cls, peer_cls = _our_classes(dtype), _peer_classes(peer, dtype)
     if all(ours_cls.get(n["op"], "neutral") == peer_cls.get(n["op"]) for n in theirs["graph"]["ops"].values()):
-        _check_params(param_dtypes({**a, **x}), theirs["params"], cast_optional_params)
+        _check_params(param_dtypes({**a, **x}), theirs["params"], cast_optional_params, dtype)
     # unlike the peer, the caller's dicts and arrays are left alone
     assert all(np.array_equal(v.asnumpy(), before[k]) for k, v in {**args, **aux}.items())
     assert all(v.dtype == np.float32 for v in {**args, **aux}.values())
@@ -226,7 +228,7 @@ def test_convert_hybrid_block_matches_peer(peer, kind, dtype):
     out = gluon_amp.convert_hybrid_block(run_gluon_net(kind), target_dtype=dtype, ctx=mx.cpu())
     ours, theirs = block_summary(out), peer["convert"]["block"][f"{dtype}/{kind}"]
     _compare(ours["graph"], theirs["graph"], dtype, peer)
-    _check_params(ours["params"], theirs["params"], cast_optional_params=False)
+    _check_params(ours["params"], theirs["params"], False, dtype)
 
 
 def test_convert_hybrid_block_default_ctx_is_the_blocks(peer):
@@ -245,7 +247,7 @@ def test_convert_bucketing_module_matches_peer(peer, dtype, cast_optional_params
     assert sorted(ours["buckets"]) == sorted(theirs["buckets"]) == ["3", "5"]
     for key in ours["buckets"]:
         _compare(ours["buckets"][key], theirs["buckets"][key], dtype, peer)
-    _check_params(ours["params"], theirs["params"], cast_optional_params)
+    _check_params(ours["params"], theirs["params"], cast_optional_params, dtype)
     assert isinstance(new, mx.mod.BucketingModule) and new is not mod
     assert {k: v.dtype for k, v in mod.get_params()[0].items()} == before
 
