@@ -520,3 +520,28 @@ def set_updater_states(trainer: Trainer, make_states: Callable[[], Dict[Any, Any
         updater.states = make_states()
         updater.states_synced = dict.fromkeys(updater.states.keys(), False)
     trainer._optimizer.param_dict = dict(enumerate(trainer._params))
+
+
+# -- host views ----------------------------------------------------------------------
+# MXNet 1.9.1 NDArray.to_dlpack_for_read() waits for pending writes and exports the
+# array's memory (no copy); NumPy >= 1.22 reads it through np.from_dlpack. NumPy has no
+# bfloat16, so those arrays have no host view.
+
+class _DLPack:
+    def __init__(self, array: mx.nd.NDArray) -> None:
+        self.array = array
+
+    def __dlpack__(self, stream: Any = None) -> Any:
+        return self.array.to_dlpack_for_read()
+
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        return 1, 0  # kDLCPU
+
+
+def host_view(array: mx.nd.NDArray) -> Optional[np.ndarray]:
+    """A read-only NumPy view of a CPU float32/float16 array's memory (after its pending
+    writes), or None where there is none (other devices, dtypes, storage types)."""
+    if (array.context.device_type != "cpu" or array.stype != "default"
+            or FLOAT_NAMES.get(array.dtype) not in ("float32", "float16")):
+        return None
+    return np.from_dlpack(_DLPack(array))
