@@ -81,6 +81,16 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def own_peak_rss_mb() -> float:
+    """This process's own peak RSS. ``ru_maxrss`` keeps the parent's peak across exec on
+    Linux; ``VmHWM`` belongs to the address space exec made."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return peak_rss_mb()
+
+
 class SyntheticData:
     """The tutorial's synthetic batch, made once (seeded) and reused every iteration."""
 
@@ -236,6 +246,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the full JSON document here")
     p.add_argument("--plot", metavar="PATH", help="write a PNG with throughput bars and loss curves")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the memory figure: by default each mode is built again in a process of its "
+                        "own, runs 3 steps, and its peak RSS is reported")
+    p.add_argument("--peak-of", metavar="MODE", help=argparse.SUPPRESS)
     p.add_argument("--horovod", type=int, metavar="N", default=0,
                    help="run the gluon_amp mode under Horovod (gloo) with 1 and with N processes on "
                         "this machine and report per-worker and total throughput (_horovod_mode.py)")
@@ -332,8 +346,38 @@ def loss_agreement(curves: Dict[str, Dict[str, List[float]]]) -> Dict[str, Any]:
     return out
 
 
+def peak_of(mode: str, args: argparse.Namespace, target: Optional[str]) -> float:
+    """Peak RSS (MB) of a process that builds ``mode`` alone and trains it 3 steps: what the
+    mode needs, not what an allocator shared with other modes happens to reuse."""
+    import json
+    import subprocess
+    cmd = [sys.executable, os.path.abspath(__file__), "--peak-of", mode, "--batch-size", str(args.batch_size),
+           "--seed", str(args.seed), "--ctx", args.ctx] + (["--target-dtype", target] if target else [])
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"memory run of {mode} failed:\n{r.stderr[-2000:]}")
+    return float(json.loads(r.stdout.strip().splitlines()[-1])["peak_rss_mb"])
+
+
+def _peak_worker(args: argparse.Namespace) -> None:
+    import json
+    ctx = resolve_ctx(args.ctx)
+    name = args.peak_of
+    dtype = name[len(EMULATED):] if name.startswith(EMULATED) else (
+        None if name == "fp32" else (None if args.target_dtype == "auto" else args.target_dtype))
+    if dtype is None and name != "fp32":
+        dtype = gluon_amp.runtime.resolve(None, warn=False).dtype
+    mode = Mode(name, ctx, SyntheticData(args.batch_size, ctx, args.seed), args.seed, dtype)
+    for _ in range(2):
+        mode.step(record=False)
+    print(json.dumps({"mode": name, "peak_rss_mb": own_peak_rss_mb()}))
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = parse_args(argv)
+    if args.peak_of:
+        _peak_worker(args)
+        return {}
     if args.horovod:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from _horovod_mode import run as run_horovod
@@ -359,8 +403,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     summaries = [m.result.summary() for m in modes]
     base = next((s for s in summaries if s["mode"] == "fp32"), None)
-    for s in summaries:
+    for s, m in zip(summaries, modes):
         s["speedup_vs_fp32"] = s["samples_per_sec"] / base["samples_per_sec"] if base else None
+        if not args.no_memory and m.name != "mxnet-contrib":
+            s["peak_rss_mb"] = peak_of(m.name, args, m.target_dtype)
+    for s in summaries:
+        s["peak_vs_fp32"] = (s["peak_rss_mb"] / base["peak_rss_mb"]
+                             if base and s.get("peak_rss_mb") and base.get("peak_rss_mb") else None)
     curves = {m.name: {"ce": m.result.ce, "smoothl1": m.result.smoothl1} for m in modes}
     doc = {"benchmark": "ssd_512_resnet50_v1_coco synthetic training", "ctx": str(ctx),
            "batch_size": batch_size, "iters": iters, "warmup": args.warmup, "seed": args.seed,
@@ -380,20 +429,23 @@ def print_table(doc: Dict[str, Any]) -> None:
     print(f"\nSSD-512 ResNet-50 synthetic training, batch {doc['batch_size']}, {doc['ctx']}, "
           f"{doc['iters']} timed iterations (median), target {doc['target_dtype']}, "
           f"bf16 ISA: {doc['runtime']['bf16_isa']}")
-    head = f"{'mode':<18}{'samples/s':>10}{'s/iter':>9}{'vs fp32':>9}{'mem +MB':>9}{'CE':>8}{'SmoothL1':>10}{'scale':>9}{'skipped':>8}"
+    head = (f"{'mode':<18}{'samples/s':>10}{'s/iter':>9}{'vs fp32':>9}{'peak MB':>9}{'vs fp32':>9}{'CE':>8}"
+            f"{'SmoothL1':>10}{'scale':>9}{'skipped':>8}")
     print(head)
     print("-" * len(head))
     for s in doc["modes"]:
         sp = f"{s['speedup_vs_fp32']:.2f}x" if s["speedup_vs_fp32"] else "-"
         scale = f"{s['loss_scale']:g}" if s["loss_scale"] is not None else "-"
-        print(f"{s['mode']:<18}{s['samples_per_sec']:>10.2f}{s['sec_per_iter']:>9.2f}{sp:>9}"
-              f"{s['rss_delta_mb']:>9.0f}{s['final_ce']:>8.3f}{s['final_smoothl1']:>10.3f}{scale:>9}{s['skipped_steps']:>8}")
+        peak = f"{s['peak_rss_mb']:.0f}" if s.get("peak_rss_mb") else "-"
+        pv = f"{s['peak_vs_fp32']:.2f}x" if s.get("peak_vs_fp32") else "-"
+        print(f"{s['mode']:<18}{s['samples_per_sec']:>10.2f}{s['sec_per_iter']:>9.2f}{sp:>9}{peak:>9}{pv:>9}"
+              f"{s['final_ce']:>8.3f}{s['final_smoothl1']:>10.3f}{scale:>9}{s['skipped_steps']:>8}")
     for name, m in doc["loss_match"].items():
         if m["max_rel_diff_total_loss"] is not None:
             print(f"loss curve {name} vs fp32, first {m['iters']} iterations: max rel. diff "
                   f"{m['max_rel_diff_total_loss']:.4f} ({'within' if m['within_2pct'] else 'NOT within'} 2%)")
-    print(f"process peak RSS {doc['peak_rss_mb_process']:.0f} MB; 'mem +MB' is the RSS each mode "
-          "added when built and first run")
+    print("'peak MB': each mode built alone in a process of its own and trained 3 steps (its peak RSS); "
+          f"this process, all modes together: {doc['peak_rss_mb_process']:.0f} MB")
     if any(s["mode"].startswith(EMULATED) for s in doc["modes"]):
         print(f"{EMULATED}* modes: gluon_amp.init(emulate=True), float32 kernels with the target's "
               "rounding; their speed columns are emulated (float32 plus rounding), not the target's")

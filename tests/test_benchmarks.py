@@ -100,3 +100,19 @@ def test_ssd_synthetic_opt_level_smoke(tmp_path):
     doc = json.loads(out.read_text())
     assert [m["mode"] for m in doc["modes"]] == ["fp32", "O2"]
     assert all(math.isfinite(m["final_ce"]) for m in doc["modes"])
+
+
+def test_profile_step_profiles_fp32_op_by_op(tmp_path):
+    out = tmp_path / "p.json"
+    r = _run("profile_step.py", "--batch-size", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    fp32 = doc["results"][0]
+    assert fp32["mode"] == "fp32" and max(fp32["ops_ms"], key=fp32["ops_ms"].get) == "Convolution"
+    assert not any(op.startswith("_backward_") for op in fp32["ops_ms"])  # forward and backward summed
+    assert 0.5 * fp32["step_ms"] <= sum(fp32["ops_ms"].values()) <= 1.5 * fp32["step_ms"]
+    assert "Convolution" in r.stdout and "sum of ops" in r.stdout
+    if doc["skipped"]:  # no native low precision here: FP32 alone, and why
+        assert len(doc["results"]) == 1 and doc["runtime"]["bf16_why"] in doc["skipped"]
+    else:
+        assert all(c["ceiling_ms"] > 0 for c in doc["ceilings"].values())
