@@ -40,7 +40,7 @@ from .policy_builder import make_policy  # noqa: E402
 from .opt_levels import initialize  # noqa: E402
 from . import debug  # noqa: E402
 from .report import Report, report  # noqa: E402
-from .runtime import runtime_info  # noqa: E402
+from .info import runtime_info  # noqa: E402
 from .trainer import (  # noqa: E402
     clip_global_norm, get_scaler, init_trainer, load_states, save_states, scale_loss, unscale,
 )

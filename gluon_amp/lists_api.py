@@ -51,8 +51,8 @@ def list_lp16_use_fp32_params(target_dtype: Any = "float16") -> Dict[str, List[s
     float32 (normalisation parameters, running statistics), ``''`` when it follows the
     op's dtype. Both tables keep these inputs in float32, so both dtypes return the mapping.
     """
-    from . import mxnet_internals as registry  # reads MXNet's op registry; the rest of this module is pure
-    infos = registry.op_infos()
+    from . import mxnet_internals as mxi  # reads MXNet's op registry; the rest of this module is pure
+    infos = mxi.op_infos()
     keep = default_table(_name(target_dtype)).keep_fp32_inputs
     return {op: [n if n in names else "" for n in infos[op].inputs]
             for op, names in sorted(keep.items()) if op in infos}

@@ -38,15 +38,9 @@ _lock = threading.RLock()
 _active: Optional[_Active] = None
 
 
-def init(target_dtype: Any = None,
-         target_precision_ops: Optional[Sequence[str]] = None,
+def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]] = None,
          conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
-         fp32_ops: Optional[Sequence[str]] = None,
-         *,
-         widest_type_ops: Optional[Sequence[str]] = None,
-         keep_batchnorm_fp32: Optional[bool] = None,
-         emulate: Optional[bool] = None,
-         excluded_sym_names: Optional[Sequence[str]] = None) -> Policy:
+         fp32_ops: Optional[Sequence[str]] = None, **options: Any) -> Policy:
     """Turn on automatic mixed precision for ``mx.nd``, ``mx.sym``, ``mx.np`` and ``mx.npx``.
 
     Call it before building (or hybridizing) the network. Undo with :func:`disable`.
@@ -67,6 +61,7 @@ def init(target_dtype: Any = None,
         Replace the default list of ops run in the target dtype / in float32.
     conditional_fp32_ops : list of (op, attr, [values]), optional
         Replace the default list of ops that run in float32 for some attribute values.
+    **options : keyword-only, as :func:`gluon_amp.make_policy` takes them:
     widest_type_ops : list of str, optional
         Replace the default list of ops that run in their widest input type.
     keep_batchnorm_fp32 : bool, optional
@@ -92,14 +87,11 @@ def init(target_dtype: Any = None,
     """
     global _active
     with _lock:
-        given = (target_dtype, target_precision_ops, conditional_fp32_ops, fp32_ops, widest_type_ops,
-                 keep_batchnorm_fp32, emulate, excluded_sym_names)
+        given = (target_dtype, target_precision_ops, conditional_fp32_ops, fp32_ops, *options.values())
         if _active is not None and all(v is None for v in given):
             return _active.policy  # asks for nothing in particular (a launcher's second init)
         policy = as_policy(target_dtype, target_precision_ops=target_precision_ops,
-                           conditional_fp32_ops=conditional_fp32_ops, fp32_ops=fp32_ops,
-                           widest_type_ops=widest_type_ops, keep_batchnorm_fp32=keep_batchnorm_fp32,
-                           emulate=emulate, excluded_sym_names=excluded_sym_names)
+                           conditional_fp32_ops=conditional_fp32_ops, fp32_ops=fp32_ops, **options)
         if _active is not None:
             if _active.policy == policy:
                 return _active.policy

@@ -1,7 +1,7 @@
 """Build a :class:`~gluon_amp_core.policy.Policy` for this machine and this MXNet.
 
 The pure value and its validation live in :mod:`gluon_amp_core.policy`; this module adds
-what only the MXNet layer knows: the machine (resolving ``target_dtype``) and the op registry.
+what only the MXNet layer knows: the machine (resolving ``target_dtype``) and the op mxi.
 
 The peer-compatible signatures (``init``, ``convert_*``, ``report``) are shims over
 :func:`as_policy`: they accept a ready ``Policy`` or the classic arguments.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from . import mxnet_internals as registry, runtime
+from . import mxnet_internals as mxi, runtime
 from gluon_amp_core.policy import FLOAT32, Policy
 from gluon_amp_core.table import ConditionalSpec
 
@@ -25,7 +25,7 @@ def make_policy(target_dtype: Any = None, *,
                 excluded_sym_names: Optional[Sequence[str]] = None) -> Policy:
     """A validated policy: ``target_dtype`` resolved for this machine (``None`` picks;
     see :func:`gluon_amp_core.capability.resolve_target`), op names checked against MXNet's
-    registry. Where no useful low precision exists the policy is float32 (AMP off) and a
+    mxi. Where no useful low precision exists the policy is float32 (AMP off) and a
     ``RuntimeWarning`` says why, once per process.
 
     ``emulate=True`` runs the plan of ``target_dtype`` emulated in float32 on any CPU
@@ -43,8 +43,8 @@ def make_policy(target_dtype: Any = None, *,
                          conditional_fp32_ops=conditional_fp32_ops, fp32_ops=fp32_ops,
                          widest_type_ops=widest_type_ops, keep_batchnorm_fp32=keep_batchnorm_fp32,
                          emulate=bool(emulate),
-                         excluded_sym_names=excluded_sym_names, known_ops=registry.op_infos().keys(),
-                         aliases=registry.aliases(), reason=reason)
+                         excluded_sym_names=excluded_sym_names, known_ops=mxi.op_infos().keys(),
+                         aliases=mxi.aliases(), reason=reason)
 
 
 def as_policy(target_dtype: Any = None, **lists: Any) -> Policy:

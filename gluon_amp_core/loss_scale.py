@@ -44,6 +44,11 @@ def _positive(name: str, value: Any, allow_inf: bool = False) -> float:
     return value
 
 
+def _reads(field: str, doc: str) -> property:
+    """A read-only property of the scaler: one field of its ``state``."""
+    return property(lambda self: getattr(self.state, field), doc=doc)
+
+
 class LossScaler:
     """Loss scaler: dynamic (default), static, or disabled.
 
@@ -109,22 +114,11 @@ class LossScaler:
     def disabled(cls) -> "LossScaler":
         return cls(enabled=False)
 
-    # -- reading --------------------------------------------------------------------
-    @property
-    def loss_scale(self) -> float:
-        return self.state.scale
-
-    @property
-    def last_step_skipped(self) -> bool:
-        return self.state.last_skipped
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.state.skipped_steps
-
-    @property
-    def total_steps(self) -> int:
-        return self.state.total_steps
+    # -- reading: fields of ``state`` ----------------------------------------------
+    loss_scale = _reads("scale", "float: the scale the next loss is multiplied by.")
+    last_step_skipped = _reads("last_skipped", "bool: the last step was skipped (non-finite gradients).")
+    skipped_steps = _reads("skipped_steps", "int: steps skipped so far.")
+    total_steps = _reads("total_steps", "int: steps taken so far, skipped ones included.")
 
     # -- the rule -------------------------------------------------------------------
     def next_state(self, state: ScaleState, finite: bool) -> ScaleState:

@@ -1,0 +1,47 @@
+"""``runtime_info()``: what gluon_amp found on this machine, and how AMP runs now."""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict
+
+from gluon_amp_core.capability import Bf16, resolve_target
+
+from .patching import current_policy
+from .runtime import _state, capability, cpu_flags, executable, has_onednn
+
+
+def runtime_info() -> Dict[str, Any]:
+    """What gluon_amp found on this machine and what ``target_dtype=None`` picks, with why."""
+    import mxnet as mx
+    flags = cpu_flags()
+    cap = capability()
+    return {
+        "mxnet": mx.__version__,
+        "onednn": has_onednn(),
+        "gpus": cap.gpus,
+        "default_target_dtype": resolve_target(None, cap).dtype,
+        "bf16": cap.bf16.value,
+        "bf16_why": cap.why,
+        "onednn_isa": cap.isa.lower(),
+        "cpu_avx512f": "avx512f" in flags,
+        "cpu_avx512_bf16": "avx512_bf16" in flags,
+        "cpu_amx_bf16": "amx_bf16" in flags,
+        "amx_permission": bool(_state["amx_permission"]),
+        "DNNL_MAX_CPU_ISA": os.environ.get("DNNL_MAX_CPU_ISA"),
+        "isa_set_by": _state["isa_set_by"],
+        "bf16_isa": cap.isa.lower() if cap.bf16 is Bf16.NATIVE else f"no native bfloat16 ({cap.bf16.value})",
+        "error": _state["error"],
+        "mode": amp_mode(),
+    }
+
+
+def amp_mode() -> str:
+    """How AMP runs now: ``'off'``, ``'native'`` (real low-precision kernels), ``'emulated'``
+    (``emulate=True``: float32 with the target's rounding) or ``'cannot execute'`` (an
+    explicit target this CPU has no kernels for: graphs build, running raises)."""
+    policy = current_policy()
+    if policy is None:
+        return "off"
+    if policy.emulate:
+        return "emulated"
+    return "native" if executable(policy.target_dtype, "cpu") or capability().gpus else "cannot execute"

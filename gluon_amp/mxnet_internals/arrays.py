@@ -1,0 +1,88 @@
+"""Dtype objects and names, host views of arrays, and how executors are bound (MXNet 1.9.1)."""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator, Optional, Tuple
+
+import numpy as np
+import mxnet as mx
+
+
+#: MXNet 1.x spells bfloat16 as this structured NumPy dtype (1.9.1: mxnet/ndarray/ndarray.py
+#: ``bfloat16``). If MXNet gains a real bfloat16 dtype, casts to bf16 need the new object.
+BFLOAT16 = np.dtype([("bfloat16", np.uint16)])
+
+
+#: MXNet's float dtype objects -> names: ``NDArray.dtype`` is a NumPy scalar type (or
+#: BFLOAT16), ``mx.np`` arrays give ``np.dtype`` instances, which hash differently. A dict
+#: lookup, because patched ops read it on every call.
+FLOAT_NAMES = {np.float16: "float16", np.float32: "float32", np.float64: "float64",
+               BFLOAT16: "bfloat16", np.dtype("float16"): "float16",
+               np.dtype("float32"): "float32", np.dtype("float64"): "float64"}
+
+
+def to_mx_dtype(name: str) -> Any:
+    """The object MXNet accepts as ``dtype=`` for a canonical dtype name."""
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
+# -- executors -----------------------------------------------------------------------
+# 1.9.1 src/executor/graph_executor.cc: Symbol.bind partitions the graph with the subgraph
+# backend named by MXNET_SUBGRAPH_BACKEND, read on every bind, MKLDNN by default on CPU
+# ("Subgraph backend MKLDNN is activated"). Fused nodes hide their inner outputs.
+
+@contextlib.contextmanager
+def quiet_stderr() -> Iterator[None]:
+    """MXNet's C++ log lines (written to fd 2) are dropped inside the block; Python
+    exceptions still propagate."""
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+@contextlib.contextmanager
+def unfused_binds() -> Iterator[None]:
+    """Symbol.bind inside the block partitions nothing: every op's own output stays readable.
+    (MXNet logs a line per such bind; it is dropped.)"""
+    old = os.environ.get("MXNET_SUBGRAPH_BACKEND")
+    os.environ["MXNET_SUBGRAPH_BACKEND"] = "NONE"
+    try:
+        with quiet_stderr():
+            yield
+    finally:
+        if old is None:
+            os.environ.pop("MXNET_SUBGRAPH_BACKEND", None)
+        else:
+            os.environ["MXNET_SUBGRAPH_BACKEND"] = old
+
+
+# -- host views ----------------------------------------------------------------------
+# MXNet 1.9.1 NDArray.to_dlpack_for_read() waits for pending writes and exports the
+# array's memory (no copy); NumPy >= 1.22 reads it through np.from_dlpack. NumPy has no
+# bfloat16, so those arrays have no host view.
+
+class _DLPack:
+    def __init__(self, array: mx.nd.NDArray) -> None:
+        self.array = array
+
+    def __dlpack__(self, stream: Any = None) -> Any:
+        return self.array.to_dlpack_for_read()
+
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        return 1, 0  # kDLCPU
+
+
+def host_view(array: mx.nd.NDArray) -> Optional[np.ndarray]:
+    """A read-only NumPy view of a CPU float32/float16 array's memory (after its pending
+    writes), or None where there is none (other devices, dtypes, storage types)."""
+    if (array.context.device_type != "cpu" or array.stype != "default"
+            or FLOAT_NAMES.get(array.dtype) not in ("float32", "float16")):
+        return None
+    return np.from_dlpack(_DLPack(array))

@@ -1,0 +1,136 @@
+"""Gluon blocks, symbols and their hooks (MXNet 1.9.1)."""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import mxnet as mx
+from mxnet.gluon import HybridBlock
+from mxnet.symbol import Symbol
+
+
+# -- gluon blocks --------------------------------------------------------------------
+
+def cached_graph(block: HybridBlock, caller: str) -> Tuple[Sequence[Symbol], Symbol]:
+    """``(input symbols, output symbol)`` a hybridized block recorded on its first call.
+
+    1.9.1: ``HybridBlock._cached_graph`` is ``()`` until the first call, then that pair.
+    If renamed, converting or reporting a block raises the RuntimeError below.
+    """
+    cached = getattr(block, "_cached_graph", ())
+    if not cached:
+        raise RuntimeError(f"{caller}: the block has no cached graph: call block.hybridize() and run "
+                           "one forward pass (e.g. block(x)) first.")
+    return cached[0], cached[1]
+
+
+def has_cached_graph(block: Any) -> bool:
+    """True for a hybridized block that already recorded its graph (see :func:`cached_graph`)."""
+    return isinstance(block, HybridBlock) and bool(getattr(block, "_cached_graph", ()))
+
+
+# -- symbols -------------------------------------------------------------------------
+
+#: 1.9.1: the numpy-frontend Symbol class; amp_cast is a legacy op, so np symbols are
+#: converted through ``as_nd_ndarray``. If moved, importing gluon_amp fails here.
+NP_SYMBOL = mx.sym.np._Symbol
+
+
+def pin_float32(var: Symbol) -> None:
+    """Declare a variable float32 (``__dtype__='0'``). 1.9.1: ``Symbol._set_attr``; the
+    public ``var(dtype=)`` cannot change an existing variable."""
+    var._set_attr(__dtype__="0")
+
+
+def rebuild_op(sym: Symbol, inputs: List[Symbol]) -> Symbol:
+    """The op node ``sym`` applied to new ``inputs`` under the same name and attributes.
+
+    1.9.1: ``Symbol._gen_atomic_symbol`` makes an unbound copy of the head op. Used when
+    MXNet created an op's weights itself and casts must be wired in after the fact.
+    """
+    return sym._gen_atomic_symbol()(*inputs, name=sym.name)
+
+
+def drop_cached_graph(block: Any) -> None:
+    """Forget a hybridized block's recorded graph (1.9.1: ``_clear_cached_op``; also what
+    ``HybridBlock.cast`` calls). The next call traces it again."""
+    if isinstance(block, HybridBlock):
+        block._clear_cached_op()
+
+
+def bucketing_module_options(mod: Any) -> Dict[str, Any]:
+    """Constructor options a ``BucketingModule`` keeps only privately (1.9.1: ``_sym_gen``,
+    ``_default_bucket_key``, ``_context``, ...), to build an equivalent module. If renamed,
+    convert_bucketing_module fails with AttributeError (the bucketing tests fail)."""
+    return {"sym_gen": mod._sym_gen, "default_bucket_key": mod._default_bucket_key,
+            "context": mod._context, "work_load_list": mod._work_load_list,
+            "fixed_param_names": mod._fixed_param_names, "state_names": mod._state_names,
+            "group2ctxs": mod._group2ctxs, "compression_params": mod._compression_params}
+
+
+def bucketing_buckets(mod: Any) -> Dict[Any, Any]:
+    """Bucket key -> bound Module (1.9.1: ``BucketingModule._buckets``)."""
+    return mod._buckets
+
+
+# -- block hooks ---------------------------------------------------------------------
+# 1.9.1 mxnet/gluon/block.py: ``HybridBlock._get_graph(*args)`` builds the block's graph
+# once (``self._cached_graph = (inputs, out)``) and returns it; ``_build_cache``,
+# ``infer_shape`` and ``export`` read it from there. ``_call_cached_op(*args)`` runs every
+# hybridized call. Rewriting the graph on its first build changes what the CachedOp runs.
+# If either method is renamed, init fails here.
+
+_GET_GRAPH = HybridBlock._get_graph
+_CALL_CACHED_OP = HybridBlock._call_cached_op
+
+
+@dataclass(frozen=True)
+class BlockHooks:
+    """The two methods :func:`install_block_hooks` put on HybridBlock."""
+
+    get_graph: Callable
+    call_cached_op: Callable
+
+
+def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], Symbol],
+                        stale: Callable[[HybridBlock], None]) -> BlockHooks:
+    """Until :func:`remove_block_hooks`: every HybridBlock's freshly built graph passes
+    through ``rewrite(block, args, inputs, out)``, and a block that runs a graph it built
+    before (without the hooks) is passed to ``stale`` once. Costs a set lookup per call,
+    whatever the size of the heap."""
+    built: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
+
+    def _get_graph(self: HybridBlock, *args: Any) -> Any:
+        fresh = not self._cached_graph
+        inputs, out = _GET_GRAPH(self, *args)
+        if fresh:
+            self._cached_graph = (inputs, rewrite(self, args, inputs, out))
+            built.add(self)
+        return self._cached_graph
+
+    def _call_cached_op(self: HybridBlock, *args: Any) -> Any:
+        if self._cached_graph and self not in built:
+            built.add(self)  # said once per block
+            stale(self)
+        return _CALL_CACHED_OP(self, *args)
+
+    HybridBlock._get_graph, HybridBlock._call_cached_op = _get_graph, _call_cached_op
+    return BlockHooks(_get_graph, _call_cached_op)
+
+
+def remove_block_hooks(hooks: BlockHooks) -> None:
+    """Put MXNet's methods back, where ``hooks`` are still the ones in place."""
+    if HybridBlock.__dict__.get("_get_graph") is hooks.get_graph:
+        HybridBlock._get_graph = _GET_GRAPH
+    if HybridBlock.__dict__.get("_call_cached_op") is hooks.call_cached_op:
+        HybridBlock._call_cached_op = _CALL_CACHED_OP
+
+
+def full_op_name(name: Any) -> Optional[str]:
+    """The node name an op built now with ``name=`` gets (Gluon's prefix applied), or
+    ``None`` when MXNet will make one up. 1.9.1: ``NameManager.current.get(name, hint)``
+    returns ``name`` (prefixed under ``Prefix``) without side effects when ``name`` is set."""
+    if not name or not isinstance(name, str):
+        return None
+    return mx.name.NameManager.current.get(name, None)

@@ -1,0 +1,132 @@
+"""Gluon Trainer, parameter and optimizer-updater internals (MXNet 1.9.1)."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import mxnet as mx
+from mxnet.gluon import Parameter, Trainer
+
+
+# -- trainer -------------------------------------------------------------------------
+# 1.9.1 mxnet/gluon/trainer.py: ``_update`` calls ``self._amp_loss_scaler.has_overflow(params)``
+# when that attribute exists and skips the update if it returns True; ``_scale`` is the
+# factor ``rescale_grad`` is built from on each step; ``_kvstore_params`` holds the
+# constructor's ``update_on_kvstore`` until the kvstore is initialised, after which
+# ``_update_on_kvstore`` holds the decision. If any of this changes, the trainer tests fail.
+
+def set_step_hook(trainer: Trainer, hook: Any) -> None:
+    trainer._amp_loss_scaler = hook
+
+
+def get_step_hook(trainer: Trainer) -> Any:
+    return getattr(trainer, "_amp_loss_scaler", None)
+
+
+def grad_scale(trainer: Trainer) -> float:
+    return trainer._scale
+
+
+def set_grad_scale(trainer: Trainer, value: float) -> None:
+    trainer._scale = value
+
+
+def trainer_params(trainer: Trainer) -> List[Parameter]:
+    return trainer._params
+
+
+def updates_on_kvstore(trainer: Trainer) -> Optional[bool]:
+    """True/False once decided or asked for; None when left to MXNet."""
+    wanted = trainer._kvstore_params.get("update_on_kvstore")
+    if trainer._kv_initialized:
+        return bool(trainer._update_on_kvstore)
+    return wanted
+
+
+def force_update_on_worker(trainer: Trainer) -> None:
+    trainer._kvstore_params["update_on_kvstore"] = False
+
+
+def trainer_kvstore(trainer: Trainer) -> Any:
+    """1.9.1: ``Trainer._kvstore``, None until the first step (or :func:`init_kvstore_now`)."""
+    return trainer._kvstore
+
+
+def trainer_optimizer(trainer: Trainer) -> Any:
+    """1.9.1: ``Trainer._optimizer``, the optimizer object the updaters call."""
+    return trainer._optimizer
+
+
+def compression_params(trainer: Trainer) -> Any:
+    """1.9.1: ``Trainer._compression_params``, the constructor's ``compression_params``."""
+    return trainer._compression_params
+
+
+def horovod_process_set(trainer: Trainer) -> Any:
+    """Horovod 0.28.1's ``DistributedTrainer._process_set``; None for other trainers."""
+    return getattr(trainer, "_process_set", None)
+
+
+def deferred_param_names(trainer: Trainer) -> List[str]:
+    """Parameters whose shapes are still unknown (1.9.1: ``Parameter._deferred_init``)."""
+    return [p.name for p in trainer._params if p._deferred_init]
+
+
+def init_kvstore_now(trainer: Trainer) -> None:
+    """What 1.9.1's ``Trainer`` does lazily in its first step: create the kvstore
+    (``_init_kvstore``) and broadcast the initial weights (``_init_params``)."""
+    if not trainer._kv_initialized:
+        trainer._init_kvstore()
+    if trainer._params_to_init:
+        trainer._init_params()
+
+
+# -- parameters ----------------------------------------------------------------------
+
+def has_grad(p: Parameter) -> bool:
+    """1.9.1: ``Parameter._grad`` is None until the parameter is initialised with a grad
+    (``list_grad`` raises instead). If renamed, every step would look gradient-free."""
+    return p.grad_req != "null" and p._grad is not None
+
+
+# -- optimizer state (master weights) --------------------------------------------------
+# 1.9.1: Trainer keeps one ``Updater`` per context in ``_updaters`` (built in
+# ``_init_optimizer``, re-pointed by ``load_states``), and ``Updater.__call__`` calls
+# ``optimizer._set_current_context``. If renamed, installing master weights fails with
+# AttributeError (the opt-level tests fail).
+
+def trainer_updaters(trainer: Trainer) -> List[Any]:
+    return list(trainer._updaters)
+
+
+def set_trainer_updaters(trainer: Trainer, updaters: Sequence[Any]) -> None:
+    trainer._updaters = list(updaters)
+
+
+def has_optimizer_state(trainer: Trainer) -> bool:
+    """True once the trainer has stepped (or loaded optimizer states)."""
+    opt = trainer._optimizer
+    return bool(any(u.states for u in trainer._updaters) or opt.num_update > opt.begin_num_update)
+
+
+def set_optimizer_context(opt: Any, ctx: mx.Context) -> None:
+    opt._set_current_context(ctx.device_id)
+
+
+# -- updater states ------------------------------------------------------------------
+# 1.9.1 mxnet/optimizer/optimizer.py ``Updater``: ``states`` maps a parameter index to its
+# optimizer state (NDArrays, tuples of them, None); ``states_synced[index] = False`` makes
+# the next update move the state to the weight's context. ``Trainer.load_states`` sets the
+# same states on every updater and points the optimizer's ``param_dict`` at the trainer's
+# parameters.
+
+def updater_states(updater: Any) -> Dict[Any, Any]:
+    return updater.states
+
+
+def set_updater_states(trainer: Trainer, make_states: Callable[[], Dict[Any, Any]]) -> None:
+    """Give every updater of ``trainer`` its own ``make_states()``, synced lazily to its context."""
+    init_kvstore_now(trainer)
+    for updater in trainer._updaters:
+        updater.states = make_states()
+        updater.states_synced = dict.fromkeys(updater.states.keys(), False)
+    trainer._optimizer.param_dict = dict(enumerate(trainer._params))

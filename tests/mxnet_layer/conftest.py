@@ -1,0 +1,72 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helpers
+
+import mxnet as mx  # noqa: E402
+
+import gluon_amp  # noqa: E402
+from gluon_amp_core.capability import Bf16  # noqa: E402
+import helpers  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "bf16_kernels: executes bfloat16 kernels; skipped, naming the missing CPU "
+        "feature, where oneDNN has none (below AVX-512, or DNNL_MAX_CPU_ISA caps it there)")
+
+
+def pytest_collection_modifyitems(config, items):
+    cap = gluon_amp.runtime.capability()
+    if cap.bf16 is not Bf16.NONE:
+        return
+    skip = pytest.mark.skip(reason=f"needs bfloat16 kernels: {cap.why}")
+    for item in items:
+        if "bf16_kernels" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated():
+    """Every test starts and ends with AMP off and MXNet's engine drained.
+
+    A deferred kernel error surfaces here, in the test that caused it, not in the next.
+    """
+    gluon_amp.disable()
+    mx.nd.waitall()
+    yield
+    try:
+        mx.nd.waitall()
+    finally:
+        gluon_amp.disable()
+
+
+@pytest.fixture(scope="session")
+def no_bf16_why() -> str:
+    """Why a no-bf16 process (``no_bf16_env``) has no bfloat16, as gluon_amp says it there.
+
+    Tests check that this reason reaches the user, never its wording: it names the cap
+    under the simulation and the missing ``avx512f`` on a real AVX2 CPU.
+    """
+    import subprocess
+    code = "import gluon_amp; print(gluon_amp.runtime.capability().why)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=helpers.no_bf16_env(), timeout=300, check=True)
+    why = r.stdout.strip().splitlines()[-1]
+    assert why, "the no-bf16 process gave no reason"
+    return why
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """No download can happen: sockets refuse to connect, MXNet's home is empty."""
+    import socket
+
+    def refuse(*_a, **_k):
+        raise RuntimeError("download attempted in a test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setenv("MXNET_HOME", str(tmp_path))

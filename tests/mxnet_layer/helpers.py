@@ -1,0 +1,127 @@
+"""What the MXNet-layer tests share: small networks and data, graph checks, and the
+environment of a host without bfloat16 kernels. Import it as ``from helpers import ...``."""
+import json
+import os
+
+import numpy as np
+import mxnet as mx
+from mxnet import gluon
+from mxnet.gluon import nn
+
+from gluon_amp import mxnet_internals as mxi
+from gluon_amp.type_inference import infer_dtypes
+from gluon_amp_core.dtypes import FLOAT_DTYPES
+from gluon_amp_core.walk import walk
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class MixedNet(nn.HybridBlock):
+    """conv -> BN -> relu -> dense -> softmax, plus a residual add of a low-precision
+    branch and a float32 branch (softmax output)."""
+
+    def __init__(self, channels=8, classes=10, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.conv = nn.Conv2D(channels, 3, padding=1)
+            self.bn = nn.BatchNorm()
+            self.side = nn.Conv2D(channels, 1)
+            self.dense = nn.Dense(classes)
+
+    def hybrid_forward(self, F, x):
+        low = F.relu(self.bn(self.conv(x)))
+        fp32 = F.softmax(self.side(x), axis=1)
+        mixed = low + fp32
+        return F.softmax(self.dense(mixed))
+
+
+def make_net(seed=0, hybridize=True):
+    mx.random.seed(seed)
+    net = MixedNet()
+    net.initialize(mx.init.Xavier())
+    if hybridize:
+        net.hybridize()
+    return net
+
+
+def internal_types(sym, **input_types):
+    """{output name: dtype name} for every node of ``sym``."""
+    from gluon_amp_core.dtypes import dtype_name
+    internals = sym.get_internals()
+    _, out_types, _ = internals.infer_type(**input_types)
+    return {n: dtype_name(t) for n, t in zip(internals.list_outputs(), out_types)}
+
+
+def blobs(n=512, seed=0):
+    """Two classes of 8x8 images: a bright blob top-left vs bottom-right, plus noise."""
+    # (seeded) of 8x8 images: a bright blob top-left vs bottom-right, plus noise
+    rng = np.random.RandomState(seed)
+    x = rng.normal(0, 1, size=(n, 1, 8, 8)).astype("float32")
+    y = rng.randint(0, 2, size=n)
+    for i in range(n):
+        r = slice(0, 4) if y[i] == 0 else slice(4, 8)
+        x[i, 0, r, r] += 1.0
+    return mx.nd.array(x), mx.nd.array(y)
+
+
+
+
+def cnn(seed=0, hybridize=True, prefixed=False):
+    """conv -> BN -> relu -> max-pool -> dense on 1x8x8 inputs (two classes). ``prefixed``
+    names the layers conv0_, bn_, dense0_ without a block prefix."""
+    mx.random.seed(seed)
+    net = nn.HybridSequential(prefix="") if prefixed else nn.HybridSequential()
+    kw = (lambda p: {"prefix": p}) if prefixed else (lambda p: {})
+    with net.name_scope():
+        net.add(nn.Conv2D(8, 3, padding=1, in_channels=1, **kw("conv0_")), nn.BatchNorm(in_channels=8, **kw("bn_")),
+                nn.Activation("relu"), nn.MaxPool2D(2), nn.Flatten(), nn.Dense(2, in_units=128, **kw("dense0_")))
+    net.initialize(mx.init.Xavier())
+    if hybridize:
+        net.hybridize(static_alloc=True)
+    return net
+
+
+def sgd_trainer(net, opt="sgd", lr=0.05, **kw):
+    """A Trainer as AMP needs it (``update_on_kvstore=False``); SGD with momentum 0.9 by default."""
+    params = kw.pop("optimizer_params", None) or ({"learning_rate": lr, "momentum": 0.9} if opt == "sgd"
+                                                   else {"learning_rate": lr})
+    kw.setdefault("update_on_kvstore", False)
+    return gluon.Trainer(net.collect_params(), opt, params, **kw)
+
+
+def import_gluoncv():
+    """GluonCV, which ``make test`` installs (the [bench] extra): a missing one is an error."""
+    import gluoncv
+    return gluoncv
+
+
+def no_bf16_env() -> dict:
+    """Environment for a subprocess that behaves like an AVX2-only host on any CPU."""
+    return {**os.environ, "DNNL_MAX_CPU_ISA": "AVX2", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+def check_graph(sym, policy, excluded=(), **input_types):
+    """Return ``(violations, counts by reason)``; no violations when every op runs as decided.
+
+    ``policy`` is a Policy (what ``init`` returns) or its OpTable."""
+    table = getattr(policy, "table", None) or policy
+    types = infer_dtypes(sym, {k: v for k, v in input_types.items()})
+    assert types is not None, "infer_type could not type the whole graph"
+    nodes = json.loads(sym.tojson(remove_amp_cast=False))["nodes"]
+    infos = mxi.op_infos()
+    problems, counts = [], {}
+    for nd in walk(nodes, table, lambda e: types.get((nodes[e[0]]["name"], e[1])), excluded):
+        if nd.reason == "cast":
+            continue
+        d = nd.decision
+        counts[d.reason.value] = counts.get(d.reason.value, 0) + 1
+        if d.dtype is None:
+            continue
+        names = infos[nd.op].inputs if nd.op in infos else ()
+        for j, t in enumerate(nd.input_dtypes):
+            if j < len(names) and names[j] in d.keep_fp32:
+                if t != "float32":
+                    problems.append(f"{nd.name} ({nd.op}): kept input {names[j]} is {t}")
+                continue
+            if t in FLOAT_DTYPES and t != d.dtype:
+                problems.append(f"{nd.name} ({nd.op}, {d.reason.value}): input {j} is {t}, want {d.dtype}")
+    return problems, counts

@@ -1,0 +1,118 @@
+"""Smoke tests: the benchmark scripts run at tiny sizes and report what they promise."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import no_bf16_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(script, *args, timeout=900, env=None):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+                          capture_output=True, text=True, timeout=timeout,
+                          env=env or {**os.environ, "PYTHONPATH": ROOT})
+
+
+@pytest.mark.bf16_kernels
+def test_ssd_synthetic_amp_smoke(tmp_path):
+    out = tmp_path / "ssd.json"
+    plot = tmp_path / "ssd.png"
+    r = _run("ssd_synthetic.py", "--amp", "--target-dtype", "bfloat16", "--batch-size", "1",
+             "--iters", "2", "--warmup", "0", "--json", str(out), "--plot", str(plot))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert [m["mode"] for m in doc["modes"]] == ["fp32", "gluon_amp"]
+    for m in doc["modes"]:
+        for key in ("samples_per_sec", "sec_per_iter", "final_ce", "final_smoothl1", "rss_delta_mb",
+                    "skipped_steps", "speedup_vs_fp32"):
+            assert key in m, key
+        assert m["samples_per_sec"] > 0 and m["iters"] == 2
+        assert math.isfinite(m["final_ce"]) and math.isfinite(m["final_smoothl1"])
+    amp = doc["modes"][1]
+    assert amp["loss_scale"] == 65536.0 and amp["skipped_steps"] == 0
+    assert all(math.isfinite(v) for c in doc["loss_curves"].values() for v in c["ce"] + c["smoothl1"])
+    assert "gluon_amp" in doc["loss_match"]
+    assert "[Epoch 0][Batch 1], Speed:" in r.stdout and "CrossEntropy=" in r.stdout
+    assert "samples/s" in r.stdout and "vs fp32" in r.stdout and "training" in r.stdout
+    assert '"modes"' not in r.stdout  # the JSON goes to --json only
+    assert plot.stat().st_size > 1000 and str(plot) in r.stdout
+
+
+def test_ssd_synthetic_without_bf16_kernels_runs_fp32_and_says_why(tmp_path, no_bf16_why):
+    """`make bench`'s command on a host without bf16 kernels (simulated on any CPU)."""
+    out = tmp_path / "ssd.json"
+    r = _run("ssd_synthetic.py", "--amp", "--batch-size", "1", "--iters", "1", "--warmup", "0",
+             "--no-progress", "--json", str(out), env=no_bf16_env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert [m["mode"] for m in doc["modes"]] == ["fp32"]
+    assert "AMP was not run" in r.stdout and no_bf16_why in r.stdout
+    assert doc["runtime"]["bf16"] == "none" and doc["runtime"]["bf16_why"] == no_bf16_why
+    assert math.isfinite(doc["modes"][0]["final_ce"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--impl", "tensorrt"], "--impl"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--target-dtype", "int8"], "invalid choice"),
+    (["--ctx", "gpu"], "no GPU"),
+])
+def test_ssd_synthetic_bad_flags(args, message):
+    r = _run("ssd_synthetic.py", *args, timeout=120)
+    assert r.returncode != 0 and message in r.stderr
+
+
+@pytest.mark.bf16_kernels
+def test_dispatch_overhead_smoke(tmp_path):
+    out = tmp_path / "d.json"
+    r = _run("dispatch_overhead.py", "--calls", "50", "--repeats", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    fc = doc["ops"]["FullyConnected"]
+    # both workers really ran patched: the low-precision op returned bfloat16
+    assert fc["ours"]["patched_out_dtype"] == fc["peer"]["patched_out_dtype"] == "bfloat16"
+    assert doc["ops"]["softmax"]["ours"]["patched_out_dtype"] == "float32"
+    assert math.isfinite(doc["mean_overhead_us"]["ours"])  # a figure, not a timing assertion
+    assert "mean overhead" in r.stdout and '"ops"' not in r.stdout
+
+
+def test_dispatch_overhead_without_bf16_kernels_skips_the_bf16_op_and_says_why(tmp_path, no_bf16_why):
+    out = tmp_path / "d.json"
+    r = _run("dispatch_overhead.py", "--calls", "50", "--repeats", "1", "--json", str(out),
+             env=no_bf16_env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert "FullyConnected" not in doc["ops"] and "softmax" in doc["ops"]
+    assert "not measured" in r.stdout and no_bf16_why in doc["not_measured"]
+
+
+@pytest.mark.bf16_kernels
+def test_ssd_synthetic_opt_level_smoke(tmp_path):
+    out = tmp_path / "o.json"
+    r = _run("ssd_synthetic.py", "--opt-level", "O2", "--target-dtype", "bfloat16", "--batch-size", "1",
+             "--iters", "1", "--warmup", "0", "--no-progress", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert [m["mode"] for m in doc["modes"]] == ["fp32", "O2"]
+    assert all(math.isfinite(m["final_ce"]) for m in doc["modes"])
+
+
+def test_profile_step_profiles_fp32_op_by_op(tmp_path):
+    out = tmp_path / "p.json"
+    r = _run("profile_step.py", "--batch-size", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    fp32 = doc["results"][0]
+    assert fp32["mode"] == "fp32" and max(fp32["ops_ms"], key=fp32["ops_ms"].get) == "Convolution"
+    assert not any(op.startswith("_backward_") for op in fp32["ops_ms"])  # forward and backward summed
+    assert 0.5 * fp32["step_ms"] <= sum(fp32["ops_ms"].values()) <= 1.5 * fp32["step_ms"]
+    assert "Convolution" in r.stdout and "sum of ops" in r.stdout
+    if doc["skipped"]:  # no native low precision here: FP32 alone, and why
+        assert len(doc["results"]) == 1 and doc["runtime"]["bf16_why"] in doc["skipped"]
+    else:
+        assert all(c["ceiling_ms"] > 0 for c in doc["ceilings"].values())

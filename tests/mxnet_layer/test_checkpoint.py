@@ -1,0 +1,236 @@
+"""Checkpoints: nothing in a file runs on load, saves are atomic, resume is bitwise exact."""
+import io
+import os
+import pickle
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+import mxnet as mx
+from mxnet import autograd, gluon
+from mxnet.gluon import nn
+
+import gluon_amp
+from gluon_amp import checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Scale(nn.HybridBlock):
+    """y = x * w + b: element-wise only, so float16 weights (O2/O3) run on any CPU."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.w = self.params.get("w", shape=(8,), init=mx.init.Uniform(1.0))
+            self.b = self.params.get("b", shape=(8,), init=mx.init.Zero())
+
+    def hybrid_forward(self, F, x, w, b):
+        return F.broadcast_add(F.broadcast_mul(x, w), b)
+
+
+def _setup(optimizer, seed, level=None, scaler=None):
+    mx.random.seed(seed)
+    net = Scale()
+    net.initialize()
+    trainer = gluon.Trainer(net.collect_params(), optimizer,
+                            {"learning_rate": 0.05, **({"momentum": 0.9} if optimizer == "sgd" else {})},
+                            update_on_kvstore=False)
+    if level:
+        gluon_amp.initialize(net, trainer, level, target_dtype="float16", loss_scale=scaler or "dynamic")
+    else:
+        gluon_amp.init_trainer(trainer, scaler or "dynamic")
+    return net, trainer
+
+
+def _data(n=64):
+    rng = np.random.RandomState(0)
+    return mx.nd.array(rng.normal(size=(n, 8))), mx.nd.array(rng.normal(size=(n, 8)))
+
+
+def _fit(net, trainer, steps, start=0):
+    x, y = _data()
+    loss_fn = gluon.loss.L2Loss()
+    for i in range(start, start + steps):
+        xb, yb = x[(i * 8) % 64:(i * 8) % 64 + 8], y[(i * 8) % 64:(i * 8) % 64 + 8]
+        with autograd.record():
+            loss = loss_fn(net(xb), yb)
+            with gluon_amp.scale_loss(loss, trainer) as scaled:
+                autograd.backward(scaled)
+        trainer.step(8)
+
+
+def _weights(net):
+    return {k[len(net.prefix):]: v.data().asnumpy() for k, v in net.collect_params().items()}
+
+
+def _resume_matches(tmp_path, optimizer, level=None):
+    straight, tr = _setup(optimizer, 1, level)
+    _fit(straight, tr, 8)
+    first, tr1 = _setup(optimizer, 1, level)
+    _fit(first, tr1, 4)
+    first.save_parameters(str(tmp_path / "p.params"))
+    gluon_amp.save_states(tr1, str(tmp_path / "t.states"))
+    second, tr2 = _setup(optimizer, 7, level)  # another init: everything must come from the files
+    second.load_parameters(str(tmp_path / "p.params"))
+    gluon_amp.load_states(tr2, str(tmp_path / "t.states"))
+    _fit(second, tr2, 4, start=4)
+    want, got = _weights(straight), _weights(second)
+    assert all(np.array_equal(want[k], got[k]) for k in want), optimizer
+    assert gluon_amp.get_scaler(tr).state_dict() == gluon_amp.get_scaler(tr2).state_dict()
+    assert tr._optimizer.num_update == tr2._optimizer.num_update
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_resume_is_bitwise_exact(tmp_path, optimizer):
+    _resume_matches(tmp_path, optimizer)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_resume_with_low_precision_weights_and_master_copies_is_bitwise_exact(tmp_path, level):
+    _resume_matches(tmp_path, "sgd", level)
+    with zipfile.ZipFile(tmp_path / "t.states") as z:
+        meta = z.read("meta.json").decode()
+    assert f'"opt_level": "{level}"' in meta and '"target_dtype": "float16"' in meta
+
+
+def test_shared_scaler_and_two_trainers_resume_exactly(tmp_path):
+    def run(seed, steps, start=0, load=False):
+        scaler = gluon_amp.LossScaler(init_scale=2.0 ** 10, growth_interval=3)
+        a, ta = _setup("sgd", seed, scaler=scaler)
+        b, tb = _setup("sgd", seed + 1, scaler=scaler)
+        if load:
+            for n, t, tag in ((a, ta, "a"), (b, tb, "b")):
+                n.load_parameters(str(tmp_path / f"{tag}.params"))
+                gluon_amp.load_states(t, str(tmp_path / f"{tag}.states"))
+        for i in range(start, start + steps):
+            _fit(a, ta, 1, start=i)
+            _fit(b, tb, 1, start=i)
+        return a, ta, b, tb, scaler
+
+    a, _, b, _, scaler = run(1, 6)
+    a1, ta1, b1, tb1, _ = run(1, 3)
+    for n, t, tag in ((a1, ta1, "a"), (b1, tb1, "b")):
+        n.save_parameters(str(tmp_path / f"{tag}.params"))
+        gluon_amp.save_states(t, str(tmp_path / f"{tag}.states"))
+    a2, _, b2, _, scaler2 = run(50, 3, start=3, load=True)
+    assert scaler.state_dict() == scaler2.state_dict() and scaler.loss_scale > 2.0 ** 10
+    for want, got in ((a, a2), (b, b2)):
+        assert all(np.array_equal(x, y) for x, y in zip(_weights(want).values(), _weights(got).values()))
+
+
+class _Evil:
+    """Unpickling this creates a marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _trainer():
+    return _setup("sgd", 1)[1]
+
+
+def test_a_payload_at_the_top_level_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.states"
+    evil.write_bytes(pickle.dumps({"format": checkpoint.OLD_FORMAT, "x": _Evil(str(marker))}))
+    with pytest.raises(ValueError, match="refused to load"):
+        gluon_amp.load_states(_trainer(), str(evil))
+    assert not marker.exists()
+
+
+def test_a_payload_in_place_of_the_optimizer_blob_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.states"
+    evil.write_bytes(pickle.dumps({"format": checkpoint.OLD_FORMAT, "trainer": pickle.dumps(_Evil(str(marker))),
+                                   "scaler": {}}))
+    with pytest.raises(ValueError, match="trusted=True.*upgrade"):
+        gluon_amp.load_states(_trainer(), str(evil))
+    assert not marker.exists()
+    # the new format cannot carry one either: an object array member is refused by NumPy
+    good = tmp_path / "good.states"
+    net, tr = _setup("sgd", 1)
+    _fit(net, tr, 1)
+    gluon_amp.save_states(tr, str(good))
+    bad = tmp_path / "bad.states"
+    with zipfile.ZipFile(good) as zin, zipfile.ZipFile(bad, "w") as zout:
+        for name in zin.namelist():
+            data = zin.read(name)
+            if name.startswith("arrays/"):
+                buf = io.BytesIO()
+                np.lib.format.write_array(buf, np.array([_Evil(str(marker))], dtype=object), allow_pickle=True)
+                data = buf.getvalue()
+            zout.writestr(name, data)
+    with pytest.raises(ValueError, match="pickle"):
+        gluon_amp.load_states(_trainer(), str(bad))
+    assert not marker.exists()
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    net, tr = _setup("sgd", 1)
+    _fit(net, tr, 2)
+    path = tmp_path / "t.states"
+    gluon_amp.save_states(tr, str(path))
+    before = path.read_bytes()
+    _fit(net, tr, 2, start=2)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("disk full (simulated)")
+        return np.lib.format.__dict__["_real_write_array"](*args, **kwargs)
+
+    np.lib.format._real_write_array = np.lib.format.write_array
+    monkeypatch.setattr(np.lib.format, "write_array", broken)
+    with pytest.raises(OSError, match="disk full"):
+        gluon_amp.save_states(tr, str(path))
+    monkeypatch.undo()
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["t.states"]
+    gluon_amp.load_states(_trainer(), str(path))  # still loads
+
+
+def _old_file(trainer, path):
+    """A file as gluon_amp wrote it before this format: a pickle around MXNet's blob."""
+    trainer.save_states(str(path) + ".mx")
+    with open(str(path) + ".mx", "rb") as f:
+        blob = f.read()
+    with open(path, "wb") as f:
+        pickle.dump({"format": checkpoint.OLD_FORMAT, "trainer": blob,
+                     "scaler": gluon_amp.get_scaler(trainer).state_dict()}, f)
+
+
+def test_old_files_are_refused_unless_trusted_and_can_be_upgraded(tmp_path):
+    net, tr = _setup("sgd", 1)
+    _fit(net, tr, 3)
+    old = tmp_path / "old.states"
+    _old_file(tr, old)
+    with pytest.raises(ValueError, match="trusted=True.*python -m gluon_amp.checkpoint upgrade"):
+        gluon_amp.load_states(_trainer(), str(old))
+    trusted = _trainer()
+    gluon_amp.load_states(trusted, str(old), trusted=True)
+    assert gluon_amp.get_scaler(trusted).state_dict() == gluon_amp.get_scaler(tr).state_dict()
+    new = tmp_path / "new.states"
+    r = subprocess.run([sys.executable, "-m", "gluon_amp.checkpoint", "upgrade", str(old), str(new)],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr
+    upgraded = _trainer()
+    gluon_amp.load_states(upgraded, str(new))
+    want = {k: v[0].asnumpy() if isinstance(v, tuple) else v.asnumpy()
+            for k, v in tr._updaters[0].states.items()}
+    got = upgraded._updaters[0].states
+    assert all(np.array_equal(want[k], (got[k][0] if isinstance(got[k], tuple) else got[k]).asnumpy()) for k in want)
+    assert upgraded._optimizer.num_update == tr._optimizer.num_update
+
+
+def test_plain_trainer_files_point_to_trainer_load_states(tmp_path):
+    tr = _trainer()
+    tr.save_states(str(tmp_path / "plain.states"))
+    with pytest.raises(ValueError, match="trainer.load_states"):
+        gluon_amp.load_states(_trainer(), str(tmp_path / "plain.states"))

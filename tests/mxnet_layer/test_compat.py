@@ -1,0 +1,31 @@
+import os
+import subprocess
+import sys
+
+import numpy
+import pytest
+
+from gluon_amp import _compat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_new_numpy_names_the_fix(monkeypatch):
+    monkeypatch.setattr(numpy, "__version__", "1.26.4")
+    with pytest.raises(ImportError, match=r'pip install "numpy<1.24"'):
+        _compat.check_numpy()
+
+
+def test_missing_mxnet_names_the_fix():
+    code = ("import sys; sys.modules['mxnet'] = None\n"
+            "try:\n    import gluon_amp\nexcept ImportError as e:\n    print('IMPORTERROR', e)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert "IMPORTERROR" in r.stdout and 'pip install "numpy<1.24" "mxnet==1.9.1"' in r.stdout
+
+
+def test_unsupported_mxnet_version(monkeypatch):
+    import mxnet
+    monkeypatch.setattr(mxnet, "__version__", "2.0.0")
+    with pytest.raises(ImportError, match="1.9"):
+        _compat.import_mxnet()

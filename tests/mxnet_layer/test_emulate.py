@@ -1,0 +1,328 @@
+"""emulate=True: the real plan's numerics on any CPU (no low-precision kernels needed)."""
+import json
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import mxnet as mx
+from mxnet import autograd, gluon
+from mxnet.gluon import nn
+
+import gluon_amp
+from gluon_amp_core.emulate import ROUND_SUFFIX
+from helpers import blobs, make_net
+
+DTYPES = ["float16", "bfloat16"]
+
+
+def _is_representable(values, dtype):
+    v = np.asarray(values, dtype=np.float32)
+    if dtype == "float16":
+        with np.errstate(over="ignore"):
+            back = v.astype(np.float16).astype(np.float32)
+        return np.array_equal(back, v, equal_nan=True)
+    return not (v.view(np.uint32) & 0xFFFF).any()  # bfloat16: the low 16 bits are zero
+
+
+def _internals(block, x):
+    """Every internal output of a converted block's graph, by name, as NumPy arrays."""
+    sym = gluon_amp.mxnet_internals.cached_graph(block, "test")[1]
+    internals = sym.get_internals()
+    params = {p.name: p.data() for p in block.collect_params().values()}
+    ex = internals.bind(mx.cpu(), {"data": x, **{k: v for k, v in params.items() if k in internals.list_arguments()}},
+                        aux_states={k: params[k] for k in internals.list_auxiliary_states()}, grad_req="null")
+    return dict(zip(internals.list_outputs(), (o.asnumpy() for o in ex.forward(is_train=False))))
+
+
+def _rne_bfloat16(f):
+    """Round-to-nearest-even on the bits (the definition)."""
+    u = f.view(np.uint32).astype(np.uint64)
+    return ((((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32)).view(np.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rounding_is_round_to_nearest_even_with_overflow_and_subnormals(dtype):
+    """float16: to the bit, subnormals and overflow included; bfloat16: to the bit for
+    normal float32 values (see gluon_amp_core.emulate.BF16_ROUNDING for the rest)."""
+    rng = np.random.default_rng(7)
+    f = rng.integers(0, 2 ** 32, size=200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    f = f[np.isfinite(f) & (np.abs(f) < 2.0 ** 111) & ((np.abs(f) >= 2.0 ** -126) | (dtype == "float16"))]
+    ties = ((rng.integers(0, 2 ** 15, 20_000, dtype=np.uint64).astype(np.uint32) << 16) | 0x8000).view(np.float32)
+    ties = ties[(np.abs(ties) < 2.0 ** 111) & (np.abs(ties) >= 2.0 ** -126)]
+    f = np.concatenate([f, ties, np.float32([65504, 65519, 65520, 1e6, 2 ** -24, 2 ** -25])])
+    if dtype == "bfloat16":  # out of the rounding's range: kept as they are
+        f = np.concatenate([f, np.float32([np.inf, -np.inf, np.nan, 2.0 ** 120])])
+    got = gluon_amp.emulation.round_nd(mx.nd.array(f), dtype).asnumpy()
+    with np.errstate(over="ignore"):
+        want = f.astype(np.float16).astype(np.float32) if dtype == "float16" else \
+            np.where(np.abs(f) < 2.0 ** 111, _rne_bfloat16(f), f)
+    assert np.array_equal(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_converted_graph_holds_only_target_values_where_the_plan_is_low(dtype):
+    net = make_net()
+    x = mx.nd.random.normal(shape=(2, 3, 8, 8))
+    ref = net(x).asnumpy()
+    emu = gluon_amp.convert_hybrid_block(net, target_dtype=dtype, emulate=True)
+    out = emu(x).asnumpy()
+    values = _internals(emu, x)
+    rounded = [k for k in values if k.endswith(ROUND_SUFFIX + "_output")]
+    assert len(rounded) >= 5
+    assert all(_is_representable(values[k], dtype) for k in rounded)
+    assert not _is_representable(ref, dtype)  # the check can tell: FP32 values are not
+    assert {p.dtype for p in emu.collect_params().values()} == {np.float32}
+    assert np.abs(out - ref).max() < (2e-2 if dtype == "bfloat16" else 2e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_report_matches_the_real_plan(dtype):
+    net = make_net()
+    net(mx.nd.ones((1, 3, 8, 8)))
+    real = gluon_amp.report(gluon_amp.convert_hybrid_block(net, target_dtype=dtype, fuse=False))
+    emu = gluon_amp.report(gluon_amp.convert_hybrid_block(net, target_dtype=dtype, emulate=True))
+    assert [(r.name, r.op, r.dtype, r.reason) for r in emu.rows] == \
+           [(r.name, r.op, r.dtype, r.reason) for r in real.rows]
+    assert emu.emulated and not real.emulated and all(r.emulated for r in emu.rows)
+    assert emu.casts == real.casts and dtype in {r.dtype for r in emu.rows}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_init_emulates_a_hybridized_block_like_its_real_training_graph(dtype):
+    net = make_net()
+    with gluon_amp.autocast(dtype):  # the real plan, symbolically (it cannot execute here)
+        real = gluon_amp.report(net(mx.sym.var("data")))
+    net.hybridize()  # drop the cached graph: rebuilt under the emulated policy
+    policy = gluon_amp.init(target_dtype=dtype, emulate=True)
+    assert policy.emulate and gluon_amp.runtime_info()["mode"] == "emulated"
+    x = mx.nd.random.normal(shape=(4, 3, 8, 8))
+    with autograd.record():
+        y = net(x)
+    y.backward()
+    assert y.dtype == np.float32 and np.isfinite(net.conv.weight.grad().asnumpy()).all()
+    emu = gluon_amp.report(net)
+    assert [(r.name, r.dtype, r.reason) for r in emu.rows] == [(r.name, r.dtype, r.reason) for r in real.rows]
+    gluon_amp.disable()
+    assert gluon_amp.runtime_info()["mode"] == "off"
+    assert "_get_graph" not in nn.HybridBlock.__dict__ or \
+        nn.HybridBlock._get_graph is gluon_amp.mxnet_internals.gluon._GET_GRAPH
+
+
+def test_float16_overflows_to_inf_where_float32_does_not():
+    net = nn.HybridSequential()
+    net.add(nn.Dense(4, in_units=4, use_bias=False))
+    net.initialize(mx.init.Constant(300.0))
+    net.hybridize()
+    x = mx.nd.ones((1, 4))
+    assert np.isfinite(net(x).asnumpy()).all()  # 1200 in FP32 ... and 4*300*... stays finite
+    big = mx.nd.full((1, 4), 100.0)
+    assert np.isfinite(net(big).asnumpy()).all()  # 120000 > 65504: finite in float32
+    fp16 = gluon_amp.convert_hybrid_block(net, target_dtype="float16", emulate=True)
+    bf16 = gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16", emulate=True)
+    assert np.isinf(fp16(big).asnumpy()).all()
+    assert np.isfinite(bf16(big).asnumpy()).all()
+
+
+def _train_skips(emulate_dtype, steps=4):
+    x, y = blobs(64)
+    mx.random.seed(1)
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(4, 3, padding=1, in_channels=1), nn.Activation("relu"), nn.Flatten(), nn.Dense(2, in_units=256))
+    if emulate_dtype:
+        gluon_amp.init(target_dtype=emulate_dtype, emulate=True)
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.01}, update_on_kvstore=False)
+    scaler = gluon_amp.init_trainer(trainer, loss_scale=gluon_amp.LossScaler(init_scale=2.0 ** 28, max_scale=2.0 ** 30, growth_interval=1000))
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    for i in range(steps):
+        with autograd.record():
+            loss = loss_fn(net(x[i * 16:(i + 1) * 16]), y[i * 16:(i + 1) * 16])
+            with gluon_amp.scale_loss(loss, trainer) as scaled:
+                autograd.backward(scaled)
+        trainer.step(16)
+    gluon_amp.disable()
+    return scaler.skipped_steps, scaler.loss_scale
+
+
+def test_a_scale_of_2_to_the_28_overflows_emulated_float16_and_never_float32():
+    fp32_skips, fp32_scale = _train_skips(None)
+    fp16_skips, fp16_scale = _train_skips("float16")
+    assert fp32_skips == 0 and fp32_scale == 2.0 ** 28
+    assert fp16_skips >= 1 and fp16_scale < 2.0 ** 28
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_training_learns(dtype):
+    x, y = blobs(256)
+    gluon_amp.init(target_dtype=dtype, emulate=True)
+    mx.random.seed(0)
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(8, 3, padding=1, in_channels=1), nn.BatchNorm(in_channels=8), nn.Activation("relu"),
+            nn.MaxPool2D(2), nn.Flatten(), nn.Dense(2, in_units=128))
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.05, "momentum": 0.9},
+                            update_on_kvstore=False)
+    gluon_amp.init_trainer(trainer)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    losses = []
+    for i in range(16):
+        j = (i * 32) % 256
+        with autograd.record():
+            loss = loss_fn(net(x[j:j + 32]), y[j:j + 32])
+            with gluon_amp.scale_loss(loss, trainer) as scaled:
+                autograd.backward(scaled)
+        trainer.step(32)
+        losses.append(float(loss.mean().asscalar()))
+    assert np.mean(losses[-4:]) < 0.5 * np.mean(losses[:2])
+    acc = (net(x).argmax(axis=1) == y).mean().asscalar()
+    assert acc > 0.9
+
+
+def test_excluded_sym_names_keep_a_training_node_float32():
+    net = make_net()
+    x = mx.nd.ones((1, 3, 8, 8))
+    name = net.dense.name + "_fwd"
+    gluon_amp.init(target_dtype="float16", emulate=True, excluded_sym_names=[name])
+    net.hybridize()
+    net(x)
+    rows = {r.name: r for r in gluon_amp.report(net).rows}
+    assert rows[name].dtype == "float32" and rows[name].reason == "excluded"
+    assert rows[net.conv.name + "_fwd"].dtype == "float16"
+
+
+def test_a_target_that_cannot_run_names_emulate_instead_of_failing_in_mxnet():
+    if gluon_amp.runtime.executable("bfloat16", "cpu"):
+        dtypes = ["float16"]
+    else:
+        dtypes = DTYPES
+    for dtype in dtypes:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gluon_amp.runtime._warned.clear()
+            gluon_amp.init(target_dtype=dtype)
+        assert any("emulate=True" in str(w.message) for w in caught)
+        assert gluon_amp.runtime_info()["mode"] == "cannot execute"
+        net = make_net()
+        with pytest.raises(RuntimeError, match="emulate=True") as err:
+            net(mx.nd.ones((1, 3, 8, 8)))
+        assert "MXNetError" not in type(err.value).__name__
+        with pytest.raises(RuntimeError, match="emulate=True"):
+            mx.nd.FullyConnected(mx.nd.ones((2, 4)), mx.nd.ones((3, 4)), num_hidden=3, no_bias=True)
+        gluon_amp.disable()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_second_init_without_arguments_keeps_the_active_policy(dtype):
+    policy = gluon_amp.init(target_dtype=dtype, emulate=True)
+    assert gluon_amp.init() is policy
+    assert gluon_amp.current_policy() is policy
+    other = "bfloat16" if dtype == "float16" else "float16"
+    with pytest.raises(RuntimeError, match="already on"):
+        gluon_amp.init(target_dtype=other, emulate=True)
+
+
+def test_initialize_takes_emulate_and_a_policy():
+    net = make_net()
+    net(mx.nd.ones((1, 3, 8, 8)))
+    with pytest.raises(ValueError, match="O1"):
+        gluon_amp.initialize(net, opt_level="O2", target_dtype="float16", emulate=True)
+    policy = gluon_amp.make_policy("float16", emulate=True)
+    gluon_amp.initialize(net, opt_level="O1", target_dtype=policy)
+    assert gluon_amp.current_policy() is policy
+    assert np.isfinite(net(mx.nd.ones((1, 3, 8, 8))).asnumpy()).all()
+
+
+def test_bad_emulate_values_are_type_errors():
+    with pytest.raises(TypeError, match="emulate"):
+        gluon_amp.make_policy("float16", emulate="yes")
+    with pytest.raises(TypeError, match="excluded_sym_names"):
+        gluon_amp.make_policy("float16", emulate=True, excluded_sym_names="dense0_fwd")
+    net = make_net()
+    net(mx.nd.ones((1, 3, 8, 8)))
+    with pytest.raises(ValueError, match="fuse=True"):
+        gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16", emulate=True, fuse=True)
+
+
+def test_cli_emulate_writes_a_float32_model_that_runs(tmp_path):
+    net = make_net()
+    x = mx.nd.random.normal(shape=(2, 3, 8, 8))
+    ref = net(x).asnumpy()
+    net.export(str(tmp_path / "m"), 0)
+    r = subprocess.run([sys.executable, "-m", "gluon_amp.convert", str(tmp_path / "m"), "0", "--target-dtype",
+                        "float16", "--emulate", "--out", str(tmp_path / "e")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "float16 (emulated in float32)" in r.stdout
+    loaded = gluon.SymbolBlock.imports(str(tmp_path / "e-symbol.json"), ["data"], str(tmp_path / "e-0000.params"))
+    out = loaded(x).asnumpy()
+    assert np.abs(out - ref).max() < 2e-3 and not np.array_equal(out, ref)
+    ops = [n["name"] for n in json.load(open(tmp_path / "e-symbol.json"))["nodes"]]
+    assert any(n.endswith(ROUND_SUFFIX) for n in ops)
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.bf16_kernels
+def test_emulated_and_native_bfloat16_agree_on_resnet18():
+    from mxnet.gluon.model_zoo import vision
+    mx.random.seed(3)
+    net = vision.resnet18_v1()
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    x = mx.nd.random.normal(shape=(2, 3, 112, 112))
+    ref = net(x).asnumpy()
+    native = gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16", fuse=False)(x).asnumpy()
+    emulated = gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16", emulate=True)(x).asnumpy()
+    apart, off = _rel(emulated, native), _rel(native, ref)
+    print(f"ResNet-18 logits: emulated vs native {apart:.2e}, native vs FP32 {off:.2e}")
+    assert off > 0 and apart < 0.5 * off  # emulation is much closer to native bf16 than FP32 is
+
+
+def _ssd_losses(target, emulate, steps=10):
+    import gluoncv as gcv
+    from gluoncv.model_zoo import get_model
+    if target:
+        gluon_amp.init(target_dtype=target, emulate=emulate)
+    mx.random.seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        net = get_model("ssd_512_resnet50_v1_coco", pretrained_base=False, norm_layer=nn.BatchNorm)
+        net.initialize()
+    net.hybridize(static_alloc=True, static_shape=True)
+    x = mx.nd.random.uniform(-1, 1, shape=(1, 3, 256, 256))
+    with autograd.train_mode():  # inference mode returns detections, not per-anchor outputs
+        anchors = net(x)[0].shape[1]
+    cls_t = mx.nd.random.uniform(0, 1, shape=(1, anchors))
+    box_t = mx.nd.random.uniform(0, 1, shape=(1, anchors, 4))
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.001, "momentum": 0.9},
+                            update_on_kvstore=False)
+    gluon_amp.init_trainer(trainer)
+    loss_fn = gcv.loss.SSDMultiBoxLoss()
+    losses = []
+    for _ in range(steps):
+        with autograd.record():
+            cls, box, _ = net(x)
+            total, _, _ = loss_fn([cls], [box], [cls_t], [box_t])
+            with gluon_amp.scale_loss(total, trainer) as scaled:
+                autograd.backward(scaled)
+        trainer.step(1)
+        losses.append(float(total[0].mean().asscalar()))
+    gluon_amp.disable()
+    return np.array(losses)
+
+
+@pytest.mark.bf16_kernels
+def test_emulated_and_native_bfloat16_agree_on_ten_ssd_training_losses():
+    fp32 = _ssd_losses(None, False)
+    native = _ssd_losses("bfloat16", False)
+    emulated = _ssd_losses("bfloat16", True)
+    apart = np.abs(emulated - native) / np.abs(native)
+    off = np.abs(native - fp32) / np.abs(fp32)
+    print(f"SSD losses: emulated vs native max {apart.max():.2e}, native vs FP32 max {off.max():.2e}")
+    assert np.isfinite(emulated).all() and apart.max() < 0.01

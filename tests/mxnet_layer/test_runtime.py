@@ -1,0 +1,88 @@
+import subprocess
+import sys
+
+import warnings
+
+import pytest
+
+from gluon_amp_core.capability import Bf16, Capability
+
+import gluon_amp
+from gluon_amp import runtime
+
+
+def test_runtime_info_reports_choice():
+    info = gluon_amp.runtime_info()
+    for key in ("mxnet", "onednn", "default_target_dtype", "cpu_avx512_bf16", "cpu_amx_bf16",
+                "amx_permission", "DNNL_MAX_CPU_ISA", "bf16_isa"):
+        assert key in info
+    assert info["default_target_dtype"] in ("float16", "bfloat16", "float32")
+    assert info["bf16"] in ("native", "emulated", "none") and info["bf16_why"]
+    if not info["cpu_amx_bf16"]:
+        assert info["amx_permission"] is False and info["bf16_isa"] != "avx512_core_amx"
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    monkeypatch.setattr(runtime, "_state", {"amx_permission": None, "isa_set_by": None, "error": None})
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("GLUON_AMP_DISABLE_AMX", raising=False)
+    monkeypatch.setattr(runtime.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(runtime.platform, "machine", lambda: "x86_64")
+
+
+def test_amx_needs_both_cpu_flag_and_kernel_permission(fresh_state, monkeypatch):
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile"}))
+    monkeypatch.setattr(runtime, "_request_amx_permission", lambda: False)
+    assert runtime.enable_amx() is False
+    import os
+    assert "DNNL_MAX_CPU_ISA" not in os.environ  # never widen the ISA without permission
+
+
+def test_amx_granted_sets_isa(fresh_state, monkeypatch):
+    import os
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile"}))
+    monkeypatch.setattr(runtime, "_request_amx_permission", lambda: True)
+    assert runtime.enable_amx() is True
+    assert os.environ["DNNL_MAX_CPU_ISA"] == "AVX512_CORE_AMX"
+
+
+def test_user_isa_choice_is_respected(fresh_state, monkeypatch):
+    import os
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile"}))
+    monkeypatch.setattr(runtime, "_request_amx_permission", lambda: True)
+    runtime.enable_amx()
+    assert os.environ["DNNL_MAX_CPU_ISA"] == "AVX2"
+
+
+def test_no_amx_cpu_is_a_quiet_no_op(fresh_state, monkeypatch):
+    called = []
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(runtime, "_request_amx_permission", lambda: called.append(1) or True)
+    assert runtime.enable_amx() is False and not called
+
+
+def test_resolve_warns_once_per_message(monkeypatch):
+    emulated = Capability(0, Bf16.EMULATED, "AVX512_CORE", "no avx512_bf16: slower than float32")
+    monkeypatch.setattr(runtime, "capability", lambda: emulated)
+    monkeypatch.setattr(runtime, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="slower than float32"):
+        assert runtime.resolve("bfloat16").dtype == "bfloat16"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert runtime.resolve("bfloat16").dtype == "bfloat16"   # said once already
+    with pytest.warns(RuntimeWarning, match="stay in float32"):
+        assert runtime.resolve(None).dtype == "float32"
+
+
+def test_probe_matches_the_classification_of_this_host():
+    cap = runtime.capability()
+    assert (runtime._probe_bf16() is None) == (cap.bf16 is not Bf16.NONE)
+
+
+def test_real_syscall_never_crashes():
+    # On a CPU without AMX the kernel refuses; either way the process survives.
+    code = "from gluon_amp import runtime; print(runtime._request_amx_permission())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() in ("True", "False")

@@ -1,0 +1,232 @@
+import numpy as np
+import mxnet as mx
+import pytest
+from mxnet import autograd, gluon
+from mxnet.gluon import nn
+
+import gluon_amp
+from gluon_amp import LossScaler
+from helpers import sgd_trainer
+
+
+def _mlp(seed=0, ctx=None, grad_req="write"):
+    mx.random.seed(seed)
+    net = nn.HybridSequential()
+    net.add(nn.Dense(16, activation="relu", in_units=4), nn.Dense(2, in_units=16))
+    net.initialize(mx.init.Xavier(), ctx=ctx or mx.cpu())
+    if grad_req != "write":
+        net.collect_params().setattr("grad_req", grad_req)
+    return net
+
+
+def _params(net):
+    return [p.data().asnumpy().copy() for p in net.collect_params().values()]
+
+
+def _step(net, trainer, x, y, poison=None):
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    with autograd.record():
+        loss = loss_fn(net(x), y).mean()
+        if poison == "loss":
+            loss = loss * float("inf")
+        with gluon_amp.scale_loss(loss, trainer) as scaled:
+            autograd.backward(scaled)
+    if poison == "grad":
+        g = list(net.collect_params().values())[0].grad()
+        g[0, 0] = float("nan")
+    trainer.step(1)
+    return loss
+
+
+X = mx.nd.random.uniform(-1, 1, shape=(8, 4))
+Y = mx.nd.array([0, 1] * 4)
+
+
+@pytest.mark.parametrize("poison", ["loss", "grad"])
+def test_injected_overflow_skips_exactly_that_step(poison):
+    net = _mlp()
+    trainer = sgd_trainer(net, lr=0.1)
+    scaler = gluon_amp.init_trainer(trainer)
+    _step(net, trainer, X, Y)
+    assert not scaler.last_step_skipped
+    before, scale = _params(net), scaler.loss_scale
+    _step(net, trainer, X, Y, poison=poison)
+    assert scaler.last_step_skipped and scaler.skipped_steps == 1 and scaler.total_steps == 2
+    assert scaler.loss_scale == scale / 2
+    for a, b in zip(before, _params(net)):
+        assert np.array_equal(a, b)  # bitwise unchanged
+    _step(net, trainer, X, Y)
+    assert not scaler.last_step_skipped
+    assert any(not np.array_equal(a, b) for a, b in zip(before, _params(net)))
+
+
+def test_unscaling_is_folded_into_rescale_and_matches_fp32():
+    x, y = X, Y
+    ref = _mlp(seed=3)
+    ref_tr = sgd_trainer(ref, lr=0.1)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    with autograd.record():
+        loss = loss_fn(ref(x), y).mean()
+    loss.backward()
+    ref_tr.step(1)
+    net = _mlp(seed=3)
+    tr = sgd_trainer(net, lr=0.1)
+    gluon_amp.init_trainer(tr)
+    _step(net, tr, x, y)
+    for a, b in zip(_params(ref), _params(net)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert tr._scale == ref_tr._scale  # restored after the step
+
+
+def test_lr_schedule_does_not_advance_on_skipped_step():
+    net = _mlp()
+    sched = mx.lr_scheduler.FactorScheduler(step=1, factor=0.5, base_lr=0.1)
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"lr_scheduler": sched}, update_on_kvstore=False)
+    gluon_amp.init_trainer(trainer)
+    _step(net, trainer, X, Y)
+    n = trainer.optimizer.num_update
+    _step(net, trainer, X, Y, poison="loss")
+    assert trainer.optimizer.num_update == n
+    _step(net, trainer, X, Y)
+    assert trainer.optimizer.num_update == n + 1
+
+
+def test_multi_context_overflow_on_either_context():
+    ctxs = [mx.cpu(0), mx.cpu(1)]
+    for bad in (0, 1):
+        net = _mlp(ctx=ctxs)
+        trainer = sgd_trainer(net, lr=0.1)
+        scaler = gluon_amp.init_trainer(trainer)
+        xs = gluon.utils.split_and_load(X, ctxs)
+        ys = gluon.utils.split_and_load(Y, ctxs)
+        loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+        before = _params(net)
+        with autograd.record():
+            losses = [loss_fn(net(a), b).mean() for a, b in zip(xs, ys)]
+            losses[bad] = losses[bad] * float("nan")
+            with gluon_amp.scale_loss(losses, trainer) as scaled:
+                assert isinstance(scaled, list) and len(scaled) == 2
+                autograd.backward(scaled)
+        trainer.step(2)
+        assert scaler.last_step_skipped, f"overflow on context {bad} missed"
+        for a, b in zip(before, _params(net)):
+            assert np.array_equal(a, b)
+
+
+def test_gradient_accumulation_with_grad_req_add():
+    ref = _mlp(seed=5)
+    ref_tr = sgd_trainer(ref, lr=0.1)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    with autograd.record():
+        loss = loss_fn(ref(X), Y).sum()
+    loss.backward()
+    ref_tr.step(8)
+    net = _mlp(seed=5, grad_req="add")
+    tr = sgd_trainer(net, lr=0.1)
+    gluon_amp.init_trainer(tr)
+    for part in (slice(0, 4), slice(4, 8)):
+        with autograd.record():
+            loss = loss_fn(net(X[part]), Y[part]).sum()
+            with gluon_amp.scale_loss(loss, tr) as scaled:
+                scaled.backward()
+    tr.step(8)
+    for a, b in zip(_params(ref), _params(net)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_unscale_for_clipping_and_once_per_step():
+    net = _mlp()
+    tr = sgd_trainer(net, lr=0.1)
+    scaler = gluon_amp.init_trainer(tr)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    with autograd.record():
+        loss = loss_fn(net(X), Y).mean()
+        with gluon_amp.scale_loss(loss, tr) as scaled:
+            scaled.backward()
+    scaled_grad = list(net.collect_params().values())[0].grad().asnumpy().copy()
+    gluon_amp.unscale(tr)
+    unscaled = list(net.collect_params().values())[0].grad().asnumpy()
+    np.testing.assert_allclose(unscaled * scaler.loss_scale, scaled_grad, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="already"):
+        gluon_amp.unscale(tr)
+    norm = gluon_amp.clip_global_norm(tr, 1e-3)
+    assert norm > 1e-3
+    total = np.sqrt(sum((p.grad().asnumpy() ** 2).sum() for p in net.collect_params().values()))
+    assert total == pytest.approx(1e-3, rel=1e-3)
+    tr.step(1)
+    gluon_amp.unscale(tr)  # allowed again after the step
+
+
+def test_several_trainers_own_or_shared_scalers():
+    a, b = _mlp(seed=1), _mlp(seed=2)
+    ta, tb = sgd_trainer(a, lr=0.1), sgd_trainer(b, lr=0.1)
+    sa, sb = gluon_amp.init_trainer(ta), gluon_amp.init_trainer(tb)
+    assert sa is not sb
+    _step(a, ta, X, Y, poison="loss")
+    assert sa.skipped_steps == 1 and sb.skipped_steps == 0
+    shared = LossScaler(init_scale=1024.0)
+    c, d = _mlp(seed=3), _mlp(seed=4)
+    tc, td = sgd_trainer(c, lr=0.1), sgd_trainer(d, lr=0.1)
+    assert gluon_amp.init_trainer(tc, shared) is gluon_amp.init_trainer(td, shared)
+    _step(c, tc, X, Y, poison="loss")
+    _step(d, td, X, Y)
+    assert shared.loss_scale == 512.0 and shared.total_steps == 1  # one round, one update
+    assert gluon_amp.get_scaler(tc) is shared
+
+
+def test_collapse_guard_names_parameters():
+    net = _mlp()
+    tr = sgd_trainer(net, lr=0.1)
+    gluon_amp.init_trainer(tr, LossScaler(max_consecutive_skips=3))
+    _step(net, tr, X, Y, poison="grad")
+    _step(net, tr, X, Y, poison="grad")
+    with pytest.raises(RuntimeError, match=r"3 steps in a row.*dense\d+_weight"):
+        _step(net, tr, X, Y, poison="grad")
+
+
+def test_static_and_disabled_loss_scale():
+    net = _mlp()
+    tr = sgd_trainer(net, lr=0.1)
+    s = gluon_amp.init_trainer(tr, 128.0)
+    _step(net, tr, X, Y, poison="loss")
+    assert s.loss_scale == 128.0 and s.last_step_skipped
+    net2 = _mlp()
+    tr2 = sgd_trainer(net2, lr=0.1)
+    s2 = gluon_amp.init_trainer(tr2, None)
+    _step(net2, tr2, X, Y)
+    assert s2.loss_scale == 1.0 and s2.total_steps == 1
+
+
+def test_misuse_errors():
+    net = _mlp()
+    with pytest.raises(ValueError, match="update_on_kvstore=False"):
+        gluon_amp.init_trainer(sgd_trainer(net, update_on_kvstore=True, lr=0.1))
+    with pytest.raises(TypeError, match="Trainer"):
+        gluon_amp.init_trainer("sgd")
+    t = gluon.Trainer(net.collect_params(), "sgd")
+    gluon_amp.init_trainer(t)  # update_on_kvstore=None becomes False
+    assert t._kvstore_params["update_on_kvstore"] is False
+    with pytest.raises(RuntimeError, match="already has"):
+        gluon_amp.init_trainer(t)
+    with pytest.raises(ValueError, match="loss_scale"):
+        gluon_amp.init_trainer(sgd_trainer(_mlp(), lr=0.1), "auto")
+    plain = sgd_trainer(_mlp(), lr=0.1)
+    with pytest.raises(RuntimeError, match="init_trainer"):
+        with gluon_amp.scale_loss(mx.nd.ones(1), plain):
+            pass
+    with pytest.raises(RuntimeError, match="init_trainer"):
+        gluon_amp.unscale(plain)
+    with pytest.raises(ValueError, match="max_norm"):
+        gluon_amp.clip_global_norm(t, -1)
+
+
+def test_checkpoint_errors(tmp_path):
+    net = _mlp()
+    tr = sgd_trainer(net, lr=0.1)
+    gluon_amp.init_trainer(tr)
+    with pytest.raises(ValueError, match="no such file"):
+        gluon_amp.load_states(tr, str(tmp_path / "missing"))
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match="not a gluon_amp.save_states file"):
+        gluon_amp.load_states(tr, str(junk))
