@@ -55,6 +55,8 @@ import traceback
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
+from gluon_amp_core.dtypes import dtype_name  # noqa: E402  (pure: no MXNet)
+
 from _report import emit  # benchmarks/ is on sys.path when run as a script
 
 MODELS = ("resnet50", "ssd512")
@@ -152,14 +154,9 @@ def convert(mx: Any, variant: str, net: Any, x: Any) -> Any:
     return block
 
 
-def _dtype_name(dt: Any) -> str:
-    """'float32', or 'bfloat16' (MXNet's bfloat16 is a structured numpy dtype)."""
-    return getattr(dt, "__name__", None) or (dt.names[0] if getattr(dt, "names", None) else str(dt))
-
-
 def _to_numpy(mx: Any, out: Any) -> Any:
     import numpy as np
-    if _dtype_name(out.dtype) != "float32":
+    if dtype_name(out.dtype) != "float32":
         out = mx.nd.amp_cast(out, dtype="float32")
     return out.asnumpy().astype(np.float64)
 
@@ -178,7 +175,7 @@ def numerics(mx: Any, model: str, ref: List[Any], out: List[Any]) -> Tuple[Dict[
     returns the variant's outputs as float64 numpy."""
     import numpy as np
     got = [_to_numpy(mx, o) for o in out]
-    res: Dict[str, Any] = {"out_dtypes": [_dtype_name(o.dtype) for o in out],
+    res: Dict[str, Any] = {"out_dtypes": [dtype_name(o.dtype) for o in out],
                            "all_finite": bool(all(np.isfinite(g).all() for g in got))}
     idx = OUT_INDEX[model]
     a, b = got[idx], ref[idx]

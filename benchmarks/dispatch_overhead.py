@@ -32,6 +32,8 @@ import sys
 import time
 from typing import Any, Callable, Dict, List
 
+from gluon_amp_core.dtypes import dtype_name  # noqa: E402  (pure: no MXNet)
+
 from _report import emit  # benchmarks/ is on sys.path when run as a script
 
 # name -> AMP class in gluon_amp's bfloat16 table. The peer agrees except for relu, which
@@ -80,11 +82,6 @@ def _time_all(mx: Any, calls: Dict[str, Callable[[], Any]], n: int, repeats: int
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def _dtype_name(dt: Any) -> str:
-    """'float32', or 'bfloat16' (MXNet's bfloat16 is a structured numpy dtype)."""
-    return getattr(dt, "__name__", None) or (dt.names[0] if getattr(dt, "names", None) else str(dt))
-
-
 def worker(lib: str, target_dtype: str, n: int, repeats: int, ops: List[str]) -> Dict[str, Any]:
     """Runs in a subprocess: unpatched timings, then patched timings, for one library."""
     if lib == "ours":
@@ -101,7 +98,7 @@ def worker(lib: str, target_dtype: str, n: int, repeats: int, ops: List[str]) ->
         gluon_amp.init(target_dtype)
     else:
         amp.init(target_dtype=target_dtype)
-    out_dtypes = {name: _dtype_name(fn().dtype) for name, fn in calls.items()}
+    out_dtypes = {name: dtype_name(fn().dtype) for name, fn in calls.items()}
     patched = _time_all(mx, calls, n, repeats)
     return {"unpatched_us": unpatched, "patched_us": patched, "patched_out_dtype": out_dtypes}
 

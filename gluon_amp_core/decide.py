@@ -73,7 +73,7 @@ def decide(
     excluded : bool
         The caller excluded this node by name: it runs in float32.
     """
-    name = table.aliases.get(op, op)
+    name = table.canonical(op)
     if name in CAST_OPS:
         return Decision(None, Reason.CAST)
     if excluded:
