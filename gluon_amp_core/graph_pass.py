@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .decide import Decision, Reason
+from .decide import CAST_OPS, Decision, Reason
 from .dtypes import CODE_DTYPE, DTYPE_CODE, FLOAT_DTYPES, LOW_PRECISION_DTYPES, widest
 from .policy import Policy
 from .walk import REASON_ATTR, Entry, NodeDecision, walk
@@ -35,9 +35,6 @@ class PassResult:
     policy: Optional[Policy] = None
     decisions: List[NodeDecision] = field(default_factory=list)
     casts_inserted: int = 0
-    #: parameters folded into an ``amp_multicast`` changed its outputs' dtypes after typing:
-    #: ``dtypes`` must be read again from the framework's type inference
-    retyped: bool = False
 
     @property
     def reasons(self) -> Dict[str, str]:
@@ -132,7 +129,9 @@ def convert_graph(graph: dict, policy: Policy, input_names: Sequence[str],
         Op name -> declared input names, to honour the table's kept-float32 inputs.
     excluded : names of op nodes forced to float32.
     cast_optional_params : bool
-        Store a parameter in the low-precision dtype when every consumer casts it there.
+        Store a parameter in the low-precision dtype when every consumer casts it there
+        (the pass's casts, or the graph's own ``amp_cast``/``amp_multicast``). Parameters an
+        op's type rule requires in low precision are stored so either way.
     float32_outputs : bool
         Cast low-precision graph outputs back to float32.
     fp32_types : mapping, optional
@@ -142,10 +141,11 @@ def convert_graph(graph: dict, policy: Policy, input_names: Sequence[str],
     """
     b, index, data = _Builder(), {}, set(input_names)
     params = set()
+    low = _cast_only_params(graph, data, var_dtypes, policy.target_dtype) if cast_optional_params else {}
     for i, node in enumerate(graph["nodes"]):
         if node["op"] == "null":
             index[i] = b.add(dict(node))
-            b.dtypes[(index[i], 0)] = _var_dtype(node, var_dtypes)
+            b.dtypes[(index[i], 0)] = low.get(i) or _var_dtype(node, var_dtypes)
             if node["name"] not in data:
                 params.add(index[i])
     decisions = []
@@ -174,6 +174,46 @@ def _var_dtype(node: dict, var_dtypes: Mapping[str, str]) -> str:
     if declared not in (None, "-1"):
         return CODE_DTYPE.get(int(declared), "float32")
     return var_dtypes.get(node["name"], "float32")
+
+
+def _cast_only_params(graph: dict, data: Collection[str], var_dtypes: Mapping[str, str],
+                      target: str) -> Dict[int, str]:
+    """Parameters the graph itself only casts, with the low dtype to store them in.
+
+    For ``cast_optional_params``, as the peer stores them: every consumer is an ``amp_cast``
+    to one low dtype or an ``amp_multicast``; a multicast counts when the parameter is also
+    cast to that dtype, or when all the multicast's inputs are parameters (it then gets
+    ``target``). Decided before typing, so the multicast and everything after it are typed
+    with the stored dtypes (and low graph outputs are cast back to float32 as usual).
+    The graph's casts stay.
+    """
+    nodes = graph["nodes"]
+    heads = {h[0] for h in graph["heads"]}
+    consumers: Dict[int, List[int]] = {}
+    for j, n in enumerate(nodes):
+        for e in n["inputs"]:
+            consumers.setdefault(e[0], []).append(j)
+
+    def is_param(i: int) -> bool:
+        n = nodes[i]
+        return (n["op"] == "null" and n["name"] not in data and i not in heads
+                and _var_dtype(n, var_dtypes) in FLOAT_DTYPES)
+
+    out: Dict[int, str] = {}
+    for i in range(len(nodes)):
+        users = consumers.get(i, [])
+        if not is_param(i) or not users or any(nodes[u]["op"] not in CAST_OPS for u in users):
+            continue
+        casts = {nodes[u].get("attrs", {}).get("dtype") for u in users if nodes[u]["op"] == "amp_cast"}
+        if len(casts) > 1 or not casts <= set(LOW_PRECISION_DTYPES):
+            continue
+        multicasts = [u for u in users if nodes[u]["op"] == "amp_multicast"]
+        if not casts and not all(is_param(e[0]) for u in multicasts for e in nodes[u]["inputs"]):
+            continue  # a multicast with data or an op's output: storing low would change its dtype
+        dtype = casts.pop() if casts else target
+        if not any(_needs_fp32_param(nodes[c], dtype) for u in users for c in consumers.get(u, [])):
+            out[i] = dtype
+    return out
 
 
 def _type_node(b: _Builder, node: dict, d: Decision, inputs: List[Entry], kept: List[bool],
@@ -239,7 +279,7 @@ def _head(b: _Builder, e: Entry, float32_outputs: bool) -> list:
 def _finish_pass(graph: dict, b: _Builder, heads: List[list], data: Collection[str], policy: Policy,
                  decisions: List[NodeDecision], cast_optional_params: bool) -> PassResult:
     nodes = b.nodes
-    retyped = _fold_param_casts(b, heads, data, policy.target_dtype, cast_optional_params)
+    _fold_param_casts(b, heads, data, cast_optional_params)
     param_dtypes = {n["name"]: b.dtypes[(j, 0)] for j, n in enumerate(nodes)
                     if n["op"] == "null" and n["name"] not in data}
     ours = {e[0] for e in b.casts.values()}
@@ -250,7 +290,7 @@ def _finish_pass(graph: dict, b: _Builder, heads: List[list], data: Collection[s
     for n in new_graph["nodes"]:
         if n["op"] == "null" and n["name"] in param_dtypes:
             n["attrs"] = {**n.get("attrs", {}), "__dtype__": str(DTYPE_CODE[param_dtypes[n["name"]]])}
-    return PassResult(new_graph, by_name, param_dtypes, policy, decisions, len(b.casts) - folded, retyped)
+    return PassResult(new_graph, by_name, param_dtypes, policy, decisions, len(b.casts) - folded)
 
 
 def _finish(graph: dict, nodes: List[dict], heads: List[list]) -> dict:
@@ -261,27 +301,25 @@ def _finish(graph: dict, nodes: List[dict], heads: List[list]) -> dict:
     return out
 
 
-def _fold_param_casts(b: _Builder, heads: List[list], data: Collection[str], target: str,
-                      optional: bool) -> bool:
-    """Store parameters in the low dtype they are cast to, where nothing else reads them: always
-    when an op's type rule requires it (a FullyConnected weight after float16 data), and with
-    ``optional`` (``cast_optional_params``) whenever every consumer is a cast to one low dtype
-    or an ``amp_multicast``. Returns True when a multicast's inputs changed dtype."""
+def _fold_param_casts(b: _Builder, heads: List[list], data: Collection[str], optional: bool) -> None:
+    """Store parameters in the low dtype they are cast to, where only casts to it read them:
+    always when an op's type rule requires it (a FullyConnected weight after float16 data),
+    and for any such cast with ``optional`` (``cast_optional_params``). No op's input dtype
+    changes, so the typing stands."""
     consumers: Dict[int, List[int]] = {}
     for j, n in enumerate(b.nodes):
         for e in n["inputs"]:
             consumers.setdefault(e[0], []).append(j)
     outputs = {h[0] for h in heads}
-    retyped = False
     for j, n in enumerate(b.nodes):
         if n["op"] != "null" or n["name"] in data or j in outputs:
             continue
         required = b.required.get(j, set())
-        dtype = _foldable(b.nodes, consumers, j, target) if (optional or len(required) == 1) else None
+        if not (optional or len(required) == 1):
+            continue
+        dtype = _foldable(b.nodes, consumers, j)
         if dtype is not None and (optional or {dtype} == required):
             b.dtypes[(j, 0)] = dtype
-            retyped |= any(b.nodes[u]["op"] == "amp_multicast" for u in consumers[j])
-    return retyped
 
 
 def _needs_fp32_param(node: dict, dtype: str) -> bool:
@@ -290,16 +328,16 @@ def _needs_fp32_param(node: dict, dtype: str) -> bool:
             and int(node.get("attrs", {}).get("num_group", "1")) > 1)
 
 
-def _foldable(nodes: List[dict], consumers: Mapping[int, List[int]], param: int, target: str) -> Optional[str]:
-    """The low dtype a parameter can be stored in: every consumer is a cast to it (or an
-    ``amp_multicast``, which then gets ``target``), read by ops that accept it."""
+def _foldable(nodes: List[dict], consumers: Mapping[int, List[int]], param: int) -> Optional[str]:
+    """The low dtype a parameter can be stored in: every consumer is an ``amp_cast`` to it,
+    read by ops that accept it stored so."""
     users = consumers.get(param, [])
-    if not users or any(nodes[u]["op"] not in ("amp_cast", "amp_multicast") for u in users):
+    if not users or any(nodes[u]["op"] != "amp_cast" for u in users):
         return None
-    dtypes = {nodes[u]["attrs"]["dtype"] for u in users if nodes[u]["op"] == "amp_cast"}
-    if len(dtypes) > 1 or not dtypes <= set(LOW_PRECISION_DTYPES):
+    dtypes = {nodes[u]["attrs"]["dtype"] for u in users}
+    if len(dtypes) != 1 or not dtypes <= set(LOW_PRECISION_DTYPES):
         return None
-    dtype = dtypes.pop() if dtypes else target
+    dtype = dtypes.pop()
     if any(_needs_fp32_param(nodes[c], dtype) for u in users for c in consumers.get(u, [])):
         return None
     return dtype

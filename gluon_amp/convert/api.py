@@ -100,8 +100,6 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
     result = convert_graph(graph, policy, data_names, _var_dtypes(sym, fp32_types), op_types, op_inputs,
                            excluded, cast_optional_params, fp32_types=fp32_types)
     converted = mx.sym.load_json(json.dumps(result.graph))
-    if result.retyped:  # parameters folded into a multicast: MXNet's types are the answer
-        result.dtypes.update(infer_dtypes(converted, {n: "float32" for n in data_names}) or {})
     _verify(converted, result, data_names)
     if policy.emulate:
         converted = emulate_symbol(converted, result.dtypes)[0]
