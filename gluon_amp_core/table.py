@@ -64,7 +64,7 @@ class OpTable:
         return self.aliases.get(op, op)
 
     def class_of(self, op: str) -> OpClass:
-        """Class of ``op`` (aliases resolved). Raises ``ValueError`` for unknown names."""
+        """Class of ``op`` (aliases resolved). Raises :class:`OpListError` for unknown names."""
         name = self.canonical(op)
         try:
             return self.classes[name]
@@ -91,8 +91,9 @@ def _load_lists(target_dtype: str):
 
 
 def check_name_list(arg: str, value: object, kind: str = "op names") -> Tuple[str, ...]:
-    """``value`` as a tuple of names (``kind``: op names, node names, ...); ``TypeError``
-    naming ``arg`` otherwise. The one check of every list-of-names argument."""
+    """``value`` as a tuple of names (``kind``: op names, node names, ...);
+    :class:`OpListTypeError` (a ``TypeError``) naming ``arg`` otherwise. The one check of
+    every list-of-names argument."""
     if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
         raise OpListTypeError(f"{arg} must be a list of {kind}, got {type(value).__name__}: {value!r}")
     for v in value:
@@ -102,7 +103,7 @@ def check_name_list(arg: str, value: object, kind: str = "op names") -> Tuple[st
 
 
 def check_conditional(value: object) -> Tuple[ConditionalSpec, ...]:
-    """``value`` as a tuple of ``(op, attr, (values...))``; ``TypeError`` otherwise."""
+    """``value`` as a tuple of ``(op, attr, (values...))``; :class:`OpListTypeError` otherwise."""
     if isinstance(value, str) or not isinstance(value, (list, tuple)):
         raise OpListTypeError("conditional_fp32_ops must be a list of (op_name, attr_name, [values]) "
                         f"tuples, got {value!r}")
@@ -163,7 +164,8 @@ def _resolve_overrides(overrides: Mapping[OpClass, Sequence[str]], valid: set,
             name = aliases.get(raw, raw)
             if name in seen and seen[name] is not op_class:
                 raise OpListError(f"op {raw!r} is in both {_ARG_NAMES[seen[name]]} and "
-                                 f"{_ARG_NAMES[op_class]}; an op can be in one list only.")
+                                  f"{_ARG_NAMES[op_class]}; an op can be in one list only: "
+                                  "remove it from one of them.")
             seen[name] = op_class
     return seen
 
@@ -183,7 +185,9 @@ def build_table(
 
     Each override list *replaces* the default list of its class: ops named there move
     into that class, and default members that are not named become neutral. An op named
-    in two override lists, or a name that is not a registered op, raises ``ValueError``.
+    in two override lists, or a name that is not a registered op, raises :class:`OpListError`
+    (a ``ValueError`` and an ``AssertionError``). A widest-type op may be named in
+    ``fp32_ops``, which the peer refuses: it then runs in float32.
     ``known_ops``/``aliases`` are the registry (all names, and alias -> canonical); when
     given, every table entry and every override must be in it. ``keep_batchnorm_fp32``:
     True runs batch norm in float32, False in the target dtype, None as the table says.

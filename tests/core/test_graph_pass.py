@@ -2,9 +2,9 @@
 
 ``toy_op_types`` stands in for MXNet's type inference: outputs and free (parameter) inputs
 take the dtype of the float inputs, which must agree; BatchNorm keeps float32 parameters;
-casts produce their ``dtype``.
+casts produce their ``dtype``; a multicast, with every input known, gives the widest.
 """
-from gluon_amp_core.dtypes import FLOAT_DTYPES
+from gluon_amp_core.dtypes import FLOAT_DTYPES, widest
 from gluon_amp_core.graph_pass import convert_graph
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.walk import REASON_ATTR
@@ -30,6 +30,10 @@ def graph(nodes, heads):
 def toy_op_types(op, attrs, in_dtypes):
     if op == "amp_cast":
         return in_dtypes, (attrs["dtype"],)
+    if op == "amp_multicast":
+        if any(t is None for t in in_dtypes):
+            return None
+        return in_dtypes, (widest(in_dtypes),) * len(in_dtypes)
     data = in_dtypes[:1] if op == "BatchNorm" else in_dtypes
     known = {t for t in data if t in FLOAT_DTYPES}
     if len(known) > 1:
@@ -156,3 +160,64 @@ def test_variables_read_only_as_parameters_are_parameters():
                node("elemwise_add", "add", 4, 5)], [7])
     # w: weight of fc1 and fc3; v: weight of fc2 but data of fc3; x, y: data
     assert parameter_only_inputs(g, OP_INPUTS) == {"w"}
+
+
+def _head_dtypes(r):
+    nodes = r.graph["nodes"]
+    return [r.dtypes[(nodes[h[0]]["name"], h[1])] for h in r.graph["heads"]]
+
+
+def test_a_parameter_the_type_rule_requires_low_is_stored_low_without_cast_optional_params():
+    # float16: fc -> prelu(slope). The slope's dtype is MXNet's rule (prelu follows its data),
+    # not an AMP decision: stored float16 with no cast; fc's weight (AMP's decision) stays float32
+    g = graph([var("x"), var("w"), node("FullyConnected", "fc", 0, 1, num_hidden=4, no_bias=True),
+               var("slope"), node("LeakyReLU", "prelu", 2, 3, act_type="prelu")], [4])
+    r = convert_graph(g, Policy.create("float16"), ["x"], {}, toy_op_types, OP_INPUTS)
+    assert r.param_dtypes == {"w": "float32", "slope": "float16"}
+    cast_of = {r.graph["nodes"][n["inputs"][0][0]]["name"] for n in r.graph["nodes"] if n["op"] == "amp_cast"}
+    assert "slope" not in cast_of and "w" in cast_of
+
+
+def test_a_required_parameter_also_read_in_float32_stays_float32_with_a_cast():
+    # the slope also feeds a float32 op (softmax): storing it low would round what softmax reads
+    g = graph([var("x"), var("w"), node("FullyConnected", "fc", 0, 1, num_hidden=4, no_bias=True),
+               var("slope"), node("LeakyReLU", "prelu", 2, 3, act_type="prelu"), node("softmax", "sm", 3)], [4, 5])
+    r = convert_graph(g, Policy.create("float16"), ["x"], {}, toy_op_types, OP_INPUTS)
+    assert r.param_dtypes["slope"] == "float32" and r.dtypes[("sm", 0)] == "float32"
+    assert any(n["name"] == "slope_amp_cast_float16" for n in r.graph["nodes"])
+
+
+def _multicast_graph(*extra):
+    # x -> fc (bf16); a, b: parameters; m = amp_multicast(a, b); n = amp_multicast(fc, c)
+    return graph([var("x"), var("w"), node("FullyConnected", "fc", 0, 1, num_hidden=4, no_bias=True),
+                  var("a"), var("b"), node("amp_multicast", "m", 3, 4, num_outputs=2),
+                  var("c"), node("amp_multicast", "n", 2, 6, num_outputs=2), *extra], [5, 7])
+
+
+def test_cast_optional_params_stores_parameters_only_a_multicast_of_parameters_reads():
+    r = run(_multicast_graph(), cast_optional_params=True)
+    assert r.param_dtypes["a"] == r.param_dtypes["b"] == "bfloat16"
+    assert r.dtypes[("m", 0)] == "bfloat16"  # typed with the stored dtypes, before what follows
+    # next to an op's output the parameter stays: storing it low would narrow the multicast
+    assert r.param_dtypes["c"] == "float32" and r.dtypes[("n", 0)] == "float32"
+    assert _head_dtypes(r) == ["float32", "float32"]  # graph outputs come back float32
+    assert [n["op"] for n in r.graph["nodes"]].count("amp_multicast") == 2  # the graph's casts stay
+    off = run(_multicast_graph())
+    assert off.param_dtypes["a"] == off.param_dtypes["b"] == off.param_dtypes["c"] == "float32"
+
+
+def test_cast_optional_params_stores_a_parameter_cast_low_and_multicast():
+    # c is also cast to bfloat16 by the graph: stored low, the multicast with fc runs in bf16
+    g = _multicast_graph(node("amp_cast", "mine", 6, dtype="bfloat16"))
+    g["heads"].append([8, 0, 0])
+    r = run(g, cast_optional_params=True)
+    assert r.param_dtypes["c"] == "bfloat16" and r.dtypes[("n", 0)] == "bfloat16"
+    assert _head_dtypes(r) == ["float32", "float32", "float32"]
+    assert any(n["name"] == "mine" for n in r.graph["nodes"])
+
+
+def test_cast_optional_params_keeps_a_parameter_read_uncast():
+    # a is cast to bfloat16 for one reader and read as it is by softmax: it stays float32
+    g = graph([var("x"), var("a"), node("amp_cast", "mine", 1, dtype="bfloat16"), node("softmax", "sm", 1)], [2, 3])
+    r = run(g, cast_optional_params=True)
+    assert r.param_dtypes["a"] == "float32" and r.dtypes[("sm", 0)] == "float32"

@@ -93,3 +93,36 @@ def test_table_is_immutable():
     t = build_table("float16")
     with pytest.raises(TypeError):
         t.classes["Convolution"] = OpClass.FP32
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"fp32_ops": ["softmx"]}, "'softmx'"),                                      # unknown op
+    ({"target_precision_ops": ["Convolution"], "fp32_ops": ["Convolution"]}, "in both"),
+    ({"target_precision_ops": ["concat"], "widest_type_ops": ["Concat"]}, "in both"),  # alias + name
+    ({"conditional_fp32_ops": [("Activatoin", "act_type", ["softrelu"])]}, "'Activatoin'"),
+    ({"fp32_ops": ["softmax"], "conditional_fp32_ops": [("softmax", "axis", ["0"])]}, "in both"),
+])
+def test_op_list_mistakes_are_both_value_and_assertion_errors(dtype, kwargs, needle):
+    # code written for mxnet.contrib.amp catches AssertionError, ours ValueError: both work
+    aliases = {"concat": "Concat"}
+    for caught in (ValueError, AssertionError, table_mod.OpListError):
+        with pytest.raises(caught) as e:
+            build_table(dtype, aliases=aliases, **kwargs)
+        assert type(e.value) is table_mod.OpListError and needle in str(e.value)
+
+
+@pytest.mark.parametrize("bad", ["softmax", [3], {"softmax": 1}])
+def test_op_lists_of_the_wrong_type_are_both_type_and_assertion_errors(bad):
+    for caught in (TypeError, AssertionError):
+        with pytest.raises(caught, match="fp32_ops must"):
+            table_mod.check_name_list("fp32_ops", bad)
+    with pytest.raises(AssertionError, match="conditional_fp32_ops"):
+        table_mod.check_conditional([("Activation", "act_type", "softrelu")])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_widest_op_may_be_forced_to_float32(dtype):
+    # the peer refuses this; a deliberate extension: the add then runs in float32
+    assert build_table(dtype).class_of("elemwise_add") is OpClass.WIDEST
+    assert build_table(dtype, fp32_ops=["elemwise_add"]).class_of("elemwise_add") is OpClass.FP32
