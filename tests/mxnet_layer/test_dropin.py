@@ -7,6 +7,7 @@ import mxnet as mx
 
 import gluon_amp
 from gluon_amp.type_inference import infer_dtypes
+from peer_oracle import BF16, dtype_str, run_peer
 
 DTYPES = ["float16", "bfloat16"]
 
@@ -100,3 +101,70 @@ def test_a_second_plain_init_is_a_no_op_as_launchers_expect(dtype):
     assert gluon_amp.current_policy() is first and gluon_amp.is_enabled()
     with pytest.raises(RuntimeError, match="already on"):
         gluon_amp.init(target_dtype=dtype, fp32_ops=["softmax"])  # explicit, different: still an error
+
+
+# Graphs whose stored dtypes are compared with the peer's: built from this source in both
+# processes (the peer's never imports gluon_amp). Each: (symbol, data_names).
+_CAST_GRAPHS = """
+def cast_graph(name, dtype):
+    low = BF16 if dtype == "bfloat16" else np.float16
+    a, c, d = mx.sym.var("a", shape=(2, 4)), mx.sym.var("c", shape=(2, 4)), mx.sym.var("data", shape=(2, 4))
+    fc = mx.sym.FullyConnected(d, num_hidden=4, no_bias=True, name="fc")
+    mc = lambda *xs: mx.sym.amp_multicast(*xs, num_outputs=len(xs))
+    graphs = {
+        "two_casts": (mx.sym.Group([mx.sym.amp_cast(a, dtype=low), mx.sym.amp_cast(a, dtype=low)]), []),
+        "multicast_of_parameters": (mc(a, c), []),
+        "cast_and_multicast_of_parameters": (mx.sym.Group([mx.sym.amp_cast(a, dtype=low), mc(a, c)]), []),
+        "multicast_with_op_output": (mc(fc, a), ["data"]),
+        "multicast_with_op_output_into_add": (mx.sym.elemwise_add(*mc(fc, a)), ["data"]),
+        "multicast_with_data": (mc(a, mx.sym.relu(d)), ["data"]),
+        "cast_and_multicast_with_op_output": (mx.sym.Group([mx.sym.amp_cast(a, dtype=low), mc(a, fc)]), ["data"]),
+    }
+    return graphs[name]
+"""
+exec(_CAST_GRAPHS)  # defines cast_graph here as in the peer's process
+CAST_GRAPHS = ("two_casts", "multicast_of_parameters", "cast_and_multicast_of_parameters",
+               "multicast_with_op_output", "multicast_with_op_output_into_add", "multicast_with_data",
+               "cast_and_multicast_with_op_output")
+
+
+def _stored_and_outputs(amp, dtype, name, cast_optional):
+    sym, data = cast_graph(name, dtype)  # noqa: F821 (exec above)
+    out = amp.convert_symbol(sym, target_dtype=dtype, data_names=data, cast_optional_params=cast_optional)
+    args, outs, _ = out.infer_type(**{n: np.float32 for n in data})
+    stored = {n: dtype_str(t) for n, t in zip(out.list_arguments(), args) if n not in data}
+    return stored, [dtype_str(t) for t in outs]
+
+
+@pytest.fixture(scope="module")
+def peer_cast_graphs():
+    snippet = _CAST_GRAPHS + f"""
+result = {{}}
+for dtype in {DTYPES!r}:
+    for name in {CAST_GRAPHS!r}:
+        for cop in (False, True):
+            sym, data = cast_graph(name, dtype)
+            out = amp.convert_symbol(sym, target_dtype=dtype, data_names=data, cast_optional_params=cop)
+            args, outs, _ = out.infer_type(**{{n: np.float32 for n in data}})
+            result[f"{{dtype}}/{{name}}/{{cop}}"] = {{n: dtype_str(t) for n, t in zip(out.list_arguments(), args)
+                                                     if n not in data}}
+"""
+    return run_peer(snippet, timeout=300)
+
+
+@pytest.mark.parametrize("cast_optional", [False, True])
+@pytest.mark.parametrize("name", CAST_GRAPHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_variables_read_by_the_graphs_own_casts_are_stored_as_the_peer_stores_them(
+        peer_cast_graphs, dtype, name, cast_optional):
+    stored, outputs = _stored_and_outputs(gluon_amp, dtype, name, cast_optional)
+    assert stored == peer_cast_graphs[f"{dtype}/{name}/{cast_optional}"]
+    assert set(outputs) == {"float32"}  # a multicast narrowed by a stored parameter is cast back
+    low = {n for n, t in stored.items() if t == dtype}
+    if not cast_optional:
+        assert not low  # the graph's casts are optional: the caller did not ask
+    elif name in ("two_casts", "multicast_of_parameters", "cast_and_multicast_of_parameters",
+                  "cast_and_multicast_with_op_output"):
+        assert "a" in low  # read only by casts: stored low, as cast_optional_params asks
+    else:
+        assert "a" not in low  # next to data or an op's output: storing it low would narrow the multicast

@@ -15,7 +15,8 @@ Differences by design, tested as our documented behaviour instead of the peer's:
   canonical op names only (the peer repeats aliases).
 * ``list_lp16_use_fp32_params('float16')`` returns the mapping (the peer: ``None``):
   our float16 table keeps normalisation parameters float32 too.
-* Bad input: ``TypeError``/``ValueError`` (the peer: ``AssertionError``).
+* Bad input: ``TypeError``/``ValueError`` (the peer: ``AssertionError``); op-list
+  mistakes raise ``OpListError``/``OpListTypeError``, which are ``AssertionError`` too.
 * ``convert_hybrid_block`` without ``ctx`` works on CPU (the peer defaults to ``gpu(0)``).
 * ``convert_bucketing_module`` also converts buckets created after the conversion (the
   peer's new buckets come from the original FP32 ``sym_gen``).
@@ -157,8 +158,7 @@ def _compare(ours, theirs, dtype, peer):
     """Same dtypes as the peer on every node both tables treat alike; ours follows our table
     on the others. When the tables agree on the whole graph, the same casts on the data
     path (no-op casts aside: the peer casts slice_like's float16 output to float16 again)
-    and every variable read in the same dtypes (where it is cast may differ: we keep
-    parameters in float32 unless cast_optional_params, the peer stores some in lp16)."""
+    and every variable read in the same dtypes (where it is cast may differ)."""
     assert ours.get("typed"), f"ours does not type-check: {ours.get('error')}"
     if not theirs.get("typed"):
         return
