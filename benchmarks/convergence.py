@@ -32,6 +32,7 @@ SIZE = 64
 # -- the data set -------------------------------------------------------------------------
 
 def _draw(img: np.ndarray, kind: int, box: Tuple[int, int, int, int], color: np.ndarray) -> None:
+    """Paint one shape of class ``kind`` filling ``box`` (x0, y0, x1, y1) of ``img`` (H, W, 3)."""
     x0, y0, x1, y1 = box
     yy, xx = np.mgrid[y0:y1, x0:x1]
     w, h = x1 - x0, y1 - y0
@@ -47,8 +48,15 @@ def _draw(img: np.ndarray, kind: int, box: Tuple[int, int, int, int], color: np.
 
 
 def make_dataset(n: int, seed: int) -> Tuple[np.ndarray, np.ndarray]:
-    """``n`` images (N, 3, 64, 64) float32 and labels (N, 4, 5): [class, x0, y0, x1, y1] in
-    pixels, -1 rows for padding."""
+    """Make ``n`` images of coloured shapes on noise, the same for the same ``seed``.
+
+    Returns
+    -------
+    images : np.ndarray
+        (n, 3, 64, 64) float32.
+    labels : np.ndarray
+        (n, 4, 5) float32 rows ``[class, x0, y0, x1, y1]`` in pixels; -1 rows pad.
+    """
     rng = np.random.RandomState(seed)
     images = np.zeros((n, SIZE, SIZE, 3), np.float32)
     labels = -np.ones((n, 4, 5), np.float32)
@@ -67,8 +75,9 @@ def make_dataset(n: int, seed: int) -> Tuple[np.ndarray, np.ndarray]:
 
 # -- the model ----------------------------------------------------------------------------
 
-def _features(**kwargs: Any):
-    """A small multi-output feature network: 16x16, 8x8 and 4x4 maps of a 64x64 image."""
+def _features(**kwargs: Any) -> Any:
+    """A small multi-output feature network (a HybridBlock): 16x16, 8x8 and 4x4 maps of a
+    64x64 image. ``kwargs`` (GluonCV's pretrained/ctx) are ignored: nothing is downloaded."""
     from mxnet.gluon import nn
 
     class Features(nn.HybridBlock):
@@ -82,7 +91,7 @@ def _features(**kwargs: Any):
                             nn.BatchNorm(), nn.Activation("relu"))
                     self.stages.add(blk)
 
-        def hybrid_forward(self, F, x):
+        def hybrid_forward(self, F: Any, x: Any) -> List[Any]:
             outs = []
             for i, stage in enumerate(self.stages):
                 x = stage(x)
@@ -93,7 +102,8 @@ def _features(**kwargs: Any):
     return Features()
 
 
-def build_net():
+def build_net() -> Any:
+    """GluonCV's ``SSD`` over ``_features``: 3 feature maps, 3 anchors per cell, 4 classes."""
     from gluoncv.model_zoo.ssd.ssd import SSD
     return SSD(None, SIZE, _features, None, sizes=[8, 20, 34, 56], ratios=[[1, 2, 0.5]] * 3,
                steps=[4, 8, 16], classes=CLASSES, nms_thresh=0.45, nms_topk=200, post_nms=50)
@@ -103,6 +113,12 @@ def build_net():
 
 def train_mode(mode: str, seed: int, epochs: int, n_train: int, n_test: int, batch: int,
                lr: float, data_seed: int) -> Dict[str, Any]:
+    """Train and evaluate one mode in this process (``init`` patches it for good).
+
+    The data, their order and the steps depend on ``data_seed`` only, the weights' initial
+    values on ``seed``. Returns the per-step losses, the mAP after every epoch and the
+    scaler's state, or ``{"unavailable": why}`` if this gluon_amp cannot run ``mode``.
+    """
     import mxnet as mx
     from mxnet import autograd, gluon
     import gluon_amp
@@ -111,7 +127,12 @@ def train_mode(mode: str, seed: int, epochs: int, n_train: int, n_test: int, bat
     from gluoncv.utils.metrics.voc_detection import VOC07MApMetric
 
     if mode.startswith("emulated-"):
-        gluon_amp.init(target_dtype=mode.split("-", 1)[1], emulate=True)
+        try:
+            gluon_amp.init(target_dtype=mode.split("-", 1)[1], emulate=True)
+        except TypeError as e:  # a gluon_amp from before emulate=True (issue 17)
+            if "emulate" not in str(e):
+                raise
+            return {"mode": mode, "seed": seed, "unavailable": f"not available yet: {e}"}
     elif mode == "bfloat16":
         gluon_amp.init(target_dtype="bfloat16")
     mx.random.seed(seed)
@@ -157,6 +178,7 @@ def train_mode(mode: str, seed: int, epochs: int, n_train: int, n_test: int, bat
 
 
 def evaluate(net: Any, x: np.ndarray, y: np.ndarray, metric_cls: Any, batch: int) -> float:
+    """VOC07 mAP (IoU 0.5) of ``net``'s detections on images ``x`` against labels ``y``."""
     import mxnet as mx
     metric = metric_cls(iou_thresh=0.5, class_names=CLASSES)
     for s in range(0, len(x), batch):
@@ -168,22 +190,23 @@ def evaluate(net: Any, x: np.ndarray, y: np.ndarray, metric_cls: Any, batch: int
 
 # -- the driver ---------------------------------------------------------------------------
 
-def plan(smoke: bool) -> Tuple[List[Tuple[str, int]], Optional[str]]:
-    """The modes as ``(mode, seed)``, and why native bfloat16 is not among them."""
+def plan(smoke: bool) -> Tuple[List[Tuple[str, int]], List[str]]:
+    """The modes as ``(mode, seed)``, and why native bfloat16 is not among them, if it is not."""
     sys.path.insert(0, ROOT)
     import gluon_amp
     info = gluon_amp.runtime_info()
     modes = [("fp32", 0), ("fp32", 1)] if not smoke else [("fp32", 0)]
-    skipped = None
+    skipped: List[str] = []
     if info["bf16"] == "native":
         modes.append(("bfloat16", 0))
     else:
-        skipped = f"native bfloat16 not run: {info['bf16_why']}"
+        skipped.append(f"native bfloat16 not run: {info['bf16_why']}")
     modes += [("emulated-float16", 0), ("emulated-bfloat16", 0)]
     return modes, skipped
 
 
 def run_in_subprocess(mode: str, seed: int, args: argparse.Namespace) -> Dict[str, Any]:
+    """Run ``train_mode`` in a fresh interpreter and return its result; exit if it fails."""
     cfg = json.dumps({"mode": mode, "seed": seed, "epochs": args.epochs, "n_train": args.train,
                       "n_test": args.test, "batch": args.batch_size, "lr": args.lr, "data_seed": args.data_seed})
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -195,6 +218,8 @@ def run_in_subprocess(mode: str, seed: int, args: argparse.Namespace) -> Dict[st
 
 
 def verdict(results: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Each AMP mode's final mAP minus FP32's mean, and whether it is within the allowed
+    difference: the FP32 seed spread, or 1 mAP point (0.01) if the spread is smaller."""
     fp32 = [r["final_map"] for r in results if r["mode"] == "fp32"]
     ref = float(np.mean(fp32))
     spread = float(max(fp32) - min(fp32)) if len(fp32) > 1 else 0.0
@@ -208,6 +233,7 @@ def verdict(results: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def print_table(doc: Dict[str, Any]) -> None:
+    """Print the table, the FP32 reference, one verdict line per AMP mode and the skipped modes."""
     head = f"{'mode':<18}{'seed':>5}{'final mAP':>11}{'final loss':>12}{'skipped':>9}{'scale':>9}{'time s':>9}"
     print(head)
     print("-" * len(head))
@@ -219,11 +245,12 @@ def print_table(doc: Dict[str, Any]) -> None:
           f"{v['allowed']:.4f} (the spread, or 1 mAP point if smaller)")
     for mode, m in v["modes"].items():
         print(f"verdict: {mode} mAP {m['map_diff']:+.4f} vs FP32: {'within' if m['within'] else 'NOT within'}")
-    if doc["skipped"]:
-        print(doc["skipped"])
+    for why in doc["skipped"]:
+        print(why)
 
 
 def plot(doc: Dict[str, Any], path: str) -> None:
+    """Write the loss curves of every mode (left) and the held-out mAP per epoch (right)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -246,6 +273,7 @@ def plot(doc: Dict[str, Any], path: str) -> None:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The command line; bad values are argparse errors (exit status 2)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=int, default=12)
@@ -270,6 +298,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    """Run every mode in its own process, print the table and write ``--json``/``--plot``."""
     args = parse_args(argv)
     if args.worker:
         cfg = json.loads(args.worker)
@@ -279,7 +308,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     results = []
     for mode, seed in modes:
         print(f"training {mode} (seed {seed}) ...", flush=True)
-        results.append(run_in_subprocess(mode, seed, args))
+        r = run_in_subprocess(mode, seed, args)
+        if "unavailable" in r:
+            skipped.append(f"{mode} not run: {r['unavailable']}")
+        else:
+            results.append(r)
     doc = {"task": "coloured shapes, 64x64, small GluonCV SSD", "epochs": args.epochs, "train": args.train,
            "test": args.test, "batch_size": args.batch_size, "lr": args.lr, "results": results,
            "verdict": verdict(results), "skipped": skipped,

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any, Dict
 
 import numpy as np
 import pytest
@@ -59,3 +60,47 @@ def test_smoke_run_trains_every_mode_and_writes_the_table(tmp_path):
     assert all(res["runtime_mode"] == "emulated" for res in emulated)
     assert set(doc["verdict"]["modes"]) == set(modes) - {"fp32"}
     assert "verdict:" in r.stdout and (tmp_path / "c.png").stat().st_size > 1000
+    import gluon_amp
+    info = gluon_amp.runtime_info()
+    if info["bf16"] == "native":  # native bfloat16 runs where the host has its kernels ...
+        assert "bfloat16" in modes and not doc["skipped"]
+    else:  # ... and elsewhere the table says why it did not
+        assert "bfloat16" not in modes and doc["skipped"] == [f"native bfloat16 not run: {info['bf16_why']}"]
+        assert doc["skipped"][0] in r.stdout
+
+
+def _result(mode: str, final_map: float) -> Dict[str, Any]:
+    return {"mode": mode, "final_map": final_map}
+
+
+def test_the_verdict_allows_the_fp32_spread_or_one_map_point_if_that_is_larger():
+    v = convergence.verdict([_result("fp32", 0.70), _result("fp32", 0.74), _result("a", 0.68),
+                             _result("b", 0.765), _result("c", 0.6)])
+    assert v["fp32_mean_map"] == pytest.approx(0.72) and v["fp32_spread"] == pytest.approx(0.04)
+    assert v["allowed"] == pytest.approx(0.04)
+    assert v["modes"]["a"] == {"map_diff": pytest.approx(-0.04), "within": True}
+    assert v["modes"]["b"]["within"] is False and v["modes"]["c"]["within"] is False
+    tight = convergence.verdict([_result("fp32", 0.700), _result("fp32", 0.702), _result("a", 0.692),
+                                 _result("b", 0.689)])
+    assert tight["allowed"] == pytest.approx(0.01)
+    assert tight["modes"]["a"]["within"] is True and tight["modes"]["b"]["within"] is False
+    assert "fp32" not in tight["modes"]
+
+
+@pytest.mark.parametrize("flags", [["--epochs", "0"], ["--batch-size", "-1"], ["--lr", "0"], ["--epochs", "x"]])
+def test_bad_flags_are_argparse_errors(flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        convergence.parse_args(flags)
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_an_emulated_mode_this_gluon_amp_cannot_run_is_reported_not_failed(monkeypatch):
+    import gluon_amp
+
+    def old_init(target_dtype: Any = None, **options: Any) -> None:
+        if "emulate" in options:
+            raise TypeError("init() got an unexpected keyword argument 'emulate'")
+
+    monkeypatch.setattr(gluon_amp, "init", old_init)
+    r = convergence.train_mode("emulated-float16", 0, epochs=1, n_train=4, n_test=4, batch=4, lr=0.1, data_seed=0)
+    assert r["mode"] == "emulated-float16" and "not available yet" in r["unavailable"]
