@@ -30,16 +30,24 @@ def grads_by_context(params: Sequence[Parameter]) -> Dict[mx.Context, List[mx.nd
 def _finite_on_host(views: List[np.ndarray]) -> bool:
     """One read pass: a finite sum proves every value finite (inf and NaN propagate through
     a sum); a non-finite one is confirmed value by value, since finite values can overflow
-    it. The arrays are dealt, largest first, to one thread per core (NumPy's reductions
-    release the GIL)."""
+    it. The values are cut into chunks (views, no copy) and balanced over one thread per
+    core (NumPy's reductions release the GIL)."""
     def part(chunk: List[np.ndarray]) -> bool:
         return all(np.isfinite(v.sum()) or np.isfinite(v).all() for v in chunk)
 
-    views = sorted(views, key=lambda v: -v.size)
-    n = max(1, min(len(views), _THREADS))
-    if n == 1:
+    if _THREADS == 1:
         return part(views)
-    return all(_pool().map(part, [views[k::n] for k in range(n)]))
+    total = sum(v.size for v in views)
+    step = max(1 << 20, -(-total // (4 * _THREADS)))  # a few chunks per thread: a big gradient is split
+    chunks = sorted((v.reshape(-1)[i:i + step] for v in views for i in range(0, v.size, step)),
+                    key=lambda c: -c.size)
+    bins: List[List[np.ndarray]] = [[] for _ in range(_THREADS)]
+    loads = [0] * _THREADS
+    for c in chunks:  # largest first into the lightest bin
+        k = loads.index(min(loads))
+        bins[k].append(c)
+        loads[k] += c.size
+    return all(_pool().map(part, [b for b in bins if b]))
 
 
 _THREADS = max(1, min(os.cpu_count() or 1, 8))

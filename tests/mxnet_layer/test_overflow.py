@@ -40,9 +40,10 @@ def test_huge_finite_values_whose_sum_overflows_are_still_finite():
 
 def test_the_host_read_is_in_place_and_skips_what_numpy_cannot_hold():
     g = mx.nd.ones((4,))
+    g[1] = 7.0  # pending in MXNet's engine
     view = mxi.host_view(g)
-    g[1] = 7.0
-    assert view[1] == 7.0  # the array's own memory, after its pending write
+    assert view[1] == 7.0  # read after the pending write
+    assert mxi.host_view(g).ctypes.data == view.ctypes.data  # the array's own memory, no copy
     bf16 = mx.nd.amp_cast(mx.nd.ones((4,)), dtype=mxi.BFLOAT16)
     assert mxi.host_view(bf16) is None and mxi.host_view(mx.nd.ones((2,), dtype="int32")) is None
 
