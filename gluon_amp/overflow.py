@@ -33,7 +33,8 @@ def _finite_on_host(views: List[np.ndarray]) -> bool:
     it. The values are cut into chunks (views, no copy) and balanced over one thread per
     core (NumPy's reductions release the GIL)."""
     def part(chunk: List[np.ndarray]) -> bool:
-        return all(np.isfinite(v.sum()) or np.isfinite(v).all() for v in chunk)
+        with np.errstate(all="ignore"):  # inf/NaN is what is looked for, not an error (per thread)
+            return all(np.isfinite(v.sum()) or np.isfinite(v).all() for v in chunk)
 
     if _THREADS == 1:
         return part(views)

@@ -1,4 +1,6 @@
 """gluon_amp.overflow.all_finite: one read pass, exact for inf, NaN and huge finite values."""
+import warnings
+
 import numpy as np
 import pytest
 import mxnet as mx
@@ -24,6 +26,7 @@ def _params(dtype="float32", ctxs=(mx.cpu(),), n=5):
 def test_a_single_non_finite_value_anywhere_is_found(dtype, value):
     params = _params(dtype, ctxs=(mx.cpu(0), mx.cpu(1)))
     assert overflow.all_finite(params)
+    warnings.filterwarnings("error", category=RuntimeWarning)  # finding inf/NaN is the job, not a warning
     for p in (params[0], params[-1]):
         g = p.list_grad()[1]
         g[3] = value
