@@ -346,12 +346,12 @@ def loss_agreement(curves: Dict[str, Dict[str, List[float]]]) -> Dict[str, Any]:
     return out
 
 
-def peak_of(mode: str, args: argparse.Namespace, target: Optional[str]) -> float:
+def peak_of(mode: str, args: argparse.Namespace, target: Optional[str], batch_size: int) -> float:
     """Peak RSS (MB) of a process that builds ``mode`` alone and trains it 3 steps: what the
     mode needs, not what an allocator shared with other modes happens to reuse."""
     import json
     import subprocess
-    cmd = [sys.executable, os.path.abspath(__file__), "--peak-of", mode, "--batch-size", str(args.batch_size),
+    cmd = [sys.executable, os.path.abspath(__file__), "--peak-of", mode, "--batch-size", str(batch_size),
            "--seed", str(args.seed), "--ctx", args.ctx] + (["--target-dtype", target] if target else [])
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -406,7 +406,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     for s, m in zip(summaries, modes):
         s["speedup_vs_fp32"] = s["samples_per_sec"] / base["samples_per_sec"] if base else None
         if not args.no_memory and m.name != "mxnet-contrib":
-            s["peak_rss_mb"] = peak_of(m.name, args, m.target_dtype)
+            s["peak_rss_mb"] = peak_of(m.name, args, m.target_dtype, batch_size)
     for s in summaries:
         s["peak_vs_fp32"] = (s["peak_rss_mb"] / base["peak_rss_mb"]
                              if base and s.get("peak_rss_mb") and base.get("peak_rss_mb") else None)
