@@ -21,6 +21,7 @@ full document.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import resource
@@ -403,19 +404,24 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     summaries = [m.result.summary() for m in modes]
     base = next((s for s in summaries if s["mode"] == "fp32"), None)
-    for s, m in zip(summaries, modes):
+    curves = {m.name: {"ce": m.result.ce, "smoothl1": m.result.smoothl1} for m in modes}
+    plan = [(m.name, m.target_dtype) for m in modes]
+    peak_here = peak_rss_mb()
+    del modes, batch  # the memory runs below need the room: every mode's net is dropped here
+    gc.collect()
+    mx.nd.waitall()
+    for s, (name, target_dtype) in zip(summaries, plan):
         s["speedup_vs_fp32"] = s["samples_per_sec"] / base["samples_per_sec"] if base else None
-        if not args.no_memory and m.name != "mxnet-contrib":
-            s["peak_rss_mb"] = peak_of(m.name, args, m.target_dtype, batch_size)
+        if not args.no_memory and name != "mxnet-contrib":
+            s["peak_rss_mb"] = peak_of(name, args, target_dtype, batch_size)
     for s in summaries:
         s["peak_vs_fp32"] = (s["peak_rss_mb"] / base["peak_rss_mb"]
                              if base and s.get("peak_rss_mb") and base.get("peak_rss_mb") else None)
-    curves = {m.name: {"ce": m.result.ce, "smoothl1": m.result.smoothl1} for m in modes}
     doc = {"benchmark": "ssd_512_resnet50_v1_coco synthetic training", "ctx": str(ctx),
            "batch_size": batch_size, "iters": iters, "warmup": args.warmup, "seed": args.seed,
            "target_dtype": target, "amp_not_run": skip_amp, "modes": summaries,
            "loss_curves": curves, "loss_match": loss_agreement(curves),
-           "peak_rss_mb_process": peak_rss_mb(), "runtime": gluon_amp.runtime_info(),
+           "peak_rss_mb_process": peak_here, "runtime": gluon_amp.runtime_info(),
            "command": " ".join(["python", "benchmarks/ssd_synthetic.py"] + (argv if argv is not None else sys.argv[1:]))}
     print_table(doc)
     write_json(doc, args.json)
