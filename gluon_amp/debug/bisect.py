@@ -9,8 +9,8 @@ import numpy as np
 
 from gluon_amp_core.policy import Policy
 
-from .capture import feed, model_of, outputs_error, run_internals
-from .compare import compare_with_outputs, low_precision, resolve_policy
+from .capture import outputs_error, run_internals
+from .compare import _compare, low_precision
 
 
 @dataclass
@@ -69,23 +69,6 @@ class _Trials:
         return self.seen[key]
 
 
-def _next_culprit(trials: _Trials, kept: List[str], rest: List[str]) -> str:
-    """The first of ``rest`` (in rank order) that ``kept`` needs: binary search for the smallest
-    prefix of ``rest`` that, kept in float32 with ``kept``, passes."""
-    lo, hi = 1, len(rest)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if trials.passes(kept + rest[:mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    if lo == len(rest) and not trials.passes(kept + rest):
-        raise RuntimeError(f"keeping all {len(kept) + len(rest)} low-precision ops in float32 does not meet "
-                           "the tolerance either: the difference is not in one op's precision (check the "
-                           "tolerance, or the ops that already run in float32)")
-    return rest[lo - 1]
-
-
 def _ranking(rows: List[Any], graph: dict) -> List[str]:
     """The low-precision ops, worst first. An op's score is the largest local error of itself
     and of the neutral ops it feeds (up to the next low-precision op): an offset that a
@@ -103,42 +86,100 @@ def _ranking(rows: List[Any], graph: dict) -> List[str]:
     return sorted(score, key=lambda c: (-score[c], index[c]))
 
 
+def _smallest_passing_prefix(trials: _Trials, kept: List[str], rest: List[str], lo: int, hi: int) -> int:
+    """The smallest ``m`` in ``[lo, hi]`` with ``kept + rest[:m]`` passing, ``m = hi`` taken
+    to pass: a binary search, ``ceil(log2(hi - lo + 1))`` runs."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if trials.passes(kept + rest[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _search(trials: _Trials, ranked: List[str]) -> List[str]:
+    """The culprits among ``ranked`` (worst first), found one at a time.
+
+    Each round finds the smallest prefix of the remaining ranking that passes with the
+    culprits found so far; its last op is a culprit. That prefix minus the culprit bounds
+    the next round (any further culprit lies within it), so rounds shrink: with the culprits
+    ranked first, k culprits cost about ``ceil(log2 n) + k`` runs."""
+    kept: List[str] = []
+    rest = list(ranked)
+    m = _smallest_passing_prefix(trials, kept, rest, 1, len(rest))  # kept=[] fails: known
+    if m == len(rest) and not trials.passes(rest):
+        raise RuntimeError(f"keeping all {len(rest)} low-precision ops in float32 does not meet the tolerance "
+                           "either: the difference is not in the precision of the low-precision ops (check "
+                           "the tolerance or validate, and the ops that already run in float32)")
+    while m > 0:
+        kept.append(rest.pop(m - 1))
+        m = _smallest_passing_prefix(trials, kept, rest, 0, m - 1)
+    return kept
+
+
+def _one_minimal(trials: _Trials, kept: List[str]) -> List[str]:
+    """Drop every name the rest passes without, until dropping any one breaks it."""
+    changed = True
+    while changed and len(kept) > 1:
+        changed = False
+        for name in list(kept):
+            if trials.passes([k for k in kept if k != name]):
+                kept = [k for k in kept if k != name]
+                changed = True
+                break
+    return kept
+
+
 def bisect(block: Any, *inputs: mx.nd.NDArray, target_dtype: Any = None, emulate: Optional[bool] = None,
            tolerance: float = 1e-2, validate: Optional[Callable[[List[mx.nd.NDArray]], bool]] = None,
            max_trials: Optional[int] = None) -> BisectResult:
     """Find a smallest set of op nodes to keep in float32 so the output meets ``tolerance``
     (relative L2 against FP32) or ``validate(outputs)`` returns True.
 
-    The candidates are the ops the plan runs in low precision, ranked by their local error
-    (:func:`compare`, whose run also gives the starting error). Each culprit is found by a
-    binary search over that ranking (group testing: about ``ceil(log2 n)`` runs per culprit,
-    none repeated); the set is then made 1-minimal (dropping any one name breaks it) and
-    re-validated by a final run, counted in ``trials``. Deterministic.
+    The candidates are the ops the plan runs in low precision (reason ``low_precision``),
+    ranked by the local error they cause (:func:`compare`, whose run also gives
+    ``error_before``). Culprits are found by group testing over that ranking: binary
+    searches for the smallest passing prefix, each bounded by the last (about
+    ``k * ceil(log2 n) + 1`` runs for k culprits among n ops, none repeated). The set is
+    then made 1-minimal (dropping any one name breaks it) and re-validated by a final run,
+    counted in ``trials``. Deterministic.
+
+    Parameters
+    ----------
+    block, *inputs, target_dtype, emulate, tolerance :
+        As for :func:`compare`.
+    validate : callable, optional
+        ``validate(outputs) -> bool`` on the low-precision outputs (a list of float32
+        NDArrays); replaces the tolerance test of the output error.
+    max_trials : int, optional
+        Stop with a ``RuntimeError`` after this many runs.
+
+    Returns
+    -------
+    BisectResult
+        ``excluded_sym_names`` goes unchanged to ``convert_hybrid_block``, the converter CLI
+        (``--exclude``) and ``init(excluded_sym_names=...)``.
     """
     if max_trials is not None and (isinstance(max_trials, bool) or not isinstance(max_trials, int) or max_trials < 1):
-        raise ValueError(f"max_trials must be a positive int or None, got {max_trials!r}")
-    report, outputs = compare_with_outputs(block, *inputs, target_dtype=target_dtype, emulate=emulate,
-                                           tolerance=tolerance)
-    model = model_of(block, len(inputs), "gluon_amp.debug.bisect")
-    policy = resolve_policy(target_dtype, emulate, model.ctx.device_type)
-    data = feed(model, inputs)
-    ref = run_internals(model.sym, data, model.args, model.aux, model.ctx, outputs_only=True)
-    trials = _Trials(model, policy, data, [ref[("", k)] for k in range(len(ref))], tolerance, validate, max_trials)
-    ranked = _ranking(report.rows, model.graph)
-    trials.seen[frozenset()] = first = trials.judge(outputs)
+        raise ValueError(f"max_trials must be a positive int or None (no limit), got {max_trials!r}")
+    if validate is not None and not callable(validate):
+        raise TypeError(f"validate must be callable as validate(outputs) -> bool, got {type(validate).__name__}")
+    report, run = _compare(block, inputs, target_dtype, emulate, tolerance, None, None, None,
+                           "gluon_amp.debug.bisect")
+    trials = _Trials(run.model, run.policy, run.data, run.fp32_outputs, tolerance, validate, max_trials)
+    ranked = _ranking(report.rows, run.model.graph)
+    trials.seen[frozenset()] = first = trials.judge(run.low_outputs)
     kept: List[str] = []
     if not first[0]:
-        rest = list(ranked)
-        while not trials.passes(kept):
-            culprit = _next_culprit(trials, kept, rest)
-            kept.append(culprit)
-            rest.remove(culprit)
-        for name in list(kept[:-1]):  # the last one was needed on top of all the others
-            if trials.passes([k for k in kept if k != name]):
-                kept.remove(name)
+        if not ranked:
+            raise RuntimeError("the plan runs no op in low precision by its own decision (no candidate to keep "
+                               f"in float32), yet the output fails (error {first[1]:.3e}): check the tolerance "
+                               "or validate")
+        kept = _one_minimal(trials, _search(trials, ranked))
     ok, after = trials.error(kept, again=True)  # the final, re-validating run
     if not ok:
         raise RuntimeError(f"bisect's result {kept} did not re-validate (error {after:.3e}); the network "
                            "does not run the same twice: check for randomness (dropout) in inference mode")
-    return BisectResult(sorted(kept), trials.count, first[1], after, len(ranked), policy.target_dtype,
-                        policy.emulate, ranked)
+    return BisectResult(sorted(kept), trials.count, first[1], after, len(ranked), run.policy.target_dtype,
+                        run.policy.emulate, ranked)

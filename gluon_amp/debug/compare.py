@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mxnet as mx
 import numpy as np
 from mxnet import autograd, gluon
+from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
 from gluon_amp_core.emulate import rounding_node
@@ -39,6 +41,7 @@ class OpCompare:
     nonfinite: int        # inf/NaN in the low-precision output
     overflow: int         # FP32 values beyond the target's largest finite value
     underflow: float      # fraction of nonzero FP32 values the target flushes to 0
+    new_nonfinite: bool = False  # inf/NaN made here from finite inputs, where FP32 is finite
 
 
 @dataclass(frozen=True)
@@ -63,15 +66,18 @@ class CompareReport:
     notes: List[str] = field(default_factory=list)
     gradients: List[GradCompare] = field(default_factory=list)
     loss_scale_headroom: Optional[float] = None
+    headroom_limited_by: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
+        """The report as JSON-ready data (``first_divergence`` by name)."""
         return {"target_dtype": self.target_dtype, "emulated": self.emulated, "tolerance": self.tolerance,
                 "output_error": self.output_error, "notes": self.notes,
                 "first_divergence": self.first_divergence.name if self.first_divergence else None,
                 "rows": [asdict(r) for r in self.rows], "gradients": [asdict(g) for g in self.gradients],
-                "loss_scale_headroom": self.loss_scale_headroom}
+                "loss_scale_headroom": self.loss_scale_headroom, "headroom_limited_by": self.headroom_limited_by}
 
     def to_json(self, path: str) -> None:
+        """Write :meth:`to_dict` to ``path``."""
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=1)
 
@@ -92,7 +98,7 @@ class CompareReport:
         if self.gradients:
             worst = max(self.gradients, key=lambda g: g.error)
             lines.append(f"gradients: worst {worst.name} {worst.error:.3e}; loss-scale headroom "
-                         f"{self.loss_scale_headroom:g}")
+                         f"{self.loss_scale_headroom:g} (limited by {self.headroom_limited_by})")
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
     def plot(self, path: str) -> None:
@@ -148,11 +154,23 @@ def _round_np(x: np.ndarray, dtype: Optional[str]) -> np.ndarray:
     return round_nd(mx.nd.array(x, dtype="float32"), dtype).asnumpy()
 
 
+#: Below this magnitude MXNet's float32->bfloat16 cast gives 0 (float32 subnormals are flushed).
+_BF16_FLUSH = 2.0 ** -126
+
+
 def _underflow(fp32: np.ndarray, dtype: str) -> float:
+    """The fraction of nonzero values of ``fp32`` that ``dtype`` holds as 0: float16 rounds
+    to nearest (subnormals kept, as MXNet's cast); bfloat16 as MXNet's cast, which flushes
+    float32 subnormals (emulation rounds those, see docs/emulation.md)."""
     nonzero = fp32 != 0
     if not nonzero.any():
         return 0.0
-    return float(((_round_np(fp32, dtype) == 0) & nonzero).sum() / nonzero.sum())
+    if dtype == "float16":
+        with np.errstate(over="ignore"):
+            zero = fp32.astype(np.float16) == 0
+    else:
+        zero = np.abs(fp32) < _BF16_FLUSH
+    return float((zero & nonzero).sum() / nonzero.sum())
 
 
 def _local(model: Model, node: dict, plan_inputs: List[Optional[str]], out_dtype: Optional[str],
@@ -190,11 +208,12 @@ def _stored_dtype(nodes: List[dict], dtypes: Dict[Key, Optional[str]], entry: li
     return None
 
 
-def _rows(model: Model, policy: Policy, result: Any, fp32: Dict[Key, np.ndarray],
+def _rows(model: Model, policy: Policy, result: Any, low_graph: dict, fp32: Dict[Key, np.ndarray],
           low: Dict[Key, np.ndarray]) -> List[OpCompare]:
     nodes = model.graph["nodes"]
-    plan = {n["name"]: n for n in result.graph["nodes"]}
     plan_nodes = result.graph["nodes"]
+    plan = {n["name"]: n for n in plan_nodes}
+    run = {n["name"]: n for n in low_graph["nodes"]}
     rows = []
     for nd in result.decisions:
         name, dtype = nd.name, result.dtypes.get((nd.name, 0)) or "?"
@@ -204,90 +223,170 @@ def _rows(model: Model, policy: Policy, result: Any, fp32: Dict[Key, np.ndarray]
         plan_in = [_stored_dtype(plan_nodes, result.dtypes, e) for e in plan[name]["inputs"]]
         local = _local(model, nodes[nd.index], plan_in, dtype, fp32)
         is_low = dtype in LOW_PRECISION_DTYPES
+        nonfinite = int((~np.isfinite(got)).sum())
+        inputs_finite = all(np.isfinite(low[(low_graph["nodes"][e[0]]["name"], e[1])]).all()
+                            for e in run[name]["inputs"])
         with np.errstate(invalid="ignore", over="ignore"):
             diff = np.abs(got.astype(np.float64) - ref)
             rows.append(OpCompare(
                 len(rows), name, nd.op, dtype, nd.reason.value, relative_error(got, ref),
-                relative_error(local, ref), float(np.nanmax(diff)) if diff.size else 0.0,
-                int((~np.isfinite(got)).sum()),
+                relative_error(local, ref), float(np.nanmax(diff)) if diff.size else 0.0, nonfinite,
                 int((np.abs(ref) > TARGET_MAX[policy.target_dtype]).sum()) if is_low else 0,
-                _underflow(ref, dtype) if is_low else 0.0))
+                _underflow(ref, dtype) if is_low else 0.0,
+                bool(nonfinite and inputs_finite and np.isfinite(ref).all())))
     return rows
 
 
 def _first_divergence(rows: List[OpCompare], tolerance: float) -> Optional[OpCompare]:
-    return next((r for r in rows if r.local_error > tolerance), None)
+    return next((r for r in rows if r.local_error > tolerance or r.new_nonfinite), None)
+
+
+def _probed(graph: dict, entries: Sequence[Key]) -> Tuple[Symbol, Dict[str, Key]]:
+    """``graph`` with a zero variable added to each of ``entries``, and {variable: entry}.
+
+    The gradient of such a variable is the gradient of its entry, and no value changes
+    (x + 0 is x): how the FP32 backward's activation gradients are read."""
+    wanted: Dict[str, List[int]] = {}
+    for name, k in entries:
+        wanted.setdefault(name, []).append(k)
+    nodes: List[dict] = []
+    moved: Dict[int, int] = {}
+    probed: Dict[Tuple[int, int], int] = {}
+    probes: Dict[str, Key] = {}
+
+    def entry(e: list) -> list:
+        add = probed.get((e[0], e[1]))
+        return [add, 0, 0] if add is not None else [moved[e[0]], e[1], 0]
+
+    for i, node in enumerate(graph["nodes"]):
+        nodes.append(dict(node, inputs=[entry(e) for e in node["inputs"]]))
+        moved[i] = len(nodes) - 1
+        if node["op"] == "null":
+            continue
+        for k in sorted(wanted.get(node["name"], [])):
+            probe = f"{node['name']}_amp_probe{k}"
+            nodes.append({"op": "null", "name": probe, "inputs": []})
+            nodes.append({"op": "elemwise_add", "name": f"{probe}_add",
+                          "inputs": [[moved[i], k, 0], [len(nodes) - 1, 0, 0]]})
+            probed[(i, k)] = len(nodes) - 1
+            probes[probe] = (node["name"], k)
+    out = {"nodes": nodes, "arg_nodes": [i for i, n in enumerate(nodes) if n["op"] == "null"],
+           "heads": [entry(h) for h in graph["heads"]], "attrs": graph.get("attrs", {})}
+    return mx.sym.load_json(json.dumps(out)), probes
 
 
 def _gradients(model: Model, low_model: tuple, data: Dict[str, mx.nd.NDArray], loss_fn: Any,
-               labels: Any, target: str) -> tuple:
-    def grads(sym, args, aux):
-        block = gluon.SymbolBlock(sym, [mx.sym.var(n) for n in model.data_names])
-        block.collect_params().load_dict({**args, **aux}, ctx=model.ctx, cast_dtype=True, dtype_source="saved")
+               labels: Any, target: str, low_entries: Dict[Key, np.ndarray]
+               ) -> Tuple[List[GradCompare], float, str]:
+    """Parameter gradients (unscaled) against FP32's, and the loss-scale headroom: the
+    largest power of two that keeps every FP32 gradient of a parameter, and of each entry
+    the plan holds in low precision (``low_entries``: FP32 values by entry), finite in the
+    target."""
+    def grads(sym: Symbol, args: dict, aux: dict, extra: Dict[str, mx.nd.NDArray]) -> Dict[str, np.ndarray]:
+        with warnings.catch_warnings():  # "Cannot decide type for ... data": the data comes below
+            warnings.simplefilter("ignore", UserWarning)
+            block = gluon.SymbolBlock(sym, [mx.sym.var(n) for n in model.data_names])
+        block.collect_params().load_dict({**args, **aux, **extra}, ctx=model.ctx, cast_dtype=True,
+                                         dtype_source="saved")
         with autograd.record():
             out = block(*[data[n] for n in model.data_names])
             loss = loss_fn(*(list(out) if isinstance(out, (list, tuple)) else [out]), labels)
         loss.backward()
         return {p.name: as_float32(p.grad()) for p in block.collect_params().values() if p.grad_req != "null"}
 
-    ref, got = grads(model.sym, model.args, model.aux), grads(*low_model)
-    rows = [GradCompare(n, relative_error(got[n], ref[n]), float(np.abs(ref[n]).max())) for n in ref if n in got]
-    peak = max([g.max_abs_fp32 for g in rows] + [1e-30])
-    return rows, 2.0 ** math.floor(math.log2(TARGET_MAX[target] / peak))
+    probed, probes = _probed(model.graph, list(low_entries))
+    zeros = {p: mx.nd.zeros(low_entries[e].shape, ctx=model.ctx) for p, e in probes.items()}
+    ref = grads(probed, model.args, model.aux, zeros)
+    got = grads(*low_model, {})
+    rows = [GradCompare(n, relative_error(got[n], ref[n]), float(np.abs(ref[n]).max()))
+            for n in model.args if n in ref and n in got]
+    peaks = {n: float(np.abs(g).max()) if g.size else 0.0 for n, g in ref.items()}
+    named = {p: f"gradient of {e[0]}" + (f" output {e[1]}" if e[1] else "") for p, e in probes.items()}
+    worst = max(peaks, key=lambda n: peaks[n])
+    peak = max(peaks[worst], 1e-30)
+    return rows, 2.0 ** math.floor(math.log2(TARGET_MAX[target] / peak)), named.get(worst, worst)
 
 
 def compare(block: Any, *inputs: mx.nd.NDArray, target_dtype: Any = None, emulate: Optional[bool] = None,
             tolerance: float = 1e-2, loss_fn: Any = None, labels: Any = None,
             excluded_sym_names: Optional[Sequence[str]] = None) -> CompareReport:
-    return compare_with_outputs(block, *inputs, target_dtype=target_dtype, emulate=emulate, tolerance=tolerance,
-                                loss_fn=loss_fn, labels=labels, excluded_sym_names=excluded_sym_names)[0]
-
-
-def compare_with_outputs(block: Any, *inputs: mx.nd.NDArray, target_dtype: Any = None,
-                         emulate: Optional[bool] = None, tolerance: float = 1e-2, loss_fn: Any = None,
-                         labels: Any = None, excluded_sym_names: Optional[Sequence[str]] = None):
-    """:func:`compare`, also returning the low-precision outputs (for :func:`bisect`).
-
-    Every op of ``block`` in low precision against FP32, in graph order.
+    """Every op of ``block``'s mixed-precision plan against FP32, in graph order.
 
     Parameters
     ----------
     block : HybridBlock
-        An FP32 block (hybridized or not); it and its parameters are not changed.
+        An FP32 block (hybridized or not, parameters initialized); neither it nor its
+        parameters change.
     *inputs : NDArray
         One batch of data.
     target_dtype, emulate :
-        As for :func:`gluon_amp.init`; ``emulate=None`` emulates where the target has no
-        kernels on the block's device (always, on a CPU without AVX-512). A Policy works too.
+        As for :func:`gluon_amp.init`. ``emulate=None`` emulates where the target has no
+        kernels on the block's device (always on a CPU without AVX-512), and then
+        ``target_dtype=None`` is :func:`gluon_amp.runtime.emulated_target`'s. A Policy works too.
     tolerance : float
         The local error above which an op is the first divergence.
     loss_fn, labels : optional
-        Compare the parameter gradients (unscaled) of ``loss_fn(outputs..., labels)`` too, and
-        report the loss-scale headroom: the largest power of two by which the loss can be
-        scaled before a gradient of FP32 size overflows the target.
+        Also compare the parameter gradients (unscaled) of ``loss_fn(outputs..., labels)``
+        and report the loss-scale headroom: the largest power of two by which the loss can
+        be scaled before a gradient of FP32's size (of a parameter, or of an entry the plan
+        holds in low precision) overflows the target.
+    excluded_sym_names : list of str, optional
+        Op nodes to keep in float32, as for the converters (e.g. a :func:`bisect` result).
+
+    Returns
+    -------
+    CompareReport
+        One :class:`OpCompare` row per op; ``str()`` is a table.
     """
-    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or tolerance <= 0:
-        raise ValueError(f"tolerance must be a positive number, got {tolerance!r}")
+    return _compare(block, inputs, target_dtype, emulate, tolerance, loss_fn, labels, excluded_sym_names,
+                    "gluon_amp.debug.compare")[0]
+
+
+@dataclass
+class Run:
+    """What one :func:`compare` computed, for :func:`bisect` to go on from."""
+
+    model: Model
+    policy: Policy
+    data: Dict[str, mx.nd.NDArray]
+    fp32_outputs: List[np.ndarray]
+    low_outputs: List[np.ndarray]
+
+
+def _heads(graph: dict, values: Dict[Key, np.ndarray]) -> List[np.ndarray]:
+    return [values[(graph["nodes"][h[0]]["name"], h[1])] for h in graph["heads"]]
+
+
+def _compare(block: Any, inputs: Sequence[mx.nd.NDArray], target_dtype: Any, emulate: Optional[bool],
+             tolerance: float, loss_fn: Any, labels: Any, excluded_sym_names: Optional[Sequence[str]],
+             caller: str) -> Tuple[CompareReport, Run]:
+    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not tolerance > 0:
+        raise ValueError(f"tolerance must be a positive number (a relative L2 error, e.g. 1e-2), got {tolerance!r}")
     if (loss_fn is None) != (labels is None):
         raise ValueError("pass loss_fn and labels together (to compare gradients), or neither")
-    model = model_of(block, len(inputs), "gluon_amp.debug.compare")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(outputs..., labels), got {type(loss_fn).__name__}")
+    model = model_of(block, len(inputs), caller)
     policy = resolve_policy(target_dtype, emulate, model.ctx.device_type, excluded_sym_names)
     if not policy.enabled:
-        raise RuntimeError(f"nothing to compare: the policy is float32 ({policy.reason})")
+        raise RuntimeError(f"{caller}: nothing to compare, the policy is float32 ({policy.reason}); "
+                           "pass target_dtype='float16' or 'bfloat16' (emulated where it cannot run)")
     data = feed(model, inputs)
     sym, args, aux, result = low_precision(model, policy)
+    low_graph = json.loads(sym.tojson(remove_amp_cast=False))
     fp32 = run_internals(model.sym, data, model.args, model.aux, model.ctx)
     low = run_internals(sym, data, args, aux, model.ctx)
-    rows = _rows(model, policy, result, fp32, low)
-    heads = model.graph["heads"]
-    names = [model.graph["nodes"][h[0]]["name"] for h in heads]
-    out_low = run_internals(sym, data, args, aux, model.ctx, outputs_only=True)
-    out_error = max(relative_error(out_low[("", k)], fp32[(n, h[1])]) for k, (n, h) in enumerate(zip(names, heads)))
-    notes = ["values read by one executor over every internal output of the unfused graph (same ops; "
-             "no oneDNN fusion, which deployment may add); local errors are computed emulated"]
+    rows = _rows(model, policy, result, low_graph, fp32, low)
+    fp32_out, low_out = _heads(model.graph, fp32), _heads(low_graph, low)
+    out_error = max(relative_error(a, b) for a, b in zip(low_out, fp32_out))
+    notes = ["values read by one executor over every internal output of the unfused graph (the same ops "
+             "and values; without the oneDNN fusion deployment may add); local errors are computed emulated"]
     report = CompareReport(policy.target_dtype, policy.emulate, float(tolerance), rows, out_error,
                            _first_divergence(rows, tolerance), notes)
     if loss_fn is not None:
-        report.gradients, report.loss_scale_headroom = _gradients(
-            model, (sym, args, aux), data, loss_fn, labels, policy.target_dtype)
-    return report, [out_low[("", k)] for k in range(len(out_low))]
+        names = {n["name"] for n in model.graph["nodes"] if n["op"] != "null"}
+        low_entries = {k: fp32[k] for k, t in result.dtypes.items()
+                       if t in LOW_PRECISION_DTYPES and k[0] in names and k in fp32}
+        report.gradients, report.loss_scale_headroom, report.headroom_limited_by = _gradients(
+            model, (sym, args, aux), data, loss_fn, labels, policy.target_dtype, low_entries)
+    return report, Run(model, policy, data, fp32_out, low_out)

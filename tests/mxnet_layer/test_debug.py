@@ -49,8 +49,58 @@ def planted(kind):
     return net
 
 
+class Chain(nn.HybridBlock):
+    """``n`` dense layers joined by tanh; after each planted one, the neutral op that undoes it."""
+
+    def __init__(self, n, plants, kind, **kwargs):
+        super().__init__(**kwargs)
+        self.plants, self.kind = plants, kind
+        with self.name_scope():
+            self.layers = nn.HybridSequential()
+            for i in range(n):
+                self.layers.add(nn.Dense(16, in_units=16 if i else 8))
+
+    def hybrid_forward(self, F, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i not in self.plants:
+                x = F.tanh(x)
+            else:
+                x = x * 1e-4 if self.kind == "overflow" else x - 1000.0
+        return x
+
+
+def chain(n, plants, kind):
+    mx.random.seed(0)
+    net = Chain(n, plants, kind)
+    net.initialize(mx.init.Xavier())
+    for i in plants:
+        w, b = net.layers[i].weight, net.layers[i].bias
+        if kind == "overflow":  # outputs ~3e5
+            w.set_data(w.data() * 300000)
+        else:
+            w.set_data(w.data() * 0.1)
+            b.set_data(mx.nd.full((16,), 1000.0))
+    return net
+
+
+mx.random.seed(1)
 X = mx.nd.random.normal(shape=(8, 8))
-CASES = [("overflow", "float16"), ("offset", "bfloat16")]
+LABELS = mx.nd.array([0, 1, 2, 3, 0, 1, 2, 3])
+CASES = [("overflow", "float16"), ("offset", "float16"), ("offset", "bfloat16")]
+
+
+def rel(a, ref):
+    """Relative L2 error; inf when ``a`` has an inf or NaN."""
+    return np.linalg.norm(a - ref) / np.linalg.norm(ref) if np.isfinite(a).all() else math.inf
+
+
+def grads(net):
+    """The parameter gradients of one softmax cross-entropy backward, by parameter name."""
+    with mx.autograd.record():
+        loss = gluon.loss.SoftmaxCrossEntropyLoss()(net(X), LABELS)
+    loss.backward()
+    return {p.name: p.grad().astype("float32").asnumpy() for p in net.collect_params().values()}
 
 
 def _planted_name(net):
@@ -62,7 +112,11 @@ def test_compare_points_at_the_layer_whose_float16_output_overflows(tmp_path):
     rep = debug.compare(net, X, target_dtype="float16", emulate=True, tolerance=TOL)
     rows = {r.name: r for r in rep.rows}
     bad = rows[_planted_name(net)]
-    assert rep.first_divergence is bad and bad.nonfinite > 0 and bad.overflow > 0
+    assert rep.first_divergence is bad and bad.nonfinite > 0 and bad.overflow > 0 and bad.new_nonfinite
+    assert bad.local_error == math.inf and bad.op == "FullyConnected" and bad.reason == "low_precision"
+    assert [r.name for r in rep.rows][:bad.index + 1][-1] == bad.name  # rows in graph order
+    after = rep.rows[bad.index + 1]
+    assert after.nonfinite > 0 and not after.new_nonfinite  # inf it received, not made
     assert rows[net.first.name + "_fwd"].nonfinite == 0 and rows[net.first.name + "_fwd"].error < 1e-2
     assert math.isinf(rep.output_error) and rep.emulated and rep.target_dtype == "float16"
     assert "first divergence" in str(rep) and bad.name in str(rep)
@@ -80,6 +134,7 @@ def test_bisect_finds_the_planted_layer_and_its_result_fixes_conversion_and_trai
     net = planted(kind)
     net.hybridize()
     ref = net(X).asnumpy()
+    ref_grads = grads(net)
     res = debug.bisect(net, X, target_dtype=dtype, emulate=True, tolerance=TOL)
     assert res.excluded_sym_names == [_planted_name(net)]
     assert res.error_before > TOL >= res.error_after
@@ -87,11 +142,49 @@ def test_bisect_finds_the_planted_layer_and_its_result_fixes_conversion_and_trai
     fixed = gluon_amp.convert_hybrid_block(net, target_dtype=dtype, emulate=True,
                                            excluded_sym_names=res.excluded_sym_names)
     plain = gluon_amp.convert_hybrid_block(net, target_dtype=dtype, emulate=True)
-    rel = lambda a: np.linalg.norm(a - ref) / np.linalg.norm(ref)  # noqa: E731
-    assert rel(fixed(X).asnumpy()) <= TOL and not rel(plain(X).asnumpy()) <= TOL
+    assert rel(fixed(X).asnumpy(), ref) <= TOL and not rel(plain(X).asnumpy(), ref) <= TOL
+    # training: the same names under init, on the hybridized net's graph
     gluon_amp.init(target_dtype=dtype, emulate=True, excluded_sym_names=res.excluded_sym_names)
     net.hybridize()
-    assert rel(net(X).asnumpy()) <= TOL
+    assert rel(net(X).asnumpy(), ref) <= TOL
+    fixed_grads = grads(net)
+    assert all(rel(fixed_grads[n], ref_grads[n]) <= TOL for n in ref_grads), \
+        {n: rel(fixed_grads[n], ref_grads[n]) for n in ref_grads}
+    gluon_amp.disable()
+    gluon_amp.init(target_dtype=dtype, emulate=True)  # without the names: broken (the test can fail)
+    net.hybridize()
+    broken = grads(net)
+    assert not all(rel(broken[n], ref_grads[n]) <= TOL for n in ref_grads)
+
+
+@pytest.mark.parametrize("kind, dtype", [("overflow", "float16"), ("offset", "bfloat16")])
+def test_bisect_finds_several_culprits_within_the_trial_bound_one_minimal_and_deterministic(kind, dtype):
+    net = chain(8, (2, 5), kind)
+    net.hybridize()
+    ref = net(X).asnumpy()
+    res = debug.bisect(net, X, target_dtype=dtype, emulate=True, tolerance=TOL)
+    want = sorted(net.layers[i].name + "_fwd" for i in (2, 5))
+    assert res.excluded_sym_names == want and res.candidates == 8
+    assert res.trials <= 2 * math.ceil(math.log2(8)) + 1
+    assert res.error_after <= TOL
+    again = debug.bisect(net, X, target_dtype=dtype, emulate=True, tolerance=TOL)
+    assert (again.excluded_sym_names, again.trials, again.ranking) == (want, res.trials, res.ranking)
+    for name in want:  # 1-minimal: dropping either name breaks it
+        fewer = gluon_amp.convert_hybrid_block(net, target_dtype=dtype, emulate=True,
+                                               excluded_sym_names=[n for n in want if n != name])
+        assert rel(fewer(X).asnumpy(), ref) > TOL
+
+
+def test_bisect_with_validate_and_max_trials():
+    net = planted("overflow")
+    res = debug.bisect(net, X, target_dtype="float16", emulate=True,
+                       validate=lambda outs: all(np.isfinite(o.asnumpy()).all() for o in outs))
+    assert res.excluded_sym_names == [_planted_name(net)] and math.isinf(res.error_before)
+    net = chain(8, (3,), "overflow")
+    with pytest.raises(RuntimeError, match="max_trials=2"):
+        debug.bisect(net, X, target_dtype="float16", emulate=True, tolerance=TOL, max_trials=2)
+    with pytest.raises(RuntimeError, match="does not meet the tolerance either"):
+        debug.bisect(net, X, target_dtype="float16", emulate=True, validate=lambda outs: False)
 
 
 def test_a_healthy_network_has_no_divergence_and_needs_nothing_kept():
@@ -109,17 +202,45 @@ def test_a_healthy_network_has_no_divergence_and_needs_nothing_kept():
 
 
 def test_gradients_and_loss_scale_headroom():
-    net = planted("overflow")
-    labels = mx.nd.array([0, 1, 2, 3, 0, 1, 2, 3])
+    net = planted("offset")
     loss = gluon.loss.SoftmaxCrossEntropyLoss()
-    f16 = debug.compare(net, X, target_dtype="float16", emulate=True, loss_fn=loss, labels=labels)
-    b16 = debug.compare(net, X, target_dtype="bfloat16", emulate=True, loss_fn=loss, labels=labels)
+    f16 = debug.compare(net, X, target_dtype="float16", emulate=True, loss_fn=loss, labels=LABELS)
+    b16 = debug.compare(net, X, target_dtype="bfloat16", emulate=True, loss_fn=loss, labels=LABELS)
     assert {g.name for g in f16.gradients} == {p.name for p in net.collect_params().values()}
+    ref = grads(net)
+    for g in f16.gradients:
+        assert g.max_abs_fp32 == pytest.approx(float(np.abs(ref[g.name]).max()), rel=1e-5)
     for rep in (f16, b16):
         assert rep.loss_scale_headroom == 2.0 ** round(math.log2(rep.loss_scale_headroom))
+        assert rep.headroom_limited_by and "headroom" in str(rep)
     assert f16.loss_scale_headroom < b16.loss_scale_headroom
-    peak = max(g.max_abs_fp32 for g in f16.gradients)
-    assert peak * f16.loss_scale_headroom <= 65504 < peak * f16.loss_scale_headroom * 2
+    # the peak FP32 gradient (of a parameter or of an activation held in float16) fits, twice it not
+    peak = 65504 / f16.loss_scale_headroom
+    assert all(g.max_abs_fp32 <= peak for g in f16.gradients)
+    scaled = debug.compare(net, X, target_dtype="float16", emulate=True, labels=LABELS,
+                           loss_fn=lambda out, y: loss(out, y) * f16.loss_scale_headroom * 4)
+    assert any(not math.isfinite(g.error) or g.error > 0.5 for g in scaled.gradients)  # scaled past it: breaks
+    unscaled = debug.compare(net, X, target_dtype="float16", emulate=True, labels=LABELS,
+                             loss_fn=lambda out, y: loss(out, y) * f16.loss_scale_headroom / 4)
+    assert all(math.isfinite(g.error) for g in unscaled.gradients)
+
+
+def test_values_fp32_itself_makes_non_finite_are_no_divergence():
+    class LogNet(nn.HybridBlock):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            with self.name_scope():
+                self.dense = nn.Dense(8, in_units=8)
+
+        def hybrid_forward(self, F, x):
+            return F.log(F.relu(self.dense(x)))  # log(0) = -inf in FP32 too
+
+    mx.random.seed(0)
+    net = LogNet()
+    net.initialize()
+    assert not np.isfinite(net(X).asnumpy()).all()
+    rep = debug.compare(net, X, target_dtype="float16", emulate=True, tolerance=TOL)
+    assert rep.first_divergence is None and rep.output_error < TOL, str(rep)
 
 
 def test_compare_leaves_the_block_as_it_was():
