@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Tuple
 
 
 def _shape(text: str) -> Tuple[str, Tuple[int, ...]]:
+    """``NAME:D1,D2,...`` as ``(name, shape)``."""
     name, sep, dims = text.partition(":")
     try:
         shape = tuple(int(d) for d in dims.split(","))
@@ -21,6 +22,7 @@ def _shape(text: str) -> Tuple[str, Tuple[int, ...]]:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The CLI's arguments."""
     p = argparse.ArgumentParser(prog="python -m gluon_amp.debug",
                                 description="Compare an exported FP32 model with its mixed-precision plan op by "
                                             "op, on random input, and optionally bisect the ops to keep in float32.")
@@ -28,18 +30,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("params", help="MODEL-0000.params")
     p.add_argument("--shape", type=_shape, action="append", required=True, metavar="NAME:DIMS",
                    help="shape of a data input, e.g. data:1,3,512,512 (repeat for several inputs)")
-    p.add_argument("--target-dtype", default="auto", choices=("auto", "float16", "bfloat16"))
+    p.add_argument("--target-dtype", default="auto", choices=("auto", "float16", "bfloat16"),
+                   help="the AMP target (auto: this machine's, or when emulating float16 with a GPU, "
+                        "else bfloat16)")
     p.add_argument("--emulate", action="store_true",
                    help="emulate the target (default: emulate only where it cannot run natively)")
-    p.add_argument("--tolerance", type=float, default=1e-2)
+    p.add_argument("--tolerance", type=float, default=1e-2,
+                   help="relative L2 error against FP32 an op's local error and the output may reach")
     p.add_argument("--bisect", action="store_true", help="also find the ops to keep in float32")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random normal input")
     p.add_argument("--json", metavar="PATH", help="write the comparison (and bisect result) as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of error against depth")
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run the CLI; returns the exit status (2 for bad arguments or files)."""
     args = _parser().parse_args(argv)
     for path in (args.symbol, args.params):
         if not os.path.isfile(path):

@@ -142,10 +142,10 @@ def resolve_policy(target_dtype: Any, emulate: Optional[bool], device: str,
     return make_policy(target_dtype, emulate=emulate, excluded_sym_names=excluded)
 
 
-def low_precision(model: Model, policy: Policy):
-    """The converted model (emulated if the policy says so) and the pass's result."""
-    sym, args, aux, result = _convert_model(model.sym, model.args, model.aux, policy, None, False)
-    return sym, args, aux, result
+def low_precision(model: Model, policy: Policy) -> Tuple[Symbol, Dict[str, mx.nd.NDArray],
+                                                         Dict[str, mx.nd.NDArray], Any]:
+    """The converted model (emulated if the policy says so, unfused) and the pass's result."""
+    return _convert_model(model.sym, model.args, model.aux, policy, None, False)
 
 
 def _round_np(x: np.ndarray, dtype: Optional[str]) -> np.ndarray:
@@ -210,6 +210,7 @@ def _stored_dtype(nodes: List[dict], dtypes: Dict[Key, Optional[str]], entry: li
 
 def _rows(model: Model, policy: Policy, result: Any, low_graph: dict, fp32: Dict[Key, np.ndarray],
           low: Dict[Key, np.ndarray]) -> List[OpCompare]:
+    """One row per op the pass decided, in graph order, from the captured values."""
     nodes = model.graph["nodes"]
     plan_nodes = result.graph["nodes"]
     plan = {n["name"]: n for n in plan_nodes}
@@ -226,15 +227,24 @@ def _rows(model: Model, policy: Policy, result: Any, low_graph: dict, fp32: Dict
         nonfinite = int((~np.isfinite(got)).sum())
         inputs_finite = all(np.isfinite(low[(low_graph["nodes"][e[0]]["name"], e[1])]).all()
                             for e in run[name]["inputs"])
-        with np.errstate(invalid="ignore", over="ignore"):
-            diff = np.abs(got.astype(np.float64) - ref)
-            rows.append(OpCompare(
-                len(rows), name, nd.op, dtype, nd.reason.value, relative_error(got, ref),
-                relative_error(local, ref), float(np.nanmax(diff)) if diff.size else 0.0, nonfinite,
-                int((np.abs(ref) > TARGET_MAX[policy.target_dtype]).sum()) if is_low else 0,
-                _underflow(ref, dtype) if is_low else 0.0,
-                bool(nonfinite and inputs_finite and np.isfinite(ref).all())))
+        rows.append(OpCompare(
+            len(rows), name, nd.op, dtype, nd.reason.value, relative_error(got, ref),
+            relative_error(local, ref), _max_abs_error(got, ref), nonfinite,
+            int((np.abs(ref) > TARGET_MAX[policy.target_dtype]).sum()) if is_low else 0,
+            _underflow(ref, dtype) if is_low else 0.0,
+            bool(nonfinite and inputs_finite and np.isfinite(ref).all())))
     return rows
+
+
+def _max_abs_error(low: np.ndarray, ref: np.ndarray) -> float:
+    """The largest absolute difference; inf where one side is inf or NaN and the other differs."""
+    if not low.size:
+        return 0.0
+    low64, ref64 = low.astype(np.float64), ref.astype(np.float64)
+    same = (low64 == ref64) | (np.isnan(low64) & np.isnan(ref64))
+    with np.errstate(invalid="ignore"):
+        diff = np.where(same, 0.0, np.abs(low64 - ref64))
+    return float(np.where(np.isnan(diff), np.inf, diff).max())
 
 
 def _first_divergence(rows: List[OpCompare], tolerance: float) -> Optional[OpCompare]:

@@ -35,6 +35,7 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     assert "is not an operator known" in text  # the misspelt-op cell shows the error
     assert "excluded" in text
     assert "first divergence: planted" in text and "keep in float32: ['planted" in text
+    assert "gradients finite without the fix: False" in text and "gradients finite with the fix: True" in text
 
 
 def test_notebook_runs_without_bf16_kernels(tmp_path, monkeypatch, no_bf16_why):
@@ -44,3 +45,4 @@ def test_notebook_runs_without_bf16_kernels(tmp_path, monkeypatch, no_bf16_why):
     assert "samples/s" in text and "graph level only" in text
     assert "is not an operator known" in text and "excluded" in text
     assert "first divergence: planted" in text and "keep in float32: ['planted" in text
+    assert "gradients finite without the fix: False" in text and "gradients finite with the fix: True" in text
