@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
 import mxnet as mx
 import numpy as np
@@ -73,13 +73,20 @@ def as_float32(x: mx.nd.NDArray) -> np.ndarray:
 
 
 def run_internals(sym: Symbol, data: Dict[str, mx.nd.NDArray], args: Dict[str, mx.nd.NDArray],
-                  aux: Dict[str, mx.nd.NDArray], ctx: mx.Context, outputs_only: bool = False
-                  ) -> Dict[Key, np.ndarray]:
-    """Every output of every node of ``sym`` (or only its outputs), inference mode.
+                  aux: Dict[str, mx.nd.NDArray], ctx: mx.Context, outputs_only: bool = False,
+                  keys: Optional[Collection[Key]] = None) -> Dict[Key, np.ndarray]:
+    """Every output of every node of ``sym`` (only those in ``keys``, or only the graph's
+    outputs, keyed ``("", k)``), inference mode.
 
-    One executor bound over ``get_internals()``: the same ops as the graph that runs, with
-    all their outputs kept (memory planning differs; values do not)."""
-    target = sym if outputs_only else sym.get_internals()
+    One executor bound over the chosen ``get_internals()`` entries: the same ops as the
+    graph that runs, with those outputs kept (memory planning differs; values do not)."""
+    if outputs_only:
+        target = sym
+    else:
+        internals = sym.get_internals()
+        names = internals.list_outputs()
+        chosen = [i for i, n in enumerate(names) if keys is None or _key(n) in keys]
+        target = internals if keys is None else mx.sym.Group([internals[i] for i in chosen])
     given = {**args, **data}
     with mxi.unfused_binds():
         ex = target.bind(ctx, {n: given[n] for n in target.list_arguments()},
@@ -87,7 +94,7 @@ def run_internals(sym: Symbol, data: Dict[str, mx.nd.NDArray], args: Dict[str, m
     values = [as_float32(o) for o in ex.forward(is_train=False)]
     if outputs_only:
         return {("", k): v for k, v in enumerate(values)}
-    return {_key(name): v for name, v in zip(target.list_outputs(), values)}
+    return {_key(names[i]): v for i, v in zip(chosen, values)}
 
 
 def _key(output_name: str) -> Key:

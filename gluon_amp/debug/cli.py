@@ -79,8 +79,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(report)
     if result is not None:
         print(result)
-        print(f"apply with: convert_hybrid_block(..., excluded_sym_names={result.excluded_sym_names}) or "
-              f"python -m gluon_amp.convert ... " + " ".join(f"--exclude {n}" for n in result.excluded_sym_names))
+        if result.excluded_sym_names:
+            print(f"apply with: convert_hybrid_block(..., excluded_sym_names={result.excluded_sym_names}), "
+                  f"init(..., excluded_sym_names={result.excluded_sym_names}) or python -m gluon_amp.convert "
+                  "... " + " ".join(f"--exclude {n}" for n in result.excluded_sym_names))
     if args.json:
         doc = report.to_dict()
         if result is not None:

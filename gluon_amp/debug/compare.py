@@ -5,7 +5,7 @@ import json
 import math
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import mxnet as mx
 import numpy as np
@@ -363,6 +363,18 @@ class Run:
     low_outputs: List[np.ndarray]
 
 
+def _read_keys(graph: dict, result: Any) -> Set[Key]:
+    """The entries of the low-precision graph a report reads: each decided op's output, its
+    rounded value, its inputs, and the graph's outputs (not the steps of each rounding)."""
+    nodes = graph["nodes"]
+    by_name = {n["name"]: n for n in nodes}
+    keys = {(nodes[h[0]]["name"], h[1]) for h in graph["heads"]}
+    for nd in result.decisions:
+        keys |= {(nd.name, 0), (rounding_node(nd.name), 0)}
+        keys |= {(nodes[e[0]]["name"], e[1]) for e in by_name[nd.name]["inputs"]}
+    return keys
+
+
 def _heads(graph: dict, values: Dict[Key, np.ndarray]) -> List[np.ndarray]:
     return [values[(graph["nodes"][h[0]]["name"], h[1])] for h in graph["heads"]]
 
@@ -385,7 +397,7 @@ def _compare(block: Any, inputs: Sequence[mx.nd.NDArray], target_dtype: Any, emu
     sym, args, aux, result = low_precision(model, policy)
     low_graph = json.loads(sym.tojson(remove_amp_cast=False))
     fp32 = run_internals(model.sym, data, model.args, model.aux, model.ctx)
-    low = run_internals(sym, data, args, aux, model.ctx)
+    low = run_internals(sym, data, args, aux, model.ctx, keys=_read_keys(low_graph, result))
     rows = _rows(model, policy, result, low_graph, fp32, low)
     fp32_out, low_out = _heads(model.graph, fp32), _heads(low_graph, low)
     out_error = max(relative_error(a, b) for a, b in zip(low_out, fp32_out))
