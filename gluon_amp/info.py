@@ -4,10 +4,12 @@ from __future__ import annotations
 import os
 from typing import Any, Dict
 
-from gluon_amp_core.capability import Bf16, resolve_target
+from gluon_amp_core.capability import Bf16
+from gluon_amp_core.resolve import Resolution
 
 from .patching import current_policy
-from .runtime import _state, capability, cpu_flags, executable, has_onednn
+from .runtime import _state, capability, cpu_flags, executable, has_onednn, resolve
+from .speed import probe
 
 
 def runtime_info() -> Dict[str, Any]:
@@ -15,11 +17,15 @@ def runtime_info() -> Dict[str, Any]:
     import mxnet as mx
     flags = cpu_flags()
     cap = capability()
+    default = resolve(None, warn=False)
     return {
         "mxnet": mx.__version__,
         "onednn": has_onednn(),
         "gpus": cap.gpus,
-        "default_target_dtype": resolve_target(None, cap).dtype,
+        "default_target_dtype": default.dtype,
+        "default_why": default.warning,
+        "speed": _speed(default),
+        "amx_hint": cap.amx_hint,
         "bf16": cap.bf16.value,
         "bf16_why": cap.why,
         "onednn_isa": cap.isa.lower(),
@@ -33,6 +39,20 @@ def runtime_info() -> Dict[str, Any]:
         "error": _state["error"],
         "mode": amp_mode(),
     }
+
+
+def _speed(default: Resolution) -> Dict[str, Any]:
+    """The probe's figures and the decision they gave, or why no probe ran."""
+    if default.speed is not None:
+        return {**default.speed.to_dict(), "decision": default.dtype}
+    cap = capability()
+    if cap.gpus > 0:
+        why = "not run: a GPU (float16) is taken as faster"
+    elif cap.bf16 is not Bf16.NATIVE:
+        why = f"not run: no native bfloat16 kernels to time ({cap.bf16.value}); the flag rule decides"
+    else:
+        why = f"not run: {probe.ENV}=0; the flag rule decides"
+    return {"source": why, "decision": default.dtype}
 
 
 def amp_mode() -> str:

@@ -15,8 +15,11 @@ import platform
 import warnings
 from typing import Any, Dict, FrozenSet, Optional, Set
 
-from gluon_amp_core.capability import Bf16, Capability, Resolution, classify, resolve_target
+from gluon_amp_core.capability import Bf16, Capability, classify
+from gluon_amp_core.resolve import Resolution, resolve_target
 from gluon_amp_core.dtypes import parse_target_dtype
+from gluon_amp_core.speed import SpeedVerdict
+from gluon_amp_core.timing_cache import TimingCache
 
 _SYS_ARCH_PRCTL = 158
 _ARCH_REQ_XCOMP_PERM = 0x1023
@@ -122,17 +125,47 @@ def capability() -> Capability:
 _warned: Set[str] = set()
 
 
+def _say_once(message: str, warn: bool) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        if warn:
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+@functools.lru_cache(maxsize=None)
+def timing_cache() -> TimingCache:
+    """This machine's timing cache (probe figures and the tuner's per-op times)."""
+    from .speed import probe  # imports MXNet: this module must not, before enable_amx
+    cap = capability()
+    return probe.open_cache(probe.machine_key(cpu_flags(), amx_active(), cap.isa))
+
+
+def speed(target: Optional[str], warn: bool = True) -> Optional[SpeedVerdict]:
+    """The speed probe's verdict where it decides: bfloat16 (asked for, or ``None``) on a
+    CPU that runs it natively. ``None`` elsewhere (nothing to time, or a GPU, whose float16
+    is taken as fast), and where ``GLUON_AMP_SPEED_PROBE=0`` turned it off (said once)."""
+    from .speed import probe
+    cap = capability()
+    if cap.gpus > 0 or cap.bf16 is not Bf16.NATIVE or target not in (None, "bfloat16"):
+        return None
+    if probe.disabled():
+        _say_once(f"gluon_amp: {probe.ENV}=0: the speed probe is off, so bfloat16 is chosen from the CPU "
+                  "flags alone (on with native bfloat16), whatever its speed here. Unset it to measure.", warn)
+        return None
+    return probe.verdict("bfloat16", timing_cache())
+
+
 def resolve(target_dtype: Any, warn: bool = True) -> Resolution:
-    """Resolve ``target_dtype`` for this machine; warn (once per message) as it says.
+    """Resolve ``target_dtype`` for this machine (capability and measured speed); warn
+    (once per message) as it says.
 
     ``warn=False`` is for callers that print the message themselves (CLI, benchmarks); it
     still counts as said, so a later :func:`gluon_amp.init` does not repeat it.
     """
-    res = resolve_target(target_dtype, capability())
-    if res.warning and res.warning not in _warned:
-        _warned.add(res.warning)
-        if warn:
-            warnings.warn(res.warning, RuntimeWarning, stacklevel=3)
+    requested = None if target_dtype is None else parse_target_dtype(target_dtype)  # no probe for bad input
+    res = resolve_target(requested, capability(), speed(requested, warn))
+    if res.warning:
+        _say_once(res.warning, warn)
     return res
 
 

@@ -45,12 +45,15 @@ class Capability:
         The highest oneDNN ISA in effect (CPU flags, capped by ``DNNL_MAX_CPU_ISA``).
     why : str
         Why ``bf16`` is what it is, naming the CPU feature or setting.
+    amx_hint : str or None
+        Set where the CPU has AMX this process cannot use: what would enable it.
     """
 
     gpus: int
     bf16: Bf16
     isa: str
     why: str
+    amx_hint: Optional[str] = None
 
 
 def cpu_isa(flags: FrozenSet[str], amx_granted: bool) -> str:
@@ -89,7 +92,8 @@ def classify(flags: FrozenSet[str], amx_granted: bool, isa_cap: Optional[str], g
     if probe_error is not None:
         return Capability(gpus, Bf16.NONE, isa, _why_none(cpu, isa, capped, probe_error))
     if rank >= _FIRST_BF16:
-        return Capability(gpus, Bf16.NATIVE, isa, f"oneDNN runs bfloat16 natively ({isa.lower()})")
+        return Capability(gpus, Bf16.NATIVE, isa, f"oneDNN runs bfloat16 natively ({isa.lower()})",
+                          amx_hint(flags, amx_granted))
     if rank >= _FIRST_AVX512:
         cause = (f"DNNL_MAX_CPU_ISA={isa_cap} caps oneDNN below AVX512_CORE_BF16" if capped else
                  "this CPU has AVX-512 but neither avx512_bf16 nor amx_bf16")
@@ -110,49 +114,21 @@ def _why_none(cpu: str, isa: str, capped: bool, probe_error: str) -> str:
     return f"{cause} (probe: {probe_error})"
 
 
-#: What to do about a target this machine cannot execute, for numerics.
-EMULATE_HINT = ("Pass emulate=True to run the same plan emulated in float32 on this CPU "
-                "(the target's rounding, for numerics; not faster).")
+def amx_hint(flags: FrozenSet[str], amx_granted: bool) -> Optional[str]:
+    """What would enable AMX, where this CPU has it but this process cannot use it.
 
-
-@dataclass(frozen=True)
-class Resolution:
-    """The dtype AMP will use, and what to tell the user about it.
-
-    ``dtype`` is ``'float32'`` when no useful low precision exists (AMP stays off).
-    ``executable`` is False when the dtype cannot run on this machine (graph work only).
+    ``avx512_fp16`` first shipped with AMX (Intel Sapphire Rapids), so a CPU showing it
+    without ``amx_tile``/``amx_bf16`` has AMX that is hidden: by a hypervisor's CPU model, or
+    by a kernel older than 5.16 (which cannot switch the tile state on). Flags present but
+    permission refused means the kernel said no.
     """
-
-    dtype: str
-    warning: Optional[str]
-    executable: bool = True
-
-
-def resolve_target(requested: object, cap: Capability) -> Resolution:
-    """Choose the target dtype for ``requested`` (``None``: pick for this machine).
-
-    ``None`` never picks a dtype this machine cannot execute, nor bfloat16 where it is
-    emulated (slower than float32): then AMP stays in float32. An explicit dtype is kept,
-    with a warning when it cannot execute or is slow here. Raises ``ValueError`` for a
-    dtype that is not ``float16``/``bfloat16``.
-    """
-    if requested is None:
-        if cap.gpus > 0:
-            return Resolution("float16", None)
-        if cap.bf16 is Bf16.NATIVE:
-            return Resolution("bfloat16", None)
-        return Resolution("float32", f"gluon_amp: mixed precision is off, training and inference "
-                                     f"stay in float32: {cap.why}.")
-    dtype = parse_target_dtype(requested)
-    if dtype == "float16" and cap.gpus == 0:
-        return Resolution(dtype, "gluon_amp: target_dtype='float16' without a GPU: MXNet's CPU build "
-                                 "has no float16 convolution or GEMM. Graph building, type inference "
-                                 f"and conversion work; running float16 ops needs a GPU. {EMULATE_HINT}", False)
-    if dtype == "bfloat16" and cap.bf16 is Bf16.NONE:
-        return Resolution(dtype, f"gluon_amp: target_dtype='bfloat16' cannot execute here: {cap.why}. "
-                                 "Graph building, type inference and conversion still work; running "
-                                 f"a bfloat16 convolution or dense layer cannot. {EMULATE_HINT}", False)
-    if dtype == "bfloat16" and cap.bf16 is Bf16.EMULATED:
-        return Resolution(dtype, f"gluon_amp: target_dtype='bfloat16': {cap.why}. Use it for numerics "
-                                 f"checks; {_FAST_HW} runs it fast.")
-    return Resolution(dtype, None)
+    if {"amx_bf16", "amx_tile"} <= flags and not amx_granted:
+        return ("this CPU has AMX, but the kernel did not grant it to this process "
+                "(arch_prctl(ARCH_REQ_XCOMP_PERM) needs Linux 5.16 or newer, and GLUON_AMP_DISABLE_AMX "
+                "must be unset); with AMX, bfloat16 runs several times faster")
+    if "avx512_fp16" in flags and not flags & {"amx_bf16", "amx_tile"}:
+        return ("this CPU (AVX512-FP16: Intel Sapphire Rapids or newer) has AMX, which is not exposed "
+                "to this process (no amx_bf16 flag in /proc/cpuinfo); with AMX, bfloat16 runs several "
+                "times faster. AMX needs Linux 5.16 or newer and, in a virtual machine, a CPU model "
+                "that passes AMX through (e.g. KVM/QEMU '-cpu host', or an AMX-enabled instance type)")
+    return None

@@ -1,7 +1,7 @@
 """The capability model: what each kind of host can execute and what AMP picks there."""
 import pytest
 
-from gluon_amp_core.capability import Bf16, Capability, classify, cpu_isa, effective_isa, resolve_target
+from gluon_amp_core.capability import Bf16, classify, cpu_isa, effective_isa
 
 AMX = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
 ZEN4 = frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"})
@@ -43,36 +43,13 @@ def test_isa_helpers():
     assert effective_isa("AVX2", "ALL") == "AVX2"
 
 
-def _cap(bf16, gpus=0):
-    return Capability(gpus, bf16, "X", f"reason-{bf16.value}")
+SAPPHIRE_VM = frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_fp16"})  # AMX hidden by the hypervisor
 
 
-@pytest.mark.parametrize("bf16, gpus, want", [
-    (Bf16.NATIVE, 0, "bfloat16"),
-    (Bf16.EMULATED, 0, "float32"),   # slower than FP32: AMP stays off
-    (Bf16.NONE, 0, "float32"),
-    (Bf16.NONE, 1, "float16"),
-])
-def test_none_never_picks_what_cannot_run_or_is_slower(bf16, gpus, want):
-    res = resolve_target(None, _cap(bf16, gpus))
-    assert res.dtype == want and res.executable
-    assert (res.warning is not None) == (want == "float32")
-    if res.warning:
-        assert f"reason-{bf16.value}" in res.warning and "float32" in res.warning
-
-
-def test_explicit_targets_are_kept_and_announced():
-    res = resolve_target("bf16", _cap(Bf16.NONE))
-    assert res.dtype == "bfloat16" and not res.executable
-    assert "conversion still work" in res.warning and "reason-none" in res.warning
-    res = resolve_target("bfloat16", _cap(Bf16.EMULATED))
-    assert res.executable and "reason-emulated" in res.warning
-    res = resolve_target("float16", _cap(Bf16.NATIVE))
-    assert not res.executable and "GPU" in res.warning
-    assert resolve_target("float16", _cap(Bf16.NONE, gpus=1)) == resolve_target("float16", _cap(Bf16.NATIVE, 1))
-    assert resolve_target("bfloat16", _cap(Bf16.NATIVE)).warning is None
-
-
-def test_bad_target_names_the_choices():
-    with pytest.raises(ValueError, match="'float16', 'bfloat16'"):
-        resolve_target("int8", _cap(Bf16.NATIVE))
+def test_amx_hint_names_hidden_or_refused_amx_and_nothing_elsewhere():
+    hidden = classify(SAPPHIRE_VM, False, None)
+    assert hidden.bf16 is Bf16.NATIVE and "5.16" in hidden.amx_hint and "virtual machine" in hidden.amx_hint
+    refused = classify(AMX, False, None)
+    assert "5.16" in refused.amx_hint and "did not grant" in refused.amx_hint
+    assert classify(AMX, True, None).amx_hint is None
+    assert classify(ZEN4, False, None).amx_hint is None

@@ -12,7 +12,7 @@ for blocked in ("mxnet", "numpy"):
     sys.modules[blocked] = None          # any import of them now raises ImportError
 env_before = dict(os.environ)
 import gluon_amp_core
-from gluon_amp_core import capability, decide, dtypes, fold, graph_pass, loss_scale, policy, table, walk
+from gluon_amp_core import capability, decide, dtypes, fold, graph_pass, loss_scale, policy, resolve, speed, table, timing_cache, walk
 from gluon_amp_core.op_reference import render
 p = policy.Policy.create("float16", fp32_ops=["softmax"])
 d = decide.decide("Convolution", {}, ["float32"], p.table)
@@ -28,7 +28,7 @@ r = graph_pass.convert_graph(g, p, ["x"], {}, rule, {}, cast_optional_params=Tru
 print(json.dumps({"decision": d.dtype, "scale": s.loss_scale, "w": r.param_dtypes["w"],
                   "rendered": len(render()) > 1000, "env_unchanged": dict(os.environ) == env_before,
                   "mxnet_loaded": sys.modules.get("mxnet") is not None,
-                  "none_on_avx2": capability.resolve_target(None, capability.classify(
+                  "none_on_avx2": resolve.resolve_target(None, capability.classify(
                       frozenset({"avx2"}), False, None, probe_error="x")).dtype}))
 '''
 

@@ -6,6 +6,11 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helpers
 
+import tempfile  # noqa: E402
+
+# The speed probe's cache: one per test session, never the user's (the probe runs once here).
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="gluon-amp-tests-cache-")
+
 import mxnet as mx  # noqa: E402
 
 import gluon_amp  # noqa: E402

@@ -1,0 +1,67 @@
+"""The timing cache: keyed, validated on read, written atomically."""
+import json
+import os
+import subprocess
+import sys
+
+from gluon_amp_core.timing_cache import FORMAT, TimingCache, cache_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KEY = {"cpu": "AMD EPYC", "flags": ["avx2", "avx512_bf16"], "threads": {"cpus": 2}}
+
+
+def test_cache_dir_follows_xdg():
+    assert cache_dir({"XDG_CACHE_HOME": "/x"}) == os.path.join("/x", "gluon-amp")
+    assert cache_dir({}).endswith(os.path.join(".cache", "gluon-amp"))
+
+
+def test_stored_entries_are_read_back_and_merged(tmp_path):
+    c = TimingCache(str(tmp_path / "new"), KEY)
+    assert c.load().entries == {} and c.load().ignored is None
+    c.store({"a": 1})
+    c.store({"b": [2.0]})
+    assert TimingCache(str(tmp_path / "new"), dict(KEY)).load().entries == {"a": 1, "b": [2.0]}
+    assert not [p for p in os.listdir(tmp_path / "new") if p.endswith(".tmp")]
+
+
+def test_a_key_change_reads_nothing_and_does_not_touch_the_other_file(tmp_path):
+    TimingCache(str(tmp_path), KEY).store({"a": 1})
+    other = TimingCache(str(tmp_path), {**KEY, "threads": {"cpus": 4}})
+    assert other.path != TimingCache(str(tmp_path), KEY).path and other.load().entries == {}
+
+
+def test_corrupt_foreign_and_stale_files_are_ignored_then_rewritten(tmp_path):
+    c = TimingCache(str(tmp_path), KEY)
+    os.makedirs(tmp_path, exist_ok=True)
+    bad = {"corrupt": "{not json", "not ours": json.dumps([1, 2]),
+           "foreign": json.dumps({"format": FORMAT, "key": {**KEY, "cpu": "other"}, "entries": {"a": 9}}),
+           "stale": json.dumps({"format": FORMAT - 1, "key": KEY, "entries": {"a": 9}})}
+    for what, text in bad.items():
+        with open(c.path, "w") as f:
+            f.write(text)
+        loaded = c.load()
+        assert loaded.entries == {} and loaded.ignored, what
+        c.store({"a": 1})
+        assert c.load().entries == {"a": 1}, what
+
+
+WRITER = r'''
+import sys
+from gluon_amp_core.timing_cache import TimingCache
+c = TimingCache(sys.argv[1], {"cpu": "AMD EPYC", "flags": ["avx2", "avx512_bf16"], "threads": {"cpus": 2}})
+for i in range(200):
+    c.store({sys.argv[2]: i, "big": [sys.argv[2]] * 2000})
+    assert isinstance(c.load().entries, dict)
+'''
+
+
+def test_two_processes_writing_at_once_always_leave_a_whole_file(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), name], env=env,
+                              stderr=subprocess.PIPE, text=True) for name in ("one", "two")]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+    loaded = TimingCache(str(tmp_path), KEY).load()
+    assert loaded.ignored is None and loaded.entries["big"] in (["one"] * 2000, ["two"] * 2000)
+    assert {"one", "two"} & set(loaded.entries)
