@@ -23,6 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 #: the ops whose speedup AMP is for; every other op counts at its FP32 time in the ceiling
 LOW_PRECISION_OPS = ("Convolution", "FullyConnected", "Deconvolution", "dot", "batch_dot")
+#: AMP modes it can profile beside FP32 (``gluon_amp+tune``: ``init(tune=True)``)
+PROFILED = ("gluon_amp", "gluon_amp+tune", "mxnet-contrib")
 
 
 def op_name(profiled: str) -> str:
@@ -82,7 +84,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--impl", default="gluon_amp,mxnet-contrib", help="AMP modes to profile beside FP32")
+    p.add_argument("--impl", default="gluon_amp,mxnet-contrib",
+                   help=f"AMP modes to profile beside FP32, comma separated, from {', '.join(PROFILED)}")
     p.add_argument("--target-dtype", default="auto", choices=("auto", "float16", "bfloat16"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top", type=int, default=15, help="ops shown in the table (all in the JSON)")
@@ -92,8 +95,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.batch_size < 1:
         p.error(f"--batch-size must be >= 1, got {args.batch_size}")
     impls = [s.strip() for s in args.impl.split(",") if s.strip()]
-    if any(i not in ("gluon_amp", "mxnet-contrib") for i in impls):
-        p.error(f"--impl {args.impl!r}: choose from gluon_amp, mxnet-contrib")
+    if any(i not in PROFILED for i in impls):
+        p.error(f"--impl {args.impl!r}: choose from {', '.join(PROFILED)}")
     args.impls = impls
     return args
 

@@ -3,6 +3,7 @@
     python benchmarks/ssd_synthetic.py --amp                     # FP32 baseline and gluon_amp, interleaved
     python benchmarks/ssd_synthetic.py --amp --impl gluon_amp,mxnet-contrib
     python benchmarks/ssd_synthetic.py --amp --no-baseline --batch-size 8 --iters 50
+    python benchmarks/ssd_synthetic.py --amp --tune               # also gluon_amp with tune=True
     python benchmarks/ssd_synthetic.py --opt-level O1,O2,O3   # Apex opt levels (initialize), with FP32
 
 The workload is the tutorial's: GluonCV ``ssd_512_resnet50_v1_coco`` (``pretrained_base=False``,
@@ -13,8 +14,11 @@ With ``--amp`` an FP32 baseline runs in the same process (``--no-baseline`` drop
 mode is built from the same seed and the modes take turns, one iteration each, so drift on a
 busy machine hits them alike; the ratio is per-mode median throughput over FP32's.
 ``mxnet-contrib`` (the peer) patches MXNet for good, so it is built last. On a machine that
-cannot run the target dtype usefully (no bfloat16 kernels, or only emulated ones with
-``--target-dtype auto``), AMP modes are not run: FP32 runs alone and the reason is printed.
+cannot run the target dtype usefully (no bfloat16 kernels, only emulated ones, or bfloat16
+measured slower than float32 by gluon_amp's speed probe, with ``--target-dtype auto``), AMP
+modes are not run: FP32 runs alone and the reason, with the probe's figures, is printed.
+``--target-dtype bfloat16`` runs AMP there anyway. ``--tune`` adds ``gluon_amp+tune``:
+``init(tune=True)``, each op kept in float32 where it measured slower in the target dtype.
 stdout carries the log lines, a progress bar and the closing table; ``--json`` writes the
 full document.
 """
@@ -71,6 +75,8 @@ class ModeResult:
 
 #: Prefix of the --emulate modes' names: ``emulated-float16``, ``emulated-bfloat16``.
 EMULATED = "emulated-"
+#: The gluon_amp mode with ``tune=True``.
+TUNED = "gluon_amp+tune"
 
 
 def rss_mb() -> float:
@@ -116,11 +122,11 @@ class Mode:
         self.built = False  # the first step, inside the build, runs under the build's own AMP state
         rss0, t0 = rss_mb(), time.time()
         self.emulated = name.startswith(EMULATED)
-        if name == "gluon_amp" or self.emulated:
+        if name in ("gluon_amp", TUNED) or self.emulated:
             with warnings.catch_warnings():
                 # the FP32 mode's graph is cached on purpose: it must stay FP32
                 warnings.filterwarnings("ignore", message=".*cached its graph before gluon_amp.init")
-                with gluon_amp.autocast(target_dtype, emulate=self.emulated or None):
+                with gluon_amp.autocast(target_dtype, emulate=self.emulated or None, tune=(name == TUNED) or None):
                     self._build(seed)
                     self.scaler = gluon_amp.init_trainer(self.trainer)
                     self.step(record=False)  # the graph is cached on the first call, with AMP on
@@ -187,7 +193,7 @@ class Mode:
         with autograd.record():
             cls_pred, box_pred, _ = self.net(b.data)
             sum_loss, cls_loss, box_loss = self.loss_fn([cls_pred], [box_pred], [b.cls_targets], [b.box_targets])
-            if self.name == "gluon_amp" or self.name in OPT_LEVELS or self.emulated:
+            if self.name in ("gluon_amp", TUNED) or self.name in OPT_LEVELS or self.emulated:
                 with gluon_amp.scale_loss(sum_loss, self.trainer) as scaled:
                     autograd.backward(scaled)
             elif self.name == "mxnet-contrib":
@@ -233,7 +239,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--opt-level", default="",
                    help=f"Apex opt levels to run with gluon_amp.initialize, comma separated, from "
                         f"{', '.join(OPT_LEVELS)}; interleaved with the FP32 baseline")
-    p.add_argument("--target-dtype", default="auto", choices=("auto", "float16", "bfloat16"))
+    p.add_argument("--target-dtype", default="auto", choices=("auto", "float16", "bfloat16"),
+                   help="auto: what gluon_amp picks here (CPU flags and its measured speed probe); a dtype "
+                        "runs AMP even where it was measured slower")
+    p.add_argument("--tune", action="store_true",
+                   help="with --amp: also train gluon_amp with tune=True (ops kept in float32 where they "
+                        "measured slower in the target dtype, with their casts)")
     p.add_argument("--emulate", default="", metavar="DTYPES",
                    help="also train gluon_amp with emulate=True for these target dtypes (float16, "
                         "bfloat16, comma separated): the AMP plan in float32 with the target's rounding, "
@@ -266,6 +277,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                 "(comma separated, capital letter O)")
     if levels and (args.amp or args.compare) and "mxnet-contrib" in impls:
         p.error("--opt-level cannot run with --impl mxnet-contrib: the peer patches MXNet for good")
+    if args.tune and not (args.amp or args.compare):
+        p.error("--tune adds a gluon_amp mode: use it with --amp")
     if levels and args.horovod:
         p.error("--opt-level cannot run with --horovod (that mode trains the gluon_amp mode only)")
     args.opt_levels = levels
@@ -290,6 +303,8 @@ def plan_modes(args: argparse.Namespace) -> Tuple[List[str], str, Optional[str]]
     amp = args.amp or args.compare or bool(args.opt_levels)
     requested = None if args.target_dtype == "auto" else args.target_dtype
     res = gluon_amp.runtime.resolve(requested, warn=False)
+    if res.speed is not None:
+        logger.info("gluon_amp speed probe: %s; decision: %s", res.speed.describe(), res.dtype)
     skip_amp = None
     if amp and (res.dtype == "float32" or not res.executable):
         skip_amp = f"AMP was not run: {res.warning}"
@@ -299,6 +314,7 @@ def plan_modes(args: argparse.Namespace) -> Tuple[List[str], str, Optional[str]]
     if amp and not skip_amp:
         impls = args.impls if (args.amp or args.compare) else []
         names += [n for n in impls if n != "mxnet-contrib"]
+        names += [TUNED] if args.tune and (args.amp or args.compare) else []
         names += args.opt_levels
         names += [n for n in impls if n == "mxnet-contrib"]  # irreversible: built last
     if emulated:
@@ -435,6 +451,14 @@ def print_table(doc: Dict[str, Any]) -> None:
     print(f"\nSSD-512 ResNet-50 synthetic training, batch {doc['batch_size']}, {doc['ctx']}, "
           f"{doc['iters']} timed iterations (median), target {doc['target_dtype']}, "
           f"bf16 ISA: {doc['runtime']['bf16_isa']}")
+    speed = doc["runtime"]["speed"]
+    if "speedup" in speed:
+        print(f"gluon_amp speed probe ({speed['source']}{', ' + speed['path'] if speed['path'] else ''}): "
+              f"bfloat16 estimated {speed['speedup']:.2f}x float32; "
+              + ", ".join(f"{o['label']} {o['low_ms']:.1f} vs {o['fp32_ms']:.1f} ms" for o in speed["ops"][:3])
+              + f"; default target: {speed['decision']}")
+    else:
+        print(f"gluon_amp speed probe {speed['source']}; default target: {speed['decision']}")
     head = (f"{'mode':<18}{'samples/s':>10}{'s/iter':>9}{'vs fp32':>9}{'peak MB':>9}{'vs fp32':>9}{'CE':>8}"
             f"{'SmoothL1':>10}{'scale':>9}{'skipped':>8}")
     print(head)

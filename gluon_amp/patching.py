@@ -19,6 +19,7 @@ from gluon_amp_core.table import ConditionalSpec
 from . import mxnet_internals as mxi
 from .emulation import graph_rewriter
 from .policy_builder import as_policy
+from .speed.tuner import training_rewriter
 from .wrappers import ScalerRegistry, wrapper_for
 
 _log = logging.getLogger(__name__)
@@ -74,6 +75,11 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
     excluded_sym_names : list of str, optional
         Op node names (as in a hybridized block's graph, e.g. ``'dense0_fwd'``, and as
         :func:`gluon_amp.debug.bisect` returns them) kept in float32.
+    tune : bool, optional
+        ``True``: when a hybridized block first builds its graph, time each op the plan
+        runs low, forward and backward at the call's shapes, in both dtypes with the casts
+        it needs (cached per machine), and keep in float32 those not faster low.
+        :func:`gluon_amp.report` names them with their figures.
 
     Returns
     -------
@@ -103,11 +109,21 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
             return policy
         scalers = ScalerRegistry()
         patches = _patch_all(policy, scalers)
-        hooks = mxi.install_block_hooks(graph_rewriter(policy), _warn_stale)
+        rewrite = graph_rewriter(policy)
+        if policy.tune:
+            rewrite = _after(training_rewriter(policy), rewrite)
+        hooks = mxi.install_block_hooks(rewrite, _warn_stale)
         _active = _Active(policy, patches, hooks, scalers)
         _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
                   policy.describe(), len(_active.patches))
         return policy
+
+
+def _after(first: Callable, second: Callable) -> Callable:
+    """Two graph rewrites, one after the other."""
+    def rewrite(block: Any, args: tuple, inputs: Sequence[Any], out: Any) -> Any:
+        return second(block, args, inputs, first(block, args, inputs, out))
+    return rewrite
 
 
 def register_scaler(scaler: Any) -> None:

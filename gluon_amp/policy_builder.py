@@ -22,7 +22,8 @@ def make_policy(target_dtype: Any = None, *,
                 widest_type_ops: Optional[Sequence[str]] = None,
                 keep_batchnorm_fp32: Optional[bool] = None,
                 emulate: Optional[bool] = None,
-                excluded_sym_names: Optional[Sequence[str]] = None) -> Policy:
+                excluded_sym_names: Optional[Sequence[str]] = None,
+                tune: Optional[bool] = None) -> Policy:
     """A validated policy: ``target_dtype`` resolved for this machine (``None`` picks;
     see :func:`gluon_amp_core.capability.resolve_target`), op names checked against MXNet's
     mxi. Where no useful low precision exists the policy is float32 (AMP off) and a
@@ -30,10 +31,14 @@ def make_policy(target_dtype: Any = None, *,
 
     ``emulate=True`` runs the plan of ``target_dtype`` emulated in float32 on any CPU
     (``None`` then picks float16 with a GPU, else bfloat16); no capability warning.
-    ``excluded_sym_names`` keeps those op nodes in float32.
+    ``excluded_sym_names`` keeps those op nodes in float32. ``tune=True`` times each
+    low-precision op of a graph on this machine and keeps the slower ones in float32
+    (:mod:`gluon_amp.speed.tuner`).
     """
     if emulate not in (None, True, False):
         raise TypeError(f"emulate must be True, False or None, got {emulate!r}")
+    if tune not in (None, True, False):
+        raise TypeError(f"tune must be True, False or None, got {tune!r}")
     if emulate:
         dtype, reason = runtime.emulated_target(target_dtype), None
     else:
@@ -42,7 +47,7 @@ def make_policy(target_dtype: Any = None, *,
     return Policy.create(dtype, target_precision_ops=target_precision_ops,
                          conditional_fp32_ops=conditional_fp32_ops, fp32_ops=fp32_ops,
                          widest_type_ops=widest_type_ops, keep_batchnorm_fp32=keep_batchnorm_fp32,
-                         emulate=bool(emulate),
+                         emulate=bool(emulate), tune=bool(tune),
                          excluded_sym_names=excluded_sym_names, known_ops=mxi.op_infos().keys(),
                          aliases=mxi.aliases(), reason=reason)
 

@@ -14,7 +14,7 @@ from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
 from gluon_amp_core.emulate import REAL_DTYPE_ATTR, ROUND_SUFFIX
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import default_table
-from gluon_amp_core.walk import REASON_ATTR, walk
+from gluon_amp_core.walk import MEASURED_WHY_ATTR, REASON_ATTR, walk
 
 from . import mxnet_internals as mxi, runtime
 from .patching import current_policy
@@ -29,6 +29,8 @@ class OpRow:
     dtype: str
     reason: str
     emulated: bool = False
+    #: the tuner's figures, where the reason is ``measured``
+    detail: str = ""
 
 
 @dataclass
@@ -52,7 +54,7 @@ class Report:
         w = max([len(r.name) for r in self.rows] + [4])
         lines = [f"{'node':<{w}}  {'op':<22} {'dtype':<9} reason", "-" * (w + 45)]
         lines += [f"{r.name:<{w}}  {r.op:<22} {r.dtype:<9} {r.reason}" + " (emulated)" * r.emulated
-                  for r in self.rows]
+                  + (f": {r.detail}" if r.detail else "") for r in self.rows]
         lines += ["", f"ops by dtype:  {dict(sorted(self.totals_by_dtype.items()))}",
                   f"ops by reason: {dict(sorted(self.totals_by_reason.items()))}",
                   f"casts: {self.casts}  (target dtype {self.target_dtype}"
@@ -119,6 +121,7 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
         if rule is not None and reason.startswith("conditional"):
             reason += f" ({rule.attr}={node_attrs.get(rule.attr, 'default')})"
         real = node_attrs.get(REAL_DTYPE_ATTR)
-        rows.append(OpRow(nd.name, nd.op, real or by_name.get((nd.name, 0)) or "?", reason, real is not None))
+        rows.append(OpRow(nd.name, nd.op, real or by_name.get((nd.name, 0)) or "?", reason, real is not None,
+                          node_attrs.get(MEASURED_WHY_ATTR, "")))
     return Report(label, rows, casts, dict(Counter(r.dtype for r in rows)),
                   dict(Counter(r.reason.split(" ")[0] for r in rows)), any(r.emulated for r in rows))

@@ -1,8 +1,11 @@
-"""MXNet's type inference, asked for what gluon_amp needs: every output of a graph, and one
-op's rule for given input dtypes (what the graph pass plugs in)."""
+"""MXNet's type and shape inference, asked for what gluon_amp needs: every output's dtype
+and shape in a graph, and one op's type rule for given input dtypes (what the graph pass
+plugs in)."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 import re
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -38,14 +41,7 @@ def infer_dtypes(sym: Symbol, input_types: Mapping[str, Any],
         return None
     out: Dict[Tuple[str, int], Optional[str]] = {}
     for name, t in zip(internals.list_outputs(), out_types):
-        m = _MULTI.match(name)
-        if m:
-            key = (m.group(1), int(m.group(2)))
-        elif name.endswith("_output"):
-            key = (name[: -len("_output")], 0)
-        else:  # a variable
-            key = (name, 0)
-        out[key] = dtype_name(t) if t is not None else None
+        out[_entry_key(name)] = dtype_name(t) if t is not None else None
     return out
 
 
@@ -89,3 +85,28 @@ def _op_types(op: str, attrs: Tuple[Tuple[str, str], ...], in_dtypes: Tuple[Opti
     required = tuple(by_name.get(f"in{k}") for k in range(n))
     outs = tuple(t for name, t in by_name.items() if name.startswith("node_output"))
     return required, outs
+
+
+def infer_shapes(sym: Symbol, input_shapes: Mapping[str, Tuple[int, ...]]
+                 ) -> Dict[Tuple[str, int], Optional[Tuple[int, ...]]]:
+    """``{(node name, output index): shape}`` for every node of ``sym``, as far as MXNet
+    infers from ``input_shapes`` (names that are not inputs are ignored; unknown: None)."""
+    args = set(sym.list_inputs())
+    internals = sym.get_internals()
+    with contextlib.redirect_stdout(io.StringIO()):  # 1.9.1 prints what it cannot infer
+        _, out_shapes, _ = internals.infer_shape_partial(**{k: v for k, v in input_shapes.items() if k in args})
+    out: Dict[Tuple[str, int], Optional[Tuple[int, ...]]] = {}
+    for name, s in zip(internals.list_outputs(), out_shapes or ()):
+        known = tuple(s) if s and all(d > 0 for d in s) else None
+        out[_entry_key(name)] = known
+    return out
+
+
+def _entry_key(output: str) -> Tuple[str, int]:
+    """``'conv0_output'`` -> ``('conv0', 0)``, ``'split_output1'`` -> ``('split', 1)``, a variable -> (name, 0)."""
+    m = _MULTI.match(output)
+    if m:
+        return m.group(1), int(m.group(2))
+    if output.endswith("_output"):
+        return output[: -len("_output")], 0
+    return output, 0

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Tuple
 
 from .dtypes import FLOAT_DTYPES, widest
 from .table import OpClass, OpTable
@@ -21,6 +21,7 @@ class Reason(str, enum.Enum):
     WIDEST = "widest"
     NEUTRAL = "neutral"
     EXCLUDED = "excluded"
+    MEASURED = "measured"    # the tuner timed both dtypes here (gluon_amp_core.tune)
     CAST = "cast"            # amp_cast / amp_multicast: a cast node itself
     KEPT = "kept"            # a fused or quantized op: the dtypes it has in the FP32 graph
 
@@ -30,6 +31,40 @@ class Reason(str, enum.Enum):
 
 #: The cast ops AMP inserts (and users may write): they decide nothing themselves.
 CAST_OPS = frozenset({"amp_cast", "amp_multicast"})
+
+
+@dataclass(frozen=True)
+class MeasuredChoice:
+    """The dtype the tuner (:mod:`gluon_amp_core.tune`) gives one op node, and the figures
+    behind it (ms): data for :func:`decide`'s ``measured``.
+
+    ``low_ms``/``fp32_ms`` are the op's own times; ``cast_ms`` is what the casts around it
+    cost in the chosen dtype minus in the other one (its neighbours as chosen).
+    """
+
+    dtype: str
+    low_ms: float
+    fp32_ms: float
+    cast_ms: float
+    target: str
+    #: the whole graph's time (ms) without and with the change this choice belongs to
+    graph_ms: Optional[Tuple[float, float]] = None
+
+    def describe(self) -> str:
+        """e.g. ``float32: measured 2.0x slower in bfloat16 (409.00 vs 205.00 ms)``."""
+        low, fp32, t = self.low_ms, self.fp32_ms, self.target
+        if self.dtype == "float32":
+            if low >= fp32:
+                text = f"float32: measured {low / fp32:.1f}x slower in {t} ({low:.2f} vs {fp32:.2f} ms)"
+            else:
+                text = (f"float32: faster alone in {t} ({low:.2f} vs {fp32:.2f} ms), not with the casts it "
+                        f"would need (+{-self.cast_ms:.2f} ms)")
+        else:
+            text = f"{t}: measured faster with its casts ({low:.2f} vs {fp32:.2f} ms, casts {self.cast_ms:+.2f} ms)"
+        if self.graph_ms is not None:
+            before, after = self.graph_ms
+            text += f"; whole graph {before:.0f} -> {after:.0f} ms with this change"
+        return text
 
 
 @dataclass(frozen=True)
@@ -58,6 +93,7 @@ def decide(
     input_dtypes: Sequence[Optional[str]],
     table: OpTable,
     excluded: bool = False,
+    measured: Optional[str] = None,
 ) -> Decision:
     """Decide the compute dtype of one op.
 
@@ -72,6 +108,10 @@ def decide(
     table : OpTable
     excluded : bool
         The caller excluded this node by name: it runs in float32.
+    measured : str, optional
+        The dtype the tuner chose for this node from measured times (its speed table is
+        data for this rule: :mod:`gluon_amp_core.tune`). It overrides the op's class,
+        except where float32 is required (an fp32 op, or a conditional rule that applies).
     """
     name = table.canonical(op)
     if name in CAST_OPS:
@@ -80,14 +120,14 @@ def decide(
         return Decision("float32", Reason.EXCLUDED, table.keep_fp32_inputs.get(name, _EMPTY))
     op_class = table.classes.get(name, OpClass.NEUTRAL)
     keep = table.keep_fp32_inputs.get(name, _EMPTY)
+    if measured is not None and op_class is not OpClass.FP32 and not _rule_applies(table, name, attrs):
+        return Decision(measured, Reason.MEASURED, keep)
     if op_class is OpClass.LOW_PRECISION:
         return Decision(table.target_dtype, Reason.LOW_PRECISION, keep)
     if op_class is OpClass.FP32:
         return Decision("float32", Reason.FP32, keep)
     if op_class is OpClass.CONDITIONAL_FP32:
-        rule = table.conditions[name]
-        value = attrs.get(rule.attr)
-        if value is not None and str(value) in rule.values:
+        if _rule_applies(table, name, attrs):
             return Decision("float32", Reason.CONDITIONAL_FP32, keep)
         return Decision(None, Reason.CONDITIONAL_NEUTRAL, keep)
     if op_class is OpClass.WIDEST:
@@ -96,3 +136,12 @@ def decide(
             return Decision(None, Reason.WIDEST, keep)
         return Decision(widest(floats), Reason.WIDEST, keep)
     return Decision(None, Reason.NEUTRAL, keep)
+
+
+def _rule_applies(table: OpTable, name: str, attrs: Mapping[str, object]) -> bool:
+    """True when a conditional-fp32 op's attribute takes one of its float32 values."""
+    rule = table.conditions.get(name)
+    if rule is None or table.classes.get(name) is not OpClass.CONDITIONAL_FP32:
+        return False
+    value = attrs.get(rule.attr)
+    return value is not None and str(value) in rule.values

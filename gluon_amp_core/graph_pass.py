@@ -11,12 +11,13 @@ graph (the user's ``amp_cast``/``amp_multicast``, an explicit ``Cast``) are kept
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .decide import CAST_OPS, Decision, Reason
+from .decide import CAST_OPS, Decision, MeasuredChoice, Reason
 from .dtypes import CODE_DTYPE, DTYPE_CODE, FLOAT_DTYPES, LOW_PRECISION_DTYPES, widest
 from .policy import Policy
-from .walk import REASON_ATTR, Entry, NodeDecision, walk
+from .walk import REASON_ATTR, Entry, NodeDecision, measured_attrs, walk
 
 #: ``op_types(op, attrs, input dtypes)`` -> (dtype each input must have, output dtypes), or
 #: None when the op cannot be typed with those inputs. ``None`` in the input dtypes means
@@ -110,7 +111,8 @@ def convert_graph(graph: dict, policy: Policy, input_names: Sequence[str],
                   var_dtypes: Mapping[str, str], op_types: OpTypes,
                   op_inputs: Mapping[str, Sequence[str]], excluded: Collection[str] = (),
                   cast_optional_params: bool = False, float32_outputs: bool = True,
-                  fp32_types: Optional[Mapping[Tuple[str, int], Optional[str]]] = None) -> PassResult:
+                  fp32_types: Optional[Mapping[Tuple[str, int], Optional[str]]] = None,
+                  measured: Mapping[str, MeasuredChoice] = MappingProxyType({})) -> PassResult:
     """Insert casts so every op runs in the dtype the policy gives it.
 
     Parameters
@@ -149,7 +151,8 @@ def convert_graph(graph: dict, policy: Policy, input_names: Sequence[str],
             if node["name"] not in data:
                 params.add(index[i])
     decisions = []
-    for nd in walk(graph["nodes"], policy.table, lambda e: b.dtypes.get((index[e[0]], e[1])), excluded):
+    chosen = {n: c.dtype for n, c in measured.items()}
+    for nd in walk(graph["nodes"], policy.table, lambda e: b.dtypes.get((index[e[0]], e[1])), excluded, chosen):
         node = graph["nodes"][nd.index]
         inputs = [(index[e[0]], e[1]) for e in node["inputs"]]
         names = op_inputs.get(node["op"], ())
@@ -160,7 +163,8 @@ def convert_graph(graph: dict, policy: Policy, input_names: Sequence[str],
             kept = [k < len(names) and names[k] in nd.decision.keep_fp32 for k in range(len(inputs))]
             new_inputs, outs = _type_node(b, node, nd.decision, inputs, kept, params, op_types)
         new_node = {**node, "inputs": [[e[0], e[1], 0] for e in new_inputs],
-                    "attrs": {**node.get("attrs", {}), REASON_ATTR: nd.reason.value}}
+                    "attrs": {**node.get("attrs", {}), REASON_ATTR: nd.reason.value,
+                              **measured_attrs(measured.get(nd.name) if nd.reason is Reason.MEASURED else None)}}
         index[nd.index] = j = b.add(new_node)
         for k, t in enumerate(outs):
             b.dtypes[(j, k)] = t

@@ -34,6 +34,9 @@ class Policy:
         target dtype rounded to it (:mod:`gluon_amp_core.emulate`). Same decisions.
     excluded_sym_names : tuple of str or None
         Op node names kept in float32 (as ``excluded_sym_names`` of the converters).
+    tune : bool
+        Time each low-precision op of a graph in both dtypes, with its casts, on this
+        machine, and keep in float32 those not faster low (:mod:`gluon_amp_core.tune`).
     table : OpTable or None
         The op table these settings give, checked against the registry it was built with.
     reason : str or None
@@ -48,6 +51,7 @@ class Policy:
     keep_batchnorm_fp32: Optional[bool] = None
     emulate: bool = False
     excluded_sym_names: Optional[Tuple[str, ...]] = None
+    tune: bool = False
     table: Optional[OpTable] = field(default=None, compare=False, repr=False)
     reason: Optional[str] = field(default=None, compare=False)
 
@@ -64,6 +68,7 @@ class Policy:
                keep_batchnorm_fp32: Optional[bool] = None,
                emulate: bool = False,
                excluded_sym_names: Optional[Sequence[str]] = None,
+               tune: bool = False,
                known_ops: Optional[Iterable[str]] = None,
                aliases: Optional[Mapping[str, str]] = None,
                reason: Optional[str] = None) -> "Policy":
@@ -84,6 +89,11 @@ class Policy:
             raise TypeError(f"keep_batchnorm_fp32 must be True, False or None, got {keep_batchnorm_fp32!r}")
         if not isinstance(emulate, bool):
             raise TypeError(f"emulate must be True or False, got {emulate!r}")
+        if not isinstance(tune, bool):
+            raise TypeError(f"tune must be True or False, got {tune!r}")
+        if tune and emulate:
+            raise ValueError("tune=True with emulate=True: emulation runs every op in float32, so there is "
+                             "no speed to tune; drop one of them (tune on hardware with the target's kernels).")
         excluded = None if excluded_sym_names is None else _node_names(excluded_sym_names)
         if target_dtype == FLOAT32:
             return cls(FLOAT32, **lists, keep_batchnorm_fp32=keep_batchnorm_fp32,
@@ -91,7 +101,7 @@ class Policy:
         table = build_table(parse_target_dtype(target_dtype), **lists, keep_batchnorm_fp32=keep_batchnorm_fp32,
                             known_ops=known_ops, aliases=aliases)
         return cls(table.target_dtype, **lists, keep_batchnorm_fp32=keep_batchnorm_fp32, emulate=emulate,
-                   excluded_sym_names=excluded, table=table)
+                   excluded_sym_names=excluded, tune=tune, table=table)
 
     @property
     def excluded(self) -> frozenset:
@@ -106,6 +116,7 @@ class Policy:
                                  "widest_type_ops", "keep_batchnorm_fp32", "excluded_sym_names")
                      if getattr(self, n) is not None]
         return (self.target_dtype + " (emulated in float32)" * self.emulate
+                + " (tuned per op by measured speed)" * self.tune
                 + (f" with {', '.join(overrides)}" if overrides else ""))
 
 

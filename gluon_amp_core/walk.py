@@ -6,15 +6,27 @@ read the same decision for the same node.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Collection, Iterator, Optional, Sequence, Tuple
+from types import MappingProxyType
+from typing import Callable, Collection, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
-from .decide import Decision, Reason, decide
+from .decide import Decision, MeasuredChoice, Reason, decide
 from .table import OpTable
 
 Entry = Tuple[int, int]  # (node index, output index)
+_NONE: Mapping[str, str] = MappingProxyType({})
 
 #: Node attribute where the converter records its decision's reason.
 REASON_ATTR = "__amp_reason__"
+#: Node attributes of a tuner's choice: the dtype, and its figures in words.
+MEASURED_ATTR = "__amp_measured__"
+MEASURED_WHY_ATTR = "__amp_measured_why__"
+
+
+def measured_attrs(choice: Optional[MeasuredChoice]) -> Dict[str, str]:
+    """The node attributes that record a tuner's choice (none for ``None``)."""
+    if choice is None:
+        return {}
+    return {REASON_ATTR: Reason.MEASURED.value, MEASURED_ATTR: choice.dtype, MEASURED_WHY_ATTR: choice.describe()}
 
 
 @dataclass(frozen=True)
@@ -33,13 +45,14 @@ class NodeDecision:
 
 
 def walk(nodes: Sequence[dict], table: OpTable, dtype_of: Callable[[Entry], Optional[str]],
-         excluded: Collection[str] = ()) -> Iterator[NodeDecision]:
+         excluded: Collection[str] = (), measured: Mapping[str, str] = _NONE) -> Iterator[NodeDecision]:
     """Yield a :class:`NodeDecision` for every op node, in graph (topological) order.
 
     ``dtype_of((node, output))`` gives the dtype of an input, or ``None`` when unknown. It
     is called when the node is reached, so a caller may fill it in as it goes (the
     converter does). A node named in ``excluded``, or marked excluded by an earlier
-    conversion, runs in float32.
+    conversion, runs in float32. ``measured`` maps node names to the dtype the tuner chose;
+    a node whose attributes record such a choice (:data:`MEASURED_ATTR`) keeps it.
     """
     for i, node in enumerate(nodes):
         if node["op"] == "null":
@@ -47,5 +60,6 @@ def walk(nodes: Sequence[dict], table: OpTable, dtype_of: Callable[[Entry], Opti
         attrs = node.get("attrs", {})
         in_types = tuple(dtype_of((e[0], e[1])) for e in node["inputs"])
         is_excluded = node["name"] in excluded or attrs.get(REASON_ATTR) == Reason.EXCLUDED.value
+        chosen = measured.get(node["name"]) or attrs.get(MEASURED_ATTR)
         yield NodeDecision(i, node["name"], node["op"], in_types,
-                           decide(node["op"], attrs, in_types, table, excluded=is_excluded))
+                           decide(node["op"], attrs, in_types, table, excluded=is_excluded, measured=chosen))

@@ -5,13 +5,14 @@ import difflib
 import json
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import mxnet as mx
 from mxnet.gluon import HybridBlock, SymbolBlock
 from mxnet.symbol import Symbol
 
-from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
+from gluon_amp_core.decide import MeasuredChoice
+from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.graph_pass import PassResult, convert_graph, is_kept, parameter_only_inputs
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec, check_name_list
@@ -19,6 +20,7 @@ from gluon_amp_core.table import ConditionalSpec, check_name_list
 from .. import mxnet_internals as mxi, runtime
 from ..emulation import emulate_symbol, round_nd
 from ..policy_builder import as_policy
+from ..speed.tuner import tune_graph
 from ..type_inference import infer_dtypes, op_types
 from .fold import fold_batch_norm
 
@@ -81,11 +83,13 @@ def _data_names(clean: Symbol, data_names: Any, graph: dict,
 
 def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = None,
                         data_names: Any = None, cast_optional_params: bool = False,
-                        param_dtypes: Optional[Dict[str, str]] = None) -> Tuple[Symbol, PassResult]:
+                        param_dtypes: Optional[Dict[str, str]] = None,
+                        measured: Optional[Mapping[str, MeasuredChoice]] = None) -> Tuple[Symbol, PassResult]:
     """Convert ``sym`` as ``policy`` says; also return what the pass did (casts, decisions).
 
     With ``policy.emulate`` the returned graph is the emulated one (float32, rounded where
-    the plan holds low precision) and ``result.dtypes`` stays the plan's."""
+    the plan holds low precision) and ``result.dtypes`` stays the plan's. ``measured``
+    holds the tuner's choices (:func:`_tuned`)."""
     if not isinstance(sym, Symbol):
         raise TypeError(f"convert_symbol expects an mxnet Symbol, got {type(sym).__name__}")
     excluded = sorted(set(_names("excluded_sym_names", excluded_sym_names, "op node names")) | policy.excluded)
@@ -98,7 +102,7 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
     data_names = _data_names(sym, data_names, graph, op_inputs)
     fp32_types = _fp32_types(sym, data_names, param_dtypes or {})
     result = convert_graph(graph, policy, data_names, _var_dtypes(sym, fp32_types), op_types, op_inputs,
-                           excluded, cast_optional_params, fp32_types=fp32_types)
+                           excluded, cast_optional_params, fp32_types=fp32_types, measured=measured or {})
     converted = mx.sym.load_json(json.dumps(result.graph))
     _verify(converted, result, data_names)
     if policy.emulate:
@@ -121,10 +125,10 @@ def _verify(sym: Symbol, result: PassResult, data_names: Sequence[str]) -> None:
 
 
 def _policy(target_dtype: Any, target_dtype_ops: Any, fp32_ops: Any, conditional_fp32_ops: Any,
-            widest_type_ops: Any, keep_batchnorm_fp32: Any, emulate: Any = None) -> Policy:
+            widest_type_ops: Any, keep_batchnorm_fp32: Any, emulate: Any = None, tune: Any = None) -> Policy:
     return as_policy(target_dtype, target_precision_ops=target_dtype_ops, fp32_ops=fp32_ops,
                      conditional_fp32_ops=conditional_fp32_ops, widest_type_ops=widest_type_ops,
-                     keep_batchnorm_fp32=keep_batchnorm_fp32, emulate=emulate)
+                     keep_batchnorm_fp32=keep_batchnorm_fp32, emulate=emulate, tune=tune)
 
 
 def convert_symbol(sym: Symbol, target_dtype: Any = None, target_dtype_ops: Optional[Sequence[str]] = None,
@@ -184,31 +188,78 @@ def convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params:
                   target_dtype: Any = None, target_dtype_ops=None, fp32_ops=None,
                   conditional_fp32_ops=None, excluded_sym_names=None,
                   cast_optional_params: bool = False, *, widest_type_ops=None,
-                  keep_batchnorm_fp32: Optional[bool] = None, emulate: Optional[bool] = None):
+                  keep_batchnorm_fp32: Optional[bool] = None, emulate: Optional[bool] = None,
+                  tune: Optional[bool] = None, input_shapes: Optional[Mapping[str, Sequence[int]]] = None):
     """Convert an FP32 model; return new ``(sym, arg_params, aux_params)``.
 
     Arguments as for :func:`convert_symbol`. The caller's dicts and arrays are not
     modified: the returned dicts hold copies, cast where the converted graph stores a
     parameter in another dtype (emulated: float32 copies rounded to that dtype).
+    ``tune=True`` times the converted model's low-precision ops on this machine at
+    ``input_shapes`` (data input name -> shape, required then) and keeps in float32 those
+    that do not make the whole model faster in the target dtype (see :func:`gluon_amp.init`).
     """
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
-                     widest_type_ops, keep_batchnorm_fp32, emulate)
-    return _convert_model(sym, arg_params, aux_params, policy, excluded_sym_names, cast_optional_params)[:3]
+                     widest_type_ops, keep_batchnorm_fp32, emulate, tune)
+    return _convert_model(sym, arg_params, aux_params, policy, excluded_sym_names, cast_optional_params,
+                          input_shapes)[:3]
 
 
 def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params: Dict[str, mx.nd.NDArray],
-                   policy: Policy, excluded_sym_names: Any, cast_optional_params: bool):
+                   policy: Policy, excluded_sym_names: Any, cast_optional_params: bool,
+                   input_shapes: Optional[Mapping[str, Sequence[int]]] = None, fused: bool = False):
     _check_params("arg_params", arg_params)
     _check_params("aux_params", aux_params)
     names = set(arg_params) | set(aux_params)
     data_names = [n for n in sym.list_inputs() if n not in names]
     types = {k: dtype_name(v.dtype) for k, v in {**arg_params, **aux_params}.items()}
+    shapes = _check_input_shapes(input_shapes, data_names, policy)
+    measured = None
+    if policy.tune and policy.enabled:
+        def convert(choices: Optional[Mapping[str, MeasuredChoice]] = None) -> Symbol:
+            return convert_with_policy(sym, policy, excluded_sym_names, data_names, cast_optional_params,
+                                       param_dtypes=types, measured=choices)[0]
+
+        plan = convert()
+        known = {**{n: "float32" for n in data_names}, **_stored_dtypes(plan)}
+        measured = tune_graph(plan, known, shapes, policy, False, convert, fused)[0].choices
     new_sym, result = convert_with_policy(sym, policy, excluded_sym_names, data_names,
-                                          cast_optional_params, param_dtypes=types)
+                                          cast_optional_params, param_dtypes=types, measured=measured)
     emu = policy.emulate
     new_args = {k: _cast_array(v, result.param_dtypes.get(k, types[k]), emu) for k, v in arg_params.items()}
     new_aux = {k: _cast_array(v, result.param_dtypes.get(k, types[k]), emu) for k, v in aux_params.items()}
     return new_sym, new_args, new_aux, result
+
+
+def _check_input_shapes(input_shapes: Any, data_names: Sequence[str], policy: Policy) -> Dict[str, Tuple[int, ...]]:
+    """``input_shapes`` as ``{name: tuple of int}``; required, for every data input, with tuning."""
+    if input_shapes is None:
+        if policy.tune and policy.enabled:
+            raise ValueError(f"tune=True times the model at the shapes it will run with: pass input_shapes="
+                             f"{{{', '.join(repr(n) + ': (batch, ...)' for n in data_names)}}}")
+        return {}
+    if not isinstance(input_shapes, Mapping):
+        raise TypeError(f"input_shapes must be a dict of input name -> shape, got {type(input_shapes).__name__}")
+    unknown = sorted(set(input_shapes) - set(data_names))
+    missing = sorted(set(data_names) - set(input_shapes))
+    if unknown or missing:
+        raise ValueError(f"input_shapes must name exactly the data inputs {list(data_names)}; "
+                         + "; ".join(f"{what}: {names}" for what, names in (("unknown", unknown), ("missing", missing))
+                                     if names))
+    out = {}
+    for name, shape in input_shapes.items():
+        if (not isinstance(shape, (tuple, list)) or not shape
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+            raise ValueError(f"input_shapes[{name!r}] must be a tuple of positive ints, got {shape!r}")
+        out[name] = tuple(shape)
+    return out
+
+
+def _stored_dtypes(sym: Symbol) -> Dict[str, str]:
+    """The dtypes a converted graph declares for its parameters (``__dtype__``)."""
+    attrs = sym.attr_dict()
+    return {n: CODE_DTYPE[int(a["__dtype__"])] for n, a in attrs.items()
+            if "__dtype__" in a and int(a["__dtype__"]) in CODE_DTYPE and n in sym.list_inputs()}
 
 
 class MixedPrecisionBlock(SymbolBlock):
@@ -270,7 +321,9 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
                          ctx: Optional[mx.Context] = None,
                          cast_optional_params: bool = False, *, widest_type_ops=None,
                          keep_batchnorm_fp32: Optional[bool] = None,
-                         fuse: Optional[bool] = None, emulate: Optional[bool] = None) -> SymbolBlock:
+                         fuse: Optional[bool] = None, emulate: Optional[bool] = None,
+                         tune: Optional[bool] = None,
+                         input_shapes: Optional[Mapping[str, Sequence[int]]] = None) -> SymbolBlock:
     """Convert a hybridized FP32 block into a mixed-precision :class:`MixedPrecisionBlock`.
 
     The block must have been hybridized and run once (its graph is read from the cache).
@@ -284,12 +337,15 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     arguments as for :func:`convert_symbol`. The result's ``export`` keeps the cast
     nodes, and its ``amp_result`` holds the pass's per-node decisions (read by ``report``).
     ``emulate=True`` returns the plan emulated in float32 (never fused): it runs on any CPU.
+    ``tune=True`` (with ``input_shapes``, e.g. ``{'data': (16, 3, 224, 224)}``) keeps in
+    float32 the ops that do not make the model faster in the target dtype on this machine,
+    measured (see :func:`convert_model`); ``report(result)`` names them with their figures.
     """
     if not isinstance(block, HybridBlock):
         raise TypeError(f"convert_hybrid_block expects a gluon HybridBlock, got {type(block).__name__}")
     inputs, sym = mxi.cached_graph(block, "convert_hybrid_block")
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
-                     widest_type_ops, keep_batchnorm_fp32, emulate)
+                     widest_type_ops, keep_batchnorm_fp32, emulate, tune)
     params = {p.name: p for p in block.collect_params().values()}
     if ctx is None:
         ctx = next(iter(params.values())).list_ctx()[0] if params else mx.current_context()
@@ -300,8 +356,8 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     aux_params = {n: params[n].data(params[n].list_ctx()[0]) for n in aux_names if n in params}
     if plan.fold:
         arg_params, aux_params, _ = fold_batch_norm(sym, arg_params, aux_params)
-    new_sym, new_args, new_aux, result = _convert_model(sym, arg_params, aux_params, policy,
-                                                        excluded_sym_names, cast_optional_params)
+    new_sym, new_args, new_aux, result = _convert_model(sym, arg_params, aux_params, policy, excluded_sym_names,
+                                                        cast_optional_params, input_shapes, backend is not None)
     data_vars = [mx.sym.var(i.name, dtype="float32") for i in inputs]
     out = MixedPrecisionBlock(new_sym, data_vars)
     out.amp_result, out.fuse_backend = result, backend

@@ -1,0 +1,208 @@
+"""Precision per layer by timing: MXNet's side of :mod:`gluon_amp_core.tune`.
+
+For a graph and the shapes it runs with: MXNet infers every entry's dtype and shape, the
+core lists what to time, this module times what the speed table (the machine's timing
+cache) does not hold yet, and the core chooses. ``init(tune=True)`` applies the choices to
+each hybridized block's training graph when it is first built (:func:`training_rewriter`);
+``convert_hybrid_block(..., tune=True)`` passes them to the converter.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+
+import mxnet as mx
+from mxnet.gluon import HybridBlock
+from mxnet.ndarray import NDArray
+from mxnet.symbol import Symbol
+
+from gluon_amp_core.decide import MeasuredChoice
+from gluon_amp_core.dtypes import dtype_name
+from gluon_amp_core.policy import Policy
+from gluon_amp_core.retype import retype
+from gluon_amp_core.timing_cache import TimingCache
+from gluon_amp_core.tune import Problem, choose, groups, problem
+
+from .. import mxnet_internals as mxi, runtime
+from ..type_inference import infer_dtypes, infer_shapes
+from .timing import time_graph, time_op
+
+_log = logging.getLogger(__name__)
+_PREFIX = "op/"
+
+
+@dataclass
+class Tuning:
+    """What one tuning did: the choices, how many measurements it made or read, its cost."""
+
+    choices: Dict[str, MeasuredChoice] = field(default_factory=dict)
+    timed: int = 0
+    cached: int = 0
+    seconds: float = 0.0
+    #: whole-graph trials: (the change tried, its ms), the plan first
+    trials: list = field(default_factory=list)
+
+
+def measure(prob: Problem, cache: TimingCache) -> Tuple[Dict[str, Optional[float]], int, int]:
+    """Times of everything ``prob`` needs, from ``cache`` or measured now (and stored).
+
+    Returns the times, how many were measured and how many read. A failure to run an op
+    is stored too (as ``None``), so it is not tried again.
+    """
+    stored = cache.load().entries
+    times: Dict[str, Optional[float]] = {}
+    new: Dict[str, Optional[float]] = {}
+    for t in prob.to_time():
+        if _PREFIX + t.key in stored:
+            times[t.key] = stored[_PREFIX + t.key]
+        else:
+            new[_PREFIX + t.key] = times[t.key] = time_op(t.op, dict(t.attrs), t.shapes, t.dtypes, t.train)
+    if new:
+        _store(cache, new)
+    return times, len(new), len(prob.to_time()) - len(new)
+
+
+#: Groups of changes tried on the whole graph, at most; and by how much a change must
+#: speed the whole graph up to be kept (timing noise on a shared machine is a few percent).
+MAX_TRIALS = 4
+MIN_GAIN = 0.03
+
+
+def signature(graph: dict, shapes: Mapping[str, Tuple[int, ...]], dtypes: Mapping[str, str],
+              train: bool, fused: bool) -> str:
+    """A key for a graph's tuning that survives renaming: ops, attributes and wiring by
+    position (Gluon's name prefixes count instances), input shapes and dtypes, mode."""
+    ops = [[n["op"], sorted((k, str(v)) for k, v in n.get("attrs", {}).items() if not k.startswith("__")),
+            [e[:2] for e in n["inputs"]]] for n in graph["nodes"]]
+    text = json.dumps([ops, graph["heads"], sorted((k, list(v)) for k, v in shapes.items()),
+                       sorted(dtypes.items()), train, fused], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def tune_graph(sym: Symbol, input_dtypes: Mapping[str, str], input_shapes: Mapping[str, Tuple[int, ...]],
+               policy: Policy, train: bool, apply: Callable[[Mapping[str, MeasuredChoice]], Symbol],
+               fused: bool = False) -> Tuple[Tuning, Dict[Tuple[str, int], Optional[str]]]:
+    """Choose dtypes for ``sym``'s low-precision ops (typed by the plan) by measured speed.
+
+    The per-op speed table and :func:`gluon_amp_core.tune.choose` propose; each group of
+    proposals (by op, :func:`gluon_amp_core.tune.groups`) is kept only if the whole graph
+    with it (``apply(choices)``, bound and run as in training or inference) is at least
+    :data:`MIN_GAIN` faster. The outcome is cached per graph and machine. Returns the
+    tuning and the graph's dtypes as MXNet infers them.
+    """
+    t0 = time.perf_counter()
+    dtypes = infer_dtypes(sym, input_dtypes, partial=True) or {}
+    shapes = infer_shapes(sym, input_shapes)
+    graph = json.loads(sym.tojson(remove_amp_cast=False))
+    op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
+    prob = problem(graph["nodes"], graph["heads"], dtypes, shapes, policy.table, op_inputs, train, policy.excluded)
+    cache = runtime.timing_cache()
+    times, timed, cached = measure(prob, cache)
+    proposals = choose(prob, times)
+    tuning = Tuning({}, timed, cached)
+    if proposals:
+        key = "graph/" + signature(graph, input_shapes, dict(input_dtypes), train, fused)
+        names = [n["name"] for n in graph["nodes"]]
+        stored = cache.load().entries.get(key)
+        if isinstance(stored, dict) and all(isinstance(i, int) and 0 <= i < len(names) for i in map(int, stored)):
+            tuning.choices = {names[int(i)]: MeasuredChoice(*v[:5], graph_ms=tuple(v[5]) if v[5] else None)
+                              for i, v in stored.items()}
+            tuning.cached += 1
+        else:
+            tuning.choices, tuning.trials = _trials(prob, proposals, apply, input_shapes, train, fused, sym)
+            position = {n: i for i, n in enumerate(names)}
+            if tuning.trials[0][1] is not None:  # the plan ran: the outcome is worth keeping
+                _store(cache, {key: {str(position[n]): [c.dtype, c.low_ms, c.fp32_ms, c.cast_ms, c.target,
+                                                        list(c.graph_ms) if c.graph_ms else None]
+                                     for n, c in tuning.choices.items()}})
+    tuning.seconds = time.perf_counter() - t0
+    _log.info("gluon_amp tune: %d ops timed in both dtypes (%d measurements made, %d read), %d changes "
+              "proposed, %d kept after whole-graph trials %s, in %.1f s", len(prob.candidates), timed, cached,
+              len(proposals), len(tuning.choices), tuning.trials, tuning.seconds)
+    for name, c in sorted(tuning.choices.items()):
+        _log.info("gluon_amp tune: %s %s", name, c.describe())
+    return tuning, dtypes
+
+
+def _trials(prob: Problem, proposals: Mapping[str, MeasuredChoice], apply: Callable, shapes: Mapping,
+            train: bool, fused: bool, sym: Symbol) -> Tuple[Dict[str, MeasuredChoice], list]:
+    """Keep each group of proposals that makes the whole graph faster, greedily."""
+    best = time_graph(sym, shapes, train, fused)
+    kept: Dict[str, MeasuredChoice] = {}
+    log = [("plan", round(best, 1) if best else None)]
+    if best is None:
+        return kept, log
+    for op, group in groups(prob, proposals)[:MAX_TRIALS]:
+        trial = {**kept, **group}
+        t = time_graph(apply(trial), shapes, train, fused)
+        log.append((op, round(t, 1) if t else None))
+        if t is not None and t < best * (1 - MIN_GAIN):
+            kept = {**kept, **{n: replace(c, graph_ms=(best, t)) for n, c in group.items()}}
+            best = t
+    return kept, log
+
+
+def _store(cache: TimingCache, entries: Mapping[str, Any]) -> None:
+    try:
+        cache.store(entries)
+    except OSError as exc:
+        _log.info("gluon_amp: could not write %s (%s); measured again next time", cache.path, exc)
+
+
+def _flat(args: Any) -> list:
+    if isinstance(args, (list, tuple)):
+        return [x for a in args for x in _flat(a)]
+    return [args]
+
+
+def training_rewriter(policy: Policy) -> Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], Symbol]:
+    """What ``init(tune=True)`` hooks into every HybridBlock's first graph build: the
+    traced training graph, with the ops not faster low kept in float32 (measured forward
+    and backward for the call's shapes). A graph the choices cannot be applied to cleanly
+    runs as traced, with a warning."""
+
+    def rewrite(block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> Symbol:
+        arrays = [a for a in _flat(args) if isinstance(a, NDArray)]
+        if not arrays or any(a.context.device_type != "cpu" for a in arrays):
+            return out  # GPUs: float16 is taken as fast; nothing here times them
+        known = {v.name: mxi.FLOAT_NAMES.get(a.dtype) or dtype_name(a.dtype) for v, a in zip(inputs, arrays)}
+        for p in block.collect_params().values():
+            if p.dtype is not None:
+                known.setdefault(p.name, dtype_name(p.dtype))
+        shapes = {v.name: a.shape for v, a in zip(inputs, arrays)}
+        traced = json.loads(out.tojson(remove_amp_cast=False))
+        op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
+        typed: Dict[Tuple[str, int], Optional[str]] = {}
+
+        def apply(choices: Mapping[str, MeasuredChoice]) -> Symbol:
+            return mx.sym.load_json(json.dumps(retype(traced, choices, typed, policy.table, op_inputs)))
+
+        typed.update(infer_dtypes(out, known, partial=True) or {})
+        tuning, _ = tune_graph(out, known, shapes, policy, True, apply)
+        block.amp_tuning = tuning
+        if not tuning.choices:
+            return out
+        tuned = apply(tuning.choices)
+        wrong = _check(tuned, known, tuning.choices)
+        if wrong:
+            warnings.warn(f"gluon_amp: tune=True could not apply its choices to block {block.name!r} "
+                          f"({wrong[:3]}); it runs the untuned plan. Please report this with the model.",
+                          RuntimeWarning, stacklevel=4)
+            return out
+        return tuned
+
+    return rewrite
+
+
+def _check(sym: Symbol, input_dtypes: Mapping[str, str], choices: Mapping[str, MeasuredChoice]) -> list:
+    """What MXNet's type inference disagrees with: each chosen node's output dtype."""
+    inferred = infer_dtypes(sym, input_dtypes)
+    if inferred is None:
+        return ["the tuned graph does not type-check"]
+    return [f"{n}: {inferred.get((n, 0))}, want {c.dtype}" for n, c in choices.items()
+            if inferred.get((n, 0)) != c.dtype]
