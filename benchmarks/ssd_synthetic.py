@@ -455,7 +455,7 @@ def print_table(doc: Dict[str, Any]) -> None:
     if "speedup" in speed:
         print(f"gluon_amp speed probe ({speed['source']}{', ' + speed['path'] if speed['path'] else ''}): "
               f"bfloat16 estimated {speed['speedup']:.2f}x float32; "
-              + ", ".join(f"{o['label']} {o['low_ms']:.1f} vs {o['fp32_ms']:.1f} ms" for o in speed["ops"][:3])
+              + ", ".join(f"{o['label']} {o['low_ms']:.1f} vs {o['fp32_ms']:.1f} ms" for o in speed["items"])
               + f"; default target: {speed['decision']}")
     else:
         print(f"gluon_amp speed probe {speed['source']}; default target: {speed['decision']}")

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 from collections import Counter
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
 
@@ -39,11 +39,29 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--emulate", action="store_true",
                         help="write the plan emulated in float32 (runs on any CPU; values rounded to the "
                              "target dtype wherever the plan holds it); auto picks bfloat16 on a CPU")
+    parser.add_argument("--tune", action="store_true",
+                        help="time the converted model's low-precision ops on this machine and keep in float32 "
+                             "those that do not make the whole model faster (needs --input-shape)")
+    parser.add_argument("--input-shape", action="append", default=[], metavar="NAME=D1,D2,...",
+                        type=_shape_arg, help="shape of a data input the model will run with, e.g. "
+                                               "data=16,3,224,224 (repeatable; required by --tune)")
     parser.add_argument("--no-fuse", action="store_true",
                         help="write the plain graph (default for bfloat16 with a oneDNN build of MXNet: "
                              "fold batch norm into the convolutions in float32 and write the graph "
                              "partitioned by MXNet's oneDNN backend, conv+BN+ReLU+sum fused)")
     return parser
+
+
+def _shape_arg(text: str) -> Tuple[str, Tuple[int, ...]]:
+    name, sep, dims = text.partition("=")
+    try:
+        shape = tuple(int(d) for d in dims.split(","))
+    except ValueError:
+        shape = ()
+    if not sep or not name or not shape or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=D1,D2,... with positive integers, "
+                                         "e.g. data=16,3,224,224")
+    return name, shape
 
 
 def _path_error(args: argparse.Namespace) -> Optional[str]:
@@ -78,6 +96,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         resolution = runtime.resolve(requested, warn=False)
     if resolution.warning:
         print(resolution.warning)
+    elif resolution.speed is not None:
+        print(f"gluon_amp speed probe: {resolution.speed.describe()}")
+    if args.tune and not args.input_shape:
+        print("error: --tune times the model at the shapes it will run with: give --input-shape NAME=D1,D2,... "
+              "for each data input", file=sys.stderr)
+        return 2
 
     try:
         sym, arg_params, aux_params = mx.model.load_checkpoint(args.prefix, args.epoch)
@@ -85,14 +109,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: could not load {args.prefix} epoch {args.epoch}: {exc}", file=sys.stderr)
         return 2
     try:
-        policy = make_policy(requested, fp32_ops=args.fp32_op, emulate=args.emulate or None)
+        policy = make_policy(requested, fp32_ops=args.fp32_op, emulate=args.emulate or None, tune=args.tune or None)
         plan = fusion_plan(False if args.no_fuse else None, "cpu", policy)
         fuse = plan.backend is not None and policy.enabled  # a float32 fallback is written unchanged
         if plan.fold:
             arg_params, aux_params, _ = fold_batch_norm(sym, arg_params, aux_params)
         new_sym, new_args, new_aux = convert_model(
             sym, arg_params, aux_params, target_dtype=policy,
-            excluded_sym_names=args.exclude or None, cast_optional_params=not args.no_cast_params)
+            excluded_sym_names=args.exclude or None, cast_optional_params=not args.no_cast_params,
+            input_shapes=dict(args.input_shape) or None)
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -114,6 +139,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"parameter bytes: {before:,} -> {after:,} ({after / max(before, 1):.0%})")
     if args.exclude:
         print(f"kept in float32: {', '.join(args.exclude)}")
+    tuned = [r for r in rep.rows if r.reason == "measured"]
+    if args.tune:
+        print(f"tuned:           {len(tuned)} op(s) chosen by measured speed"
+              + "".join(f"\n  {r.name} ({r.op}): {r.detail}" for r in tuned))
     fused = sum(1 for n in json.loads(new_sym.tojson())["nodes"] if n["op"].startswith("_sg_"))
     print(f"oneDNN fusion:   {f'{fused} fused subgraph ops (--no-fuse writes the plain graph)' if fuse else 'off'}")
     return 0

@@ -1,9 +1,11 @@
 """Gluon blocks, symbols and their hooks (MXNet 1.9.1)."""
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mxnet as mx
 from mxnet.gluon import HybridBlock
@@ -83,6 +85,18 @@ def bucketing_buckets(mod: Any) -> Dict[Any, Any]:
 
 _GET_GRAPH = HybridBlock._get_graph
 _CALL_CACHED_OP = HybridBlock._call_cached_op
+_paused = threading.local()
+
+
+@contextlib.contextmanager
+def hooks_paused() -> Iterator[None]:
+    """Blocks built and run inside (gluon_amp's own measurements) bypass the hooks."""
+    depth = getattr(_paused, "depth", 0)
+    _paused.depth = depth + 1
+    try:
+        yield
+    finally:
+        _paused.depth = depth
 
 
 @dataclass(frozen=True)
@@ -104,13 +118,15 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
     def _get_graph(self: HybridBlock, *args: Any) -> Any:
         fresh = not self._cached_graph
         inputs, out = _GET_GRAPH(self, *args)
+        if getattr(_paused, "depth", 0):
+            return inputs, out
         if fresh:
             self._cached_graph = (inputs, rewrite(self, args, inputs, out))
             built.add(self)
         return self._cached_graph
 
     def _call_cached_op(self: HybridBlock, *args: Any) -> Any:
-        if self._cached_graph and self not in built:
+        if self._cached_graph and self not in built and not getattr(_paused, "depth", 0):
             built.add(self)  # said once per block
             stale(self)
         return _CALL_CACHED_OP(self, *args)

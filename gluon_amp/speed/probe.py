@@ -1,25 +1,25 @@
-"""The speed probe: float32 against the target dtype on a few ops, once per machine.
+"""The speed probe: float32 against the target dtype on a few blocks, once per machine.
 
-Times :data:`gluon_amp_core.speed.PROBE_OPS` forward and backward in both dtypes (well
-under 2 s on 2 cores), and keeps the figures in this machine's timing cache,
-so later processes read them in milliseconds. ``GLUON_AMP_SPEED_PROBE=0`` turns it off:
+Times :data:`gluon_amp_core.speed.PROBE` (two ResNet blocks and a dense layer) forward and
+backward in float32 and as AMP's plan runs them (well under 2 s on 2 cores), and keeps the
+figures in this machine's timing cache, so later processes read them in milliseconds. ``GLUON_AMP_SPEED_PROBE=0`` turns it off:
 the CPU flags decide alone.
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
-from typing import Any, Dict, FrozenSet, Optional
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 import mxnet as mx
 
-from gluon_amp_core.speed import (PROBE_OPS, OpTiming, SpeedVerdict, timings_from_records,
-                                  timings_to_records)
-from gluon_amp_core.table import default_table
+from gluon_amp_core.policy import Policy
+from gluon_amp_core.speed import PROBE, OpTiming, SpeedVerdict, timings_from_records, timings_to_records
 from gluon_amp_core.timing_cache import TimingCache, cache_dir
 
-from .timing import time_op
+from .timing import time_graph
 
 #: Set to ``0`` to skip the probe (the CPU flags decide); anything else, or unset: probe.
 ENV = "GLUON_AMP_SPEED_PROBE"
@@ -60,26 +60,78 @@ def _entry(dtype: str) -> str:
     return f"probe/{dtype}/train"
 
 
-def _measure(dtype: str) -> tuple:
-    keep = default_table(dtype).keep_fp32_inputs
+class _Graph:
+    """A graph in MXNet's JSON form, written node by node: the probe never calls MXNet's op
+    functions, which :func:`gluon_amp.init` may have patched."""
+
+    def __init__(self) -> None:
+        self.nodes: List[dict] = []
+
+    def add(self, op: str, name: str, inputs: Sequence[int] = (), **attrs: Any) -> int:
+        self.nodes.append({"op": op, "name": name, "inputs": [[i, 0, 0] for i in inputs],
+                           "attrs": {k: str(v) for k, v in attrs.items()}})
+        return len(self.nodes) - 1
+
+    def conv(self, x: int, channels: int, kernel: int, name: str) -> int:
+        w = self.add("null", f"{name}_weight")
+        pad = (kernel // 2, kernel // 2)
+        return self.add("Convolution", name, [x, w], kernel=(kernel, kernel), pad=pad,
+                        num_filter=channels, no_bias=True)
+
+    def bn(self, x: int, name: str) -> int:
+        params = [self.add("null", f"{name}_{p}") for p in ("gamma", "beta", "moving_mean", "moving_var")]
+        return self.add("BatchNorm", name, [x, *params], fix_gamma=False)
+
+    def relu(self, x: int, name: str) -> int:
+        return self.add("Activation", name, [x], act_type="relu")
+
+    def symbol(self, head: int) -> mx.sym.Symbol:
+        graph = {"nodes": self.nodes, "arg_nodes": [i for i, n in enumerate(self.nodes) if n["op"] == "null"],
+                 "heads": [[head, 0, 0]], "attrs": {"mxnet_version": ["int", 10901]}}
+        return mx.sym.load_json(json.dumps(graph))
+
+
+def probe_graph(kind: str, p: Mapping[str, int]) -> Tuple[mx.sym.Symbol, Dict[str, Tuple[int, ...]]]:
+    """The FP32 graph of one :data:`~gluon_amp_core.speed.PROBE` item and its input shape."""
+    g = _Graph()
+    x = g.add("null", "data")
+    if kind == "dense":
+        w, b = g.add("null", "fc_weight"), g.add("null", "fc_bias")
+        return g.symbol(g.add("FullyConnected", "fc", [x, w, b], num_hidden=p["units"])), \
+            {"data": (p["batch"], p["in_units"])}
+    c = p["channels"]
+    if kind == "basic_block":  # conv3x3-BN-relu-conv3x3-BN, + input, relu (ResNet v1)
+        h = g.relu(g.bn(g.conv(x, c, 3, "conv1"), "bn1"), "relu1")
+        h = g.bn(g.conv(h, c, 3, "conv2"), "bn2")
+    elif kind == "bottleneck_block":  # 1x1 down, 3x3, 1x1 up, each with BN; + input, relu
+        h = g.relu(g.bn(g.conv(x, c // 4, 1, "conv1"), "bn1"), "relu1")
+        h = g.relu(g.bn(g.conv(h, c // 4, 3, "conv2"), "bn2"), "relu2")
+        h = g.bn(g.conv(h, c, 1, "conv3"), "bn3")
+    else:
+        raise ValueError(f"unknown probe item kind {kind!r}")
+    out = g.relu(g.add("elemwise_add", "add", [h, x]), "relu_out")
+    return g.symbol(out), {"data": (p["batch"], c, p["size"], p["size"])}
+
+
+def _measure(dtype: str) -> Tuple[OpTiming, ...]:
+    """Each probe item in float32 and as AMP's plan runs it in ``dtype`` (typed by the converter)."""
+    from .. import mxnet_internals as mxi
+    from ..convert.api import convert_with_policy
+    policy = Policy.create(dtype, known_ops=mxi.op_infos().keys(), aliases=mxi.aliases())
     timings = []
-    for label, op, attrs, shapes in PROBE_OPS:
-        names = _input_names(op)
-        low = ["float32" if k < len(names) and names[k] in keep.get(op, ()) else dtype
-               for k in range(len(shapes))]
-        fp32 = time_op(op, attrs, shapes, ["float32"] * len(shapes), train=True)
-        lp = time_op(op, attrs, shapes, low, train=True)
-        if fp32 is None or lp is None:
+    for label, kind, params in PROBE:
+        fp32, shapes = probe_graph(kind, params)
+        low = convert_with_policy(fp32, policy, data_names=list(shapes))[0]
+        t32, tlow = (time_graph(s, shapes, train=True, runs=RUNS) for s in (fp32, low))
+        if t32 is None or tlow is None:
             raise RuntimeError(f"gluon_amp's speed probe could not run {label} in {dtype}; set "
                                f"{ENV}=0 to choose by CPU flags, and please report this")
-        timings.append(OpTiming(label, op, fp32, lp))
+        timings.append(OpTiming(label, kind, t32, tlow))
     return tuple(timings)
 
 
-def _input_names(op: str) -> tuple:
-    from .. import mxnet_internals as mxi
-    info = mxi.op_infos().get(op)
-    return tuple(info.inputs) if info is not None else ()
+#: Runs of each probe item after its warm-up (the fastest counts).
+RUNS = 3
 
 
 _verdicts: Dict[str, SpeedVerdict] = {}

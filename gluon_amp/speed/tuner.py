@@ -71,6 +71,9 @@ def measure(prob: Problem, cache: TimingCache) -> Tuple[Dict[str, Optional[float
 #: speed the whole graph up to be kept (timing noise on a shared machine is a few percent).
 MAX_TRIALS = 4
 MIN_GAIN = 0.03
+#: A change whose first (warm-up) run already takes this many times the plan's step is not
+#: timed further: warm-up costs up to ~2 steps (oneDNN primitives are created then).
+GIVE_UP = 2.5
 
 
 def signature(graph: dict, shapes: Mapping[str, Tuple[int, ...]], dtypes: Mapping[str, str],
@@ -139,7 +142,7 @@ def _trials(prob: Problem, proposals: Mapping[str, MeasuredChoice], apply: Calla
         return kept, log
     for op, group in groups(prob, proposals)[:MAX_TRIALS]:
         trial = {**kept, **group}
-        t = time_graph(apply(trial), shapes, train, fused)
+        t = time_graph(apply(trial), shapes, train, fused, give_up_ms=GIVE_UP * best)
         log.append((op, round(t, 1) if t else None))
         if t is not None and t < best * (1 - MIN_GAIN):
             kept = {**kept, **{n: replace(c, graph_ms=(best, t)) for n, c in group.items()}}
