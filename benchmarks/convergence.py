@@ -218,7 +218,8 @@ def plan(seeds: int) -> Tuple[List[Tuple[str, int]], List[str]]:
 
 
 def run_in_subprocess(mode: str, seed: int, args: argparse.Namespace) -> Dict[str, Any]:
-    """Run ``train_mode`` in a fresh interpreter and return its result; exit if it fails."""
+    """Run ``train_mode`` in a fresh interpreter and return its result, or ``{"error": the last
+    line of its stderr}`` if it died (its stderr's end is printed)."""
     cfg = json.dumps({"mode": mode, "seed": seed, "epochs": args.epochs, "n_train": args.train,
                       "n_test": args.test, "batch": args.batch_size, "lr": args.lr, "data_seed": args.data_seed})
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -226,7 +227,9 @@ def run_in_subprocess(mode: str, seed: int, args: argparse.Namespace) -> Dict[st
     r = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", cfg], capture_output=True,
                        text=True, env=env)
     if r.returncode != 0:
-        raise SystemExit(f"mode {mode} (seed {seed}) failed:\n{r.stderr[-3000:]}")
+        print(f"mode {mode} (seed {seed}) died:\n{r.stderr[-3000:]}", file=sys.stderr)
+        lines = r.stderr.strip().splitlines() or [f"exit status {r.returncode}"]
+        return {"mode": mode, "seed": seed, "error": lines[-1], "process_seconds": time.time() - t0}
     out = json.loads(r.stdout.strip().splitlines()[-1])
     out["process_seconds"] = time.time() - t0  # with start-up, imports and the evaluations
     return out
@@ -234,9 +237,12 @@ def run_in_subprocess(mode: str, seed: int, args: argparse.Namespace) -> Dict[st
 
 def summarize(results: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     """Per mode, in the order the modes first appear: the seeds, their final mAPs, and the
-    mean, sample standard deviation (``None`` for one run), min and max of those."""
+    mean, sample standard deviation (``None`` for one run), min and max of those. Runs that
+    died (``"error"``) are left out."""
     out: Dict[str, Dict[str, Any]] = {}
     for r in results:
+        if "error" in r:
+            continue
         m = out.setdefault(r["mode"], {"seeds": [], "final_maps": []})
         m["seeds"].append(r["seed"])
         m["final_maps"].append(float(r["final_map"]))
@@ -256,30 +262,43 @@ def verdict(results: List[Dict[str, Any]], floor: float = FLOOR) -> Dict[str, An
         tolerance = max(floor, SE_MULTIPLE * sqrt(s_fp32**2 / n_fp32 + s**2 / n))
 
     i.e. two standard errors of the difference of the two means (Welch's), never less than
-    ``floor``. A mode above FP32, by any amount, passes.
+    ``floor``. A mode above FP32, by any amount, passes. A mode with a run that died (a
+    result with ``"error"``, e.g. gluon_amp's error after 25 skipped steps in a row) fails.
 
     Raises
     ------
     ValueError
-        If FP32 or any mode has fewer than ``MIN_SEEDS`` runs: their spread is no tolerance.
+        If FP32 or any mode has fewer than ``MIN_SEEDS`` runs (their spread is no tolerance),
+        or an FP32 run died (there is no reference).
     """
-    stats = summarize(results)
-    if "fp32" not in stats:
+    runs: Dict[str, int] = {}
+    for r in results:
+        runs[r["mode"]] = runs.get(r["mode"], 0) + 1
+    if "fp32" not in runs:
         raise ValueError("the verdict compares every AMP mode with FP32, and there is no FP32 result; "
                          f"run FP32 with at least {MIN_SEEDS} seeds")
-    short = {mode: s["n"] for mode, s in stats.items() if s["n"] < MIN_SEEDS}
+    died = {mode: [r["error"] for r in results if r["mode"] == mode and "error" in r] for mode in runs}
+    if died["fp32"]:
+        raise ValueError(f"{len(died['fp32'])} FP32 run(s) died, so there is no reference: {died['fp32'][0]}")
+    short = {mode: n for mode, n in runs.items() if n < MIN_SEEDS}
     if short:
         counts = ", ".join(f"{mode} has {n} seed{'s' if n != 1 else ''}" for mode, n in short.items())
         raise ValueError(f"the verdict needs at least {MIN_SEEDS} seeds per mode for its tolerance, but "
                          f"{counts}; run with --seeds {MIN_SEEDS} or more")
+    stats = summarize(results)
     ref = stats["fp32"]
     out: Dict[str, Any] = {"fp32": ref, "floor": floor, "se_multiple": SE_MULTIPLE, "modes": {}}
     initial = [r["map_initial"] for r in results if "map_initial" in r]
     if initial:  # what a mode that never updates its weights would end near
         out["initial_map"] = float(np.mean(initial))
-    for mode, s in stats.items():
+    for mode in runs:
         if mode == "fp32":
             continue
+        if died[mode]:
+            out["modes"][mode] = {"n": runs[mode], "died": len(died[mode]), "error": died[mode][0],
+                                  "passes": False}
+            continue
+        s = stats[mode]
         se = float(np.sqrt(ref["std"] ** 2 / ref["n"] + s["std"] ** 2 / s["n"]))
         tolerance = max(floor, SE_MULTIPLE * se)
         diff = s["mean"] - ref["mean"]
@@ -293,15 +312,23 @@ RULE = ("a mode FAILS if its mean final mAP is below FP32's by more than its tol
         "over the seeds); ending above FP32 always passes")
 
 
+def _modes(results: List[Dict[str, Any]]) -> List[str]:
+    """The modes of ``results`` in the order they first appear, runs that died included."""
+    return list(dict.fromkeys(r["mode"] for r in results))
+
+
 def print_table(doc: Dict[str, Any]) -> None:
     """Print every run, then per mode the mean ± sample std over the seeds and the verdict."""
     head = (f"{'mode':<18}{'seed':>5}{'final mAP':>11}{'final loss':>12}{'skipped':>9}{'scale':>9}"
             f"{'train s':>9}{'proc s':>8}")
     print(head)
     print("-" * len(head))
-    stats = summarize(doc["results"])
-    for mode in stats:
+    modes = _modes(doc["results"])
+    for mode in modes:
         for r in (r for r in doc["results"] if r["mode"] == mode):
+            if "error" in r:
+                print(f"{r['mode']:<18}{r['seed']:>5}  died: {r['error']}")
+                continue
             print(f"{r['mode']:<18}{r['seed']:>5}{r['final_map']:>11.4f}{r['final_loss']:>12.4f}"
                   f"{r['skipped_steps']:>9}{r['loss_scale']:>9g}{r['seconds']:>9.1f}"
                   f"{r.get('process_seconds', float('nan')):>8.1f}")
@@ -309,12 +336,18 @@ def print_table(doc: Dict[str, Any]) -> None:
     head = f"{'mode':<18}{'n':>3}{'mean ± std':>18}{'min - max':>17}{'vs FP32':>9}{'tolerance':>11}  verdict"
     print(head)
     print("-" * len(head))
-    v = doc["verdict"]
-    for mode, s in stats.items():
-        std = f"{s['std']:.4f}" if s["std"] is not None else "-"
-        line = f"{mode:<18}{s['n']:>3}{s['mean']:>10.4f} ± {std:<6}{s['min']:>8.4f} - {s['max']:.4f}"
-        if v is not None and mode in v["modes"]:
-            m = v["modes"][mode]
+    stats, v = summarize(doc["results"]), doc["verdict"]
+    for mode in modes:
+        m = v["modes"].get(mode) if v is not None else None
+        if mode in stats:
+            s = stats[mode]
+            std = f"{s['std']:.4f}" if s["std"] is not None else "-"
+            line = f"{mode:<18}{s['n']:>3}{s['mean']:>10.4f} ± {std:<6}{s['min']:>8.4f} - {s['max']:.4f}"
+        else:
+            line = f"{mode:<18}{0:>3}{'-':>18}{'-':>17}"
+        if m is not None and "died" in m:
+            line += f"  {m['died']} of {m['n']} runs died  FAIL"
+        elif m is not None:
             line += f"{m['map_diff']:>+9.4f}{m['tolerance']:>11.4f}  {'pass' if m['passes'] else 'FAIL'}"
         print(line)
     if v is None:
@@ -325,8 +358,11 @@ def print_table(doc: Dict[str, Any]) -> None:
             print(f"untrained network: mAP {v['initial_map']:.4f}; a mode that never updated its weights would "
                   f"end {v['fp32']['mean'] - v['initial_map']:.4f} below FP32")
         for mode, m in v["modes"].items():
-            print(f"verdict: {mode} {'passes' if m['passes'] else 'FAILS'}: mean mAP {m['map_diff']:+.4f} "
-                  f"vs FP32, tolerance {m['tolerance']:.4f}")
+            if "died" in m:
+                print(f"verdict: {mode} FAILS: {m['died']} of {m['n']} runs died ({m['error']})")
+            else:
+                print(f"verdict: {mode} {'passes' if m['passes'] else 'FAILS'}: mean mAP {m['map_diff']:+.4f} "
+                      f"vs FP32, tolerance {m['tolerance']:.4f}")
     for why in doc["skipped"]:
         print(why)
 
@@ -339,11 +375,21 @@ def plot(doc: Dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [1.1, 1.1, 1]})
-    stats = summarize(doc["results"])
-    v = doc["verdict"]
-    for i, (mode, s) in enumerate(stats.items()):
+    modes, stats, v = _modes(doc["results"]), summarize(doc["results"]), doc["verdict"]
+    for i, mode in enumerate(modes):
         color = f"C{i}"
-        runs = [r for r in doc["results"] if r["mode"] == mode]
+        m = v["modes"].get(mode) if v is not None else None
+        if m is not None:
+            label = "pass" if m["passes"] else ("FAIL: a run died" if "died" in m else "FAIL")
+            top = stats[mode]["max"] if mode in stats else v["fp32"]["mean"]
+            c.annotate(label, (i, top), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8,
+                       color="black" if m["passes"] else "red")
+            if "tolerance" in m:
+                c.hlines(v["fp32"]["mean"] - m["tolerance"], i - 0.4, i + 0.4, colors="red", linestyles=":")
+        if mode not in stats:
+            continue
+        s = stats[mode]
+        runs = [r for r in doc["results"] if r["mode"] == mode and "error" not in r]
         k = max(1, len(runs[0]["losses"]) // 100)
         loss = np.array([np.convolve(r["losses"], np.ones(k) / k, mode="valid") for r in runs])
         steps = np.arange(loss.shape[1])
@@ -356,16 +402,11 @@ def plot(doc: Dict[str, Any], path: str) -> None:
         jitter = np.linspace(-0.12, 0.12, s["n"]) if s["n"] > 1 else np.zeros(1)
         c.scatter(i + jitter, s["final_maps"], color=color, s=18, alpha=0.7, zorder=3)
         c.errorbar(i + 0.3, s["mean"], yerr=s["std"] or 0.0, color=color, marker="D", capsize=4, zorder=3)
-        if v is not None and mode in v["modes"]:
-            m = v["modes"][mode]
-            c.hlines(v["fp32"]["mean"] - m["tolerance"], i - 0.4, i + 0.4, colors="red", linestyles=":")
-            c.annotate("pass" if m["passes"] else "FAIL", (i, s["max"]), textcoords="offset points",
-                       xytext=(0, 6), ha="center", fontsize=8, color="black" if m["passes"] else "red")
     if v is not None:
         c.axhline(v["fp32"]["mean"], color="gray", linestyle="--", linewidth=0.8, label="FP32 mean")
         c.plot([], [], color="red", linestyle=":", label="fails below (FP32 mean - tolerance)")
-    c.set_xticks(range(len(stats)))
-    c.set_xticklabels(list(stats), rotation=15, fontsize=8)
+    c.set_xticks(range(len(modes)))
+    c.set_xticklabels(modes, rotation=15, fontsize=8)
     c.set_ylabel("final mAP: seeds (dots), mean ± sample std")
     a.set_xlabel("step")
     a.set_ylabel("SSD loss (moving mean; band: min-max over seeds)")
@@ -378,11 +419,21 @@ def plot(doc: Dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def failed(doc: Dict[str, Any]) -> bool:
+    """True if a run died, the verdict failed a mode, or it could not be given though the run
+    asked for one."""
+    if any("error" in r for r in doc["results"]):
+        return True
+    if doc["verdict"] is None:
+        return doc["seeds"] >= MIN_SEEDS
+    return not all(m["passes"] for m in doc["verdict"]["modes"].values())
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """The command line; bad values are argparse errors (exit status 2)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=int, default=12)
+    p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--train", type=int, default=768, help="training images")
     p.add_argument("--test", type=int, default=192, help="held-out images")
     p.add_argument("--batch-size", type=int, default=32)
@@ -432,6 +483,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             skipped.append(f"{mode} not run: {r['unavailable']}")
         else:
             results.append(r)
+        if mode == "fp32" and "error" in r:
+            break  # no reference: the other runs could not be judged
     doc: Dict[str, Any] = {
         "task": "coloured shapes, 64x64, small GluonCV SSD", "epochs": args.epochs, "train": args.train,
         "test": args.test, "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds,
@@ -442,6 +495,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     except ValueError as e:
         doc["verdict"], doc["no_verdict"] = None, str(e)
     print_table(doc)
+    if failed(doc):
+        print("exit status 1: " + ("no verdict" if doc["verdict"] is None else "a mode FAILS"))
     print(f"wall time {doc['wall_seconds']:.0f} s for {len(results)} runs")
     if args.json:
         with open(args.json, "w") as f:
@@ -453,4 +508,5 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    result = main()
+    sys.exit(1 if result and failed(result) else 0)

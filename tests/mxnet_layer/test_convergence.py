@@ -132,6 +132,46 @@ def test_a_mode_whose_loss_scaler_skips_every_step_fails():
     assert v["initial_map"] == pytest.approx(0.001)
 
 
+def _fake_run(mode: str, seed: int, final_map: float) -> Dict[str, Any]:
+    return {"mode": mode, "seed": seed, "final_map": final_map + 0.002 * seed, "final_loss": 0.1,
+            "skipped_steps": 0, "loss_scale": 65536.0, "seconds": 1.0, "process_seconds": 2.0,
+            "map_initial": 0.001, "losses": list(np.linspace(1.0, 0.1, 24)), "map_per_epoch": [0.3, final_map]}
+
+
+def test_a_mode_whose_runs_die_fails_and_the_others_are_still_judged(monkeypatch, tmp_path, capsys):
+    # gluon_amp ends a run after 25 skipped steps in a row: a scaler that skips everything dies
+    died = "RuntimeError: 25 steps in a row had non-finite gradients (loss scale now 1)"
+    modes = ("fp32", "emulated-float16", "emulated-bfloat16")
+    monkeypatch.setattr(convergence, "plan", lambda seeds: ([(m, s) for s in range(seeds) for m in modes], []))
+    monkeypatch.setattr(convergence, "run_in_subprocess", lambda mode, seed, args: (
+        {"mode": mode, "seed": seed, "error": died} if mode == "emulated-bfloat16" and seed == 1
+        else _fake_run(mode, seed, 0.75)))
+    doc = convergence.main(["--json", str(tmp_path / "c.json"), "--plot", str(tmp_path / "c.png")])
+    v = doc["verdict"]["modes"]
+    assert v["emulated-float16"]["passes"] is True
+    assert v["emulated-bfloat16"]["passes"] is False and v["emulated-bfloat16"]["died"] == 1
+    assert convergence.failed(doc) and json.loads((tmp_path / "c.json").read_text())["verdict"] is not None
+    assert (tmp_path / "c.png").stat().st_size > 1000 and "emulated-bfloat16" in capsys.readouterr().out
+
+
+def test_a_dead_fp32_run_stops_the_benchmark_without_a_verdict(monkeypatch):
+    calls = []
+    monkeypatch.setattr(convergence, "plan", lambda seeds: ([(m, s) for s in range(seeds) for m in ("fp32", "a")], []))
+    monkeypatch.setattr(convergence, "run_in_subprocess", lambda mode, seed, args: (
+        calls.append(mode) or {"mode": mode, "seed": seed, "error": "ImportError: no module"}))
+    doc = convergence.main([])
+    assert calls == ["fp32"] and doc["verdict"] is None and convergence.failed(doc)
+    with pytest.raises(ValueError, match="FP32"):
+        convergence.verdict(doc["results"] + _runs("fp32", 0.7, 0.7, 0.7))
+
+
+def test_a_full_run_whose_modes_pass_does_not_count_as_failed(monkeypatch):
+    monkeypatch.setattr(convergence, "plan", lambda seeds: ([(m, s) for s in range(seeds) for m in ("fp32", "a")], []))
+    monkeypatch.setattr(convergence, "run_in_subprocess", lambda mode, seed, args: _fake_run(mode, seed, 0.75))
+    doc = convergence.main(["--seeds", "4"])
+    assert doc["verdict"]["modes"]["a"]["n"] == 4 and not convergence.failed(doc)
+
+
 @pytest.mark.parametrize("counts, short", [((2, 3), "fp32 has 2 seeds"), ((3, 1), "a has 1 seed"),
                                            ((3, 2), "a has 2 seeds")])
 def test_fewer_than_three_seeds_per_mode_is_refused_naming_the_count(counts, short):
@@ -147,12 +187,8 @@ def test_a_verdict_without_fp32_is_refused():
 
 
 def _doc(verdict: bool) -> Dict[str, Any]:
-    results = []
-    for mode, mu in (("fp32", 0.75), ("emulated-float16", 0.77), ("broken", 0.002)):
-        for seed in range(3):
-            results.append({"mode": mode, "seed": seed, "final_map": mu + 0.003 * seed, "final_loss": 0.1,
-                            "skipped_steps": 0, "loss_scale": 65536.0, "seconds": 1.0, "map_initial": 0.001,
-                            "losses": list(np.linspace(1.0, 0.1, 24)), "map_per_epoch": [0.3, mu + 0.003 * seed]})
+    results = [_fake_run(mode, seed, final_map) for mode, final_map in
+               (("fp32", 0.75), ("emulated-float16", 0.77), ("broken", 0.002)) for seed in range(3)]
     doc = {"results": results, "skipped": [], "verdict": None, "no_verdict": "one seed"}
     if verdict:
         doc["verdict"] = convergence.verdict(results)
@@ -168,7 +204,7 @@ def test_the_table_and_plot_show_every_mode_with_or_without_a_verdict(with_verdi
     rows = [line.split() for line in out.splitlines()]
     summary = {r[0]: r for r in rows if len(r) > 2 and r[1] == "3"}  # mode, n, mean, ±, std, ...
     assert set(summary) == {"fp32", "emulated-float16", "broken"}
-    assert float(summary["fp32"][2]) == pytest.approx(0.753, abs=1e-4)
+    assert float(summary["fp32"][2]) == pytest.approx(0.752, abs=1e-4)
     if with_verdict:
         assert summary["emulated-float16"][-1] == "pass" and summary["broken"][-1] == "FAIL"
     else:
