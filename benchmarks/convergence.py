@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -223,7 +224,7 @@ def run_in_subprocess(mode: str, seed: int, args: argparse.Namespace) -> Dict[st
     cfg = json.dumps({"mode": mode, "seed": seed, "epochs": args.epochs, "n_train": args.train,
                       "n_test": args.test, "batch": args.batch_size, "lr": args.lr, "data_seed": args.data_seed})
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    t0 = time.time()
+    t0, cpu0 = time.time(), _children_cpu()
     r = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", cfg], capture_output=True,
                        text=True, env=env)
     if r.returncode != 0:
@@ -232,7 +233,14 @@ def run_in_subprocess(mode: str, seed: int, args: argparse.Namespace) -> Dict[st
         return {"mode": mode, "seed": seed, "error": lines[-1], "process_seconds": time.time() - t0}
     out = json.loads(r.stdout.strip().splitlines()[-1])
     out["process_seconds"] = time.time() - t0  # with start-up, imports and the evaluations
+    out["process_cpu_seconds"] = _children_cpu() - cpu0  # all threads; grows less with others' load
     return out
+
+
+def _children_cpu() -> float:
+    """User plus system CPU seconds of this process's finished children."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def summarize(results: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
@@ -320,7 +328,7 @@ def _modes(results: List[Dict[str, Any]]) -> List[str]:
 def print_table(doc: Dict[str, Any]) -> None:
     """Print every run, then per mode the mean ± sample std over the seeds and the verdict."""
     head = (f"{'mode':<18}{'seed':>5}{'final mAP':>11}{'final loss':>12}{'skipped':>9}{'scale':>9}"
-            f"{'train s':>9}{'proc s':>8}")
+            f"{'train s':>9}{'proc s':>8}{'cpu s':>7}")
     print(head)
     print("-" * len(head))
     modes = _modes(doc["results"])
@@ -331,7 +339,7 @@ def print_table(doc: Dict[str, Any]) -> None:
                 continue
             print(f"{r['mode']:<18}{r['seed']:>5}{r['final_map']:>11.4f}{r['final_loss']:>12.4f}"
                   f"{r['skipped_steps']:>9}{r['loss_scale']:>9g}{r['seconds']:>9.1f}"
-                  f"{r.get('process_seconds', float('nan')):>8.1f}")
+                  f"{r.get('process_seconds', float('nan')):>8.1f}{r.get('process_cpu_seconds', float('nan')):>7.0f}")
     print()
     head = f"{'mode':<18}{'n':>3}{'mean ± std':>18}{'min - max':>17}{'vs FP32':>9}{'tolerance':>11}  verdict"
     print(head)
