@@ -1,4 +1,5 @@
 """benchmarks/convergence.py: its data, its metric and its pipeline (the full run is a benchmark)."""
+import argparse
 import json
 import os
 import subprocess
@@ -152,6 +153,12 @@ def test_a_mode_whose_runs_die_fails_and_the_others_are_still_judged(monkeypatch
     assert v["emulated-bfloat16"]["passes"] is False and v["emulated-bfloat16"]["died"] == 1
     assert convergence.failed(doc) and json.loads((tmp_path / "c.json").read_text())["verdict"] is not None
     assert (tmp_path / "c.png").stat().st_size > 1000 and "emulated-bfloat16" in capsys.readouterr().out
+
+
+def test_a_worker_that_dies_is_returned_as_an_error_not_raised():
+    args = argparse.Namespace(epochs=1, train=4, test=4, batch_size=0, lr=0.1, data_seed=0)  # dies: batch 0
+    r = convergence.run_in_subprocess("fp32", 2, args)
+    assert (r["mode"], r["seed"]) == ("fp32", 2) and r["error"] and "final_map" not in r
 
 
 def test_a_dead_fp32_run_stops_the_benchmark_without_a_verdict(monkeypatch):
