@@ -1,4 +1,4 @@
-"""Does AMP reach FP32's accuracy? A small, learnable detection task, trained to the end.
+"""Is AMP worse than FP32? A small, learnable detection task, trained to the end, several seeds.
 
     python benchmarks/convergence.py --plot conv.png --json conv.json
     python benchmarks/convergence.py --smoke            # seconds: the pipeline and the metric
@@ -7,15 +7,20 @@ The data set is made in code with a fixed seed: coloured shapes (square, disc, t
 on noisy backgrounds, 1-4 objects per 64x64 image, with boxes and labels, split into train
 and held-out images. A small GluonCV SSD (its anchor generator, SSDTargetGenerator,
 SSDMultiBoxLoss, VOC07MApMetric) trains with the tutorial's loop (``init``, ``init_trainer``,
-``scale_loss``) in each mode, every mode in its own process with the same seed, data order
-and steps: FP32 with two seeds (the run-to-run spread), native bfloat16 where the host has
-bf16 kernels, and emulated float16 and bfloat16 everywhere.
+``scale_loss``) in each mode: FP32, native bfloat16 where the host has bf16 kernels, and
+emulated float16 and bfloat16 everywhere. Every mode runs with ``--seeds`` seeds (at least 3;
+a seed sets the initial weights; data, their order and steps are the same for all), each run
+in a process of its own.
+
+The verdict is one-sided: an AMP mode fails only if its mean final mAP is below FP32's mean by
+more than a tolerance taken from the seeds (see ``verdict``). Ending above FP32 never fails.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -27,6 +32,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLASSES = ("square", "disc", "triangle", "bar")
 SIZE = 64
+MIN_SEEDS = 3        # a sample standard deviation from fewer runs says next to nothing
+FLOOR = 0.01         # the smallest tolerance: 1 mAP point
+SE_MULTIPLE = 2.0    # the tolerance is this many standard errors of the difference of the means
 
 
 # -- the data set -------------------------------------------------------------------------
@@ -116,8 +124,9 @@ def train_mode(mode: str, seed: int, epochs: int, n_train: int, n_test: int, bat
     """Train and evaluate one mode in this process (``init`` patches it for good).
 
     The data, their order and the steps depend on ``data_seed`` only, the weights' initial
-    values on ``seed``. Returns the per-step losses, the mAP after every epoch and the
-    scaler's state, or ``{"unavailable": why}`` if this gluon_amp cannot run ``mode``.
+    values on ``seed``. Returns the per-step losses, the mAP before training (``map_initial``:
+    where a run that never updates its weights stays) and after every epoch, and the scaler's
+    state, or ``{"unavailable": why}`` if this gluon_amp cannot run ``mode``.
     """
     import mxnet as mx
     from mxnet import autograd, gluon
@@ -154,6 +163,8 @@ def train_mode(mode: str, seed: int, epochs: int, n_train: int, n_test: int, bat
     order = np.random.RandomState(data_seed).permutation
     losses, maps, t0 = [], [], time.time()
     steps_per_epoch = n_train // batch
+    net.hybridize(static_alloc=True, static_shape=True)
+    map_initial = evaluate(net, x_te, y_te, VOC07MApMetric, batch)  # inference: draws no random numbers
     for epoch in range(epochs):
         net.hybridize(static_alloc=True, static_shape=True)  # SSD's graph differs in training and
         idx = order(n_train)                                 # inference: rebuild it, as GluonCV does
@@ -171,7 +182,8 @@ def train_mode(mode: str, seed: int, epochs: int, n_train: int, n_test: int, bat
             losses.append(float(total[0].mean().asscalar()))
         net.hybridize(static_alloc=True, static_shape=True)
         maps.append(evaluate(net, x_te, y_te, VOC07MApMetric, batch))
-    return {"mode": mode, "seed": seed, "losses": losses, "map_per_epoch": maps, "final_map": maps[-1],
+    return {"mode": mode, "seed": seed, "losses": losses, "map_initial": map_initial, "map_per_epoch": maps,
+            "final_map": maps[-1],
             "final_loss": float(np.mean(losses[-steps_per_epoch:])), "skipped_steps": scaler.skipped_steps,
             "loss_scale": scaler.loss_scale, "seconds": time.time() - t0,
             "runtime_mode": gluon_amp.runtime_info()["mode"]}
@@ -190,99 +202,257 @@ def evaluate(net: Any, x: np.ndarray, y: np.ndarray, metric_cls: Any, batch: int
 
 # -- the driver ---------------------------------------------------------------------------
 
-def plan(smoke: bool) -> Tuple[List[Tuple[str, int]], List[str]]:
-    """The modes as ``(mode, seed)``, and why native bfloat16 is not among them, if it is not."""
+def plan(seeds: int) -> Tuple[List[Tuple[str, int]], List[str]]:
+    """The runs as ``(mode, seed)``, seed by seed (each seed runs every mode back to back, so a
+    change of the machine's load falls on all modes alike), and why native bfloat16 is not
+    among them, if it is not."""
     sys.path.insert(0, ROOT)
     import gluon_amp
     info = gluon_amp.runtime_info()
-    modes = [("fp32", 0), ("fp32", 1)] if not smoke else [("fp32", 0)]
-    skipped: List[str] = []
+    modes, skipped = ["fp32"], []
     if info["bf16"] == "native":
-        modes.append(("bfloat16", 0))
+        modes.append("bfloat16")
     else:
         skipped.append(f"native bfloat16 not run: {info['bf16_why']}")
-    modes += [("emulated-float16", 0), ("emulated-bfloat16", 0)]
-    return modes, skipped
+    modes += ["emulated-float16", "emulated-bfloat16"]
+    return [(mode, seed) for seed in range(seeds) for mode in modes], skipped
 
 
 def run_in_subprocess(mode: str, seed: int, args: argparse.Namespace) -> Dict[str, Any]:
-    """Run ``train_mode`` in a fresh interpreter and return its result; exit if it fails."""
+    """Run ``train_mode`` in a fresh interpreter and return its result, or ``{"error": the last
+    line of its stderr}`` if it died (its stderr's end is printed)."""
     cfg = json.dumps({"mode": mode, "seed": seed, "epochs": args.epochs, "n_train": args.train,
                       "n_test": args.test, "batch": args.batch_size, "lr": args.lr, "data_seed": args.data_seed})
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    t0, cpu0 = time.time(), _children_cpu()
     r = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", cfg], capture_output=True,
                        text=True, env=env)
     if r.returncode != 0:
-        raise SystemExit(f"mode {mode} (seed {seed}) failed:\n{r.stderr[-3000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def verdict(results: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Each AMP mode's final mAP minus FP32's mean, and whether it is within the allowed
-    difference: the FP32 seed spread, or 1 mAP point (0.01) if the spread is smaller."""
-    fp32 = [r["final_map"] for r in results if r["mode"] == "fp32"]
-    ref = float(np.mean(fp32))
-    spread = float(max(fp32) - min(fp32)) if len(fp32) > 1 else 0.0
-    allowed = max(spread, 0.01)
-    out = {"fp32_mean_map": ref, "fp32_spread": spread, "allowed": allowed, "modes": {}}
-    for r in results:
-        if r["mode"] != "fp32":
-            diff = r["final_map"] - ref
-            out["modes"][r["mode"]] = {"map_diff": diff, "within": abs(diff) <= allowed}
+        print(f"mode {mode} (seed {seed}) died:\n{r.stderr[-3000:]}", file=sys.stderr)
+        lines = r.stderr.strip().splitlines() or [f"exit status {r.returncode}"]
+        return {"mode": mode, "seed": seed, "error": lines[-1], "process_seconds": time.time() - t0}
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out["process_seconds"] = time.time() - t0  # with start-up, imports and the evaluations
+    out["process_cpu_seconds"] = _children_cpu() - cpu0  # all threads; grows less with others' load
     return out
 
 
+def _children_cpu() -> float:
+    """User plus system CPU seconds of this process's finished children."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def summarize(results: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """Per mode, in the order the modes first appear: the seeds, their final mAPs, and the
+    mean, sample standard deviation (``None`` for one run), min and max of those. Runs that
+    died (``"error"``) are left out."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for r in results:
+        if "error" in r:
+            continue
+        m = out.setdefault(r["mode"], {"seeds": [], "final_maps": []})
+        m["seeds"].append(r["seed"])
+        m["final_maps"].append(float(r["final_map"]))
+    for m in out.values():
+        v = np.asarray(m["final_maps"])
+        m.update(n=len(v), mean=float(v.mean()), std=float(v.std(ddof=1)) if len(v) > 1 else None,
+                 min=float(v.min()), max=float(v.max()))
+    return out
+
+
+def verdict(results: List[Dict[str, Any]], floor: float = FLOOR) -> Dict[str, Any]:
+    """Is each AMP mode worse than FP32? A one-sided comparison of mean final mAPs.
+
+    With ``m`` and ``s`` a mode's mean and sample standard deviation over its ``n`` seeds, the
+    mode fails when ``m - m_fp32 < -tolerance``, where::
+
+        tolerance = max(floor, SE_MULTIPLE * sqrt(s_fp32**2 / n_fp32 + s**2 / n))
+
+    i.e. two standard errors of the difference of the two means (Welch's), never less than
+    ``floor``. A mode above FP32, by any amount, passes. A mode with a run that died (a
+    result with ``"error"``, e.g. gluon_amp's error after 25 skipped steps in a row) fails.
+
+    Raises
+    ------
+    ValueError
+        If FP32 or any mode has fewer than ``MIN_SEEDS`` runs (their spread is no tolerance),
+        or an FP32 run died (there is no reference).
+    """
+    runs: Dict[str, int] = {}
+    for r in results:
+        runs[r["mode"]] = runs.get(r["mode"], 0) + 1
+    if "fp32" not in runs:
+        raise ValueError("the verdict compares every AMP mode with FP32, and there is no FP32 result; "
+                         f"run FP32 with at least {MIN_SEEDS} seeds")
+    died = {mode: [r["error"] for r in results if r["mode"] == mode and "error" in r] for mode in runs}
+    if died["fp32"]:
+        raise ValueError(f"{len(died['fp32'])} FP32 run(s) died, so there is no reference: {died['fp32'][0]}")
+    short = {mode: n for mode, n in runs.items() if n < MIN_SEEDS}
+    if short:
+        counts = ", ".join(f"{mode} has {n} seed{'s' if n != 1 else ''}" for mode, n in short.items())
+        raise ValueError(f"the verdict needs at least {MIN_SEEDS} seeds per mode for its tolerance, but "
+                         f"{counts}; run with --seeds {MIN_SEEDS} or more")
+    stats = summarize(results)
+    ref = stats["fp32"]
+    out: Dict[str, Any] = {"fp32": ref, "floor": floor, "se_multiple": SE_MULTIPLE, "modes": {}}
+    initial = [r["map_initial"] for r in results if "map_initial" in r]
+    if initial:  # what a mode that never updates its weights would end near
+        out["initial_map"] = float(np.mean(initial))
+    for mode in runs:
+        if mode == "fp32":
+            continue
+        if died[mode]:
+            out["modes"][mode] = {"n": runs[mode], "died": len(died[mode]), "error": died[mode][0],
+                                  "passes": False}
+            continue
+        s = stats[mode]
+        se = float(np.sqrt(ref["std"] ** 2 / ref["n"] + s["std"] ** 2 / s["n"]))
+        tolerance = max(floor, SE_MULTIPLE * se)
+        diff = s["mean"] - ref["mean"]
+        out["modes"][mode] = {**s, "map_diff": diff, "se": se, "tolerance": tolerance,
+                              "passes": bool(diff >= -tolerance)}
+    return out
+
+
+RULE = ("a mode FAILS if its mean final mAP is below FP32's by more than its tolerance, "
+        "max({floor:g}, {k:g} * sqrt(std_fp32^2/n_fp32 + std_mode^2/n_mode)) (std: sample standard deviation "
+        "over the seeds); ending above FP32 always passes")
+
+
+def _modes(results: List[Dict[str, Any]]) -> List[str]:
+    """The modes of ``results`` in the order they first appear, runs that died included."""
+    return list(dict.fromkeys(r["mode"] for r in results))
+
+
 def print_table(doc: Dict[str, Any]) -> None:
-    """Print the table, the FP32 reference, one verdict line per AMP mode and the skipped modes."""
-    head = f"{'mode':<18}{'seed':>5}{'final mAP':>11}{'final loss':>12}{'skipped':>9}{'scale':>9}{'time s':>9}"
+    """Print every run, then per mode the mean ± sample std over the seeds and the verdict."""
+    head = (f"{'mode':<18}{'seed':>5}{'final mAP':>11}{'final loss':>12}{'skipped':>9}{'scale':>9}"
+            f"{'train s':>9}{'proc s':>8}{'cpu s':>7}")
     print(head)
     print("-" * len(head))
-    for r in doc["results"]:
-        print(f"{r['mode']:<18}{r['seed']:>5}{r['final_map']:>11.4f}{r['final_loss']:>12.4f}"
-              f"{r['skipped_steps']:>9}{r['loss_scale']:>9g}{r['seconds']:>9.1f}")
-    v = doc["verdict"]
-    print(f"FP32 mAP {v['fp32_mean_map']:.4f}, seed spread {v['fp32_spread']:.4f}; allowed difference "
-          f"{v['allowed']:.4f} (the spread, or 1 mAP point if smaller)")
-    for mode, m in v["modes"].items():
-        print(f"verdict: {mode} mAP {m['map_diff']:+.4f} vs FP32: {'within' if m['within'] else 'NOT within'}")
+    modes = _modes(doc["results"])
+    for mode in modes:
+        for r in (r for r in doc["results"] if r["mode"] == mode):
+            if "error" in r:
+                print(f"{r['mode']:<18}{r['seed']:>5}  died: {r['error']}")
+                continue
+            print(f"{r['mode']:<18}{r['seed']:>5}{r['final_map']:>11.4f}{r['final_loss']:>12.4f}"
+                  f"{r['skipped_steps']:>9}{r['loss_scale']:>9g}{r['seconds']:>9.1f}"
+                  f"{r.get('process_seconds', float('nan')):>8.1f}{r.get('process_cpu_seconds', float('nan')):>7.0f}")
+    print()
+    head = f"{'mode':<18}{'n':>3}{'mean ± std':>18}{'min - max':>17}{'vs FP32':>9}{'tolerance':>11}  verdict"
+    print(head)
+    print("-" * len(head))
+    stats, v = summarize(doc["results"]), doc["verdict"]
+    for mode in modes:
+        m = v["modes"].get(mode) if v is not None else None
+        if mode in stats:
+            s = stats[mode]
+            std = f"{s['std']:.4f}" if s["std"] is not None else "-"
+            line = f"{mode:<18}{s['n']:>3}{s['mean']:>10.4f} ± {std:<6}{s['min']:>8.4f} - {s['max']:.4f}"
+        else:
+            line = f"{mode:<18}{0:>3}{'-':>18}{'-':>17}"
+        if m is not None and "died" in m:
+            line += f"  {m['died']} of {m['n']} runs died  FAIL"
+        elif m is not None:
+            line += f"{m['map_diff']:>+9.4f}{m['tolerance']:>11.4f}  {'pass' if m['passes'] else 'FAIL'}"
+        print(line)
+    if v is None:
+        print(f"no verdict: {doc['no_verdict']}")
+    else:
+        print("rule: " + RULE.format(floor=v["floor"], k=v["se_multiple"]))
+        if "initial_map" in v:
+            print(f"untrained network: mAP {v['initial_map']:.4f}; a mode that never updated its weights would "
+                  f"end {v['fp32']['mean'] - v['initial_map']:.4f} below FP32")
+        for mode, m in v["modes"].items():
+            if "died" in m:
+                print(f"verdict: {mode} FAILS: {m['died']} of {m['n']} runs died ({m['error']})")
+            else:
+                print(f"verdict: {mode} {'passes' if m['passes'] else 'FAILS'}: mean mAP {m['map_diff']:+.4f} "
+                      f"vs FP32, tolerance {m['tolerance']:.4f}")
     for why in doc["skipped"]:
         print(why)
 
 
 def plot(doc: Dict[str, Any], path: str) -> None:
-    """Write the loss curves of every mode (left) and the held-out mAP per epoch (right)."""
+    """Three panels: the loss (mean over seeds, band min-max), the held-out mAP per epoch (mean,
+    band min-max; epoch 0 is the untrained network) and every seed's final mAP with the mean ±
+    sample std and, under the verdict, the level below which the mode fails."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in doc["results"]:
-        label = f"{r['mode']} (seed {r['seed']})"
-        k = max(1, len(r["losses"]) // 100)
-        smooth = np.convolve(r["losses"], np.ones(k) / k, mode="valid")
-        a.plot(smooth, label=label)
-        b.plot(range(1, len(r["map_per_epoch"]) + 1), r["map_per_epoch"], marker="o", label=label)
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [1.1, 1.1, 1]})
+    modes, stats, v = _modes(doc["results"]), summarize(doc["results"]), doc["verdict"]
+    for i, mode in enumerate(modes):
+        color = f"C{i}"
+        m = v["modes"].get(mode) if v is not None else None
+        if m is not None:
+            label = "pass" if m["passes"] else ("FAIL: a run died" if "died" in m else "FAIL")
+            top = stats[mode]["max"] if mode in stats else v["fp32"]["mean"]
+            c.annotate(label, (i, top), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8,
+                       color="black" if m["passes"] else "red")
+            if "tolerance" in m:
+                c.hlines(v["fp32"]["mean"] - m["tolerance"], i - 0.4, i + 0.4, colors="red", linestyles=":")
+        if mode not in stats:
+            continue
+        s = stats[mode]
+        runs = [r for r in doc["results"] if r["mode"] == mode and "error" not in r]
+        k = max(1, len(runs[0]["losses"]) // 100)
+        loss = np.array([np.convolve(r["losses"], np.ones(k) / k, mode="valid") for r in runs])
+        steps = np.arange(loss.shape[1])
+        a.plot(steps, loss.mean(0), color=color, label=f"{mode} (n={s['n']})")
+        a.fill_between(steps, loss.min(0), loss.max(0), color=color, alpha=0.2, linewidth=0)
+        maps = np.array([[r.get("map_initial", np.nan)] + r["map_per_epoch"] for r in runs])
+        epochs = np.arange(maps.shape[1])
+        b.plot(epochs, maps.mean(0), color=color, marker="o", markersize=3, label=mode)
+        b.fill_between(epochs, maps.min(0), maps.max(0), color=color, alpha=0.2, linewidth=0)
+        jitter = np.linspace(-0.12, 0.12, s["n"]) if s["n"] > 1 else np.zeros(1)
+        c.scatter(i + jitter, s["final_maps"], color=color, s=18, alpha=0.7, zorder=3)
+        c.errorbar(i + 0.3, s["mean"], yerr=s["std"] or 0.0, color=color, marker="D", capsize=4, zorder=3)
+    if v is not None:
+        c.axhline(v["fp32"]["mean"], color="gray", linestyle="--", linewidth=0.8, label="FP32 mean")
+        c.plot([], [], color="red", linestyle=":", label="fails below (FP32 mean - tolerance)")
+    c.set_xticks(range(len(modes)))
+    c.set_xticklabels(modes, rotation=15, fontsize=8)
+    c.set_ylabel("final mAP: seeds (dots), mean ± sample std")
     a.set_xlabel("step")
-    a.set_ylabel("SSD loss (moving mean)")
+    a.set_ylabel("SSD loss (moving mean; band: min-max over seeds)")
     a.set_yscale("log")
-    b.set_xlabel("epoch")
-    b.set_ylabel("VOC07 mAP (held out)")
-    a.legend(fontsize=7)
-    b.legend(fontsize=7)
+    b.set_xlabel("epoch (0: untrained)")
+    b.set_ylabel("VOC07 mAP, held out (band: min-max)")
+    for ax in (a, b, c):
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def failed(doc: Dict[str, Any]) -> bool:
+    """True if a run died, the verdict failed a mode, or it could not be given though the run
+    asked for one."""
+    if any("error" in r for r in doc["results"]):
+        return True
+    if doc["verdict"] is None:
+        return doc["seeds"] >= MIN_SEEDS
+    return not all(m["passes"] for m in doc["verdict"]["modes"].values())
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """The command line; bad values are argparse errors (exit status 2)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=int, default=12)
+    p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--train", type=int, default=768, help="training images")
     p.add_argument("--test", type=int, default=192, help="held-out images")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--data-seed", type=int, default=7)
-    p.add_argument("--smoke", action="store_true", help="a few steps on tiny data: the pipeline and the metric")
+    p.add_argument("--seeds", type=int, default=MIN_SEEDS,
+                   help=f"runs per mode, seeds 0..N-1 (at least {MIN_SEEDS}: the tolerance needs each mode's spread)")
+    p.add_argument("--floor", type=float, default=FLOOR,
+                   help="the smallest tolerance, in mAP (default %(default)s: 1 mAP point)")
+    p.add_argument("--smoke", action="store_true",
+                   help="one seed, a few steps on tiny data: the pipeline and the metric, no verdict")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH")
     p.add_argument("--worker", metavar="CONFIG", help=argparse.SUPPRESS)
@@ -292,32 +462,50 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.lr <= 0:
         p.error(f"--lr must be positive, got {args.lr}")
+    if args.seeds < MIN_SEEDS:
+        p.error(f"--seeds must be >= {MIN_SEEDS} (the verdict's tolerance needs each mode's seed-to-seed "
+                f"spread), got {args.seeds}; --smoke runs one seed without a verdict")
+    if not 0 <= args.floor < 1:
+        p.error(f"--floor must be in [0, 1) (an mAP difference), got {args.floor}")
     if args.smoke:
-        args.epochs, args.train, args.test, args.batch_size = 1, 32, 16, 16
+        args.epochs, args.train, args.test, args.batch_size, args.seeds = 1, 32, 16, 16, 1
     return args
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    """Run every mode in its own process, print the table and write ``--json``/``--plot``."""
+    """Run every (mode, seed) in its own process, print the table and write ``--json``/``--plot``."""
     args = parse_args(argv)
     if args.worker:
         cfg = json.loads(args.worker)
         print(json.dumps(train_mode(**cfg)))
         return {}
-    modes, skipped = plan(args.smoke)
-    results = []
-    for mode, seed in modes:
+    runs, skipped = plan(args.seeds)
+    results, unavailable, t0 = [], set(), time.time()
+    for mode, seed in runs:
+        if mode in unavailable:
+            continue
         print(f"training {mode} (seed {seed}) ...", flush=True)
         r = run_in_subprocess(mode, seed, args)
         if "unavailable" in r:
+            unavailable.add(mode)
             skipped.append(f"{mode} not run: {r['unavailable']}")
         else:
             results.append(r)
-    doc = {"task": "coloured shapes, 64x64, small GluonCV SSD", "epochs": args.epochs, "train": args.train,
-           "test": args.test, "batch_size": args.batch_size, "lr": args.lr, "results": results,
-           "verdict": verdict(results), "skipped": skipped,
-           "command": " ".join(["python", "benchmarks/convergence.py"] + (argv if argv is not None else sys.argv[1:]))}
+        if mode == "fp32" and "error" in r:
+            break  # no reference: the other runs could not be judged
+    doc: Dict[str, Any] = {
+        "task": "coloured shapes, 64x64, small GluonCV SSD", "epochs": args.epochs, "train": args.train,
+        "test": args.test, "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds,
+        "results": results, "skipped": skipped, "wall_seconds": time.time() - t0,
+        "command": " ".join(["python", "benchmarks/convergence.py"] + (argv if argv is not None else sys.argv[1:]))}
+    try:
+        doc["verdict"] = verdict(results, args.floor)
+    except ValueError as e:
+        doc["verdict"], doc["no_verdict"] = None, str(e)
     print_table(doc)
+    if failed(doc):
+        print("exit status 1: " + ("no verdict" if doc["verdict"] is None else "a mode FAILS"))
+    print(f"wall time {doc['wall_seconds']:.0f} s for {len(results)} runs")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
@@ -328,4 +516,5 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    result = main()
+    sys.exit(1 if result and failed(result) else 0)
