@@ -15,7 +15,7 @@ def _recorded(host):
     """The host's capability (from its flags) and its probe verdict (from its figures)."""
     rec = HOSTS[host]
     cap = classify(frozenset(rec["flags"]), False, None)
-    return cap, SpeedVerdict("bfloat16", timings_from_records(rec["ops"]), "cached", "/cache/file.json")
+    return cap, SpeedVerdict("bfloat16", timings_from_records(rec["items"]), "cached", "/cache/file.json")
 
 
 def test_the_slow_host_stays_in_float32_and_says_why_how_to_force_and_what_amx_would_do():
@@ -23,7 +23,7 @@ def test_the_slow_host_stays_in_float32_and_says_why_how_to_force_and_what_amx_w
     assert cap.bf16 is Bf16.NATIVE  # the flags alone would turn bfloat16 on
     res = resolve_target(None, cap, speed)
     assert res.dtype == "float32" and res.speed is speed and speed.speedup < 1
-    assert f"{speed.speedup:.2f}x" in res.warning and "16.6 ms in bfloat16 vs 12.0 ms" in res.warning
+    assert f"{speed.speedup:.2f}x" in res.warning and "16.6 ms in bfloat16 vs 12.0 ms in float32" in res.warning
     assert "target_dtype='bfloat16'" in res.warning and "GLUON_AMP_SPEED_PROBE=0" in res.warning
     assert "AMX" in res.warning and "5.16" in res.warning  # avx512_fp16 without amx_bf16
     assert "/cache/file.json" in res.warning  # where the figures come from
