@@ -4,7 +4,7 @@ VENV := .venv
 PIP := $(VENV)/bin/pip
 PYTHON := $(VENV)/bin/python
 
-.PHONY: venv install install-dist bench test clean
+.PHONY: venv install install-dist bench test test-numpy126 check-py312 clean
 
 $(VENV)/bin/activate:
 	$(PY) -m venv $(VENV)
@@ -12,8 +12,10 @@ $(VENV)/bin/activate:
 
 venv: $(VENV)/bin/activate
 
+# On Python 3.11 this venv keeps numpy 1.23.5, the numpy MXNet 1.9.1 was released with (no shim
+# needed); setup.py allows 1.23-1.26 there, and Python 3.12 gets 1.26 (docs/python.md).
 install: venv
-	$(PIP) install -q -e ".[cpu,bench,notebook,test]"
+	$(PIP) install -q -e ".[cpu,bench,notebook,test]" "numpy<1.24; python_version<'3.12'"
 
 bench: install
 	$(PYTHON) benchmarks/ssd_synthetic.py --amp
@@ -42,5 +44,52 @@ install-dist: install
 test: install-dist
 	$(PYTHON) -m pytest -q tests
 
+# numpy 1.26 (what Python 3.12 gets) on this Python, in a venv of its own: the shim's claims, the
+# suite's core (init/patching, trainer, convert, emulate) and make bench's script. No Horovod there.
+NP126_VENV := .venv-np126
+NP126_TESTS := $(addprefix tests/mxnet_layer/,test_numpy_shim.py test_compat.py test_patching.py \
+	test_trainer.py test_convert.py test_emulate.py test_benchmarks.py::test_ssd_synthetic_amp_smoke)
+
+$(NP126_VENV)/bin/activate:
+	$(PY) -m venv $(NP126_VENV)
+	$(NP126_VENV)/bin/pip install -q --upgrade pip
+
+# setuptools>=68 gives distutils the way Python 3.12 gets it (setup.py's marker does not apply on 3.11).
+# `-p gluon_amp`: gluon_amp (and with it the shim) loads before tests/mxnet_layer/conftest.py imports mxnet.
+test-numpy126: $(NP126_VENV)/bin/activate
+	$(NP126_VENV)/bin/pip install -q -e ".[cpu,bench,test]" "numpy>=1.26,<1.27" "setuptools>=68"
+	$(NP126_VENV)/bin/python -m pytest -q -p gluon_amp $(NP126_TESTS)
+
+# No CPython 3.12 can be installed here: this shows that the wheel with every extra but dist
+# (Horovod has no wheels) resolves to binary wheels for CPython 3.12 on this platform. pip
+# evaluates markers for the Python running it, not for --python-version (pypa/pip#11010), so the
+# wheel's requirements marked for 3.12 (numpy>=1.26, setuptools) are read from it and added.
+PY312_CHECK := build/py312-check
+define PY312_ONLY_REQS
+import sys, zipfile
+from pip._vendor.packaging.requirements import Requirement
+whl = zipfile.ZipFile(sys.argv[1])
+meta = whl.read(next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+py312 = {"python_version": "3.12", "python_full_version": "3.12.0"}
+for line in meta.splitlines():
+    if line.startswith("Requires-Dist:"):
+        req = Requirement(line.split(":", 1)[1])
+        if req.marker and req.marker.evaluate(py312) and not req.marker.evaluate():
+            req.marker = None
+            print(req)
+endef
+export PY312_ONLY_REQS
+
+check-py312: venv
+	rm -rf $(PY312_CHECK) && mkdir -p $(PY312_CHECK)
+	$(PIP) wheel -q --no-deps . -w $(PY312_CHECK)
+	whl=$$(ls $(PY312_CHECK)/gluon_amp-*.whl) && reqs=$$($(PYTHON) -c "$$PY312_ONLY_REQS" $$whl) && \
+	echo "requirements for Python 3.12 only: $$reqs" && \
+	$(PIP) install --dry-run --ignore-installed --python-version 3.12 --only-binary=:all: \
+	  "$$whl[cpu,bench,notebook,test]" $$reqs
+	@echo "Python 3.13 must be refused (python_requires):"
+	$(PIP) install -q --dry-run --ignore-installed --python-version 3.13 --only-binary=:all: --no-deps \
+	  $(PY312_CHECK)/gluon_amp-*.whl 2>&1 | grep "requires a different Python"
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(NP126_VENV) build *.egg-info

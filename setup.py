@@ -13,8 +13,16 @@ setup(
     long_description=README,
     long_description_content_type="text/markdown",
     packages=find_packages(include=["gluon_amp", "gluon_amp.*", "gluon_amp_core", "gluon_amp_core.*"]),
-    python_requires=">=3.8",
-    install_requires=["numpy<1.24"],
+    # 3.13: numpy<2, which MXNet 1.9.1 needs, has no wheels for it (docs/python.md).
+    python_requires=">=3.11,<3.13",
+    install_requires=[
+        # numpy 1.24-1.26 work through gluon_amp/_numpy_shim.py; 3.12 has wheels from 1.26 on
+        # only, and this keeps pip from building an older numpy from source there.
+        "numpy>=1.23,<2; python_version<'3.12'",
+        "numpy>=1.26,<2; python_version>='3.12'",
+        # MXNet 1.9.1 and GluonCV 0.10 import distutils, which Python 3.12 removed
+        "setuptools>=68; python_version>='3.12'",
+    ],
     extras_require={
         "cpu": ["mxnet==1.9.1"],
         "cu112": ["mxnet-cu112==1.9.1"],

@@ -9,6 +9,8 @@ import statistics
 import sys
 from typing import List, Optional
 
+import _numpy_shim  # noqa: F401  first: numpy aliases MXNet needs (benchmarks/ is on sys.path)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -55,6 +55,7 @@ import traceback
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
+import _numpy_shim  # noqa: F401  first: numpy aliases MXNet needs (benchmarks/ is on sys.path)
 from gluon_amp_core.dtypes import dtype_name  # noqa: E402  (pure: no MXNet)
 
 from _report import emit  # benchmarks/ is on sys.path when run as a script

@@ -32,6 +32,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, List
 
+import _numpy_shim  # noqa: F401  first: numpy aliases MXNet needs (benchmarks/ is on sys.path)
 from gluon_amp_core.dtypes import dtype_name  # noqa: E402  (pure: no MXNet)
 
 from _report import emit  # benchmarks/ is on sys.path when run as a script

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from typing import Any, Dict, List, Optional
 
+import _numpy_shim  # noqa: F401  first: numpy aliases MXNet needs (benchmarks/ is on sys.path)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 #: the ops whose speedup AMP is for; every other op counts at its FP32 time in the ceiling

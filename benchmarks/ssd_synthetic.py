@@ -38,10 +38,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import gluon_amp  # noqa: E402  first: its numpy shim (docs/python.md) and AMX, before MXNet loads
 import mxnet as mx  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
-
-import gluon_amp  # noqa: E402
 from _report import write_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 IMPLS = ("gluon_amp", "mxnet-contrib")

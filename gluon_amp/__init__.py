@@ -17,6 +17,10 @@ from ._compat import check_numpy as _check_numpy
 
 _check_numpy()
 
+from ._numpy_shim import restore_numpy_aliases as _restore_numpy_aliases  # noqa: E402
+
+_restore_numpy_aliases()  # before anything imports MXNet (docs/python.md)
+
 from . import runtime as _runtime  # noqa: E402
 
 _runtime.enable_amx()  # before MXNet creates its first oneDNN primitive

@@ -7,6 +7,7 @@ from typing import Any, Dict
 from gluon_amp_core.capability import Bf16
 from gluon_amp_core.resolve import Resolution
 
+from . import _numpy_shim
 from .patching import current_policy
 from .runtime import _state, capability, cpu_flags, executable, has_onednn, resolve
 from .speed import probe
@@ -38,6 +39,7 @@ def runtime_info() -> Dict[str, Any]:
         "bf16_isa": cap.isa.lower() if cap.bf16 is Bf16.NATIVE else f"no native bfloat16 ({cap.bf16.value})",
         "error": _state["error"],
         "mode": amp_mode(),
+        "numpy_shim": _numpy_shim.status(),
     }
 
 
