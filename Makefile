@@ -55,10 +55,9 @@ $(NP126_VENV)/bin/activate:
 	$(NP126_VENV)/bin/pip install -q --upgrade pip
 
 # setuptools>=68 gives distutils the way Python 3.12 gets it (setup.py's marker does not apply on 3.11).
-# `-p gluon_amp`: gluon_amp (and with it the shim) loads before tests/mxnet_layer/conftest.py imports mxnet.
 test-numpy126: $(NP126_VENV)/bin/activate
 	$(NP126_VENV)/bin/pip install -q -e ".[cpu,bench,test]" "numpy>=1.26,<1.27" "setuptools>=68"
-	$(NP126_VENV)/bin/python -m pytest -q -p gluon_amp $(NP126_TESTS)
+	$(NP126_VENV)/bin/python -m pytest -q $(NP126_TESTS)
 
 # No CPython 3.12 can be installed here: this shows that the wheel with every extra but dist
 # (Horovod has no wheels) resolves to binary wheels for CPython 3.12 on this platform. pip

@@ -11,9 +11,8 @@ import tempfile  # noqa: E402
 # The speed probe's cache: one per test session, never the user's (the probe runs once here).
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="gluon-amp-tests-cache-")
 
+import gluon_amp  # noqa: E402  first: its numpy shim runs before MXNet loads (docs/python.md)
 import mxnet as mx  # noqa: E402
-
-import gluon_amp  # noqa: E402
 from gluon_amp_core.capability import Bf16  # noqa: E402
 import helpers  # noqa: E402
 

@@ -365,10 +365,10 @@ def test_bfloat16_o3_updates_without_master_copies():
 
 FALLBACK = r'''
 import json, warnings
+import gluon_amp
 import mxnet as mx
 from mxnet import autograd, gluon
 from mxnet.gluon import nn
-import gluon_amp
 
 net = nn.HybridSequential()
 net.add(nn.Conv2D(4, 3, in_channels=1), nn.BatchNorm(in_channels=4), nn.Dense(2, in_units=64))
