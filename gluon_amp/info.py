@@ -9,19 +9,19 @@ from gluon_amp_core.resolve import Resolution
 
 from . import _numpy_shim
 from .patching import current_policy
-from .runtime import _state, capability, cpu_flags, executable, has_onednn, resolve
+from . import runtime
 from .speed import probe
 
 
 def runtime_info() -> Dict[str, Any]:
     """What gluon_amp found on this machine and what ``target_dtype=None`` picks, with why."""
     import mxnet as mx
-    flags = cpu_flags()
-    cap = capability()
-    default = resolve(None, warn=False)
+    flags = runtime.cpu_flags()
+    cap = runtime.capability()
+    default = runtime.resolve(None, warn=False)
     return {
         "mxnet": mx.__version__,
-        "onednn": has_onednn(),
+        "onednn": runtime.has_onednn(),
         "gpus": cap.gpus,
         "default_target_dtype": default.dtype,
         "default_why": default.warning,
@@ -33,11 +33,11 @@ def runtime_info() -> Dict[str, Any]:
         "cpu_avx512f": "avx512f" in flags,
         "cpu_avx512_bf16": "avx512_bf16" in flags,
         "cpu_amx_bf16": "amx_bf16" in flags,
-        "amx_permission": bool(_state["amx_permission"]),
+        "amx_permission": bool(runtime._state["amx_permission"]),
         "DNNL_MAX_CPU_ISA": os.environ.get("DNNL_MAX_CPU_ISA"),
-        "isa_set_by": _state["isa_set_by"],
+        "isa_set_by": runtime._state["isa_set_by"],
         "bf16_isa": cap.isa.lower() if cap.bf16 is Bf16.NATIVE else f"no native bfloat16 ({cap.bf16.value})",
-        "error": _state["error"],
+        "error": runtime._state["error"],
         "mode": amp_mode(),
         "numpy_shim": _numpy_shim.status(),
     }
@@ -47,7 +47,7 @@ def _speed(default: Resolution) -> Dict[str, Any]:
     """The probe's figures and the decision they gave, or why no probe ran."""
     if default.speed is not None:
         return {**default.speed.to_dict(), "decision": default.dtype}
-    cap = capability()
+    cap = runtime.capability()
     if cap.gpus > 0:
         why = "not run: a GPU (float16) is taken as faster"
     elif cap.bf16 is not Bf16.NATIVE:
@@ -66,4 +66,4 @@ def amp_mode() -> str:
         return "off"
     if policy.emulate:
         return "emulated"
-    return "native" if executable(policy.target_dtype, "cpu") or capability().gpus else "cannot execute"
+    return "native" if runtime.executable(policy.target_dtype, "cpu") or runtime.capability().gpus else "cannot execute"

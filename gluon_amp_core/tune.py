@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Collection, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .decide import CAST_OPS, MeasuredChoice as Choice
-from .dtypes import FLOAT_DTYPES, LOW_PRECISION_DTYPES
+from .dtypes import FLOAT_DTYPES
 from .graph_pass import is_kept
 from .table import OpClass, OpTable
 

@@ -195,14 +195,25 @@ def convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params:
     Arguments as for :func:`convert_symbol`. The caller's dicts and arrays are not
     modified: the returned dicts hold copies, cast where the converted graph stores a
     parameter in another dtype (emulated: float32 copies rounded to that dtype).
-    ``tune=True`` times the converted model's low-precision ops on this machine at
-    ``input_shapes`` (data input name -> shape, required then) and keeps in float32 those
-    that do not make the whole model faster in the target dtype (see :func:`gluon_amp.init`).
+    ``input_shapes`` (data input name -> shape the model will run with) lets the converter
+    time the model's low-precision ops on this machine and keep in float32 those that do not
+    make the whole model faster in the target dtype (see :func:`gluon_amp.init`); ``tune``
+    defaults to doing so whenever ``input_shapes`` is given (``tune=False`` opts out;
+    ``tune=True`` requires it).
     """
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
-                     widest_type_ops, keep_batchnorm_fp32, emulate, tune)
+                     widest_type_ops, keep_batchnorm_fp32, emulate, _tune_default(tune, input_shapes, emulate, target_dtype))
     return _convert_model(sym, arg_params, aux_params, policy, excluded_sym_names, cast_optional_params,
                           input_shapes)[:3]
+
+
+def _tune_default(tune: Any, input_shapes: Any, emulate: Any, target_dtype: Any) -> Any:
+    """Deployment tunes by default where it can: the shapes are known and the plan runs for
+    real. Conversion is a one-off step, so its timing cost is paid once (as a TensorRT build).
+    A ready Policy decides for itself."""
+    if tune is None and input_shapes is not None and not emulate and not isinstance(target_dtype, Policy):
+        return True
+    return tune
 
 
 def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params: Dict[str, mx.nd.NDArray],
@@ -337,15 +348,16 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     arguments as for :func:`convert_symbol`. The result's ``export`` keeps the cast
     nodes, and its ``amp_result`` holds the pass's per-node decisions (read by ``report``).
     ``emulate=True`` returns the plan emulated in float32 (never fused): it runs on any CPU.
-    ``tune=True`` (with ``input_shapes``, e.g. ``{'data': (16, 3, 224, 224)}``) keeps in
-    float32 the ops that do not make the model faster in the target dtype on this machine,
-    measured (see :func:`convert_model`); ``report(result)`` names them with their figures.
+    With ``input_shapes`` (e.g. ``{'data': (16, 3, 224, 224)}``) it also keeps in float32 the
+    ops that do not make the model faster in the target dtype on this machine, measured
+    (``tune``, on by default then: see :func:`convert_model`); ``report(result)`` names them
+    with their figures.
     """
     if not isinstance(block, HybridBlock):
         raise TypeError(f"convert_hybrid_block expects a gluon HybridBlock, got {type(block).__name__}")
     inputs, sym = mxi.cached_graph(block, "convert_hybrid_block")
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
-                     widest_type_ops, keep_batchnorm_fp32, emulate, tune)
+                     widest_type_ops, keep_batchnorm_fp32, emulate, _tune_default(tune, input_shapes, emulate, target_dtype))
     params = {p.name: p for p in block.collect_params().values()}
     if ctx is None:
         ctx = next(iter(params.values())).list_ctx()[0] if params else mx.current_context()

@@ -39,12 +39,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--emulate", action="store_true",
                         help="write the plan emulated in float32 (runs on any CPU; values rounded to the "
                              "target dtype wherever the plan holds it); auto picks bfloat16 on a CPU")
-    parser.add_argument("--tune", action="store_true",
-                        help="time the converted model's low-precision ops on this machine and keep in float32 "
-                             "those that do not make the whole model faster (needs --input-shape)")
     parser.add_argument("--input-shape", action="append", default=[], metavar="NAME=D1,D2,...",
                         type=_shape_arg, help="shape of a data input the model will run with, e.g. "
-                                               "data=16,3,224,224 (repeatable; required by --tune)")
+                                               "data=16,3,224,224 (repeatable). With it, the converter times "
+                                               "the model's low-precision ops on this machine and keeps in "
+                                               "float32 those that do not make the whole model faster")
+    parser.add_argument("--no-tune", action="store_true",
+                        help="with --input-shape: convert by the op table alone, without timing")
     parser.add_argument("--no-fuse", action="store_true",
                         help="write the plain graph (default for bfloat16 with a oneDNN build of MXNet: "
                              "fold batch norm into the convolutions in float32 and write the graph "
@@ -98,10 +99,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(resolution.warning)
     elif resolution.speed is not None:
         print(f"gluon_amp speed probe: {resolution.speed.describe()}")
-    if args.tune and not args.input_shape:
-        print("error: --tune times the model at the shapes it will run with: give --input-shape NAME=D1,D2,... "
-              "for each data input", file=sys.stderr)
+    if args.no_tune and not args.input_shape:
+        print("error: --no-tune applies with --input-shape (without it nothing is timed)", file=sys.stderr)
         return 2
+    tune = bool(args.input_shape) and not args.no_tune and not args.emulate
 
     try:
         sym, arg_params, aux_params = mx.model.load_checkpoint(args.prefix, args.epoch)
@@ -109,7 +110,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: could not load {args.prefix} epoch {args.epoch}: {exc}", file=sys.stderr)
         return 2
     try:
-        policy = make_policy(requested, fp32_ops=args.fp32_op, emulate=args.emulate or None, tune=args.tune or None)
+        policy = make_policy(requested, fp32_ops=args.fp32_op, emulate=args.emulate or None, tune=tune or None)
         plan = fusion_plan(False if args.no_fuse else None, "cpu", policy)
         fuse = plan.backend is not None and policy.enabled  # a float32 fallback is written unchanged
         if plan.fold:
@@ -140,7 +141,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.exclude:
         print(f"kept in float32: {', '.join(args.exclude)}")
     tuned = [r for r in rep.rows if r.reason == "measured"]
-    if args.tune:
+    if tune:
         print(f"tuned:           {len(tuned)} op(s) chosen by measured speed"
               + "".join(f"\n  {r.name} ({r.op}): {r.detail}" for r in tuned))
     fused = sum(1 for n in json.loads(new_sym.tojson())["nodes"] if n["op"].startswith("_sg_"))

@@ -1,9 +1,7 @@
-"""The speed probe, the decision it feeds, and tune=True (gluon_amp.speed)."""
-import json
+"""tune=True: precision per op chosen by measured speed (gluon_amp.speed.tuner)."""
 import os
 import subprocess
 import sys
-import warnings
 
 import numpy as np
 import pytest
@@ -11,77 +9,8 @@ import mxnet as mx
 
 import gluon_amp
 from gluon_amp import runtime
-from gluon_amp.speed import probe, tuner
-from gluon_amp_core.capability import Bf16, Capability
-from gluon_amp_core.speed import PROBE, SpeedVerdict, timings_from_records
-from gluon_amp_core.tune import Timed
-from helpers import ROOT, make_net, no_bf16_env
-
-HOSTS = json.load(open(os.path.join(ROOT, "tests", "core", "data", "probe_hosts.json")))["hosts"]
-SLOW = SpeedVerdict("bfloat16", timings_from_records(HOSTS["intel_xeon_no_amx"]["items"]), "cached", "/c.json")
-NATIVE = Capability(0, Bf16.NATIVE, "AVX512_CORE_BF16", "oneDNN runs bfloat16 natively", amx_hint="AMX is hidden")
-
-
-@pytest.fixture
-def native_host(monkeypatch):
-    """This process believes it has native bfloat16, whatever the CPU; probe state isolated."""
-    monkeypatch.setattr(runtime, "capability", lambda: NATIVE)
-    monkeypatch.setattr(runtime, "_warned", set())
-    monkeypatch.delenv(probe.ENV, raising=False)
-    probe.forget()
-    yield
-    probe.forget()
-
-
-def test_measured_slower_keeps_float32_with_one_warning_and_an_explicit_target_is_obeyed(native_host, monkeypatch):
-    monkeypatch.setattr(probe, "verdict", lambda dtype, cache: SLOW)
-    with pytest.warns(RuntimeWarning) as caught:
-        policy = gluon_amp.init()
-    assert policy.target_dtype == "float32" and not policy.enabled and not gluon_amp.is_enabled()
-    said = [str(w.message) for w in caught if "mixed precision is off" in str(w.message)]
-    assert len(said) == 1 and "0.78x" in said[0] and "target_dtype='bfloat16'" in said[0] and "AMX is hidden" in said[0]
-    info = gluon_amp.runtime_info()
-    assert info["default_target_dtype"] == "float32" and info["speed"]["decision"] == "float32"
-    assert info["speed"]["source"] == "cached" and info["speed"]["path"] == "/c.json" and not info["speed"]["faster"]
-    with pytest.warns(RuntimeWarning, match="as asked"):
-        assert gluon_amp.init("bfloat16").target_dtype == "bfloat16"
-
-
-def test_the_override_variable_keeps_the_flag_rule_and_says_so(native_host, monkeypatch):
-    monkeypatch.setenv(probe.ENV, "0")
-    monkeypatch.setattr(probe, "verdict", lambda *a: pytest.fail("the probe ran although turned off"))
-    with pytest.warns(RuntimeWarning, match="GLUON_AMP_SPEED_PROBE=0"):
-        assert runtime.resolve(None).dtype == "bfloat16"
-    assert "GLUON_AMP_SPEED_PROBE=0" in gluon_amp.runtime_info()["speed"]["source"]
-
-
-@pytest.mark.bf16_kernels
-def test_the_probe_measures_once_then_reads_its_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv(probe.ENV, raising=False)
-    runtime.timing_cache.cache_clear()
-    probe.forget()
-    try:
-        first = runtime.speed(None)
-        assert first.source == "measured" and os.path.dirname(first.path) == str(tmp_path / "gluon-amp")
-        assert [t.kind for t in first.timings] == [kind for _, kind, _ in PROBE]
-        assert all(t.fp32_ms > 0 and t.low_ms > 0 for t in first.timings)
-        probe.forget()
-        again = runtime.speed(None)
-        assert again.source == "cached" and again.timings == first.timings and again.path == first.path
-    finally:
-        runtime.timing_cache.cache_clear()
-        probe.forget()
-
-
-def test_without_bf16_kernels_the_probe_does_not_run_and_writes_nothing(tmp_path):
-    code = ("import warnings, json, gluon_amp; warnings.simplefilter('ignore'); i = gluon_amp.runtime_info();"
-            "print(json.dumps([i['default_target_dtype'], i['speed']['source'], i['bf16']]))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env={**no_bf16_env(), "XDG_CACHE_HOME": str(tmp_path)})
-    assert r.returncode == 0, r.stderr[-2000:]
-    dtype, source, bf16 = json.loads(r.stdout.strip().splitlines()[-1])
-    assert (dtype, bf16) == ("float32", "none") and source.startswith("not run") and not os.listdir(tmp_path)
+from gluon_amp.speed import tuner
+from helpers import ROOT, make_net
 
 
 def _recorded_times(conv_low, conv_fp32):
@@ -162,3 +91,32 @@ def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph(monkeyp
     assert rows[net.conv.name + "_fwd"].reason == "measured" and rows[net.conv.name + "_fwd"].dtype == "float32"
     assert net.conv.weight.grad().dtype == np.float32 and np.isfinite(net.conv.weight.grad().asnumpy()).all()
     assert scaler.skipped_steps == 0 and np.isfinite(loss.asnumpy()).all()
+
+
+def test_conversion_with_input_shapes_tunes_by_default_and_tune_false_opts_out(monkeypatch):
+    monkeypatch.setattr(tuner, "measure", _recorded_times(409.0, 205.0))
+    monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: 1000.0 if k.get("give_up_ms") is None else 700.0)
+    net = make_net()
+    net(mx.nd.ones((2, 3, 8, 8)))
+    shapes = {"data": (2, 3, 8, 8)}
+    tuned = gluon_amp.convert_hybrid_block(net, "bfloat16", fuse=False, input_shapes=shapes)
+    plain = gluon_amp.convert_hybrid_block(net, "bfloat16", fuse=False, input_shapes=shapes, tune=False)
+    assert "measured" in {r.reason for r in gluon_amp.report(tuned).rows}
+    assert "measured" not in {r.reason for r in gluon_amp.report(plain).rows}
+    assert tuned.amp_result.policy.tune and not plain.amp_result.policy.tune
+
+
+def test_cli_tunes_with_input_shapes_and_refuses_no_tune_alone(tmp_path):
+    net = make_net()
+    net(mx.nd.ones((2, 3, 8, 8)))
+    net.export(str(tmp_path / "m"), 0)
+    run = [sys.executable, "-m", "gluon_amp.convert", str(tmp_path / "m"), "0", "--target-dtype", "bfloat16",
+           "--out", str(tmp_path / "o"), "--no-fuse"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    r = subprocess.run(run + ["--input-shape", "data=2,3,8,8"], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tuned:" in r.stdout and os.path.exists(tmp_path / "o-symbol.json")
+    r = subprocess.run(run + ["--no-tune"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2 and "--input-shape" in r.stderr
+    r = subprocess.run(run + ["--input-shape", "data=2,x"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2 and "positive integers" in r.stderr

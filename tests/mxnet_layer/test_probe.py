@@ -1,0 +1,80 @@
+"""The speed probe (gluon_amp.speed.probe), its cache, and the decision it feeds."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import gluon_amp
+from gluon_amp import runtime
+from gluon_amp.speed import probe
+from gluon_amp_core.capability import Bf16, Capability
+from gluon_amp_core.speed import PROBE, SpeedVerdict, timings_from_records
+from helpers import ROOT, no_bf16_env
+
+HOSTS = json.load(open(os.path.join(ROOT, "tests", "core", "data", "probe_hosts.json")))["hosts"]
+SLOW = SpeedVerdict("bfloat16", timings_from_records(HOSTS["intel_xeon_no_amx"]["items"]), "cached", "/c.json")
+NATIVE = Capability(0, Bf16.NATIVE, "AVX512_CORE_BF16", "oneDNN runs bfloat16 natively", amx_hint="AMX is hidden")
+
+
+@pytest.fixture
+def native_host(monkeypatch):
+    """This process believes it has native bfloat16, whatever the CPU; probe state isolated."""
+    monkeypatch.setattr(runtime, "capability", lambda: NATIVE)
+    monkeypatch.setattr(runtime, "_warned", set())
+    monkeypatch.delenv(probe.ENV, raising=False)
+    probe.forget()
+    yield
+    probe.forget()
+
+
+def test_measured_slower_keeps_float32_with_one_warning_and_an_explicit_target_is_obeyed(native_host, monkeypatch):
+    monkeypatch.setattr(probe, "verdict", lambda dtype, cache: SLOW)
+    with pytest.warns(RuntimeWarning) as caught:
+        policy = gluon_amp.init()
+    assert policy.target_dtype == "float32" and not policy.enabled and not gluon_amp.is_enabled()
+    said = [str(w.message) for w in caught if "mixed precision is off" in str(w.message)]
+    assert len(said) == 1 and "0.78x" in said[0] and "target_dtype='bfloat16'" in said[0] and "AMX is hidden" in said[0]
+    info = gluon_amp.runtime_info()
+    assert info["default_target_dtype"] == "float32" and info["speed"]["decision"] == "float32"
+    assert info["speed"]["source"] == "cached" and info["speed"]["path"] == "/c.json" and not info["speed"]["faster"]
+    with pytest.warns(RuntimeWarning, match="as asked"):
+        assert gluon_amp.init("bfloat16").target_dtype == "bfloat16"
+
+
+def test_the_override_variable_keeps_the_flag_rule_and_says_so(native_host, monkeypatch):
+    monkeypatch.setenv(probe.ENV, "0")
+    monkeypatch.setattr(probe, "verdict", lambda *a: pytest.fail("the probe ran although turned off"))
+    with pytest.warns(RuntimeWarning, match="GLUON_AMP_SPEED_PROBE=0"):
+        assert runtime.resolve(None).dtype == "bfloat16"
+    assert "GLUON_AMP_SPEED_PROBE=0" in gluon_amp.runtime_info()["speed"]["source"]
+
+
+@pytest.mark.bf16_kernels
+def test_the_probe_measures_once_then_reads_its_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(probe.ENV, raising=False)
+    runtime.timing_cache.cache_clear()
+    probe.forget()
+    try:
+        first = runtime.speed(None)
+        assert first.source == "measured" and os.path.dirname(first.path) == str(tmp_path / "gluon-amp")
+        assert [t.kind for t in first.timings] == [kind for _, kind, _ in PROBE]
+        assert all(t.fp32_ms > 0 and t.low_ms > 0 for t in first.timings)
+        probe.forget()
+        again = runtime.speed(None)
+        assert again.source == "cached" and again.timings == first.timings and again.path == first.path
+    finally:
+        runtime.timing_cache.cache_clear()
+        probe.forget()
+
+
+def test_without_bf16_kernels_the_probe_does_not_run_and_writes_nothing(tmp_path):
+    code = ("import warnings, json, gluon_amp; warnings.simplefilter('ignore'); i = gluon_amp.runtime_info();"
+            "print(json.dumps([i['default_target_dtype'], i['speed']['source'], i['bf16']]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**no_bf16_env(), "XDG_CACHE_HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    dtype, source, bf16 = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (dtype, bf16) == ("float32", "none") and source.startswith("not run") and not os.listdir(tmp_path)
