@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from .dtypes import FLOAT_DTYPES, widest
-from .table import OpClass, OpTable
+from .table import NarrowRule, OpClass, OpTable
 
 _EMPTY: frozenset = frozenset()
 
@@ -18,6 +19,7 @@ class Reason(str, enum.Enum):
     FP32 = "fp32"
     CONDITIONAL_FP32 = "conditional_fp32"
     CONDITIONAL_NEUTRAL = "conditional_neutral"
+    NARROW_INPUT = "narrow_input"  # a low-precision op kept float32 for its input's shape
     WIDEST = "widest"
     NEUTRAL = "neutral"
     EXCLUDED = "excluded"
@@ -58,6 +60,7 @@ def decide(
     input_dtypes: Sequence[Optional[str]],
     table: OpTable,
     excluded: bool = False,
+    input_shapes: Optional[Sequence[Optional[Sequence[int]]]] = None,
 ) -> Decision:
     """Decide the compute dtype of one op.
 
@@ -72,6 +75,10 @@ def decide(
     table : OpTable
     excluded : bool
         The caller excluded this node by name: it runs in float32.
+    input_shapes : sequence of tuple or None, optional
+        Shapes of the tensor inputs where known (a run, or a graph with its input shapes).
+        A low-precision op with a rule in ``table.narrow_fp32`` runs in float32 when its
+        data input is narrower than the rule's attribute (:func:`is_narrower`).
     """
     name = table.canonical(op)
     if name in CAST_OPS:
@@ -81,6 +88,9 @@ def decide(
     op_class = table.classes.get(name, OpClass.NEUTRAL)
     keep = table.keep_fp32_inputs.get(name, _EMPTY)
     if op_class is OpClass.LOW_PRECISION:
+        rule = table.narrow_fp32.get(name)
+        if rule is not None and input_shapes and is_narrower(input_shapes[0], attrs, rule):
+            return Decision("float32", Reason.NARROW_INPUT, keep)
         return Decision(table.target_dtype, Reason.LOW_PRECISION, keep)
     if op_class is OpClass.FP32:
         return Decision("float32", Reason.FP32, keep)
@@ -96,3 +106,28 @@ def decide(
             return Decision(None, Reason.WIDEST, keep)
         return Decision(widest(floats), Reason.WIDEST, keep)
     return Decision(None, Reason.NEUTRAL, keep)
+
+
+_INT = re.compile(r"-?\d+")
+_CHANNELS_LAST = ("NWC", "NHWC", "NDHWC")
+
+
+def is_narrower(shape: Optional[Sequence[int]], attrs: Mapping[str, object], rule: NarrowRule) -> bool:
+    """True when ``shape``'s width is smaller than the last value of ``attrs[rule.attr]``.
+
+    The width is the last spatial axis: the last axis, or the one before it for a
+    channels-last ``layout`` attribute. Attribute values come as MXNet writes them
+    (``'(2, 2)'``, ``'2'``) or as Python ints and tuples. An unknown shape, a shape with no
+    spatial axis or a missing attribute is not narrower.
+    """
+    if not shape or len(shape) < 3:
+        return False
+    value = attrs.get(rule.attr)
+    if value is None:
+        return False
+    numbers = _INT.findall(value if isinstance(value, str) else str(value))
+    if not numbers:
+        return False
+    channels_last = str(attrs.get("layout", "")).upper() in _CHANNELS_LAST
+    width = shape[-2] if channels_last else shape[-1]
+    return 0 < width < int(numbers[-1])

@@ -33,13 +33,15 @@ class NodeDecision:
 
 
 def walk(nodes: Sequence[dict], table: OpTable, dtype_of: Callable[[Entry], Optional[str]],
-         excluded: Collection[str] = ()) -> Iterator[NodeDecision]:
+         excluded: Collection[str] = (),
+         shape_of: Optional[Callable[[Entry], Optional[Tuple[int, ...]]]] = None) -> Iterator[NodeDecision]:
     """Yield a :class:`NodeDecision` for every op node, in graph (topological) order.
 
     ``dtype_of((node, output))`` gives the dtype of an input, or ``None`` when unknown. It
     is called when the node is reached, so a caller may fill it in as it goes (the
     converter does). A node named in ``excluded``, or marked excluded by an earlier
-    conversion, runs in float32.
+    conversion, runs in float32. ``shape_of((node, output))``, when given, is the shape of
+    an input (``None`` when unknown), for the table's input-shape rules.
     """
     for i, node in enumerate(nodes):
         if node["op"] == "null":
@@ -47,5 +49,7 @@ def walk(nodes: Sequence[dict], table: OpTable, dtype_of: Callable[[Entry], Opti
         attrs = node.get("attrs", {})
         in_types = tuple(dtype_of((e[0], e[1])) for e in node["inputs"])
         is_excluded = node["name"] in excluded or attrs.get(REASON_ATTR) == Reason.EXCLUDED.value
+        shapes = None if shape_of is None else [shape_of((e[0], e[1])) for e in node["inputs"]]
         yield NodeDecision(i, node["name"], node["op"], in_types,
-                           decide(node["op"], attrs, in_types, table, excluded=is_excluded))
+                           decide(node["op"], attrs, in_types, table, excluded=is_excluded,
+                                  input_shapes=shapes))
