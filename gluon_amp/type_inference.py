@@ -1,5 +1,5 @@
-"""MXNet's type inference, asked for what gluon_amp needs: every output of a graph, and one
-op's rule for given input dtypes (what the graph pass plugs in)."""
+"""MXNet's type (and shape) inference, asked for what gluon_amp needs: every output of a
+graph, and one op's rule for given input dtypes (what the graph pass plugs in)."""
 from __future__ import annotations
 
 import functools
@@ -36,17 +36,36 @@ def infer_dtypes(sym: Symbol, input_types: Mapping[str, Any],
     _, out_types, _ = infer(**given)
     if out_types is None:
         return None
-    out: Dict[Tuple[str, int], Optional[str]] = {}
-    for name, t in zip(internals.list_outputs(), out_types):
-        m = _MULTI.match(name)
-        if m:
-            key = (m.group(1), int(m.group(2)))
-        elif name.endswith("_output"):
-            key = (name[: -len("_output")], 0)
-        else:  # a variable
-            key = (name, 0)
-        out[key] = dtype_name(t) if t is not None else None
-    return out
+    return {_entry(name): (dtype_name(t) if t is not None else None)
+            for name, t in zip(internals.list_outputs(), out_types)}
+
+
+def infer_shapes(sym: Symbol, input_shapes: Mapping[str, Tuple[int, ...]]
+                 ) -> Dict[Tuple[str, int], Optional[Tuple[int, ...]]]:
+    """``{(node name, output index): shape}`` for every node of ``sym`` given the shapes of
+    some inputs; ``None`` where MXNet cannot tell (or rejects the shapes)."""
+    args = set(sym.list_inputs())
+    internals = sym.get_internals()
+    try:
+        _, out_shapes, _ = internals.infer_shape_partial(
+            **{k: v for k, v in input_shapes.items() if k in args})
+    except MXNetError:
+        return {}
+    if out_shapes is None:
+        return {}
+    # partial inference marks an unknown dimension with 0 (or leaves the shape empty)
+    return {_entry(name): (tuple(s) if s and all(d > 0 for d in s) else None)
+            for name, s in zip(internals.list_outputs(), out_shapes)}
+
+
+def _entry(name: str) -> Tuple[str, int]:
+    """The ``(node name, output index)`` of one of ``get_internals().list_outputs()``."""
+    m = _MULTI.match(name)
+    if m:
+        return m.group(1), int(m.group(2))
+    if name.endswith("_output"):
+        return name[: -len("_output")], 0
+    return name, 0  # a variable
 
 
 def _declared(sym: Symbol, names: Mapping[str, str]) -> Symbol:
