@@ -148,3 +148,22 @@ def test_narrow_convolutions_run_float32_in_the_plan(emulate):
     net = narrow_net(3)
     net(X)
     assert [dtype for dtype, _ in conv_plan(net)] == ["bfloat16", "bfloat16", "float32"]
+
+
+@pytest.mark.bf16_kernels
+def test_o2_training_on_a_narrow_map_loses_no_step():
+    net = narrow_net(4)
+    net(X)  # O2 needs the parameter shapes
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.05, "momentum": 0.9},
+                            update_on_kvstore=False)
+    gluon_amp.initialize(net, trainer, "O2", target_dtype="bfloat16")
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    with dirty_heap():
+        for _ in range(3):
+            with autograd.record():
+                with gluon_amp.scale_loss(loss_fn(net(X), Y).mean(), trainer) as s:
+                    autograd.backward(s)
+            trainer.step(1)
+    scaler = gluon_amp.get_scaler(trainer)
+    assert scaler.skipped_steps == 0, scaler
+    assert conv_plan(net)[NARROW_CONV][0] == "float32"
