@@ -99,8 +99,9 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
                         ) -> BlockHooks:
     """Until :func:`remove_block_hooks`: every HybridBlock's freshly built graph passes
     through ``rewrite(block, args, inputs, out)``, and a block that runs a graph it built
-    before (without the hooks) is passed to ``stale`` once. A block called with other input
-    shapes than the call that built its graph (or the last one checked) is passed to
+    before (without the hooks) is passed to ``stale`` once. A block whose graph was built
+    here, called with other input shapes than the call that built it (or the last one
+    checked), is passed to
     ``reshaped(block, args, inputs, out)``; if it returns True, the graph is dropped and built
     again, through ``rewrite``, for this call. Costs a set lookup and the input shapes per
     call, whatever the size of the heap."""
@@ -121,7 +122,7 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
             if self not in built:
                 built.add(self)  # said once per block
                 stale(self)
-            elif reshaped is not None:
+            elif reshaped is not None and self in seen:  # its graph went through rewrite
                 shapes = _shapes(args)
                 if seen.get(self) != shapes:
                     seen[self] = shapes
