@@ -83,8 +83,8 @@ def _devices(args: tuple) -> set:
     return {a.context.device_type for a in _data(args) if isinstance(a, NDArray)}
 
 
-def graph_rewriter(policy: Policy) -> Tuple[Callable, Callable]:
-    """What :func:`gluon_amp.init` hooks into every HybridBlock: ``(rewrite, reshaped)``.
+def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callable]:
+    """What :func:`gluon_amp.init` hooks into every HybridBlock: ``(rewrite, reshaped, watch)``.
 
     ``rewrite(block, args, inputs, out)`` runs on each fresh graph build. First the ops that
     the input shapes keep in float32 are fed float32 (:class:`gluon_amp.shape_rules.ShapeRules`),
@@ -94,7 +94,8 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Callable]:
 
     ``reshaped(block, args, inputs, out)`` runs when a block is called with other input
     shapes than before: True when its graph must be rebuilt (more ops kept in float32).
-    It is None when the policy has no shape rules (nothing to check).
+    It is None when the policy has no shape rules (nothing to check); ``watch(block)`` says
+    whether a block's graph has an op whose rule other shapes could change.
     """
     rules = ShapeRules(policy)
 
@@ -115,7 +116,7 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Callable]:
     def reshaped(block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> bool:
         return rules.keeps_more(block, out, input_shapes(args, inputs))
 
-    return rewrite, (reshaped if rules.active else None)
+    return rewrite, (reshaped if rules.active else None), rules.watches
 
 
 def cannot_run(what: str, dtype: str, device: str) -> str:

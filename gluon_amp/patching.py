@@ -103,8 +103,8 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
             return policy
         scalers = ScalerRegistry()
         patches = _patch_all(policy, scalers)
-        rewrite, reshaped = graph_rewriter(policy)
-        hooks = mxi.install_block_hooks(rewrite, _warn_stale, reshaped)
+        rewrite, reshaped, watch = graph_rewriter(policy)
+        hooks = mxi.install_block_hooks(rewrite, _warn_stale, reshaped, watch)
         _active = _Active(policy, patches, hooks, scalers)
         _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
                   policy.describe(), len(_active.patches))

@@ -35,21 +35,31 @@ class ShapeRules:
         table = policy.table
         self.active = table is not None and bool(table.narrow_fp32)
         self._kept: "weakref.WeakKeyDictionary[HybridBlock, frozenset]" = weakref.WeakKeyDictionary()
+        #: blocks whose graph holds an op with a rule: the only ones other shapes can change
+        self._watched: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
+
+    def watches(self, block: HybridBlock) -> bool:
+        """True when other input shapes could keep more of ``block``'s ops in float32."""
+        return block in self._watched
 
     def apply(self, block: HybridBlock, out: Symbol, shapes: Shapes) -> Symbol:
         """``out`` (``block``'s freshly traced graph) with every op the rules keep in float32
         at ``shapes``, or at shapes of earlier calls of ``block``, fed float32.
 
-        ``out`` itself when no op of the graph has a rule, or none applies.
+        ``out`` itself when no op of the graph has a rule (the block is then not watched:
+        other shapes cannot change it), or none applies.
         """
         if not self.active:
             return out
         graph = json.loads(out.tojson(remove_amp_cast=False))
+        table = self.policy.table
+        if not any(table.canonical(n["op"]) in table.narrow_fp32 for n in graph["nodes"]):
+            return out
+        self._watched.add(block)
         kept = self._kept.get(block, frozenset()) | self._narrow(graph, out, shapes).keys()
         if not kept:
             return out
         self._kept[block] = frozenset(kept)
-        table = self.policy.table
         keep_inputs = {n["name"]: table.keep_fp32_inputs.get(table.canonical(n["op"]), frozenset())
                        for n in graph["nodes"] if n["name"] in kept and n["op"] != "null"}
         op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
@@ -66,11 +76,8 @@ class ShapeRules:
 
     def _narrow(self, graph: dict, out: Symbol, shapes: Shapes) -> dict:
         """Op node name -> its decision, for the nodes the rules keep in float32 at ``shapes``."""
-        table = self.policy.table
         nodes = graph["nodes"]
-        if not any(table.canonical(n["op"]) in table.narrow_fp32 for n in nodes):
-            return {}
         known = infer_shapes(out, shapes)
-        decisions = walk(nodes, table, lambda e: None, self.policy.excluded,
+        decisions = walk(nodes, self.policy.table, lambda e: None, self.policy.excluded,
                          shape_of=lambda e: known.get((nodes[e[0]]["name"], e[1])))
         return {nd.name: nd.decision for nd in decisions if nd.reason is Reason.NARROW_INPUT}

@@ -96,15 +96,15 @@ class BlockHooks:
 def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], Symbol],
                         stale: Callable[[HybridBlock], None],
                         reshaped: Optional[Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], bool]] = None,
-                        ) -> BlockHooks:
+                        watch: Optional[Callable[[HybridBlock], bool]] = None) -> BlockHooks:
     """Until :func:`remove_block_hooks`: every HybridBlock's freshly built graph passes
     through ``rewrite(block, args, inputs, out)``, and a block that runs a graph it built
     before (without the hooks) is passed to ``stale`` once. A block whose graph was built
-    here, called with other input shapes than the call that built it (or the last one
-    checked), is passed to
-    ``reshaped(block, args, inputs, out)``; if it returns True, the graph is dropped and built
-    again, through ``rewrite``, for this call. Costs a set lookup and the input shapes per
-    call, whatever the size of the heap."""
+    here and that ``watch(block)`` names, called with other input shapes than the call that
+    built it (or the last one checked), is passed to ``reshaped(block, args, inputs, out)``;
+    if it returns True, the graph is dropped and built again, through ``rewrite``, for this
+    call. Costs a set lookup per call, and the input shapes for watched blocks (a few
+    microseconds), whatever the size of the heap."""
     built: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
     seen: "weakref.WeakKeyDictionary[HybridBlock, tuple]" = weakref.WeakKeyDictionary()
 
@@ -114,7 +114,8 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
         if fresh:
             self._cached_graph = (inputs, rewrite(self, args, inputs, out))
             built.add(self)
-            seen[self] = _shapes(args)
+            if reshaped is not None and watch is not None and watch(self):
+                seen[self] = _shapes(args)
         return self._cached_graph
 
     def _call_cached_op(self: HybridBlock, *args: Any) -> Any:
@@ -122,7 +123,7 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
             if self not in built:
                 built.add(self)  # said once per block
                 stale(self)
-            elif reshaped is not None and self in seen:  # its graph went through rewrite
+            elif self in seen:  # watched, and its graph went through rewrite
                 shapes = _shapes(args)
                 if seen.get(self) != shapes:
                     seen[self] = shapes
