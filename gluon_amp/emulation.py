@@ -7,7 +7,7 @@ calls round at the low-precision ops' inputs and outputs (see :func:`round_nd`).
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import mxnet as mx
 from mxnet.gluon import HybridBlock
@@ -20,6 +20,7 @@ from gluon_amp_core.policy import Policy
 
 from . import runtime
 from .mxnet_internals import FLOAT_NAMES, copy_function, to_mx_dtype
+from .shape_rules import ShapeRules
 from .type_inference import infer_dtypes
 
 Key = Tuple[str, int]
@@ -57,7 +58,7 @@ def emulate_symbol(sym: Symbol, dtypes: Mapping[Key, Optional[str]]) -> Tuple[Sy
 def _input_dtypes(block: HybridBlock, args: tuple, inputs: Sequence[Symbol]) -> Dict[str, str]:
     """Dtypes of the graph's inputs: data from the call's arrays, parameters as stored."""
     known: Dict[str, str] = {}
-    for var, a in zip(inputs, _flat(args)):
+    for var, a in zip(inputs, _data(args)):
         if isinstance(a, NDArray):
             known[var.name] = FLOAT_NAMES.get(a.dtype) or dtype_name(a.dtype)
     for p in block.collect_params().values():
@@ -66,24 +67,40 @@ def _input_dtypes(block: HybridBlock, args: tuple, inputs: Sequence[Symbol]) -> 
     return known
 
 
-def _flat(args: Any) -> list:
+def input_shapes(args: tuple, inputs: Sequence[Symbol]) -> Dict[str, Tuple[int, ...]]:
+    """Shapes of the graph's data inputs, from the call's arrays."""
+    return {var.name: a.shape for var, a in zip(inputs, _data(args)) if isinstance(a, NDArray)}
+
+
+def _data(args: Any) -> list:
+    """The call's inputs, flattened as Gluon flattens them for the graph (``None`` dropped)."""
     if isinstance(args, (list, tuple)):
-        return [x for a in args for x in _flat(a)]
-    return [args]
+        return [x for a in args for x in _data(a)]
+    return [] if args is None else [args]
 
 
 def _devices(args: tuple) -> set:
-    return {a.context.device_type for a in _flat(args) if isinstance(a, NDArray)}
+    return {a.context.device_type for a in _data(args) if isinstance(a, NDArray)}
 
 
-def graph_rewriter(policy: Policy):
-    """What :func:`gluon_amp.init` hooks into every HybridBlock's first graph build.
+def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callable]:
+    """What :func:`gluon_amp.init` hooks into every HybridBlock: ``(rewrite, reshaped, watch)``.
 
-    Emulated policies get the emulated graph. Otherwise, a graph holding a dtype the call's
-    device cannot execute raises a ``RuntimeError`` before MXNet fails on it.
+    ``rewrite(block, args, inputs, out)`` runs on each fresh graph build. First the ops that
+    the input shapes keep in float32 are fed float32 (:class:`gluon_amp.shape_rules.ShapeRules`),
+    emulated or not, so both run one plan. Emulated policies get the emulated graph.
+    Otherwise, a graph holding a dtype the call's device cannot execute raises a
+    ``RuntimeError`` before MXNet fails on it.
+
+    ``reshaped(block, args, inputs, out)`` runs when a block is called with other input
+    shapes than before: True when its graph must be rebuilt (more ops kept in float32).
+    It is None when the policy has no shape rules (nothing to check); ``watch(block)`` says
+    whether a block's graph has an op whose rule other shapes could change.
     """
+    rules = ShapeRules(policy)
 
     def rewrite(block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> Symbol:
+        out = rules.apply(block, out, input_shapes(args, inputs))
         dtypes = infer_dtypes(out, _input_dtypes(block, args, inputs), partial=True) or {}
         low = {t for t in dtypes.values() if t in LOW_PRECISION_DTYPES}
         if not low:
@@ -96,7 +113,10 @@ def graph_rewriter(policy: Policy):
                     raise RuntimeError(cannot_run(f"block {block.name!r}", dtype, device))
         return out
 
-    return rewrite
+    def reshaped(block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> bool:
+        return rules.keeps_more(block, out, input_shapes(args, inputs))
+
+    return rewrite, (reshaped if rules.active else None), rules.watches
 
 
 def cannot_run(what: str, dtype: str, device: str) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
@@ -109,10 +108,10 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
             return policy
         scalers = ScalerRegistry()
         patches = _patch_all(policy, scalers)
-        rewrite = graph_rewriter(policy)
-        if policy.tune:
-            rewrite = _after(training_rewriter(policy), rewrite)
-        hooks = mxi.install_block_hooks(rewrite, _warn_stale)
+        rewrite, reshaped, watch = graph_rewriter(policy)
+        if policy.tune:  # after the rewrite: the plan's shape rules apply first, and tuning needs kernels
+            rewrite = _after(rewrite, training_rewriter(policy))
+        hooks = mxi.install_block_hooks(rewrite, _warn_stale, reshaped, watch)
         _active = _Active(policy, patches, hooks, scalers)
         _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
                   policy.describe(), len(_active.patches))

@@ -39,10 +39,37 @@ def infer_dtypes(sym: Symbol, input_types: Mapping[str, Any],
     _, out_types, _ = infer(**given)
     if out_types is None:
         return None
-    out: Dict[Tuple[str, int], Optional[str]] = {}
-    for name, t in zip(internals.list_outputs(), out_types):
-        out[_entry_key(name)] = dtype_name(t) if t is not None else None
-    return out
+    return {_entry(name): (dtype_name(t) if t is not None else None)
+            for name, t in zip(internals.list_outputs(), out_types)}
+
+
+def infer_shapes(sym: Symbol, input_shapes: Mapping[str, Tuple[int, ...]]
+                 ) -> Dict[Tuple[str, int], Optional[Tuple[int, ...]]]:
+    """``{(node name, output index): shape}`` for every node of ``sym`` given the shapes of
+    some inputs; ``None`` where MXNet cannot tell (or rejects the shapes)."""
+    args = set(sym.list_inputs())
+    internals = sym.get_internals()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # 1.9.1 prints what it cannot infer
+            _, out_shapes, _ = internals.infer_shape_partial(
+                **{k: v for k, v in input_shapes.items() if k in args})
+    except MXNetError:
+        return {}
+    if out_shapes is None:
+        return {}
+    # partial inference marks an unknown dimension with 0 (or leaves the shape empty)
+    return {_entry(name): (tuple(s) if s and all(d > 0 for d in s) else None)
+            for name, s in zip(internals.list_outputs(), out_shapes)}
+
+
+def _entry(name: str) -> Tuple[str, int]:
+    """The ``(node name, output index)`` of one of ``get_internals().list_outputs()``."""
+    m = _MULTI.match(name)
+    if m:
+        return m.group(1), int(m.group(2))
+    if name.endswith("_output"):
+        return name[: -len("_output")], 0
+    return name, 0  # a variable
 
 
 def _declared(sym: Symbol, names: Mapping[str, str]) -> Symbol:
@@ -85,28 +112,3 @@ def _op_types(op: str, attrs: Tuple[Tuple[str, str], ...], in_dtypes: Tuple[Opti
     required = tuple(by_name.get(f"in{k}") for k in range(n))
     outs = tuple(t for name, t in by_name.items() if name.startswith("node_output"))
     return required, outs
-
-
-def infer_shapes(sym: Symbol, input_shapes: Mapping[str, Tuple[int, ...]]
-                 ) -> Dict[Tuple[str, int], Optional[Tuple[int, ...]]]:
-    """``{(node name, output index): shape}`` for every node of ``sym``, as far as MXNet
-    infers from ``input_shapes`` (names that are not inputs are ignored; unknown: None)."""
-    args = set(sym.list_inputs())
-    internals = sym.get_internals()
-    with contextlib.redirect_stdout(io.StringIO()):  # 1.9.1 prints what it cannot infer
-        _, out_shapes, _ = internals.infer_shape_partial(**{k: v for k, v in input_shapes.items() if k in args})
-    out: Dict[Tuple[str, int], Optional[Tuple[int, ...]]] = {}
-    for name, s in zip(internals.list_outputs(), out_shapes or ()):
-        known = tuple(s) if s and all(d > 0 for d in s) else None
-        out[_entry_key(name)] = known
-    return out
-
-
-def _entry_key(output: str) -> Tuple[str, int]:
-    """``'conv0_output'`` -> ``('conv0', 0)``, ``'split_output1'`` -> ``('split', 1)``, a variable -> (name, 0)."""
-    m = _MULTI.match(output)
-    if m:
-        return m.group(1), int(m.group(2))
-    if output.endswith("_output"):
-        return output[: -len("_output")], 0
-    return output, 0

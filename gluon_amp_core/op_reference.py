@@ -29,6 +29,8 @@ the inference converter.
 | widest | cast to the widest float type among the inputs (`float16` + `bfloat16` widen to `float32`) |
 | neutral | left as they are; the op runs in whatever dtype it is given |
 
+- A few low-precision ops run in float32 at input shapes where their kernel is known to
+  be wrong (listed per dtype below); this is decided from the shapes of the first call.
 - Integer and boolean inputs are never cast.
 - Normalisation parameters and running statistics (listed under *kept inputs*) stay
   `float32` whatever the class.
@@ -63,6 +65,10 @@ def render_table(t: OpTable) -> List[str]:
         else:
             out.append(_names(names))
         out.append("")
+    out += ["### Low-precision ops kept in float32 for some input shapes", ""]
+    out += [f"- `{op}` when its data input's width (last spatial axis) is smaller than its "
+            f"`{rule.attr}`" for op, rule in sorted(t.narrow_fp32.items())] or ["(none)"]
+    out.append("")
     out += ["### Kept float32 inputs", ""]
     out += [f"- `{op}`: {_names(sorted(v))}" for op, v in sorted(t.keep_fp32_inputs.items())]
     out.append("")

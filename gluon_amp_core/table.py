@@ -44,6 +44,15 @@ class ConditionalRule:
     values: frozenset
 
 
+@dataclass(frozen=True)
+class NarrowRule:
+    """Run a low-precision op in float32 when its data input is narrower than
+    ``attrs[attr]``: the input's width (last spatial axis) smaller than the attribute's
+    last value (see :func:`gluon_amp_core.decide.is_narrower`)."""
+
+    attr: str
+
+
 ConditionalSpec = Tuple[str, str, Sequence[str]]
 
 _BATCHNORM_OPS = ("BatchNorm", "_contrib_BatchNormWithReLU")
@@ -58,6 +67,8 @@ class OpTable:
     conditions: Mapping[str, ConditionalRule] = field(default_factory=dict)
     keep_fp32_inputs: Mapping[str, frozenset] = field(default_factory=dict)
     aliases: Mapping[str, str] = field(default_factory=dict)
+    #: low-precision op -> when its input shape keeps it in float32 (a kernel's limits)
+    narrow_fp32: Mapping[str, NarrowRule] = field(default_factory=dict)
 
     def canonical(self, op: str) -> str:
         """Resolve an alias (``'concat'``) to the registered op name (``'Concat'``)."""
@@ -222,10 +233,15 @@ def build_table(
         for bn in _BATCHNORM_OPS:
             if bn in classes:
                 classes[bn] = OpClass.FP32 if keep_batchnorm_fp32 else OpClass.LOW_PRECISION
+    narrow = {n: NarrowRule(a) for n, a in data.FP32_WHEN_NARROWER}
+    unknown = sorted(set(narrow) - set(classes))
+    if unknown:
+        raise ValueError(f"op table for {target_dtype} has FP32_WHEN_NARROWER rules for ops it does not "
+                         f"list: {unknown}; fix the lists/{target_dtype}.py data")
     return OpTable(target_dtype=target_dtype, classes=MappingProxyType(classes),
                    conditions=MappingProxyType(conditions),
                    keep_fp32_inputs=MappingProxyType({n: frozenset(v) for n, v in data.KEEP_FP32_INPUTS.items()}),
-                   aliases=MappingProxyType(aliases))
+                   aliases=MappingProxyType(aliases), narrow_fp32=MappingProxyType(narrow))
 
 
 @functools.lru_cache(maxsize=None)

@@ -45,14 +45,18 @@ class NodeDecision:
 
 
 def walk(nodes: Sequence[dict], table: OpTable, dtype_of: Callable[[Entry], Optional[str]],
-         excluded: Collection[str] = (), measured: Mapping[str, str] = _NONE) -> Iterator[NodeDecision]:
+         excluded: Collection[str] = (),
+         shape_of: Optional[Callable[[Entry], Optional[Tuple[int, ...]]]] = None,
+         measured: Mapping[str, str] = _NONE) -> Iterator[NodeDecision]:
     """Yield a :class:`NodeDecision` for every op node, in graph (topological) order.
 
     ``dtype_of((node, output))`` gives the dtype of an input, or ``None`` when unknown. It
     is called when the node is reached, so a caller may fill it in as it goes (the
     converter does). A node named in ``excluded``, or marked excluded by an earlier
-    conversion, runs in float32. ``measured`` maps node names to the dtype the tuner chose;
-    a node whose attributes record such a choice (:data:`MEASURED_ATTR`) keeps it.
+    conversion, runs in float32. ``shape_of((node, output))``, when given, is the shape of
+    an input (``None`` when unknown), for the table's input-shape rules. ``measured`` maps
+    node names to the dtype the tuner chose; a node whose attributes record such a choice
+    (:data:`MEASURED_ATTR`) keeps it.
     """
     for i, node in enumerate(nodes):
         if node["op"] == "null":
@@ -60,6 +64,8 @@ def walk(nodes: Sequence[dict], table: OpTable, dtype_of: Callable[[Entry], Opti
         attrs = node.get("attrs", {})
         in_types = tuple(dtype_of((e[0], e[1])) for e in node["inputs"])
         is_excluded = node["name"] in excluded or attrs.get(REASON_ATTR) == Reason.EXCLUDED.value
+        shapes = None if shape_of is None else [shape_of((e[0], e[1])) for e in node["inputs"]]
         chosen = measured.get(node["name"]) or attrs.get(MEASURED_ATTR)
         yield NodeDecision(i, node["name"], node["op"], in_types,
-                           decide(node["op"], attrs, in_types, table, excluded=is_excluded, measured=chosen))
+                           decide(node["op"], attrs, in_types, table, excluded=is_excluded,
+                                  measured=chosen, input_shapes=shapes))

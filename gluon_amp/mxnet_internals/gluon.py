@@ -108,12 +108,19 @@ class BlockHooks:
 
 
 def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], Symbol],
-                        stale: Callable[[HybridBlock], None]) -> BlockHooks:
+                        stale: Callable[[HybridBlock], None],
+                        reshaped: Optional[Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], bool]] = None,
+                        watch: Optional[Callable[[HybridBlock], bool]] = None) -> BlockHooks:
     """Until :func:`remove_block_hooks`: every HybridBlock's freshly built graph passes
     through ``rewrite(block, args, inputs, out)``, and a block that runs a graph it built
-    before (without the hooks) is passed to ``stale`` once. Costs a set lookup per call,
-    whatever the size of the heap."""
+    before (without the hooks) is passed to ``stale`` once. A block whose graph was built
+    here and that ``watch(block)`` names, called with other input shapes than the call that
+    built it (or the last one checked), is passed to ``reshaped(block, args, inputs, out)``;
+    if it returns True, the graph is dropped and built again, through ``rewrite``, for this
+    call. Costs a set lookup per call, and the input shapes for watched blocks (a few
+    microseconds), whatever the size of the heap."""
     built: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
+    seen: "weakref.WeakKeyDictionary[HybridBlock, tuple]" = weakref.WeakKeyDictionary()
 
     def _get_graph(self: HybridBlock, *args: Any) -> Any:
         fresh = not self._cached_graph
@@ -123,16 +130,32 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
         if fresh:
             self._cached_graph = (inputs, rewrite(self, args, inputs, out))
             built.add(self)
+            if reshaped is not None and watch is not None and watch(self):
+                seen[self] = _shapes(args)
         return self._cached_graph
 
     def _call_cached_op(self: HybridBlock, *args: Any) -> Any:
-        if self._cached_graph and self not in built and not getattr(_paused, "depth", 0):
-            built.add(self)  # said once per block
-            stale(self)
+        if self._cached_graph and not getattr(_paused, "depth", 0):
+            if self not in built:
+                built.add(self)  # said once per block
+                stale(self)
+            elif self in seen:  # watched, and its graph went through rewrite
+                shapes = _shapes(args)
+                if seen.get(self) != shapes:
+                    seen[self] = shapes
+                    if reshaped(self, args, *self._cached_graph):
+                        self._clear_cached_op()  # rebuilt below, through _get_graph
         return _CALL_CACHED_OP(self, *args)
 
     HybridBlock._get_graph, HybridBlock._call_cached_op = _get_graph, _call_cached_op
     return BlockHooks(_get_graph, _call_cached_op)
+
+
+def _shapes(args: Any) -> Any:
+    """The shapes of a call's arrays, nested as the call's arguments."""
+    if isinstance(args, (list, tuple)):
+        return tuple(_shapes(a) for a in args)
+    return getattr(args, "shape", None)
 
 
 def remove_block_hooks(hooks: BlockHooks) -> None:

@@ -21,10 +21,11 @@ from mxnet.gluon import HybridBlock
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
-from gluon_amp_core.decide import MeasuredChoice
+from gluon_amp_core.decide import MeasuredChoice, decide
 from gluon_amp_core.dtypes import dtype_name
 from gluon_amp_core.policy import Policy
-from gluon_amp_core.retype import retype
+from gluon_amp_core.retype import Change, retype
+from gluon_amp_core.walk import measured_attrs
 from gluon_amp_core.timing_cache import TimingCache
 from gluon_amp_core.tune import Problem, choose, groups, problem
 
@@ -183,7 +184,8 @@ def training_rewriter(policy: Policy) -> Callable[[HybridBlock, tuple, Sequence[
         typed: Dict[Tuple[str, int], Optional[str]] = {}
 
         def apply(choices: Mapping[str, MeasuredChoice]) -> Symbol:
-            return mx.sym.load_json(json.dumps(retype(traced, choices, typed, policy.table, op_inputs)))
+            return mx.sym.load_json(json.dumps(retype(traced, _changes(traced, choices, typed, policy), typed,
+                                                      op_inputs)))
 
         typed.update(infer_dtypes(out, known, partial=True) or {})
         tuning, _ = tune_graph(out, known, shapes, policy, True, apply)
@@ -200,6 +202,19 @@ def training_rewriter(policy: Policy) -> Callable[[HybridBlock, tuple, Sequence[
         return tuned
 
     return rewrite
+
+
+def _changes(graph: dict, choices: Mapping[str, MeasuredChoice], dtypes: Mapping[Tuple[str, int], Optional[str]],
+             policy: Policy) -> Dict[str, Change]:
+    """The decision of each chosen node, as :func:`decide` takes it with the choice."""
+    nodes = graph["nodes"]
+    out = {}
+    for n in nodes:
+        if n["name"] in choices and n["op"] != "null":
+            in_types = [dtypes.get((nodes[e[0]]["name"], e[1])) for e in n["inputs"]]
+            d = decide(n["op"], n.get("attrs", {}), in_types, policy.table, measured=choices[n["name"]].dtype)
+            out[n["name"]] = Change(d, measured_attrs(choices[n["name"]]))
+    return out
 
 
 def _check(sym: Symbol, input_dtypes: Mapping[str, str], choices: Mapping[str, MeasuredChoice]) -> list:

@@ -25,8 +25,9 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str]
     """Imperative wrapper: cast float NDArray inputs as ``decide`` says, then call ``fn``.
 
     The decision for fixed classes (low precision, fp32) does not depend on the call, so
-    it is taken once here; conditional ops decide per call on their attributes and
-    widest ops on their input dtypes. Dispatch cost matters: this runs on every op call.
+    it is taken once here; conditional ops decide per call on their attributes, widest ops
+    on their input dtypes, and low-precision ops with a shape rule on their data input's
+    shape. Dispatch cost matters: this runs on every op call.
     ``neutral`` runs the op when a conditional op's rule does not apply (default ``fn``).
     ``emulate``: inputs and outputs are rounded to the target in float32 instead of cast
     (imperative emulation rounds at decided ops only; hybridized graphs are exact).
@@ -34,7 +35,10 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str]
     """
     neutral = neutral or fn
     op_class = table.classes.get(op, OpClass.NEUTRAL)
-    fixed = decide(op, {}, [], table) if op_class in (OpClass.LOW_PRECISION, OpClass.FP32) else None
+    by_shape = op_class is OpClass.LOW_PRECISION and table.canonical(op) in table.narrow_fp32
+    fixed = (decide(op, {}, [], table) if op_class in (OpClass.LOW_PRECISION, OpClass.FP32)
+             and not by_shape else None)
+    data_name = input_names[0] if input_names else "data"
     to_name = mxi.FLOAT_NAMES
     low = table.target_dtype
     cast = (lambda x, dt: round_nd(x, dt) if dt == low else x) if emulate else cast_nd
@@ -42,7 +46,7 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str]
 
     def cast_all(args: tuple, kwargs: dict, d: Decision) -> Any:
         want, keep = d.dtype, d.keep_fp32
-        if guard and any(isinstance(a, NDArray) and a.context.device_type == "cpu"
+        if guard and want == low and any(isinstance(a, NDArray) and a.context.device_type == "cpu"
                          for a in [*args, *kwargs.values()]):
             raise RuntimeError(cannot_run(f"{op} (imperative)", want, "cpu"))
         new_args = None
@@ -69,6 +73,12 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str]
         @functools.wraps(fn)
         def amp_op(*args: Any, **kwargs: Any) -> Any:
             return cast_all(args, kwargs, fixed)
+    elif by_shape:  # low precision unless the data input's shape keeps it in float32
+        @functools.wraps(fn)
+        def amp_op(*args: Any, **kwargs: Any) -> Any:
+            x = args[0] if args else kwargs.get(data_name)
+            shape = x.shape if isinstance(x, NDArray) else None
+            return cast_all(args, kwargs, decide(op, kwargs, (), table, input_shapes=(shape,)))
     elif op_class is OpClass.WIDEST:
         @functools.wraps(fn)
         def amp_op(*args: Any, **kwargs: Any) -> Any:

@@ -73,6 +73,17 @@ CONDITIONAL_FP32 = (
     ("LeakyReLU", "act_type", ("elu", "selu", "prelu", "rrelu")),
 )
 
+# Low-precision ops that run in float32 when their data input is narrower than an attribute:
+# (op, attribute) -- float32 when the input's width (last spatial axis) is smaller than the
+# attribute's last value. Convolution and its stride: oneDNN 2.4's bfloat16 weight-gradient
+# kernel splits the width into stride phases and leaves the padding of a phase that holds no
+# input column unwritten, then reads it: the gradient of the taps that only see padding gets
+# whatever that memory held (garbage, often NaN or inf). Such convolutions are tiny (a map of a
+# few pixels), so float32 costs nothing measurable. See docs/training.md.
+FP32_WHEN_NARROWER = (
+    ("Convolution", "stride"),
+)
+
 # Run in the widest float type among the inputs.
 WIDEST = common.WIDEST + """
 _contrib_MultiBoxDetection _contrib_MultiBoxPrior _contrib_MultiBoxTarget

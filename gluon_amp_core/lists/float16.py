@@ -44,6 +44,10 @@ CONDITIONAL_FP32 = (
     ("LeakyReLU", "act_type", ("elu", "selu")),
 )
 
+# Low-precision ops that run in float32 when their data input is narrower than an attribute
+# (see the bfloat16 list): none for float16.
+FP32_WHEN_NARROWER: tuple = ()
+
 # Run in the widest float type among the inputs.
 WIDEST = common.WIDEST + """
 _contrib_interleaved_matmul_encdec_qk _contrib_interleaved_matmul_encdec_valatt

@@ -128,22 +128,3 @@ def test_decide_and_walk_obey_a_measured_choice_except_where_float32_is_required
     assert by["conv"].dtype == FP32 and by["conv"].reason is Reason.MEASURED
     by = {nd.name: nd.decision for nd in walk(nodes, TABLE, lambda e: None, measured={"bn": FP32})}
     assert by["bn"].dtype == FP32
-
-
-def test_retype_applies_choices_to_a_traced_graph_through_its_casts():
-    from gluon_amp_core.decide import MeasuredChoice
-    from gluon_amp_core.retype import retype
-    from gluon_amp_core.walk import MEASURED_WHY_ATTR, REASON_ATTR
-    nodes, heads, dt, _ = _chain()
-    choices = {"conv": MeasuredChoice(FP32, 409.0, 205.0, 0.0, BF16), "bn": MeasuredChoice(BF16, 1.0, 9.0, 0.5, BF16)}
-    g = retype({"nodes": nodes, "heads": heads, "arg_nodes": [], "attrs": {}}, choices, dt, TABLE, OP_INPUTS)
-    by = {n["name"]: n for n in g["nodes"]}
-    name = [n["name"] for n in g["nodes"]]
-    assert [name[e[0]] for e in by["conv"]["inputs"]] == ["data", "w"]  # the wrappers' casts are bypassed ...
-    assert "data_c" not in by and "w_c" not in by                         # ... and dropped, unread
-    src = name[by["bn"]["inputs"][0][0]]
-    assert by[src]["op"] == "amp_cast" and by[src]["attrs"]["dtype"] == BF16  # bn held low: a new cast
-    assert [name[e[0]] for e in by["bn"]["inputs"][1:]] == ["g", "b", "m", "v"]  # statistics untouched
-    assert by["conv"]["attrs"][REASON_ATTR] == "measured" and "2.0x slower" in by["conv"]["attrs"][MEASURED_WHY_ATTR]
-    assert name[g["heads"][0][0]] == "out" and g["arg_nodes"] == [j for j, n in enumerate(g["nodes"]) if n["op"] == "null"]
-    assert retype({"nodes": nodes, "heads": heads, "attrs": {}}, {}, dt, TABLE, OP_INPUTS)["nodes"] == nodes
