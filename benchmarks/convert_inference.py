@@ -345,6 +345,16 @@ def format_table(rep: Dict[str, Any]) -> str:
     lines.append(f"runtime: mxnet {ri['mxnet']}, oneDNN {ri['onednn']}, bf16 ISA {ri['bf16_isa']} "
                  f"(avx512_bf16 {ri['cpu_avx512_bf16']}, amx_bf16 {ri['cpu_amx_bf16']}); "
                  f"total {rep['total_s']:.0f} s")
+    speed = ri.get("speed", {})
+    if "speedup" in speed:
+        lines.append(f"gluon_amp speed probe ({speed['source']}): bfloat16 estimated {speed['speedup']:.2f}x float32 ("
+                     + ", ".join(f"{o['label']} {o['low_ms']:.1f} vs {o['fp32_ms']:.1f} ms" for o in speed["items"])
+                     + f"); target_dtype=None picks {speed['decision']}"
+                     + ("" if speed["decision"] != "float32" else
+                        ": these bfloat16 rows are what an explicit target_dtype='bfloat16' gives here"))
+    else:
+        lines.append(f"gluon_amp speed probe {speed.get('source', 'not run')}; target_dtype=None picks "
+                     f"{ri['default_target_dtype']}")
     if not ri["amx_permission"]:
         lines.append("note: no AMX on this machine, so the issue's 'with AMX' comparison cannot be "
                      "made here; these figures are AVX512-BF16 (or emulated) only.")
