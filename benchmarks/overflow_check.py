@@ -6,7 +6,7 @@ forward + backward on a random (1, 3, 512, 512) input (loss = sum of cls_preds +
 so every parameter has a materialised gradient. Then, in the same process, it times one
 inf/NaN check over all those gradients, including the single host sync:
 
-* ``ours``: ``gluon_amp.overflow.all_finite(params)`` (CPU float32/float16 gradients read in
+* ``ours``: ``gluon_amp.training.overflow.all_finite(params)`` (CPU float32/float16 gradients read in
   place by NumPy, one pass split across the cores); returns True when everything is finite.
 * ``numpy``: one single-threaded NumPy read pass (``sum``) over copies of the same values,
   the yardstick: ours / numpy <= 1.0 is the goal.
@@ -106,7 +106,7 @@ def check_correctness(mx: Any, params: List[Any], ours: Callable[[], bool],
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     import mxnet as mx
-    from gluon_amp import overflow
+    from gluon_amp.training import overflow
     from mxnet.contrib.amp.loss_scaler import LossScaler as PeerScaler
 
     t0 = time.perf_counter()

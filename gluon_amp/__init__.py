@@ -41,11 +41,12 @@ from .patching import (  # noqa: E402
     autocast, current_policy, disable, init, is_enabled, patched_functions,
 )
 from .policy_builder import make_policy  # noqa: E402
-from .opt_levels import initialize  # noqa: E402
+from .training.opt_levels import initialize  # noqa: E402
 from . import debug  # noqa: E402
-from .report import Report, report  # noqa: E402
-from .info import runtime_info  # noqa: E402
-from .trainer import (  # noqa: E402
+from .reporting.report import Report, report  # noqa: E402
+from .reporting.info import runtime_info  # noqa: E402
+from .training.distributed import init_kvstore  # noqa: E402
+from .training.trainer import (  # noqa: E402
     clip_global_norm, get_scaler, init_trainer, load_states, save_states, scale_loss, unscale,
 )
 from gluon_amp_core.table import OpClass, OpListError, OpListTypeError, OpTable  # noqa: E402
@@ -58,7 +59,7 @@ __all__ = [
     "list_lp16_ops", "list_fp32_ops", "list_lp16_fp32_ops", "list_conditional_fp32_ops",
     "list_widest_type_cast", "runtime_info", "OpClass", "OpTable", "OpListError", "OpListTypeError",
     "LossScaler", "ScaleState", "init_trainer", "scale_loss", "unscale", "clip_global_norm",
-    "get_scaler", "save_states", "load_states", "initialize",
+    "get_scaler", "save_states", "load_states", "initialize", "init_kvstore",
     "convert_symbol", "convert_model", "convert_hybrid_block", "report", "Report",
     "convert_bucketing_module", "list_loss_output_functions", "list_lp16_use_fp32_params", "debug",
 ]

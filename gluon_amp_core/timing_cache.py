@@ -8,16 +8,17 @@ for another key (copied from another machine, a hash collision) or by another fo
 ignored and rewritten, never trusted. Writes go to a temporary file in the same folder and
 replace the old one atomically, so a reader sees a whole file, the old or the new; two
 processes writing at once each leave a whole file (the last one wins; a lost entry is
-measured again next time).
+measured again next time). :meth:`TimingCache.lock` serialises measuring across processes.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Iterator, Mapping, Optional
 
 #: Bump when the meaning of stored figures changes: older files are then stale.
 FORMAT = 2
@@ -73,6 +74,25 @@ class TimingCache:
         if doc.get("key") != self.key:
             return Loaded({}, "written for another machine or setting (its key differs)")
         return Loaded(doc["entries"])
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold this machine's measuring lock (a lock file beside the cache, ``flock``), so
+        processes started together measure one after the other: the later ones then read
+        the first one's figures, and nobody times while another process is timing. Where
+        there is no ``fcntl`` (not POSIX), or the folder cannot be written, it does nothing."""
+        try:
+            import fcntl
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except (ImportError, OSError):
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def store(self, entries: Mapping[str, Any]) -> None:
         """Merge ``entries`` into the file, atomically. Raises ``OSError`` if it cannot write."""

@@ -87,7 +87,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .api import convert_model, fusion_plan
     from .fold import fold_batch_norm
     from ..policy_builder import make_policy
-    from ..report import report
+    from ..reporting.report import report
     from .. import runtime
 
     requested = None if args.target_dtype == "auto" else args.target_dtype

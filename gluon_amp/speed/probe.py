@@ -143,17 +143,17 @@ def verdict(dtype: str, cache: TimingCache) -> SpeedVerdict:
     if dtype in _verdicts:
         return _verdicts[dtype]
     t0 = time.perf_counter()
-    loaded = cache.load()
-    try:
-        timings, source = timings_from_records(loaded.entries[_entry(dtype)]), "cached"
-    except (KeyError, ValueError):
-        timings, source = _measure(dtype), "measured"
-    path: Optional[str] = cache.path
-    if source == "measured":
+    with cache.lock():  # processes started together: one measures, the others read its figures
         try:
-            cache.store({_entry(dtype): timings_to_records(timings)})
-        except OSError:
-            path = None  # a read-only cache folder: measured again next time
+            timings, source = timings_from_records(cache.load().entries[_entry(dtype)]), "cached"
+        except (KeyError, ValueError):
+            timings, source = _measure(dtype), "measured"
+        path: Optional[str] = cache.path
+        if source == "measured":
+            try:
+                cache.store({_entry(dtype): timings_to_records(timings)})
+            except OSError:
+                path = None  # a read-only cache folder: measured again next time
     _verdicts[dtype] = SpeedVerdict(dtype, timings, source, path, time.perf_counter() - t0)
     return _verdicts[dtype]
 

@@ -95,7 +95,7 @@ def tune_graph(sym: Symbol, input_dtypes: Mapping[str, str], input_shapes: Mappi
 
     The per-op speed table and :func:`gluon_amp_core.tune.choose` propose; each group of
     proposals (by op, :func:`gluon_amp_core.tune.groups`) is kept only if the whole graph
-    with it (``apply(choices)``, bound and run as in training or inference) is at least
+    with it (``apply(choices)``, run as users run it, training or inference) is at least
     :data:`MIN_GAIN` faster. The outcome is cached per graph and machine. Returns the
     tuning and the graph's dtypes as MXNet infers them.
     """
@@ -106,16 +106,29 @@ def tune_graph(sym: Symbol, input_dtypes: Mapping[str, str], input_shapes: Mappi
     op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
     prob = problem(graph["nodes"], graph["heads"], dtypes, shapes, policy.table, op_inputs, train, policy.excluded)
     cache = runtime.timing_cache()
+    with cache.lock():  # one process measures at a time; the others then read what it stored
+        tuning = _tune_locked(sym, graph, prob, cache, apply, input_shapes, input_dtypes, train, fused)
+    tuning.seconds = time.perf_counter() - t0
+    _log.info("gluon_amp tune: %d ops timed in both dtypes (%d measurements made, %d read), "
+              "%d kept after whole-graph trials %s, in %.1f s", len(prob.candidates), tuning.timed, tuning.cached,
+              len(tuning.choices), tuning.trials, tuning.seconds)
+    for name, c in sorted(tuning.choices.items()):
+        _log.info("gluon_amp tune: %s %s", name, c.describe())
+    return tuning, dtypes
+
+
+def _tune_locked(sym: Symbol, graph: dict, prob: Problem, cache: TimingCache, apply: Callable,
+                 input_shapes: Mapping[str, Tuple[int, ...]], input_dtypes: Mapping[str, str],
+                 train: bool, fused: bool) -> Tuning:
     times, timed, cached = measure(prob, cache)
     proposals = choose(prob, times)
     tuning = Tuning({}, timed, cached)
     if proposals:
         key = "graph/" + signature(graph, input_shapes, dict(input_dtypes), train, fused)
         names = [n["name"] for n in graph["nodes"]]
-        stored = cache.load().entries.get(key)
-        if isinstance(stored, dict) and all(isinstance(i, int) and 0 <= i < len(names) for i in map(int, stored)):
-            tuning.choices = {names[int(i)]: MeasuredChoice(*v[:5], graph_ms=tuple(v[5]) if v[5] else None)
-                              for i, v in stored.items()}
+        stored = _restore(cache.load().entries.get(key), names)
+        if stored is not None:
+            tuning.choices = stored
             tuning.cached += 1
         else:
             tuning.choices, tuning.trials = _trials(prob, proposals, apply, input_shapes, train, fused, sym)
@@ -124,13 +137,19 @@ def tune_graph(sym: Symbol, input_dtypes: Mapping[str, str], input_shapes: Mappi
                 _store(cache, {key: {str(position[n]): [c.dtype, c.low_ms, c.fp32_ms, c.cast_ms, c.target,
                                                         list(c.graph_ms) if c.graph_ms else None]
                                      for n, c in tuning.choices.items()}})
-    tuning.seconds = time.perf_counter() - t0
-    _log.info("gluon_amp tune: %d ops timed in both dtypes (%d measurements made, %d read), %d changes "
-              "proposed, %d kept after whole-graph trials %s, in %.1f s", len(prob.candidates), timed, cached,
-              len(proposals), len(tuning.choices), tuning.trials, tuning.seconds)
-    for name, c in sorted(tuning.choices.items()):
-        _log.info("gluon_amp tune: %s %s", name, c.describe())
-    return tuning, dtypes
+    return tuning
+
+
+def _restore(stored: Any, names: Sequence[str]) -> Optional[Dict[str, MeasuredChoice]]:
+    """A graph's cached outcome (node position -> choice), or None if absent or malformed."""
+    if not isinstance(stored, dict):
+        return None
+    try:
+        return {names[int(i)]: MeasuredChoice(str(v[0]), float(v[1]), float(v[2]), float(v[3]), str(v[4]),
+                                              graph_ms=(float(v[5][0]), float(v[5][1])) if v[5] else None)
+                for i, v in stored.items() if 0 <= int(i) < len(names)}
+    except (TypeError, ValueError, IndexError):
+        return None
 
 
 def _trials(prob: Problem, proposals: Mapping[str, MeasuredChoice], apply: Callable, shapes: Mapping,

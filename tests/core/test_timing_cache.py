@@ -65,3 +65,24 @@ def test_two_processes_writing_at_once_always_leave_a_whole_file(tmp_path):
     loaded = TimingCache(str(tmp_path), KEY).load()
     assert loaded.ignored is None and loaded.entries["big"] in (["one"] * 2000, ["two"] * 2000)
     assert {"one", "two"} & set(loaded.entries)
+
+
+HOLDER = r'''
+import sys, time
+from gluon_amp_core.timing_cache import TimingCache
+c = TimingCache(sys.argv[1], {"k": 1})
+with c.lock():
+    print("held", flush=True)
+    time.sleep(1.0)
+    c.store({"first": time.time()})
+'''
+
+
+def test_the_lock_makes_a_second_process_wait_for_the_first_ones_figures(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert p.stdout.readline().strip() == "held"
+    c = TimingCache(str(tmp_path), {"k": 1})
+    with c.lock():
+        assert "first" in c.load().entries  # it waited for the holder to store and let go
+    p.wait(timeout=60)

@@ -13,7 +13,7 @@ from mxnet import autograd, gluon
 from mxnet.gluon import nn
 
 import gluon_amp
-from gluon_amp import checkpoint
+from gluon_amp.training import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -210,13 +210,13 @@ def test_old_files_are_refused_unless_trusted_and_can_be_upgraded(tmp_path):
     _fit(net, tr, 3)
     old = tmp_path / "old.states"
     _old_file(tr, old)
-    with pytest.raises(ValueError, match="trusted=True.*python -m gluon_amp.checkpoint upgrade"):
+    with pytest.raises(ValueError, match="trusted=True.*python -m gluon_amp.training.checkpoint upgrade"):
         gluon_amp.load_states(_trainer(), str(old))
     trusted = _trainer()
     gluon_amp.load_states(trusted, str(old), trusted=True)
     assert gluon_amp.get_scaler(trusted).state_dict() == gluon_amp.get_scaler(tr).state_dict()
     new = tmp_path / "new.states"
-    r = subprocess.run([sys.executable, "-m", "gluon_amp.checkpoint", "upgrade", str(old), str(new)],
+    r = subprocess.run([sys.executable, "-m", "gluon_amp.training.checkpoint", "upgrade", str(old), str(new)],
                        capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 0, r.stderr

@@ -17,7 +17,8 @@ import pytest
 from mxnet import gluon
 
 import gluon_amp
-from gluon_amp import LossScaler, distributed
+from gluon_amp import LossScaler
+from gluon_amp.training import distributed
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist"))
 

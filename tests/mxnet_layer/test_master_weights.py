@@ -11,7 +11,7 @@ import pytest
 from mxnet import gluon
 from mxnet.optimizer import Updater
 
-from gluon_amp import master_weights as mw
+from gluon_amp.training import master_weights as mw
 from gluon_amp import mxnet_internals as mxi
 from gluon_amp.mxnet_internals import BFLOAT16
 

@@ -1,4 +1,4 @@
-"""gluon_amp.overflow.all_finite: one read pass, exact for inf, NaN and huge finite values."""
+"""gluon_amp.training.overflow.all_finite: one read pass, exact for inf, NaN and huge finite values."""
 import warnings
 
 import numpy as np
@@ -7,7 +7,7 @@ import mxnet as mx
 from mxnet import gluon
 
 from gluon_amp import mxnet_internals as mxi
-from gluon_amp import overflow
+from gluon_amp.training import overflow
 
 
 def _params(dtype="float32", ctxs=(mx.cpu(),), n=5):

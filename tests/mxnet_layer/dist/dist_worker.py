@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 import gluon_amp  # noqa: E402
-from gluon_amp.distributed import init_kvstore  # noqa: E402
+from gluon_amp import init_kvstore  # noqa: E402
 import dist_scenario as sc  # noqa: E402
 
 

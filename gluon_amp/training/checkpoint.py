@@ -6,11 +6,11 @@ mixed precision, the optimizer's hyper-parameters and the shape of its state tre
 ``allow_pickle=False``: nothing from the file is ever executed.
 
 Files written by gluon_amp before this format (a pickle) are refused unless the caller
-trusts them (``load_states(..., trusted=True)``, or ``python -m gluon_amp.checkpoint
+trusts them (``load_states(..., trusted=True)``, or ``python -m gluon_amp.training.checkpoint
 upgrade OLD NEW`` once). Their outer layer is read with an unpickler that resolves no
 global at all, so a ``__reduce__`` payload is refused before it runs.
 
-    python -m gluon_amp.checkpoint upgrade OLD.states NEW.states
+    python -m gluon_amp.training.checkpoint upgrade OLD.states NEW.states
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def _decode(x: Any, arrays: Dict[str, np.ndarray], ctx: mx.Context) -> Any:
         dtype = x["dtype"]
         if dtype == "float32":
             return arr
-        from .mxnet_internals import to_mx_dtype
+        from ..mxnet_internals import to_mx_dtype
         return mx.nd.amp_cast(arr, dtype=to_mx_dtype(dtype)) if dtype in ("bfloat16", "float16") else \
             mx.nd.array(arrays[x["key"]], ctx=ctx, dtype=dtype)
     if kind == "master":
@@ -212,7 +212,7 @@ def _not_ours(path: str) -> str:
     if isinstance(old, dict) and old.get("format") == OLD_FORMAT:
         return (f"{path!r} was written by an older gluon_amp as a pickle, which can run code when loaded. "
                 "If you trust it, load it with gluon_amp.load_states(trainer, fname, trusted=True), or "
-                "convert it once: python -m gluon_amp.checkpoint upgrade OLD NEW.")
+                "convert it once: python -m gluon_amp.training.checkpoint upgrade OLD NEW.")
     return f"{path!r} is not a gluon_amp.save_states file"
 
 
@@ -240,7 +240,7 @@ def upgrade(old_path: str, new_path: str) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3 or args[0] != "upgrade":
-        print("usage: python -m gluon_amp.checkpoint upgrade OLD NEW  (OLD: a trusted pickle checkpoint)",
+        print("usage: python -m gluon_amp.training.checkpoint upgrade OLD NEW  (OLD: a trusted pickle checkpoint)",
               file=sys.stderr)
         return 2
     try:

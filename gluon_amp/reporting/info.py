@@ -7,10 +7,9 @@ from typing import Any, Dict
 from gluon_amp_core.capability import Bf16
 from gluon_amp_core.resolve import Resolution
 
-from . import _numpy_shim
-from .patching import current_policy
-from . import runtime
-from .speed import probe
+from .. import _numpy_shim, runtime
+from ..patching import current_policy
+from ..speed import probe
 
 
 def runtime_info() -> Dict[str, Any]:

@@ -23,9 +23,9 @@ from mxnet import autograd
 from mxnet.gluon import Trainer
 from mxnet.optimizer import Optimizer, Updater
 
-from . import mxnet_internals as mxi
+from .. import mxnet_internals as mxi
 from gluon_amp_core.dtypes import dtype_name
-from .mxnet_internals import to_mx_dtype, trainer_params
+from ..mxnet_internals import to_mx_dtype, trainer_params
 
 __all__ = ["MasterState", "MasterWeightUpdater", "install", "master_copies"]
 

@@ -11,7 +11,7 @@ import numpy as np
 from mxnet import autograd
 from mxnet.gluon import Parameter
 
-from . import mxnet_internals as mxi
+from .. import mxnet_internals as mxi
 
 
 def grads_by_context(params: Sequence[Parameter]) -> Dict[mx.Context, List[mx.nd.NDArray]]:

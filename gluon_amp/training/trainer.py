@@ -21,8 +21,9 @@ from mxnet.gluon import Trainer
 
 from gluon_amp_core.loss_scale import LossScaler, Stage, loss_scaler_from
 
-from . import checkpoint, distributed, overflow, patching
-from . import mxnet_internals as mxi
+from .. import patching
+from . import checkpoint, distributed, overflow
+from .. import mxnet_internals as mxi
 
 class _Hook:
     """What ``Trainer._update`` calls before updating: the overflow check of one trainer.
@@ -213,7 +214,7 @@ def _mode(trainer: Trainer) -> Dict[str, Any]:
 
 def save_states(trainer: Trainer, fname: str) -> None:
     """Save the trainer's optimizer states, its optimizer's settings and its loss scaler to
-    one file (see :mod:`gluon_amp.checkpoint`: no pickle, written atomically)."""
+    one file (see :mod:`gluon_amp.training.checkpoint`: no pickle, written atomically)."""
     hook = _hook_of(trainer, "save_states")
     mxi.init_kvstore_now(trainer)
     updater = mxi.trainer_updaters(trainer)[0]
@@ -226,7 +227,7 @@ def load_states(trainer: Trainer, fname: str, *, trusted: bool = False) -> None:
 
     Nothing from the file is executed. Files written by older gluon_amp versions are
     pickles: they load only with ``trusted=True`` (it runs pickle; only for files you
-    trust), or after ``python -m gluon_amp.checkpoint upgrade OLD NEW``.
+    trust), or after ``python -m gluon_amp.training.checkpoint upgrade OLD NEW``.
     """
     hook = _hook_of(trainer, "load_states")
     if not isinstance(trusted, bool):

@@ -16,10 +16,10 @@ from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import default_table
 from gluon_amp_core.walk import MEASURED_WHY_ATTR, REASON_ATTR, walk
 
-from . import mxnet_internals as mxi, runtime
-from .patching import current_policy
-from .policy_builder import make_policy
-from .type_inference import infer_dtypes
+from .. import mxnet_internals as mxi, runtime
+from ..patching import current_policy
+from ..policy_builder import make_policy
+from ..type_inference import infer_dtypes
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import mxnet as mx
 import numpy as np
 from mxnet.gluon import Trainer
 
-from . import mxnet_internals as mxi
+from .. import mxnet_internals as mxi
 
 # A dist kvstore key of our own. ps-lite picks the server with ``key * 9973`` in a C int,
 # so the key must stay below 2**31 / 9973; Trainer uses keys 0..len(params)-1.
@@ -145,7 +145,7 @@ def _check_kvstore(trainer: Trainer) -> None:
         # stacklevel: agree_finite <- has_overflow <- Trainer._update <- step/update <- user
         warnings.warn("this Trainer's first step broadcast the weights over a dist kvstore while "
                       "pushing gradients; MXNet 1.9.1 can answer that broadcast with the summed "
-                      "gradients. Call gluon_amp.distributed.init_kvstore(trainer) before the first "
+                      "gradients. Call gluon_amp.init_kvstore(trainer) before the first "
                       "step.", RuntimeWarning, stacklevel=6)
 
 

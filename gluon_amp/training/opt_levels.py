@@ -32,10 +32,11 @@ from gluon_amp_core.dtypes import FLOAT_DTYPES, LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.loss_scale import LossScaler, loss_scaler_from
 from gluon_amp_core.policy import Policy
 
-from . import master_weights as master_weights_mod, patching, trainer as trainer_mod
-from . import mxnet_internals as mxi
-from .mxnet_internals import NP_SYMBOL, to_mx_dtype, updates_on_kvstore
-from .policy_builder import make_policy
+from .. import patching
+from . import master_weights as master_weights_mod, trainer as trainer_mod
+from .. import mxnet_internals as mxi
+from ..mxnet_internals import NP_SYMBOL, to_mx_dtype, updates_on_kvstore
+from ..policy_builder import make_policy
 
 __all__ = ["OptLevel", "OPT_LEVELS", "properties", "initialize"]
 
