@@ -11,7 +11,6 @@ import enum
 from dataclasses import dataclass
 from typing import FrozenSet, Optional
 
-from .dtypes import parse_target_dtype
 
 #: oneDNN 2.4 ISA names (``DNNL_MAX_CPU_ISA``), lowest first.
 _ISA_ORDER = ("SSE41", "AVX", "AVX2", "AVX512_MIC", "AVX512_MIC_4OPS", "AVX512_CORE",
