@@ -4,6 +4,7 @@
     python benchmarks/ssd_synthetic.py --amp --impl gluon_amp,mxnet-contrib
     python benchmarks/ssd_synthetic.py --amp --no-baseline --batch-size 8 --iters 50
     python benchmarks/ssd_synthetic.py --amp --tune               # also gluon_amp with tune=True
+    python benchmarks/ssd_synthetic.py --amp --no-baseline --impl gluon_amp+tune --batch-size 8   # one mode alone
     python benchmarks/ssd_synthetic.py --opt-level O1,O2,O3   # Apex opt levels (initialize), with FP32
 
 The workload is the tutorial's: GluonCV ``ssd_512_resnet50_v1_coco`` (``pretrained_base=False``,
@@ -17,8 +18,8 @@ busy machine hits them alike; the ratio is per-mode median throughput over FP32'
 cannot run the target dtype usefully (no bfloat16 kernels, only emulated ones, or bfloat16
 measured slower than float32 by gluon_amp's speed probe, with ``--target-dtype auto``), AMP
 modes are not run: FP32 runs alone and the reason, with the probe's figures, is printed.
-``--target-dtype bfloat16`` runs AMP there anyway. ``--tune`` adds ``gluon_amp+tune``:
-``init(tune=True)``, each op kept in float32 where it measured slower in the target dtype.
+``--target-dtype bfloat16`` runs AMP there anyway. ``--tune`` adds ``gluon_amp+tune`` (also
+an ``--impl``): ``init(tune=True)``, ops kept in float32 where the whole graph measured faster so.
 stdout carries the log lines, a progress bar and the closing table; ``--json`` writes the
 full document.
 """
@@ -43,7 +44,7 @@ import mxnet as mx  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
 from _report import write_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
-IMPLS = ("gluon_amp", "mxnet-contrib")
+IMPLS = ("gluon_amp", "gluon_amp+tune", "mxnet-contrib")
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 NUM_ANCHORS = 6132
 logger = logging.getLogger("ssd_synthetic")
@@ -313,7 +314,7 @@ def plan_modes(args: argparse.Namespace) -> Tuple[List[str], str, Optional[str]]
     if amp and not skip_amp:
         impls = args.impls if (args.amp or args.compare) else []
         names += [n for n in impls if n != "mxnet-contrib"]
-        names += [TUNED] if args.tune and (args.amp or args.compare) else []
+        names += [TUNED] if args.tune and TUNED not in impls else []
         names += args.opt_levels
         names += [n for n in impls if n == "mxnet-contrib"]  # irreversible: built last
     if emulated:

@@ -19,7 +19,7 @@ from gluon_amp_core.policy import Policy
 from gluon_amp_core.speed import PROBE, OpTiming, SpeedVerdict, timings_from_records, timings_to_records
 from gluon_amp_core.timing_cache import TimingCache, cache_dir
 
-from .timing import time_graph
+from .timing import time_graphs
 
 #: Set to ``0`` to skip the probe (the CPU flags decide); anything else, or unset: probe.
 ENV = "GLUON_AMP_SPEED_PROBE"
@@ -122,16 +122,16 @@ def _measure(dtype: str) -> Tuple[OpTiming, ...]:
     for label, kind, params in PROBE:
         fp32, shapes = probe_graph(kind, params)
         low = convert_with_policy(fp32, policy, data_names=list(shapes))[0]
-        t32, tlow = (time_graph(s, shapes, train=True, runs=RUNS) for s in (fp32, low))
-        if t32 is None or tlow is None:
+        got = time_graphs([fp32, low], shapes, train=True, runs=RUNS)
+        if got is None:
             raise RuntimeError(f"gluon_amp's speed probe could not run {label} in {dtype}; set "
                                f"{ENV}=0 to choose by CPU flags, and please report this")
-        timings.append(OpTiming(label, kind, t32, tlow))
+        timings.append(OpTiming(label, kind, *got))
     return tuple(timings)
 
 
-#: Runs of each probe item after its warm-up (the fastest counts).
-RUNS = 3
+#: Runs of each probe item in each dtype after its warm-up, taking turns (the fastest counts).
+RUNS = 5
 
 
 _verdicts: Dict[str, SpeedVerdict] = {}

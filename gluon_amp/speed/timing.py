@@ -13,7 +13,7 @@ import json
 import statistics
 import time
 import warnings
-from typing import Mapping, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 import mxnet as mx
 from mxnet import autograd
@@ -106,9 +106,24 @@ def time_graph(sym: mx.sym.Symbol, shapes: Mapping[str, Tuple[int, ...]], train:
     gluon_amp's block hooks are bypassed. A warm-up slower than ``give_up_ms`` ends the
     timing: its figure is returned. ``None`` when MXNet cannot run the graph.
     """
+    got = time_graphs([sym], shapes, train, fused, runs, give_up_ms)
+    return got[0] if got else None
+
+
+def time_graphs(syms: Sequence[mx.sym.Symbol], shapes: Mapping[str, Tuple[int, ...]], train: bool,
+                fused: bool = False, runs: int = 2, give_up_ms: Optional[float] = None) -> Optional[List[float]]:
+    """:func:`time_graph` of several graphs of the same inputs, their runs taking turns (one
+    run of each, then again), so a change of load on the machine falls on all of them alike."""
     try:
         with mxi.hooks_paused(), autograd.pause():
-            return _run_graph(sym, shapes, train, fused, runs, give_up_ms)
+            steps = [_prepare(sym, shapes, train, fused) for sym in syms]
+            times: List[List[float]] = [[] for _ in steps]
+            for r in range(runs + 1):
+                for k, step in enumerate(steps):
+                    if times[k] and give_up_ms is not None and len(times[k]) == 1 and times[k][0] > give_up_ms:
+                        continue
+                    times[k].append(step())
+            return [(min(t[1:]) if len(t) > 1 else t[0]) for t in times]
     except (MXNetError, ValueError, RuntimeError):
         try:
             mx.nd.waitall()
@@ -117,8 +132,9 @@ def time_graph(sym: mx.sym.Symbol, shapes: Mapping[str, Tuple[int, ...]], train:
         return None
 
 
-def _run_graph(sym: mx.sym.Symbol, shapes: Mapping[str, Tuple[int, ...]], train: bool, fused: bool,
-               runs: int, give_up_ms: Optional[float]) -> float:
+def _prepare(sym: mx.sym.Symbol, shapes: Mapping[str, Tuple[int, ...]], train: bool,
+             fused: bool) -> Callable[[], float]:
+    """A block running ``sym``, ready, and a function timing one run of it (ms)."""
     from mxnet.gluon import SymbolBlock
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
@@ -132,8 +148,9 @@ def _run_graph(sym: mx.sym.Symbol, shapes: Mapping[str, Tuple[int, ...]], train:
                 p.set_data(mx.nd.ones(p.shape, dtype=p.dtype))
             elif name.endswith(_ZEROS):
                 p.set_data(mx.nd.zeros(p.shape, dtype=p.dtype))
-    times = []
-    for _ in range(runs + 1):
+        mx.nd.waitall()
+
+    def step() -> float:
         t0 = time.perf_counter()
         if train:
             with autograd.record():
@@ -144,7 +161,6 @@ def _run_graph(sym: mx.sym.Symbol, shapes: Mapping[str, Tuple[int, ...]], train:
         else:
             block(*data)
         mx.nd.waitall()
-        times.append(time.perf_counter() - t0)
-        if give_up_ms is not None and len(times) == 1 and times[0] * 1e3 > give_up_ms:
-            break
-    return (min(times[1:]) if len(times) > 1 else times[0]) * 1e3
+        return (time.perf_counter() - t0) * 1e3
+
+    return step
