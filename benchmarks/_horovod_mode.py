@@ -60,8 +60,15 @@ def run(args: Any, processes: int, timeout: float = 3600) -> Dict[str, Any]:
     """Run the AMP mode with 1 and with ``processes`` Horovod processes; print and return the report."""
     if processes < 2:
         raise SystemExit(f"error: --horovod N needs N >= 2 (got {processes}); 1 process is the baseline it runs anyway")
+    import gluon_amp
+    # Decided once, here: workers probing on their own (their OMP_NUM_THREADS is another cache
+    # key) could reach different dtypes, or time each other. float32: AMP is off here.
+    res = gluon_amp.runtime.resolve(None if args.target_dtype == "auto" else args.target_dtype, warn=False)
+    target = res.dtype if res.executable else "float32"
+    if target == "float32":
+        print(f"AMP is off in the workers (float32 with the loss scaler): {res.warning}", flush=True)
     opts = argparse.Namespace(batch_size=args.batch_size or 2, iters=args.iters or 6,
-                              warmup=args.warmup, seed=args.seed, target_dtype=args.target_dtype)
+                              warmup=args.warmup, seed=args.seed, target_dtype=target)
     cores = os.cpu_count() or 1
     narrow = max(1, cores // processes)
     # 1 process on every core (the baseline), 1 process as narrow as each of the N (shows how

@@ -22,7 +22,8 @@ def worker(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--iters", type=int, required=True)
     p.add_argument("--warmup", type=int, required=True)
     p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--target-dtype", required=True)
+    p.add_argument("--target-dtype", required=True, choices=("float16", "bfloat16", "float32"),
+                   help="as the parent decided it (float32: AMP off)")
     a = p.parse_args(argv)
     sys.path.insert(0, HERE)
     import horovod.mxnet as hvd
@@ -38,9 +39,9 @@ def worker(argv: Optional[List[str]] = None) -> None:
             # the optimizer ssd_synthetic chose, on Horovod's trainer (it averages over processes)
             self.trainer = hvd.DistributedTrainer(self.net.collect_params(), self.trainer._optimizer)
 
-    names, target, skip = ssd.plan_modes(ssd.parse_args(["--amp", "--no-baseline", "--target-dtype", a.target_dtype]))
-    if skip:
-        raise SystemExit(f"error: {skip}")
+    import gluon_amp
+    target = a.target_dtype if a.target_dtype != "float32" else gluon_amp.Policy.create(
+        "float32", reason="the parent process decided AMP is off here")
     ctx = mx.cpu()
     mode = HorovodMode("gluon_amp", ctx, ssd.SyntheticData(a.batch_size, ctx, a.seed + hvd.rank()), a.seed, target)
     for _ in range(a.warmup):
@@ -49,7 +50,7 @@ def worker(argv: Optional[List[str]] = None) -> None:
         mode.step()
     med = statistics.median(mode.result.iter_seconds)
     with open(os.path.join(a.out, f"rank{hvd.rank()}.json"), "w") as f:
-        json.dump({"rank": hvd.rank(), "size": hvd.size(), "target_dtype": target,
+        json.dump({"rank": hvd.rank(), "size": hvd.size(), "target_dtype": a.target_dtype,
                    "sec_per_iter": med, "samples_per_sec": a.batch_size / med,
                    "iter_seconds": mode.result.iter_seconds, "loss_scale": mode.scaler.loss_scale,
                    "skipped_steps": mode.scaler.skipped_steps}, f)

@@ -48,13 +48,15 @@ def resolve_target(requested: object, cap: Capability, speed: Optional[SpeedVerd
     cap : Capability
     speed : SpeedVerdict, optional
         The probe's figures for bfloat16 on this CPU; ``None`` where none were measured
-        (a GPU, no native bfloat16, or the probe turned off): the flags decide alone.
+        (a GPU, no native bfloat16, or the probe turned off), or figures not trusted
+        (``speed.busy``): the flags decide alone.
 
     ``None`` never picks a dtype this machine cannot execute, nor bfloat16 where it is
     emulated or measured slower than float32: then AMP stays in float32. Raises
     ``ValueError`` for a dtype that is not ``float16``/``bfloat16``.
     """
     hint = f" Note: {cap.amx_hint}." if cap.amx_hint else ""
+    shown, speed = speed, (None if speed is not None and speed.busy else speed)
     if requested is None:
         if cap.gpus > 0:
             return Resolution("float16", None)
@@ -63,7 +65,7 @@ def resolve_target(requested: object, cap: Capability, speed: Optional[SpeedVerd
                 return Resolution("float32", f"gluon_amp: mixed precision is off, training and inference stay "
                                              f"in float32: {speed.describe()}; AMP turns it on from "
                                              f"{MIN_SPEEDUP:.2f}x.{hint} {_force('bfloat16')}", speed=speed)
-            return Resolution("bfloat16", None, speed=speed)
+            return Resolution("bfloat16", None, speed=shown)
         return Resolution("float32", f"gluon_amp: mixed precision is off, training and inference "
                                      f"stay in float32: {cap.why}.")
     dtype = parse_target_dtype(requested)
@@ -82,4 +84,4 @@ def resolve_target(requested: object, cap: Capability, speed: Optional[SpeedVerd
         return Resolution(dtype, f"gluon_amp: target_dtype='bfloat16' as asked, though {speed.describe()}."
                                  f"{hint} tune=True keeps the ops that are slower in bfloat16 in float32.",
                           speed=speed)
-    return Resolution(dtype, None, speed=speed)
+    return Resolution(dtype, None, speed=shown)

@@ -29,6 +29,20 @@ PROBE: Tuple[Tuple[str, str, Mapping[str, int]], ...] = (
 MIN_SPEEDUP = 1.05
 
 
+#: A probe started while the 1-minute load average exceeds this many runnable threads per
+#: CPU the process may use measures other work more than its own: its figures are not
+#: trusted (the CPU flags decide) nor kept. Oversubscribed, a Horovod worker here timed a
+#: bottleneck block at 273 ms instead of 10 and concluded bfloat16 was slower.
+BUSY_LOAD_PER_CPU = 1.0
+
+
+def busy(load_1min: float, cpus: int) -> Optional[str]:
+    """Why a machine is too busy to time on, or ``None``."""
+    if cpus > 0 and load_1min > BUSY_LOAD_PER_CPU * cpus:
+        return f"the machine was busy when the probe ran (1-minute load {load_1min:.1f} on {cpus} CPUs)"
+    return None
+
+
 @dataclass(frozen=True)
 class OpTiming:
     """One probe item's time (ms) in float32 and in the low dtype, forward+backward.
@@ -69,6 +83,9 @@ class SpeedVerdict:
         The cache file the figures were read from or written to.
     seconds : float
         What the probe cost in this process (reading the cache, or timing).
+    busy : str or None
+        Why the figures are not trusted (:func:`busy`): the decision then ignores them,
+        and they were not kept.
     """
 
     dtype: str
@@ -76,6 +93,7 @@ class SpeedVerdict:
     source: str
     path: Optional[str] = None
     seconds: float = 0.0
+    busy: Optional[str] = None
 
     @property
     def speedup(self) -> float:
@@ -95,12 +113,14 @@ class SpeedVerdict:
     def describe(self) -> str:
         """One sentence: the estimate, the main figures, and where they come from."""
         where = f"cached in {self.path}" if self.source == "cached" else "measured now"
+        if self.busy:
+            where += f", not trusted: {self.busy}"
         return (f"{self.dtype} measured {self.speedup:.2f}x the speed of float32 on this CPU "
                 f"(estimated training step; {self.figures()}; {where})")
 
     def to_dict(self) -> Dict[str, Any]:
         return {"dtype": self.dtype, "speedup": round(self.speedup, 3), "faster": self.faster,
-                "min_speedup": MIN_SPEEDUP, "source": self.source, "path": self.path,
+                "min_speedup": MIN_SPEEDUP, "source": self.source, "path": self.path, "busy": self.busy,
                 "seconds": round(self.seconds, 4),
                 "items": [{"label": t.label, "kind": t.kind, "fp32_ms": round(t.fp32_ms, 3),
                          "low_ms": round(t.low_ms, 3), "ratio": round(t.ratio, 3)} for t in self.timings]}

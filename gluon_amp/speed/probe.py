@@ -8,6 +8,7 @@ the CPU flags decide alone.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import time
@@ -16,10 +17,12 @@ from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tupl
 import mxnet as mx
 
 from gluon_amp_core.policy import Policy
-from gluon_amp_core.speed import PROBE, OpTiming, SpeedVerdict, timings_from_records, timings_to_records
+from gluon_amp_core.speed import PROBE, OpTiming, SpeedVerdict, busy, timings_from_records, timings_to_records
 from gluon_amp_core.timing_cache import TimingCache, cache_dir
 
 from .timing import time_graphs
+
+_log = logging.getLogger(__name__)
 
 #: Set to ``0`` to skip the probe (the CPU flags decide); anything else, or unset: probe.
 ENV = "GLUON_AMP_SPEED_PROBE"
@@ -41,11 +44,15 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def machine_key(flags: FrozenSet[str], amx_granted: bool, isa: str) -> Dict[str, Any]:
     """Everything that changes a measured time on this CPU, as JSON-able values: the CPU
     model and flags, whether AMX was granted, the MXNet version, the oneDNN ISA in effect
     (``isa``), ``DNNL_MAX_CPU_ISA`` and the thread count."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = _cpus()
     return {"cpu": _cpu_model(), "flags": sorted(flags), "amx_granted": amx_granted,
             "mxnet": mx.__version__, "onednn_isa": isa, "DNNL_MAX_CPU_ISA": os.environ.get("DNNL_MAX_CPU_ISA"),
             "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "cpus": cpus}}
@@ -143,18 +150,24 @@ def verdict(dtype: str, cache: TimingCache) -> SpeedVerdict:
     if dtype in _verdicts:
         return _verdicts[dtype]
     t0 = time.perf_counter()
+    too_busy = None
     with cache.lock():  # processes started together: one measures, the others read its figures
         try:
             timings, source = timings_from_records(cache.load().entries[_entry(dtype)]), "cached"
         except (KeyError, ValueError):
+            too_busy = busy(os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0, _cpus())
             timings, source = _measure(dtype), "measured"
         path: Optional[str] = cache.path
-        if source == "measured":
+        if source == "measured" and too_busy:
+            path = None
+            _log.info("gluon_amp: %s; its figures are not trusted nor kept, the CPU flags decide "
+                      "in this process, and the next one measures again", too_busy)
+        elif source == "measured":
             try:
                 cache.store({_entry(dtype): timings_to_records(timings)})
             except OSError:
                 path = None  # a read-only cache folder: measured again next time
-    _verdicts[dtype] = SpeedVerdict(dtype, timings, source, path, time.perf_counter() - t0)
+    _verdicts[dtype] = SpeedVerdict(dtype, timings, source, path, time.perf_counter() - t0, too_busy)
     return _verdicts[dtype]
 
 

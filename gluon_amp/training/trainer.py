@@ -11,6 +11,7 @@ import contextlib
 import os
 import pickle
 import tempfile
+import warnings
 import weakref
 import zipfile
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
@@ -36,6 +37,7 @@ class _Hook:
         self._trainer = weakref.ref(trainer)
         self.scaler = scaler
         self.original_scale = mxi.grad_scale(trainer)
+        self._warned = False
         scaler.attach(self)
 
     def has_overflow(self, params: Sequence[mx.gluon.Parameter]) -> bool:
@@ -45,6 +47,15 @@ class _Hook:
             finite = distributed.agree_finite(trainer, self.scaler, finite)
             mxi.set_grad_scale(trainer, self.original_scale)  # unscaled unless scale_loss runs again
         skip = self.scaler.record_step(self, finite)
+        if skip and not self._warned and _range_cannot_explain_skips():
+            self._warned = True
+            warnings.warn(
+                f"gluon_amp: a training step was skipped for inf/NaN gradients while AMP runs "
+                f"{_dtype_now()}, whose exponent range is float32's: the loss scale is not the cause. "
+                f"Parameters with inf/NaN gradients: {overflow.non_finite_names(params) or 'none now (it came from the loss)'}. "
+                "Check the data, the loss and the learning rate; gluon_amp stops the run after "
+                f"{self.scaler.max_consecutive_skips} skips in a row. (Said once per trainer.)",
+                RuntimeWarning, stacklevel=4)
         if skip and self.scaler.collapsed():
             raise RuntimeError(
                 f"{self.scaler.state.consecutive_skips} steps in a row had non-finite gradients "
@@ -52,6 +63,18 @@ class _Hook:
                 f"Parameters with inf/NaN gradients: {overflow.non_finite_names(params) or 'none now (inf/NaN came from the loss)'}. "
                 "Check the learning rate, the data and the loss, or raise max_consecutive_skips.")
         return skip
+
+
+def _dtype_now() -> str:
+    policy = patching.current_policy()
+    return policy.target_dtype + " (emulated)" * policy.emulate if policy is not None else "float32 (AMP off)"
+
+
+def _range_cannot_explain_skips() -> bool:
+    """True unless AMP runs float16 (really or emulated), whose range a loss scale can
+    overflow: with bfloat16 or float32 a skipped step is a real inf/NaN."""
+    policy = patching.current_policy()
+    return policy is None or policy.target_dtype != "float16"
 
 
 def _one_trainer(trainer: Any, optimizer_or_trainer: Any, caller: str) -> Any:

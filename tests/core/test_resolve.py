@@ -81,3 +81,14 @@ def test_explicit_targets_are_kept_and_announced():
 def test_bad_target_names_the_choices():
     with pytest.raises(ValueError, match="'float16', 'bfloat16'"):
         resolve_target("int8", _cap(Bf16.NATIVE))
+
+
+def test_figures_from_a_busy_machine_are_shown_but_the_flags_decide():
+    from dataclasses import replace
+    from gluon_amp_core.speed import busy
+    cap, slow = _recorded("intel_xeon_no_amx")
+    why = busy(5.2, 2)
+    assert why and "5.2" in why and busy(1.9, 2) is None
+    res = resolve_target(None, cap, replace(slow, busy=why))
+    assert res.dtype == "bfloat16" and res.warning is None and res.speed.busy == why
+    assert "not trusted" in res.speed.describe()

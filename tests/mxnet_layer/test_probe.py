@@ -78,3 +78,21 @@ def test_without_bf16_kernels_the_probe_does_not_run_and_writes_nothing(tmp_path
     assert r.returncode == 0, r.stderr[-2000:]
     dtype, source, bf16 = json.loads(r.stdout.strip().splitlines()[-1])
     assert (dtype, bf16) == ("float32", "none") and source.startswith("not run") and not os.listdir(tmp_path)
+
+
+@pytest.mark.bf16_kernels
+def test_a_probe_on_a_busy_machine_is_not_trusted_nor_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(probe.ENV, raising=False)
+    monkeypatch.setattr(probe.os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    runtime.timing_cache.cache_clear()
+    probe.forget()
+    try:
+        verdict = runtime.speed(None)
+        assert verdict.busy and verdict.path is None
+        assert not [f for f in os.listdir(tmp_path / "gluon-amp") if f.endswith(".json")]
+        assert runtime.resolve(None, warn=False).dtype == "bfloat16"  # the flags decide
+        assert gluon_amp.runtime_info()["speed"]["busy"] == verdict.busy
+    finally:
+        runtime.timing_cache.cache_clear()
+        probe.forget()
