@@ -1,3 +1,5 @@
+import warnings
+
 import numpy as np
 import mxnet as mx
 import pytest
@@ -230,3 +232,26 @@ def test_checkpoint_errors(tmp_path):
     junk.write_bytes(b"not a pickle")
     with pytest.raises(ValueError, match="not a gluon_amp.save_states file"):
         gluon_amp.load_states(tr, str(junk))
+
+
+@pytest.mark.parametrize("emulated", [None, "bfloat16", "float16"])
+def test_a_skip_that_range_cannot_explain_warns_once(emulated):
+    if emulated:
+        gluon_amp.init(target_dtype=emulated, emulate=True)
+    net = nn.Dense(2, in_units=3)
+    net.initialize()
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, update_on_kvstore=False)
+    scaler = gluon_amp.init_trainer(trainer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with autograd.record():
+                loss = (net(mx.nd.ones((1, 3))) * float("inf")).sum()
+                with gluon_amp.scale_loss(loss, trainer) as scaled:
+                    autograd.backward(scaled)
+            trainer.step(1)
+    said = [w for w in caught if "the loss scale is not the cause" in str(w.message)]
+    assert scaler.skipped_steps == 2
+    assert len(said) == (0 if emulated == "float16" else 1)  # float16: a scale can overflow its range
+    if said:
+        assert (emulated or "float32") in str(said[0].message) and "dense" in str(said[0].message)
