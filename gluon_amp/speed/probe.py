@@ -16,10 +16,13 @@ from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tupl
 
 import mxnet as mx
 
+from gluon_amp_core.graph_pass import convert_graph
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.speed import PROBE, OpTiming, SpeedVerdict, busy, timings_from_records, timings_to_records
 from gluon_amp_core.timing_cache import TimingCache, cache_dir
 
+from .. import mxnet_internals as mxi
+from ..type_inference import op_types
 from .timing import time_graphs
 
 _log = logging.getLogger(__name__)
@@ -121,14 +124,15 @@ def probe_graph(kind: str, p: Mapping[str, int]) -> Tuple[mx.sym.Symbol, Dict[st
 
 
 def _measure(dtype: str) -> Tuple[OpTiming, ...]:
-    """Each probe item in float32 and as AMP's plan runs it in ``dtype`` (typed by the converter)."""
-    from .. import mxnet_internals as mxi
-    from ..convert.api import convert_with_policy
+    """Each probe item in float32 and as AMP's plan runs it in ``dtype`` (typed by the
+    converter's pass, as a training graph: parameters stay float32, cast where read)."""
     policy = Policy.create(dtype, known_ops=mxi.op_infos().keys(), aliases=mxi.aliases())
+    op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
     timings = []
     for label, kind, params in PROBE:
         fp32, shapes = probe_graph(kind, params)
-        low = convert_with_policy(fp32, policy, data_names=list(shapes))[0]
+        graph = json.loads(fp32.tojson())
+        low = mx.sym.load_json(json.dumps(convert_graph(graph, policy, list(shapes), {}, op_types, op_inputs).graph))
         got = time_graphs([fp32, low], shapes, train=True, runs=RUNS)
         if got is None:
             raise RuntimeError(f"gluon_amp's speed probe could not run {label} in {dtype}; set "
