@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
 
-from . import mxnet_internals as mxi
+from . import mxnet_internals as mxi, runtime
 from .emulation import graph_rewriter
 from .policy_builder import as_policy
 from .speed.tuner import training_rewriter
@@ -110,7 +110,7 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
         patches = _patch_all(policy, scalers)
         rewrite, reshaped, watch = graph_rewriter(policy)
         if policy.tune:  # after the rewrite: the plan's shape rules apply first, and tuning needs kernels
-            rewrite = _after(rewrite, training_rewriter(policy))
+            rewrite = _after(rewrite, training_rewriter(policy, lambda: runtime.timing_cache()))
         hooks = mxi.install_block_hooks(rewrite, _warn_stale, reshaped, watch)
         _active = _Active(policy, patches, hooks, scalers)
         _log.info("gluon_amp: mixed precision on, %s, %d functions patched",

@@ -233,7 +233,7 @@ def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params
 
         plan = convert()
         known = {**{n: "float32" for n in data_names}, **_stored_dtypes(plan)}
-        measured = tune_graph(plan, known, shapes, policy, False, convert, fused)[0].choices
+        measured = tune_graph(plan, known, shapes, policy, False, convert, runtime.timing_cache(), fused)[0].choices
     new_sym, result = convert_with_policy(sym, policy, excluded_sym_names, data_names,
                                           cast_optional_params, param_dtypes=types, measured=measured)
     emu = policy.emulate

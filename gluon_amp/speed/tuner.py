@@ -29,7 +29,7 @@ from gluon_amp_core.walk import measured_attrs
 from gluon_amp_core.timing_cache import TimingCache
 from gluon_amp_core.tune import Problem, choose, groups, problem
 
-from .. import mxnet_internals as mxi, runtime
+from .. import mxnet_internals as mxi
 from ..type_inference import infer_dtypes, infer_shapes
 from .timing import time_graph, time_op
 
@@ -90,14 +90,14 @@ def signature(graph: dict, shapes: Mapping[str, Tuple[int, ...]], dtypes: Mappin
 
 def tune_graph(sym: Symbol, input_dtypes: Mapping[str, str], input_shapes: Mapping[str, Tuple[int, ...]],
                policy: Policy, train: bool, apply: Callable[[Mapping[str, MeasuredChoice]], Symbol],
-               fused: bool = False) -> Tuple[Tuning, Dict[Tuple[str, int], Optional[str]]]:
+               cache: TimingCache, fused: bool = False) -> Tuple[Tuning, Dict[Tuple[str, int], Optional[str]]]:
     """Choose dtypes for ``sym``'s low-precision ops (typed by the plan) by measured speed.
 
     The per-op speed table and :func:`gluon_amp_core.tune.choose` propose; each group of
     proposals (by op, :func:`gluon_amp_core.tune.groups`) is kept only if the whole graph
     with it (``apply(choices)``, run as users run it, training or inference) is at least
-    :data:`MIN_GAIN` faster. The outcome is cached per graph and machine. Returns the
-    tuning and the graph's dtypes as MXNet infers them.
+    :data:`MIN_GAIN` faster. The outcome is kept in ``cache`` (the machine's timing cache)
+    per graph. Returns the tuning and the graph's dtypes as MXNet infers them.
     """
     t0 = time.perf_counter()
     dtypes = infer_dtypes(sym, input_dtypes, partial=True) or {}
@@ -105,7 +105,6 @@ def tune_graph(sym: Symbol, input_dtypes: Mapping[str, str], input_shapes: Mappi
     graph = json.loads(sym.tojson(remove_amp_cast=False))
     op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
     prob = problem(graph["nodes"], graph["heads"], dtypes, shapes, policy.table, op_inputs, train, policy.excluded)
-    cache = runtime.timing_cache()
     with cache.lock():  # one process measures at a time; the others then read what it stored
         tuning = _tune_locked(sym, graph, prob, cache, apply, input_shapes, input_dtypes, train, fused)
     tuning.seconds = time.perf_counter() - t0
@@ -183,11 +182,12 @@ def _flat(args: Any) -> list:
     return [args]
 
 
-def training_rewriter(policy: Policy) -> Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], Symbol]:
+def training_rewriter(policy: Policy, cache: Callable[[], TimingCache]
+                      ) -> Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], Symbol]:
     """What ``init(tune=True)`` hooks into every HybridBlock's first graph build: the
     traced training graph, with the ops not faster low kept in float32 (measured forward
-    and backward for the call's shapes). A graph the choices cannot be applied to cleanly
-    runs as traced, with a warning."""
+    and backward for the call's shapes, kept in ``cache()``). A graph the choices cannot
+    be applied to cleanly runs as traced, with a warning."""
 
     def rewrite(block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> Symbol:
         arrays = [a for a in _flat(args) if isinstance(a, NDArray)]
@@ -207,7 +207,7 @@ def training_rewriter(policy: Policy) -> Callable[[HybridBlock, tuple, Sequence[
                                                       op_inputs)))
 
         typed.update(infer_dtypes(out, known, partial=True) or {})
-        tuning, _ = tune_graph(out, known, shapes, policy, True, apply)
+        tuning, _ = tune_graph(out, known, shapes, policy, True, apply, cache())
         block.amp_tuning = tuning
         if not tuning.choices:
             return out

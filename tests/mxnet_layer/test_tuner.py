@@ -10,6 +10,7 @@ import mxnet as mx
 import gluon_amp
 from gluon_amp import runtime
 from gluon_amp.speed import tuner
+from gluon_amp_core.timing_cache import TimingCache
 from helpers import ROOT, make_net
 
 
@@ -75,7 +76,7 @@ def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph(monkeyp
     monkeypatch.setattr(tuner, "measure", _recorded_times(409.0, 205.0))
     graph_ms = iter([1000.0, 700.0])
     monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: next(graph_ms))
-    monkeypatch.setattr(runtime, "timing_cache", lambda: __import__("gluon_amp_core.timing_cache", fromlist=["x"]).TimingCache(str(tmp_path), {"k": 1}))
+    monkeypatch.setattr(runtime, "timing_cache", lambda: TimingCache(str(tmp_path), {"k": 1}))
     gluon_amp.init("bfloat16", tune=True)
     net = make_net()
     trainer = sgd_trainer(net)
