@@ -25,8 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 #: the ops whose speedup AMP is for; every other op counts at its FP32 time in the ceiling
 LOW_PRECISION_OPS = ("Convolution", "FullyConnected", "Deconvolution", "dot", "batch_dot")
-#: AMP modes it can profile beside FP32 (``gluon_amp+tune``: ``init(tune=True)``)
-PROFILED = ("gluon_amp", "gluon_amp+tune", "mxnet-contrib")
+#: AMP modes it can profile beside FP32 (``gluon_amp-untuned``: ``init(tune=False)``)
+PROFILED = ("gluon_amp", "gluon_amp-untuned", "mxnet-contrib")
 
 
 def op_name(profiled: str) -> str:

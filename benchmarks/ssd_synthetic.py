@@ -3,8 +3,8 @@
     python benchmarks/ssd_synthetic.py --amp                     # FP32 baseline and gluon_amp, interleaved
     python benchmarks/ssd_synthetic.py --amp --impl gluon_amp,mxnet-contrib
     python benchmarks/ssd_synthetic.py --amp --no-baseline --batch-size 8 --iters 50
-    python benchmarks/ssd_synthetic.py --amp --tune               # also gluon_amp with tune=True
-    python benchmarks/ssd_synthetic.py --amp --no-baseline --impl gluon_amp+tune --batch-size 8   # one mode alone
+    python benchmarks/ssd_synthetic.py --amp --untuned            # also gluon_amp with tune=False
+    python benchmarks/ssd_synthetic.py --amp --no-baseline --impl gluon_amp-untuned --batch-size 8   # one mode alone
     python benchmarks/ssd_synthetic.py --opt-level O1,O2,O3   # Apex opt levels (initialize), with FP32
 
 The workload is the tutorial's: GluonCV ``ssd_512_resnet50_v1_coco`` (``pretrained_base=False``,
@@ -18,8 +18,10 @@ busy machine hits them alike; the ratio is per-mode median throughput over FP32'
 cannot run the target dtype usefully (no bfloat16 kernels, only emulated ones, or bfloat16
 measured slower than float32 by gluon_amp's speed probe, with ``--target-dtype auto``), AMP
 modes are not run: FP32 runs alone and the reason, with the probe's figures, is printed.
-``--target-dtype bfloat16`` runs AMP there anyway. ``--tune`` adds ``gluon_amp+tune`` (also
-an ``--impl``): ``init(tune=True)``, ops kept in float32 where the whole graph measured faster so.
+``--target-dtype bfloat16`` runs AMP there anyway. The ``gluon_amp`` mode is ``init()``'s
+default, which tunes (ops kept in float32 where the whole graph measured faster so; the first
+run on a machine measures, later ones read the cache); ``--untuned`` adds ``gluon_amp-untuned``
+(also an ``--impl``): ``init(tune=False)``, the op table's plan as it is.
 stdout carries the log lines, a progress bar and the closing table; ``--json`` writes the
 full document.
 """
@@ -44,7 +46,7 @@ import mxnet as mx  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
 from _report import write_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
-IMPLS = ("gluon_amp", "gluon_amp+tune", "mxnet-contrib")
+IMPLS = ("gluon_amp", "gluon_amp-untuned", "mxnet-contrib")
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 NUM_ANCHORS = 6132
 logger = logging.getLogger("ssd_synthetic")
@@ -75,8 +77,8 @@ class ModeResult:
 
 #: Prefix of the --emulate modes' names: ``emulated-float16``, ``emulated-bfloat16``.
 EMULATED = "emulated-"
-#: The gluon_amp mode with ``tune=True``.
-TUNED = "gluon_amp+tune"
+#: The gluon_amp mode with ``tune=False`` (the op table's plan, untimed).
+UNTUNED = "gluon_amp-untuned"
 
 
 def rss_mb() -> float:
@@ -122,11 +124,12 @@ class Mode:
         self.built = False  # the first step, inside the build, runs under the build's own AMP state
         rss0, t0 = rss_mb(), time.time()
         self.emulated = name.startswith(EMULATED)
-        if name in ("gluon_amp", TUNED) or self.emulated:
+        if name in ("gluon_amp", UNTUNED) or self.emulated:
             with warnings.catch_warnings():
                 # the FP32 mode's graph is cached on purpose: it must stay FP32
                 warnings.filterwarnings("ignore", message=".*cached its graph before gluon_amp.init")
-                with gluon_amp.autocast(target_dtype, emulate=self.emulated or None, tune=(name == TUNED) or None):
+                with gluon_amp.autocast(target_dtype, emulate=self.emulated or None,
+                                        tune=False if name == UNTUNED else None):
                     self._build(seed)
                     self.scaler = gluon_amp.init_trainer(self.trainer)
                     self.step(record=False)  # the graph is cached on the first call, with AMP on
@@ -193,7 +196,7 @@ class Mode:
         with autograd.record():
             cls_pred, box_pred, _ = self.net(b.data)
             sum_loss, cls_loss, box_loss = self.loss_fn([cls_pred], [box_pred], [b.cls_targets], [b.box_targets])
-            if self.name in ("gluon_amp", TUNED) or self.name in OPT_LEVELS or self.emulated:
+            if self.name in ("gluon_amp", UNTUNED) or self.name in OPT_LEVELS or self.emulated:
                 with gluon_amp.scale_loss(sum_loss, self.trainer) as scaled:
                     autograd.backward(scaled)
             elif self.name == "mxnet-contrib":
@@ -242,9 +245,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--target-dtype", default="auto", choices=("auto", "float16", "bfloat16"),
                    help="auto: what gluon_amp picks here (CPU flags and its measured speed probe); a dtype "
                         "runs AMP even where it was measured slower")
-    p.add_argument("--tune", action="store_true",
-                   help="with --amp: also train gluon_amp with tune=True (ops kept in float32 where they "
-                        "measured slower in the target dtype, with their casts)")
+    p.add_argument("--untuned", action="store_true",
+                   help="with --amp: also train gluon_amp with tune=False (the op table's plan as it is, "
+                        "untimed), beside the default, which tunes")
     p.add_argument("--emulate", default="", metavar="DTYPES",
                    help="also train gluon_amp with emulate=True for these target dtypes (float16, "
                         "bfloat16, comma separated): the AMP plan in float32 with the target's rounding, "
@@ -277,8 +280,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                 "(comma separated, capital letter O)")
     if levels and (args.amp or args.compare) and "mxnet-contrib" in impls:
         p.error("--opt-level cannot run with --impl mxnet-contrib: the peer patches MXNet for good")
-    if args.tune and not (args.amp or args.compare):
-        p.error("--tune adds a gluon_amp mode: use it with --amp")
+    if args.untuned and not (args.amp or args.compare):
+        p.error("--untuned adds a gluon_amp mode: use it with --amp")
     if levels and args.horovod:
         p.error("--opt-level cannot run with --horovod (that mode trains the gluon_amp mode only)")
     args.opt_levels = levels
@@ -314,7 +317,7 @@ def plan_modes(args: argparse.Namespace) -> Tuple[List[str], str, Optional[str]]
     if amp and not skip_amp:
         impls = args.impls if (args.amp or args.compare) else []
         names += [n for n in impls if n != "mxnet-contrib"]
-        names += [TUNED] if args.tune and TUNED not in impls else []
+        names += [UNTUNED] if args.untuned and UNTUNED not in impls else []
         names += args.opt_levels
         names += [n for n in impls if n == "mxnet-contrib"]  # irreversible: built last
     if emulated:

@@ -75,10 +75,13 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
         Op node names (as in a hybridized block's graph, e.g. ``'dense0_fwd'``, and as
         :func:`gluon_amp.debug.bisect` returns them) kept in float32.
     tune : bool, optional
-        ``True``: when a hybridized block first builds its graph, time each op the plan
-        runs low, forward and backward at the call's shapes, in both dtypes with the casts
-        it needs (cached per machine), and keep in float32 those not faster low.
-        :func:`gluon_amp.report` names them with their figures.
+        When a hybridized block first builds its graph, time each op the plan runs low,
+        forward and backward at the call's shapes, in both dtypes with the casts it needs,
+        propose which to keep in float32, and keep those proposals that make the whole
+        graph faster, timed (all cached per machine; the first time costs seconds to
+        minutes, depending on the model). :func:`gluon_amp.report` names them with their
+        figures. ``None`` (the default): on, except with ``emulate=True`` or where
+        ``GLUON_AMP_TUNE=0``; ``False``: the op table's plan as it is.
 
     Returns
     -------

@@ -8,6 +8,7 @@ The peer-compatible signatures (``init``, ``convert_*``, ``report``) are shims o
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Optional, Sequence
 
 from . import mxnet_internals as mxi, runtime
@@ -31,9 +32,10 @@ def make_policy(target_dtype: Any = None, *,
 
     ``emulate=True`` runs the plan of ``target_dtype`` emulated in float32 on any CPU
     (``None`` then picks float16 with a GPU, else bfloat16); no capability warning.
-    ``excluded_sym_names`` keeps those op nodes in float32. ``tune=True`` times each
-    low-precision op of a graph on this machine and keeps the slower ones in float32
-    (:mod:`gluon_amp.speed.tuner`).
+    ``excluded_sym_names`` keeps those op nodes in float32. ``tune`` times the ops a graph
+    runs low on this machine and keeps in float32 those that do not make the whole graph
+    faster (:mod:`gluon_amp.speed.tuner`); ``None`` (the default) tunes unless emulating or
+    ``GLUON_AMP_TUNE=0``.
     """
     if emulate not in (None, True, False):
         raise TypeError(f"emulate must be True, False or None, got {emulate!r}")
@@ -47,9 +49,18 @@ def make_policy(target_dtype: Any = None, *,
     return Policy.create(dtype, target_precision_ops=target_precision_ops,
                          conditional_fp32_ops=conditional_fp32_ops, fp32_ops=fp32_ops,
                          widest_type_ops=widest_type_ops, keep_batchnorm_fp32=keep_batchnorm_fp32,
-                         emulate=bool(emulate), tune=bool(tune),
+                         emulate=bool(emulate), tune=tune_default() if tune is None and not emulate else bool(tune),
                          excluded_sym_names=excluded_sym_names, known_ops=mxi.op_infos().keys(),
                          aliases=mxi.aliases(), reason=reason)
+
+
+#: Set to ``0`` to make ``tune=None`` mean no tuning (as ``tune=False`` everywhere).
+TUNE_ENV = "GLUON_AMP_TUNE"
+
+
+def tune_default() -> bool:
+    """What ``tune=None`` means: tune, unless ``GLUON_AMP_TUNE=0``."""
+    return os.environ.get(TUNE_ENV, "").strip().lower() not in ("0", "off", "false", "no")
 
 
 def as_policy(target_dtype: Any = None, **lists: Any) -> Policy:

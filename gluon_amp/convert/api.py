@@ -197,36 +197,28 @@ def convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params:
     parameter in another dtype (emulated: float32 copies rounded to that dtype).
     ``input_shapes`` (data input name -> shape the model will run with) lets the converter
     time the model's low-precision ops on this machine and keep in float32 those that do not
-    make the whole model faster in the target dtype (see :func:`gluon_amp.init`); ``tune``
-    defaults to doing so whenever ``input_shapes`` is given (``tune=False`` opts out;
-    ``tune=True`` requires it).
+    make the whole model faster in the target dtype (see :func:`gluon_amp.init`): with
+    ``tune=None`` (the default) it does whenever ``input_shapes`` is given; ``tune=False``
+    opts out; ``tune=True`` requires ``input_shapes``.
     """
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
-                     widest_type_ops, keep_batchnorm_fp32, emulate, _tune_default(tune, input_shapes, emulate, target_dtype))
+                     widest_type_ops, keep_batchnorm_fp32, emulate, tune)
     return _convert_model(sym, arg_params, aux_params, policy, excluded_sym_names, cast_optional_params,
-                          input_shapes)[:3]
-
-
-def _tune_default(tune: Any, input_shapes: Any, emulate: Any, target_dtype: Any) -> Any:
-    """Deployment tunes by default where it can: the shapes are known and the plan runs for
-    real. Conversion is a one-off step, so its timing cost is paid once (as a TensorRT build).
-    A ready Policy decides for itself."""
-    if tune is None and input_shapes is not None and not emulate and not isinstance(target_dtype, Policy):
-        return True
-    return tune
+                          input_shapes, require_shapes=tune is True)[:3]
 
 
 def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params: Dict[str, mx.nd.NDArray],
                    policy: Policy, excluded_sym_names: Any, cast_optional_params: bool,
-                   input_shapes: Optional[Mapping[str, Sequence[int]]] = None, fused: bool = False):
+                   input_shapes: Optional[Mapping[str, Sequence[int]]] = None, fused: bool = False,
+                   require_shapes: bool = False):
     _check_params("arg_params", arg_params)
     _check_params("aux_params", aux_params)
     names = set(arg_params) | set(aux_params)
     data_names = [n for n in sym.list_inputs() if n not in names]
     types = {k: dtype_name(v.dtype) for k, v in {**arg_params, **aux_params}.items()}
-    shapes = _check_input_shapes(input_shapes, data_names, policy)
+    shapes = _check_input_shapes(input_shapes, data_names, require_shapes and policy.enabled)
     measured = None
-    if policy.tune and policy.enabled:
+    if policy.tune and policy.enabled and shapes:  # tuning times the model at the shapes it runs with
         def convert(choices: Optional[Mapping[str, MeasuredChoice]] = None) -> Symbol:
             return convert_with_policy(sym, policy, excluded_sym_names, data_names, cast_optional_params,
                                        param_dtypes=types, measured=choices)[0]
@@ -242,10 +234,10 @@ def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params
     return new_sym, new_args, new_aux, result
 
 
-def _check_input_shapes(input_shapes: Any, data_names: Sequence[str], policy: Policy) -> Dict[str, Tuple[int, ...]]:
-    """``input_shapes`` as ``{name: tuple of int}``; required, for every data input, with tuning."""
+def _check_input_shapes(input_shapes: Any, data_names: Sequence[str], required: bool) -> Dict[str, Tuple[int, ...]]:
+    """``input_shapes`` as ``{name: tuple of int}`` for every data input; ``required`` with ``tune=True``."""
     if input_shapes is None:
-        if policy.tune and policy.enabled:
+        if required:
             raise ValueError(f"tune=True times the model at the shapes it will run with: pass input_shapes="
                              f"{{{', '.join(repr(n) + ': (batch, ...)' for n in data_names)}}}")
         return {}
@@ -357,7 +349,7 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
         raise TypeError(f"convert_hybrid_block expects a gluon HybridBlock, got {type(block).__name__}")
     inputs, sym = mxi.cached_graph(block, "convert_hybrid_block")
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
-                     widest_type_ops, keep_batchnorm_fp32, emulate, _tune_default(tune, input_shapes, emulate, target_dtype))
+                     widest_type_ops, keep_batchnorm_fp32, emulate, tune)
     params = {p.name: p for p in block.collect_params().values()}
     if ctx is None:
         ctx = next(iter(params.values())).list_ctx()[0] if params else mx.current_context()
@@ -369,7 +361,8 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     if plan.fold:
         arg_params, aux_params, _ = fold_batch_norm(sym, arg_params, aux_params)
     new_sym, new_args, new_aux, result = _convert_model(sym, arg_params, aux_params, policy, excluded_sym_names,
-                                                        cast_optional_params, input_shapes, backend is not None)
+                                                        cast_optional_params, input_shapes, backend is not None,
+                                                        require_shapes=tune is True)
     data_vars = [mx.sym.var(i.name, dtype="float32") for i in inputs]
     out = MixedPrecisionBlock(new_sym, data_vars)
     out.amp_result, out.fuse_backend = result, backend

@@ -110,7 +110,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: could not load {args.prefix} epoch {args.epoch}: {exc}", file=sys.stderr)
         return 2
     try:
-        policy = make_policy(requested, fp32_ops=args.fp32_op, emulate=args.emulate or None, tune=tune or None)
+        policy = make_policy(requested, fp32_ops=args.fp32_op, emulate=args.emulate or None, tune=tune)
         plan = fusion_plan(False if args.no_fuse else None, "cpu", policy)
         fuse = plan.backend is not None and policy.enabled  # a float32 fallback is written unchanged
         if plan.fold:

@@ -95,6 +95,7 @@ def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph(monkeyp
 
 
 def test_conversion_with_input_shapes_tunes_by_default_and_tune_false_opts_out(monkeypatch):
+    monkeypatch.delenv("GLUON_AMP_TUNE", raising=False)  # the suite turns the default off
     monkeypatch.setattr(tuner, "measure", _recorded_times(409.0, 205.0))
     monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: 1000.0 if k.get("give_up_ms") is None else 700.0)
     net = make_net()
@@ -121,3 +122,13 @@ def test_cli_tunes_with_input_shapes_and_refuses_no_tune_alone(tmp_path):
     assert r.returncode == 2 and "--input-shape" in r.stderr
     r = subprocess.run(run + ["--input-shape", "data=2,x"], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 2 and "positive integers" in r.stderr
+
+
+def test_tune_defaults_on_except_when_emulating_or_turned_off(monkeypatch):
+    monkeypatch.delenv("GLUON_AMP_TUNE", raising=False)
+    assert gluon_amp.make_policy("bfloat16").tune
+    assert not gluon_amp.make_policy("bfloat16", tune=False).tune
+    assert not gluon_amp.make_policy("bfloat16", emulate=True).tune
+    monkeypatch.setenv("GLUON_AMP_TUNE", "0")
+    assert not gluon_amp.make_policy("bfloat16").tune
+    assert gluon_amp.make_policy("bfloat16", tune=True).tune  # an explicit choice wins
