@@ -15,7 +15,7 @@ from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
-from gluon_amp_core.emulate import BF16_ROUNDING, EmulatedGraph, emulate_graph
+from gluon_amp_core.emulate import BF16_ROUNDING, REAL_DTYPE_ATTR, EmulatedGraph, emulate_graph
 from gluon_amp_core.policy import Policy
 
 from . import runtime
@@ -84,6 +84,8 @@ def graph_rewriter(policy: Policy):
     """
 
     def rewrite(block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> Symbol:
+        if getattr(block, "amp_result", None) is not None:
+            return out  # converted by gluon_amp: its plan was fixed then
         dtypes = infer_dtypes(out, _input_dtypes(block, args, inputs), partial=True) or {}
         low = {t for t in dtypes.values() if t in LOW_PRECISION_DTYPES}
         if not low:
@@ -97,6 +99,13 @@ def graph_rewriter(policy: Policy):
         return out
 
     return rewrite
+
+
+def holds_amp_plan(sym: Symbol) -> bool:
+    """True when ``sym`` carries an AMP plan: casts the symbolic wrappers or a converter
+    inserted, or an emulated graph's typed nodes."""
+    return any(n["op"] in ("amp_cast", "amp_multicast") or REAL_DTYPE_ATTR in n.get("attrs", {})
+               for n in json.loads(sym.tojson(remove_amp_cast=False))["nodes"])
 
 
 def cannot_run(what: str, dtype: str, device: str) -> str:

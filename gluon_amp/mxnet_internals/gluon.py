@@ -96,8 +96,9 @@ class BlockHooks:
 def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], Symbol],
                         stale: Callable[[HybridBlock], None]) -> BlockHooks:
     """Until :func:`remove_block_hooks`: every HybridBlock's freshly built graph passes
-    through ``rewrite(block, args, inputs, out)``, and a block that runs a graph it built
-    before (without the hooks) is passed to ``stale`` once. Costs a set lookup per call,
+    through ``rewrite(block, args, inputs, out)``, as does, before its first run, a graph
+    a block was given (a SymbolBlock's); a block that runs a graph it recorded without
+    the hooks is passed to ``stale`` once. Costs a set lookup per call,
     whatever the size of the heap."""
     built: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
 
@@ -111,7 +112,13 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
 
     def _call_cached_op(self: HybridBlock, *args: Any) -> Any:
         if self._cached_graph and self not in built:
-            built.add(self)  # said once per block
+            built.add(self)  # once per block
+            if self._cached_op is None:
+                # A graph that never went through _get_graph and has not run yet: a
+                # SymbolBlock is given its graph when constructed (GluonCV's feature
+                # extractors build theirs from symbols, under init's patched mx.sym).
+                inputs, out = self._cached_graph
+                self._cached_graph = (inputs, rewrite(self, args, inputs, out))
             stale(self)
         return _CALL_CACHED_OP(self, *args)
 

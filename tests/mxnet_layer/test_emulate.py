@@ -215,6 +215,60 @@ def test_a_target_that_cannot_run_names_emulate_instead_of_failing_in_mxnet():
         gluon_amp.disable()
 
 
+def _symbol_block():
+    """A SymbolBlock built from symbols, as GluonCV's feature extractors are: it is given
+    its graph when constructed, so the graph never passes through ``_get_graph``."""
+    data = mx.sym.var("data")
+    fc = mx.sym.FullyConnected(data, num_hidden=8, name="fc")
+    out = mx.sym.FullyConnected(mx.sym.Activation(fc, act_type="tanh"), num_hidden=3, name="head")
+    mx.random.seed(2)
+    block = gluon.SymbolBlock(out, [data])
+    block.initialize(mx.init.Uniform(0.5))
+    return block
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_symbol_block_built_under_init_runs_emulated(dtype):
+    x = mx.nd.random.normal(shape=(4, 5))
+    gluon_amp.init(target_dtype=dtype, emulate=True)
+    block = _symbol_block()  # its graph holds the real plan's casts to the target
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # not stale: it runs with AMP
+        out = block(x).asnumpy()
+    gluon_amp.disable()
+    assert gluon_amp.report(block).emulated
+    ref = mx.nd.FullyConnected(mx.nd.tanh(mx.nd.FullyConnected(
+        x, block.params["fc_weight"].data(), block.params["fc_bias"].data(), num_hidden=8)),
+        block.params["head_weight"].data(), block.params["head_bias"].data(), num_hidden=3).asnumpy()
+    assert _is_representable(out, dtype) and not _is_representable(ref, dtype)
+    assert 0 < np.abs(out - ref).max() < (5e-2 if dtype == "bfloat16" else 5e-3)
+
+
+def test_a_symbol_block_the_cpu_cannot_run_raises_gluon_amps_error():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # init says float16 cannot execute here
+        gluon_amp.init(target_dtype="float16")
+    block = _symbol_block()
+    with pytest.raises(RuntimeError, match="emulate=True"):
+        block(mx.nd.ones((4, 5)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unhybridized_gluoncv_ssd_runs_emulated(dtype):
+    """GluonCV builds its feature extractor from symbols (a SymbolBlock), and train_ssd.py
+    calls the un-hybridized net on zeros in train mode to get the anchors."""
+    from gluoncv.model_zoo import get_model
+    gluon_amp.init(target_dtype=dtype, emulate=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        net = get_model("ssd_512_resnet50_v1_voc", pretrained_base=False)
+        net.initialize()
+    with autograd.train_mode():
+        cls, box, anchors = net(mx.nd.zeros((1, 3, 64, 64)))
+    assert np.isfinite(cls.asnumpy()).all() and np.isfinite(anchors.asnumpy()).all()
+    assert gluon_amp.report(net.features).emulated
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_second_init_without_arguments_keeps_the_active_policy(dtype):
     policy = gluon_amp.init(target_dtype=dtype, emulate=True)
