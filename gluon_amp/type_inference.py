@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import mxnet as mx
 from mxnet.base import MXNetError
@@ -36,17 +36,22 @@ def infer_dtypes(sym: Symbol, input_types: Mapping[str, Any],
     _, out_types, _ = infer(**given)
     if out_types is None:
         return None
-    out: Dict[Tuple[str, int], Optional[str]] = {}
-    for name, t in zip(internals.list_outputs(), out_types):
+    return {key: dtype_name(t) if t is not None else None
+            for key, t in zip(entry_keys(internals.list_outputs()), out_types)}
+
+
+def entry_keys(output_names: Sequence[str]) -> list:
+    """``(node name, output index)`` for each name of ``sym.get_internals().list_outputs()``."""
+    keys = []
+    for name in output_names:
         m = _MULTI.match(name)
         if m:
-            key = (m.group(1), int(m.group(2)))
+            keys.append((m.group(1), int(m.group(2))))
         elif name.endswith("_output"):
-            key = (name[: -len("_output")], 0)
+            keys.append((name[: -len("_output")], 0))
         else:  # a variable
-            key = (name, 0)
-        out[key] = dtype_name(t) if t is not None else None
-    return out
+            keys.append((name, 0))
+    return keys
 
 
 def _declared(sym: Symbol, names: Mapping[str, str]) -> Symbol:

@@ -110,6 +110,22 @@ def test_init_emulates_a_hybridized_block_like_its_real_training_graph(dtype):
         nn.HybridBlock._get_graph is gluon_amp.mxnet_internals.gluon._GET_GRAPH
 
 
+def test_a_training_graph_rounds_op_outputs_through_a_layout_copy_to_the_same_values():
+    """Under init the shapes are known: the bfloat16 rounding reads an op's output through an
+    identity transpose (oneDNN layouts kept; see gluon_amp_core.emulate.plain_layout)."""
+    x = mx.nd.random.normal(shape=(2, 3, 8, 8))
+    gluon_amp.init(target_dtype="bfloat16", emulate=True)
+    net = make_net()
+    net(x)
+    gluon_amp.disable()
+    sym = gluon_amp.mxnet_internals.cached_graph(net, "test")[1]
+    ops = {n["name"]: n["op"] for n in json.loads(sym.tojson())["nodes"]}
+    assert ops[net.conv.name + "_fwd" + ROUND_SUFFIX + "_bf16_0"] == "transpose"
+    values = _internals(net, x)
+    rounded = [k for k in values if k.endswith(ROUND_SUFFIX + "_output")]
+    assert len(rounded) >= 5 and all(_is_representable(values[k], "bfloat16") for k in rounded)
+
+
 def test_float16_overflows_to_inf_where_float32_does_not():
     net = nn.HybridSequential()
     net.add(nn.Dense(4, in_units=4, use_bias=False))
