@@ -189,7 +189,8 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
     oneDNN's layouts (:func:`plain_layout`); the values are the same without it.
 
     Variables real AMP stores in a low dtype become float32 variables followed by a
-    rounding; casts to a low dtype become roundings; ``amp_multicast`` nodes resolve to
+    rounding; casts to a low dtype become roundings (identities where the input has that
+    dtype already); ``amp_multicast`` nodes resolve to
     the roundings their typed outputs need; every other op runs in float32 and its
     low-precision outputs are rounded (unless the op only moves values around).
     """
@@ -226,6 +227,13 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
             attrs[REAL_DTYPE_ATTR] = str(real[0])
         j = rw.add({**node, "attrs": attrs, "inputs": [[e[0], e[1], 0] for e in inputs]})
         if low_cast:
+            src = node["inputs"][0]
+            if dtypes.get((graph["nodes"][src[0]]["name"], src[1])) == attrs["dtype"]:
+                # A no-op in the plan (init's symbols cast every input of a low-precision op):
+                # its input holds the target's values already, as every low entry here does.
+                rw.nodes[j]["attrs"] = {**attrs, "dtype": "float32"}
+                index[(i, 0)] = (j, 0)
+                continue
             if attrs["dtype"] == "bfloat16":  # the plan's cast stays (as float32) for readers
                 rw.nodes[j]["attrs"] = {**attrs, "dtype": "float32"}
                 index[(i, 0)] = rw.round_bf16((j, 0), name)

@@ -110,3 +110,15 @@ def test_bf16_rounding_is_differentiated_only_through_its_last_node():
     assert x["name"] == "conv" and change["op"] == "BlockGrad"
     chain = [n for n in nodes if n["name"].startswith(f"conv{ROUND_SUFFIX}_bf16_")]
     assert len(chain) == 7 and all(n["op"] != "null" for n in chain)
+
+
+def test_a_cast_to_the_dtype_its_input_has_already_is_no_rounding():
+    for dtype in ("float16", "bfloat16"):
+        g = _graph([_var("data"), _op("Activation", "act", [(0, 0)], act_type="sigmoid"),
+                    _op("amp_cast", "c", [(1, 0)], dtype=dtype)], [[2, 0, 0]])
+        types = {("data", 0): dtype, ("act", 0): dtype, ("c", 0): dtype}
+        emu = emulate_graph(g, types)
+        nodes = _by_name(emu.graph)
+        assert rounding_node("act") in nodes and rounding_node("c") not in nodes  # act's output is rounded once
+        assert nodes["c"]["attrs"]["dtype"] == "float32"  # the cast stays, an identity
+        assert emu.entries[("c", 0)] == ("c", 0)
