@@ -223,7 +223,7 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
         low_cast = op in _CAST_OPS and attrs.get("dtype") in LOW_PRECISION_DTYPES
         if attrs.get("dtype") in LOW_PRECISION_DTYPES and not low_cast:
             attrs["dtype"] = "float32"  # an op that creates low-precision data (zeros, ones)
-        if real:
+        if real and REAL_DTYPE_ATTR not in attrs:  # present: emulated before (a SymbolBlock's graph)
             attrs[REAL_DTYPE_ATTR] = str(real[0])
         j = rw.add({**node, "attrs": attrs, "inputs": [[e[0], e[1], 0] for e in inputs]})
         if low_cast:

@@ -12,13 +12,21 @@ from mxnet.symbol import Symbol
 
 # -- gluon blocks --------------------------------------------------------------------
 
+#: The graph a block runs where the block hooks rewrote one it was given (a SymbolBlock's,
+#: see :func:`install_block_hooks`). The block keeps its own: MXNet composes that one into a
+#: parent's graph, which the hooks then rewrite as a whole.
+_RUN_GRAPHS: "weakref.WeakKeyDictionary[HybridBlock, Tuple[Sequence[Symbol], Symbol]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def cached_graph(block: HybridBlock, caller: str) -> Tuple[Sequence[Symbol], Symbol]:
-    """``(input symbols, output symbol)`` a hybridized block recorded on its first call.
+    """``(input symbols, output symbol)`` a hybridized block runs: the one it recorded on its
+    first call, or the one the block hooks rewrote from the graph it was given.
 
     1.9.1: ``HybridBlock._cached_graph`` is ``()`` until the first call, then that pair.
     If renamed, converting or reporting a block raises the RuntimeError below.
     """
-    cached = getattr(block, "_cached_graph", ())
+    cached = _RUN_GRAPHS.get(block) or getattr(block, "_cached_graph", ())
     if not cached:
         raise RuntimeError(f"{caller}: the block has no cached graph: call block.hybridize() and run "
                            "one forward pass (e.g. block(x)) first.")
@@ -97,12 +105,16 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
                         stale: Callable[[HybridBlock], None]) -> BlockHooks:
     """Until :func:`remove_block_hooks`: every HybridBlock's freshly built graph passes
     through ``rewrite(block, args, inputs, out)``, as does, before its first run, a graph
-    a block was given (a SymbolBlock's); a block that runs a graph it recorded without
-    the hooks is passed to ``stale`` once. Costs a set lookup per call,
+    a block was given (a SymbolBlock's: the block runs the result and keeps its own, see
+    :func:`cached_graph`); a block that runs a graph it recorded without the hooks is
+    passed to ``stale`` once. Costs a set lookup per call,
     whatever the size of the heap."""
     built: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
 
     def _get_graph(self: HybridBlock, *args: Any) -> Any:
+        run = _RUN_GRAPHS.get(self)
+        if run is not None:
+            return run
         fresh = not self._cached_graph
         inputs, out = _GET_GRAPH(self, *args)
         if fresh:
@@ -118,7 +130,9 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
                 # SymbolBlock is given its graph when constructed (GluonCV's feature
                 # extractors build theirs from symbols, under init's patched mx.sym).
                 inputs, out = self._cached_graph
-                self._cached_graph = (inputs, rewrite(self, args, inputs, out))
+                rewritten = rewrite(self, args, inputs, out)
+                if rewritten is not out:
+                    _RUN_GRAPHS[self] = (inputs, rewritten)
             stale(self)
         return _CALL_CACHED_OP(self, *args)
 

@@ -261,6 +261,34 @@ def test_a_symbol_block_built_under_init_runs_emulated(dtype):
     assert 0 < np.abs(out - ref).max() < (5e-2 if dtype == "bfloat16" else 5e-3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_symbol_block_run_alone_keeps_the_plan_inside_a_hybridized_parent(dtype):
+    """GluonCV's train_ssd.py runs the un-hybridized net once (anchors), then hybridizes it:
+    the parent's graph composes the SymbolBlock's own graph, and the plan must be the real one."""
+    def parent():
+        net = nn.HybridSequential()
+        net.add(_symbol_block(), nn.HybridLambda(lambda F, h: h * 3.0))  # follows its input's dtype
+        return net
+
+    def plan(rows):
+        return [(r.op, r.dtype, r.reason) for r in rows]
+
+    with gluon_amp.autocast(dtype):  # the real plan, symbolically
+        real = plan(gluon_amp.report(parent()(mx.sym.var("data"))).rows)
+    x = mx.nd.random.normal(shape=(4, 5))
+    gluon_amp.init(target_dtype=dtype, emulate=True)
+    runs = []
+    for alone_first in (True, False):
+        net = parent()
+        if alone_first:
+            net[0](x)
+        net.hybridize()
+        runs.append((net(x).asnumpy(), plan(gluon_amp.report(net).rows)))
+    (out_a, plan_a), (out_b, plan_b) = runs
+    assert plan_a == plan_b == real and len(real) == 4
+    assert np.array_equal(out_a, out_b)
+
+
 def test_a_symbol_block_the_cpu_cannot_run_raises_gluon_amps_error():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # init says float16 cannot execute here
