@@ -1,8 +1,9 @@
 """Emulated float16/bfloat16 on any CPU: MXNet's side of :mod:`gluon_amp_core.emulate`.
 
-Graphs (converted ones, and a hybridized block's graph under ``init(emulate=True)``) are
-typed by MXNet as real AMP would run them, then rewritten by the pure core. Imperative
-calls round at the low-precision ops' inputs and outputs (see :func:`round_nd`).
+Graphs (converted ones, and a hybridized block's graph under ``init(emulate=True)``, also
+the graph a SymbolBlock was given) are typed by MXNet as real AMP would run them, then
+rewritten by the pure core. Imperative calls round at the low-precision ops' inputs and
+outputs (see :func:`round_nd`).
 """
 from __future__ import annotations
 

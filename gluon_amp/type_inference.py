@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import mxnet as mx
 from mxnet.base import MXNetError
@@ -40,9 +40,9 @@ def infer_dtypes(sym: Symbol, input_types: Mapping[str, Any],
             for key, t in zip(entry_keys(internals.list_outputs()), out_types)}
 
 
-def entry_keys(output_names: Sequence[str]) -> list:
+def entry_keys(output_names: Sequence[str]) -> List[Tuple[str, int]]:
     """``(node name, output index)`` for each name of ``sym.get_internals().list_outputs()``."""
-    keys = []
+    keys: List[Tuple[str, int]] = []
     for name in output_names:
         m = _MULTI.match(name)
         if m:

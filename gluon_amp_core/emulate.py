@@ -48,8 +48,8 @@ _CAST_OPS = frozenset({"amp_cast", "Cast", "cast"})
 PLAIN_LAYOUT = "<plain layout>"
 
 #: Round float32 ``x`` to bfloat16 to nearest even, in float32 arithmetic (MXNet's own
-#: float32->bfloat16 ``amp_cast`` is ~150x slower than this on CPUs without AVX-512 and
-#: flushes subnormals; its ``Cast`` truncates). Veltkamp's split on ``c = clip(x, +-2**111)``:
+#: float32->bfloat16 ``amp_cast`` is ~10x slower than this on CPUs without AVX-512, and flushes
+#: subnormals; its ``Cast`` truncates). Veltkamp's split on ``c = clip(x, +-2**111)``:
 #: ``v = r - (r - c)`` with ``r = 65537 c`` is ``c`` rounded to 8 significant bits, to nearest
 #: even (checked on every normal float32), and ``d = v - c`` is exact. The result is
 #: ``x + BlockGrad(d)``: forward ``v`` (``x`` where the clip changed it: ``d`` is then 0), the
@@ -223,7 +223,7 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
         low_cast = op in _CAST_OPS and attrs.get("dtype") in LOW_PRECISION_DTYPES
         if attrs.get("dtype") in LOW_PRECISION_DTYPES and not low_cast:
             attrs["dtype"] = "float32"  # an op that creates low-precision data (zeros, ones)
-        if real and REAL_DTYPE_ATTR not in attrs:  # present: emulated before (a SymbolBlock's graph)
+        if real and REAL_DTYPE_ATTR not in attrs:  # present: emulated before (a converted block in a parent)
             attrs[REAL_DTYPE_ATTR] = str(real[0])
         j = rw.add({**node, "attrs": attrs, "inputs": [[e[0], e[1], 0] for e in inputs]})
         if low_cast:
