@@ -1,8 +1,9 @@
 """Emulated float16/bfloat16 on any CPU: MXNet's side of :mod:`gluon_amp_core.emulate`.
 
-Graphs (converted ones, and a hybridized block's graph under ``init(emulate=True)``) are
-typed by MXNet as real AMP would run them, then rewritten by the pure core. Imperative
-calls round at the low-precision ops' inputs and outputs (see :func:`round_nd`).
+Graphs (converted ones, and a hybridized block's graph under ``init(emulate=True)``, also
+the graph a SymbolBlock was given) are typed by MXNet as real AMP would run them, then
+rewritten by the pure core. Imperative calls round at the low-precision ops' inputs and
+outputs (see :func:`round_nd`).
 """
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
-from gluon_amp_core.emulate import BF16_ROUNDING, EmulatedGraph, emulate_graph
+from gluon_amp_core.emulate import BF16_ROUNDING, PLAIN_LAYOUT, REAL_DTYPE_ATTR, EmulatedGraph, emulate_graph
 from gluon_amp_core.policy import Policy
 
 from . import runtime
 from .mxnet_internals import FLOAT_NAMES, copy_function, to_mx_dtype
 from .shape_rules import ShapeRules
-from .type_inference import infer_dtypes
+from .type_inference import entry_keys, infer_dtypes
 
 Key = Tuple[str, int]
 
@@ -33,7 +34,10 @@ def _unpatched(op: str) -> Any:
     return copy_function(fn)
 
 
-_BF16_STEPS = [(_unpatched(op), args, {k: float(v) for k, v in attrs.items()}) for op, args, attrs in BF16_ROUNDING]
+# Imperatively, a value's layout is converted per call and freed: the first step (a
+# graph's plain-layout step) is the value itself.
+_BF16_STEPS = [(None if op == PLAIN_LAYOUT else _unpatched(op), args, dict(attrs))
+               for op, args, attrs in BF16_ROUNDING]
 _AMP_CAST = _unpatched("amp_cast")
 
 
@@ -44,15 +48,32 @@ def round_nd(x: NDArray, dtype: str) -> NDArray:
     if dtype == "bfloat16":
         made: list = []
         for fn, args, attrs in _BF16_STEPS:
-            made.append(fn(*[x if a == "x" else made[a] for a in args], **attrs))
+            made.append(x if fn is None else fn(*[x if a == "x" else made[a] for a in args], **attrs))
         return made[-1]
     return _AMP_CAST(_AMP_CAST(x, dtype=to_mx_dtype(dtype)), dtype="float32")
 
 
-def emulate_symbol(sym: Symbol, dtypes: Mapping[Key, Optional[str]]) -> Tuple[Symbol, EmulatedGraph]:
-    """``sym`` (typed by real AMP as ``dtypes``) rewritten for emulation."""
-    emulated = emulate_graph(json.loads(sym.tojson(remove_amp_cast=False)), dtypes)
+def emulate_symbol(sym: Symbol, dtypes: Mapping[Key, Optional[str]],
+                   shapes: Optional[Mapping[str, tuple]] = None) -> Tuple[Symbol, EmulatedGraph]:
+    """``sym`` (typed by real AMP as ``dtypes``) rewritten for emulation. ``shapes`` (input
+    name -> shape), when known, let the rewrite keep oneDNN's memory layouts (speed only)."""
+    ndims = _ndims(sym, shapes) if shapes else None
+    emulated = emulate_graph(json.loads(sym.tojson(remove_amp_cast=False)), dtypes, ndims)
     return mx.sym.load_json(json.dumps(emulated.graph)), emulated
+
+
+def _ndims(sym: Symbol, shapes: Mapping[str, tuple]) -> Dict[Key, int]:
+    """``{(node name, output): ndim}`` for the entries MXNet's shape inference reaches."""
+    internals = sym.get_internals()
+    known = {k: v for k, v in shapes.items() if k in set(sym.list_inputs())}
+    try:
+        _, out_shapes, _ = internals.infer_shape_partial(**known)
+    except mx.base.MXNetError:
+        return {}
+    if out_shapes is None:
+        return {}
+    return {key: len(shape) for key, shape in zip(entry_keys(internals.list_outputs()), out_shapes)
+            if shape}
 
 
 def _input_dtypes(block: HybridBlock, args: tuple, inputs: Sequence[Symbol]) -> Dict[str, str]:
@@ -100,13 +121,16 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
     rules = ShapeRules(policy)
 
     def rewrite(block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> Symbol:
+        if getattr(block, "amp_result", None) is not None:
+            return out  # converted by gluon_amp: its plan was fixed then
         out = rules.apply(block, out, input_shapes(args, inputs))
         dtypes = infer_dtypes(out, _input_dtypes(block, args, inputs), partial=True) or {}
         low = {t for t in dtypes.values() if t in LOW_PRECISION_DTYPES}
         if not low:
             return out
         if policy.emulate:
-            return emulate_symbol(out, dtypes)[0]
+            shapes = {v.name: a.shape for v, a in zip(inputs, _flat(args)) if isinstance(a, NDArray)}
+            return emulate_symbol(out, dtypes, shapes)[0]
         for device in _devices(args):
             for dtype in sorted(low):
                 if not runtime.executable(dtype, device):
@@ -117,6 +141,13 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
         return rules.keeps_more(block, out, input_shapes(args, inputs))
 
     return rewrite, (reshaped if rules.active else None), rules.watches
+
+
+def holds_amp_plan(sym: Symbol) -> bool:
+    """True when ``sym`` carries an AMP plan: casts the symbolic wrappers or a converter
+    inserted, or an emulated graph's typed nodes."""
+    return any(n["op"] in ("amp_cast", "amp_multicast") or REAL_DTYPE_ATTR in n.get("attrs", {})
+               for n in json.loads(sym.tojson(remove_amp_cast=False))["nodes"])
 
 
 def cannot_run(what: str, dtype: str, device: str) -> str:

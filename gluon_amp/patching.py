@@ -16,7 +16,7 @@ from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
 
 from . import mxnet_internals as mxi, runtime
-from .emulation import graph_rewriter
+from .emulation import graph_rewriter, holds_amp_plan
 from .policy_builder import as_policy
 from .speed.tuner import training_rewriter
 from .wrappers import ScalerRegistry, wrapper_for
@@ -215,6 +215,8 @@ def autocast(target_dtype: Any = None, **kwargs: Any) -> Iterator[Policy]:
 def _warn_stale(block: Any) -> None:
     """A hybridized block runs a graph it cached before ``init``: it runs without AMP."""
     if getattr(block, "amp_result", None) is not None:  # converted by gluon_amp already
+        return
+    if holds_amp_plan(mxi.cached_graph(block, "gluon_amp")[1]):  # built under AMP (a SymbolBlock's)
         return
     warnings.warn(
         f"hybridized block {block.name!r} cached its graph before gluon_amp.init() and runs without "

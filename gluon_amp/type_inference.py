@@ -8,7 +8,7 @@ import functools
 import io
 import json
 import re
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import mxnet as mx
 from mxnet.base import MXNetError
@@ -39,8 +39,8 @@ def infer_dtypes(sym: Symbol, input_types: Mapping[str, Any],
     _, out_types, _ = infer(**given)
     if out_types is None:
         return None
-    return {_entry(name): (dtype_name(t) if t is not None else None)
-            for name, t in zip(internals.list_outputs(), out_types)}
+    return {key: dtype_name(t) if t is not None else None
+            for key, t in zip(entry_keys(internals.list_outputs()), out_types)}
 
 
 def infer_shapes(sym: Symbol, input_shapes: Mapping[str, Tuple[int, ...]]
@@ -58,18 +58,22 @@ def infer_shapes(sym: Symbol, input_shapes: Mapping[str, Tuple[int, ...]]
     if out_shapes is None:
         return {}
     # partial inference marks an unknown dimension with 0 (or leaves the shape empty)
-    return {_entry(name): (tuple(s) if s and all(d > 0 for d in s) else None)
-            for name, s in zip(internals.list_outputs(), out_shapes)}
+    return {key: (tuple(s) if s and all(d > 0 for d in s) else None)
+            for key, s in zip(entry_keys(internals.list_outputs()), out_shapes)}
 
 
-def _entry(name: str) -> Tuple[str, int]:
-    """The ``(node name, output index)`` of one of ``get_internals().list_outputs()``."""
-    m = _MULTI.match(name)
-    if m:
-        return m.group(1), int(m.group(2))
-    if name.endswith("_output"):
-        return name[: -len("_output")], 0
-    return name, 0  # a variable
+def entry_keys(output_names: Sequence[str]) -> List[Tuple[str, int]]:
+    """``(node name, output index)`` for each name of ``sym.get_internals().list_outputs()``."""
+    keys: List[Tuple[str, int]] = []
+    for name in output_names:
+        m = _MULTI.match(name)
+        if m:
+            keys.append((m.group(1), int(m.group(2))))
+        elif name.endswith("_output"):
+            keys.append((name[: -len("_output")], 0))
+        else:  # a variable
+            keys.append((name, 0))
+    return keys
 
 
 def _declared(sym: Symbol, names: Mapping[str, str]) -> Symbol:

@@ -44,33 +44,51 @@ VALUE_PRESERVING_IF = {"Activation": ("act_type", frozenset({"relu"}), ""),
 
 _CAST_OPS = frozenset({"amp_cast", "Cast", "cast"})
 
+#: Placeholder for the first step of :data:`BF16_ROUNDING`: see :func:`plain_layout`.
+PLAIN_LAYOUT = "<plain layout>"
+
 #: Round float32 ``x`` to bfloat16 to nearest even, in float32 arithmetic (MXNet's own
-#: float32->bfloat16 ``amp_cast`` is exact but ~40x slower than its float16 cast on CPUs
-#: without AVX-512, and its ``Cast`` truncates). On ``s = BlockGrad(x)``: ``v = r - (r - s)``
-#: with ``r = 65537 s`` (Veltkamp) has ``s``'s exponent; adding ``c = 65536 v`` puts ``s``'s
-#: bits below bfloat16's last place out of the float32 sum, so the FPU rounds them to nearest
-#: even, and subtracting ``c`` is exact. The result is ``x`` plus that exact change, so the
-#: gradient is the identity: unlike float16's cast pair, bfloat16 emulation does not round
-#: gradients. Values of magnitude >= 2**111, inf and NaN pass as
-#: they are; float32 subnormals (below 1.2e-38) are rounded relative to their own size,
-#: where MXNet's cast flushes them to zero. (The shorter ``RN(65537 x) - 65536 x`` is off by
-#: half a step just below each power of two, where the product carries into the next binade.)
+#: float32->bfloat16 ``amp_cast`` is ~10x slower than this on CPUs without AVX-512, and flushes
+#: subnormals; its ``Cast`` truncates). Veltkamp's split on ``c = clip(x, +-2**111)``:
+#: ``v = r - (r - c)`` with ``r = 65537 c`` is ``c`` rounded to 8 significant bits, to nearest
+#: even (checked on every normal float32), and ``d = v - c`` is exact. The result is
+#: ``x + BlockGrad(d)``: forward ``v`` (``x`` where the clip changed it: ``d`` is then 0), the
+#: gradient the identity, and nothing kept for the backward pass (only the last node is
+#: differentiated). Unlike float16's cast pair, bfloat16 emulation does not round gradients.
+#: Values of magnitude >= 2**111, inf and NaN pass as they are; float32 subnormals (below
+#: 1.2e-38) are rounded to 8 bits relative to their own size, where MXNet's cast flushes them
+#: to zero; -0 becomes +0. (The shorter ``RN(65537 x) - 65536 x`` is off by half a step just
+#: below each power of two, where the product carries into the next binade.)
+#: The first step matters for speed and memory only (see :func:`plain_layout`).
 #: Steps: (op, inputs, attrs); an input is "x" or the index of an earlier step.
 BF16_ROUNDING: Tuple[Tuple[str, Tuple, Dict[str, str]], ...] = (
-    ("BlockGrad", ("x",), {}),                                 # 0: s
-    ("_mul_scalar", (0,), {"scalar": "65537.0"}),              # 1: r
-    ("elemwise_sub", (1, 0), {}),                              # 2: r - s
-    ("elemwise_sub", (1, 2), {}),                              # 3: v
-    ("_mul_scalar", (3,), {"scalar": "65536.0"}),              # 4: c
-    ("elemwise_add", (0, 4), {}),                              # 5: s + c, rounded by the FPU
-    ("elemwise_sub", (5, 4), {}),                              # 6: s rounded
-    ("elemwise_sub", (6, 0), {}),                              # 7: the rounding's change (exact)
-    ("abs", (0,), {}),                                         # 8
-    ("_lesser_scalar", (8,), {"scalar": str(2.0 ** 111)}),     # 9: 65537 s stays finite
-    ("zeros_like", (0,), {}),                                  # 10
-    ("where", (9, 7, 10), {}),                                 # 11: no change out of range (inf, NaN)
-    ("elemwise_add", ("x", 11), {}),                           # 12: the result; an add, so MXNet's
-)                                                              #     shape inference runs both ways
+    (PLAIN_LAYOUT, ("x",), {}),                                # 0: x in a plain layout
+    ("clip", (0,), {"a_min": str(-2.0 ** 111), "a_max": str(2.0 ** 111)}),  # 1: c; 65537 c is finite
+    ("_mul_scalar", (1,), {"scalar": "65537.0"}),              # 2: r
+    ("elemwise_sub", (2, 1), {}),                              # 3: r - c
+    ("elemwise_sub", (2, 3), {}),                              # 4: v, c rounded
+    ("elemwise_sub", (4, 1), {}),                              # 5: d, the rounding's change (exact)
+    ("BlockGrad", (5,), {}),                                   # 6
+    ("elemwise_add", ("x", 6), {}),                            # 7: the result
+)
+
+
+def plain_layout(ndim: Optional[int], plain: bool) -> Tuple[str, Dict[str, str]]:
+    """The op (and attributes) that hands a value to the rounding's float32 ops.
+
+    The output of a oneDNN op (convolution, batch norm, pooling, add) is held in a blocked
+    memory layout. Under ``static_alloc``, each non-oneDNN op that reads one keeps a private
+    plain copy of it for the life of the graph (MXNet's storage fallback), which made
+    emulated bfloat16 training hold 2-4x FP32's memory. oneDNN's transpose writes a plain copy
+    and leaves the value's own layout alone, so the ops after the rounding (batch norm,
+    pooling: several times slower on a plain layout) still get the blocked one; with the
+    identity permutation it needs ``ndim``. Without it, a reshape to the same shape gives
+    the plain layout at no copy, but converts the value in place. Values already ``plain``
+    (parameters) need neither: the reshape is then free.
+    """
+    if ndim is not None and ndim >= 2 and not plain:
+        return "transpose", {"axes": str(tuple(range(ndim)))}
+    return "Reshape", {"shape": "(-2,)"}
 
 
 @dataclass
@@ -108,8 +126,9 @@ def preserves_values(op: str, attrs: Mapping[str, str]) -> bool:
 
 
 class _Rewriter:
-    def __init__(self, dtypes: Mapping[Key, Optional[str]]) -> None:
+    def __init__(self, dtypes: Mapping[Key, Optional[str]], ndims: Mapping[Key, int]) -> None:
         self.dtypes = dtypes
+        self.ndims = ndims
         self.nodes: List[dict] = []
         self.rounds = 0
 
@@ -131,11 +150,20 @@ class _Rewriter:
         for k, (op, args, attrs) in enumerate(BF16_ROUNDING):
             last = k == len(BF16_ROUNDING) - 1
             inputs = [x if a == "x" else made[a] for a in args]
+            if op == PLAIN_LAYOUT:
+                op, attrs = plain_layout(self.ndims.get((self.nodes[x[0]]["name"], x[1])), self.is_parameter(x))
             j = self.add({"op": op, "name": f"{base}{ROUND_SUFFIX}" + ("" if last else f"_bf16_{k}"),
                           "attrs": dict(attrs), "inputs": [[e[0], e[1], 0] for e in inputs]})
             made.append((j, 0))
         self.rounds += 1
         return made[-1]
+
+    def is_parameter(self, entry: Tuple[int, int]) -> bool:
+        """A variable, or a cast of one (a parameter's value: never in a oneDNN layout)."""
+        node = self.nodes[entry[0]]
+        while node["op"] in _CAST_OPS:
+            node = self.nodes[node["inputs"][0][0]]
+        return node["op"] == "null"
 
     def up(self, entry: Tuple[int, int], base: str) -> Tuple[int, int]:
         """A low-precision ``entry`` back in float32: the second half of a rounding."""
@@ -153,15 +181,20 @@ def _outputs(dtypes: Mapping[Key, Optional[str]], name: str) -> List[Optional[st
     return outs
 
 
-def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> EmulatedGraph:
+def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
+                  ndims: Optional[Mapping[Key, int]] = None) -> EmulatedGraph:
     """Rewrite a graph typed by real AMP (``dtypes``: every entry's dtype) for emulation.
 
+    ``ndims`` (entry -> number of dimensions, where known) lets the bfloat16 rounding keep
+    oneDNN's layouts (:func:`plain_layout`); the values are the same without it.
+
     Variables real AMP stores in a low dtype become float32 variables followed by a
-    rounding; casts to a low dtype become roundings; ``amp_multicast`` nodes resolve to
+    rounding; casts to a low dtype become roundings (identities where the input has that
+    dtype already); ``amp_multicast`` nodes resolve to
     the roundings their typed outputs need; every other op runs in float32 and its
     low-precision outputs are rounded (unless the op only moves values around).
     """
-    rw, index = _Rewriter(dtypes), {}
+    rw, index = _Rewriter(dtypes, ndims or {}), {}
     entries: Dict[Key, Key] = {}
 
     def new_entry(e: list) -> Tuple[int, int]:
@@ -190,10 +223,17 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> EmulatedG
         low_cast = op in _CAST_OPS and attrs.get("dtype") in LOW_PRECISION_DTYPES
         if attrs.get("dtype") in LOW_PRECISION_DTYPES and not low_cast:
             attrs["dtype"] = "float32"  # an op that creates low-precision data (zeros, ones)
-        if real:
+        if real and REAL_DTYPE_ATTR not in attrs:  # present: emulated before (a converted block in a parent)
             attrs[REAL_DTYPE_ATTR] = str(real[0])
         j = rw.add({**node, "attrs": attrs, "inputs": [[e[0], e[1], 0] for e in inputs]})
         if low_cast:
+            src = node["inputs"][0]
+            if dtypes.get((graph["nodes"][src[0]]["name"], src[1])) == attrs["dtype"]:
+                # A no-op in the plan (init's symbols cast every input of a low-precision op):
+                # its input holds the target's values already, as every low entry here does.
+                rw.nodes[j]["attrs"] = {**attrs, "dtype": "float32"}
+                index[(i, 0)] = (j, 0)
+                continue
             if attrs["dtype"] == "bfloat16":  # the plan's cast stays (as float32) for readers
                 rw.nodes[j]["attrs"] = {**attrs, "dtype": "float32"}
                 index[(i, 0)] = rw.round_bf16((j, 0), name)

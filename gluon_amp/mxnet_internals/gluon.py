@@ -14,13 +14,21 @@ from mxnet.symbol import Symbol
 
 # -- gluon blocks --------------------------------------------------------------------
 
+#: The graph a block runs where the block hooks rewrote one it was given (a SymbolBlock's,
+#: see :func:`install_block_hooks`). The block keeps its own: MXNet composes that one into a
+#: parent's graph, which the hooks then rewrite as a whole.
+_RUN_GRAPHS: "weakref.WeakKeyDictionary[HybridBlock, Tuple[Sequence[Symbol], Symbol]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def cached_graph(block: HybridBlock, caller: str) -> Tuple[Sequence[Symbol], Symbol]:
-    """``(input symbols, output symbol)`` a hybridized block recorded on its first call.
+    """``(input symbols, output symbol)`` a hybridized block runs: the one it recorded on its
+    first call, or the one the block hooks rewrote from the graph it was given.
 
     1.9.1: ``HybridBlock._cached_graph`` is ``()`` until the first call, then that pair.
     If renamed, converting or reporting a block raises the RuntimeError below.
     """
-    cached = getattr(block, "_cached_graph", ())
+    cached = _RUN_GRAPHS.get(block) or getattr(block, "_cached_graph", ())
     if not cached:
         raise RuntimeError(f"{caller}: the block has no cached graph: call block.hybridize() and run "
                            "one forward pass (e.g. block(x)) first.")
@@ -112,17 +120,22 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
                         reshaped: Optional[Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], bool]] = None,
                         watch: Optional[Callable[[HybridBlock], bool]] = None) -> BlockHooks:
     """Until :func:`remove_block_hooks`: every HybridBlock's freshly built graph passes
-    through ``rewrite(block, args, inputs, out)``, and a block that runs a graph it built
-    before (without the hooks) is passed to ``stale`` once. A block whose graph was built
-    here and that ``watch(block)`` names, called with other input shapes than the call that
-    built it (or the last one checked), is passed to ``reshaped(block, args, inputs, out)``;
-    if it returns True, the graph is dropped and built again, through ``rewrite``, for this
-    call. Costs a set lookup per call, and the input shapes for watched blocks (a few
-    microseconds), whatever the size of the heap."""
+    through ``rewrite(block, args, inputs, out)``, as does, before its first run, a graph
+    a block was given (a SymbolBlock's: the block runs the result and keeps its own, see
+    :func:`cached_graph`); a block that runs a graph it recorded without the hooks is
+    passed to ``stale`` once. A block whose graph was built here and that ``watch(block)``
+    names, called with other input shapes than the call that built it (or the last one
+    checked), is passed to ``reshaped(block, args, inputs, out)``; if it returns True, the
+    graph is dropped and built again, through ``rewrite``, for this call. Blocks built and
+    run inside :func:`hooks_paused` pass untouched. Costs a set lookup per call, and the
+    input shapes for watched blocks (a few microseconds), whatever the size of the heap."""
     built: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
     seen: "weakref.WeakKeyDictionary[HybridBlock, tuple]" = weakref.WeakKeyDictionary()
 
     def _get_graph(self: HybridBlock, *args: Any) -> Any:
+        run = _RUN_GRAPHS.get(self)
+        if run is not None:
+            return run
         fresh = not self._cached_graph
         inputs, out = _GET_GRAPH(self, *args)
         if getattr(_paused, "depth", 0):
@@ -137,7 +150,15 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
     def _call_cached_op(self: HybridBlock, *args: Any) -> Any:
         if self._cached_graph and not getattr(_paused, "depth", 0):
             if self not in built:
-                built.add(self)  # said once per block
+                built.add(self)  # once per block
+                if self._cached_op is None:
+                    # A graph that never went through _get_graph and has not run yet: a
+                    # SymbolBlock is given its graph when constructed (GluonCV's feature
+                    # extractors build theirs from symbols, under init's patched mx.sym).
+                    inputs, out = self._cached_graph
+                    rewritten = rewrite(self, args, inputs, out)
+                    if rewritten is not out:
+                        _RUN_GRAPHS[self] = (inputs, rewritten)
                 stale(self)
             elif self in seen:  # watched, and its graph went through rewrite
                 shapes = _shapes(args)

@@ -191,6 +191,8 @@ def training_rewriter(policy: Policy, cache: Callable[[], TimingCache]
 
     def rewrite(block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> Symbol:
         arrays = [a for a in _flat(args) if isinstance(a, NDArray)]
+        if getattr(block, "amp_result", None) is not None:
+            return out  # converted by gluon_amp: its plan (tuned or not) was fixed then
         if not arrays or any(a.context.device_type != "cpu" for a in arrays):
             return out  # GPUs: float16 is taken as fast; nothing here times them
         known = {v.name: mxi.FLOAT_NAMES.get(a.dtype) or dtype_name(a.dtype) for v, a in zip(inputs, arrays)}

@@ -79,3 +79,46 @@ def test_preserves_values_reads_the_conditional_attribute():
     assert not preserves_values("Activation", {"act_type": "tanh"})
     assert preserves_values("Pooling", {}) and not preserves_values("Pooling", {"pool_type": "avg"})
     assert not preserves_values("Convolution", {})
+
+
+def _bf16_graph():
+    g = _graph([_var("data"), _var("w"), _op("amp_cast", "cw", [(1, 0)], dtype="bfloat16"),
+                _op("Convolution", "conv", [(0, 0), (2, 0)], kernel="(1, 1)", num_filter="2", no_bias="True")],
+               [[3, 0, 0]])
+    types = {("data", 0): "bfloat16", ("w", 0): "float32", ("cw", 0): "bfloat16", ("conv", 0): "bfloat16"}
+    return g, types
+
+
+def test_bf16_rounding_reads_op_outputs_through_a_copy_and_parameters_in_place():
+    g, types = _bf16_graph()
+    nodes = _by_name(emulate_graph(g, types, ndims={("conv", 0): 4, ("cw", 0): 4, ("data", 0): 4}).graph)
+    first = {base: nodes[f"{base}{ROUND_SUFFIX}_bf16_0"] for base in ("conv", "cw", "data")}
+    assert first["conv"]["op"] == "transpose" and first["conv"]["attrs"]["axes"] == "(0, 1, 2, 3)"
+    assert first["cw"]["op"] == "Reshape" and first["data"]["op"] == "Reshape"  # parameters, data
+    unknown = _by_name(emulate_graph(g, types).graph)  # no shapes: the in-place reshape
+    assert unknown[f"conv{ROUND_SUFFIX}_bf16_0"]["op"] == "Reshape"
+
+
+def test_bf16_rounding_is_differentiated_only_through_its_last_node():
+    """Forward x + BlockGrad(change): backward keeps nothing of the chain."""
+    g, types = _bf16_graph()
+    emu = emulate_graph(g, types)
+    nodes = emu.graph["nodes"]
+    last = _by_name(emu.graph)[rounding_node("conv")]
+    assert last["op"] == "elemwise_add"
+    x, change = (nodes[e[0]] for e in last["inputs"])
+    assert x["name"] == "conv" and change["op"] == "BlockGrad"
+    chain = [n for n in nodes if n["name"].startswith(f"conv{ROUND_SUFFIX}_bf16_")]
+    assert len(chain) == 7 and all(n["op"] != "null" for n in chain)
+
+
+def test_a_cast_to_the_dtype_its_input_has_already_is_no_rounding():
+    for dtype in ("float16", "bfloat16"):
+        g = _graph([_var("data"), _op("Activation", "act", [(0, 0)], act_type="sigmoid"),
+                    _op("amp_cast", "c", [(1, 0)], dtype=dtype)], [[2, 0, 0]])
+        types = {("data", 0): dtype, ("act", 0): dtype, ("c", 0): dtype}
+        emu = emulate_graph(g, types)
+        nodes = _by_name(emu.graph)
+        assert rounding_node("act") in nodes and rounding_node("c") not in nodes  # act's output is rounded once
+        assert nodes["c"]["attrs"]["dtype"] == "float32"  # the cast stays, an identity
+        assert emu.entries[("c", 0)] == ("c", 0)

@@ -1,0 +1,202 @@
+"""What emulation costs: training step time and peak memory, FP32 against emulated float16/bfloat16.
+
+    python benchmarks/emulation_cost.py                          # ResNet-18 and SSD-512, 2 rounds
+    python benchmarks/emulation_cost.py --nets resnet18 --rounds 3 --json cost.json
+
+Each (net, mode) runs in a process of its own: it builds the net (same seed in every mode),
+runs ``--warmup`` untimed steps and ``--steps`` timed ones, and reports the median step time
+and its peak RSS (``VmHWM``: what the process itself held at most, build included). The
+parent runs the modes back to back, round after round, so drift on a busy machine hits them
+alike, and reports each mode's median step time over rounds and its fastest step (less
+sensitive to other processes on a shared machine), each with its ratio to FP32's.
+
+Workloads:
+- ``resnet18``: Gluon model zoo ``resnet18_v1`` (10 classes), 112x112 inputs, batch 8,
+  softmax cross-entropy;
+- ``ssd512``: GluonCV ``ssd_512_resnet50_v1_coco`` (``pretrained_base=False``), 512x512,
+  batch 1, ``SSDMultiBoxLoss`` on random targets (as ``ssd_synthetic.py``).
+Both: SGD with momentum, ``hybridize(static_alloc=True, static_shape=True)``; the AMP modes
+use ``init(target_dtype, emulate=True)``, ``init_trainer`` and ``scale_loss``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from typing import Any, Dict, List, Optional
+
+MODES = ("fp32", "float16", "bfloat16")  # float16/bfloat16: emulated
+NETS = ("resnet18", "ssd512")
+#: (warmup, timed) steps per net by default
+STEPS = {"resnet18": (2, 8), "ssd512": (1, 3)}
+
+
+def own_peak_rss_mb() -> float:
+    """This process's peak RSS (``VmHWM``; ``ru_maxrss`` would keep the parent's across exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _workload(net_name: str) -> tuple:
+    """``(net, data, labels, loss function)``, built from seed 0."""
+    import mxnet as mx
+    from mxnet import gluon
+    mx.random.seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if net_name == "resnet18":
+            from mxnet.gluon.model_zoo import vision
+            net = vision.resnet18_v1(classes=10)
+            x = mx.nd.random.uniform(-1, 1, shape=(8, 3, 112, 112))
+            labels = [mx.nd.array(mx.nd.random.randint(0, 10, shape=(8,)).asnumpy())]
+            loss = gluon.loss.SoftmaxCrossEntropyLoss()
+        else:
+            import gluoncv as gcv
+            from gluoncv.model_zoo import get_model
+            net = get_model("ssd_512_resnet50_v1_coco", pretrained_base=False, norm_layer=gluon.nn.BatchNorm)
+            x = mx.nd.random.uniform(-1, 1, shape=(1, 3, 512, 512))
+            labels = [mx.nd.random.uniform(0, 1, shape=(1, 6132)), mx.nd.random.uniform(0, 1, shape=(1, 6132, 4))]
+            loss = gcv.loss.SSDMultiBoxLoss()
+        net.initialize()
+    net.hybridize(static_alloc=True, static_shape=True)
+    return net, x, labels, loss
+
+
+def child(net_name: str, mode: str, warmup: int, steps: int) -> Dict[str, Any]:
+    """One mode of one net, in this process: median step seconds and peak RSS."""
+    import mxnet as mx
+    from mxnet import autograd, gluon
+    import gluon_amp
+    if mode != "fp32":
+        gluon_amp.init(target_dtype=mode, emulate=True)
+    net, x, labels, loss_fn = _workload(net_name)
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.001, "momentum": 0.9},
+                            update_on_kvstore=False)
+    scaler = gluon_amp.init_trainer(trainer)
+    times, losses = [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        with autograd.record():
+            out = net(x)
+            if net_name == "resnet18":
+                loss = loss_fn(out, labels[0])
+            else:
+                loss = loss_fn([out[0]], [out[1]], labels[:1], labels[1:])[0][0]
+            with gluon_amp.scale_loss(loss, trainer) as scaled:
+                autograd.backward(scaled)
+        trainer.step(x.shape[0])
+        mx.nd.waitall()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss.mean().asscalar()))
+    return {"net": net_name, "mode": mode, "sec_per_step": statistics.median(times), "step_seconds": times,
+            "peak_rss_mb": own_peak_rss_mb(), "losses": losses, "skipped_steps": scaler.skipped_steps}
+
+
+def _run_child(net_name: str, mode: str, warmup: int, steps: int, timeout: float) -> Dict[str, Any]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", net_name, mode, "--warmup", str(warmup),
+           "--steps", str(steps)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{net_name} {mode} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run(nets: List[str], rounds: int, warmup: Optional[int], steps: Optional[int],
+        timeout: float = 3600) -> Dict[str, Any]:
+    """Every net and mode, ``rounds`` times (modes back to back within a round)."""
+    load = os.getloadavg()
+    runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {n: {m: [] for m in MODES} for n in nets}
+    for r in range(rounds):
+        for n in nets:
+            w, s = STEPS[n]
+            for m in MODES:
+                res = _run_child(n, m, w if warmup is None else warmup, s if steps is None else steps, timeout)
+                runs[n][m].append(res)
+                print(f"round {r + 1}/{rounds} {n:<8} {m:<8} {res['sec_per_step']:.3f} s/step  "
+                      f"{res['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
+    summary = {}
+    for n in nets:
+        summary[n] = {}
+        for m in MODES:
+            summary[n][m] = {"sec_per_step": statistics.median(x["sec_per_step"] for x in runs[n][m]),
+                             "min_sec_per_step": min(t for x in runs[n][m] for t in x["step_seconds"]),
+                             "peak_rss_mb": statistics.median(x["peak_rss_mb"] for x in runs[n][m])}
+        base = summary[n]["fp32"]
+        for m in MODES:
+            s = summary[n][m]
+            s["time_vs_fp32"] = s["sec_per_step"] / base["sec_per_step"]
+            s["min_time_vs_fp32"] = s["min_sec_per_step"] / base["min_sec_per_step"]
+            s["memory_vs_fp32"] = s["peak_rss_mb"] / base["peak_rss_mb"]
+    return {"host": host_info(), "load_before": load, "load_after": os.getloadavg(), "rounds": rounds,
+            "summary": summary, "runs": runs}
+
+
+def host_info() -> Dict[str, Any]:
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags |= set(line.split(":", 1)[1].split())
+    return {"flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16"}),
+            "cpus": os.cpu_count(), "DNNL_MAX_CPU_ISA": os.environ.get("DNNL_MAX_CPU_ISA")}
+
+
+def format_table(doc: Dict[str, Any]) -> str:
+    lines = [f"{'net':<9} {'mode':<19} {'s/step':>7} {'vs FP32':>8} {'min s':>7} {'vs FP32':>8} "
+             f"{'peak MB':>8} {'vs FP32':>8}"]
+    for n, modes in doc["summary"].items():
+        for m, s in modes.items():
+            name = m if m == "fp32" else f"emulated {m}"
+            lines.append(f"{n:<9} {name:<19} {s['sec_per_step']:>7.3f} {s['time_vs_fp32']:>7.2f}x "
+                         f"{s['min_sec_per_step']:>7.3f} {s['min_time_vs_fp32']:>7.2f}x "
+                         f"{s['peak_rss_mb']:>8.0f} {s['memory_vs_fp32']:>7.2f}x")
+    h = doc["host"]
+    lines.append(f"host flags {' '.join(h['flags'])}, DNNL_MAX_CPU_ISA={h['DNNL_MAX_CPU_ISA']}, load "
+                 f"{doc['load_before'][0]:.2f} before, {doc['load_after'][0]:.2f} after; s/step: median "
+                 f"over {doc['rounds']} process(es) of each one's median step; min s: fastest step")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nets", default=",".join(NETS), help=f"comma separated, from {', '.join(NETS)}")
+    p.add_argument("--rounds", type=int, default=2, help="processes per (net, mode), modes back to back")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps (default per net)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default per net)")
+    p.add_argument("--json", metavar="PATH", help="also write the full JSON document here")
+    p.add_argument("--child", nargs=2, metavar=("NET", "MODE"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        net_name, mode = args.child
+        w, s = STEPS[net_name]
+        print(json.dumps(child(net_name, mode, w if args.warmup is None else args.warmup,
+                               s if args.steps is None else args.steps)))
+        return None
+    nets = [n.strip() for n in args.nets.split(",") if n.strip()]
+    bad = [n for n in nets if n not in NETS]
+    if bad or not nets:
+        p.error(f"--nets: unknown {bad}; choose from {', '.join(NETS)}")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    doc = run(nets, args.rounds, args.warmup, args.steps)
+    print(format_table(doc))
+    print(json.dumps(doc["summary"], indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return doc
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()
