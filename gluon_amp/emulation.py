@@ -129,8 +129,7 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
         if not low:
             return out
         if policy.emulate:
-            shapes = {v.name: a.shape for v, a in zip(inputs, _flat(args)) if isinstance(a, NDArray)}
-            return emulate_symbol(out, dtypes, shapes)[0]
+            return emulate_symbol(out, dtypes, input_shapes(args, inputs))[0]
         for device in _devices(args):
             for dtype in sorted(low):
                 if not runtime.executable(dtype, device):
