@@ -40,6 +40,32 @@ def has_cached_graph(block: Any) -> bool:
     return isinstance(block, HybridBlock) and bool(getattr(block, "_cached_graph", ()))
 
 
+def call_arrays(args: Any) -> list:
+    """A block call's inputs, flattened as Gluon flattens them for the graph (1.9.1
+    ``_flatten``; ``None`` dropped): in the order of the graph's input symbols."""
+    if isinstance(args, (list, tuple)):
+        return [x for a in args for x in call_arrays(a)]
+    return [] if args is None else [args]
+
+
+def call_inputs(block: HybridBlock, args: tuple, inputs: Sequence[Symbol]
+                ) -> Tuple[Dict[str, str], Dict[str, Tuple[int, ...]]]:
+    """The dtypes and shapes of a block's graph inputs at this call: data from the call's
+    arrays, parameters' dtypes as stored (their shapes may still be deferred)."""
+    from gluon_amp_core.dtypes import dtype_name
+    from .arrays import FLOAT_NAMES
+    dtypes: Dict[str, str] = {}
+    shapes: Dict[str, Tuple[int, ...]] = {}
+    for var, a in zip(inputs, call_arrays(args)):
+        if isinstance(a, mx.nd.NDArray):
+            dtypes[var.name] = FLOAT_NAMES.get(a.dtype) or dtype_name(a.dtype)
+            shapes[var.name] = a.shape
+    for p in block.collect_params().values():
+        if p.dtype is not None:
+            dtypes.setdefault(p.name, dtype_name(p.dtype))
+    return dtypes, shapes
+
+
 # -- symbols -------------------------------------------------------------------------
 
 #: 1.9.1: the numpy-frontend Symbol class; amp_cast is a legacy op, so np symbols are

@@ -22,7 +22,6 @@ from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import MeasuredChoice, decide
-from gluon_amp_core.dtypes import dtype_name
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import Change, retype
 from gluon_amp_core.walk import measured_attrs
@@ -176,12 +175,6 @@ def _store(cache: TimingCache, entries: Mapping[str, Any]) -> None:
         _log.info("gluon_amp: could not write %s (%s); measured again next time", cache.path, exc)
 
 
-def _flat(args: Any) -> list:
-    if isinstance(args, (list, tuple)):
-        return [x for a in args for x in _flat(a)]
-    return [args]
-
-
 def training_rewriter(policy: Policy, cache: Callable[[], TimingCache]
                       ) -> Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], Symbol]:
     """What ``init(tune=True)`` hooks into every HybridBlock's first graph build: the
@@ -190,16 +183,12 @@ def training_rewriter(policy: Policy, cache: Callable[[], TimingCache]
     be applied to cleanly runs as traced, with a warning."""
 
     def rewrite(block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> Symbol:
-        arrays = [a for a in _flat(args) if isinstance(a, NDArray)]
+        arrays = [a for a in mxi.call_arrays(args) if isinstance(a, NDArray)]
         if getattr(block, "amp_result", None) is not None:
             return out  # converted by gluon_amp: its plan (tuned or not) was fixed then
         if not arrays or any(a.context.device_type != "cpu" for a in arrays):
             return out  # GPUs: float16 is taken as fast; nothing here times them
-        known = {v.name: mxi.FLOAT_NAMES.get(a.dtype) or dtype_name(a.dtype) for v, a in zip(inputs, arrays)}
-        for p in block.collect_params().values():
-            if p.dtype is not None:
-                known.setdefault(p.name, dtype_name(p.dtype))
-        shapes = {v.name: a.shape for v, a in zip(inputs, arrays)}
+        known, shapes = mxi.call_inputs(block, args, inputs)
         traced = json.loads(out.tojson(remove_amp_cast=False))
         op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
         typed: Dict[Tuple[str, int], Optional[str]] = {}

@@ -8,7 +8,7 @@ import mxnet as mx
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
-from .. import mxnet_internals as mxi
+from ... import mxnet_internals as mxi
 
 # Copies of MXNet's cast functions: the wrappers call these, never the patched names
 # (a cast op is never wrapped, but these stay valid whatever is patched).

@@ -21,8 +21,8 @@ from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import Change, retype
 from gluon_amp_core.walk import REASON_ATTR, walk
 
-from . import mxnet_internals as mxi
-from .type_inference import infer_shapes
+from .. import mxnet_internals as mxi
+from ..type_inference import infer_shapes
 
 Shapes = Mapping[str, Tuple[int, ...]]
 

@@ -1,7 +1,8 @@
 """The patching lifecycle: ``init`` / ``disable`` / ``autocast``, and the state while AMP is on.
 
-What each op function is wrapped with lives in :mod:`gluon_amp.wrappers`; how a function is
-swapped in place (and back) lives in :mod:`gluon_amp.mxnet_internals`.
+What each op function is wrapped with lives in :mod:`.wrappers`; what the HybridBlock hooks do
+with a fresh graph in :mod:`.hooks` (with the input-shape rules of :mod:`.shape_rules`); how a
+function is swapped in place (and back) in :mod:`gluon_amp.mxnet_internals`.
 """
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
 
-from . import mxnet_internals as mxi, runtime
-from .emulation import graph_rewriter, holds_amp_plan
-from .policy_builder import as_policy
-from .speed.tuner import training_rewriter
+from .. import mxnet_internals as mxi, runtime
+from ..policy_builder import as_policy
+from ..speed.tuner import training_rewriter
+from .hooks import graph_rewriter, holds_amp_plan
 from .wrappers import ScalerRegistry, wrapper_for
 
 _log = logging.getLogger(__name__)

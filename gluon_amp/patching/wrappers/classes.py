@@ -14,8 +14,9 @@ from mxnet.symbol import Symbol
 from gluon_amp_core.decide import Decision, Reason, decide
 from gluon_amp_core.table import OpClass, OpTable
 
-from .. import mxnet_internals as mxi
-from ..emulation import cannot_run, round_nd
+from ... import mxnet_internals as mxi
+from ...emulation import round_nd
+from ..hooks import cannot_run
 from .casts import cast_nd, cast_sym, multicast_sym
 
 

@@ -22,7 +22,7 @@ from gluon_amp_core.lists.loss_outputs import LOSS_OUTPUT_FUNCTIONS
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import OpClass
 
-from .. import mxnet_internals as mxi, runtime
+from ... import mxnet_internals as mxi, runtime
 from . import classes, follow, loss_output
 from .casts import cast_nd, multicast_sym
 from .loss_output import ScalerRegistry

@@ -16,8 +16,8 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import FLOAT_DTYPES, dtype_name
 
-from ..mxnet_internals import FLOAT_NAMES
-from ..type_inference import op_types
+from ...mxnet_internals import FLOAT_NAMES
+from ...type_inference import op_types
 
 _SKIP_ATTRS = ("out", "name")
 
