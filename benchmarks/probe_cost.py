@@ -22,6 +22,8 @@ from typing import Any, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from _report import write_json  # noqa: E402
 
 CHILD = r'''
 import json, time, warnings
@@ -70,9 +72,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         print(f"probe cost: first run max {max(first):.2f} s (target <= 2 s), cached max {max(cached) * 1e3:.2f} ms "
               f"(target <= 5 ms); median {statistics.median(first):.2f} s / {statistics.median(cached) * 1e3:.2f} ms")
         doc = {"rows": [{"run": k, **r} for k, r in rows], "first_max_s": max(first), "cached_max_ms": max(cached) * 1e3}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+    write_json(doc, args.json)
     return doc
 
 

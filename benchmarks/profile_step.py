@@ -20,6 +20,7 @@ import sys
 from typing import Any, Dict, List, Optional
 
 import _numpy_shim  # noqa: F401  first: numpy aliases MXNet needs (benchmarks/ is on sys.path)
+from _report import write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -128,9 +129,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
               f"FP32 time) {c['ceiling_ms']:.0f} ms = {c['ceiling_speedup']:.2f}x FP32")
     if skipped:
         print(skipped)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+    write_json(doc, args.json)
     return doc
 
 
