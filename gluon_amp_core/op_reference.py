@@ -30,7 +30,8 @@ the inference converter.
 | neutral | left as they are; the op runs in whatever dtype it is given |
 
 - A few low-precision ops run in float32 at input shapes where their kernel is known to
-  be wrong (listed per dtype below); this is decided from the shapes of the first call.
+  be wrong (listed per dtype below), decided from the input shapes of each call (a
+  hybridized block's graph is rebuilt when new shapes keep more ops in float32).
 - Integer and boolean inputs are never cast.
 - Normalisation parameters and running statistics (listed under *kept inputs*) stay
   `float32` whatever the class.
