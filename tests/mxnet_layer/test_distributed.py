@@ -118,7 +118,7 @@ def test_device_kvstore_two_contexts_in_one_process(tmp_path, reference):
 
 def test_horovod_distributed_optimizer_is_refused():
     code = textwrap.dedent("""
-        import mxnet as mx, horovod.mxnet as hvd, gluon_amp
+        import gluon_amp, mxnet as mx, horovod.mxnet as hvd
         from mxnet import autograd, gluon
         hvd.init()
         net = gluon.nn.Dense(1, in_units=2); net.initialize()

@@ -7,11 +7,12 @@ import warnings
 
 import numpy as np
 import pytest
+
+import gluon_amp  # before mxnet: its numpy shim (issue 28) also serves this file's fresh processes
 import mxnet as mx
 from mxnet import autograd, gluon
 from mxnet.gluon import nn
 
-import gluon_amp
 from gluon_amp_core.emulate import ROUND_SUFFIX
 from helpers import ROOT, blobs, make_net
 

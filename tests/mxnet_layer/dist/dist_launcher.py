@@ -117,8 +117,8 @@ def run_dist_sync(args: Sequence[str], log_dir: str, workers: int = 2, timeout: 
     env.update(DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()),
                DMLC_NODE_HOST="127.0.0.1", DMLC_NUM_SERVER="1", DMLC_NUM_WORKER=str(workers))
     with Job(log_dir, timeout) as job:
-        job.start("scheduler", [sys.executable, "-c", "import mxnet"], {**env, "DMLC_ROLE": "scheduler"})
-        job.start("server", [sys.executable, "-c", "import mxnet"], {**env, "DMLC_ROLE": "server"})
+        job.start("scheduler", [sys.executable, "-c", "import gluon_amp, mxnet"], {**env, "DMLC_ROLE": "scheduler"})
+        job.start("server", [sys.executable, "-c", "import gluon_amp, mxnet"], {**env, "DMLC_ROLE": "server"})
         for i in range(workers):
             job.start(f"worker{i}", [sys.executable, WORKER, *args], {**env, "DMLC_ROLE": "worker"})
         job.wait()

@@ -15,14 +15,13 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, Dict, List
 
-import mxnet as mx
-from mxnet import gluon
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
-import gluon_amp  # noqa: E402
+import gluon_amp  # noqa: E402  (before mxnet: its numpy shim, issue 28)
 from gluon_amp import init_kvstore  # noqa: E402
+import mxnet as mx  # noqa: E402
+from mxnet import gluon  # noqa: E402
 import dist_scenario as sc  # noqa: E402
 
 
