@@ -82,8 +82,11 @@ def signature(graph: dict, shapes: Mapping[str, Tuple[int, ...]], dtypes: Mappin
     position (Gluon's name prefixes count instances), input shapes and dtypes, mode."""
     ops = [[n["op"], sorted((k, str(v)) for k, v in n.get("attrs", {}).items() if not k.startswith("__")),
             [e[:2] for e in n["inputs"]]] for n in graph["nodes"]]
-    text = json.dumps([ops, graph["heads"], sorted((k, list(v)) for k, v in shapes.items()),
-                       sorted(dtypes.items()), train, fused], separators=(",", ":"))
+    # inputs by node position too: parameter names carry the instance prefix (ssd0_, ssd1_)
+    position = {n["name"]: i for i, n in enumerate(graph["nodes"]) if n["op"] == "null"}
+    text = json.dumps([ops, graph["heads"], sorted((position[k], list(v)) for k, v in shapes.items() if k in position),
+                       sorted((position[k], v) for k, v in dtypes.items() if k in position), train, fused],
+                      separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 

@@ -1,4 +1,5 @@
 """tune=True: precision per op chosen by measured speed (gluon_amp.speed.tuner)."""
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +12,14 @@ import gluon_amp
 from gluon_amp import runtime
 from gluon_amp.speed import tuner
 from gluon_amp_core.timing_cache import TimingCache
-from helpers import ROOT, make_net
+from helpers import ROOT, MixedNet, make_net
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(monkeypatch, tmp_path):
+    """Each test tunes into a cache of its own: an outcome stored for the same graph by an
+    earlier test would be read back instead of the figures this test gives."""
+    monkeypatch.setattr(runtime, "timing_cache", lambda: TimingCache(str(tmp_path), {"k": 1}))
 
 
 def _recorded_times(conv_low, conv_fp32):
@@ -70,13 +78,12 @@ def test_tune_needs_input_shapes_and_rejects_emulation_with_clear_errors():
 
 
 @pytest.mark.bf16_kernels
-def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph(monkeypatch, tmp_path):
+def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph(monkeypatch):
     from mxnet import autograd
     from helpers import sgd_trainer
     monkeypatch.setattr(tuner, "measure", _recorded_times(409.0, 205.0))
     graph_ms = iter([1000.0, 700.0])
     monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: next(graph_ms))
-    monkeypatch.setattr(runtime, "timing_cache", lambda: TimingCache(str(tmp_path), {"k": 1}))
     gluon_amp.init("bfloat16", tune=True)
     net = make_net()
     trainer = sgd_trainer(net)
@@ -132,3 +139,17 @@ def test_tune_defaults_on_except_when_emulating_or_turned_off(monkeypatch):
     monkeypatch.setenv("GLUON_AMP_TUNE", "0")
     assert not gluon_amp.make_policy("bfloat16").tune
     assert gluon_amp.make_policy("bfloat16", tune=True).tune  # an explicit choice wins
+
+
+def test_a_graph_tuned_once_is_found_again_under_other_parameter_names():
+    """The tuning outcome is cached per graph: the same network built as another instance
+    (another name prefix, e.g. after an FP32 copy in the same process) must find it."""
+    def key(prefix, shape=(2, 3, 8, 8)):
+        net = MixedNet(prefix=prefix)
+        graph = json.loads(net(mx.sym.var("data")).tojson())
+        params = {p.name: "float32" for p in net.collect_params().values()}
+        assert params and all(n.startswith(prefix) for n in params)
+        return tuner.signature(graph, {"data": shape}, {"data": "float32", **params}, True, False)
+
+    assert key("first_") == key("second_")
+    assert key("first_") != key("third_", (4, 3, 8, 8))  # other shapes: another tuning
