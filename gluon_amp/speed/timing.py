@@ -145,6 +145,7 @@ def time_graphs(syms: Sequence[mx.sym.Symbol], shapes: Mapping[str, Tuple[int, .
 
 
 def _take_turns(steps: Sequence[Callable[[], float]], runs: int, give_up_ms: Optional[float]) -> List[float]:
+    """Each step's fastest run after its warm-up (its warm-up alone if that exceeded ``give_up_ms``)."""
     times: List[List[float]] = [[] for _ in steps]
     for _ in range(runs + 1):
         for k, step in enumerate(steps):

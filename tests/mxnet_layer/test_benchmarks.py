@@ -56,6 +56,26 @@ def test_ssd_synthetic_without_bf16_kernels_runs_fp32_and_says_why(tmp_path, no_
     assert math.isfinite(doc["modes"][0]["final_ce"])
 
 
+@pytest.mark.bf16_kernels
+def test_ssd_synthetic_where_bfloat16_was_measured_slower_runs_fp32_and_gives_the_figures(tmp_path, monkeypatch):
+    """`make bench`'s command on a host whose probe measured bfloat16 slower (issue 26's Intel
+    figures, planted in this machine's cache): AMP stays off, and the table says why."""
+    from gluon_amp import runtime
+    from gluon_amp.speed import probe
+    with open(os.path.join(ROOT, "tests", "core", "data", "probe_hosts.json")) as f:
+        slow = json.load(f)["hosts"]["intel_xeon_no_amx"]["items"]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    runtime.timing_cache().store({probe._entry("bfloat16"): slow})
+    out = tmp_path / "ssd.json"
+    r = _run("ssd_synthetic.py", "--amp", "--batch-size", "1", "--iters", "1", "--warmup", "0",
+             "--no-progress", "--no-memory", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert [m["mode"] for m in doc["modes"]] == ["fp32"]
+    assert doc["runtime"]["speed"]["decision"] == "float32" and doc["runtime"]["speed"]["source"] == "cached"
+    assert "AMP was not run" in r.stdout and "0.78x" in r.stdout and "target-dtype bfloat16" in r.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--impl", "tensorrt"], "--impl"),
     (["--batch-size", "0"], "--batch-size"),
