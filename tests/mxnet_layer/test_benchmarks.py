@@ -65,7 +65,11 @@ def test_ssd_synthetic_where_bfloat16_was_measured_slower_runs_fp32_and_gives_th
     with open(os.path.join(ROOT, "tests", "core", "data", "probe_hosts.json")) as f:
         slow = json.load(f)["hosts"]["intel_xeon_no_amx"]["items"]
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    runtime.timing_cache().store({probe._entry("bfloat16"): slow})
+    runtime.timing_cache.cache_clear()  # it holds the session's cache folder
+    try:
+        runtime.timing_cache().store({probe._entry("bfloat16"): slow})
+    finally:
+        runtime.timing_cache.cache_clear()
     out = tmp_path / "ssd.json"
     r = _run("ssd_synthetic.py", "--amp", "--batch-size", "1", "--iters", "1", "--warmup", "0",
              "--no-progress", "--no-memory", "--json", str(out))
