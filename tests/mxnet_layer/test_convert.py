@@ -17,7 +17,8 @@ from helpers import check_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ZOO = ["resnet18_v1", "mobilenet1.0", "vgg11_bn", "densenet121"]
-X = mx.nd.random.uniform(-1, 1, shape=(2, 3, 224, 224))
+# drawn from numpy, not MXNet's generator: the same input whatever modules were imported first
+X = mx.nd.array(np.random.RandomState(0).uniform(-1, 1, size=(2, 3, 224, 224)))
 
 
 def _zoo(name):
@@ -27,6 +28,16 @@ def _zoo(name):
     net.hybridize()
     net(X)
     return net
+
+
+def _same_class_where_fp32_decides(out, ref):
+    """The predicted class is kept wherever FP32's top two logits are further apart than
+    bfloat16's error could move them (a random net's logits can tie within rounding)."""
+    err = np.abs(out - ref).max(axis=1)
+    top2 = np.sort(ref, axis=1)[:, -2:]
+    decided = top2[:, 1] - top2[:, 0] > 2 * err
+    assert decided.any(), "no sample of X separates its classes beyond the error: nothing checked"
+    assert (out.argmax(1)[decided] == ref.argmax(1)[decided]).all()
 
 
 def _sym(net):
@@ -97,7 +108,7 @@ def test_bf16_executes_close_to_fp32(zoo, name, tmp_path):
     out = block(X).asnumpy()
     assert out.dtype == np.float32
     assert np.linalg.norm(out - ref) <= 0.03 * np.linalg.norm(ref)
-    assert (out.argmax(1) == ref.argmax(1)).all()
+    _same_class_where_fp32_decides(out, ref)
     block.hybridize()
     block(X)
     block.export(str(tmp_path / "m"), 0)
@@ -178,10 +189,15 @@ def _cli(*args):
                           text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
 
 
+def _dense_node(zoo):
+    """The classifier's node name (its prefix counts the ResNets built before in the process)."""
+    return zoo["resnet18_v1"].output.name + "_fwd"
+
+
 def _cli_convert(zoo, tmp_path):
     zoo["resnet18_v1"].export(str(tmp_path / "r18"), 3)
     r = _cli(str(tmp_path / "r18"), "3", "--target-dtype", "bfloat16", "--out", str(tmp_path / "r18bf"),
-             "--exclude", "resnetv10_dense0_fwd")
+             "--exclude", _dense_node(zoo))
     assert r.returncode == 0, r.stderr
     assert "casts inserted" in r.stdout and "parameter bytes" in r.stdout and "ops per dtype" in r.stdout
     assert "fused subgraph ops" in r.stdout
@@ -200,13 +216,13 @@ def test_cli_converts_an_exported_model(zoo, tmp_path):
 def test_cli_no_fuse_writes_the_plain_graph(zoo, tmp_path):
     zoo["resnet18_v1"].export(str(tmp_path / "r18"), 0)
     r = _cli(str(tmp_path / "r18"), "0", "--target-dtype", "bfloat16", "--out", str(tmp_path / "p"),
-             "--no-fuse", "--exclude", "resnetv10_dense0_fwd")
+             "--no-fuse", "--exclude", _dense_node(zoo))
     assert r.returncode == 0, r.stderr
     assert "oneDNN fusion:   off" in r.stdout
     sym = mx.sym.load(str(tmp_path / "p-symbol.json"))
     types = dict(zip(sym.get_internals().list_outputs(),
                      sym.get_internals().infer_type(data=np.float32)[1]))
-    assert types["resnetv10_dense0_fwd_output"] == np.float32
+    assert types[_dense_node(zoo) + "_output"] == np.float32
     with open(tmp_path / "p-symbol.json") as f:
         ops = {n["op"] for n in json.load(f)["nodes"]}
     assert "Convolution" in ops and not any(op.startswith("_sg_") for op in ops)
@@ -216,7 +232,7 @@ def test_cli_no_fuse_writes_the_plain_graph(zoo, tmp_path):
 def test_cli_converted_model_predicts_like_fp32(zoo, tmp_path):
     loaded = _cli_convert(zoo, tmp_path)
     ref = zoo["resnet18_v1"](X).asnumpy()
-    assert (loaded(X).asnumpy().argmax(1) == ref.argmax(1)).all()
+    _same_class_where_fp32_decides(loaded(X).asnumpy(), ref)
 
 
 def test_cli_auto_without_bf16_kernels_writes_fp32_and_says_why(zoo, tmp_path, no_bf16_why):
@@ -269,7 +285,7 @@ def test_fused_bf16_block_stays_within_tolerance(tmp_path):
     block = gluon_amp.convert_hybrid_block(net, "bfloat16", cast_optional_params=True)
     out = block(X).asnumpy()
     assert np.linalg.norm(out - ref) <= 0.03 * np.linalg.norm(ref)
-    assert (out.argmax(1) == ref.argmax(1)).all()
+    _same_class_where_fp32_decides(out, ref)
     block.hybridize(static_alloc=True)  # a later hybridize keeps the fusion backend
     assert np.array_equal(block(X).asnumpy(), out)
     block.export(str(tmp_path / "f"), 0)
