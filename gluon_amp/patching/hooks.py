@@ -43,13 +43,14 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
     def rewrite(block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> Symbol:
         if getattr(block, "amp_result", None) is not None:
             return out  # converted by gluon_amp: its plan was fixed then
-        out = rules.apply(block, out, mxi.call_inputs(block, args, inputs)[1])
-        dtypes = infer_dtypes(out, mxi.call_inputs(block, args, inputs)[0], partial=True) or {}
+        known, shapes = mxi.call_inputs(block, args, inputs)
+        out = rules.apply(block, out, shapes)
+        dtypes = infer_dtypes(out, known, partial=True) or {}
         low = {t for t in dtypes.values() if t in LOW_PRECISION_DTYPES}
         if not low:
             return out
         if policy.emulate:
-            return emulate_symbol(out, dtypes, mxi.call_inputs(block, args, inputs)[1])[0]
+            return emulate_symbol(out, dtypes, shapes)[0]
         for device in {a.context.device_type for a in mxi.call_arrays(args) if isinstance(a, NDArray)}:
             for dtype in sorted(low):
                 if not runtime.executable(dtype, device):

@@ -26,6 +26,7 @@ from .. import patching
 from . import checkpoint, distributed, overflow
 from .. import mxnet_internals as mxi
 
+
 class _Hook:
     """What ``Trainer._update`` calls before updating: the overflow check of one trainer.
 
