@@ -268,23 +268,52 @@ def _stored_dtypes(sym: Symbol) -> Dict[str, str]:
 class MixedPrecisionBlock(SymbolBlock):
     """The :class:`SymbolBlock` :func:`convert_hybrid_block` returns.
 
-    Differences from a plain SymbolBlock: :meth:`export` keeps the cast nodes by default
-    (MXNet's own default, ``remove_amp_cast=True``, writes a graph that no longer
-    type-checks), and when ``fuse_backend`` is set (``'MKLDNN'`` on CPU), every
-    :meth:`hybridize` without an explicit ``backend`` uses MXNet's oneDNN subgraph fusion.
-    ``amp_result`` holds the pass's per-node decisions.
+    Differences from a plain SymbolBlock: :meth:`export` writes the whole model without a
+    forward pass (MXNet 1.9.1's writes only the parameters a forward pass collected: none
+    where the target cannot run here) and keeps the cast nodes by default (MXNet's own
+    default, ``remove_amp_cast=True``, writes a graph that no longer type-checks); when
+    ``fuse_backend`` is set (``'MKLDNN'`` on CPU), every :meth:`hybridize` without an
+    explicit ``backend`` uses MXNet's oneDNN subgraph fusion. ``amp_result`` holds the
+    pass's per-node decisions.
     """
 
     fuse_backend: Optional[str] = None
     amp_result: Optional[PassResult] = None
+
+    def __init__(self, outputs: Any, inputs: Any, params: Any = None) -> None:
+        super().__init__(outputs, inputs, params)
+        data, self._converted = mxi.cached_graph(self, "MixedPrecisionBlock")
+        self._data_names = [d.name for d in data]
 
     def hybridize(self, active: bool = True, backend: Optional[str] = None, **kwargs: Any) -> None:
         if active and backend is None and self.fuse_backend:
             backend = self.fuse_backend
         super().hybridize(active, backend=backend, **kwargs)
 
-    def export(self, path: str, epoch: int = 0, remove_amp_cast: bool = False):  # type: ignore[override]
-        return super().export(path, epoch, remove_amp_cast=remove_amp_cast)
+    def deployed_symbol(self) -> Symbol:
+        """The graph this block runs, as :meth:`export` writes it: the converted graph,
+        partitioned by the subgraph backend its last ``hybridize`` chose (as MXNet does on
+        the first forward pass; partitioning reads the graph only, nothing runs)."""
+        backend, options = mxi.block_backend(self)
+        return self._converted.optimize_for(backend, **options) if backend else self._converted
+
+    def export(self, path: str, epoch: int = 0, remove_amp_cast: bool = False) -> None:  # type: ignore[override]
+        """Write ``PATH-symbol.json`` (:meth:`deployed_symbol`) and ``PATH-EPOCH.params``
+        (every parameter the graph reads, ``arg:``/``aux:`` names, in the dtype the block
+        stores it), as ``HybridBlock.export`` does after a forward pass; no forward pass is
+        needed, so a model for a target this machine cannot run is written whole."""
+        sym = self.deployed_symbol()
+        params = {p.name: p for p in self.collect_params().values()}
+        names = [n for n in sym.list_inputs() if n not in self._data_names]
+        missing = [n for n in names if n not in params]
+        if missing:
+            raise RuntimeError(f"export: graph inputs {missing[:5]} are neither data inputs {self._data_names} "
+                               f"nor parameters of this block (the {mxi.block_backend(self)[0]} backend "
+                               "added them?); export an unfused block: hybridize(backend=None) first")
+        aux = set(sym.list_auxiliary_states())
+        arrays = {f"{'aux' if n in aux else 'arg'}:{n}": params[n].list_data()[0].copyto(mx.cpu()) for n in names}
+        sym.save(f"{path}-symbol.json", remove_amp_cast=remove_amp_cast)
+        (mx.npx.save if mx.util.is_np_array() else mx.nd.save)(f"{path}-{epoch:04d}.params", arrays)
 
 
 @dataclass(frozen=True)
