@@ -24,10 +24,10 @@ from ..speed.tuner import tune_graph
 from ..type_inference import infer_dtypes, op_types
 from .fold import fold_batch_norm
 
-def _fp32_types(sym: Symbol, data_names: Sequence[str], param_types: Dict[str, Any]
-                ) -> Dict[Tuple[str, int], Optional[str]]:
+def _fp32_types(sym: Symbol, data_names: Sequence[str], param_types: Dict[str, Any],
+                data_dtypes: Optional[Mapping[str, str]] = None) -> Dict[Tuple[str, int], Optional[str]]:
     """Dtype of every output of the FP32 graph (variables included), as far as MXNet infers."""
-    known = {**{n: "float32" for n in data_names}, **param_types}
+    known = {**{n: "float32" for n in data_names}, **(data_dtypes or {}), **param_types}
     return infer_dtypes(sym, known, partial=True) or {}
 
 
@@ -84,12 +84,14 @@ def _data_names(clean: Symbol, data_names: Any, graph: dict,
 def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = None,
                         data_names: Any = None, cast_optional_params: bool = False,
                         param_dtypes: Optional[Dict[str, str]] = None,
-                        measured: Optional[Mapping[str, MeasuredChoice]] = None) -> Tuple[Symbol, PassResult]:
+                        measured: Optional[Mapping[str, MeasuredChoice]] = None,
+                        data_dtypes: Optional[Mapping[str, str]] = None) -> Tuple[Symbol, PassResult]:
     """Convert ``sym`` as ``policy`` says; also return what the pass did (casts, decisions).
 
     With ``policy.emulate`` the returned graph is the emulated one (float32, rounded where
     the plan holds low precision) and ``result.dtypes`` stays the plan's. ``measured``
-    holds the tuner's choices (:func:`_tuned`)."""
+    holds the tuner's choices (:func:`_tuned`); ``data_dtypes`` the dtypes of data inputs
+    that are not float32 (integer token ids and lengths)."""
     if not isinstance(sym, Symbol):
         raise TypeError(f"convert_symbol expects an mxnet Symbol, got {type(sym).__name__}")
     excluded = sorted(set(_names("excluded_sym_names", excluded_sym_names, "op node names")) | policy.excluded)
@@ -100,20 +102,20 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
         return mx.sym.load_json(json.dumps(graph)), PassResult(graph, {}, dict(param_dtypes or {}), policy)
     op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
     data_names = _data_names(sym, data_names, graph, op_inputs)
-    fp32_types = _fp32_types(sym, data_names, param_dtypes or {})
+    fp32_types = _fp32_types(sym, data_names, param_dtypes or {}, data_dtypes)
     result = convert_graph(graph, policy, data_names, _var_dtypes(sym, fp32_types), op_types, op_inputs,
                            excluded, cast_optional_params, fp32_types=fp32_types, measured=measured or {})
     converted = mx.sym.load_json(json.dumps(result.graph))
-    _verify(converted, result, data_names)
+    _verify(converted, result, {n: "float32" for n in data_names} | dict(data_dtypes or {}))
     if policy.emulate:
         converted = emulate_symbol(converted, result.dtypes)[0]
     return converted, result
 
 
-def _verify(sym: Symbol, result: PassResult, data_names: Sequence[str]) -> None:
+def _verify(sym: Symbol, result: PassResult, data_dtypes: Mapping[str, str]) -> None:
     """MXNet's own type inference must agree with the pass on every output."""
     # parameters carry their stored dtype as __dtype__ in the converted graph already
-    inferred = infer_dtypes(sym, {n: "float32" for n in data_names})
+    inferred = infer_dtypes(sym, data_dtypes)
     if inferred is None:
         raise RuntimeError("the converted graph does not type-check; please report this with the model")
     wrong = [f"{name}[{k}]: pass {want}, MXNet {inferred[(name, k)]}"
@@ -210,7 +212,7 @@ def convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params:
 def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params: Dict[str, mx.nd.NDArray],
                    policy: Policy, excluded_sym_names: Any, cast_optional_params: bool,
                    input_shapes: Optional[Mapping[str, Sequence[int]]] = None, fused: bool = False,
-                   require_shapes: bool = False):
+                   require_shapes: bool = False, data_dtypes: Optional[Mapping[str, str]] = None):
     _check_params("arg_params", arg_params)
     _check_params("aux_params", aux_params)
     names = set(arg_params) | set(aux_params)
@@ -221,13 +223,13 @@ def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params
     if policy.tune and policy.enabled and shapes:  # tuning times the model at the shapes it runs with
         def convert(choices: Optional[Mapping[str, MeasuredChoice]] = None) -> Symbol:
             return convert_with_policy(sym, policy, excluded_sym_names, data_names, cast_optional_params,
-                                       param_dtypes=types, measured=choices)[0]
+                                       param_dtypes=types, measured=choices, data_dtypes=data_dtypes)[0]
 
         plan = convert()
-        known = {**{n: "float32" for n in data_names}, **_stored_dtypes(plan)}
+        known = {**{n: "float32" for n in data_names}, **(data_dtypes or {}), **_stored_dtypes(plan)}
         measured = tune_graph(plan, known, shapes, policy, False, convert, runtime.timing_cache(), fused)[0].choices
-    new_sym, result = convert_with_policy(sym, policy, excluded_sym_names, data_names,
-                                          cast_optional_params, param_dtypes=types, measured=measured)
+    new_sym, result = convert_with_policy(sym, policy, excluded_sym_names, data_names, cast_optional_params,
+                                          param_dtypes=types, measured=measured, data_dtypes=data_dtypes)
     emu = policy.emulate
     new_args = {k: _cast_array(v, result.param_dtypes.get(k, types[k]), emu) for k, v in arg_params.items()}
     new_aux = {k: _cast_array(v, result.param_dtypes.get(k, types[k]), emu) for k, v in aux_params.items()}
