@@ -282,15 +282,15 @@ class MixedPrecisionBlock(SymbolBlock):
     fuse_backend: Optional[str] = None
     amp_result: Optional[PassResult] = None
 
-    def __init__(self, outputs: Any, inputs: Any, params: Any = None) -> None:
-        super().__init__(outputs, inputs, params)
-        data, self._converted = mxi.cached_graph(self, "MixedPrecisionBlock")
-        self._data_names = [d.name for d in data]
-
     def hybridize(self, active: bool = True, backend: Optional[str] = None, **kwargs: Any) -> None:
         if active and backend is None and self.fuse_backend:
             backend = self.fuse_backend
         super().hybridize(active, backend=backend, **kwargs)
+
+    def __init__(self, outputs: Any, inputs: Any, params: Any = None) -> None:
+        super().__init__(outputs, inputs, params)
+        data, self._converted = mxi.cached_graph(self, "MixedPrecisionBlock")
+        self._data_names = [d.name for d in data]
 
     def deployed_symbol(self) -> Symbol:
         """The graph this block runs, as :meth:`export` writes it: the converted graph,

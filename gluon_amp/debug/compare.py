@@ -328,8 +328,10 @@ def compare(block: Any, *inputs: mx.nd.NDArray, target_dtype: Any = None, emulat
     block : HybridBlock
         An FP32 block (hybridized or not, parameters initialized); neither it nor its
         parameters change.
-    *inputs : NDArray
-        One batch of data.
+    *inputs : NDArray, or (nested) lists of NDArrays
+        One batch, as the block takes it (``lm, ids, [h, c]``): nested lists are flattened
+        as Gluon flattens a call's inputs, ``None`` dropped. Float inputs run as float32;
+        integer inputs (token ids, lengths) keep their dtype.
     target_dtype, emulate :
         As for :func:`gluon_amp.init`. ``emulate=None`` emulates where the target has no
         kernels on the block's device (always on a CPU without AVX-512), and then

@@ -40,14 +40,6 @@ def has_cached_graph(block: Any) -> bool:
     return isinstance(block, HybridBlock) and bool(getattr(block, "_cached_graph", ()))
 
 
-def block_backend(block: HybridBlock) -> Tuple[Optional[str], Dict[str, Any]]:
-    """The subgraph backend the block's next graph build partitions with, and its options:
-    what its last ``hybridize(backend=..., **options)`` set (1.9.1: ``_backend`` and
-    ``_backend_opts``, read by ``_build_cache``). If renamed, exporting a converted block
-    fails here (test_export fails)."""
-    return block._backend, dict(block._backend_opts)
-
-
 def call_arrays(args: Any) -> list:
     """A block call's inputs, flattened as Gluon flattens them for the graph (1.9.1
     ``_flatten``; ``None`` dropped): in the order of the graph's input symbols."""
@@ -101,6 +93,14 @@ def drop_cached_graph(block: Any) -> None:
     ``HybridBlock.cast`` calls). The next call traces it again."""
     if isinstance(block, HybridBlock):
         block._clear_cached_op()
+
+
+def block_backend(block: HybridBlock) -> Tuple[Optional[str], Dict[str, Any]]:
+    """The subgraph backend the block's next graph build partitions with, and its options:
+    what its last ``hybridize(backend=..., **options)`` set (1.9.1: ``_backend`` and
+    ``_backend_opts``, read by ``_build_cache``). If renamed, exporting a converted block
+    fails here (test_export fails)."""
+    return block._backend, dict(block._backend_opts)
 
 
 def bucketing_module_options(mod: Any) -> Dict[str, Any]:
