@@ -69,8 +69,8 @@ def model_of(block: HybridBlock, inputs: Sequence[Any], caller: str) -> Model:
         names = [i.name for i in graph_inputs]
     else:  # the names Gluon gives a traced call's inputs
         names = ["data"] if len(flat) == 1 else [f"data{i}" for i in range(len(flat))]
-        out = block(*_symbols(list(inputs), iter(names)))
-        sym = mx.sym.Group(list(out)) if isinstance(out, (list, tuple)) else out
+        out = block(*_symbols(list(inputs), iter(names)))  # outputs nested alike: (out, [h, c])
+        sym = mx.sym.Group(mxi.call_arrays(out)) if isinstance(out, (list, tuple)) else out
     if len(names) != len(flat):
         raise ValueError(f"{caller}: the block's graph takes {len(names)} inputs ({names}), got {len(flat)} "
                          "arrays (nested lists counted as Gluon flattens them); pass the arrays the block was "

@@ -314,8 +314,10 @@ class TinyLM(nn.HybridBlock):
             self.out = nn.Dense(50, flatten=False, in_units=16)
 
     def hybrid_forward(self, F, ids, states):
-        # the states are not graph outputs here: that path is issue 31's defect 4 (type_inference)
-        return self.out(self.lstm(self.emb(ids), states)[0])
+        # the LSTM's states are not graph outputs here: that path is issue 31's defect 4
+        # (type_inference's named outputs); the outputs are nested all the same
+        y = self.out(self.lstm(self.emb(ids), states)[0])
+        return y, [F.relu(y), F.tanh(y)]
 
 
 IDS = mx.nd.array(np.random.RandomState(0).randint(0, 50, size=(3, 6)), dtype="int32")
@@ -356,14 +358,14 @@ def test_compare_and_bisect_flatten_nested_state_lists(hybridize):
         net.hybridize()
     ids = mx.nd.array(np.random.RandomState(1).randint(0, 50, size=(5, 2)))
     states = [s + 0.5 for s in net.lstm.begin_state(batch_size=2)]
-    ref = net(ids, states).asnumpy()
+    ref = net(ids, states)[0].asnumpy()
     rep = debug.compare(net, ids, states, target_dtype="bfloat16", emulate=True, tolerance=TOL)
     assert "RNN" in {r.op for r in rep.rows} and rep.first_divergence is None and 0 < rep.output_error < TOL
     res = debug.bisect(net, ids, states, target_dtype="bfloat16", emulate=True, tolerance=TOL)
     assert res.excluded_sym_names == [] and res.error_before == rep.output_error
     zeros = [mx.nd.zeros_like(s) for s in states]  # the states reach the graph: other states, other error
     assert debug.compare(net, ids, zeros, target_dtype="bfloat16", emulate=True).output_error != rep.output_error
-    assert np.array_equal(net(ids, states).asnumpy(), ref)
+    assert np.array_equal(net(ids, states)[0].asnumpy(), ref)
     if hybridize:
         with pytest.raises(ValueError, match="takes 3 inputs"):
             debug.compare(net, ids, states[0], target_dtype="bfloat16", emulate=True)
