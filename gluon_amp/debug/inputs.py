@@ -174,7 +174,8 @@ def input_specs(sym: Symbol, shapes: Mapping[str, Sequence[int]], param_dtypes: 
         for reach in _reaches(nodes, consumers, index):
             node = nodes[reach.node]
             rule = BOUNDS.get(node["op"])
-            if rule is None or reach.position != rule.position or (rule.flag and not _true(node.get("attrs", {}).get(rule.flag))):
+            flag_off = rule is not None and rule.flag and not _true(node.get("attrs", {}).get(rule.flag))
+            if rule is None or reach.position != rule.position or flag_off:
                 continue
             found = _bound(node, rule, entry_shapes, nodes)
             if found is not None:
