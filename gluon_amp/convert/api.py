@@ -24,10 +24,10 @@ from ..speed.tuner import tune_graph
 from ..type_inference import infer_dtypes, op_types
 from .fold import fold_batch_norm
 
-def _fp32_types(sym: Symbol, data_names: Sequence[str], param_types: Dict[str, Any]
-                ) -> Dict[Tuple[str, int], Optional[str]]:
+def _fp32_types(sym: Symbol, data_names: Sequence[str], param_types: Dict[str, Any],
+                data_dtypes: Optional[Mapping[str, str]] = None) -> Dict[Tuple[str, int], Optional[str]]:
     """Dtype of every output of the FP32 graph (variables included), as far as MXNet infers."""
-    known = {**{n: "float32" for n in data_names}, **param_types}
+    known = {**{n: "float32" for n in data_names}, **(data_dtypes or {}), **param_types}
     return infer_dtypes(sym, known, partial=True) or {}
 
 
@@ -84,12 +84,14 @@ def _data_names(clean: Symbol, data_names: Any, graph: dict,
 def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = None,
                         data_names: Any = None, cast_optional_params: bool = False,
                         param_dtypes: Optional[Dict[str, str]] = None,
-                        measured: Optional[Mapping[str, MeasuredChoice]] = None) -> Tuple[Symbol, PassResult]:
+                        measured: Optional[Mapping[str, MeasuredChoice]] = None,
+                        data_dtypes: Optional[Mapping[str, str]] = None) -> Tuple[Symbol, PassResult]:
     """Convert ``sym`` as ``policy`` says; also return what the pass did (casts, decisions).
 
     With ``policy.emulate`` the returned graph is the emulated one (float32, rounded where
     the plan holds low precision) and ``result.dtypes`` stays the plan's. ``measured``
-    holds the tuner's choices (:func:`_tuned`)."""
+    holds the tuner's choices (:func:`_tuned`); ``data_dtypes`` the dtypes of data inputs
+    that are not float32 (integer token ids and lengths)."""
     if not isinstance(sym, Symbol):
         raise TypeError(f"convert_symbol expects an mxnet Symbol, got {type(sym).__name__}")
     excluded = sorted(set(_names("excluded_sym_names", excluded_sym_names, "op node names")) | policy.excluded)
@@ -100,20 +102,20 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
         return mx.sym.load_json(json.dumps(graph)), PassResult(graph, {}, dict(param_dtypes or {}), policy)
     op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
     data_names = _data_names(sym, data_names, graph, op_inputs)
-    fp32_types = _fp32_types(sym, data_names, param_dtypes or {})
+    fp32_types = _fp32_types(sym, data_names, param_dtypes or {}, data_dtypes)
     result = convert_graph(graph, policy, data_names, _var_dtypes(sym, fp32_types), op_types, op_inputs,
                            excluded, cast_optional_params, fp32_types=fp32_types, measured=measured or {})
     converted = mx.sym.load_json(json.dumps(result.graph))
-    _verify(converted, result, data_names)
+    _verify(converted, result, {n: "float32" for n in data_names} | dict(data_dtypes or {}))
     if policy.emulate:
         converted = emulate_symbol(converted, result.dtypes)[0]
     return converted, result
 
 
-def _verify(sym: Symbol, result: PassResult, data_names: Sequence[str]) -> None:
+def _verify(sym: Symbol, result: PassResult, data_dtypes: Mapping[str, str]) -> None:
     """MXNet's own type inference must agree with the pass on every output."""
     # parameters carry their stored dtype as __dtype__ in the converted graph already
-    inferred = infer_dtypes(sym, {n: "float32" for n in data_names})
+    inferred = infer_dtypes(sym, data_dtypes)
     if inferred is None:
         raise RuntimeError("the converted graph does not type-check; please report this with the model")
     wrong = [f"{name}[{k}]: pass {want}, MXNet {inferred[(name, k)]}"
@@ -210,7 +212,7 @@ def convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params:
 def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params: Dict[str, mx.nd.NDArray],
                    policy: Policy, excluded_sym_names: Any, cast_optional_params: bool,
                    input_shapes: Optional[Mapping[str, Sequence[int]]] = None, fused: bool = False,
-                   require_shapes: bool = False):
+                   require_shapes: bool = False, data_dtypes: Optional[Mapping[str, str]] = None):
     _check_params("arg_params", arg_params)
     _check_params("aux_params", aux_params)
     names = set(arg_params) | set(aux_params)
@@ -221,13 +223,13 @@ def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params
     if policy.tune and policy.enabled and shapes:  # tuning times the model at the shapes it runs with
         def convert(choices: Optional[Mapping[str, MeasuredChoice]] = None) -> Symbol:
             return convert_with_policy(sym, policy, excluded_sym_names, data_names, cast_optional_params,
-                                       param_dtypes=types, measured=choices)[0]
+                                       param_dtypes=types, measured=choices, data_dtypes=data_dtypes)[0]
 
         plan = convert()
-        known = {**{n: "float32" for n in data_names}, **_stored_dtypes(plan)}
+        known = {**{n: "float32" for n in data_names}, **(data_dtypes or {}), **_stored_dtypes(plan)}
         measured = tune_graph(plan, known, shapes, policy, False, convert, runtime.timing_cache(), fused)[0].choices
-    new_sym, result = convert_with_policy(sym, policy, excluded_sym_names, data_names,
-                                          cast_optional_params, param_dtypes=types, measured=measured)
+    new_sym, result = convert_with_policy(sym, policy, excluded_sym_names, data_names, cast_optional_params,
+                                          param_dtypes=types, measured=measured, data_dtypes=data_dtypes)
     emu = policy.emulate
     new_args = {k: _cast_array(v, result.param_dtypes.get(k, types[k]), emu) for k, v in arg_params.items()}
     new_aux = {k: _cast_array(v, result.param_dtypes.get(k, types[k]), emu) for k, v in aux_params.items()}
@@ -268,11 +270,13 @@ def _stored_dtypes(sym: Symbol) -> Dict[str, str]:
 class MixedPrecisionBlock(SymbolBlock):
     """The :class:`SymbolBlock` :func:`convert_hybrid_block` returns.
 
-    Differences from a plain SymbolBlock: :meth:`export` keeps the cast nodes by default
-    (MXNet's own default, ``remove_amp_cast=True``, writes a graph that no longer
-    type-checks), and when ``fuse_backend`` is set (``'MKLDNN'`` on CPU), every
-    :meth:`hybridize` without an explicit ``backend`` uses MXNet's oneDNN subgraph fusion.
-    ``amp_result`` holds the pass's per-node decisions.
+    Differences from a plain SymbolBlock: :meth:`export` writes the whole model without a
+    forward pass (MXNet 1.9.1's writes only the parameters a forward pass collected: none
+    where the target cannot run here) and keeps the cast nodes by default (MXNet's own
+    default, ``remove_amp_cast=True``, writes a graph that no longer type-checks); when
+    ``fuse_backend`` is set (``'MKLDNN'`` on CPU), every :meth:`hybridize` without an
+    explicit ``backend`` uses MXNet's oneDNN subgraph fusion. ``amp_result`` holds the
+    pass's per-node decisions.
     """
 
     fuse_backend: Optional[str] = None
@@ -283,8 +287,35 @@ class MixedPrecisionBlock(SymbolBlock):
             backend = self.fuse_backend
         super().hybridize(active, backend=backend, **kwargs)
 
-    def export(self, path: str, epoch: int = 0, remove_amp_cast: bool = False):  # type: ignore[override]
-        return super().export(path, epoch, remove_amp_cast=remove_amp_cast)
+    def __init__(self, outputs: Any, inputs: Any, params: Any = None) -> None:
+        super().__init__(outputs, inputs, params)
+        data, self._converted = mxi.cached_graph(self, "MixedPrecisionBlock")
+        self._data_names = [d.name for d in data]
+
+    def deployed_symbol(self) -> Symbol:
+        """The graph this block runs, as :meth:`export` writes it: the converted graph,
+        partitioned by the subgraph backend its last ``hybridize`` chose (as MXNet does on
+        the first forward pass; partitioning reads the graph only, nothing runs)."""
+        backend, options = mxi.block_backend(self)
+        return self._converted.optimize_for(backend, **options) if backend else self._converted
+
+    def export(self, path: str, epoch: int = 0, remove_amp_cast: bool = False) -> None:  # type: ignore[override]
+        """Write ``PATH-symbol.json`` (:meth:`deployed_symbol`) and ``PATH-EPOCH.params``
+        (every parameter the graph reads, ``arg:``/``aux:`` names, in the dtype the block
+        stores it), as ``HybridBlock.export`` does after a forward pass; no forward pass is
+        needed, so a model for a target this machine cannot run is written whole."""
+        sym = self.deployed_symbol()
+        params = {p.name: p for p in self.collect_params().values()}
+        names = [n for n in sym.list_inputs() if n not in self._data_names]
+        missing = [n for n in names if n not in params]
+        if missing:
+            raise RuntimeError(f"export: graph inputs {missing[:5]} are neither data inputs {self._data_names} "
+                               f"nor parameters of this block (the {mxi.block_backend(self)[0]} backend "
+                               "added them?); export an unfused block: hybridize(backend=None) first")
+        aux = set(sym.list_auxiliary_states())
+        arrays = {f"{'aux' if n in aux else 'arg'}:{n}": params[n].list_data()[0].copyto(mx.cpu()) for n in names}
+        sym.save(f"{path}-symbol.json", remove_amp_cast=remove_amp_cast)
+        (mx.npx.save if mx.util.is_np_array() else mx.nd.save)(f"{path}-{epoch:04d}.params", arrays)
 
 
 @dataclass(frozen=True)

@@ -3,15 +3,15 @@ changing the block or the graph that runs."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Collection, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Collection, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mxnet as mx
 import numpy as np
 from mxnet.gluon import HybridBlock
 from mxnet.symbol import Symbol
 
-from gluon_amp_core.dtypes import dtype_name
+from gluon_amp_core.dtypes import FLOAT_DTYPES, dtype_name
 
 from .. import mxnet_internals as mxi
 from ..patching import is_enabled
@@ -21,35 +21,60 @@ Key = Tuple[str, int]
 
 @dataclass
 class Model:
-    """An FP32 graph with its data inputs and parameters (copies: the block is not touched)."""
+    """An FP32 graph with its data inputs and parameters (copies: the block is not touched).
+    ``data_dtypes``: what each data input holds in the FP32 run, float32 for float data and
+    the caller's own dtype for integer data (token ids, lengths)."""
 
     sym: Symbol
     data_names: List[str]
     args: Dict[str, mx.nd.NDArray]
     aux: Dict[str, mx.nd.NDArray]
     ctx: mx.Context
+    data_dtypes: Dict[str, str] = field(default_factory=dict)
 
     @property
     def graph(self) -> dict:
         return json.loads(self.sym.tojson(remove_amp_cast=False))
 
 
-def model_of(block: HybridBlock, n_inputs: int, caller: str) -> Model:
-    """The block's FP32 graph: its cached graph, or one built symbolically (nothing is cached)."""
+def flat_inputs(inputs: Sequence[Any], caller: str) -> List[mx.nd.NDArray]:
+    """A call's arrays in the order of the graph's inputs: nested lists (an RNN's state
+    list) flattened and ``None`` dropped, as Gluon flattens a block call."""
+    flat = mxi.call_arrays(list(inputs))
+    bad = sorted({type(x).__name__ for x in flat if not isinstance(x, mx.nd.NDArray)})
+    if bad or not flat:
+        raise TypeError(f"{caller}: inputs must be mxnet NDArrays, or (nested) lists of them as the block "
+                        f"takes them (e.g. block(x, [h, c])), got {bad or 'none'}")
+    return flat
+
+
+def _symbols(inputs: Any, names: Iterator[str]) -> Any:
+    """``inputs`` with each array replaced by the next variable of ``names``, nested alike."""
+    if isinstance(inputs, (list, tuple)):
+        return type(inputs)(_symbols(x, names) for x in inputs)
+    return None if inputs is None else mx.sym.var(next(names))
+
+
+def model_of(block: HybridBlock, inputs: Sequence[Any], caller: str) -> Model:
+    """The block's FP32 graph for a call ``block(*inputs)``: its cached graph, or one built
+    symbolically (nothing is cached)."""
     if not isinstance(block, HybridBlock):
         raise TypeError(f"{caller} expects a gluon HybridBlock, got {type(block).__name__}")
     if is_enabled():
         raise RuntimeError(f"{caller} builds the FP32 and the low-precision graphs itself: call it with "
                            "AMP off (gluon_amp.disable() first).")
+    flat = flat_inputs(inputs, caller)
     if mxi.has_cached_graph(block):
-        inputs, sym = mxi.cached_graph(block, caller)
-        names = [i.name for i in inputs]
-    else:
-        names = ["data"] if n_inputs == 1 else [f"data{i}" for i in range(n_inputs)]
-        out = block(*[mx.sym.var(n) for n in names])
-        sym = mx.sym.Group(list(out)) if isinstance(out, (list, tuple)) else out
-    if len(names) != n_inputs:
-        raise ValueError(f"{caller}: the block's graph takes {len(names)} inputs ({names}), got {n_inputs}")
+        graph_inputs, sym = mxi.cached_graph(block, caller)
+        names = [i.name for i in graph_inputs]
+    else:  # the names Gluon gives a traced call's inputs
+        names = ["data"] if len(flat) == 1 else [f"data{i}" for i in range(len(flat))]
+        out = block(*_symbols(list(inputs), iter(names)))  # outputs nested alike: (out, [h, c])
+        sym = mx.sym.Group(mxi.call_arrays(out)) if isinstance(out, (list, tuple)) else out
+    if len(names) != len(flat):
+        raise ValueError(f"{caller}: the block's graph takes {len(names)} inputs ({names}), got {len(flat)} "
+                         "arrays (nested lists counted as Gluon flattens them); pass the arrays the block was "
+                         "called with, in the same nesting")
     params = {p.name: p for p in block.collect_params().values()}
     missing = [n for n in sym.list_inputs() if n not in params and n not in names]
     if missing:
@@ -62,12 +87,18 @@ def model_of(block: HybridBlock, n_inputs: int, caller: str) -> Model:
     except mx.gluon.parameter.DeferredInitializationError:
         raise RuntimeError(f"{caller}: the block's parameters are not initialized yet (their shapes are "
                            "deferred): run one forward pass, block(x), first.") from None
-    return Model(sym, names, args, aux, ctx)
+    dtypes = {n: "float32" if dtype_name(x.dtype) in FLOAT_DTYPES else dtype_name(x.dtype)
+              for n, x in zip(names, flat)}
+    return Model(sym, names, args, aux, ctx, dtypes)
 
 
 def as_float32(x: mx.nd.NDArray) -> np.ndarray:
-    """``x`` as a float32 NumPy array (bfloat16 arrays included)."""
-    if dtype_name(x.dtype) != "float32":
+    """``x`` as a float32 NumPy array (bfloat16 arrays included); integer arrays keep
+    their dtype (an op reading them, such as softmax's ``length``, needs integers)."""
+    name = dtype_name(x.dtype)
+    if name not in FLOAT_DTYPES:
+        return x.asnumpy()
+    if name != "float32":
         x = mx.nd.amp_cast(x, dtype="float32")
     return x.asnumpy()
 
@@ -127,10 +158,8 @@ def outputs_error(low: Sequence[np.ndarray], ref: Sequence[np.ndarray]) -> float
     return max(relative_error(a, b) for a, b in zip(low, ref))
 
 
-def feed(model: Model, inputs: Sequence[mx.nd.NDArray]) -> Dict[str, mx.nd.NDArray]:
-    """The data inputs by name, on the model's context, float32."""
-    bad = [type(x).__name__ for x in inputs if not isinstance(x, mx.nd.NDArray)]
-    if bad:
-        raise TypeError(f"inputs must be mxnet NDArrays, got {bad}")
-    return {n: x.as_in_context(model.ctx).astype("float32", copy=False) for n, x in zip(model.data_names, inputs)}
-
+def feed(model: Model, inputs: Sequence[Any]) -> Dict[str, mx.nd.NDArray]:
+    """A call's arrays (flattened, see :func:`flat_inputs`) by input name, on the model's
+    context, in ``model.data_dtypes``: float data as float32, integer data unchanged."""
+    return {n: x.as_in_context(model.ctx).astype(model.data_dtypes[n], copy=False)
+            for n, x in zip(model.data_names, mxi.call_arrays(list(inputs)))}

@@ -1,10 +1,15 @@
-"""``python -m gluon_amp.debug MODEL-symbol.json MODEL-0000.params --shape data:1,3,512,512``."""
+"""``python -m gluon_amp.debug MODEL-symbol.json MODEL-0000.params --shape data:1,3,512,512``.
+
+Inputs are drawn at random as the graph says (see :mod:`gluon_amp.debug.inputs`): token
+ids, indices and lengths as valid integers, in the dtype the ops need; ``--dtype`` and
+``--range`` state them instead."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
+from dataclasses import asdict
 from typing import Dict, List, Optional, Tuple
 
 
@@ -21,6 +26,27 @@ def _shape(text: str) -> Tuple[str, Tuple[int, ...]]:
     return name, shape
 
 
+def _dtype(text: str) -> Tuple[str, str]:
+    """``NAME:DTYPE`` as ``(name, dtype)`` (the dtype is checked with the graph)."""
+    name, sep, dtype = text.partition(":")
+    if not sep or not name or not dtype:
+        raise argparse.ArgumentTypeError(f"--dtype {text!r}: use NAME:DTYPE, e.g. valid_length:int32")
+    return name, dtype
+
+
+def _range(text: str) -> Tuple[str, Tuple[int, int]]:
+    """``NAME:LOW,HIGH`` as ``(name, (low, high))``."""
+    name, sep, bounds = text.partition(":")
+    try:
+        low, high = (int(v) for v in bounds.split(","))
+    except ValueError:
+        low = high = 0
+    if not sep or not name or not low < high:
+        raise argparse.ArgumentTypeError(f"--range {text!r}: use NAME:LOW,HIGH with integers LOW < HIGH "
+                                         "(values drawn in [LOW, HIGH)), e.g. token_ids:0,30522")
+    return name, (low, high)
+
+
 def _parser() -> argparse.ArgumentParser:
     """The CLI's arguments."""
     p = argparse.ArgumentParser(prog="python -m gluon_amp.debug",
@@ -30,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("params", help="MODEL-0000.params")
     p.add_argument("--shape", type=_shape, action="append", required=True, metavar="NAME:DIMS",
                    help="shape of a data input, e.g. data:1,3,512,512 (repeat for several inputs)")
+    p.add_argument("--dtype", type=_dtype, action="append", default=[], metavar="NAME:DTYPE",
+                   help="dtype of a data input (default: what the graph declares or its ops need, else float32)")
+    p.add_argument("--range", type=_range, action="append", default=[], metavar="NAME:LOW,HIGH",
+                   help="draw a data input as integers in [LOW, HIGH) (default: for token ids, indices and "
+                        "lengths, the range the ops reading them accept; other inputs are normal(0, 1))")
     p.add_argument("--target-dtype", default="auto", choices=("auto", "float16", "bfloat16"),
                    help="the AMP target (auto: this machine's, or when emulating float16 with a GPU, "
                         "else bfloat16)")
@@ -38,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=1e-2,
                    help="relative L2 error against FP32 an op's local error and the output may reach")
     p.add_argument("--bisect", action="store_true", help="also find the ops to keep in float32")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random normal input")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random input")
     p.add_argument("--json", metavar="PATH", help="write the comparison (and bisect result) as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of error against depth")
     return p
@@ -57,7 +88,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     import mxnet as mx
     from mxnet import gluon
+    from gluon_amp_core.dtypes import dtype_name
     from . import bisect, compare
+    from .inputs import draw, input_specs
 
     shapes: Dict[str, Tuple[int, ...]] = dict(args.shape)
     try:
@@ -65,8 +98,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as exc:  # a corrupt or mismatched file: MXNetError, JSON or assertion errors
         print(f"error: could not load {args.symbol} with inputs {list(shapes)}: {exc}", file=sys.stderr)
         return 2
-    mx.random.seed(args.seed)
-    inputs = [mx.nd.random.normal(shape=s) for s in shapes.values()]
+    try:
+        specs = input_specs(mx.sym.load(args.symbol), shapes,
+                            {p.name: dtype_name(p.dtype) for p in block.collect_params().values()},
+                            dict(args.dtype), dict(args.range))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for spec in specs:
+        print(f"input {spec}")
+    inputs = draw(specs, args.seed)
     target = None if args.target_dtype == "auto" else args.target_dtype
     emulate = True if args.emulate else None
     try:
@@ -85,6 +126,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   "... " + " ".join(f"--exclude {n}" for n in result.excluded_sym_names))
     if args.json:
         doc = report.to_dict()
+        doc["inputs"] = [asdict(s) for s in specs]
         if result is not None:
             doc["bisect"] = {k: getattr(result, k) for k in ("excluded_sym_names", "trials", "error_before",
                                                             "error_after", "candidates")}

@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import mxnet as mx
 import numpy as np
 from mxnet import autograd, gluon
+from mxnet.base import MXNetError
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
@@ -145,7 +146,7 @@ def resolve_policy(target_dtype: Any, emulate: Optional[bool], device: str,
 def low_precision(model: Model, policy: Policy) -> Tuple[Symbol, Dict[str, mx.nd.NDArray],
                                                          Dict[str, mx.nd.NDArray], Any]:
     """The converted model (emulated if the policy says so, unfused) and the pass's result."""
-    return _convert_model(model.sym, model.args, model.aux, policy, None, False)
+    return _convert_model(model.sym, model.args, model.aux, policy, None, False, data_dtypes=model.data_dtypes)
 
 
 def _round_np(x: np.ndarray, dtype: Optional[str]) -> np.ndarray:
@@ -184,8 +185,8 @@ def _local(model: Model, node: dict, plan_inputs: List[Optional[str]], out_dtype
                  "inputs": [[k, 0, 0] for k in range(n)]}],
              "arg_nodes": list(range(n)), "heads": [[n, 0, 0]], "attrs": {"mxnet_version": ["int", 10901]}}
     sym = mx.sym.load_json(json.dumps(graph))
-    values = {f"in{k}": mx.nd.array(_round_np(fp32[(nodes[e[0]]["name"], e[1])], plan_inputs[k]), ctx=model.ctx)
-              for k, e in enumerate(node["inputs"])}
+    held = [_round_np(fp32[(nodes[e[0]]["name"], e[1])], plan_inputs[k]) for k, e in enumerate(node["inputs"])]
+    values = {f"in{k}": mx.nd.array(v, ctx=model.ctx, dtype=v.dtype) for k, v in enumerate(held)}
     with mxi.unfused_binds():
         ex = sym.bind(model.ctx, {k: values[k] for k in sym.list_arguments()},
                       aux_states={k: values[k] for k in sym.list_auxiliary_states()}, grad_req="null")
@@ -327,8 +328,10 @@ def compare(block: Any, *inputs: mx.nd.NDArray, target_dtype: Any = None, emulat
     block : HybridBlock
         An FP32 block (hybridized or not, parameters initialized); neither it nor its
         parameters change.
-    *inputs : NDArray
-        One batch of data.
+    *inputs : NDArray, or (nested) lists of NDArrays
+        One batch, as the block takes it (``lm, ids, [h, c]``): nested lists are flattened
+        as Gluon flattens a call's inputs, ``None`` dropped. Float inputs run as float32;
+        integer inputs (token ids, lengths) keep their dtype.
     target_dtype, emulate :
         As for :func:`gluon_amp.init`. ``emulate=None`` emulates where the target has no
         kernels on the block's device (always on a CPU without AVX-512), and then
@@ -388,7 +391,7 @@ def _compare(block: Any, inputs: Sequence[mx.nd.NDArray], target_dtype: Any, emu
         raise ValueError("pass loss_fn and labels together (to compare gradients), or neither")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(outputs..., labels), got {type(loss_fn).__name__}")
-    model = model_of(block, len(inputs), caller)
+    model = model_of(block, inputs, caller)
     policy = resolve_policy(target_dtype, emulate, model.ctx.device_type, excluded_sym_names)
     if not policy.enabled:
         raise RuntimeError(f"{caller}: nothing to compare, the policy is float32 ({policy.reason}); "
@@ -396,7 +399,13 @@ def _compare(block: Any, inputs: Sequence[mx.nd.NDArray], target_dtype: Any, emu
     data = feed(model, inputs)
     sym, args, aux, result = low_precision(model, policy)
     low_graph = json.loads(sym.tojson(remove_amp_cast=False))
-    fp32 = run_internals(model.sym, data, model.args, model.aux, model.ctx)
+    try:
+        fp32 = run_internals(model.sym, data, model.args, model.aux, model.ctx)
+    except MXNetError as exc:
+        given = ", ".join(f"{n}: {model.data_dtypes[n]} {tuple(x.shape)}" for n, x in data.items())
+        raise RuntimeError(f"{caller}: the FP32 graph does not run on these inputs ({given}): "
+                           f"{str(exc).strip().splitlines()[-1]}. Pass the arrays the block takes, in their "
+                           "dtypes (token ids and lengths as integers where its ops need them)") from None
     low = run_internals(sym, data, args, aux, model.ctx, keys=_read_keys(low_graph, result))
     rows = _rows(model, policy, result, low_graph, fp32, low)
     fp32_out, low_out = _heads(model.graph, fp32), _heads(low_graph, low)

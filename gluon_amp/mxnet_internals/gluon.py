@@ -95,6 +95,14 @@ def drop_cached_graph(block: Any) -> None:
         block._clear_cached_op()
 
 
+def block_backend(block: HybridBlock) -> Tuple[Optional[str], Dict[str, Any]]:
+    """The subgraph backend the block's next graph build partitions with, and its options:
+    what its last ``hybridize(backend=..., **options)`` set (1.9.1: ``_backend`` and
+    ``_backend_opts``, read by ``_build_cache``). If renamed, exporting a converted block
+    fails here (test_export fails)."""
+    return block._backend, dict(block._backend_opts)
+
+
 def bucketing_module_options(mod: Any) -> Dict[str, Any]:
     """Constructor options a ``BucketingModule`` keeps only privately (1.9.1: ``_sym_gen``,
     ``_default_bucket_key``, ``_context``, ...), to build an equivalent module. If renamed,
