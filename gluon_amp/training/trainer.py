@@ -222,6 +222,7 @@ def scale_loss(loss: Any, trainer: Optional[Trainer] = None, *,
         raise RuntimeError("scale_loss after unscale(trainer) in the same step: the new gradients "
                            "would not be unscaled. Call unscale after the last backward.")
     _, scale = hook.decide()
+    patching.register_scaler(hook)  # AMP turned on after init_trainer: loss-output ops find it from now on
     if scale == 1.0:
         mxi.set_grad_scale(trainer, hook.original_scale)
         yield loss

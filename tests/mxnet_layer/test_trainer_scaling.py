@@ -8,6 +8,7 @@ they see without AMP. Skip-on-overflow works in every mode, and the trainer's
 ``finetune_squad.py`` clips at ``size * trainer._amp_loss_scaler.loss_scale``).
 """
 import json
+import os
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ from mxnet.gluon import nn
 
 import gluon_amp
 from gluon_amp import LossScaler
-from helpers import no_bf16_env
+from helpers import ROOT, no_bf16_env
 
 MODES = {
     "off": None,
@@ -268,3 +269,48 @@ def test_the_scale_follows_the_policy_where_it_is_used_and_explicit_scalers_are_
     # the peer's scaler attributes that scripts set or read (Sockeye sets _scale_seq_len)
     hook._scale_seq_len = 100
     assert gluon_amp.get_scaler(trainer).growth_interval == 100 and hook._scale_seq_len == 100
+
+
+def test_the_bfloat16_default_rests_on_what_this_host_measures(tmp_path):
+    """benchmarks/loss_scale_need.py, cut to one BERT step: in bfloat16 (native where the host
+    has it, and emulated) scaling the loss by 65536 changes no gradient bit, while in the
+    float16 control it saves gradients from underflow (docs/training.md)."""
+    out = tmp_path / "need.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "loss_scale_need.py"),
+                        "--workloads", "bert", "--steps", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["workloads"]["bert"]
+    native = gluon_amp.runtime.capability().bf16.value == "native"
+    assert ("bfloat16 (native)" in rows) == native
+    for mode in [m for m in rows if m.startswith("bfloat16")]:
+        assert rows[mode]["bits_differ_between_scales"] == 0.0, mode
+        assert rows[mode]["losses"]["scale 1"] == rows[mode]["losses"]["scale 65536"], mode
+    f16 = rows["float16 (emulated)"]
+    assert f16["scale 1"]["zero_where_fp32_nonzero"] > 10 * f16["scale 65536"]["zero_where_fp32_nonzero"]
+
+
+def test_loss_output_ops_use_the_step_scale_also_when_init_follows_init_trainer():
+    w = gluon.Parameter("w_lo_scale", shape=(2, 3))
+    w.initialize(mx.init.Constant(0.1))
+    x, y = mx.nd.array([[1.0, 2.0, 3.0]]), mx.nd.array([1.0])
+    trainer = gluon.Trainer([w], "sgd", {"learning_rate": 0.0}, update_on_kvstore=False)
+    gluon_amp.init_trainer(trainer)
+
+    def grad():
+        with autograd.record():
+            out = mx.nd.SoftmaxOutput(mx.nd.dot(x, w.data(), transpose_b=True), y)
+            with gluon_amp.scale_loss(out, trainer) as scaled:
+                autograd.backward(scaled)
+        g = w.grad().asnumpy().copy()
+        gluon_amp.unscale(trainer)
+        unscaled = w.grad().asnumpy().copy()
+        trainer.update(1)
+        return g, unscaled
+
+    plain, _ = grad()  # AMP off: scale 1, grad_scale untouched
+    with gluon_amp.autocast("float16", emulate=True):
+        grad()         # registers the trainer with this init's loss-output ops
+        scaled, unscaled = grad()
+    np.testing.assert_allclose(scaled, 2.0 ** 16 * plain, rtol=1e-3)
+    np.testing.assert_allclose(unscaled, plain, rtol=1e-3)
