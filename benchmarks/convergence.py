@@ -187,7 +187,7 @@ def train_mode(mode: str, seed: int, epochs: int, n_train: int, n_test: int, bat
     return {"mode": mode, "seed": seed, "losses": losses, "map_initial": map_initial, "map_per_epoch": maps,
             "final_map": maps[-1],
             "final_loss": float(np.mean(losses[-steps_per_epoch:])), "skipped_steps": scaler.skipped_steps,
-            "loss_scale": scaler.loss_scale, "seconds": time.time() - t0,
+            "loss_scale": trainer._amp_loss_scaler.loss_scale, "seconds": time.time() - t0,
             "runtime_mode": gluon_amp.runtime_info()["mode"]}
 
 

@@ -215,10 +215,11 @@ class Mode:
             r.iter_seconds.append(dt)
             r.ce.append(ce)
             r.smoothl1.append(l1)
+            if self.scaler is not None or self.peer is not None:
+                # the scale the next loss is multiplied by, as both libraries' trainers answer it
+                r.loss_scale = self.trainer._amp_loss_scaler.loss_scale
             if self.scaler is not None:
-                r.loss_scale, r.skipped_steps = self.scaler.loss_scale, self.scaler.skipped_steps
-            elif self.peer is not None:
-                r.loss_scale = self.trainer._amp_loss_scaler.loss_scale  # the peer's scaler: its own attribute
+                r.skipped_steps = self.scaler.skipped_steps
         return dt
 
 

@@ -5,6 +5,11 @@ a non-finite step multiplies the scale by ``backoff_factor`` and resets the grow
 tracker; ``growth_interval`` finite steps in a row multiply it by ``growth_factor``.
 On top of that the scale is clamped to ``[min_scale, max_scale]``, and the count of
 consecutive skipped steps is kept so a collapsing run can be stopped with a diagnosis.
+
+A scaler may apply its scale only to steps computed in some dtypes (``scaled_dtypes``):
+the default one (``'dynamic'``) scales float16 steps only, as PyTorch's GradScaler is
+meant for float16 and bfloat16 autocast runs without one. Other steps are multiplied by 1
+and are still checked and skipped on inf/NaN.
 """
 from __future__ import annotations
 
@@ -12,7 +17,13 @@ import enum
 import math
 import weakref
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Dict, Union
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Union
+
+#: The compute dtypes whose range a loss scale protects, for the default scaler: float16
+#: (5 exponent bits). bfloat16 has float32's exponent range; measured on BERT and SSD
+#: (docs/training.md), scaling changed no gradient there, so it is not scaled by default.
+NEEDS_SCALING: FrozenSet[str] = frozenset({"float16"})
+_COMPUTE_DTYPES = ("float16", "bfloat16", "float32")
 
 
 class Stage(enum.Enum):
@@ -69,13 +80,18 @@ class LossScaler:
         ``False`` keeps ``init_scale`` fixed; non-finite steps are still skipped.
     enabled : bool
         ``False`` makes the scaler a no-op: scale 1, nothing skipped, nothing checked.
+    scaled_dtypes : iterable of str or None
+        The compute dtypes (``'float16'``, ``'bfloat16'``, ``'float32'``) whose steps are
+        multiplied by the scale; steps in other dtypes use 1, are still checked and skipped
+        on inf/NaN, and leave the scale where it is. ``None`` (the default) scales every
+        step. ``loss_scale='dynamic'`` builds one with :data:`NEEDS_SCALING`.
     """
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000,
                  min_scale: float = 1.0, max_scale: float = 2.0 ** 24,
                  max_consecutive_skips: int | None = 25, dynamic: bool = True,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, scaled_dtypes: Optional[Iterable[str]] = None) -> None:
         self.init_scale = _positive("init_scale", init_scale)
         self.growth_factor = _positive("growth_factor", growth_factor)
         self.backoff_factor = _positive("backoff_factor", backoff_factor)
@@ -100,9 +116,11 @@ class LossScaler:
         self.max_consecutive_skips = max_consecutive_skips
         self.dynamic = bool(dynamic)
         self.enabled = bool(enabled)
+        self.scaled_dtypes = _dtype_set(scaled_dtypes)
         self.state = ScaleState(scale=self.init_scale if enabled else 1.0)
         self._stages: "weakref.WeakKeyDictionary[Any, Stage]" = weakref.WeakKeyDictionary()
         self._round_finite = True
+        self._round_scaled = False
 
     # -- constructors ---------------------------------------------------------------
     @classmethod
@@ -114,18 +132,43 @@ class LossScaler:
     def disabled(cls) -> "LossScaler":
         return cls(enabled=False)
 
+    @classmethod
+    def where_needed(cls, **kwargs: Any) -> "LossScaler":
+        """Dynamic scaling of float16 steps only (:data:`NEEDS_SCALING`): what
+        ``loss_scale='dynamic'`` means. Other steps use 1 and are still checked."""
+        return cls(scaled_dtypes=NEEDS_SCALING, **kwargs)
+
     # -- reading: fields of ``state`` ----------------------------------------------
-    loss_scale = _reads("scale", "float: the scale the next loss is multiplied by.")
+    loss_scale = _reads("scale", "float: the scale the next loss in a scaled dtype is multiplied by "
+                                 "(see scale_for).")
     last_step_skipped = _reads("last_skipped", "bool: the last step was skipped (non-finite gradients).")
     skipped_steps = _reads("skipped_steps", "int: steps skipped so far.")
     total_steps = _reads("total_steps", "int: steps taken so far, skipped ones included.")
 
+    def scales(self, dtype: str) -> bool:
+        """True when a step computed in ``dtype`` is multiplied by the scale."""
+        return self.enabled and (self.scaled_dtypes is None or dtype in self.scaled_dtypes)
+
+    def scale_for(self, dtype: str) -> float:
+        """The scale a loss computed in ``dtype`` is multiplied by now: :attr:`loss_scale`
+        where :meth:`scales` says so, else 1."""
+        return self.state.scale if self.scales(dtype) else 1.0
+
     # -- the rule -------------------------------------------------------------------
-    def next_state(self, state: ScaleState, finite: bool) -> ScaleState:
-        """The state after one step whose gradients were (not) all finite. Pure."""
+    def next_state(self, state: ScaleState, finite: bool, scaled: bool = True) -> ScaleState:
+        """The state after one step whose gradients were (not) all finite. Pure.
+
+        ``scaled=False``: the step's loss was not multiplied by the scale (see
+        :meth:`scales`); it is counted and skipped on inf/NaN, but the scale and its
+        growth count stay as they are, since the scale had no part in it.
+        """
         if not self.enabled:
             return replace(state, total_steps=state.total_steps + 1, last_skipped=False)
         steps = state.total_steps + 1
+        if not scaled:
+            return replace(state, consecutive_skips=0 if finite else state.consecutive_skips + 1,
+                           total_steps=steps, skipped_steps=state.skipped_steps + (not finite),
+                           last_skipped=not finite)
         if not finite:
             scale = state.scale
             if self.dynamic:
@@ -136,9 +179,9 @@ class LossScaler:
             scale, tracker = min(scale * self.growth_factor, self.max_scale), 0
         return ScaleState(scale, tracker, 0, steps, state.skipped_steps, False)
 
-    def update(self, finite: bool) -> bool:
+    def update(self, finite: bool, scaled: bool = True) -> bool:
         """Advance by one step; return True if that step must be skipped."""
-        self.state = self.next_state(self.state, finite)
+        self.state = self.next_state(self.state, finite, scaled)
         return self.state.last_skipped
 
     # -- per-trainer stages and rounds -----------------------------------------------
@@ -165,10 +208,12 @@ class LossScaler:
                                "the gradients are unscaled already.")
         self._stages[member] = Stage.UNSCALED
 
-    def record_step(self, member: Any, finite: bool) -> bool:
-        """``member`` stepped with (non-)finite gradients; return True if it must skip.
+    def record_step(self, member: Any, finite: bool, scaled: bool = True) -> bool:
+        """``member`` stepped with (non-)finite gradients, its loss multiplied by the
+        scale or not (``scaled``); return True if it must skip.
 
-        Ends the round, moving the scale, once every attached member has stepped.
+        Ends the round once every attached member has stepped. The scale moves only if
+        some member's loss of the round was scaled.
         """
         if self.stage(member) is Stage.STEPPED:
             raise RuntimeError(
@@ -177,14 +222,15 @@ class LossScaler:
                 "call scaler.end_round() once per iteration after the last step.")
         self._stages[member] = Stage.STEPPED
         self._round_finite = self._round_finite and finite
+        self._round_scaled = self._round_scaled or scaled
         if all(s is Stage.STEPPED for s in self._stages.values()):
             self.end_round()
         return self.enabled and not finite
 
     def end_round(self) -> None:
         """Close the round: update the scale once and make every trainer READY again."""
-        self.update(self._round_finite)
-        self._round_finite = True
+        self.update(self._round_finite, self._round_scaled)
+        self._round_finite, self._round_scaled = True, False
         for member in list(self._stages):
             self._stages[member] = Stage.READY
 
@@ -201,44 +247,71 @@ class LossScaler:
             "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
             "min_scale": self.min_scale, "max_scale": self.max_scale,
             "max_consecutive_skips": self.max_consecutive_skips, "dynamic": self.dynamic,
-            "enabled": self.enabled, **asdict(self.state),
+            "enabled": self.enabled, "scaled_dtypes": _dtype_list(self.scaled_dtypes), **asdict(self.state),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`. Unknown or missing keys raise ``ValueError``."""
+        """Restore from :meth:`state_dict`. Unknown or missing keys raise ``ValueError``;
+        a dict without ``scaled_dtypes`` (gluon_amp before it existed) keeps this scaler's."""
         if not isinstance(state, dict):
             raise TypeError(f"load_state_dict expects a dict from LossScaler.state_dict(), got {type(state).__name__}")
         expected = set(self.state_dict())
-        if set(state) != expected:
-            raise ValueError(f"not a LossScaler state_dict: missing {sorted(expected - set(state))}, "
+        missing = expected - set(state) - {"scaled_dtypes"}
+        if missing or set(state) - expected:
+            raise ValueError(f"not a LossScaler state_dict: missing {sorted(missing)}, "
                              f"unexpected {sorted(set(state) - expected)}")
-        fresh = LossScaler(**{k: state[k] for k in (
+        fresh = LossScaler(scaled_dtypes=state.get("scaled_dtypes", self.scaled_dtypes), **{k: state[k] for k in (
             "init_scale", "growth_factor", "backoff_factor", "growth_interval", "min_scale",
             "max_scale", "max_consecutive_skips", "dynamic", "enabled")})
         fresh.state = ScaleState(float(state["scale"]), int(state["growth_tracker"]),
                                  int(state["consecutive_skips"]), int(state["total_steps"]),
                                  int(state["skipped_steps"]), bool(state["last_skipped"]))
-        fresh._stages, fresh._round_finite = self._stages, self._round_finite  # attachments stay
+        fresh._stages, fresh._round_finite, fresh._round_scaled = (  # attachments stay
+            self._stages, self._round_finite, self._round_scaled)
         self.__dict__.update(fresh.__dict__)
 
     def __repr__(self) -> str:
         kind = "disabled" if not self.enabled else ("dynamic" if self.dynamic else "static")
+        if self.enabled and self.scaled_dtypes is not None:
+            kind += f" for {'/'.join(_dtype_list(self.scaled_dtypes)) or 'no dtype'}"
         s = self.state
         return (f"LossScaler({kind}, scale={s.scale:g}, skipped={s.skipped_steps}/{s.total_steps}, "
                 f"last_skipped={s.last_skipped})")
 
 
 def loss_scaler_from(spec: Any) -> LossScaler:
-    """The :class:`LossScaler` a ``loss_scale`` argument asks for: ``'dynamic'``, a positive
-    number (static), ``None``/``False`` (disabled) or a ``LossScaler`` (itself). The one
-    parser of that argument; ``ValueError`` names the choices."""
+    """The :class:`LossScaler` a ``loss_scale`` argument asks for: ``'dynamic'`` (dynamic
+    where the step's dtype needs it: :meth:`LossScaler.where_needed`), a positive number
+    (static, every step), ``None``/``False`` (disabled) or a ``LossScaler`` (itself, as
+    given). The one parser of that argument; ``ValueError`` names the choices."""
     if isinstance(spec, LossScaler):
         return spec
     if spec == "dynamic":
-        return LossScaler()
+        return LossScaler.where_needed()
     if spec is None or spec is False:
         return LossScaler.disabled()
     if isinstance(spec, (int, float)) and not isinstance(spec, bool) and spec > 0:
         return LossScaler.static(spec)
     raise ValueError(f"loss_scale={spec!r} is not valid; use 'dynamic', a positive number "
                      "(static scale), None (no scaling) or a gluon_amp.LossScaler.")
+
+
+def _dtype_set(dtypes: Optional[Iterable[str]]) -> Optional[FrozenSet[str]]:
+    """``scaled_dtypes`` checked: ``None`` or compute dtype names."""
+    if dtypes is None:
+        return None
+    try:
+        names = frozenset(dtypes) if not isinstance(dtypes, str) else None
+    except TypeError:
+        names = None
+    if names is None:
+        raise TypeError(f"scaled_dtypes must be None or a collection of dtype names, got {dtypes!r}")
+    bad = sorted(str(d) for d in names if d not in _COMPUTE_DTYPES)
+    if bad:
+        raise ValueError(f"scaled_dtypes={sorted(map(str, names))!r}: {bad} are not compute dtypes; "
+                         f"use names from {list(_COMPUTE_DTYPES)}, or None to scale every step.")
+    return names
+
+
+def _dtype_list(dtypes: Optional[FrozenSet[str]]) -> Optional[List[str]]:
+    return None if dtypes is None else sorted(dtypes)

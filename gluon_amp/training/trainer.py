@@ -4,6 +4,10 @@ Integration uses the hook MXNet's ``Trainer._update`` already calls before each 
 (see :mod:`gluon_amp.mxnet_internals`), and the trainer's gradient scale, which
 ``scale_loss`` sets so that unscaling folds into the optimizer's ``rescale_grad`` (no
 extra pass over the gradients). Per-trainer stages and rounds live in the LossScaler.
+
+The scale a step uses is decided when it is used, by the first ``scale_loss`` of the step
+(from the scaler and the dtype the step computes in, which ``init``, ``disable`` and
+``autocast`` may have changed since ``init_trainer``), and kept until the step.
 """
 from __future__ import annotations
 
@@ -14,12 +18,13 @@ import tempfile
 import warnings
 import weakref
 import zipfile
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mxnet as mx
 from mxnet import autograd
 from mxnet.gluon import Trainer
 
+from gluon_amp_core.dtypes import dtype_name
 from gluon_amp_core.loss_scale import LossScaler, Stage, loss_scaler_from
 
 from .. import patching
@@ -31,7 +36,9 @@ class _Hook:
     """What ``Trainer._update`` calls before updating: the overflow check of one trainer.
 
     The hook is the trainer's member token in its :class:`LossScaler`, which keeps the
-    trainer's stage (ready, unscaled, stepped) and the round.
+    trainer's stage (ready, unscaled, stepped) and the round. It is also what code written
+    for ``mxnet.contrib.amp`` finds as ``trainer._amp_loss_scaler``, so it answers that
+    scaler's attributes (:attr:`loss_scale`, ``_scale_seq_len``...).
     """
 
     def __init__(self, trainer: Trainer, scaler: LossScaler) -> None:
@@ -39,16 +46,64 @@ class _Hook:
         self.scaler = scaler
         self.original_scale = mxi.grad_scale(trainer)
         self._warned = False
+        #: (compute dtype, scale) of the current step, fixed by its first scale_loss
+        self._step: Optional[Tuple[str, float]] = None
         scaler.attach(self)
+
+    def _compute_dtype(self) -> str:
+        trainer = self._trainer()
+        return _compute_dtype(mxi.trainer_params(trainer) if trainer is not None else ())
+
+    def decide(self) -> Tuple[str, float]:
+        """The current step's compute dtype and scale: decided now if no ``scale_loss`` of
+        this step did yet, then kept until the step (accumulated gradients share one scale)."""
+        if self._step is None:
+            dtype = self._compute_dtype()
+            self._step = (dtype, self.scaler.scale_for(dtype))
+        return self._step
+
+    @property
+    def loss_scale(self) -> float:
+        """The scale this step's loss was multiplied by; before the step's first
+        ``scale_loss``, the one it will use (the peer's ``LossScaler.loss_scale``)."""
+        return self._step[1] if self._step is not None else self.scaler.scale_for(self._compute_dtype())
+
+    # The peer's private attributes, which scripts read (and Sockeye sets _scale_seq_len).
+    _loss_scale = loss_scale
+
+    @property
+    def _next_loss_scale(self) -> float:
+        return self.scaler.scale_for(self._compute_dtype())
+
+    @property
+    def _max_loss_scale(self) -> float:
+        return self.scaler.max_scale
+
+    @property
+    def _unskipped(self) -> int:
+        return self.scaler.state.growth_tracker
+
+    @property
+    def _scale_seq_len(self) -> int:
+        return self.scaler.growth_interval
+
+    @_scale_seq_len.setter
+    def _scale_seq_len(self, steps: int) -> None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"_scale_seq_len (the loss scaler's growth_interval) must be a positive int, "
+                             f"got {steps!r}")
+        self.scaler.growth_interval = steps
 
     def has_overflow(self, params: Sequence[mx.gluon.Parameter]) -> bool:
         trainer = self._trainer()
+        dtype, _ = self._step if self._step is not None else (self._compute_dtype(), None)
+        self._step = None  # the next scale_loss decides afresh
         finite = True if not self.scaler.enabled else overflow.all_finite(params)
         if trainer is not None:
             finite = distributed.agree_finite(trainer, self.scaler, finite)
             mxi.set_grad_scale(trainer, self.original_scale)  # unscaled unless scale_loss runs again
-        skip = self.scaler.record_step(self, finite)
-        if skip and not self._warned and _range_cannot_explain_skips():
+        skip = self.scaler.record_step(self, finite, scaled=self.scaler.scales(dtype))
+        if skip and not self._warned and dtype != "float16":
             self._warned = True
             warnings.warn(
                 f"gluon_amp: a training step was skipped for inf/NaN gradients while AMP runs "
@@ -60,22 +115,25 @@ class _Hook:
         if skip and self.scaler.collapsed():
             raise RuntimeError(
                 f"{self.scaler.state.consecutive_skips} steps in a row had non-finite gradients "
-                f"(loss scale now {self.scaler.loss_scale:g}); this is not an fp16 range problem. "
+                f"(loss scale now {self.scaler.scale_for(dtype):g}); this is not an fp16 range problem. "
                 f"Parameters with inf/NaN gradients: {overflow.non_finite_names(params) or 'none now (inf/NaN came from the loss)'}. "
                 "Check the learning rate, the data and the loss, or raise max_consecutive_skips.")
         return skip
 
 
+def _compute_dtype(params: Sequence[mx.gluon.Parameter]) -> str:
+    """The dtype whose range a step's gradients pass through: float16 when AMP runs it
+    (real or emulated) or a parameter is float16, else bfloat16 likewise, else float32."""
+    policy = patching.current_policy()
+    dtypes = {policy.target_dtype} if policy is not None else set()
+    for p in params:
+        dtypes.add(dtype_name(p.dtype))
+    return next((d for d in ("float16", "bfloat16") if d in dtypes), "float32")
+
+
 def _dtype_now() -> str:
     policy = patching.current_policy()
     return policy.target_dtype + " (emulated)" * policy.emulate if policy is not None else "float32 (AMP off)"
-
-
-def _range_cannot_explain_skips() -> bool:
-    """True unless AMP runs float16 (really or emulated), whose range a loss scale can
-    overflow: with bfloat16 or float32 a skipped step is a real inf/NaN."""
-    policy = patching.current_policy()
-    return policy is None or policy.target_dtype != "float16"
 
 
 def _one_trainer(trainer: Any, optimizer_or_trainer: Any, caller: str) -> Any:
@@ -99,9 +157,12 @@ def init_trainer(trainer: Optional[Trainer] = None,
     ----------
     trainer : mxnet.gluon.Trainer
     loss_scale : 'dynamic', float, None or LossScaler
-        ``'dynamic'`` (default) makes a new dynamic scaler; a number a static one; ``None``
-        turns scaling off but keeps skip-on-overflow off too. Pass the same ``LossScaler``
-        to several trainers to share one scale.
+        ``'dynamic'`` (default) makes a new dynamic scaler for float16 steps (real or
+        emulated); steps in bfloat16 or float32 (AMP off) are not scaled, and are still
+        skipped on inf/NaN gradients. A number makes a static scaler and a ``LossScaler``
+        is used as given: both scale every step, float32 included. ``None`` turns scaling
+        and skip-on-overflow off. Pass the same ``LossScaler`` to several trainers to share
+        one scale.
     optimizer_or_trainer : mxnet.gluon.Trainer
         The peer's name for ``trainer``; give one of the two.
     """
@@ -118,8 +179,9 @@ def init_trainer(trainer: Optional[Trainer] = None,
     scaler = loss_scaler_from(loss_scale)
     if on_kvstore is None:
         mxi.force_update_on_worker(trainer)
-    mxi.set_step_hook(trainer, _Hook(trainer, scaler))
-    patching.register_scaler(scaler)
+    hook = _Hook(trainer, scaler)
+    mxi.set_step_hook(trainer, hook)
+    patching.register_scaler(hook)  # loss-output ops read the scale the step will use from it
     return scaler
 
 
@@ -145,24 +207,31 @@ def attached_scaler(trainer: Any) -> Optional[LossScaler]:
 @contextlib.contextmanager
 def scale_loss(loss: Any, trainer: Optional[Trainer] = None, *,
                optimizer_or_trainer: Optional[Trainer] = None) -> Iterator[Any]:
-    """Yield ``loss`` (an NDArray or a list of them) multiplied by the loss scale.
+    """Yield ``loss`` (an NDArray or a list of them) multiplied by the step's loss scale.
 
     Call ``backward`` on what it yields. The next ``trainer.step`` divides the gradients by
     the same scale (folded into ``rescale_grad``), checks them and skips the update on
     inf/NaN. Several ``scale_loss``/``backward`` calls may precede one ``step``
-    (gradient accumulation with ``grad_req='add'``).
+    (gradient accumulation with ``grad_req='add'``); they share the scale the first chose.
+    Where the scale is 1 (the default scaler outside float16) ``loss`` itself is yielded,
+    so the gradients are exactly those of ``loss.backward()``.
     """
     trainer = _one_trainer(trainer, optimizer_or_trainer, "scale_loss")
     hook = _hook_of(trainer, "scale_loss")
-    scale = hook.scaler.loss_scale
     if hook.scaler.stage(hook) is Stage.UNSCALED:
         raise RuntimeError("scale_loss after unscale(trainer) in the same step: the new gradients "
                            "would not be unscaled. Call unscale after the last backward.")
+    _, scale = hook.decide()
+    patching.register_scaler(hook)  # AMP turned on after init_trainer: loss-output ops find it from now on
+    if scale == 1.0:
+        mxi.set_grad_scale(trainer, hook.original_scale)
+        yield loss
+        return
     mxi.set_grad_scale(trainer, hook.original_scale / scale)
     if isinstance(loss, (list, tuple)):
-        yield type(loss)(l * scale for l in loss) if scale != 1.0 else loss
+        yield type(loss)(l * scale for l in loss)
     else:
-        yield loss * scale if scale != 1.0 else loss
+        yield loss * scale
 
 
 @contextlib.contextmanager

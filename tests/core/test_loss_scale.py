@@ -166,3 +166,53 @@ def test_checkpoint_keeps_attachments():
     s.attach(m)
     s.load_state_dict(LossScaler(init_scale=2.0).state_dict())
     assert s.loss_scale == 2.0 and s.stage(m) is Stage.READY
+
+
+def test_the_default_scales_float16_steps_only():
+    """loss_scale='dynamic': float16 steps are scaled; bfloat16 and float32 ones use 1."""
+    from gluon_amp_core.loss_scale import NEEDS_SCALING, loss_scaler_from
+    s = loss_scaler_from("dynamic")
+    assert s.scaled_dtypes == NEEDS_SCALING == frozenset({"float16"})
+    assert [s.scale_for(d) for d in ("float16", "bfloat16", "float32")] == [2.0 ** 16, 1.0, 1.0]
+    given = [LossScaler(), loss_scaler_from(128.0)]  # built by hand, or a number: every step
+    assert [g.scale_for("float32") for g in given] == [2.0 ** 16, 128.0]
+    assert LossScaler.disabled().scale_for("float16") == 1.0
+    assert "for float16" in repr(s)
+
+
+def test_an_unscaled_step_is_skipped_but_leaves_the_scale_alone():
+    s = LossScaler.where_needed(growth_interval=2, max_consecutive_skips=2)
+    assert s.update(False, scaled=False) is True
+    assert (s.loss_scale, s.skipped_steps, s.total_steps, s.last_step_skipped) == (2.0 ** 16, 1, 1, True)
+    s.update(True, scaled=True)
+    s.update(True, scaled=False)       # does not count toward growth
+    assert s.loss_scale == 2.0 ** 16 and s.state.growth_tracker == 1
+    s.update(True, scaled=True)
+    assert s.loss_scale == 2.0 ** 17
+    s.update(False, scaled=False), s.update(False, scaled=False)
+    assert s.collapsed() and s.loss_scale == 2.0 ** 17  # the collapse guard counts them
+    a, b = _Member(), _Member()        # a round moves the scale if any member's loss was scaled
+    s.attach(a)
+    s.attach(b)
+    s.record_step(a, finite=False, scaled=False)
+    s.record_step(b, finite=True, scaled=True)
+    assert s.loss_scale == 2.0 ** 16
+
+
+def test_scaled_dtypes_checked_and_kept_by_state_dict():
+    s = LossScaler.where_needed(init_scale=8.0)
+    sd = s.state_dict()
+    json.dumps(sd)
+    assert sd["scaled_dtypes"] == ["float16"]
+    other = LossScaler()
+    other.load_state_dict(sd)
+    assert other.scaled_dtypes == frozenset({"float16"}) and other.state_dict() == sd
+    old = dict(sd)
+    del old["scaled_dtypes"]           # written before scaled_dtypes existed: keeps the scaler's own
+    mine = LossScaler()
+    mine.load_state_dict(old)
+    assert mine.scaled_dtypes is None and mine.loss_scale == 8.0
+    with pytest.raises(ValueError, match="int8"):
+        LossScaler(scaled_dtypes=["float16", "int8"])
+    with pytest.raises(TypeError, match="scaled_dtypes"):
+        LossScaler(scaled_dtypes="float16")

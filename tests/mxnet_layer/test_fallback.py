@@ -40,6 +40,7 @@ with warnings.catch_warnings(record=True) as caught:
     info = amp.runtime_info()
 print(json.dumps({
     "losses": losses, "skipped": scaler.skipped_steps, "scale": scaler.loss_scale,
+    "step_scale": trainer._amp_loss_scaler.loss_scale,
     "unchanged_on_skip": all(np.array_equal(a, b) for a, b in zip(before_poison, after)),
     "enabled": amp.is_enabled(), "policy_dtype": getattr(policy, "target_dtype", None),
     "out_dtype": str(net(x).dtype), "info": {k: info[k] for k in ("bf16", "default_target_dtype", "bf16_why")},
@@ -102,8 +103,10 @@ def test_tutorial_loop_runs_in_float32_with_one_warning():
     assert len(off) == 1 and len(skip) == 1 and len(out["warnings"]) == 2, out["warnings"]
     assert out["info"]["bf16_why"] in out["warnings"][0] and "float32" in out["warnings"][0]
     assert all(v == v and abs(v) < 1e6 for v in out["losses"][:3])
-    # loss scaling still guards the step: the inf step is skipped and the weights kept
-    assert out["skipped"] == 1 and out["scale"] == 2.0 ** 15 and out["unchanged_on_skip"]
+    # skip-on-overflow still guards the step: the inf step is skipped and the weights kept;
+    # the loss is not scaled in float32, so the (float16) scale is not backed off
+    assert out["skipped"] == 1 and out["unchanged_on_skip"]
+    assert out["step_scale"] == 1.0 and out["scale"] == 2.0 ** 16
 
 
 def test_explicit_bfloat16_is_announced_and_graphs_still_build():

@@ -26,12 +26,13 @@ def _params(dtype="float32", ctxs=(mx.cpu(),), n=5):
 def test_a_single_non_finite_value_anywhere_is_found(dtype, value):
     params = _params(dtype, ctxs=(mx.cpu(0), mx.cpu(1)))
     assert overflow.all_finite(params)
-    warnings.filterwarnings("error", category=RuntimeWarning)  # finding inf/NaN is the job, not a warning
-    for p in (params[0], params[-1]):
-        g = p.list_grad()[1]
-        g[3] = value
-        assert not overflow.all_finite(params)
-        g[3] = 0
+    with warnings.catch_warnings():  # scoped: the filter must not outlive the test
+        warnings.simplefilter("error", RuntimeWarning)  # finding inf/NaN is the job, not a warning
+        for p in (params[0], params[-1]):
+            g = p.list_grad()[1]
+            g[3] = value
+            assert not overflow.all_finite(params)
+            g[3] = 0
     assert overflow.all_finite(params)
 
 

@@ -48,7 +48,7 @@ Y = mx.nd.array([0, 1] * 4)
 def test_injected_overflow_skips_exactly_that_step(poison):
     net = _mlp()
     trainer = sgd_trainer(net, lr=0.1)
-    scaler = gluon_amp.init_trainer(trainer)
+    scaler = gluon_amp.init_trainer(trainer, LossScaler())  # scales every step, float32 included
     _step(net, trainer, X, Y)
     assert not scaler.last_step_skipped
     before, scale = _params(net), scaler.loss_scale
@@ -73,7 +73,7 @@ def test_unscaling_is_folded_into_rescale_and_matches_fp32():
     ref_tr.step(1)
     net = _mlp(seed=3)
     tr = sgd_trainer(net, lr=0.1)
-    gluon_amp.init_trainer(tr)
+    gluon_amp.init_trainer(tr, LossScaler())  # scales every step, float32 included
     _step(net, tr, x, y)
     for a, b in zip(_params(ref), _params(net)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -125,7 +125,7 @@ def test_gradient_accumulation_with_grad_req_add():
     ref_tr.step(8)
     net = _mlp(seed=5, grad_req="add")
     tr = sgd_trainer(net, lr=0.1)
-    gluon_amp.init_trainer(tr)
+    gluon_amp.init_trainer(tr, LossScaler())  # scales every step, float32 included
     for part in (slice(0, 4), slice(4, 8)):
         with autograd.record():
             loss = loss_fn(net(X[part]), Y[part]).sum()
@@ -139,12 +139,13 @@ def test_gradient_accumulation_with_grad_req_add():
 def test_unscale_for_clipping_and_once_per_step():
     net = _mlp()
     tr = sgd_trainer(net, lr=0.1)
-    scaler = gluon_amp.init_trainer(tr)
+    scaler = gluon_amp.init_trainer(tr, LossScaler())  # scales every step, float32 included
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     with autograd.record():
         loss = loss_fn(net(X), Y).mean()
         with gluon_amp.scale_loss(loss, tr) as scaled:
             scaled.backward()
+    assert scaler.loss_scale == 2.0 ** 16
     scaled_grad = list(net.collect_params().values())[0].grad().asnumpy().copy()
     gluon_amp.unscale(tr)
     unscaled = list(net.collect_params().values())[0].grad().asnumpy()

@@ -12,10 +12,13 @@ from typing import Any, Callable
 
 
 def nd_wrapper(fn: Callable, op: str, loss_scale: Callable[[str], float]) -> Callable:
-    """Multiply ``grad_scale`` by ``loss_scale(op)``, the scale of the attached scaler."""
+    """Multiply ``grad_scale`` by ``loss_scale(op)``, the scale the attached trainer's next
+    ``scale_loss`` uses; where that is 1 the call passes through untouched."""
     @functools.wraps(fn)
     def amp_op(*args: Any, **kwargs: Any) -> Any:
-        kwargs["grad_scale"] = float(kwargs.get("grad_scale", 1.0)) * loss_scale(op)
+        scale = loss_scale(op)
+        if scale != 1.0:
+            kwargs["grad_scale"] = float(kwargs.get("grad_scale", 1.0)) * scale
         return fn(*args, **kwargs)
     return amp_op
 
@@ -32,10 +35,11 @@ def sym_wrapper(fn: Callable, op: str) -> Callable:
 
 
 class ScalerRegistry:
-    """The loss scalers attached (``init_trainer``) while one ``init`` is on.
+    """The trainers' step hooks attached (``init_trainer``) while one ``init`` is on.
 
-    Loss-output ops start their backward from ``grad_scale``, so they need the scale of
-    the scaler their loss belongs to; the registry gives it, or refuses when ambiguous.
+    Loss-output ops start their backward from ``grad_scale``, so they need the scale the
+    step of their loss uses (a hook's ``loss_scale``: the same decision ``scale_loss``
+    makes); the registry gives it, or refuses when ambiguous.
     """
 
     def __init__(self) -> None:
@@ -45,7 +49,7 @@ class ScalerRegistry:
         self._scalers.add(scaler)
 
     def scale(self, op: str) -> float:
-        """The scale ``op`` multiplies its ``grad_scale`` by: the attached scalers' one."""
+        """The scale ``op`` multiplies its ``grad_scale`` by: the attached trainers' one."""
         scales = {s.loss_scale for s in list(self._scalers)}
         if len(scales) > 1:
             raise RuntimeError(

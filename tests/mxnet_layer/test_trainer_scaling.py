@@ -1,0 +1,316 @@
+"""Loss scaling only where it buys something (issue 31, defects 5 and 6).
+
+The default scaler (``init_trainer(trainer)``) multiplies the loss by its dynamic scale
+only in float16 (real or emulated); where AMP is off and in bfloat16 it multiplies by 1,
+so scripts that clip or read gradients between ``backward`` and ``update`` see what
+they see without AMP. Skip-on-overflow works in every mode, and the trainer's
+``_amp_loss_scaler`` answers ``loss_scale`` as the peer's does (GluonNLP's
+``finetune_squad.py`` clips at ``size * trainer._amp_loss_scaler.loss_scale``).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import mxnet as mx
+import pytest
+from mxnet import autograd, gluon
+from mxnet.gluon import nn
+
+import gluon_amp
+from gluon_amp import LossScaler
+from helpers import ROOT, no_bf16_env
+
+MODES = {
+    "off": None,
+    "bfloat16-emulated": {"target_dtype": "bfloat16", "emulate": True},
+    "float16-emulated": {"target_dtype": "float16", "emulate": True},
+    "bfloat16-native": {"target_dtype": "bfloat16"},
+}
+#: the scale the default scaler multiplies the loss by, per mode
+DEFAULT_SCALE = {"off": 1.0, "bfloat16-emulated": 1.0, "float16-emulated": 2.0 ** 16, "bfloat16-native": 1.0}
+
+
+def _modes(*names):
+    return [pytest.param(n, marks=pytest.mark.bf16_kernels) if n == "bfloat16-native" else n
+            for n in names]
+
+
+def _start(mode):
+    if MODES[mode] is not None:
+        gluon_amp.init(**MODES[mode])
+
+
+def _mlp(seed=0):
+    mx.random.seed(seed)
+    net = nn.HybridSequential()
+    net.add(nn.Dense(16, activation="relu", in_units=8), nn.Dense(16, activation="relu", in_units=16),
+            nn.Dense(3, in_units=16))
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    return net
+
+
+def _trainer(net):
+    return gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 0.01}, update_on_kvstore=False)
+
+
+_RNG = np.random.RandomState(0)
+BATCHES = [(mx.nd.array(_RNG.normal(0, 1, (6, 8))), mx.nd.array(_RNG.randint(0, 3, 6))) for _ in range(3)]
+LOSS = gluon.loss.SoftmaxCrossEntropyLoss()
+
+
+def _classifier_pattern(net, trainer, amp, poison_step=None):
+    """GluonNLP finetune_classifier.py's loop: backward, allreduce_grads, clip the global
+    norm to 1, update. Returns the gradients as backward left them, the norms and losses."""
+    params = [p for p in net.collect_params().values() if p.grad_req != "null"]
+    grads, norms, losses = [], [], []
+    for i, (x, y) in enumerate(BATCHES):
+        with autograd.record():
+            loss = LOSS(net(x), y).mean()
+            if i == poison_step:
+                loss = loss * float("inf")
+            if amp:
+                with gluon_amp.scale_loss(loss, trainer) as scaled:
+                    autograd.backward(scaled)
+            else:
+                loss.backward()
+        trainer.allreduce_grads()
+        grads.append([p.grad().asnumpy().copy() for p in params])
+        norms.append(float(gluon.utils.clip_global_norm([p.grad() for p in params], 1.0,
+                                                        check_isfinite=False).asscalar()))
+        trainer.update(1)
+        losses.append(float(loss.asscalar()))
+    return grads, norms, losses
+
+
+def _weights(net):
+    return [p.data().asnumpy().copy() for p in net.collect_params().values()]
+
+
+@pytest.mark.parametrize("mode", _modes("off", "bfloat16-emulated", "bfloat16-native"))
+def test_where_scaling_buys_nothing_clipped_training_is_the_unscaled_one_bit_for_bit(mode):
+    """Defect 6: the default scaler leaves the gradients between backward and update, and
+    the trained weights, exactly as training without loss scaling has them."""
+    _start(mode)
+    ref = _mlp()
+    ref_grads, ref_norms, ref_losses = _classifier_pattern(ref, _trainer(ref), amp=False)
+    net = _mlp()
+    trainer = _trainer(net)
+    gluon_amp.init_trainer(trainer)
+    grads, norms, losses = _classifier_pattern(net, trainer, amp=True)
+    assert norms == ref_norms and losses == ref_losses
+    for step, (a, b) in enumerate(zip(grads, ref_grads)):
+        assert all(np.array_equal(g, r) for g, r in zip(a, b)), f"gradients differ at step {step}"
+    assert all(np.array_equal(w, r) for w, r in zip(_weights(net), _weights(ref)))
+
+
+FINETUNE_CLASSIFIER_FALLBACK = r'''
+import json, warnings
+import numpy as np
+import gluon_amp as amp
+import mxnet as mx
+import gluonnlp as nlp
+from mxnet import autograd, gluon
+warnings.simplefilter("ignore")
+policy = amp.init()  # no bfloat16 kernels: the float32 fallback, AMP off
+
+def bert_classifier():
+    mx.random.seed(0)
+    enc = nlp.model.BERTEncoder(num_layers=2, units=32, hidden_size=64, max_length=16, num_heads=2,
+                                dropout=0.0)
+    bert = nlp.model.BERTModel(enc, vocab_size=50, token_type_vocab_size=2, units=32, embed_size=32,
+                               use_pooler=True, use_decoder=False, use_classifier=False)
+    net = nlp.model.BERTClassifier(bert, num_classes=2, dropout=0.0)
+    net.initialize(mx.init.Normal(0.02))
+    return net
+
+rng = np.random.RandomState(0)
+batches = [(mx.nd.array(rng.randint(1, 50, (4, 8))), mx.nd.array(rng.randint(0, 2, (4, 8))),
+            mx.nd.array([8, 6, 5, 8]), mx.nd.array(rng.randint(0, 2, 4))) for _ in range(4)]
+
+def run(use_amp, poison_step=None):
+    net = bert_classifier()
+    params = [p for p in net.collect_params().values() if p.grad_req != "null"]
+    trainer = gluon.Trainer(net.collect_params(), "bertadam", {"learning_rate": 1e-3, "epsilon": 1e-6,
+                                                                "wd": 0.01}, update_on_kvstore=False)
+    scaler = amp.init_trainer(trainer) if use_amp else None
+    loss_fn = gluon.loss.SoftmaxCELoss()
+    grads, norms, losses, weights_at_poison = [], [], [], None
+    for i, (ids, seg, valid, label) in enumerate(batches):  # finetune_classifier.py's loop
+        if i == poison_step:
+            weights_at_poison = [p.data().asnumpy().copy() for p in params]
+        with autograd.record():
+            ls = loss_fn(net(ids, seg, valid), label).mean()
+            if i == poison_step:
+                ls = ls * float("inf")
+            if use_amp:
+                with amp.scale_loss(ls, trainer) as scaled_loss:
+                    autograd.backward(scaled_loss)
+            else:
+                ls.backward()
+        trainer.allreduce_grads()
+        grads.append([p.grad().asnumpy().copy() for p in params])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            norms.append(float(nlp.utils.clip_grad_global_norm(params, 1).asscalar()))
+        trainer.update(1)
+        losses.append(float(ls.asscalar()))
+    weights = [p.data().asnumpy() for p in params]
+    kept = weights_at_poison is not None and all(np.array_equal(a, b) for a, b in zip(weights_at_poison, weights))
+    return grads, norms, losses, weights, scaler, kept
+
+g0, n0, l0, w0, _, _ = run(False)
+g1, n1, l1, w1, scaler, _ = run(True)
+*_, poisoned, kept = run(True, poison_step=3)
+print(json.dumps({
+    "enabled": policy.enabled, "norms": n1, "fp32_norms": n0, "losses": l1, "fp32_losses": l0,
+    "grads_equal": [all(np.array_equal(a, b) for a, b in zip(s1, s0)) for s1, s0 in zip(g1, g0)],
+    "weights_equal": all(np.array_equal(a, b) for a, b in zip(w1, w0)),
+    "poison_skipped": poisoned.skipped_steps, "poison_last_skipped": poisoned.last_step_skipped,
+    "weights_kept_on_skip": kept,
+}))
+'''
+
+
+def test_float32_fallback_runs_finetune_classifier_as_fp32_bit_for_bit():
+    """Defect 6 on a host without bfloat16 kernels, with GluonNLP's BERT classifier and its
+    clip: gradients before the update, clipped norms, losses and weights are FP32's, and a
+    planted inf step is still skipped."""
+    r = subprocess.run([sys.executable, "-c", FINETUNE_CLASSIFIER_FALLBACK], capture_output=True,
+                       text=True, timeout=300, env=no_bf16_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["enabled"] is False
+    assert out["norms"] == out["fp32_norms"] and out["losses"] == out["fp32_losses"]
+    assert all(out["grads_equal"]) and out["weights_equal"]
+    assert out["poison_skipped"] == 1 and out["poison_last_skipped"] and out["weights_kept_on_skip"]
+
+
+@pytest.mark.parametrize("mode", _modes("off", "bfloat16-emulated", "float16-emulated"))
+def test_squad_pattern_reads_the_scale_the_loss_was_multiplied_by(mode):
+    """Defect 5: finetune_squad.py reads ``trainer._amp_loss_scaler.loss_scale`` inside
+    ``scale_loss`` to clip the still-scaled gradients; it is the scale of that loss."""
+    _start(mode)
+    net = _mlp()
+    trainer = _trainer(net)
+    gluon_amp.init_trainer(trainer)
+    params = [p for p in net.collect_params().values() if p.grad_req != "null"]
+    ref = _mlp()
+    ref_trainer = _trainer(ref)
+    ref_params = [p for p in ref.collect_params().values() if p.grad_req != "null"]
+    for x, y in BATCHES:
+        with autograd.record():
+            loss = LOSS(net(x), y).mean()
+            with gluon_amp.scale_loss(loss, trainer) as scaled:
+                autograd.backward(scaled)
+                norm_clip = 1.0 * trainer._amp_loss_scaler.loss_scale
+            ref_loss = LOSS(ref(x), y).mean()
+            ref_loss.backward()
+        assert norm_clip == DEFAULT_SCALE[mode]
+        for p, r in zip(params, ref_params):  # the gradients carry exactly that scale
+            np.testing.assert_allclose(p.grad().asnumpy() / norm_clip, r.grad().asnumpy(), rtol=2e-3, atol=1e-7)
+        gluon.utils.clip_global_norm([p.grad() for p in params], norm_clip, check_isfinite=False)
+        gluon.utils.clip_global_norm([p.grad() for p in ref_params], 1.0, check_isfinite=False)
+        trainer.update(1)
+        ref_trainer.update(1)
+    for w, r in zip(_weights(net), _weights(ref)):
+        np.testing.assert_allclose(w, r, rtol=1e-2, atol=1e-4)
+    assert trainer._amp_loss_scaler.loss_scale == DEFAULT_SCALE[mode]  # between steps: the next one's
+
+
+@pytest.mark.parametrize("mode", _modes("off", "bfloat16-emulated", "float16-emulated", "bfloat16-native"))
+def test_a_planted_inf_step_is_skipped_in_every_mode(mode):
+    _start(mode)
+    net = _mlp()
+    trainer = _trainer(net)
+    scaler = gluon_amp.init_trainer(trainer)
+    _classifier_pattern(net, trainer, amp=True, poison_step=None)
+    before = _weights(net)
+    with autograd.record():
+        loss = LOSS(net(BATCHES[0][0]), BATCHES[0][1]).mean() * float("inf")
+        with gluon_amp.scale_loss(loss, trainer) as scaled:
+            autograd.backward(scaled)
+    trainer.step(1)
+    assert scaler.last_step_skipped and scaler.skipped_steps == 1 and scaler.total_steps == 4
+    assert all(np.array_equal(a, b) for a, b in zip(before, _weights(net)))
+    # float16 backs its scale off; elsewhere the loss was not scaled, so there is nothing to back off
+    assert trainer._amp_loss_scaler.loss_scale == DEFAULT_SCALE[mode] / (2 if mode == "float16-emulated" else 1)
+
+
+def test_the_scale_follows_the_policy_where_it_is_used_and_explicit_scalers_are_obeyed():
+    net = _mlp()
+    trainer = _trainer(net)
+    gluon_amp.init_trainer(trainer)  # before any init: AMP is off now, not for good
+    hook = trainer._amp_loss_scaler
+    x, y = BATCHES[0]
+
+    def scaled_by(tr):
+        with autograd.record():
+            loss = LOSS(net(x), y).mean()
+            with gluon_amp.scale_loss(loss, tr) as scaled:
+                factor = 1.0 if scaled is loss else float(scaled.asscalar()) / float(loss.asscalar())
+                autograd.backward(scaled)
+        tr.step(1)
+        return factor
+
+    assert hook.loss_scale == 1.0 and scaled_by(trainer) == 1.0
+    with gluon_amp.autocast("float16", emulate=True):
+        assert hook.loss_scale == 2.0 ** 16 and scaled_by(trainer) == 2.0 ** 16
+    with gluon_amp.autocast("bfloat16", emulate=True):
+        assert hook.loss_scale == 1.0 and scaled_by(trainer) == 1.0
+    assert scaled_by(trainer) == 1.0
+    # a number, or a LossScaler built by hand, is obeyed as given, AMP off included
+    for spec, scale in ((128.0, 128.0), (LossScaler(init_scale=1024.0), 1024.0)):
+        t = _trainer(net)
+        gluon_amp.init_trainer(t, spec)
+        assert t._amp_loss_scaler.loss_scale == scale and scaled_by(t) == scale
+    # the peer's scaler attributes that scripts set or read (Sockeye sets _scale_seq_len)
+    hook._scale_seq_len = 100
+    assert gluon_amp.get_scaler(trainer).growth_interval == 100 and hook._scale_seq_len == 100
+
+
+def test_the_bfloat16_default_rests_on_what_this_host_measures(tmp_path):
+    """benchmarks/loss_scale_need.py, cut to one BERT step: in bfloat16 (native where the host
+    has it, and emulated) scaling the loss by 65536 changes no gradient bit, while in the
+    float16 control it saves gradients from underflow (docs/training.md)."""
+    out = tmp_path / "need.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "loss_scale_need.py"),
+                        "--workloads", "bert", "--steps", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["workloads"]["bert"]
+    native = gluon_amp.runtime.capability().bf16.value == "native"
+    assert ("bfloat16 (native)" in rows) == native
+    for mode in [m for m in rows if m.startswith("bfloat16")]:
+        assert rows[mode]["bits_differ_between_scales"] == 0.0, mode
+        assert rows[mode]["losses"]["scale 1"] == rows[mode]["losses"]["scale 65536"], mode
+    f16 = rows["float16 (emulated)"]
+    assert f16["scale 1"]["zero_where_fp32_nonzero"] > 10 * f16["scale 65536"]["zero_where_fp32_nonzero"]
+
+
+def test_loss_output_ops_use_the_step_scale_also_when_init_follows_init_trainer():
+    w = gluon.Parameter("w_lo_scale", shape=(2, 3))
+    w.initialize(mx.init.Constant(0.1))
+    x, y = mx.nd.array([[1.0, 2.0, 3.0]]), mx.nd.array([1.0])
+    trainer = gluon.Trainer([w], "sgd", {"learning_rate": 0.0}, update_on_kvstore=False)
+    gluon_amp.init_trainer(trainer)
+
+    def grad():
+        with autograd.record():
+            out = mx.nd.SoftmaxOutput(mx.nd.dot(x, w.data(), transpose_b=True), y)
+            with gluon_amp.scale_loss(out, trainer) as scaled:
+                autograd.backward(scaled)
+        g = w.grad().asnumpy().copy()
+        gluon_amp.unscale(trainer)
+        unscaled = w.grad().asnumpy().copy()
+        trainer.update(1)
+        return g, unscaled
+
+    plain, _ = grad()  # AMP off: scale 1, grad_scale untouched
+    with gluon_amp.autocast("float16", emulate=True):
+        grad()         # registers the trainer with this init's loss-output ops
+        scaled, unscaled = grad()
+    np.testing.assert_allclose(scaled, 2.0 ** 16 * plain, rtol=1e-3)
+    np.testing.assert_allclose(unscaled, plain, rtol=1e-3)
