@@ -10,6 +10,7 @@ import contextlib
 import logging
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -37,6 +38,9 @@ class _Active:
 
 _lock = threading.RLock()
 _active: Optional[_Active] = None
+#: every trainer hook attached so far (weakly): an ``init`` after ``init_trainer`` starts
+#: its loss-output ops with them, so their first step is scaled as ``scale_loss`` scales it
+_hooks: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]] = None,
@@ -111,6 +115,8 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
         if not policy.enabled:
             return policy
         scalers = ScalerRegistry()
+        for hook in list(_hooks):
+            scalers.add(hook)
         patches = _patch_all(policy, scalers)
         rewrite, reshaped, watch = graph_rewriter(policy)
         if policy.tune:  # after the rewrite: the plan's shape rules apply first, and tuning needs kernels
@@ -130,9 +136,17 @@ def _after(first: Callable, second: Callable) -> Callable:
 
 
 def register_scaler(scaler: Any) -> None:
-    """Make a trainer's loss scaler known to the loss-output ops while AMP is on."""
+    """Make a trainer's loss scaler (its step hook) known to the loss-output ops, now if AMP
+    is on and to every later ``init``."""
+    _hooks.add(scaler)
     if _active is not None:
         _active.scalers.add(scaler)
+
+
+def forget_scalers() -> None:
+    """Forget every trainer hook attached so far (a test's trainers, kept alive by reference
+    cycles until the collector runs, must not reach the next test's ``init``)."""
+    _hooks.clear()
 
 
 def _patch_all(policy: Policy, scalers: ScalerRegistry) -> List[mxi.SavedFunction]:

@@ -49,6 +49,7 @@ def _isolated():
         mx.nd.waitall()
     finally:
         gluon_amp.disable()
+        gluon_amp.patching.forget_scalers()
 
 
 @pytest.fixture(scope="session")
