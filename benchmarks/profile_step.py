@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from typing import Any, Dict, List, Optional
 
 import _numpy_shim  # noqa: F401  first: numpy aliases MXNet needs (benchmarks/ is on sys.path)
@@ -42,12 +43,15 @@ def worker(mode: str, batch_size: int, target: Optional[str], seed: int) -> Dict
     from ssd_synthetic import Mode, SyntheticData
     batch = SyntheticData(batch_size, mx.cpu(), seed)
     m = Mode(mode, mx.cpu(), batch, seed, target)  # builds and takes its first step
-    mx.profiler.set_config(profile_all=True, aggregate_stats=True, filename=os.devnull)
-    mx.profiler.set_state("run")
-    seconds = m.step(record=False)
-    mx.nd.waitall()
-    mx.profiler.set_state("stop")
-    stats = json.loads(mx.profiler.dumps(reset=True, format="json"))
+    # MXNet replaces its trace file at exit: run as root with os.devnull, it deleted /dev/null
+    with tempfile.TemporaryDirectory() as tmp:
+        mx.profiler.set_config(profile_all=True, aggregate_stats=True,
+                               filename=os.path.join(tmp, "profile.json"))
+        mx.profiler.set_state("run")
+        seconds = m.step(record=False)
+        mx.nd.waitall()
+        mx.profiler.set_state("stop")
+        stats = json.loads(mx.profiler.dumps(reset=True, format="json"))
     ops: Dict[str, float] = {}
     for name, s in stats["Time"].get("operator", {}).items():
         ops[op_name(name)] = ops.get(op_name(name), 0.0) + s["Total"]
