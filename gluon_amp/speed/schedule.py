@@ -240,7 +240,7 @@ class Tuner:
         t.cached += job.tuning.cached
         t.seconds += job.tuning.seconds
         t.trials = job.tuning.trials or t.trials
-        before = g.outcome.choices if g.outcome is not None else None
+        before = g.outcome.choices if g.outcome is not None else {}
         g.outcome = job.outcome
         g.job = None
         if g.job_key is not None:

@@ -298,6 +298,15 @@ def test_a_graph_seen_at_k_shapes_tunes_once_in_full_and_a_wide_margin_is_carrie
     assert run.float32_ops() == [run.net.conv.name + "_fwd"] and run.rebuilds == 1
 
 
+def test_a_graph_whose_ops_are_all_faster_low_is_tuned_without_whole_graph_runs_or_a_rebuild(monkeypatch, clock):
+    timed, graphs = _plant(monkeypatch, clock, conv=lambda shape: (1.0, 2.0))
+    run = _Training(clock, budget="inf")
+    for _ in range(3):
+        run.call((2, 3, 8, 8))
+    assert timed and graphs == [] and run.rebuilds == 0 and run.float32_ops() == []
+    assert "tuned at input shapes" in run.net.amp_tuning.status
+
+
 def test_a_choice_near_break_even_is_timed_again_where_the_shape_moved_it_and_withdrawn_if_it_flipped(monkeypatch,
                                                                                                        clock):
     def conv(shape):  # 10% slower in bfloat16 at batch 2; 10% faster from batch 8 on
