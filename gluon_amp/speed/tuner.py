@@ -269,11 +269,10 @@ class Job:
         self.outcome = outcome
         self.step_s = step_s
         self.tuning = Tuning()
-        self._stored: Dict[str, Any] = {}
         self._pending: Dict[str, Optional[float]] = {}
         self._pending_s = 0.0
-        self._work_done = 0
-        self._cost_done = 0.0
+        #: what timing cost so far, per op and in all: (elements, seconds)
+        self._rates: Dict[str, Tuple[int, float]] = {}
         self._steps = self._full() if outcome is None else self._recheck(outcome)
         self.next: Optional[Step] = next(self._steps, None)
 
@@ -291,22 +290,25 @@ class Job:
 
     def _known_times(self, items: Sequence[Timed]) -> Tuple[Dict[str, Optional[float]], List[Timed]]:
         """The times of ``items`` held by the cache, and the items still to measure."""
-        self._stored = self.cache.load().entries
-        times = {t.key: self._stored[_PREFIX + t.key] for t in items if _PREFIX + t.key in self._stored}
+        stored = self.cache.load().entries
+        times = {t.key: stored[_PREFIX + t.key] for t in items if _PREFIX + t.key in stored}
         self.tuning.cached += len(times)
         todo = [t for t in items if t.key not in times]
         return times, sorted(todo, key=_work)  # small first: the first estimates are guesses
 
     def _op_estimate(self, t: Timed, prior_rate: float) -> float:
-        rate = self._cost_done / self._work_done if self._work_done else prior_rate
-        return OP_OVERHEAD_S + rate * _work(t)
+        """Its size at the cost per element of this op so far (a convolution's is not an
+        add's), else of every op so far, else ``prior_rate``."""
+        work, cost = self._rates.get(t.op) or self._rates.get("", (0, 0.0))
+        return OP_OVERHEAD_S + (cost / work if work else prior_rate) * _work(t)
 
     def _measure(self, t: Timed, times: Dict[str, Optional[float]]) -> None:
         t0 = self.clock()
         times[t.key] = ms = time_one(t)
         cost = self.clock() - t0
-        self._work_done += _work(t)
-        self._cost_done += cost
+        for k in (t.op, ""):
+            work, spent = self._rates.get(k, (0, 0.0))
+            self._rates[k] = (work + _work(t), spent + cost)
         self._pending[_PREFIX + t.key] = ms
         self._pending_s += cost
         self.tuning.timed += 1
