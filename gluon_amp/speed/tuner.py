@@ -387,7 +387,8 @@ class Job:
         for pos in retime:
             cand = here.candidates.get(names[pos])
             low, fp32 = (times.get(cand.low.key), times.get(cand.fp32.key)) if cand else (None, None)
-            if low is not None and fp32 is not None and not still_float32(outcome.choices[pos], ratios[pos], low, fp32):
+            scale = ratios.get(pos, 1.0)  # casts as measured where the size is unknown at one of the shapes
+            if low is not None and fp32 is not None and not still_float32(outcome.choices[pos], scale, low, fp32):
                 flipped.append(pos)
         if flipped:
             yield Step(self._graph_estimate(2, here, times), "whole-graph re-check", whole_graph=True)
