@@ -188,16 +188,17 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
                     given.add(self)
                     _rewrite_given(self, args)
                 stale(self)
-            elif self in seen:  # watched, and its graph went through rewrite
-                shapes = _shapes(args)
-                if seen.get(self) != shapes:
-                    seen[self] = shapes
-                    if reshaped(self, args, *self._cached_graph):
-                        self._clear_cached_op()  # rebuilt below, through _get_graph
-            if called is not None and self in built and called(self, args):
-                self._clear_cached_op()  # rebuilt below, through _get_graph (a SymbolBlock keeps its graph)
-                if self in given:
-                    _rewrite_given(self, args)
+            else:
+                if self in seen:  # watched, and its graph went through rewrite
+                    shapes = _shapes(args)
+                    if seen.get(self) != shapes:
+                        seen[self] = shapes
+                        if reshaped(self, args, *self._cached_graph):
+                            self._clear_cached_op()  # rebuilt below, through _get_graph
+                if called is not None and called(self, args):
+                    self._clear_cached_op()  # rebuilt below, through _get_graph (a SymbolBlock keeps its graph)
+                    if self in given:
+                        _rewrite_given(self, args)
         return _CALL_CACHED_OP(self, *args)
 
     def _rewrite_given(self: HybridBlock, args: tuple) -> None:

@@ -111,6 +111,27 @@ def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph_from_th
     assert "tuned at input shapes" in gluon_amp.report(net).tuning
 
 
+@pytest.mark.bf16_kernels
+def test_a_symbolblock_built_under_init_tunes_from_its_second_call_too(monkeypatch):
+    """GluonCV builds feature extractors as SymbolBlocks from symbols: the hooks rewrite the
+    graph they were given; tuning rebuilds it from that graph, not on its first call."""
+    from mxnet import gluon
+    monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
+    graph_ms = iter([1000.0, 700.0])
+    monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: next(graph_ms))
+    gluon_amp.init("bfloat16", tune=True, tune_budget=60)
+    net = MixedNet()
+    net.initialize()
+    data = mx.sym.var("data")
+    block = gluon.SymbolBlock(net(data), [data], params=net.collect_params())
+    block.hybridize(static_alloc=True)
+    measured = []
+    for _ in range(3):
+        block(mx.nd.ones((2, 3, 8, 8))).wait_to_read()
+        measured.append(sorted(r.name for r in gluon_amp.report(block).rows if r.reason == "measured"))
+    assert measured[0] == [] and net.conv.name + "_fwd" in measured[1] and measured[2] == measured[1]
+
+
 def test_conversion_with_input_shapes_tunes_by_default_and_tune_false_opts_out(monkeypatch):
     monkeypatch.delenv("GLUON_AMP_TUNE", raising=False)  # the suite turns the default off
     monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
