@@ -200,6 +200,10 @@ class Tuner:
                 return False
             mx.nd.waitall()  # the step the user queued is not tuning's to pay for
             done = run(job, self.ledger, _now, before=before)
+            if not done:
+                t0 = clock()
+                job.flush()
+                self.ledger.charge(clock() - t0, "writing the cache", estimate=0.0)
         if done:
             self._finish(g, job)
         else:

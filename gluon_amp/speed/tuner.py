@@ -315,6 +315,11 @@ class Job:
         if self._pending_s >= FLUSH_S:
             self._flush()
 
+    def flush(self) -> None:
+        """Write the per-op figures measured and not yet stored (a process may stop before
+        the job ends: the next one continues from them)."""
+        self._flush()
+
     def _flush(self) -> None:
         if self._pending:
             store(self.cache, self._pending)
