@@ -94,7 +94,7 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
         What tuning may spend per process: a number of seconds (spent as soon as shapes
         repeat), ``'2%'`` (a share of the wall time since training began, tuning
         included), or both (``'2%,600'``); ``0`` only reads the cache. ``None`` (the
-        default): ``$GLUON_AMP_TUNE_BUDGET``, else 2% of the training time so far, at
+        default): ``$GLUON_AMP_TUNE_BUDGET``, else 1% of the training time so far, at
         most 600 s. Whatever is not tuned by then runs the plan.
     Returns
     -------

@@ -9,7 +9,7 @@ from gluon_amp_core.tune_schedule import (DEFAULT_BUDGET, Ledger, ShapeHistory, 
 
 
 def test_budget_strings_numbers_and_errors():
-    assert parse_budget(None) == DEFAULT_BUDGET == TuneBudget(0.02, 600.0)
+    assert parse_budget(None) == DEFAULT_BUDGET == TuneBudget(0.01, 600.0)
     assert parse_budget("5%") == TuneBudget(0.05, 600.0)
     assert parse_budget("5%, 120s") == parse_budget("120,5%") == TuneBudget(0.05, 120.0)
     assert parse_budget("inf") == TuneBudget(None, math.inf) and parse_budget(0) == TuneBudget(None, 0.0)
