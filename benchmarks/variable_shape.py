@@ -17,7 +17,8 @@ its own that starts empty (``XDG_CACHE_HOME`` points at a fresh folder):
 
 Reported per mode: the wall time of the first ``--iters`` iterations *including* tuning
 (what a user waits for), the steady state after them (``--steady-iters`` more iterations, a
-whole number of passes through the sizes), what tuning spent, and the process's peak
+whole number of passes through the sizes: per iteration as the user waits, and the training
+steps alone, without what tuning took meanwhile), what tuning spent, and the process's peak
 resident memory. The speed ratios against FP32 and the untuned plan come from these times.
 On a CPU without native bfloat16 there is nothing to compare: it says why and exits 0.
 """
@@ -139,13 +140,20 @@ def child(args: argparse.Namespace) -> Dict[str, Any]:
             raise SystemExit(f"{args.child}: the loss is not finite")
         return dt
 
+    def spent() -> float:
+        return gluon_amp.runtime_info()["tune"].get("spent_s", 0.0)
+
     sizes = [args.sizes[(i // args.interval) % len(args.sizes)] for i in range(args.iters + args.steady_iters)]
-    times = [step(batch(s)) for s in sizes]
-    first, steady = times[:args.iters], times[args.iters:]
+    first = [step(batch(s)) for s in sizes[:args.iters]]
+    before = spent()
+    steady = [step(batch(s)) for s in sizes[args.iters:]]
+    tuning = spent() - before  # what tuning took during the steady iterations
     info = gluon_amp.runtime_info()
     return {"mode": args.child, "amp": amp, "policy": gluon_amp.current_policy().describe() if amp else "float32",
-            "first_s": sum(first), "steady_s_per_iter": sum(steady) / len(steady), "iter_s": times, "sizes": sizes,
-            "setup_s": time.perf_counter() - t_start - sum(times),
+            "first_s": sum(first), "steady_s_per_iter": sum(steady) / len(steady),
+            "steady_steps_s_per_iter": (sum(steady) - tuning) / len(steady), "steady_tuning_s": tuning,
+            "iter_s": first + steady, "sizes": sizes,
+            "setup_s": time.perf_counter() - t_start - sum(first) - sum(steady),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "tune": info["tune"], "speed": info["speed"]}
 
@@ -169,12 +177,13 @@ def table(rows: List[Dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [f"{args.model}, batch {args.batch_size}, sizes {args.sizes} (a new one every {args.interval} batches): "
              f"first {args.iters} iterations including tuning, then {args.steady_iters} for the steady state",
              f"{'mode':<9}{'first (s)':>10}{'vs fp32':>9}{'vs untuned':>11}{'steady s/it':>13}{'vs untuned':>11}"
-             f"{'tuning s':>10}{'peak MB':>9}"]
+             f"{'steps s/it':>12}{'vs untuned':>11}{'tuning s':>10}{'peak MB':>9}"]
     for r in rows:
         def ratio(base: Optional[Dict[str, Any]], key: str) -> str:
             return f"{base[key] / r[key]:.3f}x" if base else "-"
         lines.append(f"{r['mode']:<9}{r['first_s']:>10.1f}{ratio(fp32, 'first_s'):>9}{ratio(untuned, 'first_s'):>11}"
                      f"{r['steady_s_per_iter']:>13.3f}{ratio(untuned, 'steady_s_per_iter'):>11}"
+                     f"{r['steady_steps_s_per_iter']:>12.3f}{ratio(untuned, 'steady_steps_s_per_iter'):>11}"
                      f"{r['tune'].get('spent_s', 0.0):>10.1f}{r['peak_rss_mb']:>9.0f}")
     for r in rows:
         for g in r["tune"].get("graphs", []):
