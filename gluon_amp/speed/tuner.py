@@ -201,12 +201,16 @@ class Target:
 
 def applier(out: Symbol, known: Mapping[str, str], policy: Policy) -> Callable[[Mapping[str, MeasuredChoice]], Symbol]:
     """``apply(choices)``: the traced graph ``out`` with each chosen node run as
-    :func:`decide` says with its choice (typed as MXNet infers ``out`` from ``known``)."""
-    traced = json.loads(out.tojson(remove_amp_cast=False))
-    op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
-    typed: Dict[Tuple[str, int], Optional[str]] = dict(infer_dtypes(out, known, partial=True) or {})
+    :func:`decide` says with its choice (typed as MXNet infers ``out`` from ``known``, on
+    the first call: a graph that runs the plan never pays for it)."""
+    typed: Dict[Tuple[str, int], Optional[str]] = {}
+    traced: Dict[str, Any] = {}
 
     def apply(choices: Mapping[str, MeasuredChoice]) -> Symbol:
+        if not traced:
+            traced.update(json.loads(out.tojson(remove_amp_cast=False)))
+            typed.update(infer_dtypes(out, known, partial=True) or {})
+        op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
         return mx.sym.load_json(json.dumps(retype(traced, _changes(traced, choices, typed, policy), typed, op_inputs)))
 
     return apply
