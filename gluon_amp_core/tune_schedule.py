@@ -184,6 +184,11 @@ class ShapeHistory:
         return self._last
 
     @property
+    def distinct(self) -> int:
+        """How many different shapes were seen (up to :data:`MAX_SHAPES`)."""
+        return len(self._seen)
+
+    @property
     def dynamic(self) -> FrozenSet[Tuple[int, int]]:
         """(input index, dimension index) of every dynamic dimension."""
         return self._dynamic

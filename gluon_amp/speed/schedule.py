@@ -261,7 +261,7 @@ class Tuner:
                         f"tuned at input shapes {_shown(job.shapes)}: {kept} op(s) kept in float32 "
                         f"({job.tuning.timed} measured, {job.tuning.cached} read; trials {job.tuning.trials})")
         else:
-            t.rechecked.append(_shown(job.shapes))
+            t.rechecked.append(f"{_shown(job.shapes)}: {job.tuning.status}")
             t.status = (f"tuned at input shapes {_shown(t.tuned_at or {})}, re-checked at {_shown(job.shapes)}: "
                         f"{kept} op(s) in float32" + (f", {len(t.withdrawn)} withdrawn" if t.withdrawn else ""))
         if g.outcome.choices != before:
@@ -274,7 +274,7 @@ class Tuner:
         for g in self.graphs.values():
             busy = g.job.tuning if g.job is not None else Tuning()  # a job under way: what it did so far
             graphs.append({"blocks": sorted(b.name for b in g.blocks), "status": g.tuning.status,
-                           "calls": g.history.calls,
+                           "calls": g.history.calls, "distinct_shapes": g.history.distinct,
                            "dynamic_dims": sorted(f"input {i} dim {d}" for i, d in g.history.dynamic),
                            "tuned_at": g.tuning.tuned_at, "rechecked": list(g.tuning.rechecked),
                            "float32_choices": sorted(n for n, c in g.tuning.choices.items() if c.dtype == "float32"),

@@ -29,7 +29,7 @@ from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import Change, retype
 from gluon_amp_core.timing_cache import TimingCache
 from gluon_amp_core.tune import Problem, Timed, choose, groups, problem
-from gluon_amp_core.tune_schedule import Ledger, elements, still_float32, to_retime
+from gluon_amp_core.tune_schedule import SIZE_STEP, Ledger, elements, still_float32, to_retime
 from gluon_amp_core.walk import measured_attrs
 
 from .. import mxnet_internals as mxi
@@ -384,6 +384,9 @@ class Job:
             if a is not None and b is not None and _work(b.low) > 0:
                 ratios[pos] = _work(a.low) / _work(b.low)
         retime = to_retime(outcome.choices, ratios)
+        floats = sum(c.dtype == "float32" for c in outcome.choices.values())
+        self.tuning.status = (f"{floats - len(retime)} float32 choice(s) carried over (a wide margin, or the shape "
+                              f"moved the op less than {SIZE_STEP:g}x), {len(retime)} timed again")
         items = [t for pos in retime if names[pos] in here.candidates
                  for t in (here.candidates[names[pos]].low, here.candidates[names[pos]].fp32)]
         times, todo = self._known_times(items)
@@ -413,6 +416,8 @@ class Job:
                     outcome.withdrawn[pos] = (f"no faster in float32 at input shape {shown} "
                                               f"(whole graph {with_ms:.0f} ms with it, {without_ms:.0f} without)")
                 outcome.choices = {p: c for p, c in outcome.choices.items() if p not in flipped}
+            self.tuning.status += (f", {len(flipped)} flipped: whole graph {_round(with_ms)} ms as tuned, "
+                                   f"{_round(without_ms)} without them")
         outcome.rechecked.append(target.shapes_by_position(shapes))
         self.tuning.choices = target.by_name(outcome.choices)
         self._store_outcome()

@@ -51,6 +51,7 @@ def test_a_shape_repeats_only_when_seen_again_and_a_dimension_changing_at_most_c
     key16 = h.see(((2, 3, 16, 16), (2, 2, 4)))  # the image size changed once in 4 calls: static
     assert h.count(key16) == 1 and (0, 2) not in h.dynamic
     assert h.matches(key16, ((2, 3, 16, 16), (2, 9, 4))) and not h.matches(key16, a)
+    assert h.calls == 5 and h.distinct == 4
 
 
 def _fp32(low, fp32, cast=0.0):

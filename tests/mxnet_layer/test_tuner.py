@@ -316,6 +316,8 @@ def test_a_graph_seen_at_k_shapes_tunes_once_in_full_and_a_wide_margin_is_carrie
             run.call((batch, 3, 8, 8))
     assert kinds == ["full", "recheck", "recheck", "recheck"]
     assert (len(timed), len(graphs)) == (full_timed, full_graphs)  # nothing timed again: decided
+    rechecked = run.tuner.info()["graphs"][0]["rechecked"]
+    assert len(rechecked) == 3 and all("1 float32 choice(s) carried over" in r for r in rechecked)
     assert run.float32_ops() == [run.net.conv.name + "_fwd"] and run.rebuilds == 1
 
 
