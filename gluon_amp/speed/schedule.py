@@ -72,6 +72,7 @@ class _Graph:
         return statistics.median(got) if got else None
 
     def note(self, key: Shapes, seconds: float) -> None:
+        """Record one call-to-call time at ``key`` (the last few per key, for a few keys)."""
         if key in self.intervals or len(self.intervals) < _KEYS:
             kept = self.intervals.setdefault(key, [])
             kept.append(seconds)
@@ -80,6 +81,8 @@ class _Graph:
 
 @dataclass
 class _Block:
+    """One block of a graph: the choices it was built with (``version``), its last call."""
+
     graph: _Graph
     version: int
     last: Optional[float] = None

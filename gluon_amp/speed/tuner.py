@@ -280,10 +280,6 @@ class Job:
         self._steps = self._full() if outcome is None else self._recheck(outcome)
         self.next: Optional[Step] = next(self._steps, None)
 
-    @property
-    def done(self) -> bool:
-        return self.next is None
-
     def step(self) -> None:
         """Do :attr:`next`; then :attr:`next` is the one after it."""
         self.next = next(self._steps, None)
