@@ -29,6 +29,7 @@ from gluon_amp_core.timing_cache import TimingCache
 from gluon_amp_core.tune_schedule import Ledger, ShapeHistory, Shapes, TuneBudget
 
 from .. import mxnet_internals as mxi
+from .timing import release_memory
 from .tuner import Job, Outcome, Target, Tuning, applier, check_applied, graph_key, load_outcome, new_job, run
 
 #: The clock tuning is charged by (tests plant one of their own).
@@ -195,6 +196,7 @@ class Tuner:
             nonlocal released
             if step.whole_graph and not released:
                 mxi.drop_cached_graph(block)  # its memory is not held twice; built again for this call
+                release_memory()
                 released = True
 
         with self.cache().lock(blocking=False) as mine:
