@@ -52,8 +52,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--sizes", default="320,352,384",
                    help="input sizes cycled through, multiples of 32 (default: %(default)s; train_yolo3.py: 320..608)")
-    p.add_argument("--interval", type=int, default=10, help="batches per size (default: %(default)s, as train_yolo3.py)")
-    p.add_argument("--iters", type=int, default=50, help="the first iterations, timed with tuning (default: %(default)s)")
+    p.add_argument("--interval", type=int, default=10,
+                   help="batches per size (default: %(default)s, as train_yolo3.py)")
+    p.add_argument("--iters", type=int, default=50,
+                   help="the first iterations, timed with tuning (default: %(default)s)")
     p.add_argument("--steady-iters", type=int, default=None,
                    help="iterations after them for the steady state (default: one pass through the sizes)")
     p.add_argument("--modes", default="fp32,untuned,default", help=f"comma-separated, of {', '.join(MODES)}")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -514,7 +513,8 @@ def tune_graph(sym: Symbol, input_dtypes: Mapping[str, str], input_shapes: Mappi
     outcome = load_outcome(cache, graph_key(target), len(target.graph["nodes"]))
     job = new_job(target, input_shapes, cache, outcome)
     if job is None:  # an outcome that holds at these shapes
-        return Tuning(target.by_name(outcome.choices if outcome else {}), cached=1, status="read from the cache"), dtypes
+        held = target.by_name(outcome.choices if outcome else {})
+        return Tuning(held, cached=1, status="read from the cache"), dtypes
     with cache.lock():  # one process measures at a time; the others then read what it stored
         finished = run(job, ledger, cap_only=True)
     tuning = job.tuning

@@ -365,7 +365,8 @@ def test_the_outcome_serves_the_same_graph_at_other_shapes_in_later_processes_an
     monkeypatch.setattr(schedule, "_LEDGER", Ledger())  # as a new process would
     later = _Training(clock, budget=0)  # reads the cache only
     later.call((8, 3, 8, 8))  # its first call, at another shape: tuned already
-    assert later.float32_ops() == [later.net.conv.name + "_fwd"] and "read from the cache" in later.net.amp_tuning.status
+    assert later.float32_ops() == [later.net.conv.name + "_fwd"]
+    assert "read from the cache" in later.net.amp_tuning.status
     # another graph (another dense layer) with the same convolutions at the same shapes:
     # only what differs is measured
     n_timed = len(timed)
