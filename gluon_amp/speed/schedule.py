@@ -162,16 +162,16 @@ class Tuner:
         if b is None:
             return False
         g = b.graph
-        now = clock()
-        self.ledger.start(now)
+        at = clock()
+        self.ledger.start(at)
         key = g.history.see(_shapes(a for a in mxi.call_arrays(args) if isinstance(a, NDArray)))
         if b.last is not None and b.last_key == key:
             if b.rebuilt:  # the call after a rebuild paid for it: what it took beyond a step
                 typical = g.step_s(key)
                 if typical is not None:
-                    self.ledger.charge(now - b.last - typical, "rebuilding graphs")
+                    self.ledger.charge(at - b.last - typical, "rebuilding graphs")
             else:
-                g.note(key, now - b.last)
+                g.note(key, at - b.last)
         released = False
         if b.version == g.version and not g.broken and self.ledger.budget.seconds > 0:
             released = self._work(g, block, key)
@@ -204,7 +204,7 @@ class Tuner:
                 g.tuning.status = "tuning waits: another process is measuring on this machine"
                 return False
             mx.nd.waitall()  # the step the user queued is not tuning's to pay for
-            done = run(job, self.ledger, _now, before=before)
+            done = run(job, self.ledger, now, before=before)
             if not done:
                 t0 = clock()
                 job.flush()
@@ -226,7 +226,7 @@ class Tuner:
             g.done_keys.add(key)
             return None
         shapes = dict(zip(g.data_names, g.history.last or ()))
-        job = new_job(g.target, shapes, self.cache(), g.outcome, g.step_s(key), _now)
+        job = new_job(g.target, shapes, self.cache(), g.outcome, g.step_s(key), now)
         if job is None:
             g.done_keys.add(key)
         return job
@@ -236,12 +236,12 @@ class Tuner:
         return tuple(by_name.get(n, ()) for n in g.data_names)
 
     def _waiting(self, g: _Graph, job: Job) -> None:
-        now = clock()
+        at = clock()
         step = job.next
         what = "a full tuning" if job.kind == "full" else "a re-check"
         g.tuning.status = (f"{what} at input shapes {_shown(job.shapes)} waits for the budget: next {step.what} "
                            f"~{step.estimate:.2f} s; spent {self.ledger.spent:.2f} s of "
-                           f"{self.ledger.allowance(now):.2f} s allowed so far ({self.ledger.budget.describe()})")
+                           f"{self.ledger.allowance(at):.2f} s allowed so far ({self.ledger.budget.describe()})")
 
     def _finish(self, g: _Graph, job: Job) -> None:
         t = g.tuning
@@ -274,7 +274,7 @@ class Tuner:
 
     # -- what runtime_info() shows
     def info(self) -> Dict[str, Any]:
-        now = clock()
+        at = clock()
         graphs = []
         for g in self.graphs.values():
             busy = g.job.tuning if g.job is not None else Tuning()  # a job under way: what it did so far
@@ -285,11 +285,12 @@ class Tuner:
                            "float32_choices": sorted(n for n, c in g.tuning.choices.items() if c.dtype == "float32"),
                            "withdrawn": list(g.tuning.withdrawn), "measured": g.tuning.timed + busy.timed,
                            "read": g.tuning.cached + busy.cached, "seconds": round(g.tuning.seconds + busy.seconds, 3)})
-        return {**self.ledger.to_dict(now), "graphs": graphs}
+        return {**self.ledger.to_dict(at), "graphs": graphs}
 
 
-def _now() -> float:
-    return clock()  # looked up at each call: a planted clock replaces the module's
+def now() -> float:
+    """:data:`clock`'s time, looked up at each call (a planted clock replaces the module's)."""
+    return clock()
 
 
 def _shapes(arrays: Any) -> Shapes:

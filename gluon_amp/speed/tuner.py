@@ -506,17 +506,18 @@ def tune_graph(sym: Symbol, input_dtypes: Mapping[str, str], input_shapes: Mappi
     run as users run it) is at least :data:`MIN_GAIN` faster. What the budget does not pay
     for is left as the plan has it. Returns the tuning and the graph's dtypes as MXNet infers them.
     """
-    from .schedule import process_ledger  # the budget is per process, shared with init's tuning
+    from .schedule import now, process_ledger  # the budget is per process, shared with init's tuning
     ledger = ledger or process_ledger(policy.tune_budget)
     dtypes = infer_dtypes(sym, input_dtypes, partial=True) or {}
     target = Target(sym, dict(input_dtypes), apply, policy, train, fused)
     outcome = load_outcome(cache, graph_key(target), len(target.graph["nodes"]))
-    job = new_job(target, input_shapes, cache, outcome)
+    job = new_job(target, input_shapes, cache, outcome, clock=now)
     if job is None:  # an outcome that holds at these shapes
         held = target.by_name(outcome.choices if outcome else {})
         return Tuning(held, cached=1, status="read from the cache"), dtypes
     with cache.lock():  # one process measures at a time; the others then read what it stored
-        finished = run(job, ledger, cap_only=True)
+        finished = run(job, ledger, now, cap_only=True)
+        job.flush()
     tuning = job.tuning
     if finished:
         tuning.status = tuning.status if "could not" in tuning.status else f"tuned ({job.kind})"

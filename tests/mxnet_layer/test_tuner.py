@@ -60,6 +60,21 @@ def test_a_change_the_whole_graph_does_not_confirm_is_not_kept(monkeypatch):
     assert "measured" not in {r.reason for r in gluon_amp.report(block).rows}
 
 
+def test_conversion_tunes_within_the_budgets_cap_and_converts_the_plan_past_it(monkeypatch, clock):
+    timed, graphs = _plant(monkeypatch, clock, op_s_per_element=2e-4)
+    net = make_net()
+    net(mx.nd.ones((2, 3, 8, 8)))
+    shapes = {"data": (2, 3, 8, 8)}
+    policy = gluon_amp.make_policy("bfloat16", tune=True, tune_budget=1)  # 1 s: some ops, no whole graph
+    capped = gluon_amp.convert_hybrid_block(net, policy, fuse=False, input_shapes=shapes)
+    assert timed and graphs == [] and "measured" not in {r.reason for r in gluon_amp.report(capped).rows}
+    assert schedule.process_ledger().spent <= 1 + schedule.process_ledger().overrun
+    n_timed = len(timed)
+    tuned = gluon_amp.convert_hybrid_block(net, "bfloat16", fuse=False, tune=True, input_shapes=shapes)  # 600 s
+    assert "measured" in {r.reason for r in gluon_amp.report(tuned).rows}
+    assert all(t.key not in {u.key for u in timed[:n_timed]} for t in timed[n_timed:])  # continued, not redone
+
+
 def test_tune_needs_input_shapes_and_rejects_emulation_with_clear_errors():
     net = make_net()
     net(mx.nd.ones((1, 3, 8, 8)))
