@@ -19,9 +19,10 @@ cannot run the target dtype usefully (no bfloat16 kernels, only emulated ones, o
 measured slower than float32 by gluon_amp's speed probe, with ``--target-dtype auto``), AMP
 modes are not run: FP32 runs alone and the reason, with the probe's figures, is printed.
 ``--target-dtype bfloat16`` runs AMP there anyway. The ``gluon_amp`` mode is ``init()``'s
-default, which tunes (ops kept in float32 where the whole graph measured faster so; the first
-run on a machine measures, later ones read the cache); ``--untuned`` adds ``gluon_amp-untuned``
-(also an ``--impl``): ``init(tune=False)``, the op table's plan as it is.
+default: the graph's tuned choices where the timing cache holds them (ops kept in float32 where
+the whole graph measured faster so), else the plan (tuning runs in training loops, within its
+budget: docs/speed.md); ``--untuned`` adds ``gluon_amp-untuned`` (also an ``--impl``):
+``init(tune=False)``, the op table's plan as it is.
 stdout carries the log lines, a progress bar and the closing table; ``--json`` writes the
 full document.
 """
@@ -248,7 +249,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "runs AMP even where it was measured slower")
     p.add_argument("--untuned", action="store_true",
                    help="with --amp: also train gluon_amp with tune=False (the op table's plan as it is, "
-                        "untimed), beside the default, which tunes")
+                        "untimed), beside the default (tuned where the timing cache holds the outcome)")
     p.add_argument("--emulate", default="", metavar="DTYPES",
                    help="also train gluon_amp with emulate=True for these target dtypes (float16, "
                         "bfloat16, comma separated): the AMP plan in float32 with the target's rounding, "

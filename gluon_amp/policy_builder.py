@@ -14,6 +14,7 @@ from typing import Any, Optional, Sequence
 from . import mxnet_internals as mxi, runtime
 from gluon_amp_core.policy import FLOAT32, Policy
 from gluon_amp_core.table import ConditionalSpec
+from gluon_amp_core.tune_schedule import ENV as TUNE_BUDGET_ENV, TuneBudget, parse_budget
 
 
 def make_policy(target_dtype: Any = None, *,
@@ -24,7 +25,8 @@ def make_policy(target_dtype: Any = None, *,
                 keep_batchnorm_fp32: Optional[bool] = None,
                 emulate: Optional[bool] = None,
                 excluded_sym_names: Optional[Sequence[str]] = None,
-                tune: Optional[bool] = None) -> Policy:
+                tune: Optional[bool] = None,
+                tune_budget: Any = None) -> Policy:
     """A validated policy: ``target_dtype`` resolved for this machine (``None`` picks;
     see :func:`gluon_amp_core.capability.resolve_target`), op names checked against MXNet's
     mxi. Where no useful low precision exists the policy is float32 (AMP off) and a
@@ -35,7 +37,8 @@ def make_policy(target_dtype: Any = None, *,
     ``excluded_sym_names`` keeps those op nodes in float32. ``tune`` times the ops a graph
     runs low on this machine and keeps in float32 those that do not make the whole graph
     faster (:mod:`gluon_amp.speed.tuner`); ``None`` (the default) tunes unless emulating or
-    ``GLUON_AMP_TUNE=0``.
+    ``GLUON_AMP_TUNE=0``. ``tune_budget`` bounds what tuning spends per process (see
+    :func:`gluon_amp.init`); ``None``: ``$GLUON_AMP_TUNE_BUDGET``, else the default.
     """
     if emulate not in (None, True, False):
         raise TypeError(f"emulate must be True, False or None, got {emulate!r}")
@@ -50,6 +53,7 @@ def make_policy(target_dtype: Any = None, *,
                          conditional_fp32_ops=conditional_fp32_ops, fp32_ops=fp32_ops,
                          widest_type_ops=widest_type_ops, keep_batchnorm_fp32=keep_batchnorm_fp32,
                          emulate=bool(emulate), tune=tune_default() if tune is None and not emulate else bool(tune),
+                         tune_budget=tune_budget_default() if tune_budget is None else tune_budget,
                          excluded_sym_names=excluded_sym_names, known_ops=mxi.op_infos().keys(),
                          aliases=mxi.aliases(), reason=reason)
 
@@ -61,6 +65,13 @@ TUNE_ENV = "GLUON_AMP_TUNE"
 def tune_default() -> bool:
     """What ``tune=None`` means: tune, unless ``GLUON_AMP_TUNE=0``."""
     return os.environ.get(TUNE_ENV, "").strip().lower() not in ("0", "off", "false", "no")
+
+
+def tune_budget_default() -> TuneBudget:
+    """What ``tune_budget=None`` means: ``$GLUON_AMP_TUNE_BUDGET`` if set, else the default
+    (:data:`gluon_amp_core.tune_schedule.DEFAULT_BUDGET`)."""
+    text = os.environ.get(TUNE_BUDGET_ENV, "").strip()
+    return parse_budget(text or None, f"${TUNE_BUDGET_ENV}")
 
 
 def as_policy(target_dtype: Any = None, **lists: Any) -> Policy:

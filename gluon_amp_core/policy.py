@@ -11,6 +11,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
 
 from .dtypes import parse_target_dtype
 from .table import ConditionalSpec, OpTable, build_table, check_conditional, check_name_list
+from .tune_schedule import TuneBudget, parse_budget
 
 #: A ``target_dtype`` of ``FLOAT32`` means AMP is off: no useful low precision here.
 FLOAT32 = "float32"
@@ -37,6 +38,9 @@ class Policy:
     tune : bool
         Time each low-precision op of a graph in both dtypes, with its casts, on this
         machine, and keep in float32 those not faster low (:mod:`gluon_amp_core.tune`).
+    tune_budget : TuneBudget or None
+        What tuning may spend per process (:mod:`gluon_amp_core.tune_schedule`); set when
+        ``tune`` is, ``None`` otherwise.
     table : OpTable or None
         The op table these settings give, checked against the registry it was built with.
     reason : str or None
@@ -52,6 +56,7 @@ class Policy:
     emulate: bool = False
     excluded_sym_names: Optional[Tuple[str, ...]] = None
     tune: bool = False
+    tune_budget: Optional[TuneBudget] = None
     table: Optional[OpTable] = field(default=None, compare=False, repr=False)
     reason: Optional[str] = field(default=None, compare=False)
 
@@ -69,6 +74,7 @@ class Policy:
                emulate: bool = False,
                excluded_sym_names: Optional[Sequence[str]] = None,
                tune: bool = False,
+               tune_budget: Any = None,
                known_ops: Optional[Iterable[str]] = None,
                aliases: Optional[Mapping[str, str]] = None,
                reason: Optional[str] = None) -> "Policy":
@@ -77,7 +83,8 @@ class Policy:
         ``target_dtype`` is a low-precision dtype (any spelling ``parse_target_dtype``
         takes) or ``'float32'`` for off; ``None`` is resolved by the MXNet layer
         (:func:`gluon_amp.make_policy`), which knows the machine. ``known_ops``/``aliases`` are the registry to check op
-        names against. Raises ``TypeError``/``ValueError`` naming the bad argument.
+        names against. ``tune_budget`` is anything :func:`~gluon_amp_core.tune_schedule.parse_budget`
+        reads (``None``: the default). Raises ``TypeError``/``ValueError`` naming the bad argument.
         """
         lists = dict(
             target_precision_ops=_opt(check_name_list, "target_precision_ops", target_precision_ops),
@@ -94,6 +101,8 @@ class Policy:
         if tune and emulate:
             raise ValueError("tune=True with emulate=True: emulation runs every op in float32, so there is "
                              "no speed to tune; drop one of them (tune on hardware with the target's kernels).")
+        budget = parse_budget(tune_budget)  # checked even when unused: a typo is an error either way
+        budget = budget if tune else None
         excluded = None if excluded_sym_names is None else _node_names(excluded_sym_names)
         if target_dtype == FLOAT32:
             return cls(FLOAT32, **lists, keep_batchnorm_fp32=keep_batchnorm_fp32,
@@ -101,7 +110,7 @@ class Policy:
         table = build_table(parse_target_dtype(target_dtype), **lists, keep_batchnorm_fp32=keep_batchnorm_fp32,
                             known_ops=known_ops, aliases=aliases)
         return cls(table.target_dtype, **lists, keep_batchnorm_fp32=keep_batchnorm_fp32, emulate=emulate,
-                   excluded_sym_names=excluded, tune=tune, table=table)
+                   excluded_sym_names=excluded, tune=tune, tune_budget=budget, table=table)
 
     @property
     def excluded(self) -> frozenset:

@@ -76,21 +76,29 @@ class TimingCache:
         return Loaded(doc["entries"])
 
     @contextlib.contextmanager
-    def lock(self) -> Iterator[None]:
+    def lock(self, blocking: bool = True) -> Iterator[bool]:
         """Hold this machine's measuring lock (a lock file beside the cache, ``flock``), so
         processes started together measure one after the other: the later ones then read
         the first one's figures, and nobody times while another process is timing. Where
-        there is no ``fcntl`` (not POSIX), or the folder cannot be written, it does nothing."""
+        there is no ``fcntl`` (not POSIX), or the folder cannot be written, it does nothing.
+
+        Yields whether this process may measure: always True when ``blocking`` (it waits
+        its turn); with ``blocking=False``, False at once while another process holds it
+        (a training step must not wait for another process's measurements)."""
         try:
             import fcntl
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         except (ImportError, OSError):
-            yield
+            yield True
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            yield True
         finally:
             os.close(fd)  # releases the lock
 

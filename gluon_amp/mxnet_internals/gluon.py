@@ -152,7 +152,8 @@ class BlockHooks:
 def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], Symbol],
                         stale: Callable[[HybridBlock], None],
                         reshaped: Optional[Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], bool]] = None,
-                        watch: Optional[Callable[[HybridBlock], bool]] = None) -> BlockHooks:
+                        watch: Optional[Callable[[HybridBlock], bool]] = None,
+                        called: Optional[Callable[[HybridBlock, tuple], bool]] = None) -> BlockHooks:
     """Until :func:`remove_block_hooks`: every HybridBlock's freshly built graph passes
     through ``rewrite(block, args, inputs, out)``, as does, before its first run, a graph
     a block was given (a SymbolBlock's: the block runs the result and keeps its own, see
@@ -160,10 +161,13 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
     passed to ``stale`` once. A block whose graph was built here and that ``watch(block)``
     names, called with other input shapes than the call that built it (or the last one
     checked), is passed to ``reshaped(block, args, inputs, out)``; if it returns True, the
-    graph is dropped and built again, through ``rewrite``, for this call. Blocks built and
-    run inside :func:`hooks_paused` pass untouched. Costs a set lookup per call, and the
+    graph is dropped and built again, through ``rewrite``, for this call. Every call of a
+    block whose graph the hooks built passes to ``called(block, args)`` before it runs
+    (the tuner's turn); True drops the graph and builds it again the same way. Blocks built
+    and run inside :func:`hooks_paused` pass untouched. Costs a set lookup per call, and the
     input shapes for watched blocks (a few microseconds), whatever the size of the heap."""
     built: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
+    given: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()  # blocks whose graph was given, rewritten
     seen: "weakref.WeakKeyDictionary[HybridBlock, tuple]" = weakref.WeakKeyDictionary()
 
     def _get_graph(self: HybridBlock, *args: Any) -> Any:
@@ -189,18 +193,29 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
                     # A graph that never went through _get_graph and has not run yet: a
                     # SymbolBlock is given its graph when constructed (GluonCV's feature
                     # extractors build theirs from symbols, under init's patched mx.sym).
-                    inputs, out = self._cached_graph
-                    rewritten = rewrite(self, args, inputs, out)
-                    if rewritten is not out:
-                        _RUN_GRAPHS[self] = (inputs, rewritten)
+                    given.add(self)
+                    _rewrite_given(self, args)
                 stale(self)
-            elif self in seen:  # watched, and its graph went through rewrite
-                shapes = _shapes(args)
-                if seen.get(self) != shapes:
-                    seen[self] = shapes
-                    if reshaped(self, args, *self._cached_graph):
-                        self._clear_cached_op()  # rebuilt below, through _get_graph
+            else:
+                if self in seen:  # watched, and its graph went through rewrite
+                    shapes = _shapes(args)
+                    if seen.get(self) != shapes:
+                        seen[self] = shapes
+                        if reshaped(self, args, *self._cached_graph):
+                            self._clear_cached_op()  # rebuilt below, through _get_graph
+                if called is not None and called(self, args):
+                    self._clear_cached_op()  # rebuilt below, through _get_graph (a SymbolBlock keeps its graph)
+                    if self in given:
+                        _rewrite_given(self, args)
         return _CALL_CACHED_OP(self, *args)
+
+    def _rewrite_given(self: HybridBlock, args: tuple) -> None:
+        inputs, out = self._cached_graph
+        rewritten = rewrite(self, args, inputs, out)
+        if rewritten is not out:
+            _RUN_GRAPHS[self] = (inputs, rewritten)
+        else:
+            _RUN_GRAPHS.pop(self, None)
 
     HybridBlock._get_graph, HybridBlock._call_cached_op = _get_graph, _call_cached_op
     return BlockHooks(_get_graph, _call_cached_op)

@@ -19,7 +19,7 @@ from gluon_amp_core.table import ConditionalSpec
 
 from .. import mxnet_internals as mxi, runtime
 from ..policy_builder import as_policy
-from ..speed.tuner import training_rewriter
+from ..speed.schedule import Tuner
 from .hooks import graph_rewriter, holds_amp_plan
 from .wrappers import ScalerRegistry, wrapper_for
 
@@ -34,6 +34,8 @@ class _Active:
     hooks: mxi.BlockHooks
     #: loss scalers attached (init_trainer) while this init is on; loss-output ops read them
     scalers: ScalerRegistry = field(default_factory=ScalerRegistry)
+    #: tunes the blocks' graphs as they train (``tune``), within the process's budget
+    tuner: Optional[Tuner] = None
 
 
 _lock = threading.RLock()
@@ -80,14 +82,24 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
         Op node names (as in a hybridized block's graph, e.g. ``'dense0_fwd'``, and as
         :func:`gluon_amp.debug.bisect` returns them) kept in float32.
     tune : bool, optional
-        When a hybridized block first builds its graph, time each op the plan runs low,
-        forward and backward at the call's shapes, in both dtypes with the casts it needs,
-        propose which to keep in float32, and keep those proposals that make the whole
-        graph faster, timed (all cached per machine; the first time costs seconds to
-        minutes, depending on the model). :func:`gluon_amp.report` names them with their
-        figures. ``None`` (the default): on, except with ``emulate=True`` or where
-        ``GLUON_AMP_TUNE=0``; ``False``: the op table's plan as it is.
-
+        Choose per op, by timing on this machine, which ops the plan runs low stay in
+        float32: each op timed alone in both dtypes with the casts it needs, then the
+        proposals kept only where the whole graph gets faster. A hybridized block's first
+        call runs the plan (or what the timing cache holds for its graph structure);
+        tuning starts once an input shape repeats, runs between calls as far as
+        ``tune_budget`` has paid for, and the block's graph is built again when its
+        choices change. One tuning per graph structure serves every shape; another shape
+        re-times only the choices that could flip there (docs/speed.md). All of it is
+        cached per machine. :func:`gluon_amp.report` names the choices with their figures,
+        ``runtime_info()['tune']`` shows what was spent and what waits. ``None`` (the
+        default): on, except with ``emulate=True`` or where ``GLUON_AMP_TUNE=0``;
+        ``False``: the op table's plan as it is.
+    tune_budget : float, str or TuneBudget, optional
+        What tuning may spend per process: a number of seconds (spent as soon as shapes
+        repeat), ``'2%'`` (a share of the wall time since training began, tuning
+        included), or both (``'2%,600'``); ``0`` only reads the cache. ``None`` (the
+        default): ``$GLUON_AMP_TUNE_BUDGET``, else 1% of the training time so far, at
+        most 600 s. Whatever is not tuned by then runs the plan.
     Returns
     -------
     Policy
@@ -119,10 +131,11 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
             scalers.add(hook)
         patches = _patch_all(policy, scalers)
         rewrite, reshaped, watch = graph_rewriter(policy)
-        if policy.tune:  # after the rewrite: the plan's shape rules apply first, and tuning needs kernels
-            rewrite = _after(rewrite, training_rewriter(policy, lambda: runtime.timing_cache()))
-        hooks = mxi.install_block_hooks(rewrite, _warn_stale, reshaped, watch)
-        _active = _Active(policy, patches, hooks, scalers)
+        tuner = Tuner(policy, lambda: runtime.timing_cache()) if policy.tune else None
+        if tuner is not None:  # after the rewrite: the plan's shape rules apply first, and tuning needs kernels
+            rewrite = _after(rewrite, tuner.rewrite)
+        hooks = mxi.install_block_hooks(rewrite, _warn_stale, reshaped, watch, tuner.called if tuner else None)
+        _active = _Active(policy, patches, hooks, scalers, tuner)
         _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
                   policy.describe(), len(_active.patches))
         return policy
@@ -204,6 +217,13 @@ def is_enabled() -> bool:
 def current_policy() -> Optional[Policy]:
     """The policy in force, or ``None`` when nothing is patched."""
     return _active.policy if _active is not None else None
+
+
+def tuning_info() -> Optional[dict]:
+    """What tuning has spent and where each graph stands (``None`` when AMP is off or does
+    not tune): :meth:`gluon_amp.speed.schedule.Tuner.info`."""
+    active = _active
+    return active.tuner.info() if active is not None and active.tuner is not None else None
 
 
 def patched_functions() -> Tuple[mxi.SavedFunction, ...]:

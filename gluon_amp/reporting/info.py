@@ -8,8 +8,8 @@ from gluon_amp_core.capability import Bf16
 from gluon_amp_core.resolve import Resolution
 
 from .. import _numpy_shim, runtime
-from ..patching import current_policy
-from ..speed import probe
+from ..patching import current_policy, tuning_info
+from ..speed import probe, schedule
 
 
 def runtime_info() -> Dict[str, Any]:
@@ -25,6 +25,7 @@ def runtime_info() -> Dict[str, Any]:
         "default_target_dtype": default.dtype,
         "default_why": default.warning,
         "speed": _speed(default),
+        "tune": _tune(),
         "amx_hint": cap.amx_hint,
         "bf16": cap.bf16.value,
         "bf16_why": cap.why,
@@ -54,6 +55,17 @@ def _speed(default: Resolution) -> Dict[str, Any]:
     else:
         why = f"not run: {probe.ENV}=0; the flag rule decides"
     return {"source": why, "decision": default.dtype}
+
+
+def _tune() -> Dict[str, Any]:
+    """What tuning spent in this process, against which budget, and where each graph stands."""
+    got = tuning_info()
+    if got is not None:
+        return got
+    policy = current_policy()
+    why = ("AMP is off" if policy is None else
+           "emulate=True" if policy.emulate else "tune=False (or GLUON_AMP_TUNE=0)")
+    return {"status": f"not tuning during training: {why}", **schedule.process_ledger().to_dict(schedule.clock())}
 
 
 def amp_mode() -> str:

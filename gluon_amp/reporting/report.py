@@ -44,9 +44,12 @@ class Report:
     totals_by_reason: Dict[str, int] = field(default_factory=dict)
     #: the graph runs the plan emulated in float32 (dtypes shown are the plan's)
     emulated: bool = False
+    #: where tuning stands for this block's graph ("" when it was not tuned)
+    tuning: str = ""
 
     def to_dict(self) -> Dict[str, Any]:
         return {"target_dtype": self.target_dtype, "casts": self.casts, "emulated": self.emulated,
+                "tuning": self.tuning,
                 "totals_by_dtype": self.totals_by_dtype, "totals_by_reason": self.totals_by_reason,
                 "ops": [r.__dict__ for r in self.rows]}
 
@@ -59,6 +62,7 @@ class Report:
                   f"ops by reason: {dict(sorted(self.totals_by_reason.items()))}",
                   f"casts: {self.casts}  (target dtype {self.target_dtype}"
                   + (", emulated in float32: dtypes are the plan's, values rounded to them)" if self.emulated else ")")]
+        lines += [f"tuning: {self.tuning}"] if self.tuning else []
         return "\n".join(lines)
 
 
@@ -123,5 +127,7 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
         real = node_attrs.get(REAL_DTYPE_ATTR)
         rows.append(OpRow(nd.name, nd.op, real or by_name.get((nd.name, 0)) or "?", reason, real is not None,
                           node_attrs.get(MEASURED_WHY_ATTR, "")))
+    tuning = getattr(symbol_or_block, "amp_tuning", None)
     return Report(label, rows, casts, dict(Counter(r.dtype for r in rows)),
-                  dict(Counter(r.reason.split(" ")[0] for r in rows)), any(r.emulated for r in rows))
+                  dict(Counter(r.reason.split(" ")[0] for r in rows)), any(r.emulated for r in rows),
+                  getattr(tuning, "status", ""))

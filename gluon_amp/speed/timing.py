@@ -137,11 +137,17 @@ def time_graphs(syms: Sequence[mx.sym.Symbol], shapes: Mapping[str, Tuple[int, .
             pass
         return None
     finally:
-        # A hybridized block holds its graph's whole memory (static_alloc) and Gluon blocks
-        # sit in reference cycles: free them now that no frame holds them, not when the
-        # collector next runs (trials of SSD-512 at batch 8 would pile up several GB each).
-        gc.collect()
-        _trim_heap()
+        release_memory()
+
+
+def release_memory() -> None:
+    """Free the graphs no frame holds any more, now, and hand their pages back to the OS.
+
+    A hybridized block holds its graph's whole memory (static_alloc) and Gluon blocks sit
+    in reference cycles: without this they are freed when the collector next runs (trials
+    of SSD-512 at batch 8 would pile up several GB each)."""
+    gc.collect()
+    _trim_heap()
 
 
 def _take_turns(steps: Sequence[Callable[[], float]], runs: int, give_up_ms: Optional[float]) -> List[float]:

@@ -2,9 +2,14 @@
 
 For a graph and the shapes it runs with: MXNet infers every entry's dtype and shape, the
 core lists what to time, this module times what the speed table (the machine's timing
-cache) does not hold yet, and the core chooses. ``init(tune=True)`` applies the choices to
-each hybridized block's training graph when it is first built (:func:`training_rewriter`);
-``convert_hybrid_block(..., tune=True)`` passes them to the converter.
+cache) does not hold yet, and the core chooses. The work is cut into steps (one op's
+timing, the whole-graph trials) that a :class:`~gluon_amp_core.tune_schedule.Ledger` pays
+for: :mod:`gluon_amp.speed.schedule` runs them between the training calls of a hybridized
+block (``init``), :func:`tune_graph` all at once for the converters.
+
+A graph's outcome is kept per graph structure, not per shape: tuned once in full at one
+input shape, it serves every shape, re-checked only where
+:func:`gluon_amp_core.tune_schedule.could_flip` says a choice could flip (:class:`Job`).
 """
 from __future__ import annotations
 
@@ -12,21 +17,19 @@ import hashlib
 import json
 import logging
 import time
-import warnings
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import mxnet as mx
-from mxnet.gluon import HybridBlock
-from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import MeasuredChoice, decide
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import Change, retype
-from gluon_amp_core.walk import measured_attrs
 from gluon_amp_core.timing_cache import TimingCache
-from gluon_amp_core.tune import Problem, choose, groups, problem
+from gluon_amp_core.tune import Problem, Timed, choose, groups, problem
+from gluon_amp_core.tune_schedule import SIZE_STEP, Ledger, elements, still_float32, to_retime
+from gluon_amp_core.walk import measured_attrs
 
 from .. import mxnet_internals as mxi
 from ..type_inference import infer_dtypes, infer_shapes
@@ -34,38 +37,7 @@ from .timing import time_graph, time_op
 
 _log = logging.getLogger(__name__)
 _PREFIX = "op/"
-
-
-@dataclass
-class Tuning:
-    """What one tuning did: the choices, how many measurements it made or read, its cost."""
-
-    choices: Dict[str, MeasuredChoice] = field(default_factory=dict)
-    timed: int = 0
-    cached: int = 0
-    seconds: float = 0.0
-    #: whole-graph trials: (the change tried, its ms), the plan first
-    trials: list = field(default_factory=list)
-
-
-def measure(prob: Problem, cache: TimingCache) -> Tuple[Dict[str, Optional[float]], int, int]:
-    """Times of everything ``prob`` needs, from ``cache`` or measured now (and stored).
-
-    Returns the times, how many were measured and how many read. A failure to run an op
-    is stored too (as ``None``), so it is not tried again.
-    """
-    stored = cache.load().entries
-    times: Dict[str, Optional[float]] = {}
-    new: Dict[str, Optional[float]] = {}
-    for t in prob.to_time():
-        if _PREFIX + t.key in stored:
-            times[t.key] = stored[_PREFIX + t.key]
-        else:
-            new[_PREFIX + t.key] = times[t.key] = time_op(t.op, dict(t.attrs), t.shapes, t.dtypes, t.train)
-    if new:
-        _store(cache, new)
-    return times, len(new), len(prob.to_time()) - len(new)
-
+_GRAPH = "tune/"
 
 #: Groups of changes tried on the whole graph, at most; and by how much a change must
 #: speed the whole graph up to be kept (timing noise on a shared machine is a few percent).
@@ -74,147 +46,173 @@ MIN_GAIN = 0.03
 #: A change whose first (warm-up) run already takes this many times the plan's step is not
 #: timed further: warm-up costs up to ~2 steps (oneDNN primitives are created then).
 GIVE_UP = 2.5
+#: Estimates of a step's cost (s): preparing a graph (type and shape inference, the
+#: problem) per node; one op's timing beyond its runs (binding); the first whole-graph
+#: timing of a job in steps of the graph (a warm-up that creates oneDNN's primitives, about
+#: two steps more, then :data:`GRAPH_RUNS` runs) plus building the block that runs it (a
+#: fixed part and a part per node; YOLOv3-MobileNet's training graph, 611 nodes, took 5.6 s
+#: a timing at 0.74 s a step). Later timings of the job are estimated from the first one's
+#: cost. Too high only delays tuning; too low overdraws the budget by that step.
+PREPARE_S_PER_NODE = 2e-4
+OP_OVERHEAD_S = 0.01
+GRAPH_RUNS = 2
+GRAPH_TIMING_STEPS = GRAPH_RUNS + 3
+GRAPH_BUILD_S = 0.15
+GRAPH_BUILD_S_PER_NODE = 5e-3
+#: A trial graph costs up to this much more than the plan to time (its casts, new primitives).
+TRIAL_COST = 1.25
+#: Before any op of a graph is timed, its timing is guessed at this many runs of the op
+#: (a warm-up and five runs per dtype, and the bind): its share of the step, by size.
+OP_TIMING_RUNS = 7
+#: Per-op figures measured but not yet written to the cache are written at least this often (s).
+FLUSH_S = 2.0
 
 
-def signature(graph: dict, shapes: Mapping[str, Tuple[int, ...]], dtypes: Mapping[str, str],
-              train: bool, fused: bool) -> str:
-    """A key for a graph's tuning that survives renaming: ops, attributes and wiring by
-    position (Gluon's name prefixes count instances), input shapes and dtypes, mode."""
+@dataclass
+class Tuning:
+    """What tuning did for one graph: the choices in force, how many measurements it made
+    or read, what it cost, and where it stands (``status``)."""
+
+    choices: Dict[str, MeasuredChoice] = field(default_factory=dict)
+    timed: int = 0
+    cached: int = 0
+    seconds: float = 0.0
+    #: whole-graph trials: (the change tried, its ms), the plan first
+    trials: list = field(default_factory=list)
+    status: str = "not tuned yet"
+    #: input shapes it was tuned at in full, and where it was re-checked since
+    tuned_at: Optional[Dict[str, Tuple[int, ...]]] = None
+    rechecked: List[str] = field(default_factory=list)
+    withdrawn: List[str] = field(default_factory=list)
+
+
+def signature(graph: dict, dtypes: Mapping[str, str], train: bool, fused: bool) -> str:
+    """A key for a graph that survives renaming and serves every input shape: ops,
+    attributes and wiring by position (Gluon's name prefixes count instances), input
+    dtypes, mode."""
     ops = [[n["op"], sorted((k, str(v)) for k, v in n.get("attrs", {}).items() if not k.startswith("__")),
             [e[:2] for e in n["inputs"]]] for n in graph["nodes"]]
     # inputs by node position too: parameter names carry the instance prefix (ssd0_, ssd1_)
-    position = {n["name"]: i for i, n in enumerate(graph["nodes"]) if n["op"] == "null"}
-    text = json.dumps([ops, graph["heads"], sorted((position[k], list(v)) for k, v in shapes.items() if k in position),
-                       sorted((position[k], v) for k, v in dtypes.items() if k in position), train, fused],
-                      separators=(",", ":"))
+    position = input_positions(graph)
+    text = json.dumps([ops, graph["heads"], sorted((position[k], v) for k, v in dtypes.items() if k in position),
+                       train, fused], separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def tune_graph(sym: Symbol, input_dtypes: Mapping[str, str], input_shapes: Mapping[str, Tuple[int, ...]],
-               policy: Policy, train: bool, apply: Callable[[Mapping[str, MeasuredChoice]], Symbol],
-               cache: TimingCache, fused: bool = False) -> Tuple[Tuning, Dict[Tuple[str, int], Optional[str]]]:
-    """Choose dtypes for ``sym``'s low-precision ops (typed by the plan) by measured speed.
-
-    The per-op speed table and :func:`gluon_amp_core.tune.choose` propose; each group of
-    proposals (by op, :func:`gluon_amp_core.tune.groups`) is kept only if the whole graph
-    with it (``apply(choices)``, run as users run it, training or inference) is at least
-    :data:`MIN_GAIN` faster. The outcome is kept in ``cache`` (the machine's timing cache)
-    per graph. Returns the tuning and the graph's dtypes as MXNet infers them.
-    """
-    t0 = time.perf_counter()
-    dtypes = infer_dtypes(sym, input_dtypes, partial=True) or {}
-    shapes = infer_shapes(sym, input_shapes)
-    graph = json.loads(sym.tojson(remove_amp_cast=False))
-    op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
-    prob = problem(graph["nodes"], graph["heads"], dtypes, shapes, policy.table, op_inputs, train, policy.excluded)
-    with cache.lock():  # one process measures at a time; the others then read what it stored
-        tuning = _tune_locked(sym, graph, prob, cache, apply, input_shapes, input_dtypes, train, fused)
-    tuning.seconds = time.perf_counter() - t0
-    _log.info("gluon_amp tune: %d ops timed in both dtypes (%d measurements made, %d read), "
-              "%d kept after whole-graph trials %s, in %.1f s", len(prob.candidates), tuning.timed, tuning.cached,
-              len(tuning.choices), tuning.trials, tuning.seconds)
-    for name, c in sorted(tuning.choices.items()):
-        _log.info("gluon_amp tune: %s %s", name, c.describe())
-    return tuning, dtypes
+def input_positions(graph: dict) -> Dict[str, int]:
+    """Input name -> its node's position in the graph."""
+    return {n["name"]: i for i, n in enumerate(graph["nodes"]) if n["op"] == "null"}
 
 
-def _tune_locked(sym: Symbol, graph: dict, prob: Problem, cache: TimingCache, apply: Callable,
-                 input_shapes: Mapping[str, Tuple[int, ...]], input_dtypes: Mapping[str, str],
-                 train: bool, fused: bool) -> Tuning:
-    times, timed, cached = measure(prob, cache)
-    proposals = choose(prob, times)
-    tuning = Tuning({}, timed, cached)
-    if proposals:
-        key = "graph/" + signature(graph, input_shapes, dict(input_dtypes), train, fused)
-        names = [n["name"] for n in graph["nodes"]]
-        stored = _restore(cache.load().entries.get(key), names)
-        if stored is not None:
-            tuning.choices = stored
-            tuning.cached += 1
-        else:
-            tuning.choices, tuning.trials = _trials(prob, proposals, apply, input_shapes, train, fused, sym)
-            position = {n: i for i, n in enumerate(names)}
-            if tuning.trials[0][1] is not None:  # the plan ran: the outcome is worth keeping
-                _store(cache, {key: {str(position[n]): [c.dtype, c.low_ms, c.fp32_ms, c.cast_ms, c.target,
-                                                        list(c.graph_ms) if c.graph_ms else None]
-                                     for n, c in tuning.choices.items()}})
-    return tuning
+# -- a graph's outcome, as the cache keeps it -----------------------------------------
 
+@dataclass
+class Outcome:
+    """A graph's tuning: its choices by node position, the input shapes (by input node
+    position) it was tuned at, and the shapes where it was re-checked since."""
 
-def _restore(stored: Any, names: Sequence[str]) -> Optional[Dict[str, MeasuredChoice]]:
-    """A graph's cached outcome (node position -> choice), or None if absent or malformed."""
-    if not isinstance(stored, dict):
-        return None
-    try:
-        return {names[int(i)]: MeasuredChoice(str(v[0]), float(v[1]), float(v[2]), float(v[3]), str(v[4]),
+    choices: Dict[int, MeasuredChoice]
+    tuned_at: Dict[int, Tuple[int, ...]]
+    rechecked: List[Dict[int, Tuple[int, ...]]] = field(default_factory=list)
+    #: choices withdrawn at another shape: position -> why
+    withdrawn: Dict[int, str] = field(default_factory=dict)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"choices": {str(p): [c.dtype, c.low_ms, c.fp32_ms, c.cast_ms, c.target,
+                                     list(c.graph_ms) if c.graph_ms else None] for p, c in self.choices.items()},
+                "tuned_at": {str(p): list(s) for p, s in self.tuned_at.items()},
+                "rechecked": [{str(p): list(s) for p, s in r.items()} for r in self.rechecked],
+                "withdrawn": {str(p): w for p, w in self.withdrawn.items()}}
+
+    @classmethod
+    def from_json(cls, doc: Any, nodes: int) -> Optional["Outcome"]:
+        """The stored outcome, or None if absent or malformed (then the graph is tuned again)."""
+        if not isinstance(doc, dict):
+            return None
+        try:
+            choices = {int(p): MeasuredChoice(str(v[0]), float(v[1]), float(v[2]), float(v[3]), str(v[4]),
                                               graph_ms=(float(v[5][0]), float(v[5][1])) if v[5] else None)
-                for i, v in stored.items() if 0 <= int(i) < len(names)}
-    except (TypeError, ValueError, IndexError):
-        return None
+                       for p, v in doc["choices"].items()}
+            shapes = [{int(p): tuple(int(d) for d in s) for p, s in r.items()}
+                      for r in [doc["tuned_at"], *doc.get("rechecked", [])]]
+            withdrawn = {int(p): str(w) for p, w in doc.get("withdrawn", {}).items()}
+        except (TypeError, ValueError, IndexError, KeyError, AttributeError):
+            return None
+        if any(not 0 <= p < nodes for p in choices):
+            return None
+        return cls(choices, shapes[0], shapes[1:], withdrawn)
+
+    def shapes_tried(self) -> List[Dict[int, Tuple[int, ...]]]:
+        """Every input shape where these choices were confirmed."""
+        return [self.tuned_at, *self.rechecked]
 
 
-def _trials(prob: Problem, proposals: Mapping[str, MeasuredChoice], apply: Callable, shapes: Mapping,
-            train: bool, fused: bool, sym: Symbol) -> Tuple[Dict[str, MeasuredChoice], list]:
-    """Keep each group of proposals that makes the whole graph faster, greedily."""
-    best = time_graph(sym, shapes, train, fused)
-    kept: Dict[str, MeasuredChoice] = {}
-    log = [("plan", round(best, 1) if best else None)]
-    if best is None:
-        return kept, log
-    for op, group in groups(prob, proposals)[:MAX_TRIALS]:
-        trial = {**kept, **group}
-        t = time_graph(apply(trial), shapes, train, fused, give_up_ms=GIVE_UP * best)
-        log.append((op, round(t, 1) if t else None))
-        if t is not None and t < best * (1 - MIN_GAIN):
-            kept = {**kept, **{n: replace(c, graph_ms=(best, t)) for n, c in group.items()}}
-            best = t
-    return kept, log
+def load_outcome(cache: TimingCache, sig: str, nodes: int) -> Optional[Outcome]:
+    return Outcome.from_json(cache.load().entries.get(_GRAPH + sig), nodes)
 
 
-def _store(cache: TimingCache, entries: Mapping[str, Any]) -> None:
-    try:
-        cache.store(entries)
-    except OSError as exc:
-        _log.info("gluon_amp: could not write %s (%s); measured again next time", cache.path, exc)
+# -- the graph a job tunes -------------------------------------------------------------
 
+@dataclass
+class Target:
+    """A graph to tune: the plan (as traced or converted), its input dtypes, how choices
+    are applied to it, and how it runs (training or inference, fused)."""
 
-def training_rewriter(policy: Policy, cache: Callable[[], TimingCache]
-                      ) -> Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], Symbol]:
-    """What ``init(tune=True)`` hooks into every HybridBlock's first graph build: the
-    traced training graph, with the ops not faster low kept in float32 (measured forward
-    and backward for the call's shapes, kept in ``cache()``). A graph the choices cannot
-    be applied to cleanly runs as traced, with a warning."""
+    sym: Symbol
+    known: Mapping[str, str]
+    apply: Callable[[Mapping[str, MeasuredChoice]], Symbol]
+    policy: Policy
+    train: bool
+    fused: bool = False
+    graph: dict = field(init=False)
 
-    def rewrite(block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> Symbol:
-        arrays = [a for a in mxi.call_arrays(args) if isinstance(a, NDArray)]
-        if getattr(block, "amp_result", None) is not None:
-            return out  # converted by gluon_amp: its plan (tuned or not) was fixed then
-        if not arrays or any(a.context.device_type != "cpu" for a in arrays):
-            return out  # GPUs: float16 is taken as fast; nothing here times them
-        known, shapes = mxi.call_inputs(block, args, inputs)
-        traced = json.loads(out.tojson(remove_amp_cast=False))
+    def __post_init__(self) -> None:
+        self.graph = json.loads(self.sym.tojson(remove_amp_cast=False))
+
+    @property
+    def names(self) -> List[str]:
+        return [n["name"] for n in self.graph["nodes"]]
+
+    def by_name(self, choices: Mapping[int, MeasuredChoice]) -> Dict[str, MeasuredChoice]:
+        names = self.names
+        return {names[p]: c for p, c in choices.items()}
+
+    def by_position(self, choices: Mapping[str, MeasuredChoice]) -> Dict[int, MeasuredChoice]:
+        position = {n: i for i, n in enumerate(self.names)}
+        return {position[n]: c for n, c in choices.items()}
+
+    def shapes_by_position(self, shapes: Mapping[str, Tuple[int, ...]]) -> Dict[int, Tuple[int, ...]]:
+        position = input_positions(self.graph)
+        return {position[k]: tuple(v) for k, v in shapes.items() if k in position}
+
+    def shapes_by_name(self, shapes: Mapping[int, Tuple[int, ...]]) -> Dict[str, Tuple[int, ...]]:
+        names = self.names
+        return {names[p]: tuple(s) for p, s in shapes.items() if 0 <= p < len(names)}
+
+    def problem(self, shapes: Mapping[str, Tuple[int, ...]]) -> Problem:
+        """The tuning problem at these input shapes (MXNet's type and shape inference)."""
+        dtypes = infer_dtypes(self.sym, self.known, partial=True) or {}
+        entry_shapes = infer_shapes(self.sym, shapes)
         op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
-        typed: Dict[Tuple[str, int], Optional[str]] = {}
+        return problem(self.graph["nodes"], self.graph["heads"], dtypes, entry_shapes, self.policy.table, op_inputs,
+                       self.train, self.policy.excluded)
 
-        def apply(choices: Mapping[str, MeasuredChoice]) -> Symbol:
-            return mx.sym.load_json(json.dumps(retype(traced, _changes(traced, choices, typed, policy), typed,
-                                                      op_inputs)))
 
-        typed.update(infer_dtypes(out, known, partial=True) or {})
-        tuning, _ = tune_graph(out, known, shapes, policy, True, apply, cache())
-        block.amp_tuning = tuning
-        if not tuning.choices:
-            return out
-        tuned = apply(tuning.choices)
-        wrong = _check(tuned, known, tuning.choices)
-        if wrong:
-            warnings.warn(f"gluon_amp: tune=True could not apply its choices to block {block.name!r} "
-                          f"({wrong[:3]}); it runs the untuned plan. Please report this with the model.",
-                          RuntimeWarning, stacklevel=4)
-            return out
-        return tuned
+def applier(out: Symbol, known: Mapping[str, str], policy: Policy) -> Callable[[Mapping[str, MeasuredChoice]], Symbol]:
+    """``apply(choices)``: the traced graph ``out`` with each chosen node run as
+    :func:`decide` says with its choice (typed as MXNet infers ``out`` from ``known``, on
+    the first call: a graph that runs the plan never pays for it)."""
+    typed: Dict[Tuple[str, int], Optional[str]] = {}
+    traced: Dict[str, Any] = {}
 
-    return rewrite
+    def apply(choices: Mapping[str, MeasuredChoice]) -> Symbol:
+        if not traced:
+            traced.update(json.loads(out.tojson(remove_amp_cast=False)))
+            typed.update(infer_dtypes(out, known, partial=True) or {})
+        op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
+        return mx.sym.load_json(json.dumps(retype(traced, _changes(traced, choices, typed, policy), typed, op_inputs)))
+
+    return apply
 
 
 def _changes(graph: dict, choices: Mapping[str, MeasuredChoice], dtypes: Mapping[Tuple[str, int], Optional[str]],
@@ -230,10 +228,307 @@ def _changes(graph: dict, choices: Mapping[str, MeasuredChoice], dtypes: Mapping
     return out
 
 
-def _check(sym: Symbol, input_dtypes: Mapping[str, str], choices: Mapping[str, MeasuredChoice]) -> list:
+def check_applied(sym: Symbol, input_dtypes: Mapping[str, str], choices: Mapping[str, MeasuredChoice]) -> list:
     """What MXNet's type inference disagrees with: each chosen node's output dtype."""
     inferred = infer_dtypes(sym, input_dtypes)
     if inferred is None:
         return ["the tuned graph does not type-check"]
     return [f"{n}: {inferred.get((n, 0))}, want {c.dtype}" for n, c in choices.items()
             if inferred.get((n, 0)) != c.dtype]
+
+
+# -- jobs: the work, in steps a budget can pay for --------------------------------------
+
+def time_one(t: Timed) -> Optional[float]:
+    """One speed-table entry, measured now (ms; ``None``: MXNet cannot run it so)."""
+    return time_op(t.op, dict(t.attrs), t.shapes, t.dtypes, t.train)
+
+
+@dataclass(frozen=True)
+class Step:
+    """The next piece of a job: its estimated cost (s), what it is, and whether it times
+    whole graphs (the block's own graph is released first, so its memory is not held twice)."""
+
+    estimate: float
+    what: str
+    whole_graph: bool = False
+
+
+class Job:
+    """Tuning work for one graph at one set of input shapes, as a sequence of steps.
+
+    ``kind`` is ``'full'`` (the graph has no outcome: time every op the plan runs low, then
+    try the proposals on the whole graph) or ``'recheck'`` (an outcome tuned at other
+    shapes: time again only the choices that could flip here, and withdraw those the whole
+    graph confirms no longer pay). :attr:`next` is the step to pay for next (``None`` when
+    done); :meth:`step` does it. :attr:`outcome` is the result once done.
+    """
+
+    def __init__(self, target: Target, shapes: Mapping[str, Tuple[int, ...]], cache: TimingCache,
+                 outcome: Optional[Outcome] = None, step_s: Optional[float] = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.target, self.shapes, self.cache, self.clock = target, dict(shapes), cache, clock
+        self.kind = "full" if outcome is None else "recheck"
+        self.outcome = outcome
+        self.step_s = step_s
+        self.tuning = Tuning()
+        self._pending: Dict[str, Optional[float]] = {}
+        self._pending_s = 0.0
+        #: what timing cost so far, per op and in all: (elements, seconds)
+        self._rates: Dict[str, Tuple[int, float]] = {}
+        self._steps = self._full() if outcome is None else self._recheck(outcome)
+        self.next: Optional[Step] = next(self._steps, None)
+
+    def step(self) -> None:
+        """Do :attr:`next`; then :attr:`next` is the one after it."""
+        self.next = next(self._steps, None)
+
+    # -- helpers of the steps
+    def _prepare_estimate(self) -> float:
+        return PREPARE_S_PER_NODE * len(self.target.graph["nodes"]) * (1 if self.kind == "full" else 2)
+
+    def _known_times(self, items: Sequence[Timed]) -> Tuple[Dict[str, Optional[float]], List[Timed]]:
+        """The times of ``items`` held by the cache, and the items still to measure."""
+        stored = self.cache.load().entries
+        times = {t.key: stored[_PREFIX + t.key] for t in items if _PREFIX + t.key in stored}
+        self.tuning.cached += len(times)
+        todo = [t for t in items if t.key not in times]
+        return times, sorted(todo, key=_work)  # small first: the first estimates are guesses
+
+    def _op_estimate(self, t: Timed, prior_rate: float) -> float:
+        """Its size at the cost per element of this op so far (a convolution's is not an
+        add's), else of every op so far, else ``prior_rate``."""
+        work, cost = self._rates.get(t.op) or self._rates.get("", (0, 0.0))
+        return OP_OVERHEAD_S + (cost / work if work else prior_rate) * _work(t)
+
+    def _measure(self, t: Timed, times: Dict[str, Optional[float]]) -> None:
+        t0 = self.clock()
+        times[t.key] = ms = time_one(t)
+        cost = self.clock() - t0
+        for k in (t.op, ""):
+            work, spent = self._rates.get(k, (0, 0.0))
+            self._rates[k] = (work + _work(t), spent + cost)
+        self._pending[_PREFIX + t.key] = ms
+        self._pending_s += cost
+        self.tuning.timed += 1
+        if self._pending_s >= FLUSH_S:
+            self._flush()
+
+    def flush(self) -> None:
+        """Write the per-op figures measured and not yet stored (a process may stop before
+        the job ends: the next one continues from them)."""
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            store(self.cache, self._pending)
+            self._pending, self._pending_s = {}, 0.0
+
+    def _prior_rate(self, todo: Sequence[Timed]) -> float:
+        total = sum(_work(t) for t in todo)
+        return OP_TIMING_RUNS * (self.step_s or 0.0) / total if total else 0.0
+
+    def _graph_estimate(self, graphs: int, prob: Problem, times: Mapping[str, Optional[float]]) -> float:
+        """``graphs`` whole-graph timings: each a build, a warm-up and :data:`GRAPH_RUNS` runs
+        of a step, the step taken as the larger of the block's and the ops' timings."""
+        ops_s = sum(min(v for v in (times.get(c.low.key), times.get(c.fp32.key)) if v is not None)
+                    for c in prob.candidates.values()
+                    if times.get(c.low.key) is not None or times.get(c.fp32.key) is not None) / 1e3
+        build = GRAPH_BUILD_S + GRAPH_BUILD_S_PER_NODE * len(self.target.graph["nodes"])
+        return graphs * (GRAPH_TIMING_STEPS * max(self.step_s or 0.0, ops_s) + build)
+
+    # -- the two kinds of job
+    def _full(self) -> Iterator[Step]:
+        yield Step(self._prepare_estimate(), "preparing")
+        target, shapes = self.target, self.shapes
+        prob = target.problem(shapes)
+        times, todo = self._known_times(prob.to_time())
+        prior = self._prior_rate(todo)
+        for t in todo:
+            yield Step(self._op_estimate(t, prior), "per-op timing")
+            self._measure(t, times)
+        self._flush()
+        proposals = choose(prob, times)
+        kept: Dict[str, MeasuredChoice] = {}
+        if proposals:
+            yield Step(self._graph_estimate(1, prob, times), "whole-graph trials", whole_graph=True)
+            t0 = self.clock()
+            best = time_graph(target.sym, shapes, target.train, target.fused, runs=GRAPH_RUNS)
+            one = self.clock() - t0
+            self.tuning.trials = [("plan", _round(best))]
+            tried = groups(prob, proposals)[:MAX_TRIALS]
+            if best is None:
+                self.tuning.status = "the plan could not be timed as a whole graph: it runs untuned"
+            elif tried:
+                yield Step(len(tried) * one * TRIAL_COST, "whole-graph trials", whole_graph=True)
+                kept = _trials(best, tried, target.apply, shapes, target.train, target.fused, self.tuning.trials)
+        self.outcome = Outcome(target.by_position(kept), target.shapes_by_position(shapes))
+        self.tuning.choices = kept
+        if not proposals or self.tuning.trials[0][1] is not None:  # the plan ran: an outcome worth keeping
+            self._store_outcome()
+
+    def _recheck(self, outcome: Outcome) -> Iterator[Step]:
+        yield Step(self._prepare_estimate(), "preparing")
+        target, shapes = self.target, self.shapes
+        names = target.names
+        here = target.problem(shapes)
+        there = target.problem(target.shapes_by_name(outcome.tuned_at))
+        ratios = {}
+        for pos, c in outcome.choices.items():
+            a, b = here.candidates.get(names[pos]), there.candidates.get(names[pos])
+            if a is not None and b is not None and _work(b.low) > 0:
+                ratios[pos] = _work(a.low) / _work(b.low)
+        retime = to_retime(outcome.choices, ratios)
+        floats = sum(c.dtype == "float32" for c in outcome.choices.values())
+        self.tuning.status = (f"{floats - len(retime)} float32 choice(s) carried over (a wide margin, or the shape "
+                              f"moved the op less than {SIZE_STEP:g}x), {len(retime)} timed again")
+        items = [t for pos in retime if names[pos] in here.candidates
+                 for t in (here.candidates[names[pos]].low, here.candidates[names[pos]].fp32)]
+        times, todo = self._known_times(items)
+        prior = self._prior_rate(todo)
+        for t in todo:
+            yield Step(self._op_estimate(t, prior), "per-op timing")
+            self._measure(t, times)
+        self._flush()
+        flipped = []
+        for pos in retime:
+            cand = here.candidates.get(names[pos])
+            low, fp32 = (times.get(cand.low.key), times.get(cand.fp32.key)) if cand else (None, None)
+            scale = ratios.get(pos, 1.0)  # casts as measured where the size is unknown at one of the shapes
+            if low is not None and fp32 is not None and not still_float32(outcome.choices[pos], scale, low, fp32):
+                flipped.append(pos)
+        if flipped:
+            yield Step(self._graph_estimate(2, here, times), "whole-graph re-check", whole_graph=True)
+            keep = target.by_name(outcome.choices)
+            without = target.by_name({p: c for p, c in outcome.choices.items() if p not in flipped})
+            with_ms = time_graph(target.apply(keep), shapes, target.train, target.fused, runs=GRAPH_RUNS)
+            without_ms = time_graph(target.apply(without), shapes, target.train, target.fused, runs=GRAPH_RUNS,
+                                    give_up_ms=GIVE_UP * with_ms if with_ms else None)
+            self.tuning.trials = [("as tuned", _round(with_ms)), ("withdrawn", _round(without_ms))]
+            if with_ms is not None and without_ms is not None and not with_ms < without_ms * (1 - MIN_GAIN):
+                shown = ", ".join(f"{s}" for s in shapes.values())
+                for pos in flipped:
+                    outcome.withdrawn[pos] = (f"no faster in float32 at input shape {shown} "
+                                              f"(whole graph {with_ms:.0f} ms with it, {without_ms:.0f} without)")
+                outcome.choices = {p: c for p, c in outcome.choices.items() if p not in flipped}
+            self.tuning.status += (f", {len(flipped)} flipped: whole graph {_round(with_ms)} ms as tuned, "
+                                   f"{_round(without_ms)} without them")
+        outcome.rechecked.append(target.shapes_by_position(shapes))
+        self.tuning.choices = target.by_name(outcome.choices)
+        self._store_outcome()
+
+    def _store_outcome(self) -> None:
+        if self.outcome is not None:
+            store(self.cache, {_GRAPH + graph_key(self.target): self.outcome.to_json()})
+
+
+def graph_key(target: Target) -> str:
+    """The shape-free key of a target's outcome."""
+    return signature(target.graph, dict(target.known), target.train, target.fused)
+
+
+def _work(t: Timed) -> int:
+    """How big a timed item is (its inputs' elements): its cost, roughly, at other shapes."""
+    return elements(t.shapes)
+
+
+def _round(ms: Optional[float]) -> Optional[float]:
+    return round(ms, 1) if ms is not None else None
+
+
+def _trials(best: float, tried: Sequence[Tuple[str, Dict[str, MeasuredChoice]]], apply: Callable, shapes: Mapping,
+            train: bool, fused: bool, log: list) -> Dict[str, MeasuredChoice]:
+    """Keep each group of proposals that makes the whole graph (the plan: ``best`` ms) faster,
+    greedily; each trial's (group, ms) is appended to ``log``."""
+    kept: Dict[str, MeasuredChoice] = {}
+    for op, group in tried:
+        trial = {**kept, **group}
+        t = time_graph(apply(trial), shapes, train, fused, runs=GRAPH_RUNS, give_up_ms=GIVE_UP * best)
+        log.append((op, _round(t)))
+        if t is not None and t < best * (1 - MIN_GAIN):
+            kept = {**kept, **{n: replace(c, graph_ms=(best, t)) for n, c in group.items()}}
+            best = t
+    return kept
+
+
+def store(cache: TimingCache, entries: Mapping[str, Any]) -> None:
+    """Merge ``entries`` into the cache; a cache that cannot be written is measured again next time."""
+    try:
+        cache.store(entries)
+    except OSError as exc:
+        _log.info("gluon_amp: could not write %s (%s); measured again next time", cache.path, exc)
+
+
+def new_job(target: Target, shapes: Mapping[str, Tuple[int, ...]], cache: TimingCache,
+            outcome: Optional[Outcome], step_s: Optional[float] = None,
+            clock: Callable[[], float] = time.perf_counter) -> Optional[Job]:
+    """The job for ``target`` at ``shapes``: a full tuning without an outcome; with one, a
+    re-check where it was not tried at these shapes and has float32 choices to re-check;
+    else None."""
+    if outcome is not None:
+        here = target.shapes_by_position(shapes)
+        if here in outcome.shapes_tried() or not any(c.dtype == "float32" for c in outcome.choices.values()):
+            return None
+    return Job(target, shapes, cache, outcome, step_s, clock)
+
+
+def run(job: Job, ledger: Ledger, clock: Callable[[], float] = time.perf_counter, cap_only: bool = False,
+        before: Optional[Callable[[Step], None]] = None) -> bool:
+    """Do ``job``'s steps while ``ledger`` allows them (``cap_only``: its seconds cap alone,
+    not its share of a run), calling ``before(step)`` first; True when the job is done."""
+    while job.next is not None:
+        now = clock()
+        if not ledger.allows(job.next.estimate, now, cap_only):
+            return False
+        what, estimate = job.next.what, job.next.estimate
+        if before is not None:
+            before(job.next)
+        job.step()
+        cost = clock() - now
+        ledger.charge(cost, what, estimate)
+        job.tuning.seconds += cost
+    return True
+
+
+# -- the converters: a whole tuning at once -------------------------------------------
+
+def tune_graph(sym: Symbol, input_dtypes: Mapping[str, str], input_shapes: Mapping[str, Tuple[int, ...]],
+               policy: Policy, train: bool, apply: Callable[[Mapping[str, MeasuredChoice]], Symbol],
+               cache: TimingCache, fused: bool = False, ledger: Optional[Ledger] = None
+               ) -> Tuple[Tuning, Dict[Tuple[str, int], Optional[str]]]:
+    """Choose dtypes for ``sym``'s low-precision ops (typed by the plan) by measured speed,
+    at once (the converters: no training run to pay from, so only the budget's seconds cap
+    applies, shared with the rest of the process through ``ledger``).
+
+    An outcome stored for this graph at other shapes is re-checked here as the rule says;
+    without one, the per-op speed table and :func:`gluon_amp_core.tune.choose` propose, and
+    each group of proposals is kept only if the whole graph with it (``apply(choices)``,
+    run as users run it) is at least :data:`MIN_GAIN` faster. What the budget does not pay
+    for is left as the plan has it. Returns the tuning and the graph's dtypes as MXNet infers them.
+    """
+    from .schedule import now, process_ledger  # the budget is per process, shared with init's tuning
+    ledger = ledger or process_ledger(policy.tune_budget)
+    dtypes = infer_dtypes(sym, input_dtypes, partial=True) or {}
+    target = Target(sym, dict(input_dtypes), apply, policy, train, fused)
+    outcome = load_outcome(cache, graph_key(target), len(target.graph["nodes"]))
+    job = new_job(target, input_shapes, cache, outcome, clock=now)
+    if job is None:  # an outcome that holds at these shapes
+        held = target.by_name(outcome.choices if outcome else {})
+        return Tuning(held, cached=1, status="read from the cache"), dtypes
+    with cache.lock():  # one process measures at a time; the others then read what it stored
+        finished = run(job, ledger, now, cap_only=True)
+        job.flush()
+    tuning = job.tuning
+    if finished:
+        tuning.status = tuning.status if "could not" in tuning.status else f"tuned ({job.kind})"
+    else:
+        spent = ledger.spent
+        tuning.status = (f"stopped by the budget ({ledger.budget.describe()}: {spent:.1f} s spent): "
+                         f"the untimed rest runs the plan")
+        if outcome is not None:  # a re-check that did not finish keeps the choices as they were
+            tuning.choices = target.by_name(outcome.choices)
+    _log.info("gluon_amp tune: %s; %d measurements made, %d read, whole-graph trials %s, %.1f s",
+              tuning.status, tuning.timed, tuning.cached, tuning.trials, tuning.seconds)
+    for name, c in sorted(tuning.choices.items()):
+        _log.info("gluon_amp tune: %s %s", name, c.describe())
+    return tuning, dtypes

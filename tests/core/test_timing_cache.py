@@ -86,3 +86,15 @@ def test_the_lock_makes_a_second_process_wait_for_the_first_ones_figures(tmp_pat
     with c.lock():
         assert "first" in c.load().entries  # it waited for the holder to store and let go
     p.wait(timeout=60)
+
+
+def test_a_lock_that_must_not_wait_says_when_another_holds_it(tmp_path):
+    """A training step must not wait while another process measures (flock: a second open
+    file is another holder, even in one process)."""
+    c = TimingCache(str(tmp_path), KEY)
+    with c.lock() as first:
+        assert first is True
+        with TimingCache(str(tmp_path), KEY).lock(blocking=False) as second:
+            assert second is False
+    with c.lock(blocking=False) as again:
+        assert again is True

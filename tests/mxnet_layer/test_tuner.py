@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -10,9 +11,10 @@ import mxnet as mx
 
 import gluon_amp
 from gluon_amp import runtime
-from gluon_amp.speed import tuner
+from gluon_amp.speed import schedule, tuner
 from gluon_amp_core.timing_cache import TimingCache
-from helpers import ROOT, MixedNet, make_net
+from gluon_amp_core.tune_schedule import Ledger
+from helpers import ROOT, MixedNet, make_net, no_bf16_env
 
 
 @pytest.fixture(autouse=True)
@@ -24,18 +26,15 @@ def _own_cache(monkeypatch, tmp_path):
 
 def _recorded_times(conv_low, conv_fp32):
     """Per-op times as recorded on a host where bfloat16 convolutions are slow (issue 26)."""
-    def measure(prob, cache):
-        times = {}
-        for t in prob.to_time():
-            slow = t.op == "Convolution"
-            low = "bfloat16" in t.dtypes
-            times[t.key] = 0.01 if t.op == "amp_cast" else (conv_low if low else conv_fp32) if slow else 1.0 if low else 1.1
-        return times, len(times), 0
-    return measure
+    def time_one(t):
+        slow = t.op == "Convolution"
+        low = "bfloat16" in t.dtypes
+        return 0.01 if t.op == "amp_cast" else (conv_low if low else conv_fp32) if slow else 1.0 if low else 1.1
+    return time_one
 
 
 def test_tune_keeps_an_op_recorded_slower_in_float32_and_the_report_names_it(monkeypatch):
-    monkeypatch.setattr(tuner, "measure", _recorded_times(409.0, 205.0))
+    monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
     graph_ms = iter([1000.0, 700.0])  # the plan, then the plan with the convolutions in float32
     monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: next(graph_ms))
     net = make_net()
@@ -53,12 +52,27 @@ def test_tune_keeps_an_op_recorded_slower_in_float32_and_the_report_names_it(mon
 
 
 def test_a_change_the_whole_graph_does_not_confirm_is_not_kept(monkeypatch):
-    monkeypatch.setattr(tuner, "measure", _recorded_times(409.0, 205.0))
+    monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
     monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: 1000.0)  # no faster as a whole
     net = make_net()
     net(mx.nd.ones((2, 3, 8, 8)))
     block = gluon_amp.convert_hybrid_block(net, "bfloat16", fuse=False, tune=True, input_shapes={"data": (2, 3, 8, 8)})
     assert "measured" not in {r.reason for r in gluon_amp.report(block).rows}
+
+
+def test_conversion_tunes_within_the_budgets_cap_and_converts_the_plan_past_it(monkeypatch, clock):
+    timed, graphs = _plant(monkeypatch, clock, op_s_per_element=2e-4)
+    net = make_net()
+    net(mx.nd.ones((2, 3, 8, 8)))
+    shapes = {"data": (2, 3, 8, 8)}
+    policy = gluon_amp.make_policy("bfloat16", tune=True, tune_budget=1)  # 1 s: some ops, no whole graph
+    capped = gluon_amp.convert_hybrid_block(net, policy, fuse=False, input_shapes=shapes)
+    assert timed and graphs == [] and "measured" not in {r.reason for r in gluon_amp.report(capped).rows}
+    assert schedule.process_ledger().spent <= 1 + schedule.process_ledger().overrun
+    n_timed = len(timed)
+    tuned = gluon_amp.convert_hybrid_block(net, "bfloat16", fuse=False, tune=True, input_shapes=shapes)  # 600 s
+    assert "measured" in {r.reason for r in gluon_amp.report(tuned).rows}
+    assert all(t.key not in {u.key for u in timed[:n_timed]} for t in timed[n_timed:])  # continued, not redone
 
 
 def test_tune_needs_input_shapes_and_rejects_emulation_with_clear_errors():
@@ -78,32 +92,64 @@ def test_tune_needs_input_shapes_and_rejects_emulation_with_clear_errors():
 
 
 @pytest.mark.bf16_kernels
-def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph(monkeypatch):
+def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph_from_the_call_a_shape_repeats(monkeypatch):
+    """Real training steps at changing shapes: the first call runs the plan, the second (its
+    shape repeats) tunes and rebuilds the graph; later shapes keep the choice (decided by a
+    wide margin) without timing anything again; no step is lost."""
     from mxnet import autograd
     from helpers import sgd_trainer
-    monkeypatch.setattr(tuner, "measure", _recorded_times(409.0, 205.0))
+    monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
     graph_ms = iter([1000.0, 700.0])
     monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: next(graph_ms))
-    gluon_amp.init("bfloat16", tune=True)
+    kinds = _spy_jobs(monkeypatch)
+    gluon_amp.init("bfloat16", tune=True, tune_budget=60)
     net = make_net()
     trainer = sgd_trainer(net)
     scaler = gluon_amp.init_trainer(trainer)
-    x = mx.nd.random.normal(shape=(4, 3, 8, 8))
-    for _ in range(3):
+    conv = net.conv.name + "_fwd"
+    for k, batch in enumerate([2, 2, 2, 8, 8, 8, 16, 16]):
+        x = mx.nd.random.normal(shape=(batch, 3, 8, 8))
         with autograd.record():
             loss = net(x).sum()
             with gluon_amp.scale_loss(loss, trainer) as scaled:
                 autograd.backward(scaled)
         trainer.step(4)
-    rows = {r.name: r for r in gluon_amp.report(net).rows}
-    assert rows[net.conv.name + "_fwd"].reason == "measured" and rows[net.conv.name + "_fwd"].dtype == "float32"
+        row = {r.name: r for r in gluon_amp.report(net).rows}[conv]
+        assert (row.reason == "measured") == (k >= 1), k  # the plan first; tuned from the call that repeats
+    assert row.dtype == "float32" and "409.00 vs 205.00 ms" in row.detail
+    assert kinds == ["full", "recheck", "recheck"] and next(graph_ms, None) is None  # no whole graph timed again
     assert net.conv.weight.grad().dtype == np.float32 and np.isfinite(net.conv.weight.grad().asnumpy()).all()
     assert scaler.skipped_steps == 0 and np.isfinite(loss.asnumpy()).all()
+    info = gluon_amp.runtime_info()["tune"]
+    assert info["graphs"][0]["float32_choices"] == sorted([conv, net.side.name + "_fwd"])  # both recorded slow
+    assert "tuned at input shapes" in info["graphs"][0]["status"]
+    assert "tuned at input shapes" in gluon_amp.report(net).tuning
+
+
+@pytest.mark.bf16_kernels
+def test_a_symbolblock_built_under_init_tunes_from_its_second_call_too(monkeypatch):
+    """GluonCV builds feature extractors as SymbolBlocks from symbols: the hooks rewrite the
+    graph they were given; tuning rebuilds it from that graph, not on its first call."""
+    from mxnet import gluon
+    monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
+    graph_ms = iter([1000.0, 700.0])
+    monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: next(graph_ms))
+    gluon_amp.init("bfloat16", tune=True, tune_budget=60)
+    net = MixedNet()
+    net.initialize()
+    data = mx.sym.var("data")
+    block = gluon.SymbolBlock(net(data), [data], params=net.collect_params())
+    block.hybridize(static_alloc=True)
+    measured = []
+    for _ in range(3):
+        block(mx.nd.ones((2, 3, 8, 8))).wait_to_read()
+        measured.append(sorted(r.name for r in gluon_amp.report(block).rows if r.reason == "measured"))
+    assert measured[0] == [] and net.conv.name + "_fwd" in measured[1] and measured[2] == measured[1]
 
 
 def test_conversion_with_input_shapes_tunes_by_default_and_tune_false_opts_out(monkeypatch):
     monkeypatch.delenv("GLUON_AMP_TUNE", raising=False)  # the suite turns the default off
-    monkeypatch.setattr(tuner, "measure", _recorded_times(409.0, 205.0))
+    monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
     monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: 1000.0 if k.get("give_up_ms") is None else 700.0)
     net = make_net()
     net(mx.nd.ones((2, 3, 8, 8)))
@@ -141,15 +187,273 @@ def test_tune_defaults_on_except_when_emulating_or_turned_off(monkeypatch):
     assert gluon_amp.make_policy("bfloat16", tune=True).tune  # an explicit choice wins
 
 
-def test_a_graph_tuned_once_is_found_again_under_other_parameter_names():
-    """The tuning outcome is cached per graph: the same network built as another instance
-    (another name prefix, e.g. after an FP32 copy in the same process) must find it."""
-    def key(prefix, shape=(2, 3, 8, 8)):
-        net = MixedNet(prefix=prefix)
+def test_a_graph_tuned_once_is_found_again_under_other_parameter_names_and_shapes():
+    """The tuning outcome is cached per graph structure: the same network built as another
+    instance (another name prefix, e.g. after an FP32 copy in the same process), at any
+    input shape, must find it; another structure must not."""
+    def key(prefix, classes=10):
+        net = MixedNet(classes=classes, prefix=prefix)
         graph = json.loads(net(mx.sym.var("data")).tojson())
         params = {p.name: "float32" for p in net.collect_params().values()}
         assert params and all(n.startswith(prefix) for n in params)
-        return tuner.signature(graph, {"data": shape}, {"data": "float32", **params}, True, False)
+        return tuner.signature(graph, {"data": "float32", **params}, True, False)
 
     assert key("first_") == key("second_")
-    assert key("first_") != key("third_", (4, 3, 8, 8))  # other shapes: another tuning
+    assert key("first_") != key("third_", classes=7)
+
+
+# -- tuning while training: when, how much, and across shapes (planted timings, every host) --
+
+class _Clock:
+    """The clock tuning is charged by, moved by the planted costs and steps only."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = _Clock()
+    monkeypatch.setattr(schedule, "clock", c)
+    monkeypatch.setattr(schedule, "_LEDGER", Ledger())  # the budget is per process: a fresh one per test
+    return c
+
+
+def _spy_jobs(monkeypatch):
+    """The kind of every tuning job started ('full' or 'recheck'), in order."""
+    kinds = []
+    made = schedule.new_job
+
+    def spy(*a, **k):
+        job = made(*a, **k)
+        if job is not None:
+            kinds.append(job.kind)
+        return job
+    monkeypatch.setattr(schedule, "new_job", spy)
+    return kinds
+
+
+def _plant(monkeypatch, clock, conv=lambda shape: (409.0, 205.0), graph=None, op_s_per_element=1e-5,
+           graph_s=1.0):
+    """Planted per-op figures (a 3x3 convolution's (bfloat16, float32) ms by its input shape,
+    every other op faster in bfloat16) and whole-graph figures (``graph(choices)`` -> ms;
+    by default 1000 ms for the plan, 700 with a choice), each advancing ``clock`` by a cost.
+    Returns the lists of what was timed."""
+    timed, graphs = [], []
+
+    def time_one(t):
+        timed.append(t)
+        clock.now += op_s_per_element * sum(int(np.prod(s)) for s in t.shapes)
+        if t.op == "amp_cast":
+            return 0.01
+        low = "bfloat16" in t.dtypes
+        if t.op == "Convolution" and ("kernel", "(3, 3)") in t.attrs:
+            return conv(t.shapes[0])[0 if low else 1]
+        return 1.0 if low else 1.1
+
+    def time_graph(sym, shapes, train, fused=False, runs=2, give_up_ms=None):
+        nodes = json.loads(sym.tojson())["nodes"]
+        kept = sorted(n["name"] for n in nodes if n.get("attrs", {}).get("__amp_measured__") == "float32")
+        graphs.append((tuple(shapes["data"]), kept))
+        clock.now += graph_s
+        return (graph or (lambda k: 700.0 if k else 1000.0))(kept)
+
+    monkeypatch.setattr(tuner, "time_one", time_one)
+    monkeypatch.setattr(tuner, "time_graph", time_graph)
+    return timed, graphs
+
+
+class _Training:
+    """init's tuner driven as the block hooks drive it: ``rewrite`` at the first call and
+    whenever ``called`` asks for a rebuild; the graph itself is never run (no bfloat16
+    kernels needed), each call costs ``step_s`` on the clock."""
+
+    def __init__(self, clock, budget, step_s=0.5, classes=10):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a host without bfloat16 kernels warns: nothing runs here
+            with gluon_amp.autocast("bfloat16", tune=False):
+                self.net = MixedNet(classes=classes)
+                self.net.initialize()
+                self.data = mx.sym.var("data")
+                self.plan = self.net(self.data)
+            self.policy = gluon_amp.make_policy("bfloat16", tune=True, tune_budget=budget)
+        self.tuner = schedule.Tuner(self.policy, runtime.timing_cache)
+        self.clock, self.step_s = clock, step_s
+        self.graph, self.rebuilds = None, 0
+        self.ledger_ok = True
+
+    def call(self, shape):
+        x = mx.nd.zeros(shape)
+        if self.graph is None:
+            self.graph = self.tuner.rewrite(self.net, (x,), [self.data], self.plan)
+        elif self.tuner.called(self.net, (x,)):
+            self.graph = self.tuner.rewrite(self.net, (x,), [self.data], self.plan)
+            self.rebuilds += 1
+        ledger = self.tuner.ledger
+        self.ledger_ok &= ledger.spent <= ledger.allowance(self.clock()) + ledger.overrun + 1e-9
+        self.clock.now += self.step_s
+
+    def float32_ops(self):
+        if self.graph is None:
+            return []
+        nodes = json.loads(self.graph.tojson())["nodes"]
+        return sorted(n["name"] for n in nodes if n.get("attrs", {}).get("__amp_measured__") == "float32")
+
+
+def test_a_shape_seen_once_does_not_tune_and_shapes_that_never_repeat_tune_the_graph_once(monkeypatch, clock):
+    timed, graphs = _plant(monkeypatch, clock)
+    kinds = _spy_jobs(monkeypatch)
+    run = _Training(clock, budget="inf")
+    for batch in (5, 6, 7):  # each shape once
+        run.call((batch, 3, 8, 8))
+    assert kinds == [] and timed == [] and graphs == [] and run.float32_ops() == []
+    assert "until an input shape repeats" in run.net.amp_tuning.status
+    for k in range(20):  # a batch size of its own every call (as R-CNN's image sizes): dynamic after 3 changes
+        run.call((9 + k, 3, 8, 8))
+    assert kinds == ["full"], kinds  # once for the graph, never per shape
+    assert run.float32_ops() == [run.net.conv.name + "_fwd"] and run.rebuilds == 1
+    assert "input 0 dim 0" in run.tuner.info()["graphs"][0]["dynamic_dims"]
+
+
+def test_a_graph_seen_at_k_shapes_tunes_once_in_full_and_a_wide_margin_is_carried_without_timing(monkeypatch, clock):
+    timed, graphs = _plant(monkeypatch, clock)  # bfloat16 2.0x slower: a wide margin
+    kinds = _spy_jobs(monkeypatch)
+    run = _Training(clock, budget="inf")
+    run.call((2, 3, 8, 8))
+    run.call((2, 3, 8, 8))
+    full_timed, full_graphs = len(timed), len(graphs)
+    assert kinds == ["full"] and full_timed > 0 and full_graphs == 2 and run.rebuilds == 1
+    for batch in (3, 8, 16):  # K = 4 shapes in all, each for a few calls, as train_yolo3.py does
+        for _ in range(3):
+            run.call((batch, 3, 8, 8))
+    assert kinds == ["full", "recheck", "recheck", "recheck"]
+    assert (len(timed), len(graphs)) == (full_timed, full_graphs)  # nothing timed again: decided
+    rechecked = run.tuner.info()["graphs"][0]["rechecked"]
+    assert len(rechecked) == 3 and all("1 float32 choice(s) carried over" in r for r in rechecked)
+    assert run.float32_ops() == [run.net.conv.name + "_fwd"] and run.rebuilds == 1
+
+
+def test_a_graph_whose_ops_are_all_faster_low_is_tuned_without_whole_graph_runs_or_a_rebuild(monkeypatch, clock):
+    timed, graphs = _plant(monkeypatch, clock, conv=lambda shape: (1.0, 2.0))
+    run = _Training(clock, budget="inf")
+    for _ in range(3):
+        run.call((2, 3, 8, 8))
+    assert timed and graphs == [] and run.rebuilds == 0 and run.float32_ops() == []
+    assert "tuned at input shapes" in run.net.amp_tuning.status
+
+
+def test_a_choice_near_break_even_is_timed_again_where_the_shape_moved_it_and_withdrawn_if_it_flipped(monkeypatch,
+                                                                                                       clock):
+    def conv(shape):  # 10% slower in bfloat16 at batch 2; 10% faster from batch 8 on
+        return (1.1, 1.0) if shape[0] <= 4 else (0.9, 1.0)
+
+    def graph(kept):  # confirmed at batch 2; at batch 8 the whole graph is no faster with it
+        return 1000.0 if not kept else 900.0 if len(graphs) <= 2 else 995.0
+    timed, graphs = _plant(monkeypatch, clock, conv=conv, graph=graph)
+    kinds = _spy_jobs(monkeypatch)
+    run = _Training(clock, budget="inf")
+    conv_name = run.net.conv.name + "_fwd"
+    for batch in (2, 2, 2, 4, 4, 4):  # batch 4 moves the convolution's inputs 1.6x: within the step
+        run.call((batch, 3, 8, 8))
+    assert kinds == ["full", "recheck"] and run.float32_ops() == [conv_name]
+    full_timed = len(timed)
+    for batch in (8, 8, 8, 16, 16, 16):  # 2.9x: timed again, flipped, the whole graph agrees
+        run.call((batch, 3, 8, 8))
+    assert kinds == ["full", "recheck", "recheck"]  # none at batch 16: no float32 choice left to re-check
+    again = timed[full_timed:]
+    assert len(again) == 2 and {t.op for t in again} == {"Convolution"} and all(t.shapes[0][0] == 8 for t in again)
+    assert [g[0][0] for g in graphs] == [2, 2, 8, 8] and run.float32_ops() == [] and run.rebuilds == 2
+    withdrawn = run.tuner.info()["graphs"][0]["withdrawn"]
+    assert len(withdrawn) == 1 and withdrawn[0].startswith(conv_name) and "no faster in float32" in withdrawn[0]
+
+
+def test_the_outcome_serves_the_same_graph_at_other_shapes_in_later_processes_and_op_times_every_graph(
+        monkeypatch, clock):
+    timed, graphs = _plant(monkeypatch, clock)
+    first = _Training(clock, budget="inf")
+    first.call((2, 3, 8, 8))
+    first.call((2, 3, 8, 8))
+    assert first.float32_ops() == [first.net.conv.name + "_fwd"]
+    monkeypatch.setattr(schedule, "_LEDGER", Ledger())  # as a new process would
+    later = _Training(clock, budget=0)  # reads the cache only
+    later.call((8, 3, 8, 8))  # its first call, at another shape: tuned already
+    assert later.float32_ops() == [later.net.conv.name + "_fwd"]
+    assert "read from the cache" in later.net.amp_tuning.status
+    # another graph (another dense layer) with the same convolutions at the same shapes:
+    # only what differs is measured
+    n_timed = len(timed)
+    other = _Training(clock, budget="inf", classes=7)
+    other.call((2, 3, 8, 8))
+    other.call((2, 3, 8, 8))
+    measured = timed[n_timed:]
+    assert measured and all(t.op != "Convolution" for t in measured)
+    assert other.float32_ops() == [other.net.conv.name + "_fwd"]
+
+
+@pytest.mark.parametrize("budget", [None, "3"])
+def test_tuning_spends_within_its_budget_and_the_untuned_plan_runs_meanwhile(monkeypatch, clock, budget):
+    """The default (1% of the training time so far) and a cap of 3 s: tuning this graph
+    costs about 6 s (per-op timings, then two whole-graph runs of 2 s)."""
+    timed, graphs = _plant(monkeypatch, clock, op_s_per_element=2e-4, graph_s=2.0)
+    run = _Training(clock, budget=budget, step_s=0.5)
+    calls = 0
+    while run.float32_ops() == [] and calls < 3000:
+        run.call((2, 3, 8, 8))
+        calls += 1
+        assert run.ledger_ok, (calls, run.tuner.info())
+    info = run.tuner.info()
+    if budget == "3":  # never enough: the plan runs, and runtime_info says why
+        assert run.float32_ops() == [] and info["spent_s"] <= 3 + info["largest_overrun_s"]
+        assert "waits for the budget" in info["graphs"][0]["status"] and graphs == []
+    else:  # done once 1% of the run paid for it; never ahead of it
+        assert run.float32_ops() == [run.net.conv.name + "_fwd"] and len(graphs) == 2
+        assert info["spent_s"] <= 0.02 * info["elapsed_s"] + info["largest_overrun_s"] + 1e-9
+        # the run is slower by at most 1/99 of its training time (tuning counts in the elapsed time)
+        assert info["spent_s"] <= 0.01 / 0.99 * calls * 0.5 + info["largest_overrun_s"] + 1e-9
+    assert info["largest_overrun_s"] < 0.5  # an estimate is at most one op's timing off
+
+
+def test_whole_graph_trials_release_the_blocks_own_graph_first(monkeypatch, clock):
+    """Memory: a hybridized block holds its graph's memory; trials build the graph again."""
+    released = []
+    _plant(monkeypatch, clock)
+    run = _Training(clock, budget="inf")
+    monkeypatch.setattr(schedule.mxi, "drop_cached_graph", lambda block: released.append((block, len(graphs_at))))
+    graphs_at = []
+    plant_graph = tuner.time_graph
+    monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: (graphs_at.append(1), plant_graph(*a, **k))[1])
+    run.call((2, 3, 8, 8))
+    run.call((2, 3, 8, 8))
+    assert released == [(run.net, 0)] and len(graphs_at) == 2 and run.rebuilds == 1
+
+
+def test_tune_budget_is_checked_and_read_from_the_environment(monkeypatch):
+    from gluon_amp_core.tune_schedule import TuneBudget
+    assert gluon_amp.make_policy("bfloat16", tune=True, tune_budget="5%,120").tune_budget == TuneBudget(0.05, 120.0)
+    assert gluon_amp.make_policy("bfloat16", tune=True, tune_budget=30).tune_budget == TuneBudget(None, 30.0)
+    monkeypatch.setenv("GLUON_AMP_TUNE_BUDGET", "inf")
+    assert gluon_amp.make_policy("bfloat16", tune=True).tune_budget == TuneBudget(None, float("inf"))
+    monkeypatch.setenv("GLUON_AMP_TUNE_BUDGET", "lots")
+    with pytest.raises(ValueError, match=r"\$GLUON_AMP_TUNE_BUDGET='lots'.*'2%'"):
+        gluon_amp.make_policy("bfloat16", tune=True)
+    monkeypatch.delenv("GLUON_AMP_TUNE_BUDGET")
+    with pytest.raises(ValueError, match="tune_budget='150%'"):
+        gluon_amp.init("bfloat16", tune=True, tune_budget="150%")
+    with pytest.raises(ValueError, match=">= 0 seconds"):
+        gluon_amp.make_policy("bfloat16", tune=True, tune_budget=-1)
+    with pytest.raises(TypeError, match="tune_budget must be"):
+        gluon_amp.make_policy("bfloat16", tune=True, tune_budget=[3])
+    assert not gluon_amp.is_enabled()
+
+
+def test_variable_shape_benchmark_without_bf16_kernels_says_why_and_exits_0(tmp_path, no_bf16_why):
+    out = tmp_path / "v.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "variable_shape.py"), "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, env=no_bf16_env())
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "cannot measure" in r.stdout and no_bf16_why in r.stdout
+    doc = json.loads(out.read_text())
+    assert doc["modes"] == [] and no_bf16_why in doc["not_measured"]

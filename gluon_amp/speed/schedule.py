@@ -1,0 +1,301 @@
+"""Tuning during training, paid for as it goes: ``init``'s side of the tuner.
+
+A hybridized block's first call runs the plan (or the choices its graph structure already
+has in the timing cache). From then on, each call of the block first gives the tuner a
+turn (:meth:`Tuner.called`): it records the call's input shapes; once a shape repeats it
+starts a :class:`~gluon_amp.speed.tuner.Job` for the graph, and does as many of its steps
+as the process's budget (:class:`~gluon_amp_core.tune_schedule.Ledger`) has paid for by
+then; the rest waits for later calls. When a job changes the graph's choices, the block's
+graph is built again with them for that call (and for every other block of the same
+structure at its next call). Whole-graph trials release the block's own graph first, so
+its memory is not held twice.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+
+import mxnet as mx
+from mxnet.gluon import HybridBlock
+from mxnet.ndarray import NDArray
+from mxnet.symbol import Symbol
+
+from gluon_amp_core.policy import Policy
+from gluon_amp_core.timing_cache import TimingCache
+from gluon_amp_core.tune_schedule import Ledger, ShapeHistory, Shapes, TuneBudget
+
+from .. import mxnet_internals as mxi
+from .timing import release_memory
+from .tuner import Job, Outcome, Target, Tuning, applier, check_applied, graph_key, load_outcome, new_job, run
+
+#: The clock tuning is charged by (tests plant one of their own).
+clock: Callable[[], float] = time.perf_counter
+_LEDGER = Ledger()
+#: Call-to-call times kept per shape key (the median is the graph's step there), and keys kept.
+_INTERVALS = 8
+_KEYS = 64
+
+
+def process_ledger(budget: Optional[TuneBudget] = None) -> Ledger:
+    """This process's ledger (one budget per process, whatever the number of ``init`` calls
+    or converters); ``budget`` replaces its budget when given."""
+    if budget is not None:
+        _LEDGER.budget = budget
+    return _LEDGER
+
+
+@dataclass
+class _Graph:
+    """One graph structure, as the blocks of this process run it."""
+
+    target: Target
+    key: str
+    data_names: List[str]
+    outcome: Optional[Outcome]
+    tuning: Tuning
+    history: ShapeHistory = field(default_factory=ShapeHistory)
+    #: bumped when the choices change: blocks built with an older one are built again
+    version: int = 0
+    job: Optional[Job] = None
+    job_key: Optional[Shapes] = None
+    done_keys: Set[Shapes] = field(default_factory=set)
+    intervals: Dict[Shapes, List[float]] = field(default_factory=dict)
+    broken: bool = False
+    blocks: "weakref.WeakSet[HybridBlock]" = field(default_factory=weakref.WeakSet)
+
+    def step_s(self, key: Shapes) -> Optional[float]:
+        """The median call-to-call time at ``key`` (the training step, as the user runs it)."""
+        got = self.intervals.get(key)
+        return statistics.median(got) if got else None
+
+    def note(self, key: Shapes, seconds: float) -> None:
+        """Record one call-to-call time at ``key`` (the last few per key, for a few keys)."""
+        if key in self.intervals or len(self.intervals) < _KEYS:
+            kept = self.intervals.setdefault(key, [])
+            kept.append(seconds)
+            del kept[:-_INTERVALS]
+
+
+@dataclass
+class _Block:
+    """One block of a graph: the choices it was built with (``version``), its last call."""
+
+    graph: _Graph
+    version: int
+    last: Optional[float] = None
+    last_key: Optional[Shapes] = None
+    rebuilt: bool = False
+
+
+class Tuner:
+    """What ``init`` (with ``tune``) hooks into every HybridBlock: :meth:`rewrite` on each
+    graph build, :meth:`called` on each later call. One per ``init``; the budget is the
+    process's."""
+
+    def __init__(self, policy: Policy, cache: Callable[[], TimingCache]) -> None:
+        self.policy, self.cache = policy, cache
+        self.ledger = process_ledger(policy.tune_budget)
+        self.graphs: Dict[str, _Graph] = {}
+        self.blocks: "weakref.WeakKeyDictionary[HybridBlock, _Block]" = weakref.WeakKeyDictionary()
+
+    # -- a graph build (first call, or a rebuild this tuner or the shape rules asked for)
+    def rewrite(self, block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> Symbol:
+        """The block's traced training graph with its structure's choices (none yet: the plan)."""
+        if getattr(block, "amp_result", None) is not None:
+            return out  # converted by gluon_amp: its plan (tuned or not) was fixed then
+        arrays = [a for a in mxi.call_arrays(args) if isinstance(a, NDArray)]
+        if not arrays or any(a.context.device_type != "cpu" for a in arrays):
+            return out  # GPUs: float16 is taken as fast; nothing here times them
+        known, _ = mxi.call_inputs(block, args, inputs)
+        target = Target(out, known, applier(out, known, self.policy), self.policy, train=True)
+        g = self._graph(target, [s.name for s in inputs])
+        b = self.blocks.get(block)
+        if b is None or b.graph is not g:  # a first build: this call is the graph's first
+            g.history.see(_shapes(arrays))
+            self.ledger.start(clock())
+            # the first interval includes the warm-up: step estimates start high, never low
+            b = self.blocks[block] = _Block(g, g.version, last=clock(), last_key=g.history.key(g.history.last or ()))
+        b.version = g.version
+        g.blocks.add(block)
+        block.amp_tuning = g.tuning
+        if g.broken or g.outcome is None or not g.outcome.choices:
+            return out
+        choices = target.by_name(g.outcome.choices)
+        tuned = target.apply(choices)
+        wrong = check_applied(tuned, known, choices)
+        if wrong:
+            g.broken = True
+            g.tuning.status = f"its choices could not be applied ({wrong[:3]}): it runs the plan"
+            warnings.warn(f"gluon_amp: tuning could not apply its choices to block {block.name!r} "
+                          f"({wrong[:3]}); it runs the untuned plan. Please report this with the model.",
+                          RuntimeWarning, stacklevel=5)
+            return out
+        return tuned
+
+    def _graph(self, target: Target, data_names: List[str]) -> _Graph:
+        key = graph_key(target)
+        g = self.graphs.get(key)
+        if g is None:
+            outcome = load_outcome(self.cache(), key, len(target.graph["nodes"]))
+            tuning = Tuning()
+            if outcome is not None:
+                tuning.choices = target.by_name(outcome.choices)
+                tuning.tuned_at = target.shapes_by_name(outcome.tuned_at)
+                tuning.cached = 1
+                tuning.status = f"read from the cache: tuned at input shapes {_shown(tuning.tuned_at)}"
+            elif self.ledger.budget.seconds == 0:
+                tuning.status = "runs the plan: the tuning budget is 0 s (only outcomes in the cache are used)"
+            else:
+                tuning.status = "runs the plan until an input shape repeats"
+            g = self.graphs[key] = _Graph(target, key, data_names, outcome, tuning)
+        return g
+
+    # -- every later call
+    def called(self, block: HybridBlock, args: tuple) -> bool:
+        """Record the call and do the tuning work the budget allows; True when the block's
+        graph must be built again for this call (new choices, or released for trials)."""
+        b = self.blocks.get(block)
+        if b is None:
+            return False
+        g = b.graph
+        at = clock()
+        self.ledger.start(at)
+        key = g.history.see(_shapes(a for a in mxi.call_arrays(args) if isinstance(a, NDArray)))
+        if b.last is not None and b.last_key == key:
+            if b.rebuilt:  # the call after a rebuild paid for it: what it took beyond a step
+                typical = g.step_s(key)
+                if typical is not None:
+                    self.ledger.charge(at - b.last - typical, "rebuilding graphs")
+            else:
+                g.note(key, at - b.last)
+        released = False
+        if b.version == g.version and not g.broken and self.ledger.budget.seconds > 0:
+            released = self._work(g, block, key)
+        rebuild = released or b.version != g.version
+        b.version = g.version
+        b.last, b.last_key, b.rebuilt = clock(), key, rebuild
+        return rebuild
+
+    def _work(self, g: _Graph, block: HybridBlock, key: Shapes) -> bool:
+        if g.job is None:
+            g.job = self._new_job(g, key)
+            g.job_key = key
+            if g.job is None:
+                return False
+        job = g.job
+        if job.next is not None and not self.ledger.allows(job.next.estimate, clock()):
+            self._waiting(g, job)
+            return False
+        released = False
+
+        def before(step: Any) -> None:
+            nonlocal released
+            if step.whole_graph and not released:
+                mxi.drop_cached_graph(block)  # its memory is not held twice; built again for this call
+                release_memory()
+                released = True
+
+        with self.cache().lock(blocking=False) as mine:
+            if not mine:
+                g.tuning.status = "tuning waits: another process is measuring on this machine"
+                return False
+            mx.nd.waitall()  # the step the user queued is not tuning's to pay for
+            done = run(job, self.ledger, now, before=before)
+            if not done:
+                t0 = clock()
+                job.flush()
+                self.ledger.charge(clock() - t0, "writing the cache", estimate=0.0)
+        if done:
+            self._finish(g, job)
+        else:
+            self._waiting(g, job)
+        return released
+
+    def _new_job(self, g: _Graph, key: Shapes) -> Optional[Job]:
+        if key in g.done_keys:
+            return None
+        if g.history.count(key) < 2:
+            if g.outcome is None:
+                g.tuning.status = "runs the plan until an input shape repeats (a shape seen once is not tuned for)"
+            return None
+        if g.outcome is not None and any(g.history.matches(key, self._ordered(g, s)) for s in g.outcome.shapes_tried()):
+            g.done_keys.add(key)
+            return None
+        shapes = dict(zip(g.data_names, g.history.last or ()))
+        job = new_job(g.target, shapes, self.cache(), g.outcome, g.step_s(key), now)
+        if job is None:
+            g.done_keys.add(key)
+        return job
+
+    def _ordered(self, g: _Graph, shapes: Dict[int, tuple]) -> Shapes:
+        by_name = g.target.shapes_by_name(shapes)
+        return tuple(by_name.get(n, ()) for n in g.data_names)
+
+    def _waiting(self, g: _Graph, job: Job) -> None:
+        at = clock()
+        step = job.next
+        what = "a full tuning" if job.kind == "full" else "a re-check"
+        g.tuning.status = (f"{what} at input shapes {_shown(job.shapes)} waits for the budget: next {step.what} "
+                           f"~{step.estimate:.2f} s; spent {self.ledger.spent:.2f} s of "
+                           f"{self.ledger.allowance(at):.2f} s allowed so far ({self.ledger.budget.describe()})")
+
+    def _finish(self, g: _Graph, job: Job) -> None:
+        t = g.tuning
+        t.timed += job.tuning.timed
+        t.cached += job.tuning.cached
+        t.seconds += job.tuning.seconds
+        t.trials = job.tuning.trials or t.trials
+        before = g.outcome.choices if g.outcome is not None else {}
+        g.outcome = job.outcome
+        g.job = None
+        if g.job_key is not None:
+            g.done_keys.add(g.job_key)
+        if g.outcome is None:
+            return
+        t.choices = g.target.by_name(g.outcome.choices)
+        names = g.target.names
+        t.withdrawn = [f"{names[p]}: {w}" for p, w in g.outcome.withdrawn.items()]
+        kept = sum(c.dtype == "float32" for c in g.outcome.choices.values())
+        if job.kind == "full":
+            t.tuned_at = dict(job.shapes)
+            t.status = (job.tuning.status if "could not" in job.tuning.status else
+                        f"tuned at input shapes {_shown(job.shapes)}: {kept} op(s) kept in float32 "
+                        f"({job.tuning.timed} measured, {job.tuning.cached} read; trials {job.tuning.trials})")
+        else:
+            t.rechecked.append(f"{_shown(job.shapes)}: {job.tuning.status}")
+            t.status = (f"tuned at input shapes {_shown(t.tuned_at or {})}, re-checked at {_shown(job.shapes)}: "
+                        f"{kept} op(s) in float32" + (f", {len(t.withdrawn)} withdrawn" if t.withdrawn else ""))
+        if g.outcome.choices != before:
+            g.version += 1
+
+    # -- what runtime_info() shows
+    def info(self) -> Dict[str, Any]:
+        at = clock()
+        graphs = []
+        for g in self.graphs.values():
+            busy = g.job.tuning if g.job is not None else Tuning()  # a job under way: what it did so far
+            graphs.append({"blocks": sorted(b.name for b in g.blocks), "status": g.tuning.status,
+                           "calls": g.history.calls, "distinct_shapes": g.history.distinct,
+                           "dynamic_dims": sorted(f"input {i} dim {d}" for i, d in g.history.dynamic),
+                           "tuned_at": g.tuning.tuned_at, "rechecked": list(g.tuning.rechecked),
+                           "float32_choices": sorted(n for n, c in g.tuning.choices.items() if c.dtype == "float32"),
+                           "withdrawn": list(g.tuning.withdrawn), "measured": g.tuning.timed + busy.timed,
+                           "read": g.tuning.cached + busy.cached, "seconds": round(g.tuning.seconds + busy.seconds, 3)})
+        return {**self.ledger.to_dict(at), "graphs": graphs}
+
+
+def now() -> float:
+    """:data:`clock`'s time, looked up at each call (a planted clock replaces the module's)."""
+    return clock()
+
+
+def _shapes(arrays: Any) -> Shapes:
+    return tuple(tuple(a.shape) for a in arrays)
+
+
+def _shown(shapes: Dict[Any, tuple]) -> str:
+    return ", ".join(f"{k}={tuple(v)}" for k, v in shapes.items()) or "?"
