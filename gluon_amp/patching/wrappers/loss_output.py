@@ -10,14 +10,30 @@ import warnings
 import weakref
 from typing import Any, Callable
 
+from ...mxnet_internals import Signature
 
-def nd_wrapper(fn: Callable, op: str, loss_scale: Callable[[str], float]) -> Callable:
-    """Multiply ``grad_scale`` by ``loss_scale(op)``, the scale of the attached scaler."""
+
+def nd_wrapper(fn: Callable, op: str, sig: Signature, loss_scale: Callable[[str], float]) -> Callable:
+    """Multiply ``grad_scale`` (by keyword or by position, as ``sig`` places it) by
+    ``loss_scale(op)``, the scale of the attached scaler."""
+    at = sig.params.index("grad_scale") if "grad_scale" in sig.params else len(sig.params)
+
     @functools.wraps(fn)
     def amp_op(*args: Any, **kwargs: Any) -> Any:
-        kwargs["grad_scale"] = float(kwargs.get("grad_scale", 1.0)) * loss_scale(op)
+        if len(args) > at:
+            args = (*args[:at], _scaled(args[at], loss_scale(op)), *args[at + 1:])
+        else:
+            kwargs["grad_scale"] = _scaled(kwargs.get("grad_scale", 1.0), loss_scale(op))
         return fn(*args, **kwargs)
     return amp_op
+
+
+def _scaled(grad_scale: Any, scale: float) -> Any:
+    """``grad_scale * scale``; a value that is not a number goes to MXNet as it is (it rejects it)."""
+    try:
+        return float(grad_scale) * scale
+    except (TypeError, ValueError):
+        return grad_scale
 
 
 def sym_wrapper(fn: Callable, op: str) -> Callable:
