@@ -25,6 +25,14 @@ def cast_nd(x: NDArray, dtype: str) -> NDArray:
     return _nd_amp_cast(x, dtype=mxi.to_mx_dtype(dtype))
 
 
+def cast_into(x: NDArray, out: NDArray) -> NDArray:
+    """``x`` cast to ``out``'s float dtype, written into ``out``."""
+    if isinstance(out, _np_ndarray):
+        _nd_amp_cast(x.as_nd_ndarray(), dtype=out.dtype, out=out.as_nd_ndarray())
+        return out
+    return _nd_amp_cast(x.as_nd_ndarray() if isinstance(x, _np_ndarray) else x, dtype=out.dtype, out=out)
+
+
 def cast_sym(x: Symbol, dtype: str) -> Symbol:
     if isinstance(x, _np_symbol):
         return _sym_amp_cast(x.as_nd_ndarray(), dtype=mxi.to_mx_dtype(dtype)).as_np_ndarray()

@@ -8,16 +8,18 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
+from mxnet.base import MXNetError
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import Decision, Reason, decide
+from gluon_amp_core.dtypes import dtype_name
 from gluon_amp_core.table import OpClass, OpTable
 
 from ... import mxnet_internals as mxi
 from ...emulation import round_nd
 from ..hooks import cannot_run
-from .casts import cast_nd, cast_sym, multicast_sym
+from .casts import cast_into, cast_nd, cast_sym, multicast_sym
 
 
 def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
@@ -69,8 +71,12 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
                     dt = to_name.get(v.dtype)
                     if dt is not None and (dt != want or emulate):
                         kwargs[k] = cast(v, want)
+        given = kwargs.get("out") if variadic or len(args) <= n_pos else sig.option(args, kwargs, "out")
+        if given is not None:
+            return _call_with_out(fn, sig, new_args or list(args), kwargs, given, want,
+                                  low if emulate and want == low else None)
         out = fn(*(args if new_args is None else new_args), **kwargs)
-        if emulate and want == low and sig.option(args, kwargs, "out") is None:
+        if emulate and want == low:
             return _round_outputs(out, low)
         return out
 
@@ -104,6 +110,58 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
             return neutral(*args, **kwargs) if d.dtype is None else cast_all(args, kwargs, d)
 
     return amp_op
+
+
+def _call_with_out(fn: Callable, sig: mxi.Signature, args: list, kwargs: dict, out: Any,
+                   want: Optional[str], rounded: Optional[str]) -> Any:
+    """``fn`` writing into the caller's ``out=`` arrays, in their dtypes; emulated, their
+    values rounded to ``rounded``. Returns ``out``, as MXNet does.
+
+    The op runs in a dtype the caller did not choose: where MXNet rejects their arrays for
+    it, the outputs are made without them and written into them cast. (Ops whose point is
+    writing into ``out``, such as ``_copyto``, accept any dtype and run as they are.)"""
+    try:
+        result = fn(*args, **kwargs)
+    except MXNetError:
+        if want is None or not _differs(out, want):
+            raise
+        if "out" in kwargs:
+            kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+        else:
+            args = [None if k == sig.params.index("out") else a for k, a in enumerate(args)]
+        made = fn(*args, **kwargs)
+        if not _differs(out, _dtype_of(made)):
+            raise  # not the dtype: MXNet's own error stands
+        return _into(out, made, rounded)
+    return _into(out, out, rounded) if rounded is not None else result
+
+
+def _dtype_of(result: Any) -> str:
+    first = result[0] if isinstance(result, (list, tuple)) else result
+    return mxi.FLOAT_NAMES.get(first.dtype) or dtype_name(first.dtype)
+
+
+def _differs(out: Any, dtype: str) -> bool:
+    """True when a float array of ``out`` (the caller's ``out=``) is not of ``dtype``."""
+    outs = out if isinstance(out, (list, tuple)) else (out,)
+    return any(mxi.FLOAT_NAMES.get(getattr(o, "dtype", None), dtype) != dtype for o in outs)
+
+
+def _into(out: Any, result: Any, rounded: Optional[str]) -> Any:
+    """Write ``result`` into the caller's ``out`` arrays in their dtypes (rounded to
+    ``rounded`` first, emulated); returns ``out``."""
+    if rounded is not None:
+        result = _round_outputs(result, rounded)
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    results = result if isinstance(result, (list, tuple)) else [result]
+    for o, r in zip(outs, results):
+        if r is o:
+            continue
+        if r.dtype != o.dtype and mxi.FLOAT_NAMES.get(r.dtype) and mxi.FLOAT_NAMES.get(o.dtype):
+            cast_into(r, o)
+        else:
+            r.copyto(o)  # MXNet says so when these do not fit
+    return out
 
 
 def _round_outputs(out: Any, dtype: str) -> Any:
