@@ -16,6 +16,9 @@ _nd_amp_cast = mxi.copy_function(mx.nd.amp_cast)
 _sym_amp_cast = mxi.copy_function(mx.sym.amp_cast)
 _sym_amp_multicast = mxi.copy_function(mx.sym.amp_multicast)
 _np_ndarray = mx.np.ndarray
+#: The dtypes amp_cast converts (MXNet's type rule): it passes any other (float64, integers)
+#: through as it is, so AMP leaves those alone, in graphs and imperatively alike.
+CASTABLE = {t: n for t, n in mxi.FLOAT_NAMES.items() if n != "float64"}
 _np_symbol = mxi.NP_SYMBOL
 
 

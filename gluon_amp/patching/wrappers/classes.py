@@ -19,7 +19,7 @@ from gluon_amp_core.table import OpClass, OpTable
 from ... import mxnet_internals as mxi
 from ...emulation import round_nd
 from ..hooks import cannot_run
-from .casts import cast_into, cast_nd, cast_sym, multicast_sym
+from .casts import CASTABLE, cast_into, cast_nd, cast_sym, multicast_sym
 
 
 def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
@@ -59,7 +59,7 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
         new_args = None
         for i, a in enumerate(args if variadic or len(args) <= n_pos else args[:n_pos]):
             if isinstance(a, NDArray):
-                dt = to_name.get(a.dtype)
+                dt = CASTABLE.get(a.dtype)
                 if dt is not None and (dt != want or emulate) and not (
                         keep and i < len(input_names) and input_names[i] in keep):
                     if new_args is None:
@@ -68,7 +68,7 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
         if kwargs:
             for k, v in kwargs.items():
                 if k != "out" and k not in keep and isinstance(v, NDArray):
-                    dt = to_name.get(v.dtype)
+                    dt = CASTABLE.get(v.dtype)
                     if dt is not None and (dt != want or emulate):
                         kwargs[k] = cast(v, want)
         given = kwargs.get("out") if variadic or len(args) <= n_pos else sig.option(args, kwargs, "out")
@@ -157,7 +157,7 @@ def _into(out: Any, result: Any, rounded: Optional[str]) -> Any:
     for o, r in zip(outs, results):
         if r is o:
             continue
-        if r.dtype != o.dtype and mxi.FLOAT_NAMES.get(r.dtype) and mxi.FLOAT_NAMES.get(o.dtype):
+        if r.dtype != o.dtype and r.dtype in CASTABLE and o.dtype in CASTABLE:
             cast_into(r, o)
         else:
             r.copyto(o)  # MXNet says so when these do not fit

@@ -18,8 +18,10 @@ from gluon_amp_core.dtypes import FLOAT_DTYPES, dtype_name
 
 from ...mxnet_internals import FLOAT_NAMES, Signature
 from ...type_inference import op_types
+from .casts import CASTABLE
 
 _OPTIONS = ("out", "name", "attr")
+_CASTABLE = frozenset(CASTABLE.values())
 
 
 def _name(x: NDArray) -> str:
@@ -74,7 +76,7 @@ def nd_wrapper(fn: Callable, op: str, sig: Signature, cast: Callable[[NDArray, s
         if required is None:
             return fn(*args, **kwargs)  # MXNet reports it, as it would without AMP
         for (key, _), have, want in zip(slots, dts, required):
-            if have in FLOAT_DTYPES and want in FLOAT_DTYPES and have != want:
+            if have in _CASTABLE and want in _CASTABLE and have != want:  # amp_cast passes float64
                 _put(new, kwargs, key, cast(_get(new, kwargs, key), want))
         return fn(*new, **kwargs)
 
