@@ -7,7 +7,7 @@ import contextlib
 import functools
 import io
 import json
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import mxnet as mx
 from mxnet.base import MXNetError
@@ -92,7 +92,8 @@ def op_types(op: str, attrs: Mapping[str, str], in_dtypes: Tuple[Optional[str], 
 
 
 @functools.lru_cache(maxsize=8192)
-def _op_types(op: str, attrs: Tuple[Tuple[str, str], ...], in_dtypes: Tuple[Optional[str], ...]):
+def _op_types(op: str, attrs: Tuple[Tuple[str, str], ...], in_dtypes: Tuple[Optional[str], ...]
+              ) -> Optional[Tuple[Tuple[Optional[str], ...], Tuple[Optional[str], ...]]]:
     # Input dtypes are declared as ``__dtype__`` attributes (see _declared).
     n = len(in_dtypes)
     nodes = [{"op": "null", "name": f"in{k}", "inputs": [],

@@ -7,7 +7,7 @@ import inspect
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, Mapping, Tuple
 
 import numpy as np
 from mxnet.base import _LIB, OpHandle, _Null, c_str, check_call, mx_uint, py_str
