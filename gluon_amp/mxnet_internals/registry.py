@@ -182,6 +182,15 @@ class Signature:
             return args[k] if k < len(args) else None
         return None
 
+    def rule_attributes(self, args: tuple, kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The call's attributes for a rule that reads a few of them as ``str(value)``
+        (:func:`gluon_amp_core.decide.decide`): the keywords themselves where that reads
+        what MXNet passes (no attribute by position, no ``dtype`` to normalise, no ``attr``),
+        else :meth:`attributes`. Cheap on the common call: it runs on every op call."""
+        if (self.variadic or len(args) <= self.n_inputs) and "dtype" not in kwargs and "attr" not in kwargs:
+            return kwargs
+        return self.attributes(args, kwargs)
+
     def attributes(self, args: tuple, kwargs: Mapping[str, Any]) -> Dict[str, str]:
         """The attributes MXNet's function passes to the op for this call, as it writes them.
 

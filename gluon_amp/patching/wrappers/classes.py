@@ -89,7 +89,7 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
         def amp_op(*args: Any, **kwargs: Any) -> Any:
             x = args[0] if args else kwargs.get(data_name)
             shape = x.shape if isinstance(x, NDArray) else None
-            return cast_all(args, kwargs, decide(op, sig.attributes(args, kwargs), (), table,
+            return cast_all(args, kwargs, decide(op, sig.rule_attributes(args, kwargs), (), table,
                                                  input_shapes=(shape,)))
     elif op_class is OpClass.WIDEST:
         @functools.wraps(fn)
@@ -101,12 +101,12 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
                         if k != "out" and isinstance(v, NDArray)]
             if len(dts) < 2 or all(d == dts[0] for d in dts):
                 return fn(*args, **kwargs)
-            d = decide(op, sig.attributes(args, kwargs), dts, table)
+            d = decide(op, sig.rule_attributes(args, kwargs), dts, table)
             return fn(*args, **kwargs) if d.dtype is None else cast_all(args, kwargs, d)
     else:
         @functools.wraps(fn)
         def amp_op(*args: Any, **kwargs: Any) -> Any:
-            d = decide(op, sig.attributes(args, kwargs), (), table)
+            d = decide(op, sig.rule_attributes(args, kwargs), (), table)
             return neutral(*args, **kwargs) if d.dtype is None else cast_all(args, kwargs, d)
 
     return amp_op
@@ -188,7 +188,7 @@ def sym_wrapper(fn: Callable, op: str, table: OpTable, info: mxi.OpInfo, sig: mx
         inputs = sig.input_args(args)
         n_given = sum(isinstance(a, Symbol) for a in inputs) + len(sym_kw)
         is_excluded = bool(excluded) and mxi.full_op_name(sig.option(args, kwargs, "name")) in excluded
-        d = decide(op, sig.attributes(args, kwargs), [None] * n_given, table, excluded=is_excluded)
+        d = decide(op, sig.rule_attributes(args, kwargs), [None] * n_given, table, excluded=is_excluded)
         if d.dtype is None and d.reason is not Reason.WIDEST:
             return neutral(*args, **kwargs)
         if not info.variadic and n_given < declared:
