@@ -67,5 +67,5 @@ def _ndims(sym: Symbol, shapes: Mapping[str, tuple]) -> Dict[Key, int]:
         return {}
     if out_shapes is None:
         return {}
-    return {key: len(shape) for key, shape in zip(entry_keys(internals.list_outputs()), out_shapes)
+    return {key: len(shape) for key, shape in zip(entry_keys(internals), out_shapes)
             if shape}

@@ -7,8 +7,7 @@ import contextlib
 import functools
 import io
 import json
-import re
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import mxnet as mx
 from mxnet.base import MXNetError
@@ -16,9 +15,6 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import DTYPE_CODE, dtype_name
 from .mxnet_internals import to_mx_dtype
-
-_MULTI = re.compile(r"^(.*)_output(\d+)$")
-
 
 def infer_dtypes(sym: Symbol, input_types: Mapping[str, Any],
                  partial: bool = False) -> Optional[Dict[Tuple[str, int], Optional[str]]]:
@@ -40,7 +36,7 @@ def infer_dtypes(sym: Symbol, input_types: Mapping[str, Any],
     if out_types is None:
         return None
     return {key: dtype_name(t) if t is not None else None
-            for key, t in zip(entry_keys(internals.list_outputs()), out_types)}
+            for key, t in zip(entry_keys(internals), out_types)}
 
 
 def infer_shapes(sym: Symbol, input_shapes: Mapping[str, Tuple[int, ...]]
@@ -59,21 +55,20 @@ def infer_shapes(sym: Symbol, input_shapes: Mapping[str, Tuple[int, ...]]
         return {}
     # partial inference marks an unknown dimension with 0 (or leaves the shape empty)
     return {key: (tuple(s) if s and all(d > 0 for d in s) else None)
-            for key, s in zip(entry_keys(internals.list_outputs()), out_shapes)}
+            for key, s in zip(entry_keys(internals), out_shapes)}
 
 
-def entry_keys(output_names: Sequence[str]) -> List[Tuple[str, int]]:
-    """``(node name, output index)`` for each name of ``sym.get_internals().list_outputs()``."""
-    keys: List[Tuple[str, int]] = []
-    for name in output_names:
-        m = _MULTI.match(name)
-        if m:
-            keys.append((m.group(1), int(m.group(2))))
-        elif name.endswith("_output"):
-            keys.append((name[: -len("_output")], 0))
-        else:  # a variable
-            keys.append((name, 0))
-    return keys
+def entry_keys(internals: Symbol) -> List[Tuple[str, int]]:
+    """``(node name, output index)`` for each output of ``internals`` (a graph's
+    ``get_internals()``), in order: the entries MXNet lists them as.
+
+    An output's name is its node's name and the op's own name for that output (RNN's
+    ``rnn0_state``, BatchNorm's ``bn_mean``, SliceChannel's ``sp_output1``), so the
+    entries are read from the graph itself rather than from the names.
+    """
+    graph = json.loads(internals.tojson(remove_amp_cast=False))
+    nodes = graph["nodes"]
+    return [(nodes[h[0]]["name"], h[1]) for h in graph["heads"]]
 
 
 def _declared(sym: Symbol, names: Mapping[str, str]) -> Symbol:
@@ -97,7 +92,8 @@ def op_types(op: str, attrs: Mapping[str, str], in_dtypes: Tuple[Optional[str], 
 
 
 @functools.lru_cache(maxsize=8192)
-def _op_types(op: str, attrs: Tuple[Tuple[str, str], ...], in_dtypes: Tuple[Optional[str], ...]):
+def _op_types(op: str, attrs: Tuple[Tuple[str, str], ...], in_dtypes: Tuple[Optional[str], ...]
+              ) -> Optional[Tuple[Tuple[Optional[str], ...], Tuple[Optional[str], ...]]]:
     # Input dtypes are declared as ``__dtype__`` attributes (see _declared).
     n = len(in_dtypes)
     nodes = [{"op": "null", "name": f"in{k}", "inputs": [],
@@ -106,13 +102,13 @@ def _op_types(op: str, attrs: Tuple[Tuple[str, str], ...], in_dtypes: Tuple[Opti
     nodes.append({"op": op, "name": "node", "attrs": dict(attrs), "inputs": [[k, 0, 0] for k in range(n)]})
     graph = {"nodes": nodes, "arg_nodes": list(range(n)), "heads": [[n, 0, 0]],
              "attrs": {"mxnet_version": ["int", 10901]}}
-    internals = mx.sym.load_json(json.dumps(graph)).get_internals()
-    try:
+    try:  # attributes MXNet rejects fail in load_json, dtypes in infer_type: both "unknown"
+        internals = mx.sym.load_json(json.dumps(graph)).get_internals()
         _, out_types, _ = internals.infer_type_partial()
     except MXNetError:
         return None
-    by_name = {name: (dtype_name(t) if t is not None else None)
-               for name, t in zip(internals.list_outputs(), out_types)}
-    required = tuple(by_name.get(f"in{k}") for k in range(n))
-    outs = tuple(t for name, t in by_name.items() if name.startswith("node_output"))
-    return required, outs
+    if out_types is None:
+        return None
+    # the variables come first (one output each), then the op's outputs
+    typed = [dtype_name(t) if t is not None else None for t in out_types]
+    return tuple(typed[:n]), tuple(typed[n:])

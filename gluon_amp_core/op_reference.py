@@ -32,7 +32,11 @@ the inference converter.
 - A few low-precision ops run in float32 at input shapes where their kernel is known to
   be wrong (listed per dtype below), decided from the input shapes of each call (a
   hybridized block's graph is rebuilt when new shapes keep more ops in float32).
-- Integer and boolean inputs are never cast.
+- Integer, boolean and float64 inputs are never cast (MXNet's `amp_cast` passes them
+  through): float64 values run as they are, as with MXNet's own AMP.
+- Every way of calling an op that MXNet's function accepts works the same: inputs and
+  attributes positional or by keyword, `name=`, and `out=`, which gets the result in the
+  dtype of the caller's array (cast there when the op ran in another).
 - Normalisation parameters and running statistics (listed under *kept inputs*) stay
   `float32` whatever the class.
 - Aliases (`concat`, `_PlusScalar`, `_npx_convolution`, ...) take the class of the op

@@ -120,3 +120,59 @@ def _reachable(graph: dict, nodes: List[dict], heads: List[list]) -> dict:
     result["arg_nodes"] = [k for k, n in enumerate(kept) if n["op"] == "null"]
     result["heads"] = [[new_index[h[0]], h[1], 0] for h in heads]
     return result
+
+
+#: The dtypes ``amp_cast`` converts; it passes any other through (MXNet's type rule).
+AMP_CAST_DTYPES = frozenset({"float16", "bfloat16", "float32"})
+
+
+def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tuple[dict, int]:
+    """``graph`` without the casts that leave their value as it is, and how many inputs
+    went around one.
+
+    The op wrappers cast every input of a decided op while a graph is traced, before any
+    dtype is known: token ids, indices, lengths, conditions and float64 values too.
+    ``amp_cast`` passes a value of a dtype outside :data:`AMP_CAST_DTYPES` through, as
+    ``amp_multicast`` does non-float ones, yet MXNet's CPU kernels of both reject some of
+    them (1.9.1 with oneDNN: int64, float64). So an ``amp_cast`` of such an entry (typed
+    by ``dtypes``) is dropped, and such an input of an ``amp_multicast`` goes around it (the
+    multicast keeps its other inputs, or goes when one or none is left: a multicast of one
+    value is that value).
+    """
+    nodes = graph["nodes"]
+
+    def passed(e: list, kept: frozenset) -> bool:
+        t = dtypes.get((nodes[e[0]]["name"], e[1]))
+        return t is not None and t not in kept
+
+    def integer(e: list) -> bool:
+        return passed(e, FLOAT_DTYPES)
+
+    out: List[dict] = []
+    moved: Dict[Entry, List[int]] = {}  # old entry -> new entry, where not the node's own
+    at: Dict[int, int] = {}  # old node -> new node
+
+    def entry(e: list) -> List[int]:
+        return moved.get((e[0], e[1])) or [at[e[0]], e[1], 0]
+
+    dropped = 0
+    for i, node in enumerate(nodes):
+        inputs = [entry(e) for e in node["inputs"]]
+        if node["op"] == "amp_cast" and passed(node["inputs"][0], AMP_CAST_DTYPES):
+            moved[(i, 0)] = inputs[0]
+            dropped += 1
+            continue
+        if node["op"] == "amp_multicast" and any(integer(e) for e in node["inputs"]):
+            floats = [k for k, e in enumerate(node["inputs"]) if not integer(e)]
+            dropped += len(inputs) - len(floats)
+            if len(floats) > 1:
+                out.append({**node, "attrs": {**node.get("attrs", {}), "num_outputs": str(len(floats))},
+                            "inputs": [inputs[k] for k in floats]})
+                moved.update({(i, k): [len(out) - 1, j, 0] for j, k in enumerate(floats)})
+            moved.update({(i, k): e for k, e in enumerate(inputs) if (i, k) not in moved})
+            continue
+        out.append({**node, "inputs": inputs})
+        at[i] = len(out) - 1
+    if not dropped:
+        return graph, 0
+    return _reachable(graph, out, [entry(h) for h in graph["heads"]]), dropped

@@ -282,6 +282,15 @@ class MixedPrecisionBlock(SymbolBlock):
     fuse_backend: Optional[str] = None
     amp_result: Optional[PassResult] = None
 
+    def __call__(self, *args: Any) -> Any:
+        # Called as the block it converts is (its inputs nested: an RNN's state list), or
+        # with its inputs flat, as a SymbolBlock of the graph's inputs is.
+        try:
+            grouped = mxi.regroup(mxi.call_arrays(args), mxi.call_formats(self)[0])
+        except ValueError:
+            return super().__call__(*args)  # SymbolBlock says what is wrong
+        return super().__call__(*(grouped if isinstance(grouped, list) else [grouped]))
+
     def hybridize(self, active: bool = True, backend: Optional[str] = None, **kwargs: Any) -> None:
         if active and backend is None and self.fuse_backend:
             backend = self.fuse_backend
@@ -316,6 +325,25 @@ class MixedPrecisionBlock(SymbolBlock):
         arrays = {f"{'aux' if n in aux else 'arg'}:{n}": params[n].list_data()[0].copyto(mx.cpu()) for n in names}
         sym.save(f"{path}-symbol.json", remove_amp_cast=remove_amp_cast)
         (mx.npx.save if mx.util.is_np_array() else mx.nd.save)(f"{path}-{epoch:04d}.params", arrays)
+
+
+def _as_called(block: HybridBlock, sym: Symbol, inputs: List[Symbol]) -> Tuple[Any, Any]:
+    """``sym``'s outputs and ``inputs`` nested as ``block`` takes and returns them (an RNN's
+    state lists), so that the converted block is called as the block is."""
+    in_fmt, out_fmt = mxi.call_formats(block)
+    heads = [sym[k] for k in range(len(sym.list_outputs()))]
+    try:
+        outputs = sym if out_fmt is None else mxi.regroup(heads, out_fmt)
+        grouped = inputs if in_fmt is None else mxi.regroup(inputs, in_fmt)
+    except ValueError:  # the graph's inputs are not the call's arrays (a None argument)
+        return sym, inputs
+    if any(x is None for x in _leaves([outputs, grouped])):
+        return sym, inputs
+    return outputs, grouped
+
+
+def _leaves(x: Any) -> list:
+    return [z for y in x for z in _leaves(y)] if isinstance(x, list) else [x]
 
 
 @dataclass(frozen=True)
@@ -395,7 +423,7 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
                                                         cast_optional_params, input_shapes, backend is not None,
                                                         require_shapes=tune is True)
     data_vars = [mx.sym.var(i.name, dtype="float32") for i in inputs]
-    out = MixedPrecisionBlock(new_sym, data_vars)
+    out = MixedPrecisionBlock(*_as_called(block, new_sym, data_vars))
     out.amp_result, out.fuse_backend = result, backend
     loaded = {**{f"arg:{k}": v for k, v in new_args.items()}, **{f"aux:{k}": v for k, v in new_aux.items()}}
     out.collect_params().load_dict(loaded, ctx=ctx, cast_dtype=True, dtype_source="saved")

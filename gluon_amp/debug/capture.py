@@ -15,6 +15,7 @@ from gluon_amp_core.dtypes import FLOAT_DTYPES, dtype_name
 
 from .. import mxnet_internals as mxi
 from ..patching import is_enabled
+from ..type_inference import entry_keys
 
 Key = Tuple[str, int]
 
@@ -115,8 +116,8 @@ def run_internals(sym: Symbol, data: Dict[str, mx.nd.NDArray], args: Dict[str, m
         target = sym
     else:
         internals = sym.get_internals()
-        names = internals.list_outputs()
-        chosen = [i for i, n in enumerate(names) if keys is None or _key(n) in keys]
+        entries = entry_keys(internals)
+        chosen = [i for i, e in enumerate(entries) if keys is None or e in keys]
         target = internals if keys is None else mx.sym.Group([internals[i] for i in chosen])
     given = {**args, **data}
     with mxi.unfused_binds():
@@ -125,15 +126,7 @@ def run_internals(sym: Symbol, data: Dict[str, mx.nd.NDArray], args: Dict[str, m
     values = [as_float32(o) for o in ex.forward(is_train=False)]
     if outputs_only:
         return {("", k): v for k, v in enumerate(values)}
-    return {_key(names[i]): v for i, v in zip(chosen, values)}
-
-
-def _key(output_name: str) -> Key:
-    """MXNet's internal output names: ``x`` (a variable), ``x_output``, ``x_output3``."""
-    head, sep, tail = output_name.rpartition("_output")
-    if not sep:
-        return output_name, 0
-    return head, int(tail) if tail else 0
+    return {entries[i]: v for i, v in zip(chosen, values)}
 
 
 def relative_error(low: np.ndarray, ref: np.ndarray) -> float:

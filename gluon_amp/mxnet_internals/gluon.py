@@ -40,6 +40,35 @@ def has_cached_graph(block: Any) -> bool:
     return isinstance(block, HybridBlock) and bool(getattr(block, "_cached_graph", ()))
 
 
+def call_formats(block: HybridBlock) -> Tuple[Any, Any]:
+    """How a block's call nests its inputs and its outputs (an RNN's state lists), as Gluon
+    recorded them at its first hybridized call: nested lists of ``0`` (an array) and ``-1``
+    (None); ``None`` where not recorded.
+
+    1.9.1: ``HybridBlock._in_format`` / ``_out_format`` (SymbolBlock sets both at init)."""
+    return getattr(block, "_in_format", None), getattr(block, "_out_format", None)
+
+
+def regroup(items: Sequence[Any], fmt: Any) -> Any:
+    """``items`` (flat, as :func:`call_arrays` gives them) nested as ``fmt`` of
+    :func:`call_formats` says. ValueError when they do not fill it exactly."""
+    rest = list(items)
+
+    def take(f: Any) -> Any:
+        if isinstance(f, (list, tuple)):
+            return [take(g) for g in f]
+        if f == -1:
+            return None
+        if not rest:
+            raise ValueError(f"{len(items)} arrays do not fill the call format {fmt}")
+        return rest.pop(0)
+
+    grouped = take(fmt)
+    if rest:
+        raise ValueError(f"{len(items)} arrays do not fill the call format {fmt}")
+    return grouped
+
+
 def call_arrays(args: Any) -> list:
     """A block call's inputs, flattened as Gluon flattens them for the graph (1.9.1
     ``_flatten``; ``None`` dropped): in the order of the graph's input symbols."""

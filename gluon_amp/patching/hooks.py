@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Callable, Optional, Sequence, Tuple
 
+import mxnet as mx
 from mxnet.gluon import HybridBlock
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
@@ -17,6 +18,7 @@ from mxnet.symbol import Symbol
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
 from gluon_amp_core.emulate import REAL_DTYPE_ATTR
 from gluon_amp_core.policy import Policy
+from gluon_amp_core.retype import AMP_CAST_DTYPES, drop_identity_casts
 
 from .. import mxnet_internals as mxi, runtime
 from ..emulation import emulate_symbol
@@ -46,6 +48,11 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
         known, shapes = mxi.call_inputs(block, args, inputs)
         out = rules.apply(block, out, shapes)
         dtypes = infer_dtypes(out, known, partial=True) or {}
+        if any(t is not None and t not in AMP_CAST_DTYPES for t in dtypes.values()):
+            graph, dropped = drop_identity_casts(json.loads(out.tojson(remove_amp_cast=False)), dtypes)
+            if dropped:  # the wrappers cast ids, lengths and float64 values too: oneDNN rejects some
+                out = mx.sym.load_json(json.dumps(graph))
+                dtypes = infer_dtypes(out, known, partial=True) or {}
         low = {t for t in dtypes.values() if t in LOW_PRECISION_DTYPES}
         if not low:
             return out

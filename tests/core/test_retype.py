@@ -1,6 +1,6 @@
 """retype: a traced graph's nodes rewired for new decisions (shape rules, the tuner)."""
 from gluon_amp_core.decide import Decision, MeasuredChoice, Reason
-from gluon_amp_core.retype import Change, retype
+from gluon_amp_core.retype import Change, drop_identity_casts, retype
 from gluon_amp_core.table import default_table
 from gluon_amp_core.walk import MEASURED_WHY_ATTR, REASON_ATTR, measured_attrs
 
@@ -71,3 +71,46 @@ def test_measured_choices_with_known_dtypes_bypass_or_add_casts_as_needed():
     assert by["conv"]["attrs"][REASON_ATTR] == "measured" and "2.0x slower" in by["conv"]["attrs"][MEASURED_WHY_ATTR]
     assert name[g["heads"][0][0]] == "out" and g["arg_nodes"] == [j for j, n in enumerate(g["nodes"]) if n["op"] == "null"]
     assert retype({"nodes": nodes, "heads": heads, "attrs": {}}, {}, dt, OP_INPUTS)["nodes"] == nodes
+
+
+def _ids_graph():
+    """ids (int64) and x (float32) -> each cast to bf16 -> Embedding; a multicast of
+    (lengths, x, y) -> where; a multicast of (lengths, x) -> broadcast_add; as init traces them."""
+    nodes = [
+        {"op": "null", "name": "ids", "inputs": []},
+        {"op": "amp_cast", "name": "ids_cast", "attrs": {"dtype": BF16}, "inputs": [[0, 0, 0]]},
+        {"op": "null", "name": "w", "inputs": []},
+        {"op": "amp_cast", "name": "w_cast", "attrs": {"dtype": BF16}, "inputs": [[2, 0, 0]]},
+        {"op": "Embedding", "name": "emb", "inputs": [[1, 0, 0], [3, 0, 0]]},
+        {"op": "null", "name": "lengths", "inputs": []},
+        {"op": "amp_multicast", "name": "mc", "attrs": {"num_outputs": "3"},
+         "inputs": [[5, 0, 0], [4, 0, 0], [2, 0, 0]]},
+        {"op": "where", "name": "where", "inputs": [[6, 0, 0], [6, 1, 0], [6, 2, 0]]},
+        {"op": "amp_multicast", "name": "mc2", "attrs": {"num_outputs": "2"}, "inputs": [[5, 0, 0], [7, 0, 0]]},
+        {"op": "broadcast_add", "name": "add", "inputs": [[8, 0, 0], [8, 1, 0]]},
+    ]
+    return {"nodes": nodes, "arg_nodes": [0, 2, 5], "heads": [[9, 0, 0]], "attrs": {}}
+
+
+def test_casts_of_integers_and_float64_are_dropped_and_multicasts_keep_their_floats():
+    dtypes = {("ids", 0): "int64", ("ids_cast", 0): "int64", ("w", 0): FP32, ("w_cast", 0): BF16,
+              ("emb", 0): BF16, ("lengths", 0): "int32", ("mc", 0): "int32", ("mc", 1): FP32, ("mc", 2): FP32,
+              ("where", 0): FP32, ("mc2", 0): "int32", ("mc2", 1): FP32, ("add", 0): FP32}
+    graph, dropped = drop_identity_casts(_ids_graph(), dtypes)
+    nodes = _by_name(graph)
+    assert dropped == 3
+    assert "ids_cast" not in nodes and nodes["emb"][1] == ["ids", "w_cast"]
+    mc, mc_in = nodes["mc"]
+    assert mc_in == ["emb", "w"] and mc["attrs"]["num_outputs"] == "2"
+    where = graph["nodes"][[n["name"] for n in graph["nodes"]].index("where")]
+    assert [(graph["nodes"][e[0]]["name"], e[1]) for e in where["inputs"]] == [("lengths", 0), ("mc", 0), ("mc", 1)]
+    assert "mc2" not in nodes and nodes["add"][1] == ["lengths", "where"]  # one float left: no multicast
+    assert all(e[0] < j for j, n in enumerate(graph["nodes"]) for e in n["inputs"])
+    float64 = {**dtypes, ("ids", 0): "float64", ("ids_cast", 0): "float64"}
+    assert drop_identity_casts(_ids_graph(), float64)[1] == 3  # amp_cast passes float64 too
+
+
+def test_a_graph_of_float_entries_is_left_as_it_is():
+    dtypes = {(n["name"], 0): FP32 for n in _traced()["nodes"]}
+    graph = _traced()
+    assert drop_identity_casts(graph, dtypes) == (graph, 0)

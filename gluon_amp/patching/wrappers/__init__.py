@@ -38,8 +38,9 @@ def wrapper_for(fn: Callable, op: str, kind: str, policy: Policy, info: mxi.OpIn
     and has several inputs, the neutral path makes them agree (:mod:`.follow`).
     """
     table = policy.table
+    sig = mxi.signature_of(fn)  # once per function: which arguments are inputs, which attributes
     if op in LOSS_OUTPUT_FUNCTIONS:
-        fn = (loss_output.nd_wrapper(fn, op, scalers.scale) if kind == "ndarray"
+        fn = (loss_output.nd_wrapper(fn, op, sig, scalers.scale) if kind == "ndarray"
               else loss_output.sym_wrapper(fn, op))
     op_class = table.classes.get(op, OpClass.NEUTRAL)
     neutral = None
@@ -47,12 +48,12 @@ def wrapper_for(fn: Callable, op: str, kind: str, policy: Policy, info: mxi.OpIn
     if op_class in (OpClass.NEUTRAL, OpClass.CONDITIONAL_FP32) and not (
             op in CAST_OPS or info.variadic or len(info.inputs) < 2
             or set(info.inputs[1:]) <= kept):  # normalisation: its parameters stay float32
-        neutral = (follow.nd_wrapper(fn, op, info.inputs, cast_nd) if kind == "ndarray" else
-                   follow.sym_wrapper(fn, op, info.inputs, table.target_dtype,
+        neutral = (follow.nd_wrapper(fn, op, sig, cast_nd) if kind == "ndarray" else
+                   follow.sym_wrapper(fn, op, sig, table.target_dtype,
                                       lambda xs: multicast_sym(xs, narrow=True)))
     if op_class is OpClass.NEUTRAL:
         return neutral or (fn if op in LOSS_OUTPUT_FUNCTIONS else None)
     if kind == "ndarray":
-        return classes.nd_wrapper(fn, op, table, info.inputs, neutral, emulate=policy.emulate,
+        return classes.nd_wrapper(fn, op, table, sig, neutral, emulate=policy.emulate,
                            runs_on_cpu=runtime.executable(table.target_dtype, "cpu"))
-    return classes.sym_wrapper(fn, op, table, info, neutral, policy.excluded)
+    return classes.sym_wrapper(fn, op, table, info, sig, neutral, policy.excluded)

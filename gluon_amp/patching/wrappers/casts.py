@@ -16,6 +16,9 @@ _nd_amp_cast = mxi.copy_function(mx.nd.amp_cast)
 _sym_amp_cast = mxi.copy_function(mx.sym.amp_cast)
 _sym_amp_multicast = mxi.copy_function(mx.sym.amp_multicast)
 _np_ndarray = mx.np.ndarray
+#: The dtypes amp_cast converts (MXNet's type rule): it passes any other (float64, integers)
+#: through as it is, so AMP leaves those alone, in graphs and imperatively alike.
+CASTABLE = {t: n for t, n in mxi.FLOAT_NAMES.items() if n != "float64"}
 _np_symbol = mxi.NP_SYMBOL
 
 
@@ -23,6 +26,14 @@ def cast_nd(x: NDArray, dtype: str) -> NDArray:
     if isinstance(x, _np_ndarray):  # amp_cast is a legacy op: go through a zero-copy view
         return _nd_amp_cast(x.as_nd_ndarray(), dtype=mxi.to_mx_dtype(dtype)).as_np_ndarray()
     return _nd_amp_cast(x, dtype=mxi.to_mx_dtype(dtype))
+
+
+def cast_into(x: NDArray, out: NDArray) -> NDArray:
+    """``x`` cast to ``out``'s float dtype, written into ``out``."""
+    if isinstance(out, _np_ndarray):
+        _nd_amp_cast(x.as_nd_ndarray(), dtype=out.dtype, out=out.as_nd_ndarray())
+        return out
+    return _nd_amp_cast(x.as_nd_ndarray() if isinstance(x, _np_ndarray) else x, dtype=out.dtype, out=out)
 
 
 def cast_sym(x: Symbol, dtype: str) -> Symbol:

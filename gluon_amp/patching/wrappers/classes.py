@@ -6,21 +6,23 @@ see :mod:`gluon_amp.wrappers` for how they compose with the others.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
+from mxnet.base import MXNetError
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import Decision, Reason, decide
+from gluon_amp_core.dtypes import dtype_name
 from gluon_amp_core.table import OpClass, OpTable
 
 from ... import mxnet_internals as mxi
 from ...emulation import round_nd
 from ..hooks import cannot_run
-from .casts import cast_nd, cast_sym, multicast_sym
+from .casts import CASTABLE, cast_into, cast_nd, cast_sym, multicast_sym
 
 
-def nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str],
+def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
                 neutral: Optional[Callable] = None, emulate: bool = False,
                 runs_on_cpu: bool = True) -> Callable:
     """Imperative wrapper: cast float NDArray inputs as ``decide`` says, then call ``fn``.
@@ -28,7 +30,8 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str]
     The decision for fixed classes (low precision, fp32) does not depend on the call, so
     it is taken once here; conditional ops decide per call on their attributes, widest ops
     on their input dtypes, and low-precision ops with a shape rule on their data input's
-    shape. Dispatch cost matters: this runs on every op call.
+    shape. ``sig`` says which arguments are inputs and which attributes, for every way
+    of calling the op. Dispatch cost matters: this runs on every op call.
     ``neutral`` runs the op when a conditional op's rule does not apply (default ``fn``).
     ``emulate``: inputs and outputs are rounded to the target in float32 instead of cast
     (imperative emulation rounds at decided ops only; hybridized graphs are exact).
@@ -39,7 +42,10 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str]
     by_shape = op_class is OpClass.LOW_PRECISION and table.canonical(op) in table.narrow_fp32
     fixed = (decide(op, {}, [], table) if op_class in (OpClass.LOW_PRECISION, OpClass.FP32)
              and not by_shape else None)
+    input_names = sig.inputs
     data_name = input_names[0] if input_names else "data"
+    n_pos = len(input_names)  # positional arguments past these are attributes or options
+    variadic = sig.variadic
     to_name = mxi.FLOAT_NAMES
     low = table.target_dtype
     cast = (lambda x, dt: round_nd(x, dt) if dt == low else x) if emulate else cast_nd
@@ -51,9 +57,9 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str]
                          for a in [*args, *kwargs.values()]):
             raise RuntimeError(cannot_run(f"{op} (imperative)", want, "cpu"))
         new_args = None
-        for i, a in enumerate(args):
+        for i, a in enumerate(args if variadic or len(args) <= n_pos else args[:n_pos]):
             if isinstance(a, NDArray):
-                dt = to_name.get(a.dtype)
+                dt = CASTABLE.get(a.dtype)
                 if dt is not None and (dt != want or emulate) and not (
                         keep and i < len(input_names) and input_names[i] in keep):
                     if new_args is None:
@@ -62,11 +68,15 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str]
         if kwargs:
             for k, v in kwargs.items():
                 if k != "out" and k not in keep and isinstance(v, NDArray):
-                    dt = to_name.get(v.dtype)
+                    dt = CASTABLE.get(v.dtype)
                     if dt is not None and (dt != want or emulate):
                         kwargs[k] = cast(v, want)
+        given = kwargs.get("out") if variadic or len(args) <= n_pos else sig.option(args, kwargs, "out")
+        if given is not None:
+            return _call_with_out(fn, sig, new_args or list(args), kwargs, given, want,
+                                  low if emulate and want == low else None)
         out = fn(*(args if new_args is None else new_args), **kwargs)
-        if emulate and want == low and "out" not in kwargs:
+        if emulate and want == low:
             return _round_outputs(out, low)
         return out
 
@@ -79,25 +89,79 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, input_names: Sequence[str]
         def amp_op(*args: Any, **kwargs: Any) -> Any:
             x = args[0] if args else kwargs.get(data_name)
             shape = x.shape if isinstance(x, NDArray) else None
-            return cast_all(args, kwargs, decide(op, kwargs, (), table, input_shapes=(shape,)))
+            return cast_all(args, kwargs, decide(op, sig.rule_attributes(args, kwargs), (), table,
+                                                 input_shapes=(shape,)))
     elif op_class is OpClass.WIDEST:
         @functools.wraps(fn)
         def amp_op(*args: Any, **kwargs: Any) -> Any:
-            dts = [to_name.get(a.dtype, "other") for a in args if isinstance(a, NDArray)]
+            dts = [to_name.get(a.dtype, "other") for a in
+                   (args if variadic or len(args) <= n_pos else args[:n_pos]) if isinstance(a, NDArray)]
             if kwargs:
                 dts += [to_name.get(v.dtype, "other") for k, v in kwargs.items()
                         if k != "out" and isinstance(v, NDArray)]
             if len(dts) < 2 or all(d == dts[0] for d in dts):
                 return fn(*args, **kwargs)
-            d = decide(op, kwargs, dts, table)
+            d = decide(op, sig.rule_attributes(args, kwargs), dts, table)
             return fn(*args, **kwargs) if d.dtype is None else cast_all(args, kwargs, d)
     else:
         @functools.wraps(fn)
         def amp_op(*args: Any, **kwargs: Any) -> Any:
-            d = decide(op, kwargs, (), table)
+            d = decide(op, sig.rule_attributes(args, kwargs), (), table)
             return neutral(*args, **kwargs) if d.dtype is None else cast_all(args, kwargs, d)
 
     return amp_op
+
+
+def _call_with_out(fn: Callable, sig: mxi.Signature, args: list, kwargs: dict, out: Any,
+                   want: Optional[str], rounded: Optional[str]) -> Any:
+    """``fn`` writing into the caller's ``out=`` arrays, in their dtypes; emulated, their
+    values rounded to ``rounded``. Returns ``out``, as MXNet does.
+
+    The op runs in a dtype the caller did not choose: where MXNet rejects their arrays for
+    it, the outputs are made without them and written into them cast. (Ops whose point is
+    writing into ``out``, such as ``_copyto``, accept any dtype and run as they are.)"""
+    try:
+        result = fn(*args, **kwargs)
+    except MXNetError:
+        if want is None or not _differs(out, want):
+            raise
+        if "out" in kwargs:
+            kwargs = {k: v for k, v in kwargs.items() if k != "out"}
+        else:
+            args = [None if k == sig.params.index("out") else a for k, a in enumerate(args)]
+        made = fn(*args, **kwargs)
+        if not _differs(out, _dtype_of(made)):
+            raise  # not the dtype: MXNet's own error stands
+        return _into(out, made, rounded)
+    return _into(out, out, rounded) if rounded is not None else result
+
+
+def _dtype_of(result: Any) -> str:
+    first = result[0] if isinstance(result, (list, tuple)) else result
+    return mxi.FLOAT_NAMES.get(first.dtype) or dtype_name(first.dtype)
+
+
+def _differs(out: Any, dtype: str) -> bool:
+    """True when a float array of ``out`` (the caller's ``out=``) is not of ``dtype``."""
+    outs = out if isinstance(out, (list, tuple)) else (out,)
+    return any(mxi.FLOAT_NAMES.get(getattr(o, "dtype", None), dtype) != dtype for o in outs)
+
+
+def _into(out: Any, result: Any, rounded: Optional[str]) -> Any:
+    """Write ``result`` into the caller's ``out`` arrays in their dtypes (rounded to
+    ``rounded`` first, emulated); returns ``out``."""
+    if rounded is not None:
+        result = _round_outputs(result, rounded)
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    results = result if isinstance(result, (list, tuple)) else [result]
+    for o, r in zip(outs, results):
+        if r is o:
+            continue
+        if r.dtype != o.dtype and r.dtype in CASTABLE and o.dtype in CASTABLE:
+            cast_into(r, o)
+        else:
+            r.copyto(o)  # MXNet says so when these do not fit
+    return out
 
 
 def _round_outputs(out: Any, dtype: str) -> Any:
@@ -108,10 +172,11 @@ def _round_outputs(out: Any, dtype: str) -> Any:
     return out
 
 
-def sym_wrapper(fn: Callable, op: str, table: OpTable, info: mxi.OpInfo,
+def sym_wrapper(fn: Callable, op: str, table: OpTable, info: mxi.OpInfo, sig: mxi.Signature,
                  neutral: Optional[Callable] = None, excluded: frozenset = frozenset()) -> Callable:
     """Symbolic wrapper: insert ``amp_cast``/``amp_multicast`` nodes before the op.
 
+    ``sig`` says which arguments are inputs and which attributes.
     ``neutral`` builds the op when the decision leaves its inputs alone (default ``fn``).
     An op built with a ``name=`` that resolves to a node name in ``excluded`` runs in float32."""
     declared = len(info.inputs)
@@ -120,17 +185,17 @@ def sym_wrapper(fn: Callable, op: str, table: OpTable, info: mxi.OpInfo,
     @functools.wraps(fn)
     def amp_op(*args: Any, **kwargs: Any) -> Any:
         sym_kw = [k for k, v in kwargs.items() if isinstance(v, Symbol)]
-        attrs = {k: v for k, v in kwargs.items() if k not in sym_kw}
-        n_given = sum(isinstance(a, Symbol) for a in args) + len(sym_kw)
-        is_excluded = bool(excluded) and mxi.full_op_name(kwargs.get("name")) in excluded
-        d = decide(op, attrs, [None] * n_given, table, excluded=is_excluded)
+        inputs = sig.input_args(args)
+        n_given = sum(isinstance(a, Symbol) for a in inputs) + len(sym_kw)
+        is_excluded = bool(excluded) and mxi.full_op_name(sig.option(args, kwargs, "name")) in excluded
+        d = decide(op, sig.rule_attributes(args, kwargs), [None] * n_given, table, excluded=is_excluded)
         if d.dtype is None and d.reason is not Reason.WIDEST:
             return neutral(*args, **kwargs)
         if not info.variadic and n_given < declared:
             # MXNet creates the missing inputs (weights) itself: build, then re-wire casts.
             given = {a.name for a in [*args, *kwargs.values()] if isinstance(a, Symbol)}
             return _recompose(fn(*args, **kwargs), d, info, given)
-        positions = [(None, i) for i, a in enumerate(args) if isinstance(a, Symbol)]
+        positions = [(None, i) for i, a in enumerate(inputs) if isinstance(a, Symbol)]
         positions += [(k, None) for k in sym_kw]
         new_args = list(args)
 

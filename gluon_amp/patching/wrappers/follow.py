@@ -16,15 +16,12 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import FLOAT_DTYPES, dtype_name
 
-from ...mxnet_internals import FLOAT_NAMES
+from ...mxnet_internals import FLOAT_NAMES, Signature
 from ...type_inference import op_types
+from .casts import CASTABLE
 
-_SKIP_ATTRS = ("out", "name")
-
-
-def _attrs(kwargs: dict) -> dict:
-    return {k: str(v) for k, v in kwargs.items()
-            if k not in _SKIP_ATTRS and not isinstance(v, (NDArray, Symbol)) and v is not None}
+_OPTIONS = ("out", "name", "attr")
+_CASTABLE = frozenset(CASTABLE.values())
 
 
 def _name(x: NDArray) -> str:
@@ -37,12 +34,13 @@ def _name(x: NDArray) -> str:
         return "other"
 
 
-def _tensor_slots(args: tuple, kwargs: dict, kind: type, names: Sequence[str]) -> Optional[List[Tuple[Any, int]]]:
-    """``[(key, slot)]`` for the tensor inputs, in the op's declared input order; a key is a
-    positional index or a keyword. None when a keyword is not a declared input."""
-    slots = [(i, i) for i, a in enumerate(args) if isinstance(a, kind)]
+def _tensor_slots(args: tuple, kwargs: dict, kind: type, sig: Signature,
+                  names: Sequence[str]) -> Optional[List[Tuple[Any, int]]]:
+    """``[(key, slot)]`` for the tensor inputs (``names``, the op's declared ones), in their
+    order; a key is a positional index or a keyword. None when a keyword is not an input."""
+    slots = [(i, i) for i, a in enumerate(sig.input_args(args)) if isinstance(a, kind)]
     for k, v in kwargs.items():
-        if isinstance(v, kind) and k not in _SKIP_ATTRS:
+        if isinstance(v, kind) and k not in _OPTIONS:
             if k not in names:
                 return None
             slots.append((k, names.index(k)))
@@ -60,24 +58,25 @@ def _put(args: list, kwargs: dict, key: Any, value: Any) -> None:
         args[key] = value
 
 
-def nd_wrapper(fn: Callable, op: str, names: Sequence[str], cast: Callable[[NDArray, str], NDArray]) -> Callable:
+def nd_wrapper(fn: Callable, op: str, sig: Signature, cast: Callable[[NDArray, str], NDArray]) -> Callable:
     """Imperative: when float inputs differ in dtype and MXNet rejects them, cast the
     others to the dtype MXNet infers from the first float input."""
+    names = sig.inputs
 
     @functools.wraps(fn)
     def amp_op(*args: Any, **kwargs: Any) -> Any:
-        slots = _tensor_slots(args, kwargs, NDArray, names)
+        slots = _tensor_slots(args, kwargs, NDArray, sig, names)
         if not slots or len(slots) < 2:
             return fn(*args, **kwargs)
         new = list(args)
         dts = [_name(_get(new, kwargs, key)) for key, _ in slots]
         if len({d for d in dts if d in FLOAT_DTYPES}) < 2:
             return fn(*args, **kwargs)
-        required = _required(op, _attrs(kwargs), dts)
+        required = _required(op, sig.attributes(args, kwargs), dts)
         if required is None:
             return fn(*args, **kwargs)  # MXNet reports it, as it would without AMP
         for (key, _), have, want in zip(slots, dts, required):
-            if have in FLOAT_DTYPES and want in FLOAT_DTYPES and have != want:
+            if have in _CASTABLE and want in _CASTABLE and have != want:  # amp_cast passes float64
                 _put(new, kwargs, key, cast(_get(new, kwargs, key), want))
         return fn(*new, **kwargs)
 
@@ -95,19 +94,20 @@ def _required(op: str, attrs: dict, dts: List[str]) -> Optional[Tuple[Optional[s
     return typed[0] if typed is not None else None
 
 
-def sym_wrapper(fn: Callable, op: str, names: Sequence[str], target_dtype: str,
+def sym_wrapper(fn: Callable, op: str, sig: Signature, target_dtype: str,
                 multicast_narrow: Callable[[Sequence[Symbol]], List[Symbol]]) -> Callable:
     """Symbolic: dtypes are known only at run time, so when MXNet would reject low-precision
     data with float32 parameters, an ``amp_multicast(cast_narrow=True)`` in front of the op
     gives all float inputs the narrowest dtype among them when the graph runs."""
+    names = sig.inputs
 
     @functools.wraps(fn)
     def amp_op(*args: Any, **kwargs: Any) -> Any:
-        slots = _tensor_slots(args, kwargs, Symbol, names)
+        slots = _tensor_slots(args, kwargs, Symbol, sig, names)
         if not slots or len(slots) < 2 or slots[0][1] != 0:
             return fn(*args, **kwargs)
         hypothesis = (target_dtype,) + ("float32",) * (len(slots) - 1)
-        if op_types(op, _attrs(kwargs), hypothesis) is not None:
+        if op_types(op, sig.attributes(args, kwargs), hypothesis) is not None:
             return fn(*args, **kwargs)
         new = list(args)
         cast = multicast_narrow([_get(new, kwargs, key) for key, _ in slots])

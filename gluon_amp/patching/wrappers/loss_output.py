@@ -10,17 +10,34 @@ import warnings
 import weakref
 from typing import Any, Callable
 
+from ...mxnet_internals import Signature
 
-def nd_wrapper(fn: Callable, op: str, loss_scale: Callable[[str], float]) -> Callable:
-    """Multiply ``grad_scale`` by ``loss_scale(op)``, the scale the attached trainer's next
-    ``scale_loss`` uses; where that is 1 the call passes through untouched."""
+
+def nd_wrapper(fn: Callable, op: str, sig: Signature, loss_scale: Callable[[str], float]) -> Callable:
+    """Multiply ``grad_scale`` (by keyword or by position, as ``sig`` places it) by
+    ``loss_scale(op)``, the scale the attached trainer's next ``scale_loss`` uses; where
+    that is 1 the call passes through untouched."""
+    at = sig.params.index("grad_scale") if "grad_scale" in sig.params else len(sig.params)
+
     @functools.wraps(fn)
     def amp_op(*args: Any, **kwargs: Any) -> Any:
         scale = loss_scale(op)
-        if scale != 1.0:
-            kwargs["grad_scale"] = float(kwargs.get("grad_scale", 1.0)) * scale
+        if scale == 1.0:
+            return fn(*args, **kwargs)
+        if len(args) > at:
+            args = (*args[:at], _scaled(args[at], scale), *args[at + 1:])
+        else:
+            kwargs["grad_scale"] = _scaled(kwargs.get("grad_scale", 1.0), scale)
         return fn(*args, **kwargs)
     return amp_op
+
+
+def _scaled(grad_scale: Any, scale: float) -> Any:
+    """``grad_scale * scale``; a value that is not a number goes to MXNet as it is (it rejects it)."""
+    try:
+        return float(grad_scale) * scale
+    except (TypeError, ValueError):
+        return grad_scale
 
 
 def sym_wrapper(fn: Callable, op: str) -> Callable:
