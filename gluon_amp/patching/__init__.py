@@ -19,6 +19,7 @@ from gluon_amp_core.table import ConditionalSpec
 from .. import mxnet_internals as mxi, runtime
 from ..policy_builder import as_policy
 from ..speed.tuner import training_rewriter
+from . import low_cast
 from .hooks import graph_rewriter, holds_amp_plan
 from .wrappers import ScalerRegistry, wrapper_for
 
@@ -116,6 +117,7 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
         if policy.tune:  # after the rewrite: the plan's shape rules apply first, and tuning needs kernels
             rewrite = _after(rewrite, training_rewriter(policy, lambda: runtime.timing_cache()))
         hooks = mxi.install_block_hooks(rewrite, _warn_stale, reshaped, watch)
+        low_cast.acquire("init")  # a script's net.cast('float16') follows the plan (low_cast.py)
         _active = _Active(policy, patches, hooks, scalers)
         _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
                   policy.describe(), len(_active.patches))
@@ -180,6 +182,7 @@ def disable() -> None:
             return
         _restore(_active.patches)
         mxi.remove_block_hooks(_active.hooks)
+        low_cast.release("init")
         _active = None
 
 
