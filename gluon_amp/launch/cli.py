@@ -112,12 +112,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         p.exit(2, f"{PROG}: can't open file {os.path.join(os.getcwd(), name)!r}: [Errno 2] No such file or directory\n")
     if kind == "module" and importlib.util.find_spec(name) is None:
         p.exit(1, f"{PROG}: No module named {name}\n")
-    sys.excepthook = runner.trimming_excepthook(sys.excepthook)
-    threads.end_process_on_thread_failure(_say)
     try:
         policy = install_as_contrib_amp(**policy_options(opts))
     except (ValueError, TypeError, RuntimeError) as exc:
         p.exit(2, f"{PROG}: error: {exc}\n")
+    sys.excepthook = runner.trimming_excepthook(sys.excepthook)
+    threads.end_process_on_thread_failure(_say)
     _say(f"{policy.describe()}; gluon_amp answers mxnet.contrib.amp; running {name}")
     try:
         (runner.run_module if kind == "module" else runner.run_script)(name, args)
