@@ -2,12 +2,14 @@
 gluon-amp is installed (a wheel or ``pip install -e .``): restores the numpy aliases MXNet
 1.9.1 and GluonCV 0.10 use, just before either is first imported.
 
-It imports only ``sys`` and ``os`` at start (numpy is not touched): it puts one finder at the
-front of ``sys.meta_path``. The first time anything imports ``mxnet`` or ``gluoncv``, the
+At start it imports only ``sys`` and ``os`` (not even ``typing``; numpy is not touched) and
+puts one finder at the front of ``sys.meta_path``. The first time anything imports ``mxnet`` or ``gluoncv``, the
 finder removes itself, runs ``gluon_amp/_numpy_shim.py`` (by path: the gluon_amp package is
 not imported) and lets the normal import go on. ``GLUON_AMP_NUMPY_SHIM=0`` turns it off
 (the .pth line does not even import this module then). See docs/python.md.
 """
+from __future__ import annotations
+
 import os
 import sys
 
@@ -18,14 +20,14 @@ class NumpyAliasesBeforeMXNet:
     """A meta-path finder that finds nothing: it runs the numpy shim once, on the first
     import of a name in :data:`TRIGGERS`, then leaves ``sys.meta_path``."""
 
-    def find_spec(self, name, path=None, target=None):  # noqa: D102 (importlib protocol)
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
         if path is None and name in TRIGGERS:
             remove()
             restore_numpy_aliases()
         return None
 
 
-def restore_numpy_aliases():
+def restore_numpy_aliases() -> list[str]:
     """Run ``restore_numpy_aliases`` of the gluon_amp/_numpy_shim.py this environment has.
 
     Loaded by path under a private name, so neither gluon_amp nor MXNet is imported here.
@@ -46,22 +48,22 @@ def restore_numpy_aliases():
     return []
 
 
-def install():
+def install() -> None:
     """Put the finder first in ``sys.meta_path`` (once), unless mxnet is already imported."""
     if "mxnet" not in sys.modules and not installed():
         sys.meta_path.insert(0, NumpyAliasesBeforeMXNet())
 
 
-def _ours(finder):
+def _ours(finder: object) -> bool:
     # by name: a second copy of this module (another checkout on PYTHONPATH) has its own class
     return type(finder).__name__ == NumpyAliasesBeforeMXNet.__name__
 
 
-def remove():
+def remove() -> None:
     """Take every such finder out of ``sys.meta_path``."""
     sys.meta_path[:] = [f for f in sys.meta_path if not _ours(f)]
 
 
-def installed():
+def installed() -> bool:
     """True while the finder waits for the first import of mxnet or gluoncv."""
     return any(_ours(f) for f in sys.meta_path)
