@@ -18,6 +18,8 @@ The first two say so once per process (a ``RuntimeWarning``). Casts the context 
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import warnings
 from typing import Any, Callable, Optional, Set
@@ -100,4 +102,15 @@ def _rule(param: Any, dtype: Any, cast: Callable[[Any], None]) -> None:
 def _say_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=5)
+        warnings.warn(message, RuntimeWarning, stacklevel=_caller_level())
+
+
+_SKIPPED = tuple(os.path.dirname(m.__file__) + os.sep for m in (mx, sys.modules["gluon_amp"]))
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside MXNet and gluon_amp: the script's cast."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED):
+        frame, level = frame.f_back, level + 1
+    return level
