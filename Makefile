@@ -45,9 +45,12 @@ test: install-dist
 	$(PYTHON) -m pytest -q tests
 
 # numpy 1.26 (what Python 3.12 gets) on this Python, in a venv of its own: the shim's claims, the
-# suite's core (init/patching, trainer, convert, emulate) and make bench's script. No Horovod there.
+# startup hook (`import mxnet` first) in this editable install and in a wheel installed beside it,
+# the launcher (GluonCV's R-CNN task under it), the suite's core (init/patching, trainer, convert,
+# emulate) and make bench's script. No Horovod there.
 NP126_VENV := .venv-np126
-NP126_TESTS := $(addprefix tests/mxnet_layer/,test_numpy_shim.py test_compat.py test_patching.py \
+NP126_TESTS := $(addprefix tests/mxnet_layer/,test_numpy_shim.py test_numpy_startup.py test_compat.py \
+	test_launcher.py test_patching.py \
 	test_trainer.py test_convert.py test_emulate.py test_benchmarks.py::test_ssd_synthetic_amp_smoke)
 
 $(NP126_VENV)/bin/activate:

@@ -46,6 +46,7 @@ from . import debug  # noqa: E402
 from .reporting.report import Report, report  # noqa: E402
 from .reporting.info import runtime_info  # noqa: E402
 from .training.distributed import init_kvstore  # noqa: E402
+from .launch import install_as_contrib_amp, uninstall_contrib_amp  # noqa: E402
 from .training.trainer import (  # noqa: E402
     clip_global_norm, get_scaler, init_trainer, load_states, save_states, scale_loss, unscale,
 )
@@ -62,4 +63,5 @@ __all__ = [
     "get_scaler", "save_states", "load_states", "initialize", "init_kvstore",
     "convert_symbol", "convert_model", "convert_hybrid_block", "report", "Report",
     "convert_bucketing_module", "list_loss_output_functions", "list_lp16_use_fp32_params", "debug",
+    "install_as_contrib_amp", "uninstall_contrib_amp",
 ]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mxnet as mx
-from mxnet.gluon import HybridBlock
+from mxnet.gluon import HybridBlock, Parameter
 from mxnet.symbol import Symbol
 
 
@@ -272,3 +272,63 @@ def full_op_name(name: Any) -> Optional[str]:
     if not name or not isinstance(name, str):
         return None
     return mx.name.NameManager.current.get(name, None)
+
+
+# -- Parameter.cast hook -------------------------------------------------------------
+# 1.9.1 mxnet/gluon/parameter.py: ``Parameter.cast(dtype)`` is where every cast of a
+# parameter ends: ``Block.cast`` calls it per parameter (after ``HybridBlock.cast`` dropped the
+# cached graph), as do the ``Parameter.dtype`` setter and ``ParameterDict.setattr('dtype', ..)``.
+# It sets ``_dtype`` and replaces ``_data``/``_grad`` by ``astype`` copies. If renamed, init fails here.
+
+_PARAM_CAST = Parameter.cast
+_own_casts = threading.local()
+
+
+@dataclass(frozen=True)
+class CastHook:
+    """The ``Parameter.cast`` :func:`install_param_cast_hook` put in place."""
+
+    cast: Callable
+
+
+@contextlib.contextmanager
+def own_casts() -> Iterator[None]:
+    """Parameter casts gluon_amp itself makes inside (O2/O3 weights) bypass the cast hook."""
+    depth = getattr(_own_casts, "depth", 0)
+    _own_casts.depth = depth + 1
+    try:
+        yield
+    finally:
+        _own_casts.depth = depth
+
+
+def install_param_cast_hook(rule: Callable[[Parameter, Any, Callable[[Any], None]], None]) -> CastHook:
+    """Until :func:`remove_param_cast_hook`: ``Parameter.cast(dtype)`` (from any caller but
+    :func:`own_casts`) calls ``rule(param, dtype, cast)``; ``cast(d)`` is MXNet's own cast of
+    ``param`` to ``d``."""
+    def cast(self: Parameter, dtype: Any) -> None:
+        if getattr(_own_casts, "depth", 0):
+            return _PARAM_CAST(self, dtype)
+        return rule(self, dtype, lambda d: _PARAM_CAST(self, d))
+
+    cast.__doc__ = _PARAM_CAST.__doc__
+    Parameter.cast = cast
+    return CastHook(cast)
+
+
+def remove_param_cast_hook(hook: CastHook) -> None:
+    """Put MXNet's ``Parameter.cast`` back, where ``hook`` is still the one in place."""
+    if Parameter.__dict__.get("cast") is hook.cast:
+        Parameter.cast = _PARAM_CAST
+
+
+def param_contexts(param: Parameter) -> List[Any]:
+    """The contexts ``param`` lives (or will live, deferred) on. 1.9.1: ``_ctx_list``, set
+    by ``initialize``; before that, the current default context."""
+    return list(getattr(param, "_ctx_list", None) or [mx.context.current_context()])
+
+
+def param_arrays(param: Parameter) -> List[mx.nd.NDArray]:
+    """``param``'s data, one array per context; ``[]`` while its initialization is deferred
+    (1.9.1: ``_data`` is None until the shapes are known)."""
+    return list(getattr(param, "_data", None) or [])

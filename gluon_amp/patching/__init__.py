@@ -20,6 +20,7 @@ from gluon_amp_core.table import ConditionalSpec
 from .. import mxnet_internals as mxi, runtime
 from ..policy_builder import as_policy
 from ..speed.schedule import Tuner
+from . import low_cast
 from .hooks import graph_rewriter, holds_amp_plan
 from .wrappers import ScalerRegistry, wrapper_for
 
@@ -135,6 +136,7 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
         if tuner is not None:  # after the rewrite: the plan's shape rules apply first, and tuning needs kernels
             rewrite = _after(rewrite, tuner.rewrite)
         hooks = mxi.install_block_hooks(rewrite, _warn_stale, reshaped, watch, tuner.called if tuner else None)
+        low_cast.acquire("init")  # a script's net.cast('float16') follows the plan (low_cast.py)
         _active = _Active(policy, patches, hooks, scalers, tuner)
         _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
                   policy.describe(), len(_active.patches))
@@ -207,6 +209,7 @@ def disable() -> None:
             return
         _restore(_active.patches)
         mxi.remove_block_hooks(_active.hooks)
+        low_cast.release("init")
         _active = None
 
 

@@ -35,7 +35,7 @@ from gluon_amp_core.policy import Policy
 from .. import patching
 from . import master_weights as master_weights_mod, trainer as trainer_mod
 from .. import mxnet_internals as mxi
-from ..mxnet_internals import NP_SYMBOL, to_mx_dtype, updates_on_kvstore
+from ..mxnet_internals import NP_SYMBOL, own_casts, to_mx_dtype, updates_on_kvstore
 from ..policy_builder import make_policy
 
 __all__ = ["OptLevel", "OPT_LEVELS", "properties", "initialize"]
@@ -227,15 +227,16 @@ def _boundary_forward(forward: Callable, dtype: str) -> Callable:
 def _cast_weights(net: Block, dtype: str) -> int:
     """Cast the net's trainable, non-normalisation parameters to ``dtype``; return how many."""
     n = 0
-    for p in net.collect_params().values():
-        if p.grad_req == "null" or _is_norm_param(p) or dtype_name(p.dtype) != "float32":
-            continue
-        # MXNet 1.9.1: astype of a weight held in a oneDNN layout (after a forward pass) to
-        # another dtype fails, or corrupts the heap under the threaded engine. A float32
-        # copy first brings it back to the default layout.
-        p.cast("float32")
-        p.cast(to_mx_dtype(dtype))
-        n += 1
+    with own_casts():  # the level's own storage, not a script's GPU-only cast (patching/low_cast.py)
+        for p in net.collect_params().values():
+            if p.grad_req == "null" or _is_norm_param(p) or dtype_name(p.dtype) != "float32":
+                continue
+            # MXNet 1.9.1: astype of a weight held in a oneDNN layout (after a forward pass) to
+            # another dtype fails, or corrupts the heap under the threaded engine. A float32
+            # copy first brings it back to the default layout.
+            p.cast("float32")
+            p.cast(to_mx_dtype(dtype))
+            n += 1
     return n
 
 

@@ -1,0 +1,116 @@
+"""``Block.cast``/``Parameter.cast`` to a low dtype the context cannot execute, while gluon_amp
+owns precision (``init`` on, or ``install_as_contrib_amp``/``gluon_amp.run`` for the process).
+
+Scripts written for a GPU cast the whole network (GluonCV's ``train_faster_rcnn.py --amp``:
+``net.cast('float16')``, then batch norm back to float32). On a CPU that is GPU-only code: no
+float16 kernels exist (nor bfloat16 ones below AVX-512), and the first mixed float16/float32
+op fails deep in MXNet. While gluon_amp owns precision, such a cast instead:
+
+- under emulation: keeps float32 storage holding values rounded to the cast's dtype; the
+  emulated plan gives each op its dtype;
+- with AMP on natively: changes nothing (float32 master weights); AMP's plan gives each op
+  its dtype;
+- with AMP off (the float32 fallback of ``gluon_amp.run``): raises a RuntimeError naming
+  ``--emulate`` / ``init(..., emulate=True)``, before anything is cast.
+
+The first two say so once per process (a ``RuntimeWarning``). Casts the context can execute
+(float32, float64, bfloat16 on a CPU that has it, anything on a GPU) are MXNet's own.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import warnings
+from typing import Any, Callable, Optional, Set
+
+from gluon_amp_core.dtypes import dtype_name
+
+import mxnet as mx
+
+from .. import mxnet_internals as mxi, runtime
+
+_lock = threading.Lock()
+_owners: Set[str] = set()
+_hook: Optional[mxi.CastHook] = None
+_warned: Set[str] = set()
+
+
+def acquire(owner: str) -> None:
+    """Install the rule (once) on behalf of ``owner``; it stays until every owner released it."""
+    global _hook
+    with _lock:
+        if not _owners:
+            _hook = mxi.install_param_cast_hook(_rule)
+        _owners.add(owner)
+
+
+def release(owner: str) -> None:
+    """``owner`` no longer needs the rule; the last one out puts MXNet's cast back."""
+    global _hook
+    with _lock:
+        _owners.discard(owner)
+        if not _owners and _hook is not None:
+            mxi.remove_param_cast_hook(_hook)
+            _hook = None
+
+
+def active() -> bool:
+    return _hook is not None
+
+
+def _low(dtype: Any) -> Optional[str]:
+    try:
+        name = dtype_name(dtype)
+    except (TypeError, ValueError):
+        return None  # not a dtype gluon_amp knows: MXNet's cast says what it makes of it
+    return name if name in ("float16", "bfloat16") else None
+
+
+def _rule(param: Any, dtype: Any, cast: Callable[[Any], None]) -> None:
+    low = _low(dtype)
+    contexts = mxi.param_contexts(param)
+    if low is None or all(runtime.executable(low, c.device_type) for c in contexts):
+        return cast(dtype)
+    from . import current_policy
+    policy = current_policy()
+    where = ", ".join(str(c) for c in contexts)
+    if policy is None:
+        raise RuntimeError(
+            f"gluon_amp: parameter {param.name!r} is being cast to {low} on {where}, where {low} has no "
+            f"convolution/GEMM kernels ({runtime.capability().why if low == 'bfloat16' else 'float16 runs on a GPU only'}), "
+            f"and mixed precision is off here, so the network could not run after it: this cast is GPU-only "
+            f"code. Run it emulated (float32 kernels, {low} rounding): python -m gluon_amp.run --emulate "
+            f"--target-dtype {low} SCRIPT ..., or gluon_amp.init(target_dtype='{low}', emulate=True) before the "
+            "cast; or leave the cast out on this machine.")
+    if dtype_name(param.dtype) != "float32":
+        cast("float32")
+    if policy.emulate:
+        from ..emulation import round_nd
+        with mx.autograd.pause():
+            for arr in mxi.param_arrays(param):
+                arr[:] = round_nd(arr, low)
+        _say_once(f"gluon_amp: a cast of parameters to {low} on {where} (GPU-only code) keeps them float32 "
+                  f"holding {low}-rounded values; the emulated {policy.target_dtype} plan gives each op its "
+                  "dtype (parameters whose initialization is deferred are not rounded).")
+    else:
+        _say_once(f"gluon_amp: a cast of parameters to {low} on {where} (GPU-only code) is left to AMP: "
+                  f"they stay float32 master weights and each op runs in the dtype the {policy.target_dtype} "
+                  "plan gives it.")
+
+
+def _say_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=_caller_level())
+
+
+_SKIPPED = tuple(os.path.dirname(m.__file__) + os.sep for m in (mx, sys.modules["gluon_amp"]))
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside MXNet and gluon_amp: the script's cast."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED):
+        frame, level = frame.f_back, level + 1
+    return level
