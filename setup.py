@@ -13,6 +13,8 @@ setup(
     long_description=README,
     long_description_content_type="text/markdown",
     packages=find_packages(include=["gluon_amp", "gluon_amp.*", "gluon_amp_core", "gluon_amp_core.*"]),
+    # the emulation kernel's source: compiled on the user's machine on first use
+    package_data={"gluon_amp.emulation_kernel": ["*.cc"]},
     # 3.13: numpy<2, which MXNet 1.9.1 needs, has no wheels for it (docs/python.md).
     python_requires=">=3.11,<3.13",
     install_requires=[

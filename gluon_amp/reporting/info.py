@@ -7,7 +7,7 @@ from typing import Any, Dict
 from gluon_amp_core.capability import Bf16
 from gluon_amp_core.resolve import Resolution
 
-from .. import _numpy_shim, runtime
+from .. import _numpy_shim, emulation_kernel, runtime
 from ..patching import current_policy
 from ..speed import probe
 
@@ -38,6 +38,7 @@ def runtime_info() -> Dict[str, Any]:
         "bf16_isa": cap.isa.lower() if cap.bf16 is Bf16.NATIVE else f"no native bfloat16 ({cap.bf16.value})",
         "error": runtime._state["error"],
         "mode": amp_mode(),
+        "emulation_kernel": _emulation_kernel(),
         "numpy_shim": _numpy_shim.status(),
     }
 
@@ -54,6 +55,13 @@ def _speed(default: Resolution) -> Dict[str, Any]:
     else:
         why = f"not run: {probe.ENV}=0; the flag rule decides"
     return {"source": why, "decision": default.dtype}
+
+
+def _emulation_kernel() -> Dict[str, Any]:
+    """How emulation rounds (``path``: ``'kernel'``, ``'fallback'`` or ``'not used yet'``), and
+    why. Under ``emulate=True`` it is decided (and the kernel built, the first time) here."""
+    status = emulation_kernel.load() if amp_mode() == "emulated" else emulation_kernel.status()
+    return status.to_dict()
 
 
 def amp_mode() -> str:
