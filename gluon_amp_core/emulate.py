@@ -107,8 +107,11 @@ _P111, _P126, _P64 = str(2.0 ** 111), str(2.0 ** -126), str(2.0 ** -64)
 #:   comparisons, parsed as doubles, give these powers of two exactly: the tests check it).
 #:
 #: The result is ``((x - BlockGrad(E)) 2^-16) 2^16`` with ``E`` x's change: the rounded
-#: value, an identity gradient, and nothing kept for the backward pass (only those three
-#: nodes are differentiated, and none of them keeps an input). The scaling keeps the sign of
+#: value, an identity gradient, and nothing kept for the backward pass. The chain reads ``x``
+#: through a BlockGrad: MXNet calls the gradient of every op that has one, zero or not, and
+#: several of these keep their inputs for it (abs, where, the product, clip); behind the
+#: BlockGrad their gradients reach nothing and are dropped. The three nodes on the value's
+#: path keep nothing. The scaling keeps the sign of
 #: a zero, which a difference cannot: for a subnormal ``x`` (``s = +-1``), ``E`` carries an
 #: extra ``-s 2^-149``, which the scaling by ``2^-16`` rounds away, except that a result of
 #: zero ends as ``-s 0``: ``-0`` from a negative ``x``, as round_bits says. Unlike float16's
@@ -117,45 +120,51 @@ _P111, _P126, _P64 = str(2.0 ** 111), str(2.0 ** -126), str(2.0 ** -64)
 #: Steps: (op, inputs, attrs); an input is "x" or the index of an earlier step.
 BF16_ROUNDING: Tuple[Tuple[str, Tuple, Dict[str, str]], ...] = (
     (PLAIN_LAYOUT, ("x",), {}),                                # 0: p, x in a plain layout
-    ("abs", (0,), {}),                                         # 1
-    ("_greater_equal_scalar", (1,), {"scalar": _P111}),        # 2: big (1 or 0)
-    ("_lesser_scalar", (1,), {"scalar": _P126}),               # 3: subnormal
-    ("sign", (0,), {}),                                        # 4
-    ("elemwise_mul", (4, 3), {}),                              # 5: s, +-1 where subnormal, else 0
-    ("_mul_scalar", (5,), {"scalar": _P126}),                  # 6
-    ("elemwise_add", (0, 6), {}),                              # 7: subnormals moved up by 2^-126
-    ("_mul_scalar", (0,), {"scalar": _P64}),                   # 8: big values scaled down
-    ("where", (2, 8, 7), {}),                                  # 9
-    ("clip", (9,), {"a_min": "-3e33", "a_max": "3e33"}),       # 10: c (see below)
-    ("_mul_scalar", (10,), {"scalar": "65537.0"}),             # 11: r
-    ("elemwise_sub", (11, 10), {}),                            # 12: r - c
-    ("elemwise_sub", (11, 12), {}),                            # 13: v, c rounded
-    ("elemwise_sub", (10, 13), {}),                            # 14: e = c - v
-    ("_mul_scalar", (14,), {"scalar": str(2.0 ** 64)}),        # 15
-    ("where", (2, 15, 14), {}),                                # 16: x's change, negated
-    ("_mul_scalar", (5,), {"scalar": str(-2.0 ** -149)}),      # 17: -s 2^-149
-    ("elemwise_add", (16, 17), {}),                            # 18: E
-    ("BlockGrad", (18,), {}),                                  # 19
-    ("elemwise_sub", (0, 19), {}),                             # 20
-    ("_mul_scalar", (20,), {"scalar": str(2.0 ** -16)}),       # 21
-    ("_mul_scalar", (21,), {"scalar": str(2.0 ** 16)}),        # 22: the result
+    ("BlockGrad", (0,), {}),                                   # 1: q, the chain's source
+    ("abs", (1,), {}),                                         # 2
+    ("_greater_equal_scalar", (2,), {"scalar": _P111}),        # 3: big (1 or 0)
+    ("_lesser_scalar", (2,), {"scalar": _P126}),               # 4: subnormal
+    ("_greater_scalar", (1,), {"scalar": "0"}),                # 5
+    ("_lesser_scalar", (1,), {"scalar": "0"}),                 # 6
+    ("elemwise_sub", (5, 6), {}),                              # 7: sign(x) (MXNet's sign op is slow)
+    ("elemwise_mul", (7, 4), {}),                              # 8: s, +-1 where subnormal, else 0
+    ("_mul_scalar", (8,), {"scalar": _P126}),                  # 9
+    ("elemwise_add", (1, 9), {}),                              # 10: subnormals moved up by 2^-126
+    ("_mul_scalar", (1,), {"scalar": _P64}),                   # 11: big values scaled down
+    ("where", (3, 11, 10), {}),                                # 12
+    ("clip", (12,), {"a_min": "-3e33", "a_max": "3e33"}),      # 13: c (see above)
+    ("_mul_scalar", (13,), {"scalar": "65537.0"}),             # 14: r
+    ("elemwise_sub", (14, 13), {}),                            # 15: r - c
+    ("elemwise_sub", (14, 15), {}),                            # 16: v, c rounded
+    ("elemwise_sub", (13, 16), {}),                            # 17: e = c - v
+    ("_mul_scalar", (17,), {"scalar": str(2.0 ** 64)}),        # 18
+    ("where", (3, 18, 17), {}),                                # 19: x's change, negated
+    ("_mul_scalar", (8,), {"scalar": str(-2.0 ** -149)}),      # 20: -s 2^-149
+    ("elemwise_add", (19, 20), {}),                            # 21: E
+    ("BlockGrad", (21,), {}),                                  # 22
+    ("elemwise_sub", (0, 22), {}),                             # 23
+    ("_mul_scalar", (23,), {"scalar": str(2.0 ** -16)}),       # 24
+    ("_mul_scalar", (24,), {"scalar": str(2.0 ** 16)}),        # 25: the result
 )
 
 
-def plain_layout(ndim: Optional[int], plain: bool) -> Tuple[str, Dict[str, str]]:
-    """The op (and attributes) that hands a value to the rounding's float32 ops.
+def plain_layout(ndim: Optional[int], plain: bool) -> Optional[Tuple[str, Dict[str, str]]]:
+    """The op (and attributes) that hands a value to the rounding's float32 ops, or ``None``
+    for a value that is read as it is.
 
     The output of a oneDNN op (convolution, batch norm, pooling, add) is held in a blocked
     memory layout. Under ``static_alloc``, each non-oneDNN op that reads one keeps a private
     plain copy of it for the life of the graph (MXNet's storage fallback), which made
     emulated bfloat16 training hold 2-4x FP32's memory. oneDNN's transpose writes a plain copy
-    and leaves the value's own layout alone, so the ops after the rounding (batch norm,
-    pooling: several times slower on a plain layout) still get the blocked one; with the
-    identity permutation it needs ``ndim``. Without it, a reshape to the same shape gives
-    the plain layout at no copy, but converts the value in place. Values already ``plain``
-    (parameters) need neither: the reshape is then free.
+    and leaves the value's own layout alone; with the identity permutation it needs ``ndim``.
+    Without it, a reshape to the same shape gives the plain layout at no copy, but converts
+    the value in place. Values already ``plain`` (parameters) are read as they are: their
+    shape may be known only from the op that reads the rounding (deferred initialisation),
+    and MXNet's shape inference cannot go back through a reshape.
     """
-    if ndim is not None and ndim >= 2 and not plain:
+    if plain:
+        return None
+    if ndim is not None and ndim >= 2:
         return "transpose", {"axes": str(tuple(range(ndim)))}
     return "Reshape", {"shape": "(-2,)"}
 
@@ -227,7 +236,11 @@ class _Rewriter:
             last = k == len(BF16_ROUNDING) - 1
             inputs = [x if a == "x" else made[a] for a in args]
             if op == PLAIN_LAYOUT:
-                op, attrs = plain_layout(self.ndims.get((self.nodes[x[0]]["name"], x[1])), self.is_parameter(x))
+                layout = plain_layout(self.ndims.get((self.nodes[x[0]]["name"], x[1])), self.is_parameter(x))
+                if layout is None:
+                    made.append(x)
+                    continue
+                op, attrs = layout
             j = self.add({"op": op, "name": f"{base}{ROUND_SUFFIX}" + ("" if last else f"_bf16_{k}"),
                           "attrs": dict(attrs), "inputs": [[e[0], e[1], 0] for e in inputs]})
             made.append((j, 0))

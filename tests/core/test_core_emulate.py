@@ -98,12 +98,15 @@ def _bf16_graph():
     return g, types
 
 
-def test_bf16_rounding_reads_op_outputs_through_a_copy_and_parameters_in_place():
+def test_bf16_rounding_reads_op_outputs_through_a_copy_and_parameters_as_they_are():
     g, types = _bf16_graph()
-    nodes = _by_name(emulate_graph(g, types, ndims={("conv", 0): 4, ("cw", 0): 4, ("data", 0): 4}).graph)
-    first = {base: nodes[f"{base}{ROUND_SUFFIX}_bf16_0"] for base in ("conv", "cw", "data")}
-    assert first["conv"]["op"] == "transpose" and first["conv"]["attrs"]["axes"] == "(0, 1, 2, 3)"
-    assert first["cw"]["op"] == "Reshape" and first["data"]["op"] == "Reshape"  # parameters, data
+    emu = emulate_graph(g, types, ndims={("conv", 0): 4, ("cw", 0): 4, ("data", 0): 4}).graph
+    nodes = _by_name(emu)
+    first = nodes[f"conv{ROUND_SUFFIX}_bf16_0"]
+    assert first["op"] == "transpose" and first["attrs"]["axes"] == "(0, 1, 2, 3)"
+    for base in ("cw", "data"):  # a cast of a parameter, and a variable: no copy, read directly
+        assert f"{base}{ROUND_SUFFIX}_bf16_0" not in nodes
+        assert emu["nodes"][nodes[f"{base}{ROUND_SUFFIX}_bf16_1"]["inputs"][0][0]]["name"] == base
     unknown = _by_name(emulate_graph(g, types).graph)  # no shapes: the in-place reshape
     assert unknown[f"conv{ROUND_SUFFIX}_bf16_0"]["op"] == "Reshape"
 
@@ -124,6 +127,8 @@ def test_bf16_rounding_is_differentiated_only_through_ops_that_keep_nothing():
     assert path == ["_mul_scalar", "_mul_scalar", "elemwise_sub", "Reshape"]
     chain = [n for n in nodes if n["name"].startswith(f"conv{ROUND_SUFFIX}_bf16_")]
     assert len(chain) == len(BF16_ROUNDING) - 1 and all(n["op"] != "null" for n in chain)
+    cw_chain = [n for n in nodes if n["name"].startswith(f"cw{ROUND_SUFFIX}_bf16_")]
+    assert len(cw_chain) == len(BF16_ROUNDING) - 2  # a parameter's value is read as it is
 
 
 def test_a_cast_to_the_dtype_its_input_has_already_is_no_rounding():
