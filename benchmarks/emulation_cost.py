@@ -38,8 +38,9 @@ from typing import Any, Dict, List, Optional
 
 MODES = ("fp32", "float16", "bfloat16")  # float16/bfloat16: emulated
 NETS = ("resnet18", "ssd512")
-#: (warmup, timed) steps per net by default
-STEPS = {"resnet18": (2, 8), "ssd512": (1, 3)}
+#: (warmup, timed) steps per net by default; SSD-512's emulated float16 overflows on its first
+#: steps (the scaler backs off from 65536): 3 untimed steps leave most of the timed ones updating
+STEPS = {"resnet18": (2, 8), "ssd512": (3, 3)}
 
 
 def own_peak_rss_mb() -> float:
