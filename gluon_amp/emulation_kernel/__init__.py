@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 #: The operator's name in MXNet's registry (``rounding.cc``).
 OP_NAME = "_gluon_amp_round"
@@ -50,6 +50,7 @@ class KernelStatus:
     library: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
+        """The fields, for ``runtime_info()`` and JSON."""
         return asdict(self)
 
 
@@ -103,7 +104,8 @@ def forced(use: bool) -> Iterator[None]:
         _forced = saved
 
 
-def _decide() -> tuple:
+def _decide() -> Tuple[KernelStatus, Optional[Callable[..., Any]]]:
+    """The status and the kernel's function (``None`` on the fallback), decided now."""
     setting = os.environ.get(ENV, "").strip().lower()
     if setting in ("0", "off", "false", "no"):
         return KernelStatus("fallback", f"{ENV}={os.environ[ENV]}"), None
