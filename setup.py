@@ -49,6 +49,8 @@ setup(
     packages=find_packages(include=["gluon_amp", "gluon_amp.*", "gluon_amp_core", "gluon_amp_core.*"]),
     py_modules=["_gluon_amp_startup"],  # run at interpreter start by PTH_NAME
     cmdclass={"build_py": build_py_with_pth},
+    # the emulation kernel's source: compiled on the user's machine on first use
+    package_data={"gluon_amp.emulation_kernel": ["*.cc"]},
     # 3.13: numpy<2, which MXNet 1.9.1 needs, has no wheels for it (docs/python.md).
     python_requires=">=3.11,<3.13",
     install_requires=[

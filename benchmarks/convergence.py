@@ -14,6 +14,9 @@ in a process of its own.
 
 The verdict is one-sided: an AMP mode fails only if its mean final mAP is below FP32's mean by
 more than a tolerance taken from the seeds (see ``verdict``). Ending above FP32 never fails.
+Each run's first step is also compared with FP32's of the same seed (equal weights: the
+numerics alone), and the steps its loss scaler skipped are named with the scale it went to
+(``first_steps``).
 """
 from __future__ import annotations
 
@@ -32,6 +35,9 @@ import numpy as np
 import _numpy_shim  # noqa: F401  first: numpy aliases MXNet needs (benchmarks/ is on sys.path)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from gluon_amp_core.loss_match import CurveMatch, Step, match_curves  # noqa: E402  (pure: no MXNet)
+
 CLASSES = ("square", "disc", "triangle", "bar")
 SIZE = 64
 MIN_SEEDS = 3        # a sample standard deviation from fewer runs says next to nothing
@@ -163,7 +169,7 @@ def train_mode(mode: str, seed: int, epochs: int, n_train: int, n_test: int, bat
     scaler = gluon_amp.init_trainer(trainer)
     loss_fn = SSDMultiBoxLoss()
     order = np.random.RandomState(data_seed).permutation
-    losses, maps, t0 = [], [], time.time()
+    losses, history, maps, t0 = [], [], [], time.time()
     steps_per_epoch = n_train // batch
     net.hybridize(static_alloc=True, static_shape=True)
     map_initial = evaluate(net, x_te, y_te, VOC07MApMetric, batch)  # inference: draws no random numbers
@@ -182,9 +188,11 @@ def train_mode(mode: str, seed: int, epochs: int, n_train: int, n_test: int, bat
                     autograd.backward(scaled)
             trainer.step(1)  # SSDMultiBoxLoss already normalises by the positive anchors
             losses.append(float(total[0].mean().asscalar()))
+            history.append(Step(losses[-1], not scaler.last_step_skipped, scaler.loss_scale).to_dict())
         net.hybridize(static_alloc=True, static_shape=True)
         maps.append(evaluate(net, x_te, y_te, VOC07MApMetric, batch))
-    return {"mode": mode, "seed": seed, "losses": losses, "map_initial": map_initial, "map_per_epoch": maps,
+    return {"mode": mode, "seed": seed, "losses": losses, "history": history, "map_initial": map_initial,
+            "map_per_epoch": maps,
             "final_map": maps[-1],
             "final_loss": float(np.mean(losses[-steps_per_epoch:])), "skipped_steps": scaler.skipped_steps,
             "loss_scale": trainer._amp_loss_scaler.loss_scale, "seconds": time.time() - t0,
@@ -317,6 +325,23 @@ def verdict(results: List[Dict[str, Any]], floor: float = FLOOR) -> Dict[str, An
     return out
 
 
+def first_steps(results: List[Dict[str, Any]]) -> Dict[str, CurveMatch]:
+    """Per AMP run (``'mode (seed k)'``): its loss against FP32's of the same seed by
+    gluon_amp_core.loss_match's rule, where each step trains on a new batch: the first step
+    (both at the same initial weights: the numerics alone), and the steps the loss scaler
+    skipped, named with the scale it went to. Later steps are not compared: the runs
+    decorrelate (the final mAPs are the verdict), and after a skip the same step index is
+    another number of updates."""
+    ref = {r["seed"]: r for r in results if r["mode"] == "fp32" and r.get("history")}
+    out = {}
+    for r in results:
+        if r["mode"] != "fp32" and r.get("history") and r["seed"] in ref:
+            out[f"{r['mode']} (seed {r['seed']})"] = match_curves(
+                [Step.from_dict(s) for s in r["history"]], [Step.from_dict(s) for s in ref[r["seed"]]["history"]],
+                same_batch=False, max_updates=1)
+    return out
+
+
 RULE = ("a mode FAILS if its mean final mAP is below FP32's by more than its tolerance, "
         "max({floor:g}, {k:g} * sqrt(std_fp32^2/n_fp32 + std_mode^2/n_mode)) (std: sample standard deviation "
         "over the seeds); ending above FP32 always passes")
@@ -373,6 +398,8 @@ def print_table(doc: Dict[str, Any]) -> None:
             else:
                 print(f"verdict: {mode} {'passes' if m['passes'] else 'FAILS'}: mean mAP {m['map_diff']:+.4f} "
                       f"vs FP32, tolerance {m['tolerance']:.4f}")
+    for name, m in first_steps(doc["results"]).items():
+        print(m.describe(name))
     for why in doc["skipped"]:
         print(why)
 
@@ -499,6 +526,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "task": "coloured shapes, 64x64, small GluonCV SSD", "epochs": args.epochs, "train": args.train,
         "test": args.test, "batch_size": args.batch_size, "lr": args.lr, "seeds": args.seeds,
         "results": results, "skipped": skipped, "wall_seconds": time.time() - t0,
+        "loss_match": {k: m.to_dict() for k, m in first_steps(results).items()},
         "command": " ".join(["python", "benchmarks/convergence.py"] + (argv if argv is not None else sys.argv[1:]))}
     try:
         doc["verdict"] = verdict(results, args.floor)

@@ -4,6 +4,11 @@ Graphs (converted ones, and under ``init(emulate=True)`` each block's graph, thr
 block hooks' rule in :mod:`gluon_amp.patching.hooks`) are typed by MXNet as real AMP would
 run them, then rewritten by the pure core (:func:`emulate_symbol`). Imperative calls round
 at the low-precision ops' inputs and outputs (see :func:`round_nd`).
+
+Both round with gluon_amp's compiled kernel where it could be built and loaded
+(:mod:`gluon_amp.emulation_kernel`), else with MXNet's ops: the same values, bit for bit
+(:func:`gluon_amp_core.emulate.round_bits`). Converted graphs always use MXNet's ops, so
+that they load in a process without the kernel.
 """
 from __future__ import annotations
 
@@ -11,11 +16,13 @@ import json
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import mxnet as mx
+import numpy as np
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.emulate import BF16_ROUNDING, PLAIN_LAYOUT, EmulatedGraph, emulate_graph
 
+from . import emulation_kernel
 from .mxnet_internals import copy_function, to_mx_dtype
 from .type_inference import entry_keys
 
@@ -37,9 +44,12 @@ _AMP_CAST = _unpatched("amp_cast")
 
 
 def round_nd(x: NDArray, dtype: str) -> NDArray:
-    """``x`` (float32) holding only values of ``dtype`` (:mod:`gluon_amp_core.emulate`)."""
+    """``x`` (float32) holding only values of ``dtype`` (:func:`gluon_amp_core.emulate.round_bits`)."""
     if isinstance(x, mx.np.ndarray):
         return round_nd(x.as_nd_ndarray(), dtype).as_np_ndarray()
+    kernel = emulation_kernel.round_function()
+    if kernel is not None and x.dtype == np.float32 and x.stype == "default":
+        return kernel(x, dtype=dtype)
     if dtype == "bfloat16":
         made: list = []
         for fn, args, attrs in _BF16_STEPS:
@@ -49,11 +59,15 @@ def round_nd(x: NDArray, dtype: str) -> NDArray:
 
 
 def emulate_symbol(sym: Symbol, dtypes: Mapping[Key, Optional[str]],
-                   shapes: Optional[Mapping[str, tuple]] = None) -> Tuple[Symbol, EmulatedGraph]:
+                   shapes: Optional[Mapping[str, tuple]] = None,
+                   portable: bool = False) -> Tuple[Symbol, EmulatedGraph]:
     """``sym`` (typed by real AMP as ``dtypes``) rewritten for emulation. ``shapes`` (input
-    name -> shape), when known, let the rewrite keep oneDNN's memory layouts (speed only)."""
-    ndims = _ndims(sym, shapes) if shapes else None
-    emulated = emulate_graph(json.loads(sym.tojson(remove_amp_cast=False)), dtypes, ndims)
+    name -> shape), when known, let the fallback's rewrite keep oneDNN's memory layouts (speed
+    only). ``portable`` graphs round with MXNet's ops only (a converter's result may be saved
+    and loaded where gluon_amp's kernel is not)."""
+    kernel = None if portable or not emulation_kernel.active() else emulation_kernel.OP_NAME
+    ndims = _ndims(sym, shapes) if shapes and kernel is None else None
+    emulated = emulate_graph(json.loads(sym.tojson(remove_amp_cast=False)), dtypes, ndims, kernel)
     return mx.sym.load_json(json.dumps(emulated.graph)), emulated
 
 

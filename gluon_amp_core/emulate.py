@@ -2,19 +2,25 @@
 
 :func:`emulate_graph` takes a graph as real AMP types it (the dtype of every entry) and
 returns a graph in which every entry that real AMP holds in float16 or bfloat16 is a
-float32 entry holding exactly the values that dtype can represent. The rounding is a pair
-of ``amp_cast`` nodes (to the low dtype and back), which MXNet runs on every CPU: round
-to nearest even, float16 overflow to +-inf, float16 subnormals kept. Every op then runs
-in float32 between the roundings, where real low-precision kernels accumulate in float32
-and round their result: that accumulation inside one op is the one difference in the
-forward pass. bfloat16 rounds with float32 arithmetic instead (:data:`BF16_ROUNDING`).
+float32 entry holding exactly the values that dtype can represent. Every op then runs in
+float32 between the roundings, where real low-precision kernels accumulate in float32 and
+round their result: that accumulation inside one op is the one difference in the forward pass.
 
-In training, the backward of float16's cast pair rounds each gradient where real AMP holds
-it in float16, so the loss scaler sees real float16 overflows; bfloat16's rounding passes
-gradients through in float32.
+What a rounding gives is defined by :func:`round_bits`, bit for bit. It is done by one of two
+means, with the same values:
+
+- gluon_amp's compiled operator (``kernel=`` its name): one node, one pass, in place where
+  MXNet allows it (``gluon_amp/emulation_kernel``);
+- MXNet's own ops, where no kernel could be built: ``amp_cast`` down and up for float16,
+  float32 arithmetic for bfloat16 (:data:`BF16_ROUNDING`).
+
+In training, float16's rounding rounds each gradient where real AMP holds it in float16, so
+the loss scaler sees real float16 overflows; bfloat16's rounding passes gradients through in
+float32.
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -22,8 +28,43 @@ from .dtypes import LOW_PRECISION_DTYPES
 
 Key = Tuple[str, int]  # (node name, output index)
 
-#: Suffix of the nodes that round an entry: ``<node>_amp_emulated`` (back in float32)
-#: after ``<node>_amp_emulated_<dtype>`` (the cast down).
+def round_bits(bits: int, dtype: str) -> int:
+    """The float32 bit pattern ``bits`` rounded to ``dtype``'s values, as float32 bits.
+
+    The definition every rounding path meets bit for bit (the kernel and the fallback):
+
+    - round to nearest, ties to even;
+    - beyond the largest finite value (float16: from 65520 on; bfloat16: from
+      3.40282357e38 on), +-inf;
+    - the target's subnormals are kept (float16: multiples of 2^-24 below 2^-14;
+      bfloat16: multiples of 2^-133 below 2^-126, float32's own range); nothing is flushed;
+    - -0 stays -0, +-inf stay +-inf, a NaN stays a NaN (quiet; its payload cut to the
+      target's bits).
+
+    Raises
+    ------
+    ValueError
+        If ``dtype`` is neither ``'float16'`` nor ``'bfloat16'``.
+    """
+    bits &= 0xFFFFFFFF
+    sign, mag = bits & 0x80000000, bits & 0x7FFFFFFF
+    if dtype == "bfloat16":
+        if mag > 0x7F800000:
+            return (bits | 0x00400000) & 0xFFFF0000
+        return (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    if dtype == "float16":
+        if mag > 0x7F800000:
+            return sign | ((mag | 0x00400000) & 0xFFFFE000)
+        if mag >= 0x477FF000:  # 65520: the tie above 65504 rounds to the even 65536, out of range
+            return sign | 0x7F800000
+        value = struct.unpack("<f", struct.pack("<I", mag))[0]
+        half = struct.unpack("<e", struct.pack("<e", value))[0]  # CPython rounds half to even
+        return sign | struct.unpack("<I", struct.pack("<f", half))[0]
+    raise ValueError(f"round_bits: dtype must be 'float16' or 'bfloat16', got {dtype!r}")
+
+
+#: Suffix of the node that holds an entry rounded: ``<node>_amp_emulated`` (the kernel's
+#: node, or the last step of the fallback's; its other steps are ``<node>_amp_emulated_*``).
 ROUND_SUFFIX = "_amp_emulated"
 #: Node attribute with the dtype real AMP gives the node's first output.
 REAL_DTYPE_ATTR = "__amp_dtype__"
@@ -47,46 +88,83 @@ _CAST_OPS = frozenset({"amp_cast", "Cast", "cast"})
 #: Placeholder for the first step of :data:`BF16_ROUNDING`: see :func:`plain_layout`.
 PLAIN_LAYOUT = "<plain layout>"
 
-#: Round float32 ``x`` to bfloat16 to nearest even, in float32 arithmetic (MXNet's own
-#: float32->bfloat16 ``amp_cast`` is ~10x slower than this on CPUs without AVX-512, and flushes
-#: subnormals; its ``Cast`` truncates). Veltkamp's split on ``c = clip(x, +-2**111)``:
-#: ``v = r - (r - c)`` with ``r = 65537 c`` is ``c`` rounded to 8 significant bits, to nearest
-#: even (checked on every normal float32), and ``d = v - c`` is exact. The result is
-#: ``x + BlockGrad(d)``: forward ``v`` (``x`` where the clip changed it: ``d`` is then 0), the
-#: gradient the identity, and nothing kept for the backward pass (only the last node is
-#: differentiated). Unlike float16's cast pair, bfloat16 emulation does not round gradients.
-#: Values of magnitude >= 2**111, inf and NaN pass as they are; float32 subnormals (below
-#: 1.2e-38) are rounded to 8 bits relative to their own size, where MXNet's cast flushes them
-#: to zero; -0 becomes +0. (The shorter ``RN(65537 x) - 65536 x`` is off by half a step just
-#: below each power of two, where the product carries into the next binade.)
+_P111, _P126, _P64 = str(2.0 ** 111), str(2.0 ** -126), str(2.0 ** -64)
+
+#: The fallback's bfloat16 rounding: :func:`round_bits` in MXNet's float32 ops, where no kernel
+#: could be built (MXNet's own float32->bfloat16 ``amp_cast`` flushes subnormals and is ~100x
+#: slower than this on CPUs without AVX-512; its ``Cast`` truncates).
+#:
+#: Veltkamp's split rounds ``c`` to 8 significant bits, to nearest even: ``v = r - (r - c)``
+#: with ``r = 65537 c`` (checked on every normal float32 ``c`` with ``65537 c`` finite), and
+#: ``e = c - v`` is exact. ``c`` is ``x`` brought where the split holds:
+#:
+#: - ``|x| >= 2^111`` (``65537 x`` could overflow): ``x 2^-64``, and ``x``'s change is ``e 2^64``;
+#: - ``|x| < 2^-126`` (float32 subnormals, which bfloat16 rounds to multiples of 2^-133):
+#:   ``x +- 2^-126``, in the binade ``[2^-126, 2^-125)`` where 8 bits are that quantum;
+#: - then ``clip(., +-3e33)``, which only changes +-inf (their change is then finite, and
+#:   ``inf - finite`` is inf). Any bound from 2^111 to ``FLT_MAX / 65537`` does: MXNet parses
+#:   clip's bounds in float32 arithmetic, not exactly (the scalars of ``_mul_scalar`` and the
+#:   comparisons, parsed as doubles, give these powers of two exactly: the tests check it).
+#:
+#: The result is ``((x - BlockGrad(E)) 2^-16) 2^16`` with ``E`` x's change: the rounded
+#: value, an identity gradient, and nothing kept for the backward pass. The chain reads ``x``
+#: through a BlockGrad: MXNet calls the gradient of every op that has one, zero or not, and
+#: several of these keep their inputs for it (abs, where, the product, clip); behind the
+#: BlockGrad their gradients reach nothing and are dropped. The three nodes on the value's
+#: path keep nothing. The scaling keeps the sign of
+#: a zero, which a difference cannot: for a subnormal ``x`` (``s = +-1``), ``E`` carries an
+#: extra ``-s 2^-149``, which the scaling by ``2^-16`` rounds away, except that a result of
+#: zero ends as ``-s 0``: ``-0`` from a negative ``x``, as round_bits says. Unlike float16's
+#: cast pair, bfloat16 emulation does not round gradients.
 #: The first step matters for speed and memory only (see :func:`plain_layout`).
 #: Steps: (op, inputs, attrs); an input is "x" or the index of an earlier step.
 BF16_ROUNDING: Tuple[Tuple[str, Tuple, Dict[str, str]], ...] = (
-    (PLAIN_LAYOUT, ("x",), {}),                                # 0: x in a plain layout
-    ("clip", (0,), {"a_min": str(-2.0 ** 111), "a_max": str(2.0 ** 111)}),  # 1: c; 65537 c is finite
-    ("_mul_scalar", (1,), {"scalar": "65537.0"}),              # 2: r
-    ("elemwise_sub", (2, 1), {}),                              # 3: r - c
-    ("elemwise_sub", (2, 3), {}),                              # 4: v, c rounded
-    ("elemwise_sub", (4, 1), {}),                              # 5: d, the rounding's change (exact)
-    ("BlockGrad", (5,), {}),                                   # 6
-    ("elemwise_add", ("x", 6), {}),                            # 7: the result
+    (PLAIN_LAYOUT, ("x",), {}),                                # 0: p, x in a plain layout
+    ("BlockGrad", (0,), {}),                                   # 1: q, the chain's source
+    ("abs", (1,), {}),                                         # 2
+    ("_greater_equal_scalar", (2,), {"scalar": _P111}),        # 3: big (1 or 0)
+    ("_lesser_scalar", (2,), {"scalar": _P126}),               # 4: subnormal
+    ("_greater_scalar", (1,), {"scalar": "0"}),                # 5
+    ("_lesser_scalar", (1,), {"scalar": "0"}),                 # 6
+    ("elemwise_sub", (5, 6), {}),                              # 7: sign(x) (MXNet's sign op is slow)
+    ("elemwise_mul", (7, 4), {}),                              # 8: s, +-1 where subnormal, else 0
+    ("_mul_scalar", (8,), {"scalar": _P126}),                  # 9
+    ("elemwise_add", (1, 9), {}),                              # 10: subnormals moved up by 2^-126
+    ("_mul_scalar", (1,), {"scalar": _P64}),                   # 11: big values scaled down
+    ("where", (3, 11, 10), {}),                                # 12
+    ("clip", (12,), {"a_min": "-3e33", "a_max": "3e33"}),      # 13: c (see above)
+    ("_mul_scalar", (13,), {"scalar": "65537.0"}),             # 14: r
+    ("elemwise_sub", (14, 13), {}),                            # 15: r - c
+    ("elemwise_sub", (14, 15), {}),                            # 16: v, c rounded
+    ("elemwise_sub", (13, 16), {}),                            # 17: e = c - v
+    ("_mul_scalar", (17,), {"scalar": str(2.0 ** 64)}),        # 18
+    ("where", (3, 18, 17), {}),                                # 19: x's change, negated
+    ("_mul_scalar", (8,), {"scalar": str(-2.0 ** -149)}),      # 20: -s 2^-149
+    ("elemwise_add", (19, 20), {}),                            # 21: E
+    ("BlockGrad", (21,), {}),                                  # 22
+    ("elemwise_sub", (0, 22), {}),                             # 23
+    ("_mul_scalar", (23,), {"scalar": str(2.0 ** -16)}),       # 24
+    ("_mul_scalar", (24,), {"scalar": str(2.0 ** 16)}),        # 25: the result
 )
 
 
-def plain_layout(ndim: Optional[int], plain: bool) -> Tuple[str, Dict[str, str]]:
-    """The op (and attributes) that hands a value to the rounding's float32 ops.
+def plain_layout(ndim: Optional[int], plain: bool) -> Optional[Tuple[str, Dict[str, str]]]:
+    """The op (and attributes) that hands a value to the rounding's float32 ops, or ``None``
+    for a value that is read as it is.
 
     The output of a oneDNN op (convolution, batch norm, pooling, add) is held in a blocked
     memory layout. Under ``static_alloc``, each non-oneDNN op that reads one keeps a private
     plain copy of it for the life of the graph (MXNet's storage fallback), which made
     emulated bfloat16 training hold 2-4x FP32's memory. oneDNN's transpose writes a plain copy
-    and leaves the value's own layout alone, so the ops after the rounding (batch norm,
-    pooling: several times slower on a plain layout) still get the blocked one; with the
-    identity permutation it needs ``ndim``. Without it, a reshape to the same shape gives
-    the plain layout at no copy, but converts the value in place. Values already ``plain``
-    (parameters) need neither: the reshape is then free.
+    and leaves the value's own layout alone; with the identity permutation it needs ``ndim``.
+    Without it, a reshape to the same shape gives the plain layout at no copy, but converts
+    the value in place. Values already ``plain`` (parameters) are read as they are: their
+    shape may be known only from the op that reads the rounding (deferred initialisation),
+    and MXNet's shape inference cannot go back through a reshape.
     """
-    if ndim is not None and ndim >= 2 and not plain:
+    if plain:
+        return None
+    if ndim is not None and ndim >= 2:
         return "transpose", {"axes": str(tuple(range(ndim)))}
     return "Reshape", {"shape": "(-2,)"}
 
@@ -126,9 +204,11 @@ def preserves_values(op: str, attrs: Mapping[str, str]) -> bool:
 
 
 class _Rewriter:
-    def __init__(self, dtypes: Mapping[Key, Optional[str]], ndims: Mapping[Key, int]) -> None:
+    def __init__(self, dtypes: Mapping[Key, Optional[str]], ndims: Mapping[Key, int],
+                 kernel: Optional[str]) -> None:
         self.dtypes = dtypes
         self.ndims = ndims
+        self.kernel = kernel
         self.nodes: List[dict] = []
         self.rounds = 0
 
@@ -138,6 +218,11 @@ class _Rewriter:
 
     def round(self, entry: Tuple[int, int], dtype: str, base: str) -> Tuple[int, int]:
         """``entry`` (float32) rounded to ``dtype``'s values, back in float32."""
+        if self.kernel is not None:
+            j = self.add({"op": self.kernel, "name": f"{base}{ROUND_SUFFIX}", "attrs": {"dtype": dtype},
+                          "inputs": [[entry[0], entry[1], 0]]})
+            self.rounds += 1
+            return j, 0
         if dtype == "bfloat16":
             return self.round_bf16(entry, base)
         down = self.add({"op": "amp_cast", "name": f"{base}{ROUND_SUFFIX}_{dtype}",
@@ -151,7 +236,11 @@ class _Rewriter:
             last = k == len(BF16_ROUNDING) - 1
             inputs = [x if a == "x" else made[a] for a in args]
             if op == PLAIN_LAYOUT:
-                op, attrs = plain_layout(self.ndims.get((self.nodes[x[0]]["name"], x[1])), self.is_parameter(x))
+                layout = plain_layout(self.ndims.get((self.nodes[x[0]]["name"], x[1])), self.is_parameter(x))
+                if layout is None:
+                    made.append(x)
+                    continue
+                op, attrs = layout
             j = self.add({"op": op, "name": f"{base}{ROUND_SUFFIX}" + ("" if last else f"_bf16_{k}"),
                           "attrs": dict(attrs), "inputs": [[e[0], e[1], 0] for e in inputs]})
             made.append((j, 0))
@@ -173,6 +262,34 @@ class _Rewriter:
         return j, 0
 
 
+def _low_cast(rw: _Rewriter, graph: dict, dtypes: Mapping[Key, Optional[str]], node: dict,
+              inputs: List[Tuple[int, int]]) -> Tuple[int, int]:
+    """The entry holding the value of the plan's cast (``node``) of ``inputs[0]`` to a low dtype.
+
+    The cast node stays, as a float32 identity where it only carries a value (readers find
+    the plan's casts by name):
+
+    - a cast of a value that has the dtype already (init's symbols cast every input of a
+      low-precision op) is an identity: every low entry holds the target's values here;
+    - with the kernel, the value is rounded first and the cast passes it on in place (a
+      parameter's value is then read once, not copied and then rounded);
+    - without it, float16's cast down is half a rounding (the way back up is added), and
+      bfloat16 rounds after the cast.
+    """
+    src, dtype = node["inputs"][0], node["attrs"]["dtype"]
+
+    def cast(entry: Tuple[int, int], to: str) -> Tuple[int, int]:
+        return rw.add({**node, "attrs": {**node["attrs"], "dtype": to}, "inputs": [[entry[0], entry[1], 0]]}), 0
+
+    if dtypes.get((graph["nodes"][src[0]]["name"], src[1])) == dtype:
+        return cast(inputs[0], "float32")
+    if rw.kernel is not None:
+        return cast(rw.round(inputs[0], dtype, node["name"]), "float32")
+    if dtype == "bfloat16":
+        return rw.round_bf16(cast(inputs[0], "float32"), node["name"])
+    return rw.up(cast(inputs[0], dtype), node["name"])
+
+
 def _outputs(dtypes: Mapping[Key, Optional[str]], name: str) -> List[Optional[str]]:
     outs, k = [], 0
     while (name, k) in dtypes:
@@ -182,11 +299,13 @@ def _outputs(dtypes: Mapping[Key, Optional[str]], name: str) -> List[Optional[st
 
 
 def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
-                  ndims: Optional[Mapping[Key, int]] = None) -> EmulatedGraph:
+                  ndims: Optional[Mapping[Key, int]] = None, kernel: Optional[str] = None) -> EmulatedGraph:
     """Rewrite a graph typed by real AMP (``dtypes``: every entry's dtype) for emulation.
 
-    ``ndims`` (entry -> number of dimensions, where known) lets the bfloat16 rounding keep
-    oneDNN's layouts (:func:`plain_layout`); the values are the same without it.
+    ``kernel``, the name of gluon_amp's rounding op where it is loaded, rounds each entry in
+    one node; without it, MXNet's own ops do (the same values). ``ndims`` (entry -> number of
+    dimensions, where known) lets the fallback's bfloat16 rounding keep oneDNN's layouts
+    (:func:`plain_layout`); the values are the same without it.
 
     Variables real AMP stores in a low dtype become float32 variables followed by a
     rounding; casts to a low dtype become roundings (identities where the input has that
@@ -194,7 +313,7 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
     the roundings their typed outputs need; every other op runs in float32 and its
     low-precision outputs are rounded (unless the op only moves values around).
     """
-    rw, index = _Rewriter(dtypes, ndims or {}), {}
+    rw, index = _Rewriter(dtypes, ndims or {}, kernel), {}
     entries: Dict[Key, Key] = {}
 
     def new_entry(e: list) -> Tuple[int, int]:
@@ -225,21 +344,10 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
             attrs["dtype"] = "float32"  # an op that creates low-precision data (zeros, ones)
         if real and REAL_DTYPE_ATTR not in attrs:  # present: emulated before (a converted block in a parent)
             attrs[REAL_DTYPE_ATTR] = str(real[0])
-        j = rw.add({**node, "attrs": attrs, "inputs": [[e[0], e[1], 0] for e in inputs]})
         if low_cast:
-            src = node["inputs"][0]
-            if dtypes.get((graph["nodes"][src[0]]["name"], src[1])) == attrs["dtype"]:
-                # A no-op in the plan (init's symbols cast every input of a low-precision op):
-                # its input holds the target's values already, as every low entry here does.
-                rw.nodes[j]["attrs"] = {**attrs, "dtype": "float32"}
-                index[(i, 0)] = (j, 0)
-                continue
-            if attrs["dtype"] == "bfloat16":  # the plan's cast stays (as float32) for readers
-                rw.nodes[j]["attrs"] = {**attrs, "dtype": "float32"}
-                index[(i, 0)] = rw.round_bf16((j, 0), name)
-            else:  # the cast down is half a rounding already: add the way back up
-                index[(i, 0)] = rw.up((j, 0), name)
+            index[(i, 0)] = _low_cast(rw, graph, dtypes, {**node, "attrs": attrs}, inputs)
             continue
+        j = rw.add({**node, "attrs": attrs, "inputs": [[e[0], e[1], 0] for e in inputs]})
         exact = preserves_values(op, attrs)
         for k, dt in enumerate(real or [None]):
             e = (j, k)

@@ -108,7 +108,7 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
     converted = mx.sym.load_json(json.dumps(result.graph))
     _verify(converted, result, {n: "float32" for n in data_names} | dict(data_dtypes or {}))
     if policy.emulate:
-        converted = emulate_symbol(converted, result.dtypes)[0]
+        converted = emulate_symbol(converted, result.dtypes, portable=True)[0]
     return converted, result
 
 

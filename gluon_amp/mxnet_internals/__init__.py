@@ -4,7 +4,7 @@ breaks if MXNet changes it. Import it as ``from . import mxnet_internals as mxi`
 
 ``arrays`` dtypes, host views, executors | ``registry`` op functions and their infos |
 ``code_swap`` the in-place swap init uses | ``gluon`` blocks, symbols, hooks | ``trainer``
-trainer, parameter and updater internals.
+trainer, parameter and updater internals | ``custom_ops`` loading gluon_amp's compiled ops.
 """
 from .arrays import *  # noqa: F401,F403
 from .code_swap import *  # noqa: F401,F403
@@ -13,3 +13,4 @@ from .registry import *  # noqa: F401,F403
 from .trainer import *  # noqa: F401,F403
 from .arrays import BFLOAT16, FLOAT_NAMES, host_view, quiet_stderr, to_mx_dtype, unfused_binds  # noqa: F401
 from .code_swap import SavedFunction, copy_function, is_redirected_to, redirect, restore  # noqa: F401
+from .custom_ops import *  # noqa: F401,F403

@@ -7,7 +7,7 @@ from typing import Any, Dict
 from gluon_amp_core.capability import Bf16
 from gluon_amp_core.resolve import Resolution
 
-from .. import _numpy_shim, runtime
+from .. import _numpy_shim, emulation_kernel, runtime
 from ..patching import current_policy, tuning_info
 from ..speed import probe, schedule
 
@@ -39,6 +39,7 @@ def runtime_info() -> Dict[str, Any]:
         "bf16_isa": cap.isa.lower() if cap.bf16 is Bf16.NATIVE else f"no native bfloat16 ({cap.bf16.value})",
         "error": runtime._state["error"],
         "mode": amp_mode(),
+        "emulation_kernel": _emulation_kernel(),
         "numpy_shim": _numpy_shim.status(),
     }
 
@@ -66,6 +67,13 @@ def _tune() -> Dict[str, Any]:
     why = ("AMP is off" if policy is None else
            "emulate=True" if policy.emulate else "tune=False (or GLUON_AMP_TUNE=0)")
     return {"status": f"not tuning during training: {why}", **schedule.process_ledger().to_dict(schedule.clock())}
+
+
+def _emulation_kernel() -> Dict[str, Any]:
+    """How emulation rounds (``path``: ``'kernel'``, ``'fallback'`` or ``'not used yet'``), and
+    why. Under ``emulate=True`` it is decided (and the kernel built, the first time) here."""
+    status = emulation_kernel.load() if amp_mode() == "emulated" else emulation_kernel.status()
+    return status.to_dict()
 
 
 def amp_mode() -> str:

@@ -1,5 +1,14 @@
 """The emulation rewrite on hand-written graphs (pure: no MXNet needed)."""
-from gluon_amp_core.emulate import REAL_DTYPE_ATTR, ROUND_SUFFIX, emulate_graph, preserves_values, rounding_node
+import math
+import random
+import struct
+
+import pytest
+
+from gluon_amp_core.emulate import (BF16_ROUNDING, REAL_DTYPE_ATTR, ROUND_SUFFIX, emulate_graph, preserves_values,
+                                    round_bits, rounding_node)
+
+KERNEL = "_gluon_amp_round"
 
 
 def _graph(nodes, heads):
@@ -89,27 +98,37 @@ def _bf16_graph():
     return g, types
 
 
-def test_bf16_rounding_reads_op_outputs_through_a_copy_and_parameters_in_place():
+def test_bf16_rounding_reads_op_outputs_through_a_copy_and_parameters_as_they_are():
     g, types = _bf16_graph()
-    nodes = _by_name(emulate_graph(g, types, ndims={("conv", 0): 4, ("cw", 0): 4, ("data", 0): 4}).graph)
-    first = {base: nodes[f"{base}{ROUND_SUFFIX}_bf16_0"] for base in ("conv", "cw", "data")}
-    assert first["conv"]["op"] == "transpose" and first["conv"]["attrs"]["axes"] == "(0, 1, 2, 3)"
-    assert first["cw"]["op"] == "Reshape" and first["data"]["op"] == "Reshape"  # parameters, data
+    emu = emulate_graph(g, types, ndims={("conv", 0): 4, ("cw", 0): 4, ("data", 0): 4}).graph
+    nodes = _by_name(emu)
+    first = nodes[f"conv{ROUND_SUFFIX}_bf16_0"]
+    assert first["op"] == "transpose" and first["attrs"]["axes"] == "(0, 1, 2, 3)"
+    for base in ("cw", "data"):  # a cast of a parameter, and a variable: no copy, read directly
+        assert f"{base}{ROUND_SUFFIX}_bf16_0" not in nodes
+        assert emu["nodes"][nodes[f"{base}{ROUND_SUFFIX}_bf16_1"]["inputs"][0][0]]["name"] == base
     unknown = _by_name(emulate_graph(g, types).graph)  # no shapes: the in-place reshape
     assert unknown[f"conv{ROUND_SUFFIX}_bf16_0"]["op"] == "Reshape"
 
 
-def test_bf16_rounding_is_differentiated_only_through_its_last_node():
-    """Forward x + BlockGrad(change): backward keeps nothing of the chain."""
+def test_bf16_rounding_is_differentiated_only_through_ops_that_keep_nothing():
+    """The value's path to the result: its plain copy, a difference with a BlockGrad'd change,
+    two scalings. The rest of the chain is behind the BlockGrad: backward keeps none of it."""
     g, types = _bf16_graph()
     emu = emulate_graph(g, types)
     nodes = emu.graph["nodes"]
-    last = _by_name(emu.graph)[rounding_node("conv")]
-    assert last["op"] == "elemwise_add"
-    x, change = (nodes[e[0]] for e in last["inputs"])
-    assert x["name"] == "conv" and change["op"] == "BlockGrad"
+    node = _by_name(emu.graph)[rounding_node("conv")]
+    path = []
+    while node["name"] != "conv":
+        path.append(node["op"])
+        if node["op"] == "elemwise_sub":
+            assert nodes[node["inputs"][1][0]]["op"] == "BlockGrad"
+        node = nodes[node["inputs"][0][0]]
+    assert path == ["_mul_scalar", "_mul_scalar", "elemwise_sub", "Reshape"]
     chain = [n for n in nodes if n["name"].startswith(f"conv{ROUND_SUFFIX}_bf16_")]
-    assert len(chain) == 7 and all(n["op"] != "null" for n in chain)
+    assert len(chain) == len(BF16_ROUNDING) - 1 and all(n["op"] != "null" for n in chain)
+    cw_chain = [n for n in nodes if n["name"].startswith(f"cw{ROUND_SUFFIX}_bf16_")]
+    assert len(cw_chain) == len(BF16_ROUNDING) - 2  # a parameter's value is read as it is
 
 
 def test_a_cast_to_the_dtype_its_input_has_already_is_no_rounding():
@@ -122,3 +141,99 @@ def test_a_cast_to_the_dtype_its_input_has_already_is_no_rounding():
         assert rounding_node("act") in nodes and rounding_node("c") not in nodes  # act's output is rounded once
         assert nodes["c"]["attrs"]["dtype"] == "float32"  # the cast stays, an identity
         assert emu.entries[("c", 0)] == ("c", 0)
+
+
+def test_with_the_kernel_each_rounding_is_one_node_and_a_cast_passes_the_rounded_value_on():
+    g = _graph([_var("data"), _var("w"), _op("amp_cast", "c", [(0, 0)], dtype="float16"),
+                _op("amp_cast", "cw", [(1, 0)], dtype="float16"),
+                _op("FullyConnected", "fc", [(2, 0), (3, 0)], num_hidden="2", no_bias="True"),
+                _op("amp_cast", "again", [(4, 0)], dtype="float16"),
+                _op("amp_cast", "out", [(5, 0)], dtype="float32")], [[6, 0, 0]])
+    types = {("data", 0): "float32", ("w", 0): "float32", ("c", 0): "float16", ("cw", 0): "float16",
+             ("fc", 0): "float16", ("again", 0): "float16", ("out", 0): "float32"}
+    emu = emulate_graph(g, types, kernel=KERNEL)
+    nodes = _by_name(emu.graph)
+    names = [n["name"] for n in emu.graph["nodes"]]
+    kernels = [n for n in emu.graph["nodes"] if n["op"] == KERNEL]
+    assert {n["name"] for n in kernels} == {rounding_node(b) for b in ("c", "cw", "fc")}
+    assert all(n["attrs"] == {"dtype": "float16"} for n in kernels) and emu.rounds == 3
+    # the parameter is read by the rounding, and the plan's cast (float32 now) passes it on
+    cw_in = emu.graph["nodes"][nodes["cw"]["inputs"][0][0]]
+    assert cw_in["name"] == rounding_node("cw") and names[cw_in["inputs"][0][0]] == "w"
+    assert nodes["cw"]["attrs"]["dtype"] == "float32" and emu.entries[("cw", 0)] == ("cw", 0)
+    assert emu.entries[("fc", 0)] == (rounding_node("fc"), 0)
+    # a cast of a value the plan holds in float16 already is an identity, as without the kernel
+    assert names[nodes["again"]["inputs"][0][0]] == rounding_node("fc") and rounding_node("again") not in nodes
+    assert not [n for n in emu.graph["nodes"] if n["name"].startswith(rounding_node("fc") + "_")]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_with_the_kernel_stored_low_parameters_and_multicasts_are_rounded_by_it(dtype):
+    g = _graph([_var("a"), _var("b", __dtype__="2"), _op("amp_multicast", "m", [(0, 0), (1, 0)], num_outputs="2"),
+                _op("elemwise_add", "add", [(2, 0), (2, 1)])], [[3, 0, 0]])
+    types = {("a", 0): "float32", ("b", 0): dtype, ("m", 0): dtype, ("m", 1): dtype, ("add", 0): dtype}
+    emu = emulate_graph(g, types, kernel=KERNEL)
+    ops = {n["name"]: n["op"] for n in emu.graph["nodes"]}
+    assert ops[rounding_node("b")] == ops[rounding_node("m_0")] == ops[rounding_node("add")] == KERNEL
+    assert rounding_node("m_1") not in ops  # b holds the dtype's values already
+
+
+def _f32(bits):
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def _bits(value):
+    return struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+@pytest.mark.parametrize("value, want", [
+    (65504.0, 65504.0), (65519.99, 65504.0), (65520.0, math.inf), (-1e6, -math.inf),
+    (1.0 + 2.0 ** -11, 1.0), (1.0 + 3 * 2.0 ** -11, 1.0 + 2.0 ** -9),        # ties to even
+    (2.0 ** -24, 2.0 ** -24), (2.0 ** -25, 0.0), (3 * 2.0 ** -25, 2.0 ** -23),  # subnormals, ties
+    (2.0 ** -14 - 2.0 ** -26, 2.0 ** -14), (-0.0, -0.0), (-2.0 ** -26, -0.0), (math.inf, math.inf)])
+def test_round_bits_float16_follows_ieee(value, want):
+    got = _f32(round_bits(_bits(value), "float16"))
+    assert got == want and math.copysign(1.0, got) == math.copysign(1.0, want)
+
+
+@pytest.mark.parametrize("bits, want", [
+    (0x3F808000, 0x3F800000), (0x3F818000, 0x3F820000), (0x3F808001, 0x3F810000),  # ties to even, above
+    (0x7F7FFFFF, 0x7F800000), (0x7F7F7FFF, 0x7F7F0000), (0xFF7F8000, 0xFF800000),  # overflow to -+inf
+    (0x00008000, 0x00000000), (0x00018000, 0x00020000), (0x00007FFF, 0x00000000),  # subnormals kept
+    (0x80000000, 0x80000000), (0x7F800000, 0x7F800000), (0xFF800000, 0xFF800000)])
+def test_round_bits_bfloat16_follows_ieee(bits, want):
+    assert round_bits(bits, "bfloat16") == want
+
+
+def _rne_to_bits(value, significant, min_exp, max_finite):
+    """Round a finite float to ``significant`` bits, quantum at least 2**min_exp, to nearest
+    even, with exact integer arithmetic: an implementation independent of round_bits's."""
+    if value == 0 or math.isinf(value):
+        return value
+    m, e = math.frexp(abs(value))  # value = m 2**e, 0.5 <= m < 1
+    quantum = max(e - significant, min_exp)
+    q, r = divmod(abs(value), 2.0 ** quantum)
+    q = int(q) + (1 if r > 2.0 ** (quantum - 1) or (r == 2.0 ** (quantum - 1) and int(q) % 2) else 0)
+    out = q * 2.0 ** quantum
+    out = math.inf if out > max_finite else out
+    return math.copysign(out, value)
+
+
+@pytest.mark.parametrize("dtype, significant, min_exp, max_finite", [
+    ("float16", 11, -24, 65504.0), ("bfloat16", 8, -133, (2 - 2.0 ** -7) * 2.0 ** 127)])
+def test_round_bits_agrees_with_an_independent_rounding_on_random_values(dtype, significant, min_exp, max_finite):
+    rng = random.Random(11)
+    for _ in range(20_000):
+        bits = rng.getrandbits(32)
+        value = _f32(bits)
+        got = _f32(round_bits(bits, dtype))
+        if math.isnan(value):
+            assert math.isnan(got)
+            continue
+        want = _rne_to_bits(value, significant, min_exp, max_finite)
+        assert got == want and math.copysign(1.0, got) == math.copysign(1.0, want), hex(bits)
+
+
+def test_round_bits_names_a_bad_dtype():
+    with pytest.raises(ValueError, match="'float16' or 'bfloat16', got 'float64'"):
+        round_bits(0, "float64")

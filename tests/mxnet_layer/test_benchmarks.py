@@ -43,6 +43,25 @@ def test_ssd_synthetic_amp_smoke(tmp_path):
     assert plot.stat().st_size > 1000 and str(plot) in r.stdout
 
 
+def test_ssd_synthetic_names_the_steps_emulated_float16_skips_and_compares_like_with_like(tmp_path):
+    """A starting scale of 2^24 overflows float16 on every step here (planted skips): FP32 updates
+    twice, float16 never, so their last losses are far apart; the verdict compares the first
+    step (equal weights) and the equal update counts only, and names each skip with its scale."""
+    out = tmp_path / "ssd.json"
+    r = _run("ssd_synthetic.py", "--emulate", "float16", "--batch-size", "1", "--iters", "2", "--warmup", "0",
+             "--no-memory", "--no-progress", "--init-scale", str(2.0 ** 24), "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    fp32, fp16 = doc["loss_history"]["fp32"], doc["loss_history"]["emulated-float16"]
+    assert all(s["updated"] for s in fp32) and not any(s["updated"] for s in fp16)
+    assert abs(fp16[-1]["loss"] - fp32[-1]["loss"]) > 0.02 * fp32[-1]["loss"]  # what the old verdict compared
+    match = doc["loss_match"]["emulated-float16"]
+    assert match["skipped"] == [{"step": i, "scale": 2.0 ** (23 - i)} for i in range(3)]
+    assert [p["updates"] for p in match["pairs"]] == [0] and match["within"]
+    assert "skipped step 0 (overflow; scale -> 8.38861e+06)" in r.stdout and "NOT within" not in r.stdout
+    assert "first step (equal weights)" in r.stdout
+
+
 def test_ssd_synthetic_without_bf16_kernels_runs_fp32_and_says_why(tmp_path, no_bf16_why):
     """`make bench`'s command on a host without bf16 kernels (simulated on any CPU)."""
     out = tmp_path / "ssd.json"

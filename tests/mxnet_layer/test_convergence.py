@@ -57,7 +57,13 @@ def test_smoke_run_trains_every_mode_and_writes_the_table(tmp_path):
     for res in doc["results"]:
         assert 0.0 <= res["final_map"] <= 1.0 and np.isfinite(res["final_loss"])
         assert len(res["losses"]) == doc["train"] // doc["batch_size"] and res["skipped_steps"] >= 0
+        assert [h["loss"] for h in res["history"]] == res["losses"]
+        assert sum(not h["updated"] for h in res["history"]) == res["skipped_steps"]
         assert res["seed"] == 0 and 0.0 <= res["map_initial"] <= 1.0 and res["process_seconds"] >= res["seconds"]
+    matched = {k.split(" (seed")[0]: m for k, m in doc["loss_match"].items()}
+    assert set(matched) == set(modes) - {"fp32"}
+    assert all(m["pairs"][0]["step"] == 0 and m["within"] for m in matched.values())  # equal weights
+    assert "first step (equal weights)" in r.stdout
     assert len(modes) == len(set(modes)) and doc["seeds"] == 1  # one seed per mode ...
     emulated = [res for res in doc["results"] if res["mode"].startswith("emulated")]
     assert all(res["runtime_mode"] == "emulated" for res in emulated)
@@ -78,6 +84,25 @@ def _result(mode: str, final_map: float, seed: int = 0) -> Dict[str, Any]:
 
 def _runs(mode: str, *maps: float) -> List[Dict[str, Any]]:
     return [_result(mode, m, seed) for seed, m in enumerate(maps)]
+
+
+def test_first_steps_compare_each_run_with_fp32s_same_seed_and_name_planted_skips():
+    def run(mode, seed, losses, skipped=()):
+        scale, history = 65536.0, []
+        for i, loss in enumerate(losses):
+            scale = scale / 2 if i in skipped else scale
+            history.append({"loss": loss, "updated": i not in skipped, "scale": scale})
+        return {"mode": mode, "seed": seed, "history": history}
+
+    results = [run("fp32", 0, [2.0, 1.5, 1.2]), run("fp32", 1, [3.0, 2.0, 1.0]),
+               run("emulated-float16", 0, [2.002, 2.002, 1.6], skipped=(0,)),
+               run("emulated-float16", 1, [3.3, 2.0, 1.0])]
+    m = convergence.first_steps(results)
+    assert list(m) == ["emulated-float16 (seed 0)", "emulated-float16 (seed 1)"]
+    ok, bad = m["emulated-float16 (seed 0)"], m["emulated-float16 (seed 1)"]
+    assert ok.skipped == ((0, 32768.0),) and [p.step for p in ok.pairs] == [0] and ok.within
+    assert "skipped step 0 (overflow; scale -> 32768)" in ok.describe("emulated-float16 (seed 0)")
+    assert not bad.within and bad.first_rel_diff == pytest.approx(0.1)  # another seed's FP32 would hide it
 
 
 def test_the_summary_is_the_mean_and_sample_std_over_each_modes_seeds():

@@ -13,7 +13,9 @@ import mxnet as mx
 from mxnet import autograd, gluon
 from mxnet.gluon import nn
 
-from gluon_amp_core.emulate import ROUND_SUFFIX
+from gluon_amp import emulation_kernel
+from gluon_amp.emulation_kernel.selftest import edge_bits, same_bits, same_numerics, training_runs
+from gluon_amp_core.emulate import ROUND_SUFFIX, round_bits
 from helpers import ROOT, blobs, make_net
 
 DTYPES = ["float16", "bfloat16"]
@@ -38,29 +40,142 @@ def _internals(block, x):
     return dict(zip(internals.list_outputs(), (o.asnumpy() for o in ex.forward(is_train=False))))
 
 
-def _rne_bfloat16(f):
-    """Round-to-nearest-even on the bits (the definition)."""
-    u = f.view(np.uint32).astype(np.uint64)
-    return ((((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32)).view(np.float32)
+PATHS = ["kernel", "fallback"]
+
+
+@pytest.fixture(params=PATHS)
+def rounding_path(request):
+    """Each test runs on the compiled kernel and on the fallback (MXNet's ops), forced here on
+    a machine that has the kernel. The kernel must build on every host the suite runs on."""
+    if request.param == "kernel":
+        status = emulation_kernel.load()
+        assert status.path == "kernel", f"the emulation kernel did not load: {status.why}"
+    with emulation_kernel.forced(request.param == "kernel"):
+        yield request.param
+
+
+def _test_bits(n=100_000, seed=7):
+    """Random float32 bit patterns (every class of value), the selftest's edge values, and ties."""
+    rng = np.random.default_rng(seed)
+    ties16 = (rng.integers(0, 2 ** 19, 5_000, dtype=np.uint64).astype(np.uint32) << 13) | 0x1000
+    ties8 = (rng.integers(0, 2 ** 16, 5_000, dtype=np.uint64).astype(np.uint32) << 16) | 0x8000
+    return np.concatenate([edge_bits(), rng.integers(0, 2 ** 32, n, dtype=np.uint64).astype(np.uint32),
+                           ties16, ties8])
+
+
+def _assert_rounded(got, source_bits, dtype):
+    """``got`` (float32) is round_bits of ``source_bits``, to the bit (any NaN for a NaN)."""
+    want = np.array([round_bits(int(b), dtype) for b in source_bits.ravel()], dtype=np.uint32)
+    ok = same_bits(np.asarray(got, dtype=np.float32).ravel(), want)
+    bad = np.flatnonzero(~ok)
+    assert not bad.size, (f"{bad.size} values differ from round_bits, e.g. 0x{int(source_bits.ravel()[bad[0]]):08x}"
+                          f" -> 0x{int(np.asarray(got).ravel().view(np.uint32)[bad[0]]):08x}, "
+                          f"want 0x{int(want[bad[0]]):08x}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rounding_is_round_to_nearest_even_with_overflow_and_subnormals(dtype):
-    """float16: to the bit, subnormals and overflow included; bfloat16: to the bit for
-    normal float32 values (see gluon_amp_core.emulate.BF16_ROUNDING for the rest)."""
-    rng = np.random.default_rng(7)
-    f = rng.integers(0, 2 ** 32, size=200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
-    f = f[np.isfinite(f) & (np.abs(f) < 2.0 ** 111) & ((np.abs(f) >= 2.0 ** -126) | (dtype == "float16"))]
-    ties = ((rng.integers(0, 2 ** 15, 20_000, dtype=np.uint64).astype(np.uint32) << 16) | 0x8000).view(np.float32)
-    ties = ties[(np.abs(ties) < 2.0 ** 111) & (np.abs(ties) >= 2.0 ** -126)]
-    f = np.concatenate([f, ties, np.float32([65504, 65519, 65520, 1e6, 2 ** -24, 2 ** -25])])
-    if dtype == "bfloat16":  # out of the rounding's range: kept as they are
-        f = np.concatenate([f, np.float32([np.inf, -np.inf, np.nan, 2.0 ** 120])])
-    got = gluon_amp.emulation.round_nd(mx.nd.array(f), dtype).asnumpy()
-    with np.errstate(over="ignore"):
-        want = f.astype(np.float16).astype(np.float32) if dtype == "float16" else \
-            np.where(np.abs(f) < 2.0 ** 111, _rne_bfloat16(f), f)
-    assert np.array_equal(got, want, equal_nan=True)
+def test_rounding_is_round_bits_to_the_bit(dtype, rounding_path):
+    """round_nd (imperative calls) on random bit patterns, edge values and ties: subnormals,
+    overflow to inf, -0 and NaN included."""
+    bits = _test_bits()
+    got = gluon_amp.emulation.round_nd(mx.nd.array(bits.view(np.float32), dtype="float32"), dtype)
+    _assert_rounded(got.asnumpy(), bits, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_graph_rounds_to_the_bit_where_a_parameter_and_an_op_output_are_held_low(dtype, rounding_path):
+    """The rewrite's roundings (on a stored-low parameter, and on an op's output in a
+    hybridized graph) give round_bits of what they read, on edge values too."""
+    from gluon_amp.emulation import emulate_symbol
+    bits = _test_bits(n=20_000).reshape(-1, 1)
+    x, w = mx.sym.var("x"), mx.sym.var("w")
+    sym = mx.sym.Group([mx.sym.negative(x, name="neg"), mx.sym.identity(w, name="same")])
+    dtypes = {("x", 0): "float32", ("w", 0): dtype, ("neg", 0): dtype, ("same", 0): dtype}
+    emulated, info = emulate_symbol(sym, dtypes, shapes={"x": bits.shape, "w": bits.shape})
+    assert info.rounds == 2
+    values = mx.nd.array(bits.view(np.float32), dtype="float32")
+    outs = emulated.bind(mx.cpu(), {"x": values, "w": values}).forward()
+    negated = (bits ^ np.uint32(0x80000000))
+    _assert_rounded(outs[0].asnumpy(), negated, dtype)
+    _assert_rounded(outs[1].asnumpy(), bits, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_hybridized_training_graph_gives_the_same_values_on_both_paths(dtype):
+    """Rounding in place in oneDNN's layout (a convolution's output, static_alloc, before a
+    batch norm): forward and backward as with MXNet's ops, and not as without rounding."""
+    def build(rounding):
+        net = nn.HybridSequential()
+        net.add(nn.Conv2D(16, 3, padding=1, use_bias=False, in_channels=8), nn.BatchNorm(in_channels=16),
+                nn.Activation("relu"), nn.Conv2D(4, 3, padding=1, in_channels=16))
+        net.initialize(mx.init.Xavier())
+        if rounding == "none":
+            return net
+        return _EmulatedOnFirstCall(net, dtype, rounding == "kernel")
+
+    runs = training_runs(dtype, build)
+    for k in range(2):  # the output, the input's gradient
+        assert same_numerics(runs["kernel"][k], runs["fallback"][k], runs["none"][k])
+        assert not same_numerics(runs["kernel"][k], runs["none"][k], runs["fallback"][k])
+
+
+class _EmulatedOnFirstCall(nn.HybridBlock):
+    """``net`` whose graph is built on its first call under ``init(dtype, emulate=True)``, with
+    the kernel or the fallback (AMP is off again after that call)."""
+
+    def __init__(self, net, dtype, kernel):
+        super().__init__()
+        self.net, self.dtype, self.kernel, self.built = net, dtype, kernel, False
+
+    def hybridize(self, active=True, **kwargs):
+        self.net.hybridize(active, **kwargs)
+
+    def forward(self, x):
+        if self.built:
+            return self.net(x)
+        gluon_amp.init(target_dtype=self.dtype, emulate=True)
+        try:
+            with emulation_kernel.forced(self.kernel):
+                out = self.net(x)
+            ops = {n["op"] for n in json.loads(gluon_amp.mxnet_internals.cached_graph(self.net, "test")[1].tojson())["nodes"]}
+            assert (emulation_kernel.OP_NAME in ops) == self.kernel
+        finally:
+            gluon_amp.disable()
+        self.built = True
+        return out
+
+
+def test_without_a_compiler_emulation_runs_on_the_fallback_and_says_so(tmp_path):
+    """A fresh machine without a C++ compiler (CXX names none, an empty cache): emulate=True
+    trains, rounds with MXNet's ops, and runtime_info() says so and why."""
+    code = """if True:
+        import json
+        import gluon_amp, mxnet as mx
+        from mxnet import autograd, gluon
+        gluon_amp.init(target_dtype="bfloat16", emulate=True)
+        net = gluon.nn.Dense(3, in_units=4)
+        net.initialize()
+        net.hybridize()
+        with autograd.record():
+            y = net(mx.nd.ones((2, 4)) / 3)
+        y.backward()
+        info = gluon_amp.runtime_info()["emulation_kernel"]
+        bits = y.asnumpy().view("uint32")
+        print(json.dumps({**info, "bf16_values": bool((bits & 0xFFFF == 0).all())}))
+    """
+    env = {**os.environ, "PYTHONPATH": ROOT, "CXX": "/nonexistent/c++", "XDG_CACHE_HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    assert info["path"] == "fallback" and "/nonexistent/c++" in info["why"] and info["bf16_values"]
+    assert not os.path.exists(tmp_path / "gluon-amp" / "emulation-kernel")
+
+
+def test_runtime_info_says_which_rounding_runs():
+    gluon_amp.init(target_dtype="float16", emulate=True)
+    info = gluon_amp.runtime_info()["emulation_kernel"]
+    assert info == emulation_kernel.status().to_dict() and info["path"] in ("kernel", "fallback") and info["why"]
+    assert (info["library"] is not None) == (info["path"] == "kernel")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -113,12 +228,13 @@ def test_init_emulates_a_hybridized_block_like_its_real_training_graph(dtype):
 
 
 def test_a_training_graph_rounds_op_outputs_through_a_layout_copy_to_the_same_values():
-    """Under init the shapes are known: the bfloat16 rounding reads an op's output through an
-    identity transpose (oneDNN layouts kept; see gluon_amp_core.emulate.plain_layout)."""
+    """Under init the shapes are known: the fallback's bfloat16 rounding reads an op's output
+    through an identity transpose (oneDNN layouts kept; see gluon_amp_core.emulate.plain_layout)."""
     x = mx.nd.random.normal(shape=(2, 3, 8, 8))
     gluon_amp.init(target_dtype="bfloat16", emulate=True)
     net = make_net()
-    net(x)
+    with emulation_kernel.forced(False):
+        net(x)
     gluon_amp.disable()
     sym = gluon_amp.mxnet_internals.cached_graph(net, "test")[1]
     ops = {n["name"]: n["op"] for n in json.loads(sym.tojson())["nodes"]}

@@ -42,6 +42,7 @@ def _execute(tmp_path, monkeypatch, **env):
 def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     text = _execute(tmp_path, monkeypatch)
     assert "samples/s" in text and "same class: True" in text
+    assert "AMP (bfloat16) vs FP32, first step (equal weights)" in text and "NOT within" not in text
     assert "is not an operator known" in text  # the misspelt-op cell shows the error
     assert "excluded" in text
     assert "first divergence: planted" in text and "keep in float32: ['planted" in text
@@ -52,6 +53,7 @@ def test_notebook_runs_without_bf16_kernels(tmp_path, monkeypatch, no_bf16_why):
     """The same notebook on a host without bf16 kernels (simulated on any CPU)."""
     text = _execute(tmp_path, monkeypatch, DNNL_MAX_CPU_ISA="AVX2")
     assert "mixed precision off" in text and no_bf16_why in text
+    assert "vs FP32, first step (equal weights)" in text and "NOT within" not in text
     assert "samples/s" in text and "graph level only" in text
     assert "is not an operator known" in text and "excluded" in text
     assert "first divergence: planted" in text and "keep in float32: ['planted" in text

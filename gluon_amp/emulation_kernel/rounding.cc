@@ -1,0 +1,355 @@
+// gluon-amp's emulation rounding: one MXNet operator, compiled on the user's machine.
+//
+// _gluon_amp_round(data, dtype="float16"|"bfloat16") holds float32 values rounded to the
+// target dtype (gluon_amp_core/emulate.py: round_bits is the reference, bit for bit).
+//   - One pass, in place where MXNet's memory planner allows it (FInplaceOption), and on
+//     oneDNN's blocked layouts as they lie (rounding is elementwise), so the ops after it keep
+//     their layout.
+//   - Backward: float16 rounds the gradient to float16 (real AMP holds it there, and the loss
+//     scaler must meet its overflows); bfloat16 passes the gradient through. Nothing of the
+//     forward pass is kept for it.
+//
+// It is built against the headers MXNet's wheel ships, and loaded into a libmxnet.so built by
+// another compiler (the 1.9.1 pip wheel: GCC 4.8, the old std::string ABI). Two rules follow:
+//   1. std::function objects that libmxnet calls are made with invokers of the convention GCC
+//      4.8 calls them with (arguments by value: OldAbi below). Newer libstdc++ passes them by
+//      reference, which for a pointer or an int argument is another calling convention.
+//   2. Nothing here creates or lays out an nnvm::Node: std::unordered_map (in NodeAttrs) changed
+//      size after GCC 4.8. The backward node is made by libmxnet (MakeGradNode), and NodeAttrs
+//      are only read (their op, name, and a dict lookup: the fields before the map's end).
+// gluon_amp loads a build only after a fresh process has checked it (selftest.py).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <dmlc/any.h>
+#include <dmlc/logging.h>
+#include <mxnet/base.h>
+#include <mxnet/ndarray.h>
+#include <mxnet/op_attr_types.h>
+#include <nnvm/node.h>
+#include <nnvm/op.h>
+#include <nnvm/op_attr_types.h>
+
+#define GA_OP_NAME "_gluon_amp_round"
+#define GA_BACKWARD_OP_NAME "_backward_gluon_amp_round"
+// Bump with any change of behaviour; gluon_amp checks it on load.
+#define GA_KERNEL_VERSION 1
+
+namespace gaabi {
+
+// A std::function<R(A...)> whose invoker takes A... by value, as GCC 4.8's operator() calls it.
+// The layout (functor, manager, invoker) is the same in every libstdc++ since 4.x.
+template <typename Sig> struct OldAbi;
+template <typename R, typename... A> struct OldAbi<R(A...)> {
+  using Ptr = R (*)(A...);
+  static R invoke(const std::_Any_data& d, A... a) { return (*d._M_access<Ptr>())(a...); }
+  static std::function<R(A...)> make(Ptr p) {
+    std::function<R(A...)> f(p);
+    static_assert(sizeof(f) == 4 * sizeof(void*), "unexpected std::function layout");
+    using Invoker = R (*)(const std::_Any_data&, A...);
+    Invoker inv = &invoke;
+    std::memcpy(reinterpret_cast<char*>(&f) + 3 * sizeof(void*), &inv, sizeof(void*));
+    return f;
+  }
+};
+
+// Marks a value for the set_attr specialisations below.
+template <typename V> struct Attr { V value; };
+
+}  // namespace gaabi
+
+// nnvm::Op::set_attr hands libmxnet an updater std::function<void(any*)>: its own would be
+// called with the wrong convention. An explicit specialisation is a member of Op, so it may
+// call the private UpdateAttrMap with an OldAbi updater doing what set_attr's lambda does.
+#define GA_SET_ATTR(V)                                                                        \
+  namespace nnvm {                                                                            \
+  template <>                                                                                 \
+  inline Op& Op::set_attr<gaabi::Attr<V>>(const std::string& name, const gaabi::Attr<V>& v,  \
+                                          int plevel) {                                       \
+    static const V* value;                                                                    \
+    static const std::string* attr_name;                                                      \
+    static int level;                                                                         \
+    static const Op* op;                                                                      \
+    value = &v.value;                                                                         \
+    attr_name = &name;                                                                        \
+    level = plevel;                                                                           \
+    op = this;                                                                                \
+    struct Updater {                                                                          \
+      static void run(dmlc::any* pmap) {                                                      \
+        if (pmap->empty()) {                                                                  \
+          OpMap<V> pm;                                                                        \
+          pm.attr_name_ = *attr_name;                                                         \
+          *pmap = std::move(pm);                                                              \
+        }                                                                                     \
+        std::vector<std::pair<V, int> >& vec = nnvm::get<OpMap<V> >(*pmap).data_;             \
+        if (vec.size() <= op->index_) vec.resize(op->index_ + 1, std::make_pair(V(), 0));     \
+        std::pair<V, int>& p = vec[op->index_];                                               \
+        if (p.second < level) p = std::make_pair(*value, level);                              \
+      }                                                                                       \
+    };                                                                                        \
+    UpdateAttrMap(name, gaabi::OldAbi<void(dmlc::any*)>::make(&Updater::run));               \
+    return *this;                                                                             \
+  }                                                                                           \
+  }
+
+GA_SET_ATTR(mxnet::FInferShape)
+GA_SET_ATTR(nnvm::FInferType)
+GA_SET_ATTR(mxnet::FInferStorageType)
+GA_SET_ATTR(nnvm::FInplaceOption)
+GA_SET_ATTR(mxnet::FComputeEx)
+GA_SET_ATTR(nnvm::FGradient)
+GA_SET_ATTR(bool)  // TIsBackward, TIsMKLDNN
+
+// Exported by libmxnet (src/operator/elemwise_op_common.h, not among the shipped headers): makes
+// "<n's name>_backward" of op_name over inputs, with dict's attributes and a control dependency
+// on n, as MXNet's own gradients do.
+namespace mxnet {
+namespace op {
+std::vector<nnvm::NodeEntry> MakeGradNode(const char* op_name, const nnvm::ObjectPtr& n,
+                                          const std::vector<nnvm::NodeEntry>& inputs,
+                                          const std::unordered_map<std::string, std::string>& dict);
+}  // namespace op
+}  // namespace mxnet
+
+namespace {
+
+using mxnet::NDArray;
+using mxnet::OpContext;
+using mxnet::OpReqType;
+
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+inline float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// bfloat16: round to nearest even on the bits; overflow carries into inf, subnormals and -0
+// are kept; a NaN stays a NaN (quiet, payload cut).
+inline uint32_t round_bf16(uint32_t u) {
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  uint32_t nan = (u | 0x00400000u) & 0xffff0000u;
+  return (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+}
+
+// float16: 11 significant bits to 2^-14, a quantum of 2^-24 below it (float16's subnormals),
+// inf from 65520 on (the tie above 65504 rounds to even, out of range); sign and -0 kept.
+inline uint32_t round_fp16(uint32_t u) {
+  uint32_t sign = u & 0x80000000u, a = u & 0x7fffffffu;
+  uint32_t normal = (a + 0xfffu + ((a >> 13) & 1u)) & 0xffffe000u;
+  uint32_t tiny = bits_of((float_of(a) + 0.5f) - 0.5f);  // float32 arithmetic rounds to 2^-24
+  uint32_t r = a < 0x38800000u ? tiny : normal;
+  r = a >= 0x477ff000u ? 0x7f800000u : r;
+  r = a > 0x7f800000u ? ((a | 0x00400000u) & 0xffffe000u) : r;
+  return r | sign;
+}
+
+template <bool kHalf, bool kAdd>
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void round_range(const uint32_t* in, uint32_t* out, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    uint32_t r = kHalf ? round_fp16(in[k]) : round_bf16(in[k]);
+    if (kAdd) {
+      out[k] = bits_of(float_of(out[k]) + float_of(r));
+    } else {
+      out[k] = r;
+    }
+  }
+}
+
+template <bool kHalf, bool kAdd>
+void round_span(const float* in, float* out, int64_t n) {
+  const uint32_t* i = reinterpret_cast<const uint32_t*>(in);
+  uint32_t* o = reinterpret_cast<uint32_t*>(out);
+  const int64_t chunk = 1 << 16;  // values per task: memory-bound, small arrays stay serial
+  const int64_t tasks = (n + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) if (tasks > 1)
+  for (int64_t t = 0; t < tasks; ++t) {
+    int64_t begin = t * chunk, len = std::min(chunk, n - begin);
+    round_range<kHalf, kAdd>(i + begin, o + begin, len);
+  }
+}
+
+void round_values(bool half, OpReqType req, const float* in, float* out, int64_t n) {
+  if (req == mxnet::kAddTo) {
+    half ? round_span<true, true>(in, out, n) : round_span<false, true>(in, out, n);
+  } else {
+    half ? round_span<true, false>(in, out, n) : round_span<false, false>(in, out, n);
+  }
+}
+
+// The target dtype, from the node's attributes (a lookup only: see rule 2 above).
+bool is_half(const nnvm::NodeAttrs& attrs) {
+  auto it = attrs.dict.find("dtype");
+  if (it == attrs.dict.end()) LOG(FATAL) << GA_OP_NAME << ": the attribute dtype is missing";
+  if (it->second == "float16") return true;
+  if (it->second == "bfloat16") return false;
+  LOG(FATAL) << GA_OP_NAME << ": dtype must be float16 or bfloat16, got " << it->second;
+  return false;
+}
+
+#if MXNET_USE_MKLDNN == 1
+// libmxnet's out-of-line copies of two dnnl::memory members: the inline ones call oneDNN's C
+// API, which libmxnet does not export. A const member function and a free function of its
+// object pointer are called alike (the Itanium C++ ABI).
+dnnl::memory::desc memory_desc(const dnnl::memory* m) __asm__("_ZNK4dnnl6memory8get_descEv");
+void* memory_handle(const dnnl::memory* m) __asm__("_ZNK4dnnl6memory15get_data_handleEv");
+
+// Elements a dense blocked float32 oneDNN memory spans from its handle (oneDNN's own size
+// rule: memory_desc_wrapper::size), or -1 for anything else.
+int64_t blocked_extent(const dnnl_memory_desc_t& md) {
+  if (md.data_type != dnnl_f32 || md.format_kind != dnnl_blocked || md.extra.flags != 0) return -1;
+  const dnnl_blocking_desc_t& bd = md.format_desc.blocking;
+  int64_t blocks[DNNL_MAX_NDIMS];
+  for (int d = 0; d < DNNL_MAX_NDIMS; ++d) blocks[d] = 1;
+  for (int i = 0; i < bd.inner_nblks; ++i) blocks[bd.inner_idxs[i]] *= bd.inner_blks[i];
+  int64_t extent = 0;
+  for (int d = 0; d < md.ndims; ++d) {
+    if (md.padded_dims[d] == 0) return 0;
+    extent = std::max<int64_t>(extent, md.padded_dims[d] / blocks[d] * bd.strides[d]);
+  }
+  if (extent == 1 && bd.inner_nblks != 0) {
+    extent = 1;
+    for (int i = 0; i < bd.inner_nblks; ++i) extent *= bd.inner_blks[i];
+  }
+  return md.offset0 + extent;
+}
+
+// Round in place an array held in oneDNN's layout, where its output is the same chunk (so it
+// keeps the layout): every element of the memory, padding included (rounding a zero keeps it).
+// False when that is not the case or not a layout this understands.
+bool round_mkldnn_in_place(bool half, const NDArray& in, const NDArray& out, OpReqType req) {
+  if (req != mxnet::kWriteInplace || !out.IsMKLDNNData()) return false;
+  mxnet::Storage::Handle storage = in.storage_handle();
+  if (out.storage_handle().dptr != storage.dptr) return false;
+  const dnnl::memory* mem = in.GetMKLDNNData();
+  const int64_t extent = blocked_extent(memory_desc(mem).data);
+  char* begin = static_cast<char*>(memory_handle(mem));
+  char* base = static_cast<char*>(storage.dptr);
+  if (extent < 0 || begin < base || begin + extent * sizeof(float) > base + storage.size) return false;
+  float* p = reinterpret_cast<float*>(begin);
+  round_values(half, mxnet::kWriteTo, p, p, extent);
+  return true;
+}
+#endif
+
+void compute(const nnvm::NodeAttrs& attrs, const OpContext& ctx, const std::vector<NDArray>& inputs,
+             const std::vector<OpReqType>& req, const std::vector<NDArray>& outputs) {
+  if (req[0] == mxnet::kNullOp) return;
+  const bool half = is_half(attrs);
+  const NDArray& in = inputs[0];
+  const NDArray& out = outputs[0];
+  const int64_t n = static_cast<int64_t>(in.shape().Size());
+#if MXNET_USE_MKLDNN == 1
+  if (in.IsMKLDNNData()) {
+    if (round_mkldnn_in_place(half, in, out, req[0])) return;
+    NDArray plain = in.Reorder2Default();
+    if (out.IsMKLDNNData()) const_cast<NDArray&>(out).InvalidateMKLDNNData();
+    round_values(half, req[0], plain.data().dptr<float>(), out.data().dptr<float>(), n);
+    return;
+  }
+  if (out.IsMKLDNNData()) {
+    if (req[0] == mxnet::kAddTo) {  // out += round(in), out in oneDNN's layout: sum on a plain copy
+      NDArray sum = out.Reorder2Default();
+      round_values(half, mxnet::kAddTo, in.data().dptr<float>(), sum.data().dptr<float>(), n);
+      const_cast<NDArray&>(out).InvalidateMKLDNNData();
+      std::memcpy(out.data().dptr<float>(), sum.data().dptr<float>(), n * sizeof(float));
+      return;
+    }
+    const_cast<NDArray&>(out).InvalidateMKLDNNData();
+  }
+#endif
+  round_values(half, req[0], in.data().dptr<float>(), out.data().dptr<float>(), n);
+}
+
+bool infer_storage(const nnvm::NodeAttrs& attrs, const int dev_mask, mxnet::DispatchMode* mode,
+                   std::vector<int>* in, std::vector<int>* out) {
+  for (int s : *in) {
+    if (s != mxnet::kDefaultStorage && s != -1) {
+      LOG(FATAL) << GA_OP_NAME << " takes dense arrays only";
+    }
+  }
+  (*in)[0] = mxnet::kDefaultStorage;
+  (*out)[0] = mxnet::kDefaultStorage;
+  *mode = mxnet::DispatchMode::kFComputeEx;
+  return true;
+}
+
+bool infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in, mxnet::ShapeVector* out) {
+  if (mxnet::shape_is_known((*in)[0])) {
+    (*out)[0] = (*in)[0];
+  } else if (mxnet::shape_is_known((*out)[0])) {
+    (*in)[0] = (*out)[0];
+  }
+  return mxnet::shape_is_known((*out)[0]);
+}
+
+bool infer_type(const nnvm::NodeAttrs& attrs, std::vector<int>* in, std::vector<int>* out) {
+  is_half(attrs);  // a bad dtype fails here, when the graph is typed
+  for (int* t : {&(*in)[0], &(*out)[0]}) {
+    if (*t != -1 && *t != mshadow::kFloat32) {
+      LOG(FATAL) << GA_OP_NAME << " takes and gives float32, got type flag " << *t;
+    }
+    *t = mshadow::kFloat32;
+  }
+  return true;
+}
+
+std::vector<std::pair<int, int> > inplace(const nnvm::NodeAttrs& attrs) { return {{0, 0}}; }
+
+std::vector<nnvm::NodeEntry> gradient(const nnvm::ObjectPtr& n, const std::vector<nnvm::NodeEntry>& ograds) {
+  if (!is_half(n->attrs)) return {ograds[0]};
+  // libmxnet makes the node (its layout) and copies the forward node's attributes from its
+  // own dict: this code passes that map along and never reads past its address.
+  return mxnet::op::MakeGradNode(GA_BACKWARD_OP_NAME, n, {ograds[0]}, n->attrs.dict);
+}
+
+template <typename Sig>
+gaabi::Attr<std::function<Sig> > fn(Sig* p) {
+  return {gaabi::OldAbi<Sig>::make(p)};
+}
+
+void define(nnvm::Op& op, uint32_t num_inputs) {
+  op.set_num_inputs(num_inputs);
+  op.set_num_outputs(1);
+  op.set_attr<gaabi::Attr<mxnet::FInferShape> >("FInferShape", fn(&infer_shape), 10);
+  op.set_attr<gaabi::Attr<nnvm::FInferType> >("FInferType", fn(&infer_type), 10);
+  op.set_attr<gaabi::Attr<mxnet::FInferStorageType> >("FInferStorageType", fn(&infer_storage), 10);
+  op.set_attr<gaabi::Attr<nnvm::FInplaceOption> >("FInplaceOption", fn(&inplace), 10);
+  op.set_attr<gaabi::Attr<mxnet::FComputeEx> >("FComputeEx<cpu>", fn(&compute), 10);
+#if MXNET_USE_MKLDNN == 1
+  // oneDNN arrays reach compute() as they are (MXNet would otherwise copy them to a plain one)
+  op.set_attr<gaabi::Attr<bool> >("TIsMKLDNN", {true}, 10);
+#endif
+}
+
+struct Registration {
+  Registration() {
+    nnvm::Op& forward = ::dmlc::Registry<nnvm::Op>::Get()->__REGISTER_OR_GET__(GA_OP_NAME);
+    define(forward, 1);
+    forward.describe("float32 values rounded to float16 or bfloat16 (gluon_amp's emulation)");
+    forward.add_argument("data", "NDArray-or-Symbol", "float32 values");
+    forward.set_attr<gaabi::Attr<nnvm::FGradient> >("FGradient", fn(&gradient), 10);
+    nnvm::Op& backward = ::dmlc::Registry<nnvm::Op>::Get()->__REGISTER_OR_GET__(GA_BACKWARD_OP_NAME);
+    define(backward, 1);
+    backward.set_attr<gaabi::Attr<bool> >("TIsBackward", {true}, 10);
+  }
+};
+
+Registration registration;
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) int gluon_amp_kernel_version() { return GA_KERNEL_VERSION; }
