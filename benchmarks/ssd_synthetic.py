@@ -142,6 +142,9 @@ class Mode:
                 with gluon_amp.autocast(target_dtype, emulate=self.emulated or None,
                                         tune=False if name == UNTUNED else None):
                     self._build(seed)
+                    # its later steps run under the same policy (_use_policy): the scale a step's
+                    # loss gets is decided from the policy in force, float16's only under float16
+                    self.policy = gluon_amp.current_policy()
                     self.scaler = gluon_amp.init_trainer(
                         self.trainer, "dynamic" if init_scale is None else gluon_amp.LossScaler(init_scale=init_scale))
                     self.step(record=False)  # the graph is cached on the first call, with AMP on

@@ -62,6 +62,20 @@ def test_ssd_synthetic_names_the_steps_emulated_float16_skips_and_compares_like_
     assert "first step (equal weights)" in r.stdout
 
 
+def test_ssd_synthetic_runs_every_step_of_an_amp_mode_under_its_policy(tmp_path):
+    """The default scaler scales float16 steps only, decided from the policy in force when the
+    step runs: a mode built under AMP must also step under it (its steps after the first ran
+    with AMP off, so emulated float16 trained at scale 1 while its table said so)."""
+    out = tmp_path / "ssd.json"
+    r = _run("ssd_synthetic.py", "--emulate", "float16", "--batch-size", "1", "--iters", "1", "--warmup", "0",
+             "--no-memory", "--no-progress", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    history = doc["loss_history"]["emulated-float16"]
+    scale = {m["mode"]: m["loss_scale"] for m in doc["modes"]}["emulated-float16"]
+    assert all(s["scale"] > 1 for s in history) and scale == history[-1]["scale"]
+
+
 def test_ssd_synthetic_without_bf16_kernels_runs_fp32_and_says_why(tmp_path, no_bf16_why):
     """`make bench`'s command on a host without bf16 kernels (simulated on any CPU)."""
     out = tmp_path / "ssd.json"
