@@ -12,7 +12,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
@@ -41,6 +41,10 @@ class _Active:
 
 _lock = threading.RLock()
 _active: Optional[_Active] = None
+#: (serial, target dtype or None) each time the policy in force changed (init, disable):
+#: a trainer asks which dtypes ran since its last step (:func:`dtypes_since`)
+_changes: List[Tuple[int, Optional[str]]] = [(0, None)]
+_KEEP_CHANGES = 4096
 #: every trainer hook attached so far (weakly): an ``init`` after ``init_trainer`` starts
 #: its loss-output ops with them, so their first step is scaled as ``scale_loss`` scales it
 _hooks: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -138,6 +142,7 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
         hooks = mxi.install_block_hooks(rewrite, _warn_stale, reshaped, watch, tuner.called if tuner else None)
         low_cast.acquire("init")  # a script's net.cast('float16') follows the plan (low_cast.py)
         _active = _Active(policy, patches, hooks, scalers, tuner)
+        _changed(policy.target_dtype)
         _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
                   policy.describe(), len(_active.patches))
         return policy
@@ -156,6 +161,26 @@ def register_scaler(scaler: Any) -> None:
     _hooks.add(scaler)
     if _active is not None:
         _active.scalers.add(scaler)
+
+
+def _changed(dtype: Optional[str]) -> None:
+    _changes.append((_changes[-1][0] + 1, dtype))
+    if len(_changes) > _KEEP_CHANGES:
+        del _changes[: len(_changes) - _KEEP_CHANGES]
+
+
+def policy_serial() -> int:
+    """A number that grows each time the policy in force changes (``init``, ``disable``)."""
+    return _changes[-1][0]
+
+
+def dtypes_since(serial: int) -> FrozenSet[str]:
+    """The target dtypes of the policy in force now and of every one turned on since
+    :func:`policy_serial` gave ``serial``: a step's forward pass may run under ``autocast``
+    and its ``scale_loss`` after the scope (PyTorch's pattern)."""
+    with _lock:
+        return frozenset(d for k, d in _changes if k > serial and d is not None) | frozenset(
+            [_changes[-1][1]] if _changes[-1][1] is not None else [])
 
 
 def forget_scalers() -> None:
@@ -211,6 +236,7 @@ def disable() -> None:
         mxi.remove_block_hooks(_active.hooks)
         low_cast.release("init")
         _active = None
+        _changed(None)
 
 
 def is_enabled() -> bool:

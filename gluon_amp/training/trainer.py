@@ -48,11 +48,13 @@ class _Hook:
         self._warned = False
         #: (compute dtype, scale) of the current step, fixed by its first scale_loss
         self._step: Optional[Tuple[str, float]] = None
+        #: patching.policy_serial() when the last step ended: the policies since are this step's
+        self._since = patching.policy_serial()
         scaler.attach(self)
 
     def _compute_dtype(self) -> str:
         trainer = self._trainer()
-        return _compute_dtype(mxi.trainer_params(trainer) if trainer is not None else ())
+        return _compute_dtype(mxi.trainer_params(trainer) if trainer is not None else (), self._since)
 
     def decide(self) -> Tuple[str, float]:
         """The current step's compute dtype and scale: decided now if no ``scale_loss`` of
@@ -98,6 +100,7 @@ class _Hook:
         trainer = self._trainer()
         dtype, _ = self._step if self._step is not None else (self._compute_dtype(), None)
         self._step = None  # the next scale_loss decides afresh
+        self._since = patching.policy_serial()
         finite = True if not self.scaler.enabled else overflow.all_finite(params)
         if trainer is not None:
             finite = distributed.agree_finite(trainer, self.scaler, finite)
@@ -121,11 +124,12 @@ class _Hook:
         return skip
 
 
-def _compute_dtype(params: Sequence[mx.gluon.Parameter]) -> str:
-    """The dtype whose range a step's gradients pass through: float16 when AMP runs it
-    (real or emulated) or a parameter is float16, else bfloat16 likewise, else float32."""
-    policy = patching.current_policy()
-    dtypes = {policy.target_dtype} if policy is not None else set()
+def _compute_dtype(params: Sequence[mx.gluon.Parameter], since: int) -> str:
+    """The dtype whose range a step's gradients pass through: float16 when AMP ran it (real
+    or emulated) at any time since the trainer's last step (serial ``since``: a forward pass
+    under ``autocast`` and its ``scale_loss`` after the scope count alike) or a parameter is
+    float16, else bfloat16 likewise, else float32."""
+    dtypes = set(patching.dtypes_since(since))
     for p in params:
         dtypes.add(dtype_name(p.dtype))
     return next((d for d in ("float16", "bfloat16") if d in dtypes), "float32")

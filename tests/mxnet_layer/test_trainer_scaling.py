@@ -7,6 +7,7 @@ they see without AMP. Skip-on-overflow works in every mode, and the trainer's
 ``_amp_loss_scaler`` answers ``loss_scale`` as the peer's does (GluonNLP's
 ``finetune_squad.py`` clips at ``size * trainer._amp_loss_scaler.loss_scale``).
 """
+import contextlib
 import json
 import os
 import subprocess
@@ -313,3 +314,25 @@ def test_loss_output_ops_use_the_step_scale_also_when_init_follows_init_trainer(
         scaled, unscaled = grad()  # the first step under the new init is scaled too
     np.testing.assert_allclose(scaled, 2.0 ** 16 * plain, rtol=1e-3)
     np.testing.assert_allclose(unscaled, plain, rtol=1e-3)
+
+
+def test_a_forward_under_autocast_scales_its_loss_when_scale_loss_comes_after_the_scope():
+    """PyTorch's pattern: the forward pass inside ``autocast``, the backward after it. The
+    step ran float16, so its loss is scaled (it was decided from the policy at scale_loss
+    time: 1 there, and float16's small gradients underflowed); a later step without AMP is not."""
+    net = gluon.nn.Dense(2, in_units=3)
+    net.initialize(mx.init.Constant(0.5))
+    net.hybridize()
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.0}, update_on_kvstore=False)
+    gluon_amp.init_trainer(trainer)
+    x = mx.nd.full((2, 3), 1e-6)
+    used = []
+    for fp16 in (True, True, False):
+        with autograd.record():
+            with (gluon_amp.autocast("float16", emulate=True) if fp16 else contextlib.nullcontext()):
+                loss = net(x).sum()
+            with gluon_amp.scale_loss(loss, trainer) as scaled:
+                autograd.backward(scaled)
+            used.append(trainer._amp_loss_scaler.loss_scale)
+        trainer.step(1)
+    assert used[0] == gluon_amp.get_scaler(trainer).init_scale and used[1] > 1 and used[2] == 1.0
