@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="iterations after them for the steady state (default: one pass through the sizes)")
     p.add_argument("--modes", default="fp32,untuned,default", help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--budget", default=None, help="the default mode's tune_budget (default: gluon_amp's own)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every mode this many times, the modes taking turns, and report medians "
+                        "(processes differ by a few %% from run to run here: use 3 or more to compare)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
@@ -74,7 +78,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     bad = [m for m in args.modes if m not in MODES]
     if bad or not args.modes:
         p.error(f"--modes: unknown {bad or args.modes}; choose from {', '.join(MODES)}")
-    for name in ("batch_size", "interval", "iters"):
+    for name in ("batch_size", "interval", "iters", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.steady_iters is None:
@@ -173,11 +177,38 @@ def run_mode(mode: str, args: argparse.Namespace, argv: List[str]) -> Dict[str, 
 
 # -- the parent: every mode, then the comparison ---------------------------------------
 
-def table(rows: List[Dict[str, Any]], args: argparse.Namespace) -> str:
+#: The figures a mode's rounds are summarised by (their median).
+_FIGURES = ("first_s", "steady_s_per_iter", "steady_steps_s_per_iter", "peak_rss_mb")
+
+
+def summarise(rounds: List[List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
+    """One row per mode: the median of each figure over the rounds (the last round's other
+    fields), with each round's own row under ``rounds``."""
+    rows = []
+    for k, last in enumerate(rounds[-1]):
+        runs = [r[k] for r in rounds]
+        rows.append({**last, **{f: statistics.median(run[f] for run in runs) for f in _FIGURES},
+                     "rounds": runs})
+    return rows
+
+
+def round_ratios(rounds: List[List[Dict[str, Any]]], mode: str, base: str, figure: str) -> List[float]:
+    """``base``'s ``figure`` over ``mode``'s, in each round (above 1: ``mode`` is faster)."""
+    out = []
+    for r in rounds:
+        by = {row["mode"]: row for row in r}
+        if mode in by and base in by:
+            out.append(by[base][figure] / by[mode][figure])
+    return out
+
+
+def table(rows: List[Dict[str, Any]], args: argparse.Namespace,
+          rounds: Optional[List[List[Dict[str, Any]]]] = None) -> str:
     by = {r["mode"]: r for r in rows}
     fp32, untuned = by.get("fp32"), by.get("untuned")
     lines = [f"{args.model}, batch {args.batch_size}, sizes {args.sizes} (a new one every {args.interval} batches): "
-             f"first {args.iters} iterations including tuning, then {args.steady_iters} for the steady state",
+             f"first {args.iters} iterations including tuning, then {args.steady_iters} for the steady state"
+             + (f"; median of {len(rounds)} rounds, the modes taking turns" if rounds and len(rounds) > 1 else ""),
              f"{'mode':<9}{'first (s)':>10}{'vs fp32':>9}{'vs untuned':>11}{'steady s/it':>13}{'vs untuned':>11}"
              f"{'steps s/it':>12}{'vs untuned':>11}{'tuning s':>10}{'peak MB':>9}"]
     for r in rows:
@@ -187,6 +218,14 @@ def table(rows: List[Dict[str, Any]], args: argparse.Namespace) -> str:
                      f"{r['steady_s_per_iter']:>13.3f}{ratio(untuned, 'steady_s_per_iter'):>11}"
                      f"{r['steady_steps_s_per_iter']:>12.3f}{ratio(untuned, 'steady_steps_s_per_iter'):>11}"
                      f"{r['tune'].get('spent_s', 0.0):>10.1f}{r['peak_rss_mb']:>9.0f}")
+    if rounds and len(rounds) > 1:
+        for mode in [r["mode"] for r in rows]:
+            for base, figure, label in (("fp32", "first_s", "first"), ("untuned", "first_s", "first"),
+                                        ("untuned", "steady_s_per_iter", "steady")):
+                got = round_ratios(rounds, mode, base, figure)
+                if mode != base and got:
+                    lines.append(f"{mode} vs {base}, {label}, each round: "
+                                 + ", ".join(f"{g:.3f}x" for g in got))
     for r in rows:
         for g in r["tune"].get("graphs", []):
             lines.append(f"{r['mode']}: {', '.join(g['blocks'])}: {g['status']}")
@@ -208,14 +247,18 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         emit({"modes": [], "not_measured": why, "runtime": gluon_amp.runtime_info()}, "", args.json)
         return {}
     parent_argv = [a for a in argv]
-    rows = []
-    for mode in args.modes:
-        print(f"running {mode} ...", flush=True)
-        rows.append(run_mode(mode, args, parent_argv))
+    rounds = []
+    for k in range(args.rounds):
+        rows = []
+        for mode in args.modes:
+            print(f"running {mode} ..." + (f" (round {k + 1}/{args.rounds})" if args.rounds > 1 else ""), flush=True)
+            rows.append(run_mode(mode, args, parent_argv))
+        rounds.append(rows)
+    rows = summarise(rounds)
     doc = {"model": args.model, "batch_size": args.batch_size, "sizes": args.sizes, "interval": args.interval,
-           "iters": args.iters, "steady_iters": args.steady_iters, "modes": rows,
+           "iters": args.iters, "steady_iters": args.steady_iters, "rounds": args.rounds, "modes": rows,
            "cpu_flags": sorted(f for f in gluon_amp.runtime.cpu_flags() if "avx" in f or "amx" in f)}
-    emit(doc, table(rows, args), args.json)
+    emit(doc, table(rows, args, rounds), args.json)
     return doc
 
 
