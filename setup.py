@@ -68,8 +68,9 @@ setup(
         "bench": ["gluoncv==0.10.5.post0", "opencv-python==4.11.0.86", "scipy==1.15.3",
                   "matplotlib<3.9", "psutil", "tqdm"],
         "notebook": ["nbclient>=0.7", "nbformat>=5.7", "ipykernel>=6"],
-        # gluonnlp: the client tests run its models (pip builds its sdist, about 13 s)
-        "test": ["pytest>=7", "gluonnlp==0.10.0"],
+        # gluonnlp: the client tests run its models (pip builds its sdist, about 13 s).
+        # wheel: a test builds gluon-amp's wheel, and setuptools before 70.1 has no bdist_wheel.
+        "test": ["pytest>=7", "gluonnlp==0.10.0", "wheel"],
         # Build horovod against the installed MXNet first (see README / `make install-dist`):
         # a plain pip build of it has no MXNet support.
         "dist": ["horovod==0.28.1", "psutil"],
