@@ -200,9 +200,16 @@ class Mode:
             return
         gluon_amp.disable()
         if self.policy is not None:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*cached its graph before gluon_amp.init")
-                gluon_amp.init(self.policy)
+            # the switch back repeats the build's "mixed precision on" line at every step: quiet it
+            patch_log = logging.getLogger("gluon_amp.patching")
+            level = patch_log.level
+            patch_log.setLevel(logging.WARNING)
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=".*cached its graph before gluon_amp.init")
+                    gluon_amp.init(self.policy)
+            finally:
+                patch_log.setLevel(level)
 
     def step(self, record: bool = True) -> float:
         b = self.batch
