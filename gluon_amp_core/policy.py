@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
 
 from .dtypes import parse_target_dtype
-from .table import ConditionalSpec, OpTable, build_table, check_conditional, check_name_list
+from .table import ConditionalSpec, OpTable, build_table, check_conditional, check_name_list, check_op_lists
 from .tune_schedule import TuneBudget, parse_budget
 
 #: A ``target_dtype`` of ``FLOAT32`` means AMP is off: no useful low precision here.
@@ -105,6 +105,7 @@ class Policy:
         budget = budget if tune else None
         excluded = None if excluded_sym_names is None else _node_names(excluded_sym_names)
         if target_dtype == FLOAT32:
+            check_op_lists(**lists, known_ops=known_ops, aliases=aliases)  # as the table would
             return cls(FLOAT32, **lists, keep_batchnorm_fp32=keep_batchnorm_fp32,
                        excluded_sym_names=excluded, reason=reason)
         table = build_table(parse_target_dtype(target_dtype), **lists, keep_batchnorm_fp32=keep_batchnorm_fp32,

@@ -19,7 +19,7 @@ from .dtypes import LOW_PRECISION_DTYPES
 
 class OpListError(ValueError, AssertionError):
     """A mistake in an op list (an unknown op, an op in two lists). A ``ValueError``, and an
-    ``AssertionError`` too, for code written against ``mxnet.contrib.amp``, which asserted."""
+    ``AssertionError`` too, for code written against the peer (MXNet's own AMP module), which asserted."""
 
 
 class OpListTypeError(TypeError, AssertionError):
@@ -181,6 +181,42 @@ def _resolve_overrides(overrides: Mapping[OpClass, Sequence[str]], valid: set,
     return seen
 
 
+def _overrides(target_precision_ops: Optional[Sequence[str]],
+               conditional_fp32_ops: Optional[Sequence[ConditionalSpec]],
+               fp32_ops: Optional[Sequence[str]],
+               widest_type_ops: Optional[Sequence[str]]) -> Dict[OpClass, Sequence[str]]:
+    """The override lists given, by the class they put their ops in."""
+    overrides: Dict[OpClass, Sequence[str]] = {}
+    for op_class, names in ((OpClass.LOW_PRECISION, target_precision_ops), (OpClass.FP32, fp32_ops),
+                            (OpClass.WIDEST, widest_type_ops)):
+        if names is not None:
+            overrides[op_class] = names
+    if conditional_fp32_ops is not None:
+        overrides[OpClass.CONDITIONAL_FP32] = [c[0] for c in conditional_fp32_ops]
+    return overrides
+
+
+def check_op_lists(
+    *,
+    target_precision_ops: Optional[Sequence[str]] = None,
+    conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
+    fp32_ops: Optional[Sequence[str]] = None,
+    widest_type_ops: Optional[Sequence[str]] = None,
+    known_ops: Optional[Iterable[str]] = None,
+    aliases: Optional[Mapping[str, str]] = None,
+) -> None:
+    """The checks :func:`build_table` makes of the override lists (unknown and doubled names),
+    where no table is built (AMP off): a misspelt op is an error on every machine, not only
+    where low precision runs. Without ``known_ops``, names are checked against both tables."""
+    aliases = dict(aliases or {})
+    if known_ops is None:
+        valid = set(aliases).union(*(_default_classes(d, _load_lists(d)) for d in LOW_PRECISION_DTYPES))
+    else:
+        valid = set(known_ops) | set(aliases)
+    _resolve_overrides(_overrides(target_precision_ops, conditional_fp32_ops, fp32_ops, widest_type_ops),
+                       valid, aliases)
+
+
 def build_table(
     target_dtype: str,
     *,
@@ -211,13 +247,7 @@ def build_table(
     classes = _default_classes(target_dtype, data)
     conditions = {n: ConditionalRule(a, frozenset(v)) for n, a, v in data.CONDITIONAL_FP32}
     valid = _valid_names(target_dtype, classes, known_ops, aliases)
-    overrides: Dict[OpClass, Sequence[str]] = {}
-    for op_class, names in ((OpClass.LOW_PRECISION, target_precision_ops), (OpClass.FP32, fp32_ops),
-                            (OpClass.WIDEST, widest_type_ops)):
-        if names is not None:
-            overrides[op_class] = names
-    if conditional_fp32_ops is not None:
-        overrides[OpClass.CONDITIONAL_FP32] = [c[0] for c in conditional_fp32_ops]
+    overrides = _overrides(target_precision_ops, conditional_fp32_ops, fp32_ops, widest_type_ops)
     seen = _resolve_overrides(overrides, valid, aliases)
     for name, c in list(classes.items()):
         if c in overrides and name not in seen:

@@ -40,6 +40,19 @@ def test_unknown_op_in_conditional_list():
         build_table("bfloat16", conditional_fp32_ops=[("Activatoin", "act_type", ["softrelu"])])
 
 
+@pytest.mark.parametrize("known_ops", [None, ["Convolution", "softmax", "Activation"]])
+def test_op_lists_are_checked_where_amp_is_off_too(known_ops):
+    """A float32 policy (AMP off on this machine) builds no table; a misspelt op is still an
+    error, as it is where low precision runs, and valid lists pass."""
+    with pytest.raises(ValueError, match="Convolutoin"):
+        Policy.create("float32", fp32_ops=["Convolutoin"], known_ops=known_ops)
+    with pytest.raises(ValueError, match="Activatoin"):
+        Policy.create("float32", conditional_fp32_ops=[("Activatoin", "act_type", ["softrelu"])], known_ops=known_ops)
+    with pytest.raises(ValueError, match="in both"):
+        Policy.create("float32", target_precision_ops=["Convolution"], fp32_ops=["Convolution"], known_ops=known_ops)
+    assert Policy.create("float32", fp32_ops=["Convolution"], known_ops=known_ops).fp32_ops == ("Convolution",)
+
+
 def test_op_in_two_lists_rejected():
     with pytest.raises(ValueError, match="'Convolution' is in both"):
         build_table("float16", target_precision_ops=["Convolution"], fp32_ops=["Convolution"])
