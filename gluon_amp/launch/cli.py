@@ -1,6 +1,6 @@
 """``python -m gluon_amp.run [options] SCRIPT [ARGS...]`` / ``... -m MODULE [ARGS...]``.
 
-Turns AMP on with the policy its options give, makes gluon_amp answer ``mxnet.contrib.amp``
+Turns AMP on with the policy its options give, makes gluon_amp answer imports of the peer (MXNet's own AMP module)
 for the process (:func:`gluon_amp.install_as_contrib_amp`), then runs the program as
 ``python`` would (:mod:`.runner`); a thread that dies of an exception ends the process
 (:mod:`.threads`). Options stop at the first argument that is not one of them: everything
@@ -12,11 +12,12 @@ import argparse
 import importlib.util
 import os
 import sys
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
 
-from . import runner, threads
+from . import facade, runner, threads
 from .install import install_as_contrib_amp
 
 PROG = "python -m gluon_amp.run"
@@ -42,8 +43,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG, usage=f"{PROG} [options] SCRIPT [ARGS...]  |  {PROG} [options] -m MODULE [ARGS...]",
         description="Run a Python program (code you do not own, e.g. GluonCV's and GluonNLP's training "
-                    "scripts) under gluon_amp: mixed precision is on before it starts, its `from mxnet.contrib "
-                    "import amp` gets gluon_amp, and its own amp.init() keeps the policy given here. sys.argv, "
+                    "scripts) under gluon_amp: mixed precision is on before it starts, its `from "
+                    f"{facade.PEER_PACKAGE} import amp` gets gluon_amp, and its own amp.init() keeps the policy given here. sys.argv, "
                     "sys.path[0], __main__ and the exit code are what `python SCRIPT` gives; unlike python, a "
                     "thread that dies of an exception ends the process (exit code 1).")
     p.add_argument("-m", dest="module", metavar="MODULE", help="run library module MODULE as a script (as python -m)")
@@ -113,12 +114,17 @@ def main(argv: Optional[List[str]] = None) -> None:
     if kind == "module" and importlib.util.find_spec(name) is None:
         p.exit(1, f"{PROG}: No module named {name}\n")
     try:
-        policy = install_as_contrib_amp(**policy_options(opts))
+        # what installing warns (e.g. AMP off on this CPU) is said as the launcher's own lines:
+        # a warning's usual source line would show gluon_amp's frames above the program's output
+        with warnings.catch_warnings(record=True) as said:
+            policy = install_as_contrib_amp(**policy_options(opts))
     except (ValueError, TypeError, RuntimeError) as exc:
         p.exit(2, f"{PROG}: error: {exc}\n")
+    for w in said:
+        _say(f"{w.category.__name__}: {w.message}")
     sys.excepthook = runner.trimming_excepthook(sys.excepthook)
     threads.end_process_on_thread_failure(_say)
-    _say(f"{policy.describe()}; gluon_amp answers mxnet.contrib.amp; running {name}")
+    _say(f"{policy.describe()}; gluon_amp answers {facade.PEER}; running {name}")
     try:
         (runner.run_module if kind == "module" else runner.run_script)(name, args)
     except SystemExit as exc:

@@ -100,6 +100,16 @@ def test_failures_end_as_in_python(tmp_path, body, code):
     assert "gluon_amp" not in "\n".join(err)
 
 
+def test_what_installing_warns_is_the_launchers_own_line(tmp_path):
+    """AMP off on a CPU without bfloat16 kernels (the cap stands in for one): float32, one
+    warning, exit 0, and the warning is a launcher line, not a source line of gluon_amp's."""
+    r = _launch(tmp_path, "print('@@' + '{}')\n", env={**_env(), "DNNL_MAX_CPU_ISA": "AVX2"})
+    assert r.returncode == 0 and _json(r) == {}, r.stderr[-2000:]
+    warned = [line for line in r.stderr.splitlines() if "Warning" in line]
+    assert len(warned) == 1 and warned[0].startswith("gluon_amp.run: RuntimeWarning: gluon_amp: mixed precision is off")
+    assert ".py:" not in r.stderr and "float32" in r.stderr
+
+
 @pytest.mark.parametrize("where", ["worker", "main"])
 def test_a_failure_in_any_thread_ends_the_process(tmp_path, where):
     """GluonCV's Parallel: a worker dies and the main thread waits on its queue forever; or the
