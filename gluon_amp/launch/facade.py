@@ -1,8 +1,9 @@
-"""The module objects that answer ``import mxnet.contrib.amp`` while gluon_amp stands in for it.
+"""The module objects that answer imports of the peer (:data:`PEER`, MXNet's own AMP module)
+while gluon_amp stands in for it.
 
 Built fresh (the peer is never imported), they carry gluon_amp's own peer-compatible
 functions and answer the attributes third-party code reads, live:
-``mxnet.contrib.amp.amp._amp_initialized`` is True exactly while gluon_amp runs ops in low
+the peer's ``amp._amp_initialized`` is True exactly while gluon_amp runs ops in low
 precision (GluonNLP's attention cell reads it to pick a mask fill float16 can hold).
 :mod:`.install` puts them in ``sys.modules`` and adapts peer modules imported earlier.
 """
@@ -23,7 +24,10 @@ from ..convert.bucketing import convert_bucketing_module
 from ..policy_builder import as_policy
 from ..training.trainer import init_trainer, scale_loss, unscale
 
+#: The import name gluon_amp answers to (never imported: its modules are built here). The one
+#: place the name is written; messages and the installer read it from here.
 PEER = "mxnet.contrib.amp"
+PEER_PACKAGE = PEER.rpartition(".")[0]  # whose attribute "amp" is set too
 #: The peer's public names (its ``amp.__all__`` and ``convert_bucketing_module``), all gluon_amp's.
 PUBLIC = ("init", "init_trainer", "scale_loss", "unscale", "convert_model", "convert_symbol",
           "convert_hybrid_block", "convert_bucketing_module", "list_lp16_ops", "list_fp32_ops",
@@ -52,7 +56,7 @@ def pinned() -> Optional[Policy]:
 def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]] = None,
          conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
          fp32_ops: Optional[Sequence[str]] = None, **options: Any) -> Policy:
-    """``mxnet.contrib.amp.init`` as gluon_amp answers it.
+    """The peer's ``init`` as gluon_amp answers it.
 
     Where a policy was set for the process (``python -m gluon_amp.run``'s options, or
     :func:`gluon_amp.install_as_contrib_amp`), that policy stays, whatever this call asks:
@@ -132,7 +136,7 @@ def _op_lists(dtype: str) -> Callable[[str], Any]:
 def build() -> Dict[str, types.ModuleType]:
     """Fresh module objects for PEER and its SUBMODULES, by full name."""
     doc = ("Answered by gluon_amp (gluon_amp.run / gluon_amp.install_as_contrib_amp): the functions are "
-           "gluon_amp's own, MXNet's mxnet.contrib.amp is not used in this process.")
+           f"gluon_amp's own, MXNet's {PEER} is not used in this process.")
     funcs = functions()
     pkg = _module(PEER, doc, True, LiveAmpModule)
     amp = _module(f"{PEER}.amp", doc, False, LiveAmpModule)

@@ -1,4 +1,5 @@
-"""gluon_amp answers ``import mxnet.contrib.amp`` for the whole process, and takes it back.
+"""gluon_amp answers imports of the peer (MXNet's own AMP module, :data:`.facade.PEER`) for the
+whole process, and takes it back.
 
 As ``pymysql.install_as_MySQLdb()`` does for ``MySQLdb``: code you do not own (GluonCV's R-CNN
 training task, its estimators, GluonNLP's attention cell, the scripts of both) imports the
@@ -43,7 +44,7 @@ class _FacadeFinder:
                 f"No module named {name!r} here: gluon_amp answers for {facade.PEER} in this process "
                 f"(gluon_amp.run or gluon_amp.install_as_contrib_amp()) with {', '.join(sorted(self.modules))}; "
                 "MXNet's own is not used. A trainer's loss scale is gluon_amp.get_scaler(trainer).loss_scale "
-                "(also trainer._amp_loss_scaler.loss_scale). To use MXNet's mxnet.contrib.amp instead, run "
+                f"(also trainer._amp_loss_scaler.loss_scale). To use MXNet's {facade.PEER} instead, run "
                 "without gluon_amp.run, or call gluon_amp.uninstall_contrib_amp() first.", name=name)
         return None
 
@@ -84,11 +85,11 @@ def install_as_contrib_amp(target_dtype: Any = None, *,
                            target_precision_ops: Optional[Sequence[str]] = None,
                            conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
                            fp32_ops: Optional[Sequence[str]] = None, **options: Any) -> Policy:
-    """Turn AMP on for the process and make gluon_amp answer ``mxnet.contrib.amp``.
+    """Turn AMP on for the process and make gluon_amp answer imports of the peer.
 
     What ``python -m gluon_amp.run`` does before it runs a program, as one call. From now on
-    ``from mxnet.contrib import amp``, ``from mxnet.contrib.amp import amp`` and
-    ``import mxnet.contrib.amp.lists`` give gluon_amp's modules, whose functions (``init``,
+    the peer's import forms (``from <PEER's package> import amp``, ``from <PEER> import amp``,
+    ``import <PEER>.lists``) give gluon_amp's modules, whose functions (``init``,
     ``init_trainer``, ``scale_loss``, ``unscale``, ``convert_*``, ``list_*``) are gluon_amp's own
     and whose ``amp._amp_initialized`` is True while gluon_amp runs ops in low precision. The
     policy built from the arguments (as :func:`gluon_amp.init` takes them) is turned on now and
@@ -102,7 +103,7 @@ def install_as_contrib_amp(target_dtype: Any = None, *,
     Raises
     ------
     RuntimeError
-        When ``mxnet.contrib.amp`` was already initialized in this process (its ``init``
+        When the peer was already initialized in this process (its ``init``
         wrapped MXNet's op functions: gluon_amp cannot take that back), or another gluon_amp
         policy is on.
     """
@@ -117,7 +118,7 @@ def install_as_contrib_amp(target_dtype: Any = None, *,
             if policy == _state.policy:
                 return _state.policy
             raise RuntimeError(
-                f"gluon_amp already answers for mxnet.contrib.amp with policy {_state.policy.describe()}; "
+                f"gluon_amp already answers for {facade.PEER} with policy {_state.policy.describe()}; "
                 f"asked for {policy.describe()}. Call gluon_amp.uninstall_contrib_amp() first.")
         _refuse_initialized_peer()
         was_on = patching.is_enabled()
@@ -133,7 +134,7 @@ def install_as_contrib_amp(target_dtype: Any = None, *,
 
 
 def uninstall_contrib_amp() -> None:
-    """Undo :func:`install_as_contrib_amp`: ``sys.modules``, ``mxnet.contrib.amp`` and adapted
+    """Undo :func:`install_as_contrib_amp`: ``sys.modules``, the peer's package attribute and adapted
     peer modules as they were, the cast rule released, AMP off if the install turned it on.
     A no-op when not installed."""
     global _state
@@ -144,7 +145,7 @@ def uninstall_contrib_amp() -> None:
         facade.pin(None)
         low_cast.release(_OWNER)
         sys.meta_path[:] = [f for f in sys.meta_path if f is not st.finder]
-        contrib = sys.modules.get("mxnet.contrib")
+        contrib = sys.modules.get(facade.PEER_PACKAGE)
         if contrib is not None and vars(contrib).get("amp") is st.modules[facade.PEER]:
             if st.contrib_attr is _MISSING:
                 del contrib.amp
@@ -176,11 +177,11 @@ def _refuse_initialized_peer() -> None:
     peer = sys.modules.get(f"{facade.PEER}.amp")
     if isinstance(peer, types.ModuleType) and vars(peer).get("_amp_initialized") is True:
         raise RuntimeError(
-            "mxnet.contrib.amp was already initialized in this process (its amp.init() ran and wrapped "
+            f"{facade.PEER} was already initialized in this process (its amp.init() ran and wrapped "
             "MXNet's op functions), so gluon_amp cannot answer for it. Run the program under "
             "`python -m gluon_amp.run [options] SCRIPT` (gluon_amp then answers before anything imports "
-            "mxnet.contrib.amp), or call gluon_amp.install_as_contrib_amp() before the first "
-            "mxnet.contrib.amp.init().")
+            f"{facade.PEER}), or call gluon_amp.install_as_contrib_amp() before the first "
+            f"{facade.PEER}.init().")
 
 
 def _take_over(policy: Policy, enabled_here: bool) -> _Installed:
@@ -194,7 +195,7 @@ def _take_over(policy: Policy, enabled_here: bool) -> _Installed:
     sys.modules.update(modules)
     for name in modules:
         saved.setdefault(name, _MISSING)
-    contrib = sys.modules["mxnet.contrib"]
+    contrib = sys.modules[facade.PEER_PACKAGE]
     contrib_attr = vars(contrib).get("amp", _MISSING)
     contrib.amp = modules[facade.PEER]
     finder = _FacadeFinder(modules)

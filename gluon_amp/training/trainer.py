@@ -37,7 +37,7 @@ class _Hook:
 
     The hook is the trainer's member token in its :class:`LossScaler`, which keeps the
     trainer's stage (ready, unscaled, stepped) and the round. It is also what code written
-    for ``mxnet.contrib.amp`` finds as ``trainer._amp_loss_scaler``, so it answers that
+    for MXNet's own AMP module (the peer) finds as ``trainer._amp_loss_scaler``, so it answers that
     scaler's attributes (:attr:`loss_scale`, ``_scale_seq_len``...).
     """
 
