@@ -5,7 +5,7 @@ import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mxnet as mx
 from mxnet.gluon import HybridBlock, Parameter
@@ -156,18 +156,28 @@ def bucketing_buckets(mod: Any) -> Dict[Any, Any]:
 
 _GET_GRAPH = HybridBlock._get_graph
 _CALL_CACHED_OP = HybridBlock._call_cached_op
-_paused = threading.local()
 
 
-@contextlib.contextmanager
-def hooks_paused() -> Iterator[None]:
+class _ThreadDepth(threading.local):
+    """How deep the current thread is inside a scope (0: outside); read on hot paths."""
+
+    depth = 0
+
+    @contextlib.contextmanager
+    def inside(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+
+_paused = _ThreadDepth()
+
+
+def hooks_paused() -> ContextManager[None]:
     """Blocks built and run inside (gluon_amp's own measurements) bypass the hooks."""
-    depth = getattr(_paused, "depth", 0)
-    _paused.depth = depth + 1
-    try:
-        yield
-    finally:
-        _paused.depth = depth
+    return _paused.inside()
 
 
 @dataclass(frozen=True)
@@ -205,7 +215,7 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
             return run
         fresh = not self._cached_graph
         inputs, out = _GET_GRAPH(self, *args)
-        if getattr(_paused, "depth", 0):
+        if _paused.depth:
             return inputs, out
         if fresh:
             self._cached_graph = (inputs, rewrite(self, args, inputs, out))
@@ -215,7 +225,7 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
         return self._cached_graph
 
     def _call_cached_op(self: HybridBlock, *args: Any) -> Any:
-        if self._cached_graph and not getattr(_paused, "depth", 0):
+        if self._cached_graph and not _paused.depth:
             if self not in built:
                 built.add(self)  # once per block
                 if self._cached_op is None:
@@ -281,7 +291,7 @@ def full_op_name(name: Any) -> Optional[str]:
 # It sets ``_dtype`` and replaces ``_data``/``_grad`` by ``astype`` copies. If renamed, init fails here.
 
 _PARAM_CAST = Parameter.cast
-_own_casts = threading.local()
+_own_casts = _ThreadDepth()
 
 
 @dataclass(frozen=True)
@@ -291,15 +301,9 @@ class CastHook:
     cast: Callable
 
 
-@contextlib.contextmanager
-def own_casts() -> Iterator[None]:
+def own_casts() -> ContextManager[None]:
     """Parameter casts gluon_amp itself makes inside (O2/O3 weights) bypass the cast hook."""
-    depth = getattr(_own_casts, "depth", 0)
-    _own_casts.depth = depth + 1
-    try:
-        yield
-    finally:
-        _own_casts.depth = depth
+    return _own_casts.inside()
 
 
 def install_param_cast_hook(rule: Callable[[Parameter, Any, Callable[[Any], None]], None]) -> CastHook:
@@ -307,7 +311,7 @@ def install_param_cast_hook(rule: Callable[[Parameter, Any, Callable[[Any], None
     :func:`own_casts`) calls ``rule(param, dtype, cast)``; ``cast(d)`` is MXNet's own cast of
     ``param`` to ``d``."""
     def cast(self: Parameter, dtype: Any) -> None:
-        if getattr(_own_casts, "depth", 0):
+        if _own_casts.depth:
             return _PARAM_CAST(self, dtype)
         return rule(self, dtype, lambda d: _PARAM_CAST(self, d))
 
