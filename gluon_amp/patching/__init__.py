@@ -179,8 +179,13 @@ def dtypes_since(serial: int) -> FrozenSet[str]:
     :func:`policy_serial` gave ``serial``: a step's forward pass may run under ``autocast``
     and its ``scale_loss`` after the scope (PyTorch's pattern)."""
     with _lock:
-        return frozenset(d for k, d in _changes if k > serial and d is not None) | frozenset(
-            [_changes[-1][1]] if _changes[-1][1] is not None else [])
+        dtypes = {_changes[-1][1]}
+        for k, d in reversed(_changes):  # per step: usually nothing changed since, one look
+            if k <= serial:
+                break
+            dtypes.add(d)
+        dtypes.discard(None)
+        return frozenset(dtypes)
 
 
 def forget_scalers() -> None:
