@@ -12,13 +12,12 @@ from mxnet.gluon import HybridBlock, SymbolBlock
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import MeasuredChoice
-from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
+from gluon_amp_core.dtypes import CODE_DTYPE, dtype_name
 from gluon_amp_core.graph_pass import PassResult, convert_graph, is_kept, parameter_only_inputs
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec, check_name_list
 
-from .. import mxnet_internals as mxi, runtime
-from ..emulation import emulate_symbol, round_nd
+from .. import execution, mxnet_internals as mxi, runtime
 from ..policy_builder import as_policy
 from ..speed.tuner import tune_graph
 from ..type_inference import infer_dtypes, op_types
@@ -88,8 +87,8 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
                         data_dtypes: Optional[Mapping[str, str]] = None) -> Tuple[Symbol, PassResult]:
     """Convert ``sym`` as ``policy`` says; also return what the pass did (casts, decisions).
 
-    With ``policy.emulate`` the returned graph is the emulated one (float32, rounded where
-    the plan holds low precision) and ``result.dtypes`` stays the plan's. ``measured``
+    The returned graph is the plan, also with ``policy.emulate``: the caller remembers it
+    (:func:`gluon_amp.execution.remember`) so that it runs emulated where it is bound. ``measured``
     holds the tuner's choices (:func:`_tuned`); ``data_dtypes`` the dtypes of data inputs
     that are not float32 (integer token ids and lengths)."""
     if not isinstance(sym, Symbol):
@@ -107,8 +106,6 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
                            excluded, cast_optional_params, fp32_types=fp32_types, measured=measured or {})
     converted = mx.sym.load_json(json.dumps(result.graph))
     _verify(converted, result, {n: "float32" for n in data_names} | dict(data_dtypes or {}))
-    if policy.emulate:
-        converted = emulate_symbol(converted, result.dtypes, portable=True)[0]
     return converted, result
 
 
@@ -160,18 +157,27 @@ def convert_symbol(sym: Symbol, target_dtype: Any = None, target_dtype_ops: Opti
     cast_optional_params : bool
         Store parameters read only by low-precision ops in the target dtype.
     emulate : bool, optional
-        Return the plan emulated in float32 (runs on any CPU; values rounded to the target
-        wherever the plan holds it): see :func:`gluon_amp.init`.
+        Run the returned plan emulated in float32 wherever it is bound (``bind``,
+        ``simple_bind``, a Module; on any CPU, values rounded to the target wherever the plan
+        holds it): see :func:`gluon_amp.init`. The Symbol itself is the plan: saved, it loads
+        and runs natively where its dtypes run.
     """
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
                      widest_type_ops, keep_batchnorm_fp32, emulate)
-    return convert_with_policy(sym, policy, excluded_sym_names, data_names, cast_optional_params)[0]
+    return _emulated_when_bound(convert_with_policy(sym, policy, excluded_sym_names, data_names,
+                                                    cast_optional_params)[0], policy)
 
 
-def _cast_array(arr: mx.nd.NDArray, dtype: str, emulate: bool = False) -> mx.nd.NDArray:
-    """A copy of ``arr`` stored in ``dtype``; emulated: in float32 holding ``dtype``'s values."""
-    if emulate and dtype in LOW_PRECISION_DTYPES:
-        return round_nd(arr.astype("float32", copy=False), dtype)
+def _emulated_when_bound(result: Any, policy: Policy) -> Any:
+    """A converter's result (a Symbol or block), remembered to run emulated where it is
+    bound when ``policy`` emulates."""
+    if policy.emulate and policy.enabled:
+        execution.remember(result, policy)
+    return result
+
+
+def _cast_array(arr: mx.nd.NDArray, dtype: str) -> mx.nd.NDArray:
+    """A copy of ``arr`` stored in ``dtype`` (the plan's; emulated runs read it widened)."""
     if dtype_name(arr.dtype) == dtype:
         return arr.copy()
     return mx.nd.amp_cast(arr, dtype=mxi.to_mx_dtype(dtype))
@@ -196,7 +202,8 @@ def convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params:
 
     Arguments as for :func:`convert_symbol`. The caller's dicts and arrays are not
     modified: the returned dicts hold copies, cast where the converted graph stores a
-    parameter in another dtype (emulated: float32 copies rounded to that dtype).
+    parameter in another dtype (also with ``emulate=True``: the plan's parameters, read
+    emulated where the graph is bound).
     ``input_shapes`` (data input name -> shape the model will run with) lets the converter
     time the model's low-precision ops on this machine and keep in float32 those that do not
     make the whole model faster in the target dtype (see :func:`gluon_amp.init`): with
@@ -205,8 +212,9 @@ def convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params:
     """
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
                      widest_type_ops, keep_batchnorm_fp32, emulate, tune)
-    return _convert_model(sym, arg_params, aux_params, policy, excluded_sym_names, cast_optional_params,
-                          input_shapes, require_shapes=tune is True)[:3]
+    new_sym, new_args, new_aux, _ = _convert_model(sym, arg_params, aux_params, policy, excluded_sym_names,
+                                                   cast_optional_params, input_shapes, require_shapes=tune is True)
+    return _emulated_when_bound(new_sym, policy), new_args, new_aux
 
 
 def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params: Dict[str, mx.nd.NDArray],
@@ -230,9 +238,8 @@ def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params
         measured = tune_graph(plan, known, shapes, policy, False, convert, runtime.timing_cache(), fused)[0].choices
     new_sym, result = convert_with_policy(sym, policy, excluded_sym_names, data_names, cast_optional_params,
                                           param_dtypes=types, measured=measured, data_dtypes=data_dtypes)
-    emu = policy.emulate
-    new_args = {k: _cast_array(v, result.param_dtypes.get(k, types[k]), emu) for k, v in arg_params.items()}
-    new_aux = {k: _cast_array(v, result.param_dtypes.get(k, types[k]), emu) for k, v in aux_params.items()}
+    new_args = {k: _cast_array(v, result.param_dtypes.get(k, types[k])) for k, v in arg_params.items()}
+    new_aux = {k: _cast_array(v, result.param_dtypes.get(k, types[k])) for k, v in aux_params.items()}
     return new_sym, new_args, new_aux, result
 
 
@@ -398,7 +405,8 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     batch norm), because MXNet's own fold rounds bfloat16 weights towards zero. Other
     arguments as for :func:`convert_symbol`. The result's ``export`` keeps the cast
     nodes, and its ``amp_result`` holds the pass's per-node decisions (read by ``report``).
-    ``emulate=True`` returns the plan emulated in float32 (never fused): it runs on any CPU.
+    ``emulate=True`` runs the plan emulated in float32 (never fused) when the block runs: on
+    any CPU; its graph and parameters (what ``export`` writes) are the plan's.
     With ``input_shapes`` (e.g. ``{'data': (16, 3, 224, 224)}``) it also keeps in float32 the
     ops that do not make the model faster in the target dtype on this machine, measured
     (``tune``, on by default then: see :func:`convert_model`); ``report(result)`` names them
@@ -429,4 +437,4 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     out.collect_params().load_dict(loaded, ctx=ctx, cast_dtype=True, dtype_source="saved")
     if backend:
         out.hybridize()
-    return out
+    return _emulated_when_bound(out, policy)

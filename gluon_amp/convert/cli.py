@@ -6,7 +6,7 @@ import json
 import os
 import sys
 from collections import Counter
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
 
@@ -124,6 +124,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     rep = report(new_sym, target_dtype=resolution.dtype) if resolution.dtype != "float32" else None
     label = resolution.dtype + " (emulated in float32)" * args.emulate
+    if args.emulate and policy.enabled:  # asked for a model that runs emulated anywhere: the float32 copy
+        new_sym, new_args, new_aux = _emulated_model(new_sym, new_args, new_aux)
     if fuse:
         new_sym = new_sym.optimize_for("MKLDNN")  # the partitioned graph: _sg_mkldnn_* nodes
     new_sym.save(f"{args.out}-symbol.json", remove_amp_cast=False)
@@ -151,3 +153,22 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _emulated_model(sym: Any, arg_params: dict, aux_params: dict) -> Tuple[Any, dict, dict]:
+    """A converted plan as a self-contained float32 model: the plan emulated with MXNet's ops
+    (loads without gluon_amp) and its parameters in float32 (the plan's values, exactly)."""
+    from ..execution import emulated
+    from ..type_inference import infer_dtypes
+    params = {**arg_params, **aux_params}
+    known = {n: "float32" for n in sym.list_inputs() if n not in params}
+    typed = infer_dtypes(sym, {**known, **{k: _dtype_name(v) for k, v in params.items()}}, partial=True) or {}
+    sym = emulated(sym, typed, portable=True, widen=False)
+    as32 = {k: v.astype("float32") for k, v in params.items()}
+    return sym, {k: as32[k] for k in arg_params}, {k: as32[k] for k in aux_params}
+
+
+def _dtype_name(array: Any) -> str:
+    from ..mxnet_internals import FLOAT_NAMES
+    from gluon_amp_core.dtypes import dtype_name
+    return FLOAT_NAMES.get(array.dtype) or dtype_name(array.dtype)

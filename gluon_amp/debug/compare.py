@@ -17,10 +17,11 @@ from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
 from gluon_amp_core.emulate import rounding_node
 from gluon_amp_core.policy import Policy
 
-from .. import mxnet_internals as mxi, runtime
+from .. import execution, mxnet_internals as mxi, runtime
 from ..convert.api import _convert_model
 from ..emulation import round_nd
 from ..policy_builder import make_policy
+from ..type_inference import infer_dtypes
 from .capture import Key, Model, as_float32, feed, model_of, relative_error, run_internals
 
 #: The largest finite value of each low-precision dtype.
@@ -146,7 +147,12 @@ def resolve_policy(target_dtype: Any, emulate: Optional[bool], device: str,
 def low_precision(model: Model, policy: Policy) -> Tuple[Symbol, Dict[str, mx.nd.NDArray],
                                                          Dict[str, mx.nd.NDArray], Any]:
     """The converted model (emulated if the policy says so, unfused) and the pass's result."""
-    return _convert_model(model.sym, model.args, model.aux, policy, None, False, data_dtypes=model.data_dtypes)
+    sym, args, aux, result = _convert_model(model.sym, model.args, model.aux, policy, None, False,
+                                            data_dtypes=model.data_dtypes)
+    if policy.emulate:  # the converter gives the plan; this runs what binding it emulated runs
+        known = {**{n: "float32" for n in model.data_names}, **model.data_dtypes}
+        sym = execution.emulated(sym, infer_dtypes(sym, known, partial=True) or {})
+    return sym, args, aux, result
 
 
 def _round_np(x: np.ndarray, dtype: Optional[str]) -> np.ndarray:

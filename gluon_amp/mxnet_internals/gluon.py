@@ -336,3 +336,119 @@ def param_arrays(param: Parameter) -> List[mx.nd.NDArray]:
     """``param``'s data, one array per context; ``[]`` while its initialization is deferred
     (1.9.1: ``_data`` is None until the shapes are known)."""
     return list(getattr(param, "_data", None) or [])
+
+
+# -- execution hooks -----------------------------------------------------------------
+# Where MXNet 1.9.1 hands a graph to an executor:
+# - mxnet/gluon/block.py ``HybridBlock._build_cache(*args)``: ``data, out = self._get_graph(*args)``,
+#   deferred shape inference (``infer_shape`` reads ``self._cached_graph``), an optional
+#   ``optimize_for`` partition (written back to ``_cached_graph``), then ``CachedOp(out, flags)``;
+# - mxnet/symbol/symbol.py ``Symbol.simple_bind(ctx, grad_req, type_dict, stype_dict, group2ctx,
+#   shared_arg_names, shared_exec, shared_buffer, **shapes)`` (Module's executor group calls it)
+#   and ``Symbol.bind(ctx, args, args_grad, grad_req, aux_states, group2ctx, shared_exec)``; both
+#   make ``Executor(handle, self, ...)``, which keeps a copy of the bound symbol.
+# If any is renamed, init fails here.
+
+_BUILD_CACHE = HybridBlock._build_cache
+_SIMPLE_BIND = Symbol.simple_bind
+_BIND = Symbol.bind
+#: blocks whose CachedOp runs another graph than their plan -> that graph
+_EXECUTED: "weakref.WeakKeyDictionary[HybridBlock, Symbol]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class ExecutionHooks:
+    """The three methods :func:`install_execution_hooks` put in place."""
+
+    build_cache: Callable
+    simple_bind: Callable
+    bind: Callable
+
+
+def symbol_address(sym: Symbol) -> int:
+    """The address of ``sym``'s C handle (1.9.1: ``Symbol.handle``, a ctypes pointer): one
+    per live Symbol object's graph; Symbols take no weak references (``__slots__``)."""
+    return int(sym.handle.value or 0)
+
+
+def executed_graph(block: HybridBlock) -> Optional[Symbol]:
+    """What ``block``'s CachedOp runs where it is not the block's own graph, else None."""
+    return _EXECUTED.get(block)
+
+
+def _names_of(given: Any, names: Sequence[str]) -> Any:
+    """A bind argument given as a list in the order of ``names`` as a dict; others as they are."""
+    if isinstance(given, (list, tuple)):
+        return dict(zip(names, given))
+    return given
+
+
+def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Sequence[Symbol]], Symbol],
+                            for_symbol: Callable[[Symbol, Any, Dict[str, Any], Dict[str, tuple], Any], Symbol]
+                            ) -> ExecutionHooks:
+    """Until :func:`remove_execution_hooks`: a hybridized block's CachedOp is built from
+    ``for_block(block, args, graph, inputs)`` (the block's cached graph stays its own), and
+    ``Symbol.bind``/``simple_bind`` bind ``for_symbol(sym, ctx, dtypes, shapes, group2ctx)``
+    (the Symbol itself is left as it is). Either returns its graph to run it unchanged.
+    Blocks built inside :func:`hooks_paused` pass untouched."""
+
+    def _build_cache(self: HybridBlock, *args: Any) -> Any:
+        if _paused.depth:
+            return _BUILD_CACHE(self, *args)
+        inputs, graph = self._get_graph(*args)
+        run = for_block(self, args, graph, inputs)
+        if run is graph:
+            _EXECUTED.pop(self, None)
+            return _BUILD_CACHE(self, *args)
+        given = _RUN_GRAPHS.get(self)
+        saved = self._cached_graph
+        if given is not None:
+            _RUN_GRAPHS[self] = (given[0], run)
+        else:
+            self._cached_graph = (inputs, run)
+        try:
+            return _BUILD_CACHE(self, *args)
+        finally:  # the block keeps its graph (a partition MXNet wrote back is of the copy)
+            if given is not None:
+                _RUN_GRAPHS[self] = given
+            self._cached_graph = saved
+            _EXECUTED[self] = run
+
+    def simple_bind(self: Symbol, ctx: Any, grad_req: Any = "write", type_dict: Any = None,
+                    stype_dict: Any = None, group2ctx: Any = None, shared_arg_names: Any = None,
+                    shared_exec: Any = None, shared_buffer: Any = None, **kwargs: Any) -> Any:
+        shapes = {k: tuple(v) for k, v in kwargs.items() if isinstance(v, tuple)}
+        run = for_symbol(self, ctx, dict(type_dict or {}), shapes, group2ctx)
+        if run is not self:
+            grad_req = _names_of(grad_req, self.list_arguments())
+        return _SIMPLE_BIND(run, ctx, grad_req, type_dict, stype_dict, group2ctx, shared_arg_names,
+                            shared_exec, shared_buffer, **kwargs)
+
+    def bind(self: Symbol, ctx: Any, args: Any, args_grad: Any = None, grad_req: Any = "write",
+             aux_states: Any = None, group2ctx: Any = None, shared_exec: Any = None) -> Any:
+        arg_names, aux_names = self.list_arguments(), self.list_auxiliary_states()
+        arrays = {**(_names_of(args, arg_names) or {}), **(_names_of(aux_states, aux_names) or {})}
+        if not isinstance(arrays, dict) or not all(isinstance(a, mx.nd.NDArray) for a in arrays.values()):
+            return _BIND(self, ctx, args, args_grad, grad_req, aux_states, group2ctx, shared_exec)
+        run = for_symbol(self, ctx, {k: a.dtype for k, a in arrays.items()},
+                         {k: a.shape for k, a in arrays.items()}, group2ctx)
+        if run is self:
+            return _BIND(self, ctx, args, args_grad, grad_req, aux_states, group2ctx, shared_exec)
+        # the copy may list its variables in another order: pass them by name
+        return _BIND(run, ctx, _names_of(args, arg_names), _names_of(args_grad, arg_names),
+                     _names_of(grad_req, arg_names), _names_of(aux_states, aux_names), group2ctx, shared_exec)
+
+    simple_bind.__doc__, bind.__doc__ = _SIMPLE_BIND.__doc__, _BIND.__doc__
+    HybridBlock._build_cache = _build_cache
+    Symbol.simple_bind, Symbol.bind = simple_bind, bind
+    return ExecutionHooks(_build_cache, simple_bind, bind)
+
+
+def remove_execution_hooks(hooks: ExecutionHooks) -> None:
+    """Put MXNet's methods back, where ``hooks`` are still the ones in place."""
+    if HybridBlock.__dict__.get("_build_cache") is hooks.build_cache:
+        HybridBlock._build_cache = _BUILD_CACHE
+    if Symbol.__dict__.get("simple_bind") is hooks.simple_bind:
+        Symbol.simple_bind = _SIMPLE_BIND
+    if Symbol.__dict__.get("bind") is hooks.bind:
+        Symbol.bind = _BIND

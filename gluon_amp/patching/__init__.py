@@ -17,7 +17,7 @@ from typing import Any, Callable, FrozenSet, Iterator, List, Optional, Sequence,
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
 
-from .. import mxnet_internals as mxi, runtime
+from .. import execution, mxnet_internals as mxi, runtime
 from ..policy_builder import as_policy
 from ..speed.schedule import Tuner
 from . import low_cast
@@ -140,6 +140,7 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
         if tuner is not None:  # after the rewrite: the plan's shape rules apply first, and tuning needs kernels
             rewrite = _after(rewrite, tuner.rewrite)
         hooks = mxi.install_block_hooks(rewrite, _warn_stale, reshaped, watch, tuner.called if tuner else None)
+        execution.hold("init")  # where MXNet binds a graph: the plan runs native, emulated or refused
         low_cast.acquire("init")  # a script's net.cast('float16') follows the plan (low_cast.py)
         _active = _Active(policy, patches, hooks, scalers, tuner)
         _changed(policy.target_dtype)
@@ -239,6 +240,7 @@ def disable() -> None:
             return
         _restore(_active.patches)
         mxi.remove_block_hooks(_active.hooks)
+        execution.release("init")
         low_cast.release("init")
         _active = None
         _changed(None)

@@ -1,9 +1,10 @@
 """The rule gluon_amp's HybridBlock hooks apply to a graph before it first runs.
 
 :func:`gluon_amp.init` installs the hooks (:func:`gluon_amp.mxnet_internals.install_block_hooks`);
-this module says what they do with a freshly built graph: the input-shape rules first
-(:mod:`.shape_rules`), then the emulated graph (:mod:`gluon_amp.emulation`) or the check that
-the call's device can run the plan's dtypes.
+this module says what they do with a freshly built graph: the plan's steps, the input-shape
+rules (:mod:`.shape_rules`) and the casts dropped that convert nothing. The block keeps the
+plan; how it executes (natively, emulated, or refused) is decided where MXNet binds it
+(:mod:`gluon_amp.execution`).
 """
 from __future__ import annotations
 
@@ -12,16 +13,13 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import mxnet as mx
 from mxnet.gluon import HybridBlock
-from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
-from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
 from gluon_amp_core.emulate import REAL_DTYPE_ATTR
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import AMP_CAST_DTYPES, drop_identity_casts
 
 from .. import mxnet_internals as mxi, runtime
-from ..emulation import emulate_symbol
 from ..type_inference import infer_dtypes
 from .shape_rules import ShapeRules
 
@@ -29,11 +27,11 @@ from .shape_rules import ShapeRules
 def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callable]:
     """What :func:`gluon_amp.init` hooks into every HybridBlock: ``(rewrite, reshaped, watch)``.
 
-    ``rewrite(block, args, inputs, out)`` runs on each fresh graph build. First the ops that
-    the input shapes keep in float32 are fed float32 (:class:`gluon_amp.shape_rules.ShapeRules`),
-    emulated or not, so both run one plan. Emulated policies get the emulated graph.
-    Otherwise, a graph holding a dtype the call's device cannot execute raises a
-    ``RuntimeError`` before MXNet fails on it.
+    ``rewrite(block, args, inputs, out)`` runs on each fresh graph build and gives the plan
+    the block keeps: the ops that the input shapes keep in float32 are fed float32
+    (:class:`gluon_amp.shape_rules.ShapeRules`), and the casts the wrappers put on values
+    they do not convert are dropped. Emulated or not, both run this one plan
+    (:func:`gluon_amp.execution.graph_to_run` decides how, when the block's CachedOp is built).
 
     ``reshaped(block, args, inputs, out)`` runs when a block is called with other input
     shapes than before: True when its graph must be rebuilt (more ops kept in float32).
@@ -52,16 +50,6 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
             graph, dropped = drop_identity_casts(json.loads(out.tojson(remove_amp_cast=False)), dtypes)
             if dropped:  # the wrappers cast ids, lengths and float64 values too: oneDNN rejects some
                 out = mx.sym.load_json(json.dumps(graph))
-                dtypes = infer_dtypes(out, known, partial=True) or {}
-        low = {t for t in dtypes.values() if t in LOW_PRECISION_DTYPES}
-        if not low:
-            return out
-        if policy.emulate:
-            return emulate_symbol(out, dtypes, shapes)[0]
-        for device in {a.context.device_type for a in mxi.call_arrays(args) if isinstance(a, NDArray)}:
-            for dtype in sorted(low):
-                if not runtime.executable(dtype, device):
-                    raise RuntimeError(cannot_run(f"block {block.name!r}", dtype, device))
         return out
 
     def reshaped(block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> bool:

@@ -16,7 +16,7 @@ from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import default_table
 from gluon_amp_core.walk import MEASURED_WHY_ATTR, REASON_ATTR, walk
 
-from .. import mxnet_internals as mxi, runtime
+from .. import execution, mxnet_internals as mxi, runtime
 from ..patching import current_policy
 from ..policy_builder import make_policy
 from ..type_inference import infer_dtypes
@@ -112,6 +112,7 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
     table = policy.table if policy is not None and policy.enabled else \
         default_table(label if label in LOW_PRECISION_DTYPES else runtime.emulated_target(None))
     rows, casts = [], 0
+    ran = execution.runs_emulated(symbol_or_block)  # the graph is the plan; its execution is emulated
     excluded = policy.excluded if policy is not None else frozenset()
     for nd in walk(nodes, table, lambda e: by_name.get((nodes[e[0]]["name"], e[1])), excluded):
         node_attrs = nodes[nd.index].get("attrs", {})
@@ -125,7 +126,7 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
         if rule is not None and reason.startswith("conditional"):
             reason += f" ({rule.attr}={node_attrs.get(rule.attr, 'default')})"
         real = node_attrs.get(REAL_DTYPE_ATTR)
-        rows.append(OpRow(nd.name, nd.op, real or by_name.get((nd.name, 0)) or "?", reason, real is not None,
+        rows.append(OpRow(nd.name, nd.op, real or by_name.get((nd.name, 0)) or "?", reason, real is not None or ran,
                           node_attrs.get(MEASURED_WHY_ATTR, "")))
     tuning = getattr(symbol_or_block, "amp_tuning", None)
     return Report(label, rows, casts, dict(Counter(r.dtype for r in rows)),

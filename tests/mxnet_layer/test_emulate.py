@@ -31,8 +31,8 @@ def _is_representable(values, dtype):
 
 
 def _internals(block, x):
-    """Every internal output of a converted block's graph, by name, as NumPy arrays."""
-    sym = gluon_amp.mxnet_internals.cached_graph(block, "test")[1]
+    """Every internal output of the graph a block ran (its emulated copy), by name, as NumPy arrays."""
+    sym = gluon_amp.execution.executed_graph(block)
     internals = sym.get_internals()
     params = {p.name: p.data() for p in block.collect_params().values()}
     ex = internals.bind(mx.cpu(), {"data": x, **{k: v for k, v in params.items() if k in internals.list_arguments()}},
@@ -137,7 +137,7 @@ class _EmulatedOnFirstCall(nn.HybridBlock):
         try:
             with emulation_kernel.forced(self.kernel):
                 out = self.net(x)
-            ops = {n["op"] for n in json.loads(gluon_amp.mxnet_internals.cached_graph(self.net, "test")[1].tojson())["nodes"]}
+            ops = {n["op"] for n in json.loads(gluon_amp.execution.executed_graph(self.net).tojson())["nodes"]}
             assert (emulation_kernel.OP_NAME in ops) == self.kernel
         finally:
             gluon_amp.disable()
@@ -236,7 +236,7 @@ def test_a_training_graph_rounds_op_outputs_through_a_layout_copy_to_the_same_va
     with emulation_kernel.forced(False):
         net(x)
     gluon_amp.disable()
-    sym = gluon_amp.mxnet_internals.cached_graph(net, "test")[1]
+    sym = gluon_amp.execution.executed_graph(net)
     ops = {n["name"]: n["op"] for n in json.loads(sym.tojson())["nodes"]}
     assert ops[net.conv.name + "_fwd" + ROUND_SUFFIX + "_bf16_0"] == "transpose"
     values = _internals(net, x)

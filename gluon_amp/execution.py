@@ -1,0 +1,220 @@
+"""Where a plan meets a device: the graph MXNet runs for a plan bound here.
+
+A plan is a pure MXNet graph (the user's graph with ``amp_cast``/``amp_multicast`` and MXNet's
+dtype attributes). When MXNet binds one (a hybridized block's CachedOp, ``Symbol.bind`` /
+``simple_bind``, and so ``Module``, ``BucketingModule``, an ``Executor``), :func:`graph_to_run`
+decides what runs instead: the plan itself (native, or nothing in low precision), its emulated
+copy (the policy emulates), or gluon_amp's ``RuntimeError`` naming ``emulate=True`` (the
+device cannot run its dtypes). The copy is handed to MXNet's executor only: the user's Symbol,
+a block's cached graph (what ``export``, ``convert_*``, ``infer_shape`` read) keep the plan.
+
+The policy is the one a converter was asked for (``convert_*(..., emulate=True)`` results,
+remembered here by identity) or else the one in force (``init``, the launcher).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import weakref
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+
+import mxnet as mx
+from mxnet.gluon import HybridBlock
+from mxnet.ndarray import NDArray
+from mxnet.symbol import Symbol
+
+from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
+from gluon_amp_core.policy import Policy
+
+from . import mxnet_internals as mxi, runtime
+from .emulation import emulate_symbol
+from .type_inference import infer_dtypes
+
+Key = Tuple[str, int]
+
+#: Suffix of the cast that widens a low-precision graph input to float32 in an emulated copy.
+WIDEN_SUFFIX = "_amp_widened"
+
+
+def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, Tuple[int, ...]],
+                 devices: Iterable[str], policy: Optional[Policy], what: str) -> Symbol:
+    """The graph MXNet runs for ``plan`` bound with inputs of ``dtypes`` (input name -> dtype,
+    those known) and ``shapes`` on ``devices`` under ``policy``.
+
+    Returns ``plan`` itself when it holds nothing in low precision, when no policy applies,
+    or when every device runs its low dtypes; a new emulated Symbol when ``policy.emulate``.
+
+    Raises
+    ------
+    RuntimeError
+        gluon_amp's, naming ``emulate=True``, when a device cannot run a low dtype of the plan
+        (before MXNet fails on it with its own error).
+    """
+    if policy is None or not policy.enabled:
+        return plan
+    typed = infer_dtypes(plan, dtypes, partial=True) or {}
+    low = {t for t in typed.values() if t in LOW_PRECISION_DTYPES}
+    if not low:
+        return plan
+    if policy.emulate:
+        return emulated(plan, typed, shapes)
+    from .patching.hooks import cannot_run  # patching imports this module
+    for device in sorted(set(devices)):
+        for dtype in sorted(low):
+            if not runtime.executable(dtype, device):
+                raise RuntimeError(cannot_run(what, dtype, device))
+    return plan
+
+
+def emulated(plan: Symbol, typed: Mapping[Key, Optional[str]],
+             shapes: Optional[Mapping[str, Tuple[int, ...]]] = None, portable: bool = False,
+             widen: bool = True) -> Symbol:
+    """The emulated copy of ``plan`` (typed by MXNet as ``typed``), its low-precision graph
+    inputs kept in their dtype and widened to float32 where read (:func:`widen_low_inputs`);
+    ``widen=False``: those inputs become float32 variables (a self-contained float32 model).
+    ``portable`` copies round with MXNet's ops only (they may be saved and loaded elsewhere)."""
+    graph = json.loads(plan.tojson(remove_amp_cast=False))
+    if widen:
+        graph, typed = widen_low_inputs(graph, typed)
+    return emulate_symbol(mx.sym.load_json(json.dumps(graph)), typed, shapes, portable=portable)[0]
+
+
+def widen_low_inputs(graph: dict, typed: Mapping[Key, Optional[str]]) -> Tuple[dict, Dict[Key, Optional[str]]]:
+    """``graph`` (MXNet's JSON) with each variable the plan holds in float16/bfloat16 (a
+    converted model's parameters, float16 data, a ``net.cast('float16')``) read through an
+    ``amp_cast`` to float32, and the dtypes for the result.
+
+    The variable keeps its dtype, so an executor binds the arrays the user has (a
+    ``convert_model`` result's bfloat16 parameters, a block's float16 weights) without a copy,
+    and gradients reach them in their dtype; the emulated ops read exact float32 values of
+    them. (The emulation rewrite would otherwise make such variables float32 themselves.)
+    """
+    nodes, typed = graph["nodes"], dict(typed)
+    low = {i for i, n in enumerate(nodes) if n["op"] == "null" and typed.get((n["name"], 0)) in LOW_PRECISION_DTYPES}
+    if not low:
+        return graph, typed
+    out: list = []
+    moved: Dict[int, int] = {}  # old node index -> new
+    widened: Dict[int, int] = {}  # old variable index -> its widening cast
+
+    def entry(e: list) -> list:
+        return [widened[e[0]], 0, 0] if e[0] in widened else [moved[e[0]], e[1], 0]
+
+    for i, node in enumerate(nodes):
+        out.append({**node, "inputs": [entry(e) for e in node.get("inputs", [])]})
+        moved[i] = len(out) - 1
+        if i in low:
+            name = node["name"] + WIDEN_SUFFIX
+            out.append({"op": "amp_cast", "name": name, "attrs": {"dtype": "float32"},
+                        "inputs": [[moved[i], 0, 0]]})
+            widened[i] = len(out) - 1
+            typed[(node["name"], 0)] = "float32"  # the emulation then leaves the variable as it is
+            typed[(name, 0)] = "float32"
+    graph = {**graph, "nodes": out, "arg_nodes": [j for j, n in enumerate(out) if n["op"] == "null"],
+             "heads": [entry(h) for h in graph["heads"]]}
+    graph.pop("node_row_ptr", None)
+    return graph, typed
+
+
+# -- which policy applies ----------------------------------------------------------------
+
+_lock = threading.Lock()
+#: converted blocks asked with ``emulate=True`` -> their policy
+_BLOCKS: "weakref.WeakKeyDictionary[HybridBlock, Policy]" = weakref.WeakKeyDictionary()
+#: converted Symbols asked with ``emulate=True``: handle address -> (symbol, policy). MXNet's
+#: Symbol takes no weak reference, so the newest few are held (a Symbol kept alive keeps its
+#: handle's address from being reused).
+_SYMBOLS: "collections.OrderedDict[int, Tuple[Symbol, Policy]]" = collections.OrderedDict()
+_KEEP_SYMBOLS = 64
+_hooks: Optional[mxi.ExecutionHooks] = None
+_holders: set = set()
+
+
+def remember(result: Any, policy: Policy) -> None:
+    """Run ``result`` (a converter's Symbol or block) as ``policy`` says wherever it is
+    bound, with or without ``init`` (a converter asked with ``emulate=True``)."""
+    with _lock:
+        if isinstance(result, Symbol):
+            _SYMBOLS[mxi.symbol_address(result)] = (result, policy)
+            _SYMBOLS.move_to_end(mxi.symbol_address(result))
+            while len(_SYMBOLS) > _KEEP_SYMBOLS:
+                _SYMBOLS.popitem(last=False)
+        else:
+            _BLOCKS[result] = policy
+    hold("converted")  # for the process: remembered results may be bound at any time
+
+
+def policy_for(obj: Any) -> Optional[Policy]:
+    """The policy a bound Symbol or block runs under: the one its converter was asked for,
+    else the one in force, else None (plain MXNet)."""
+    if isinstance(obj, Symbol):
+        mine = _SYMBOLS.get(mxi.symbol_address(obj))
+        if mine is not None and mine[0] is obj:
+            return mine[1]
+    elif obj in _BLOCKS:
+        return _BLOCKS[obj]
+    from .patching import current_policy  # patching imports this module
+    return current_policy()
+
+
+def hold(owner: str) -> None:
+    """Install the execution hooks (Symbol.bind/simple_bind, the block's CachedOp build)
+    while any owner holds them (``init``; converted results)."""
+    global _hooks
+    with _lock:
+        _holders.add(owner)
+        if _hooks is None:
+            _hooks = mxi.install_execution_hooks(_for_block, _for_symbol)
+
+
+def release(owner: str) -> None:
+    """Remove the execution hooks when no owner holds them any more (``disable``)."""
+    global _hooks
+    with _lock:
+        _holders.discard(owner)
+        if not _holders and _hooks is not None:
+            mxi.remove_execution_hooks(_hooks)
+            _hooks = None
+
+
+def executed_graph(block: HybridBlock) -> Optional[Symbol]:
+    """The graph ``block``'s CachedOp runs where it is not the block's plan (an emulated copy),
+    else None."""
+    return mxi.executed_graph(block)
+
+
+def runs_emulated(obj: Any) -> bool:
+    """True for a block whose CachedOp runs an emulated copy of its plan, and for a
+    converter's result asked with ``emulate=True``."""
+    if isinstance(obj, HybridBlock) and (executed_graph(obj) is not None or obj in _BLOCKS):
+        return True
+    if isinstance(obj, Symbol):
+        mine = _SYMBOLS.get(mxi.symbol_address(obj))
+        return mine is not None and mine[0] is obj
+    return False
+
+
+# -- the two binding sites --------------------------------------------------------------
+
+def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Symbol:
+    policy = policy_for(block)
+    if policy is None:
+        return plan
+    known, shapes = mxi.call_inputs(block, args, inputs)
+    devices = {a.context.device_type for a in mxi.call_arrays(args) if isinstance(a, NDArray)}
+    return graph_to_run(plan, known, shapes, devices, policy, f"block {block.name!r}")
+
+
+def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mapping[str, Tuple[int, ...]],
+                group2ctx: Optional[Mapping[str, Any]]) -> Symbol:
+    policy = policy_for(sym)
+    if policy is None:
+        return sym
+    devices = {ctx.device_type, *(c.device_type for c in (group2ctx or {}).values())}
+    declared = sym.attr_dict()
+    inputs = sym.list_inputs()
+    # MXNet's executors type what nothing declares as float32
+    known = {n: "float32" for n in inputs if "__dtype__" not in declared.get(n, {})}
+    known.update({k: mxi.FLOAT_NAMES.get(v) or dtype_name(v) for k, v in dtypes.items() if k in set(inputs)})
+    return graph_to_run(sym, known, shapes, devices, policy, "the bound symbol")
