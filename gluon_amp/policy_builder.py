@@ -1,7 +1,7 @@
 """Build a :class:`~gluon_amp_core.policy.Policy` for this machine and this MXNet.
 
 The pure value and its validation live in :mod:`gluon_amp_core.policy`; this module adds
-what only the MXNet layer knows: the machine (resolving ``target_dtype``) and the op mxi.
+what only the MXNet layer knows: the machine (resolving ``target_dtype``) and the op registry.
 
 The peer-compatible signatures (``init``, ``convert_*``, ``report``) are shims over
 :func:`as_policy`: they accept a ready ``Policy`` or the classic arguments.
@@ -12,7 +12,7 @@ import os
 from typing import Any, Optional, Sequence
 
 from . import mxnet_internals as mxi, runtime
-from gluon_amp_core.policy import FLOAT32, Policy
+from gluon_amp_core.policy import FLOAT32, Policy, PolicySpec
 from gluon_amp_core.table import ConditionalSpec
 from gluon_amp_core.tune_schedule import ENV as TUNE_BUDGET_ENV, TuneBudget, parse_budget
 
@@ -40,22 +40,19 @@ def make_policy(target_dtype: Any = None, *,
     ``GLUON_AMP_TUNE=0``. ``tune_budget`` bounds what tuning spends per process (see
     :func:`gluon_amp.init`); ``None``: ``$GLUON_AMP_TUNE_BUDGET``, else the default.
     """
-    if emulate not in (None, True, False):
-        raise TypeError(f"emulate must be True, False or None, got {emulate!r}")
-    if tune not in (None, True, False):
-        raise TypeError(f"tune must be True, False or None, got {tune!r}")
-    if emulate:
-        dtype, reason = runtime.emulated_target(target_dtype), None
+    spec = PolicySpec.parse(target_dtype, target_precision_ops=target_precision_ops,
+                            conditional_fp32_ops=conditional_fp32_ops, fp32_ops=fp32_ops,
+                            widest_type_ops=widest_type_ops, keep_batchnorm_fp32=keep_batchnorm_fp32,
+                            emulate=emulate, excluded_sym_names=excluded_sym_names, tune=tune,
+                            tune_budget=tune_budget_default() if tune_budget is None else tune_budget)
+    if spec.emulate:
+        dtype, reason = runtime.emulated_target(spec.requested), None
     else:
-        res = runtime.resolve(target_dtype)
+        res = runtime.resolve(spec.requested)
         dtype, reason = res.dtype, (res.warning if res.dtype == FLOAT32 else None)
-    return Policy.create(dtype, target_precision_ops=target_precision_ops,
-                         conditional_fp32_ops=conditional_fp32_ops, fp32_ops=fp32_ops,
-                         widest_type_ops=widest_type_ops, keep_batchnorm_fp32=keep_batchnorm_fp32,
-                         emulate=bool(emulate), tune=tune_default() if tune is None and not emulate else bool(tune),
-                         tune_budget=tune_budget_default() if tune_budget is None else tune_budget,
-                         excluded_sym_names=excluded_sym_names, known_ops=mxi.op_infos().keys(),
-                         aliases=mxi.aliases(), reason=reason)
+    tune_on = tune_default() if spec.tune is None and not spec.emulate else bool(spec.tune)
+    return Policy.from_spec(spec, dtype, tune=tune_on, known_ops=mxi.op_infos().keys(), aliases=mxi.aliases(),
+                            reason=reason)
 
 
 #: Set to ``0`` to make ``tune=None`` mean no tuning (as ``tune=False`` everywhere).

@@ -17,7 +17,7 @@ from typing import Any, Dict, FrozenSet, Optional, Set
 
 from gluon_amp_core.capability import Bf16, Capability, classify
 from gluon_amp_core.resolve import Resolution, resolve_target
-from gluon_amp_core.dtypes import parse_target_dtype
+from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, parse_target_dtype
 from gluon_amp_core.speed import SpeedVerdict
 from gluon_amp_core.timing_cache import TimingCache
 
@@ -162,7 +162,7 @@ def resolve(target_dtype: Any, warn: bool = True) -> Resolution:
     ``warn=False`` is for callers that print the message themselves (CLI, benchmarks); it
     still counts as said, so a later :func:`gluon_amp.init` does not repeat it.
     """
-    requested = None if target_dtype is None else parse_target_dtype(target_dtype)  # no probe for bad input
+    requested = target_dtype if target_dtype in (None, *LOW_PRECISION_DTYPES) else parse_target_dtype(target_dtype)
     res = resolve_target(requested, capability(), speed(requested, warn))
     if res.warning:
         _say_once(res.warning, warn)
@@ -174,7 +174,7 @@ def emulated_target(target_dtype: Any) -> str:
     would use on the fast hardware of this kind: float16 with a GPU, else bfloat16."""
     if target_dtype is None:
         return "float16" if capability().gpus > 0 else "bfloat16"
-    return parse_target_dtype(target_dtype)
+    return target_dtype if target_dtype in LOW_PRECISION_DTYPES else parse_target_dtype(target_dtype)
 
 
 def executable(dtype: str, device_type: str) -> bool:

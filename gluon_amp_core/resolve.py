@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .capability import _FAST_HW, Bf16, Capability
-from .dtypes import parse_target_dtype
+from .dtypes import LOW_PRECISION_DTYPES, parse_target_dtype
 from .speed import MIN_SPEEDUP, SpeedVerdict
 
 #: What to do about a target this machine cannot execute, for numerics.
@@ -68,7 +68,7 @@ def resolve_target(requested: object, cap: Capability, speed: Optional[SpeedVerd
             return Resolution("bfloat16", None, speed=shown)
         return Resolution("float32", f"gluon_amp: mixed precision is off, training and inference "
                                      f"stay in float32: {cap.why}.")
-    dtype = parse_target_dtype(requested)
+    dtype = requested if requested in LOW_PRECISION_DTYPES else parse_target_dtype(requested)  # parsed once
     if dtype == "float16" and cap.gpus == 0:
         return Resolution(dtype, "gluon_amp: target_dtype='float16' without a GPU: MXNet's CPU build "
                                  "has no float16 convolution or GEMM. Graph building, type inference "
