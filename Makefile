@@ -41,7 +41,12 @@ install-dist: install
 	fi
 	$(PIP) install -q -e ".[dist]"
 
+# Real clients the suite runs (tests/mxnet_layer/test_clients_*.py). Sockeye pins mxnet and numpy
+# versions of its own: --no-deps keeps the venv's (its imports work with them).
+CLIENTS := sockeye==2.3.24 sacrebleu==1.4.14 portalocker
+
 test: install-dist
+	$(PIP) install -q --no-deps $(CLIENTS)
 	$(PYTHON) -m pytest -q tests
 
 # numpy 1.26 (what Python 3.12 gets) on this Python, in a venv of its own: the shim's claims, the

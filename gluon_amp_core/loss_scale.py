@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 import weakref
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Union
@@ -178,6 +179,30 @@ class LossScaler:
         if self.dynamic and tracker >= self.growth_interval:
             scale, tracker = min(scale * self.growth_factor, self.max_scale), 0
         return ScaleState(scale, tracker, 0, steps, state.skipped_steps, False)
+
+    def assign(self, scale: Optional[float] = None, growth_tracker: Optional[int] = None) -> None:
+        """Replace the state's ``scale`` and/or ``growth_tracker`` (a restored checkpoint of
+        another tool, the peer's fields assigned); the next step starts from them.
+
+        ``scale`` must lie in ``[min_scale, max_scale]``; ``growth_tracker`` is an int >= 0
+        (at ``growth_interval`` or above, the next finite step grows the scale).
+        """
+        state = self.state
+        if scale is not None:
+            if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+                raise TypeError(f"the loss scale must be a number, got {scale!r}")
+            scale = float(scale)
+            if not (math.isfinite(scale) and self.min_scale <= scale <= self.max_scale and scale > 0):
+                raise ValueError(f"loss scale {scale!r} is outside this scaler's [min_scale={self.min_scale:g}, "
+                                 f"max_scale={self.max_scale:g}] (and must be finite and > 0); set min_scale or "
+                                 "max_scale on the scaler first to allow it.")
+            state = replace(state, scale=scale)
+        if growth_tracker is not None:
+            if isinstance(growth_tracker, bool) or not isinstance(growth_tracker, numbers.Integral) or growth_tracker < 0:
+                raise ValueError(f"the count of finite steps since the scale last changed must be an int >= 0, "
+                                 f"got {growth_tracker!r}")
+            state = replace(state, growth_tracker=int(growth_tracker))
+        self.state = state
 
     def update(self, finite: bool, scaled: bool = True) -> bool:
         """Advance by one step; return True if that step must be skipped."""

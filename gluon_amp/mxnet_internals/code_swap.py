@@ -20,10 +20,19 @@ from typing import Any, Callable, Optional
 # no keyword-only defaults; redirect() refuses any function that does.
 
 _IMPL_KW = "_gluon_amp_impl"
+_SCOPE_KW = "_gluon_amp_scope"
+_ROUTES_KW = "_gluon_amp_routes"
+_ORIG_KW = "_gluon_amp_orig"
 
 
-def _trampoline(*args: Any, _gluon_amp_impl: Callable, **kwargs: Any) -> Any:
-    return _gluon_amp_impl(*args, **kwargs)
+def _trampoline(*args: Any, _gluon_amp_impl: Callable, _gluon_amp_scope: Any, _gluon_amp_routes: dict,
+                _gluon_amp_orig: Callable, **kwargs: Any) -> Any:
+    # The code every redirected function runs, in MXNet's module globals (hence all by
+    # keyword-only defaults). The hot path is one attribute read of a thread-local.
+    region = _gluon_amp_scope.override
+    if region is None:
+        return _gluon_amp_impl(*args, **kwargs)
+    return _gluon_amp_routes.get(region, _gluon_amp_orig)(*args, **kwargs)
 
 
 _TRAMPOLINE_CODE = _trampoline.__code__
@@ -38,12 +47,14 @@ class SavedFunction:
 
     ``function`` stays MXNet's own object: every module attribute and every reference taken
     before (``from mxnet.symbol.contrib import SyncBatchNorm``) still names it, and calls
-    through any of them reach ``wrapper``. ``site`` is where it was first found
-    (``'mxnet.symbol.Convolution'``), for messages.
+    through any of them reach the wrapper :func:`redirect` and :func:`retarget` chose.
+    ``routes`` is the function's own table of wrappers by region (see :func:`redirect`), which
+    also tells that the function is still redirected by gluon_amp. ``site`` is where it was
+    first found (``'mxnet.symbol.Convolution'``), for messages.
     """
 
     function: types.FunctionType
-    wrapper: Callable
+    routes: dict
     code: types.CodeType
     defaults: Optional[tuple]
     kwdefaults: Optional[dict]
@@ -65,26 +76,38 @@ def copy_function(fn: types.FunctionType) -> types.FunctionType:
     return impl
 
 
-def redirect(fn: types.FunctionType, wrapper: Callable, site: str = "") -> SavedFunction:
-    """Make every call of ``fn`` (through any reference) call ``wrapper`` instead.
+def redirect(fn: types.FunctionType, wrapper: Callable, site: str, *, scope: Any, routes: dict,
+             original: Callable) -> SavedFunction:
+    """Make every call of ``fn`` (through any reference) call ``wrapper`` instead, unless
+    ``scope.override`` (read per call: a thread-local) is set: then ``routes[override]``, and
+    ``original`` where ``routes`` has none. ``routes`` is kept by reference: entries added
+    later are used.
 
-    ``fn`` keeps its identity, name and doc; ``fn.__wrapped__`` is ``wrapper``, so
+    ``fn`` keeps its identity, name and doc; ``fn.__wrapped__`` is ``original``, so
     ``inspect.signature`` reaches the original signature. The order of the assignments
     keeps ``fn`` callable between them (a thread may call it meanwhile).
     """
-    saved = SavedFunction(fn, wrapper, fn.__code__, fn.__defaults__, fn.__kwdefaults__,
+    saved = SavedFunction(fn, routes, fn.__code__, fn.__defaults__, fn.__kwdefaults__,
                           fn.__dict__.get("__wrapped__", _NOT_SET), site)
     _original_code[fn] = saved.code
-    fn.__kwdefaults__ = {_IMPL_KW: wrapper}  # ignored by the original code
+    # ignored by the original code
+    fn.__kwdefaults__ = {_IMPL_KW: wrapper, _SCOPE_KW: scope, _ROUTES_KW: routes, _ORIG_KW: original}
     fn.__code__ = _TRAMPOLINE_CODE
     fn.__defaults__ = None  # ignored by the trampoline
-    fn.__wrapped__ = wrapper
+    fn.__wrapped__ = original
     return saved
 
 
-def is_redirected_to(fn: types.FunctionType, wrapper: Callable) -> bool:
-    """True while ``fn`` still trampolines into ``wrapper`` (nobody changed it since)."""
-    return fn.__code__ is _TRAMPOLINE_CODE and (fn.__kwdefaults__ or {}).get(_IMPL_KW) is wrapper
+def retarget(saved: SavedFunction, wrapper: Callable) -> None:
+    """Calls of ``saved.function`` outside any override go to ``wrapper`` from now on."""
+    fn = saved.function
+    if is_redirected_to(fn, saved.routes):
+        fn.__kwdefaults__ = {**fn.__kwdefaults__, _IMPL_KW: wrapper}  # one assignment: atomic for callers
+
+
+def is_redirected_to(fn: types.FunctionType, routes: dict) -> bool:
+    """True while ``fn`` still trampolines through ``routes`` (nobody changed it since)."""
+    return fn.__code__ is _TRAMPOLINE_CODE and (fn.__kwdefaults__ or {}).get(_ROUTES_KW) is routes
 
 
 def restore(saved: SavedFunction) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Callable, FrozenSet, Iterator, List, Optional, Sequence,
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
 
-from .. import execution, mxnet_internals as mxi, runtime
+from .. import execution, mxnet_internals as mxi, runtime, state
 from ..policy_builder import as_policy
 from ..speed.schedule import Tuner
 from . import low_cast
@@ -27,22 +27,56 @@ from .wrappers import ScalerRegistry, wrapper_for
 _log = logging.getLogger(__name__)
 
 
+class _Site:
+    """One redirected op function: its original implementation and its wrapper per region."""
+
+    __slots__ = ("function", "impl", "op", "kind", "name", "routes", "saved")
+
+    def __init__(self, function: Any, impl: Any, op: str, kind: str, name: str) -> None:
+        self.function, self.impl, self.op, self.kind, self.name = function, impl, op, kind, name
+        #: Region -> wrapper: the trampoline reads it (by reference) under an override
+        self.routes: dict = {}
+        self.saved: Optional[mxi.SavedFunction] = None
+
+
 @dataclass
-class _Active:
-    policy: Policy
-    patches: List[mxi.SavedFunction]
-    #: the HybridBlock hooks (emulation or the cannot-run check; stale cached graphs)
+class _Graphs:
+    """What the HybridBlock hooks do under one policy (:func:`.hooks.graph_rewriter`, the tuner)."""
+
+    rewrite: Callable
+    reshaped: Optional[Callable]
+    watch: Callable
+    tuner: Optional[Tuner]
+
+
+@dataclass
+class _Patched:
+    """The op functions redirected, process-wide, while any policy is in force (``init``, or
+    an ``autocast`` region in any thread); which wrapper a call gets is the calling thread's
+    policy (:mod:`gluon_amp.state`)."""
+
+    #: id(original function) -> its site, for every function some policy in force wraps
+    sites: dict
+    #: the HybridBlock hooks, which dispatch on the calling thread's policy too
     hooks: mxi.BlockHooks
-    #: loss scalers attached (init_trainer) while this init is on; loss-output ops read them
-    scalers: ScalerRegistry = field(default_factory=ScalerRegistry)
-    #: tunes the blocks' graphs as they train (``tune``), within the process's budget
-    tuner: Optional[Tuner] = None
+    #: loss scalers attached (init_trainer); loss-output ops read them
+    scalers: ScalerRegistry
+    #: policy -> its Region, for every policy whose wrappers were built (equal policies share one)
+    regions: dict = field(default_factory=dict)
+    #: Region -> what the block hooks do under it
+    graphs: dict = field(default_factory=dict)
+    #: autocast regions in force with a policy, in every thread
+    regions_open: int = 0
 
 
 _lock = threading.RLock()
-_active: Optional[_Active] = None
-#: (serial, target dtype or None) each time the policy in force changed (init, disable):
-#: a trainer asks which dtypes ran since its last step (:func:`dtypes_since`)
+#: the policy ``init`` put in force for the process (threads without an override follow it)
+_policy: Optional[Policy] = None
+_patched: Optional[_Patched] = None
+#: the Region of ``_policy`` (its wrappers and graph rules in ``_patched``)
+_init_region: Optional[state.Region] = None
+#: (serial, target dtype or None) each time a policy came in force or went (init, disable,
+#: an autocast region): a trainer asks which dtypes ran since its last step (:func:`dtypes_since`)
 _changes: List[Tuple[int, Optional[str]]] = [(0, None)]
 _KEEP_CHANGES = 4096
 #: every trainer hook attached so far (weakly): an ``init`` after ``init_trainer`` starts
@@ -56,7 +90,8 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
     """Turn on automatic mixed precision for ``mx.nd``, ``mx.sym``, ``mx.np`` and ``mx.npx``.
 
     Call it before building (or hybridizing) the network. Undo with :func:`disable`.
-    AMP is process-wide, not nestable: one policy at a time, for every thread.
+    The policy is the process's: every thread runs it, except inside an :func:`autocast`
+    region of its own. One ``init`` policy at a time.
 
     How: every MXNet op function that needs it (over 1,000) is patched *in place*: its
     ``__code__`` becomes a small trampoline into gluon_amp's wrapper, so references taken
@@ -115,38 +150,91 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
         policy, is a no-op returning the active policy; with another one while active it
         raises ``RuntimeError``.
     """
-    global _active
+    global _policy, _init_region
     with _lock:
         given = (target_dtype, target_precision_ops, conditional_fp32_ops, fp32_ops, *options.values())
-        if _active is not None and all(v is None for v in given):
-            return _active.policy  # asks for nothing in particular (a launcher's second init)
+        if _policy is not None and all(v is None for v in given):
+            return _policy  # asks for nothing in particular (a launcher's second init)
         policy = as_policy(target_dtype, target_precision_ops=target_precision_ops,
                            conditional_fp32_ops=conditional_fp32_ops, fp32_ops=fp32_ops, **options)
-        if _active is not None:
-            if _active.policy == policy:
-                return _active.policy
+        if _policy is not None:
+            if _policy == policy:
+                return _policy
             raise RuntimeError(
-                f"gluon_amp is already on with policy {_active.policy.describe()}; asked for "
+                f"gluon_amp is already on with policy {_policy.describe()}; asked for "
                 f"{policy.describe()}. Call gluon_amp.disable() first, or use "
                 "`with gluon_amp.autocast(...)` for a scoped change.")
         if not policy.enabled:
             return policy
+        patched = _patch()
+        try:
+            region = _prepare(patched, policy)
+        except BaseException:
+            _unpatch_if_unused()
+            raise
+        for site in patched.sites.values():
+            mxi.retarget(site.saved, site.routes.get(region, site.impl))
+        _policy, _init_region = policy, region
+        _changed(policy.target_dtype)
+        _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
+                  policy.describe(), sum(region in site.routes for site in patched.sites.values()))
+        return policy
+
+
+def _patch() -> _Patched:
+    """The process-wide patch, made now if no policy is in force (under ``_lock``)."""
+    global _patched
+    if _patched is None:
         scalers = ScalerRegistry()
         for hook in list(_hooks):
             scalers.add(hook)
-        patches = _patch_all(policy, scalers)
-        rewrite, reshaped, watch = graph_rewriter(policy)
-        tuner = Tuner(policy, lambda: runtime.timing_cache()) if policy.tune else None
-        if tuner is not None:  # after the rewrite: the plan's shape rules apply first, and tuning needs kernels
-            rewrite = _after(rewrite, tuner.rewrite)
-        hooks = mxi.install_block_hooks(rewrite, _warn_stale, reshaped, watch, tuner.called if tuner else None)
+        hooks = mxi.install_block_hooks(_rewrite, _warn_stale, _reshaped, _watch, _called)
         execution.hold("init")  # where MXNet binds a graph: the plan runs native, emulated or refused
         low_cast.acquire("init")  # a script's net.cast('float16') follows the plan (low_cast.py)
-        _active = _Active(policy, patches, hooks, scalers, tuner)
-        _changed(policy.target_dtype)
-        _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
-                  policy.describe(), len(_active.patches))
-        return policy
+        _patched = _Patched({}, hooks, scalers)
+    return _patched
+
+
+def _unpatch_if_unused() -> None:
+    """Put every function back once neither ``init`` nor any region holds a policy (under ``_lock``)."""
+    global _patched
+    if _patched is None or _policy is not None or _patched.regions_open:
+        return
+    _restore([site.saved for site in _patched.sites.values()])
+    mxi.remove_block_hooks(_patched.hooks)
+    execution.release("init")
+    low_cast.release("init")
+    _patched = None
+
+
+def _prepare(patched: _Patched, policy: Policy) -> state.Region:
+    """``policy``'s Region, its wrappers built and its functions redirected (once per policy
+    while patched; under ``_lock``). A failure leaves the other policies as they were."""
+    region = patched.regions.get(policy)
+    if region is not None:
+        return region
+    region = state.Region(policy)
+    built, new_sites = _wrappers(policy, patched.scalers, patched.sites)
+    redirected: List[_Site] = []
+    try:
+        for site in new_sites:
+            site.saved = mxi.redirect(site.function, site.impl, site.name, scope=state.thread,
+                                      routes=site.routes, original=site.impl)
+            redirected.append(site)
+    except BaseException:
+        _restore([s.saved for s in redirected])
+        raise
+    for site in new_sites:
+        patched.sites[id(site.function)] = site
+    for key, wrapper in built.items():
+        patched.sites[key].routes[region] = wrapper
+    rewrite, reshaped, watch = graph_rewriter(policy)
+    tuner = Tuner(policy, lambda: runtime.timing_cache()) if policy.tune else None
+    if tuner is not None:  # after the rewrite: the plan's shape rules apply first, and tuning needs kernels
+        rewrite = _after(rewrite, tuner.rewrite)
+    patched.graphs[region] = _Graphs(rewrite, reshaped, watch, tuner)
+    patched.regions[policy] = region
+    return region
 
 
 def _after(first: Callable, second: Callable) -> Callable:
@@ -160,8 +248,8 @@ def register_scaler(scaler: Any) -> None:
     """Make a trainer's loss scaler (its step hook) known to the loss-output ops, now if AMP
     is on and to every later ``init``."""
     _hooks.add(scaler)
-    if _active is not None:
-        _active.scalers.add(scaler)
+    if _patched is not None:
+        _patched.scalers.add(scaler)
 
 
 def _changed(dtype: Optional[str]) -> None:
@@ -171,16 +259,18 @@ def _changed(dtype: Optional[str]) -> None:
 
 
 def policy_serial() -> int:
-    """A number that grows each time the policy in force changes (``init``, ``disable``)."""
+    """A number that grows each time a policy comes in force or goes (``init``, ``disable``,
+    an ``autocast`` region in any thread)."""
     return _changes[-1][0]
 
 
 def dtypes_since(serial: int) -> FrozenSet[str]:
-    """The target dtypes of the policy in force now and of every one turned on since
+    """The target dtypes of the calling thread's policy now and of every one turned on since
     :func:`policy_serial` gave ``serial``: a step's forward pass may run under ``autocast``
     and its ``scale_loss`` after the scope (PyTorch's pattern)."""
     with _lock:
-        dtypes = {_changes[-1][1]}
+        now = current_policy()
+        dtypes = {now.target_dtype if now is not None else None}
         for k, d in reversed(_changes):  # per step: usually nothing changed since, one look
             if k <= serial:
                 break
@@ -195,32 +285,37 @@ def forget_scalers() -> None:
     _hooks.clear()
 
 
-def _patch_all(policy: Policy, scalers: ScalerRegistry) -> List[mxi.SavedFunction]:
-    """Redirect each op function that needs a wrapper, once per function object (one
-    object is often reachable as several module attributes: ``mx.nd.X``, ``mx.nd.op.X``)."""
+def _wrappers(policy: Policy, scalers: ScalerRegistry, sites: dict) -> Tuple[dict, List[_Site]]:
+    """The wrapper ``policy`` needs for each op function (by id), and the sites of those not
+    redirected yet; once per function object (one object is often reachable as several
+    module attributes: ``mx.nd.X``, ``mx.nd.op.X``)."""
     infos = mxi.op_infos()
+    built: dict = {}
+    new: List[_Site] = []
     seen = set()
-    patches: List[mxi.SavedFunction] = []
-    try:
-        for module, attr, fn, op, kind in list(mxi.op_function_sites()):
-            if id(fn) in seen:
-                continue
-            seen.add(id(fn))
-            impl = mxi.copy_function(fn)  # the wrappers call this, never fn (fn calls them)
-            wrapper = wrapper_for(impl, op, kind, policy, infos[op], scalers)
-            if wrapper is not None:
-                patches.append(mxi.redirect(fn, wrapper, f"{module.__name__}.{attr}"))
-    except BaseException:
-        _restore(patches)
-        raise
-    return patches
+    for module, attr, fn, op, kind in list(mxi.op_function_sites()):
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        site = sites.get(id(fn))
+        fresh = site is None
+        if fresh:  # the wrappers call impl, never fn (fn calls them)
+            site = _Site(fn, mxi.copy_function(fn), op, kind, f"{module.__name__}.{attr}")
+        wrapper = wrapper_for(site.impl, op, kind, policy, infos[op], scalers)
+        if wrapper is not None:
+            built[id(fn)] = wrapper
+            if fresh:
+                new.append(site)
+    return built, new
 
 
-def _restore(patches: Sequence[mxi.SavedFunction]) -> None:
+def _restore(patches: Sequence[Optional[mxi.SavedFunction]]) -> None:
     """Put back each function that still calls its wrapper; leave (and name) the others."""
     changed = []
     for p in reversed(patches):
-        if mxi.is_redirected_to(p.function, p.wrapper):
+        if p is None:
+            continue
+        if mxi.is_redirected_to(p.function, p.routes):
             mxi.restore(p)
         else:
             changed.append(p.site)
@@ -233,58 +328,147 @@ def _restore(patches: Sequence[mxi.SavedFunction]) -> None:
 
 
 def disable() -> None:
-    """Put back every original MXNet function. A no-op when AMP is off."""
-    global _active
+    """Turn off the policy ``init`` put in force. Every original MXNet function is back unless
+    an ``autocast`` region (in any thread) still holds a policy; then threads without a region
+    run the originals. A no-op when ``init`` is off."""
+    global _policy, _init_region
     with _lock:
-        if _active is None:
+        if _policy is None:
             return
-        _restore(_active.patches)
-        mxi.remove_block_hooks(_active.hooks)
-        execution.release("init")
-        low_cast.release("init")
-        _active = None
+        _policy, _init_region = None, None
+        for site in _patched.sites.values():
+            mxi.retarget(site.saved, site.impl)
+        _unpatch_if_unused()
         _changed(None)
 
 
+def _policy_of(region: Optional[state.Region]) -> Optional[Policy]:
+    return _policy if region is None else region.policy
+
+
 def is_enabled() -> bool:
-    return _active is not None
+    """True when AMP is on for the calling thread (``init``, or the ``autocast`` region it is in)."""
+    return current_policy() is not None
 
 
 def current_policy() -> Optional[Policy]:
-    """The policy in force, or ``None`` when nothing is patched."""
-    return _active.policy if _active is not None else None
+    """The policy in force for the calling thread (its innermost ``autocast`` region's, else
+    ``init``'s), or ``None`` when AMP is off for it."""
+    return _policy_of(state.thread.override)
 
 
 def tuning_info() -> Optional[dict]:
     """What tuning has spent and where each graph stands (``None`` when AMP is off or does
     not tune): :meth:`gluon_amp.speed.schedule.Tuner.info`."""
-    active = _active
-    return active.tuner.info() if active is not None and active.tuner is not None else None
+    graphs = _graphs_now()
+    return graphs.tuner.info() if graphs is not None and graphs.tuner is not None else None
 
 
 def patched_functions() -> Tuple[mxi.SavedFunction, ...]:
-    """The record of the op functions ``init`` redirected, one per function (empty when off)."""
-    return tuple(_active.patches) if _active is not None else ()
+    """The record of the op functions redirected, one per function (empty when no policy is in
+    force in any thread)."""
+    patched = _patched
+    return tuple(site.saved for site in patched.sites.values()) if patched is not None else ()
+
+
+def _outer_policy() -> Optional[Policy]:
+    """The policy ``autocast(enabled=True)`` without a target means on this thread: its
+    innermost region's with a policy, else ``init``'s; ``None`` when there is none."""
+    for region in (state.thread.override, *reversed(state.thread.stack)):
+        policy = _policy_of(region)
+        if policy is not None:
+            return policy
+    return None
 
 
 @contextlib.contextmanager
-def autocast(target_dtype: Any = None, **kwargs: Any) -> Iterator[Policy]:
-    """Scope :func:`init`: AMP is on inside the block and restored on exit.
+def autocast(target_dtype: Any = None, enabled: bool = True, **kwargs: Any) -> Iterator[Optional[Policy]]:
+    """A region of code, on this thread only, with its own policy; the outer one is back on exit.
 
-    If AMP was already on with the same arguments, the block changes nothing; with other
-    arguments it raises ``RuntimeError`` as ``init`` does.
+    ``enabled=False`` runs the region in float32: every op called inside runs the original
+    MXNet function, and a hybridized block whose graph is built inside gets a float32 graph.
+    Otherwise the region runs ``target_dtype`` and ``kwargs`` (as :func:`init` takes them);
+    with neither, the policy already in force (an outer region's, else ``init``'s), or
+    :func:`init`'s default. Regions nest, and each thread has its own: other threads keep
+    theirs, and ``init``'s where they have none.
+
+    A hybridized block's graph takes the policy of the region where Gluon builds it and keeps
+    it where it runs later (docs/training.md, "autocast regions").
+
+    Yields the region's policy, or ``None`` where it runs float32.
     """
-    was_on = is_enabled()
-    policy = init(target_dtype, **kwargs)
+    if not isinstance(enabled, bool):
+        raise TypeError(f"autocast(enabled=...) takes True or False, got {enabled!r}")
+    policy: Optional[Policy] = None
+    if enabled:
+        if target_dtype is None and not kwargs:
+            policy = _outer_policy() or as_policy(None)
+        else:
+            policy = as_policy(target_dtype, **kwargs)
+        if not policy.enabled:  # the float32 fallback of target_dtype=None
+            policy = None
+    with _lock:
+        region: Optional[state.Region] = state.OFF
+        if policy is not None:
+            if policy == _policy:
+                region = None  # init's own: the fast path
+            else:
+                patched = _patch()
+                try:
+                    region = _prepare(patched, policy)
+                except BaseException:
+                    _unpatch_if_unused()
+                    raise
+            if _patched is not None:
+                _patched.regions_open += 1
+        state.enter(region)
+        _changed(policy.target_dtype if policy is not None else None)
     try:
         yield policy
     finally:
-        if not was_on:
-            disable()
+        with _lock:
+            state.leave()
+            if policy is not None and _patched is not None:
+                _patched.regions_open -= 1
+                _unpatch_if_unused()
+            now = current_policy()
+            _changed(now.target_dtype if now is not None else None)
+
+
+# -- the HybridBlock hooks: each does what the calling thread's policy says ------------------
+
+def _graphs_now() -> Optional[_Graphs]:
+    patched, region = _patched, state.thread.override
+    if patched is None:
+        return None
+    region = _init_region if region is None else region
+    return patched.graphs.get(region) if region is not None else None
+
+
+def _rewrite(block: Any, args: tuple, inputs: Sequence[Any], out: Any) -> Any:
+    graphs = _graphs_now()
+    return graphs.rewrite(block, args, inputs, out) if graphs is not None else out
+
+
+def _reshaped(block: Any, args: tuple, inputs: Sequence[Any], out: Any) -> bool:
+    graphs = _graphs_now()
+    return graphs is not None and graphs.reshaped is not None and graphs.reshaped(block, args, inputs, out)
+
+
+def _watch(block: Any) -> bool:
+    graphs = _graphs_now()
+    return graphs is not None and graphs.reshaped is not None and graphs.watch(block)
+
+
+def _called(block: Any, args: tuple) -> bool:
+    graphs = _graphs_now()
+    return graphs is not None and graphs.tuner is not None and graphs.tuner.called(block, args)
 
 
 def _warn_stale(block: Any) -> None:
     """A hybridized block runs a graph it cached before ``init``: it runs without AMP."""
+    if current_policy() is None:  # AMP is off for this thread: nothing is missed
+        return
     if getattr(block, "amp_result", None) is not None:  # converted by gluon_amp already
         return
     if holds_amp_plan(mxi.cached_graph(block, "gluon_amp")[1]):  # built under AMP (a SymbolBlock's)

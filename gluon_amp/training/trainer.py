@@ -12,6 +12,7 @@ The scale a step uses is decided when it is used, by the first ``scale_loss`` of
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import pickle
 import tempfile
@@ -64,26 +65,55 @@ class _Hook:
             self._step = (dtype, self.scaler.scale_for(dtype))
         return self._step
 
+    # The peer's scaler fields, read and assigned as clients do (Sockeye saves and restores
+    # ``(_loss_scale, _next_loss_scale, _unskipped)`` by pickle). Each reads from, and an
+    # assignment replaces, the LossScaler's explicit state. gluon_amp moves the scale at the
+    # step that decides it (the peer one step later), so between steps both scales read the
+    # one the next step uses, and an assignment of either sets it.
+
     @property
     def loss_scale(self) -> float:
         """The scale this step's loss was multiplied by; before the step's first
-        ``scale_loss``, the one it will use (the peer's ``LossScaler.loss_scale``)."""
+        ``scale_loss``, the one it will use (the peer's ``LossScaler.loss_scale``). Assigning
+        sets the scaler's scale from the next step on (this step keeps the one its loss used);
+        assigning the value it reads changes nothing (a step that is not scaled reads 1)."""
         return self._step[1] if self._step is not None else self.scaler.scale_for(self._compute_dtype())
 
-    # The peer's private attributes, which scripts read (and Sockeye sets _scale_seq_len).
-    _loss_scale = loss_scale
+    @loss_scale.setter
+    def loss_scale(self, scale: float) -> None:
+        self._assign_scale(scale, self.loss_scale)
+
+    _loss_scale = loss_scale  # the peer's private name for it
 
     @property
     def _next_loss_scale(self) -> float:
+        """The scale the next step uses unless this step's check moves it (the peer's field);
+        assigning sets it, as for :attr:`loss_scale`."""
         return self.scaler.scale_for(self._compute_dtype())
+
+    @_next_loss_scale.setter
+    def _next_loss_scale(self, scale: float) -> None:
+        self._assign_scale(scale, self._next_loss_scale)
+
+    def _assign_scale(self, scale: float, reads: float) -> None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"trainer._amp_loss_scaler: the loss scale must be a number, got {scale!r}")
+        if float(scale) != reads:  # the value it reads (1 where not scaled) is the state as it is
+            self.scaler.assign(scale=scale)
+
+    @property
+    def _unskipped(self) -> int:
+        """Finite steps in a row since the scale last changed (the peer's field); assigning
+        sets the count, and the scale grows after ``growth_interval`` of them."""
+        return self.scaler.state.growth_tracker
+
+    @_unskipped.setter
+    def _unskipped(self, steps: int) -> None:
+        self.scaler.assign(growth_tracker=steps)
 
     @property
     def _max_loss_scale(self) -> float:
         return self.scaler.max_scale
-
-    @property
-    def _unskipped(self) -> int:
-        return self.scaler.state.growth_tracker
 
     @property
     def _scale_seq_len(self) -> int:

@@ -1,0 +1,182 @@
+"""``autocast(enabled=...)``: nestable, thread-local regions (issue 37, part 3).
+
+Imperative dtypes are checked where every host runs them: an fp32-class op (softmax) on a
+float16 input gives float32 under a float16 policy and float16 without one; a low-precision
+op (FullyConnected) under emulated float16 gives float32 holding float16-rounded values.
+Graph dtypes are MXNet's type inference of the graph built.
+"""
+import threading
+
+import numpy as np
+import mxnet as mx
+import pytest
+from mxnet.gluon import nn
+
+import gluon_amp
+
+X16 = mx.nd.array(np.linspace(-1, 1, 6).reshape(2, 3), dtype="float16")
+_rng = np.random.RandomState(0)
+DATA = mx.nd.array(_rng.uniform(-1, 1, (4, 8)) / 3)
+WEIGHT = mx.nd.array(_rng.uniform(-1, 1, (5, 8)) / 7)
+
+
+def _fc():
+    return mx.nd.FullyConnected(DATA, WEIGHT, num_hidden=5, no_bias=True).asnumpy()
+
+
+REFERENCE = _fc()  # float32, no AMP
+
+
+def _rounded_to(out, dtype):
+    """True when ``out`` holds values of ``dtype`` (and differs from the float32 result)."""
+    if dtype == "float32":
+        return np.array_equal(out, REFERENCE)
+    low = np.float16 if dtype == "float16" else None
+    if low is None:  # bfloat16: the top 16 bits of a float32
+        exact = out.view(np.uint32) & 0xFFFF == 0
+    else:
+        exact = out.astype(low).astype(np.float32) == out
+    return bool(exact.all()) and not np.array_equal(out, REFERENCE)
+
+
+def _sym_out_dtype():
+    fc = mx.sym.FullyConnected(mx.sym.var("d"), num_hidden=5, no_bias=True, name="fc")
+    return np.dtype(fc.infer_type(d=np.float32)[1][0]).name
+
+
+@pytest.mark.parametrize("outer", ["init", "autocast"])
+def test_enabled_false_inside_amp_runs_float32_and_low_precision_comes_back_after(outer):
+    ctx = gluon_amp.autocast("float16", emulate=True) if outer == "autocast" else None
+    if ctx is None:
+        gluon_amp.init("float16", emulate=True)
+    else:
+        ctx.__enter__()
+    try:
+        assert _rounded_to(_fc(), "float16")
+        with gluon_amp.autocast(enabled=False) as policy:
+            assert policy is None and gluon_amp.current_policy() is None and not gluon_amp.is_enabled()
+            assert _rounded_to(_fc(), "float32")
+        assert _rounded_to(_fc(), "float16")
+        assert gluon_amp.current_policy().target_dtype == "float16"
+    finally:
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+
+def test_native_dtypes_inside_enabled_false_are_float32_ones():
+    """The real dtypes (float16 kernels cannot run here: the graph is only typed, and the
+    imperative op is an fp32-class one, which the original function runs in its input's dtype)."""
+    gluon_amp.init("float16")
+    assert _sym_out_dtype() == "float16" and mx.nd.softmax(X16).dtype == np.float32
+    with gluon_amp.autocast(enabled=False):
+        assert _sym_out_dtype() == "float32" and mx.nd.softmax(X16).dtype == np.float16
+    assert _sym_out_dtype() == "float16" and mx.nd.softmax(X16).dtype == np.float32
+
+
+def test_a_hybridized_block_keeps_the_graph_of_the_region_it_was_built_in():
+    gluon_amp.init("float16", emulate=True)
+
+    def block():
+        net = nn.Dense(5, in_units=8, use_bias=False)
+        net.initialize()
+        net.weight.set_data(WEIGHT)
+        net.hybridize()
+        return net
+
+    inside, outside = block(), block()
+    with gluon_amp.autocast(enabled=False):
+        assert _rounded_to(inside(DATA).asnumpy(), "float32")  # built here: a float32 graph
+    assert _rounded_to(outside(DATA).asnumpy(), "float16")  # built under the policy: its plan
+    assert _rounded_to(inside(DATA).asnumpy(), "float32")  # ... and each keeps its graph elsewhere
+    with gluon_amp.autocast(enabled=False):
+        assert _rounded_to(outside(DATA).asnumpy(), "float16")
+        inside.hybridize()  # a rebuild takes the region it happens in
+    assert _rounded_to(inside(DATA).asnumpy(), "float16")
+
+
+def test_another_policy_nests_and_the_outer_one_is_back_after_it_even_on_error():
+    gluon_amp.init("float16", emulate=True)
+    fp16 = _fc()
+    with gluon_amp.autocast("bfloat16", emulate=True) as policy:
+        assert policy.target_dtype == "bfloat16" and gluon_amp.current_policy() is policy
+        assert _rounded_to(_fc(), "bfloat16") and not np.array_equal(_fc(), fp16)
+        with gluon_amp.autocast(enabled=False):
+            assert _rounded_to(_fc(), "float32")
+            with gluon_amp.autocast() as inner:  # enabled, no target: the innermost policy in force
+                assert inner is policy and _rounded_to(_fc(), "bfloat16")
+    with pytest.raises(KeyError):
+        with gluon_amp.autocast(enabled=False):
+            raise KeyError("boom")
+    assert _rounded_to(_fc(), "float16") and gluon_amp.current_policy().target_dtype == "float16"
+
+
+def test_enabled_true_without_a_target_means_the_active_or_the_default_policy():
+    default = gluon_amp.make_policy(None)
+    with gluon_amp.autocast(enabled=True) as policy:
+        assert policy == (default if default.enabled else None)
+        assert gluon_amp.current_policy() == policy
+    active = gluon_amp.init("float16", emulate=True)
+    with gluon_amp.autocast(enabled=True) as policy:
+        assert policy is active and _rounded_to(_fc(), "float16")
+    with pytest.raises(TypeError, match="enabled"):
+        with gluon_amp.autocast(enabled="no"):
+            pass
+    assert gluon_amp.current_policy() is active
+
+
+def test_regions_leave_every_function_as_it_was():
+    code = mx.nd.FullyConnected.__code__
+    with gluon_amp.autocast("float16", emulate=True):
+        with gluon_amp.autocast(enabled=False):
+            assert mx.nd.FullyConnected.__code__ is not code  # patched while a policy is in force
+    assert mx.nd.FullyConnected.__code__ is code and gluon_amp.patched_functions() == ()
+
+
+def _run_in_threads(first, second):
+    """Run both callables at once, each in its own thread; their results."""
+    results, errors = [None, None], []
+    barrier = threading.Barrier(2)
+
+    def run(k, fn):
+        try:
+            barrier.wait()
+            results[k] = fn()
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k, fn)) for k, fn in enumerate((first, second))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _dtypes(n=1000):
+    return {np.dtype(mx.nd.softmax(X16).dtype).name for _ in range(n)}
+
+
+@pytest.mark.parametrize("how", ["autocast-in-one-thread", "init-and-enabled-false-in-one-thread"])
+def test_each_thread_keeps_its_own_amp_state_for_1000_calls(how):
+    if how == "autocast-in-one-thread":
+        def amp():
+            with gluon_amp.autocast("float16"):
+                return _dtypes(), gluon_amp.is_enabled()
+
+        def plain():
+            return _dtypes(), gluon_amp.is_enabled()
+    else:
+        gluon_amp.init("float16")
+
+        def amp():
+            return _dtypes(), gluon_amp.is_enabled()
+
+        def plain():
+            with gluon_amp.autocast(enabled=False):
+                return _dtypes(), gluon_amp.is_enabled()
+
+    with_amp, without = _run_in_threads(amp, plain)
+    assert with_amp == ({"float32"}, True)
+    assert without == ({"float16"}, False)
