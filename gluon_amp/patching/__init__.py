@@ -17,7 +17,7 @@ from typing import Any, Callable, FrozenSet, Iterator, List, Optional, Sequence,
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
 
-from .. import mxnet_internals as mxi, runtime
+from .. import mxnet_internals as mxi, plan_notes, runtime
 from ..policy_builder import as_policy
 from ..speed.schedule import Tuner
 from . import low_cast
@@ -139,7 +139,7 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
         tuner = Tuner(policy, lambda: runtime.timing_cache()) if policy.tune else None
         if tuner is not None:  # after the rewrite: the plan's shape rules apply first, and tuning needs kernels
             rewrite = _after(rewrite, tuner.rewrite)
-        hooks = mxi.install_block_hooks(rewrite, _warn_stale, reshaped, watch, tuner.called if tuner else None)
+        hooks = mxi.install_block_hooks(_noting_traced(rewrite), _warn_stale, reshaped, watch, tuner.called if tuner else None)
         low_cast.acquire("init")  # a script's net.cast('float16') follows the plan (low_cast.py)
         _active = _Active(policy, patches, hooks, scalers, tuner)
         _changed(policy.target_dtype)
@@ -153,6 +153,16 @@ def _after(first: Callable, second: Callable) -> Callable:
     def rewrite(block: Any, args: tuple, inputs: Sequence[Any], out: Any) -> Any:
         return second(block, args, inputs, first(block, args, inputs, out))
     return rewrite
+
+
+def _noting_traced(rewrite: Callable) -> Callable:
+    """``rewrite``, keeping beside each block the graph it traced (:func:`plan_notes.record_traced`)."""
+    def noting(block: Any, args: tuple, inputs: Sequence[Any], out: Any) -> Any:
+        given = rewrite(block, args, inputs, out)
+        if getattr(block, "amp_result", None) is None:  # a converter's result keeps its own plan
+            plan_notes.record_traced(block, out, given)
+        return given
+    return noting
 
 
 def register_scaler(scaler: Any) -> None:
