@@ -139,7 +139,8 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
         tuner = Tuner(policy, lambda: runtime.timing_cache()) if policy.tune else None
         if tuner is not None:  # after the rewrite: the plan's shape rules apply first, and tuning needs kernels
             rewrite = _after(rewrite, tuner.rewrite)
-        hooks = mxi.install_block_hooks(_noting_traced(rewrite), _warn_stale, reshaped, watch, tuner.called if tuner else None)
+        hooks = mxi.install_block_hooks(_noting_traced(rewrite), _warn_stale, reshaped, watch,
+                                        tuner.called if tuner else None)
         low_cast.acquire("init")  # a script's net.cast('float16') follows the plan (low_cast.py)
         _active = _Active(policy, patches, hooks, scalers, tuner)
         _changed(policy.target_dtype)

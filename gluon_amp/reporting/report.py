@@ -69,11 +69,11 @@ class Report:
 
 def _graph_and_policy(obj: Any, target_dtype: Any) -> Tuple[Symbol, Optional[Policy]]:
     """The graph to report on, and the policy that made it when that is known."""
+    made_by = getattr(getattr(obj, "amp_result", None), "policy", None)  # a converter's result
     if isinstance(obj, Symbol):
-        sym, made_by = obj, None
+        sym = obj
     elif isinstance(obj, HybridBlock):
         sym = mxi.cached_graph(obj, "gluon_amp.report")[1]
-        made_by = getattr(getattr(obj, "amp_result", None), "policy", None)
     else:
         raise TypeError(f"report expects a Symbol or a hybridized HybridBlock, got {type(obj).__name__}")
     if isinstance(target_dtype, Policy):

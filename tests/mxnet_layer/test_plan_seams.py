@@ -100,6 +100,7 @@ conv = gluon_amp.convert_symbol(out, **kw)
 csym, cargs, _ = gluon_amp.convert_model(out, args, {}, **kw)
 for s in (conv, csym):
     nodes = json.loads(s.tojson(remove_amp_cast=False))["nodes"]
+    assert "amp_cast" in {n["op"] for n in nodes}  # converted (in emulated mode: as the policy in force says)
     assert not [k for n in nodes for k in n.get("attrs", {}) if k.startswith("__amp_")], nodes
     assert s.infer_type(data="float32")[1] is not None  # type inference through the custom op
     s.simple_bind(mx.cpu(), data=(2, 3), grad_req="null")  # binding builds the custom op's prop
@@ -175,12 +176,12 @@ def test_converters_without_target_dtype_follow_the_active_policy(dtype):
     """Defect 6: under init (or the launcher) converters used the machine's default."""
     policy = gluon_amp.init(target_dtype=dtype, emulate=True)
     sym = gluon_amp.convert_symbol(_two_layer())
-    assert sym.amp_result.policy == policy and "amp_cast" in _ops(sym)
+    assert "amp_cast" in _ops(sym) and sym.amp_result.policy == policy
     assert sym.amp_result.reasons["conv"] == "low_precision"
     args = {"conv_weight": mx.nd.ones((4, 3, 3, 3)), "conv_bias": mx.nd.zeros(4),
             "fc_weight": mx.nd.ones((2, 64)), "fc_bias": mx.nd.zeros(2)}
     msym, _, _ = gluon_amp.convert_model(_two_layer(), args, {})
-    assert msym.amp_result.policy.target_dtype == dtype and "amp_cast" in _ops(msym)
+    assert "amp_cast" in _ops(msym) and msym.amp_result.policy.target_dtype == dtype
     net = make_net()
     net(mx.nd.ones((1, 3, 8, 8)))
     assert gluon_amp.convert_hybrid_block(net).amp_result.policy == policy
@@ -196,10 +197,11 @@ from mxnet.contrib import amp
 data = mx.sym.var("data")
 sym = mx.sym.FullyConnected(mx.sym.Convolution(data, num_filter=4, kernel=(3, 3), name="conv"), num_hidden=2)
 out = amp.convert_symbol(sym)
-print("target", out.amp_result.policy.target_dtype, "amp_cast" in {n["op"] for n in json.loads(out.tojson())["nodes"]})
+print("amp_cast", "amp_cast" in {n["op"] for n in json.loads(out.tojson(remove_amp_cast=False))["nodes"]})
+print("target", getattr(out, "amp_result", None) and out.amp_result.policy.target_dtype)
 '''
     out = _ok(_run(code, launcher=("--emulate", "--target-dtype", "float16")))
-    assert "target float16 True" in out
+    assert "amp_cast True" in out and "target float16" in out
 
 
 _OWN_CAST = '''
