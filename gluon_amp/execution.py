@@ -27,7 +27,7 @@ from mxnet.symbol import Symbol
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.policy import Policy
 
-from . import mxnet_internals as mxi, runtime
+from . import mxnet_internals as mxi, plan_notes, runtime
 from .emulation import emulate_symbol
 from .type_inference import infer_dtypes
 
@@ -203,7 +203,12 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
         return plan
     known, shapes = mxi.call_inputs(block, args, inputs)
     devices = {a.context.device_type for a in mxi.call_arrays(args) if isinstance(a, NDArray)}
-    return graph_to_run(plan, known, shapes, devices, policy, f"block {block.name!r}")
+    run = graph_to_run(plan, known, shapes, devices, policy, f"block {block.name!r}")
+    if run is not plan and policy.emulate:  # the report says which nodes real AMP runs low
+        typed = infer_dtypes(plan, known, partial=True) or {}
+        plan_notes.record_emulated(block, {name: t for (name, i), t in typed.items()
+                                           if i == 0 and t in LOW_PRECISION_DTYPES})
+    return run
 
 
 def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mapping[str, Tuple[int, ...]],

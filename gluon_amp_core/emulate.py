@@ -66,8 +66,6 @@ def round_bits(bits: int, dtype: str) -> int:
 #: Suffix of the node that holds an entry rounded: ``<node>_amp_emulated`` (the kernel's
 #: node, or the last step of the fallback's; its other steps are ``<node>_amp_emulated_*``).
 ROUND_SUFFIX = "_amp_emulated"
-#: Node attribute with the dtype real AMP gives the node's first output.
-REAL_DTYPE_ATTR = "__amp_dtype__"
 
 #: Ops whose outputs only hold values of their inputs: rounding after them changes
 #: nothing, so it is skipped (speed only: rounding is idempotent).
@@ -182,11 +180,16 @@ class EmulatedGraph:
         value (the rounding node after it, when there is one).
     rounds : int
         Rounding pairs inserted.
+    real_dtypes : dict
+        Node name -> the dtype real AMP gives its first output, for the graph's variables and
+        op nodes. Kept here, beside the graph: its nodes carry no attribute of gluon_amp's
+        (MXNet hands every node attribute to a Python custom op's constructor).
     """
 
     graph: dict
     entries: Dict[Key, Key] = field(default_factory=dict)
     rounds: int = 0
+    real_dtypes: Dict[str, str] = field(default_factory=dict)
 
 
 def rounding_node(name: str, output: int = 0) -> str:
@@ -315,6 +318,7 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
     """
     rw, index = _Rewriter(dtypes, ndims or {}, kernel), {}
     entries: Dict[Key, Key] = {}
+    real_dtypes: Dict[str, str] = {}
 
     def new_entry(e: list) -> Tuple[int, int]:
         return index[(e[0], e[1])]
@@ -322,6 +326,8 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
     for i, node in enumerate(graph["nodes"]):
         name, op, attrs = node["name"], node["op"], dict(node.get("attrs", {}))
         real = _outputs(dtypes, name)
+        if real and real[0] is not None:
+            real_dtypes[name] = str(real[0])
         inputs = [new_entry(e) for e in node["inputs"]]
         if op == "amp_multicast":
             for k, e in enumerate(inputs):
@@ -334,7 +340,7 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
             if real and real[0] in LOW_PRECISION_DTYPES:
                 if "__dtype__" in attrs:
                     attrs["__dtype__"] = "0"
-                j = rw.add({**node, "attrs": {**attrs, REAL_DTYPE_ATTR: real[0]}})
+                j = rw.add({**node, "attrs": attrs})
                 index[(i, 0)] = rw.round((j, 0), real[0], name)
             else:
                 index[(i, 0)] = (rw.add(dict(node)), 0)
@@ -342,8 +348,6 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
         low_cast = op in _CAST_OPS and attrs.get("dtype") in LOW_PRECISION_DTYPES
         if attrs.get("dtype") in LOW_PRECISION_DTYPES and not low_cast:
             attrs["dtype"] = "float32"  # an op that creates low-precision data (zeros, ones)
-        if real and REAL_DTYPE_ATTR not in attrs:  # present: emulated before (a converted block in a parent)
-            attrs[REAL_DTYPE_ATTR] = str(real[0])
         if low_cast:
             index[(i, 0)] = _low_cast(rw, graph, dtypes, {**node, "attrs": attrs}, inputs)
             continue
@@ -361,4 +365,4 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
     out["nodes"] = rw.nodes
     out["arg_nodes"] = [j for j, n in enumerate(rw.nodes) if n["op"] == "null"]
     out["heads"] = heads
-    return EmulatedGraph(out, entries, rw.rounds)
+    return EmulatedGraph(out, entries, rw.rounds, real_dtypes)

@@ -17,7 +17,7 @@ from typing import Callable, Collection, Dict, List, Mapping, Optional, Sequence
 from .decide import CAST_OPS, Decision, MeasuredChoice, Reason
 from .dtypes import CODE_DTYPE, DTYPE_CODE, FLOAT_DTYPES, LOW_PRECISION_DTYPES, widest
 from .policy import Policy
-from .walk import REASON_ATTR, Entry, NodeDecision, measured_attrs, walk
+from .walk import Entry, NodeDecision, walk
 
 #: ``op_types(op, attrs, input dtypes)`` -> (dtype each input must have, output dtypes), or
 #: None when the op cannot be typed with those inputs. ``None`` in the input dtypes means
@@ -36,10 +36,13 @@ class PassResult:
     policy: Optional[Policy] = None
     decisions: List[NodeDecision] = field(default_factory=list)
     casts_inserted: int = 0
+    #: op node name -> the tuner's figures, for the nodes decided by a measured choice
+    details: Dict[str, str] = field(default_factory=dict)
 
     @property
     def reasons(self) -> Dict[str, str]:
-        """Op node name -> the reason of its decision."""
+        """Op node name -> the reason of its decision (kept here, beside the graph: the
+        graph's nodes carry no attribute of gluon_amp's)."""
         return {nd.name: nd.reason.value for nd in self.decisions}
 
 
@@ -141,6 +144,7 @@ def convert_graph(graph: dict, policy: Policy, input_names: Sequence[str],
         quantized ops (:func:`is_kept`): they get their inputs in, and give their outputs
         in, exactly these dtypes.
     """
+    graph = without_legacy_attrs(graph)
     b, index, data = _Builder(), {}, set(input_names)
     params = set()
     low = _cast_only_params(graph, data, var_dtypes, policy.target_dtype) if cast_optional_params else {}
@@ -162,15 +166,29 @@ def convert_graph(graph: dict, policy: Policy, input_names: Sequence[str],
         else:
             kept = [k < len(names) and names[k] in nd.decision.keep_fp32 for k in range(len(inputs))]
             new_inputs, outs = _type_node(b, node, nd.decision, inputs, kept, params, op_types)
-        new_node = {**node, "inputs": [[e[0], e[1], 0] for e in new_inputs],
-                    "attrs": {**node.get("attrs", {}), REASON_ATTR: nd.reason.value,
-                              **measured_attrs(measured.get(nd.name) if nd.reason is Reason.MEASURED else None)}}
-        index[nd.index] = j = b.add(new_node)
+        index[nd.index] = j = b.add({**node, "inputs": [[e[0], e[1], 0] for e in new_inputs]})
         for k, t in enumerate(outs):
             b.dtypes[(j, k)] = t
         decisions.append(nd)
     heads = [_head(b, (index[h[0]], h[1]), float32_outputs) for h in graph["heads"]]
-    return _finish_pass(graph, b, heads, data, policy, decisions, cast_optional_params)
+    result = _finish_pass(graph, b, heads, data, policy, decisions, cast_optional_params)
+    result.details = {nd.name: measured[nd.name].describe() for nd in decisions
+                      if nd.reason is Reason.MEASURED and nd.name in measured}
+    return result
+
+
+#: Prefix of the node attributes gluon_amp wrote into graphs before plans were plain MXNet
+#: graphs (``__amp_reason__``, ``__amp_dtype__``, ``__amp_measured__``): dropped on reading.
+LEGACY_ATTR_PREFIX = "__amp_"
+
+
+def without_legacy_attrs(graph: dict) -> dict:
+    """``graph`` with no node attribute of an older gluon_amp's (``graph`` itself when none)."""
+    if not any(k.startswith(LEGACY_ATTR_PREFIX) for n in graph["nodes"] for k in n.get("attrs", {})):
+        return graph
+    nodes = [{**n, "attrs": {k: v for k, v in n["attrs"].items() if not k.startswith(LEGACY_ATTR_PREFIX)}}
+             if "attrs" in n else n for n in graph["nodes"]]
+    return {**graph, "nodes": nodes}
 
 
 def _var_dtype(node: dict, var_dtypes: Mapping[str, str]) -> str:
@@ -371,3 +389,27 @@ def _drop_param_casts(nodes: List[dict], heads: List[list], param_dtypes: Dict[s
         n["inputs"] = [remap(e) for e in n["inputs"]]
         out.append(n)
     return out, [remap(h) for h in heads], len(drop)
+
+
+def without_amp_casts(graph: dict) -> dict:
+    """``graph`` without its ``amp_cast``/``amp_multicast`` nodes, each read through (a
+    multicast's output ``k`` is its input ``k``): the FP32 graph of a plan traced under
+    ``init``, whose casts the symbolic wrappers put in for that plan's policy."""
+    nodes = graph["nodes"]
+    moved: Dict[Entry, list] = {}
+    at: Dict[int, int] = {}
+    out: List[dict] = []
+
+    def entry(e: list) -> list:
+        return moved.get((e[0], e[1])) or [at[e[0]], e[1], 0]
+
+    for i, node in enumerate(nodes):
+        inputs = [entry(e) for e in node["inputs"]]
+        if node["op"] in ("amp_cast", "amp_multicast"):
+            moved.update({(i, k): e for k, e in enumerate(inputs)})
+            continue
+        out.append({**node, "inputs": inputs})
+        at[i] = len(out) - 1
+    if len(out) == len(nodes):
+        return graph
+    return _finish(graph, out, [entry(h) for h in graph["heads"]])

@@ -9,7 +9,7 @@ of this: it types an FP32 graph with those decisions directly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .decide import CAST_OPS, Decision
@@ -21,10 +21,10 @@ Entry = Tuple[int, int]
 
 @dataclass(frozen=True)
 class Change:
-    """A node's new decision, and the attributes to record on it (its reason, figures)."""
+    """A node's new decision. Its reason and figures are the caller's to keep, beside the
+    graph (:class:`gluon_amp_core.walk.Note`): the graph's nodes get no attribute."""
 
     decision: Decision
-    attrs: Mapping[str, str] = field(default_factory=dict)
 
 
 def retype(graph: dict, changes: Mapping[str, Change], dtypes: Mapping[Key, Optional[str]],
@@ -84,7 +84,6 @@ def retype(graph: dict, changes: Mapping[str, Change], dtypes: Mapping[Key, Opti
                 else:
                     wired.append(cast(src, want))
             new["inputs"] = wired
-            new["attrs"] = {**node.get("attrs", {}), **change.attrs}
             for k in range(_n_outputs(dtypes, node["name"])):
                 if before((i, k)) in FLOAT_DTYPES and before((i, k)) != "float32":
                     now[(i, k)] = want  # its low outputs; float32 statistics stay

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Collection, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Collection, Iterator, Mapping, Optional, Sequence, Tuple
 
 from .decide import Decision, MeasuredChoice, Reason, decide
 from .table import OpTable
@@ -15,18 +15,23 @@ from .table import OpTable
 Entry = Tuple[int, int]  # (node index, output index)
 _NONE: Mapping[str, str] = MappingProxyType({})
 
-#: Node attribute where the converter records its decision's reason.
-REASON_ATTR = "__amp_reason__"
-#: Node attributes of a tuner's choice: the dtype, and its figures in words.
-MEASURED_ATTR = "__amp_measured__"
-MEASURED_WHY_ATTR = "__amp_measured_why__"
+
+@dataclass(frozen=True)
+class Note:
+    """What a graph's plan says of one op node beyond what its dtypes show: the reason of a
+    decision taken outside the walk (input shapes, the tuner), and its figures in words.
+
+    Kept beside the graph, keyed by node name, never in node attributes: MXNet hands every
+    node attribute to a Python custom op's constructor, and a plan is a plain MXNet graph.
+    """
+
+    reason: str
+    detail: str = ""
 
 
-def measured_attrs(choice: Optional[MeasuredChoice]) -> Dict[str, str]:
-    """The node attributes that record a tuner's choice (none for ``None``)."""
-    if choice is None:
-        return {}
-    return {REASON_ATTR: Reason.MEASURED.value, MEASURED_ATTR: choice.dtype, MEASURED_WHY_ATTR: choice.describe()}
+def measured_note(choice: MeasuredChoice) -> Note:
+    """The note of a tuner's choice."""
+    return Note(Reason.MEASURED.value, choice.describe())
 
 
 @dataclass(frozen=True)
@@ -52,20 +57,18 @@ def walk(nodes: Sequence[dict], table: OpTable, dtype_of: Callable[[Entry], Opti
 
     ``dtype_of((node, output))`` gives the dtype of an input, or ``None`` when unknown. It
     is called when the node is reached, so a caller may fill it in as it goes (the
-    converter does). A node named in ``excluded``, or marked excluded by an earlier
-    conversion, runs in float32. ``shape_of((node, output))``, when given, is the shape of
-    an input (``None`` when unknown), for the table's input-shape rules. ``measured`` maps
-    node names to the dtype the tuner chose; a node whose attributes record such a choice
-    (:data:`MEASURED_ATTR`) keeps it.
+    converter does). A node named in ``excluded`` runs in float32. ``shape_of((node, output))``,
+    when given, is the shape of an input (``None`` when unknown), for the table's input-shape
+    rules. ``measured`` maps node names to the dtype the tuner chose.
     """
     for i, node in enumerate(nodes):
         if node["op"] == "null":
             continue
         attrs = node.get("attrs", {})
         in_types = tuple(dtype_of((e[0], e[1])) for e in node["inputs"])
-        is_excluded = node["name"] in excluded or attrs.get(REASON_ATTR) == Reason.EXCLUDED.value
+        is_excluded = node["name"] in excluded
         shapes = None if shape_of is None else [shape_of((e[0], e[1])) for e in node["inputs"]]
-        chosen = measured.get(node["name"]) or attrs.get(MEASURED_ATTR)
+        chosen = measured.get(node["name"])
         yield NodeDecision(i, node["name"], node["op"], in_types,
                            decide(node["op"], attrs, in_types, table, excluded=is_excluded,
                                   measured=chosen, input_shapes=shapes))

@@ -13,12 +13,13 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import MeasuredChoice
 from gluon_amp_core.dtypes import CODE_DTYPE, dtype_name
-from gluon_amp_core.graph_pass import PassResult, convert_graph, is_kept, parameter_only_inputs
+from gluon_amp_core.graph_pass import PassResult, convert_graph, is_kept, parameter_only_inputs, without_amp_casts
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec, check_name_list
 
-from .. import execution, mxnet_internals as mxi, runtime
-from ..policy_builder import as_policy
+from .. import execution, mxnet_internals as mxi, plan_notes, runtime
+from ..patching import current_policy
+from ..policy_builder import as_policy, make_policy
 from ..speed.tuner import tune_graph
 from ..type_inference import infer_dtypes, op_types
 from .fold import fold_batch_norm
@@ -125,9 +126,22 @@ def _verify(sym: Symbol, result: PassResult, data_dtypes: Mapping[str, str]) -> 
 
 def _policy(target_dtype: Any, target_dtype_ops: Any, fp32_ops: Any, conditional_fp32_ops: Any,
             widest_type_ops: Any, keep_batchnorm_fp32: Any, emulate: Any = None, tune: Any = None) -> Policy:
-    return as_policy(target_dtype, target_precision_ops=target_dtype_ops, fp32_ops=fp32_ops,
-                     conditional_fp32_ops=conditional_fp32_ops, widest_type_ops=widest_type_ops,
-                     keep_batchnorm_fp32=keep_batchnorm_fp32, emulate=emulate, tune=tune)
+    """The converter's policy. Without ``target_dtype`` it follows the one in force (``init``,
+    or ``python -m gluon_amp.run``), as ``init``'s own callers do, with the arguments given
+    replacing its settings; with none in force, the machine's default."""
+    lists = dict(target_precision_ops=target_dtype_ops, fp32_ops=fp32_ops, conditional_fp32_ops=conditional_fp32_ops,
+                 widest_type_ops=widest_type_ops, keep_batchnorm_fp32=keep_batchnorm_fp32)
+    active = current_policy() if target_dtype is None else None
+    if active is None:
+        return as_policy(target_dtype, **lists, emulate=emulate, tune=tune)
+    if all(v is None for v in lists.values()) and emulate in (None, active.emulate) and tune in (None, active.tune):
+        return active
+    inherited = {k: getattr(active, k) for k in lists}
+    return make_policy(active.target_dtype if active.enabled else None,
+                       **{k: inherited[k] if v is None else v for k, v in lists.items()},
+                       emulate=active.emulate if emulate is None else emulate,
+                       excluded_sym_names=active.excluded_sym_names,
+                       tune=active.tune if tune is None else tune, tune_budget=active.tune_budget)
 
 
 def convert_symbol(sym: Symbol, target_dtype: Any = None, target_dtype_ops: Optional[Sequence[str]] = None,
@@ -164,8 +178,23 @@ def convert_symbol(sym: Symbol, target_dtype: Any = None, target_dtype_ops: Opti
     """
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
                      widest_type_ops, keep_batchnorm_fp32, emulate)
-    return _emulated_when_bound(convert_with_policy(sym, policy, excluded_sym_names, data_names,
-                                                    cast_optional_params)[0], policy)
+    return _emulated_when_bound(_with_result(*convert_with_policy(sym, policy, excluded_sym_names, data_names,
+                                                                  cast_optional_params)), policy)
+
+
+class MixedPrecisionSymbol(Symbol):
+    """The Symbol :func:`convert_symbol` and :func:`convert_model` return: a plain MXNet graph
+    (its nodes carry no attribute of gluon_amp's), and ``amp_result``, the pass's per-node
+    decisions, kept beside it (read by :func:`gluon_amp.report`). Symbols MXNet derives from
+    it (``get_internals``, a saved and loaded copy) are plain Symbols."""
+
+    amp_result: Optional[PassResult] = None
+
+
+def _with_result(sym: Symbol, result: PassResult) -> MixedPrecisionSymbol:
+    out = mxi.symbol_of_class(MixedPrecisionSymbol, sym)
+    out.amp_result = result
+    return out
 
 
 def _emulated_when_bound(result: Any, policy: Policy) -> Any:
@@ -212,9 +241,9 @@ def convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params:
     """
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
                      widest_type_ops, keep_batchnorm_fp32, emulate, tune)
-    new_sym, new_args, new_aux, _ = _convert_model(sym, arg_params, aux_params, policy, excluded_sym_names,
-                                                   cast_optional_params, input_shapes, require_shapes=tune is True)
-    return _emulated_when_bound(new_sym, policy), new_args, new_aux
+    new_sym, new_args, new_aux, result = _convert_model(sym, arg_params, aux_params, policy, excluded_sym_names,
+                                                        cast_optional_params, input_shapes, require_shapes=tune is True)
+    return _emulated_when_bound(_with_result(new_sym, result), policy), new_args, new_aux
 
 
 def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params: Dict[str, mx.nd.NDArray],
@@ -415,6 +444,9 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     if not isinstance(block, HybridBlock):
         raise TypeError(f"convert_hybrid_block expects a gluon HybridBlock, got {type(block).__name__}")
     inputs, sym = mxi.cached_graph(block, "convert_hybrid_block")
+    traced = plan_notes.traced_graph(block, sym)
+    if traced is not None:  # traced under init: its FP32 graph, without the plan's casts (any policy's)
+        sym = mx.sym.load_json(json.dumps(without_amp_casts(json.loads(traced.tojson(remove_amp_cast=False)))))
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
                      widest_type_ops, keep_batchnorm_fp32, emulate, tune)
     params = {p.name: p for p in block.collect_params().values()}
@@ -434,7 +466,8 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     out = MixedPrecisionBlock(*_as_called(block, new_sym, data_vars))
     out.amp_result, out.fuse_backend = result, backend
     loaded = {**{f"arg:{k}": v for k, v in new_args.items()}, **{f"aux:{k}": v for k, v in new_aux.items()}}
-    out.collect_params().load_dict(loaded, ctx=ctx, cast_dtype=True, dtype_source="saved")
+    with mxi.own_casts():  # the plan's parameter dtypes: never a script's GPU-only cast (patching/low_cast.py)
+        out.collect_params().load_dict(loaded, ctx=ctx, cast_dtype=True, dtype_source="saved")
     if backend:
         out.hybridize()
     return _emulated_when_bound(out, policy)

@@ -108,6 +108,15 @@ def pin_float32(var: Symbol) -> None:
     var._set_attr(__dtype__="0")
 
 
+def symbol_of_class(cls: type, sym: Symbol) -> Symbol:
+    """A new ``cls`` (a subclass of Symbol that may carry Python attributes) holding a copy of
+    ``sym``'s graph. 1.9.1: ``Symbol.__setstate__({'handle': json})`` (pickle's way in) makes
+    the handle from the JSON; ``Symbol(handle)`` would share ``sym``'s handle and free it twice."""
+    out = cls.__new__(cls)
+    out.__setstate__({"handle": sym.tojson(remove_amp_cast=False)})
+    return out
+
+
 def rebuild_op(sym: Symbol, inputs: List[Symbol]) -> Symbol:
     """The op node ``sym`` applied to new ``inputs`` under the same name and attributes.
 

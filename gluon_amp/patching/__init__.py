@@ -17,7 +17,7 @@ from typing import Any, Callable, FrozenSet, Iterator, List, Optional, Sequence,
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
 
-from .. import execution, mxnet_internals as mxi, runtime, state
+from .. import execution, mxnet_internals as mxi, plan_notes, runtime, state
 from ..policy_builder import as_policy
 from ..speed.schedule import Tuner
 from . import low_cast
@@ -232,7 +232,7 @@ def _prepare(patched: _Patched, policy: Policy) -> state.Region:
     tuner = Tuner(policy, lambda: runtime.timing_cache()) if policy.tune else None
     if tuner is not None:  # after the rewrite: the plan's shape rules apply first, and tuning needs kernels
         rewrite = _after(rewrite, tuner.rewrite)
-    patched.graphs[region] = _Graphs(rewrite, reshaped, watch, tuner)
+    patched.graphs[region] = _Graphs(_noting_traced(rewrite), reshaped, watch, tuner)
     patched.regions[policy] = region
     return region
 
@@ -242,6 +242,16 @@ def _after(first: Callable, second: Callable) -> Callable:
     def rewrite(block: Any, args: tuple, inputs: Sequence[Any], out: Any) -> Any:
         return second(block, args, inputs, first(block, args, inputs, out))
     return rewrite
+
+
+def _noting_traced(rewrite: Callable) -> Callable:
+    """``rewrite``, keeping beside each block the graph it traced (:func:`plan_notes.record_traced`)."""
+    def noting(block: Any, args: tuple, inputs: Sequence[Any], out: Any) -> Any:
+        given = rewrite(block, args, inputs, out)
+        if getattr(block, "amp_result", None) is None:  # a converter's result keeps its own plan
+            plan_notes.record_traced(block, out, given)
+        return given
+    return noting
 
 
 def register_scaler(scaler: Any) -> None:

@@ -15,11 +15,11 @@ import mxnet as mx
 from mxnet.gluon import HybridBlock
 from mxnet.symbol import Symbol
 
-from gluon_amp_core.emulate import REAL_DTYPE_ATTR
+from gluon_amp_core.emulate import ROUND_SUFFIX
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import AMP_CAST_DTYPES, drop_identity_casts
 
-from .. import mxnet_internals as mxi, runtime
+from .. import mxnet_internals as mxi, plan_notes, runtime
 from ..type_inference import infer_dtypes
 from .shape_rules import ShapeRules
 
@@ -43,6 +43,7 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
     def rewrite(block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> Symbol:
         if getattr(block, "amp_result", None) is not None:
             return out  # converted by gluon_amp: its plan was fixed then
+        plan_notes.record_emulated(block, None)
         known, shapes = mxi.call_inputs(block, args, inputs)
         out = rules.apply(block, out, shapes)
         dtypes = infer_dtypes(out, known, partial=True) or {}
@@ -60,8 +61,8 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
 
 def holds_amp_plan(sym: Symbol) -> bool:
     """True when ``sym`` carries an AMP plan: casts the symbolic wrappers or a converter
-    inserted, or an emulated graph's typed nodes."""
-    return any(n["op"] in ("amp_cast", "amp_multicast") or REAL_DTYPE_ATTR in n.get("attrs", {})
+    inserted, or an emulated graph's roundings."""
+    return any(n["op"] in ("amp_cast", "amp_multicast") or n["name"].endswith(ROUND_SUFFIX)
                for n in json.loads(sym.tojson(remove_amp_cast=False))["nodes"])
 
 

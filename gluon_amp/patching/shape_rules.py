@@ -19,9 +19,9 @@ from mxnet.symbol import Symbol
 from gluon_amp_core.decide import Decision, Reason
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import Change, retype
-from gluon_amp_core.walk import REASON_ATTR, walk
+from gluon_amp_core.walk import Note, walk
 
-from .. import mxnet_internals as mxi
+from .. import mxnet_internals as mxi, plan_notes
 from ..type_inference import infer_shapes
 
 Shapes = Mapping[str, Tuple[int, ...]]
@@ -53,6 +53,7 @@ class ShapeRules:
             return out
         graph = json.loads(out.tojson(remove_amp_cast=False))
         table = self.policy.table
+        plan_notes.record(block, "shape_rules", {})
         if not any(table.canonical(n["op"]) in table.narrow_fp32 for n in graph["nodes"]):
             return out
         self._watched.add(block)
@@ -60,12 +61,11 @@ class ShapeRules:
         if not kept:
             return out
         self._kept[block] = frozenset(kept)
-        record = {REASON_ATTR: Reason.NARROW_INPUT.value}
         changes = {n["name"]: Change(Decision("float32", Reason.NARROW_INPUT,
-                                              table.keep_fp32_inputs.get(table.canonical(n["op"]), frozenset())),
-                                     record)
+                                              table.keep_fp32_inputs.get(table.canonical(n["op"]), frozenset())))
                    for n in graph["nodes"] if n["name"] in kept and n["op"] != "null"}
         op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
+        plan_notes.record(block, "shape_rules", {n: Note(Reason.NARROW_INPUT.value) for n in changes})
         return mx.sym.load_json(json.dumps(retype(graph, changes, {}, op_inputs)))
 
     def keeps_more(self, block: HybridBlock, out: Symbol, shapes: Shapes) -> bool:

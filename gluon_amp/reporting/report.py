@@ -11,12 +11,13 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import Reason
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
-from gluon_amp_core.emulate import REAL_DTYPE_ATTR, ROUND_SUFFIX
+from gluon_amp_core.emulate import ROUND_SUFFIX
+from gluon_amp_core.graph_pass import PassResult
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import default_table
-from gluon_amp_core.walk import MEASURED_WHY_ATTR, REASON_ATTR, walk
+from gluon_amp_core.walk import Note, walk
 
-from .. import execution, mxnet_internals as mxi, runtime
+from .. import execution, mxnet_internals as mxi, plan_notes, runtime
 from ..patching import current_policy
 from ..policy_builder import make_policy
 from ..type_inference import infer_dtypes
@@ -68,11 +69,11 @@ class Report:
 
 def _graph_and_policy(obj: Any, target_dtype: Any) -> Tuple[Symbol, Optional[Policy]]:
     """The graph to report on, and the policy that made it when that is known."""
+    made_by = getattr(getattr(obj, "amp_result", None), "policy", None)  # a converter's result
     if isinstance(obj, Symbol):
-        sym, made_by = obj, None
+        sym = obj
     elif isinstance(obj, HybridBlock):
         sym = mxi.cached_graph(obj, "gluon_amp.report")[1]
-        made_by = getattr(getattr(obj, "amp_result", None), "policy", None)
     else:
         raise TypeError(f"report expects a Symbol or a hybridized HybridBlock, got {type(obj).__name__}")
     if isinstance(target_dtype, Policy):
@@ -80,6 +81,29 @@ def _graph_and_policy(obj: Any, target_dtype: Any) -> Tuple[Symbol, Optional[Pol
     if target_dtype is not None:
         return sym, make_policy(target_dtype)
     return sym, made_by or current_policy()
+
+
+@dataclass(frozen=True)
+class _Beside:
+    """What is known of a graph besides the graph: notes by node name, and, where it runs
+    its plan emulated, the plan's dtypes by node name (``None`` otherwise)."""
+
+    notes: Dict[str, Note]
+    real: Optional[Dict[str, str]]
+
+
+def _beside(obj: Any) -> _Beside:
+    """A converter's result (its ``amp_result``), or a block's notes (:mod:`gluon_amp.plan_notes`)."""
+    result = getattr(obj, "amp_result", None)
+    if isinstance(result, PassResult):
+        details = result.details
+        notes = {n: Note(r, details.get(n, "")) for n, r in result.reasons.items()}
+        emulated = result.policy is not None and result.policy.emulate
+        real = {name: str(t) for (name, k), t in result.dtypes.items() if k == 0 and t is not None}
+        return _Beside(notes, real if emulated else None)
+    if isinstance(obj, HybridBlock):
+        return _Beside(plan_notes.notes(obj), plan_notes.emulated_dtypes(obj))
+    return _Beside({}, None)
 
 
 def _label(policy: Optional[Policy], dtypes: Dict[Tuple[str, int], Optional[str]]) -> str:
@@ -95,12 +119,14 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
 
     Works on training graphs built under :func:`gluon_amp.init` and on converted
     inference graphs. Data inputs default to float32; pass ``name=dtype`` to change one.
-    Reasons are the walker's (:mod:`gluon_amp_core.walk`), or, for converted graphs, the
-    ones the converter recorded on each node. ``target_dtype`` (a dtype or a Policy)
+    Reasons are the walker's (:mod:`gluon_amp_core.walk`), or the ones kept beside the graph
+    (a converter's ``amp_result``, the shape rules' and the tuner's notes of a block trained
+    under ``init``). ``target_dtype`` (a dtype or a Policy)
     defaults to the policy that made the graph, the one in force, or the low-precision
     dtype found in the graph.
     """
     sym, policy = _graph_and_policy(symbol_or_block, target_dtype)
+    beside = _beside(symbol_or_block)
     nodes = json.loads(sym.tojson(remove_amp_cast=False))["nodes"]
     attrs = sym.attr_dict()
     known = {n: "float32" for n in sym.list_inputs() if "__dtype__" not in attrs.get(n, {})}
@@ -108,7 +134,7 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
     if by_name is None:
         raise ValueError("could not infer the graph's dtypes; pass the dtype of every data input, "
                          f"e.g. report(sym, data='float32'); inputs: {sym.list_inputs()[:8]}")
-    label = _label(policy, by_name)
+    label = _label(policy, {(n, 0): t for n, t in beside.real.items()} if beside.real else by_name)
     table = policy.table if policy is not None and policy.enabled else \
         default_table(label if label in LOW_PRECISION_DTYPES else runtime.emulated_target(None))
     rows, casts = [], 0
@@ -121,13 +147,14 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
         if nd.reason is Reason.CAST:
             casts += 1
             continue
-        reason = node_attrs.get(REASON_ATTR, nd.reason.value)
+        note = beside.notes.get(nd.name)
+        reason = note.reason if note is not None else nd.reason.value
         rule = table.conditions.get(table.canonical(nd.op))
         if rule is not None and reason.startswith("conditional"):
             reason += f" ({rule.attr}={node_attrs.get(rule.attr, 'default')})"
-        real = node_attrs.get(REAL_DTYPE_ATTR)
+        real = beside.real.get(nd.name) if beside.real is not None else None
         rows.append(OpRow(nd.name, nd.op, real or by_name.get((nd.name, 0)) or "?", reason, real is not None or ran,
-                          node_attrs.get(MEASURED_WHY_ATTR, "")))
+                          note.detail if note is not None else ""))
     tuning = getattr(symbol_or_block, "amp_tuning", None)
     return Report(label, rows, casts, dict(Counter(r.dtype for r in rows)),
                   dict(Counter(r.reason.split(" ")[0] for r in rows)), any(r.emulated for r in rows),

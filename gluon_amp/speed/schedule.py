@@ -27,8 +27,9 @@ from mxnet.symbol import Symbol
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.timing_cache import TimingCache
 from gluon_amp_core.tune_schedule import Ledger, ShapeHistory, Shapes, TuneBudget
+from gluon_amp_core.walk import measured_note
 
-from .. import mxnet_internals as mxi
+from .. import mxnet_internals as mxi, plan_notes
 from .timing import release_memory
 from .tuner import Job, Outcome, Target, Tuning, applier, check_applied, graph_key, load_outcome, new_job, run
 
@@ -105,6 +106,7 @@ class Tuner:
     # -- a graph build (first call, or a rebuild this tuner or the shape rules asked for)
     def rewrite(self, block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> Symbol:
         """The block's traced training graph with its structure's choices (none yet: the plan)."""
+        plan_notes.record(block, "tuner", {})
         if getattr(block, "amp_result", None) is not None:
             return out  # converted by gluon_amp: its plan (tuned or not) was fixed then
         arrays = [a for a in mxi.call_arrays(args) if isinstance(a, NDArray)]
@@ -134,6 +136,7 @@ class Tuner:
                           f"({wrong[:3]}); it runs the untuned plan. Please report this with the model.",
                           RuntimeWarning, stacklevel=5)
             return out
+        plan_notes.record(block, "tuner", {n: measured_note(c) for n, c in choices.items()})
         return tuned
 
     def _graph(self, target: Target, data_names: List[str]) -> _Graph:

@@ -29,7 +29,6 @@ from gluon_amp_core.retype import Change, retype
 from gluon_amp_core.timing_cache import TimingCache
 from gluon_amp_core.tune import Problem, Timed, choose, groups, problem
 from gluon_amp_core.tune_schedule import SIZE_STEP, Ledger, elements, still_float32, to_retime
-from gluon_amp_core.walk import measured_attrs
 
 from .. import mxnet_internals as mxi
 from ..type_inference import infer_dtypes, infer_shapes
@@ -224,7 +223,7 @@ def _changes(graph: dict, choices: Mapping[str, MeasuredChoice], dtypes: Mapping
         if n["name"] in choices and n["op"] != "null":
             in_types = [dtypes.get((nodes[e[0]]["name"], e[1])) for e in n["inputs"]]
             d = decide(n["op"], n.get("attrs", {}), in_types, policy.table, measured=choices[n["name"]].dtype)
-            out[n["name"]] = Change(d, measured_attrs(choices[n["name"]]))
+            out[n["name"]] = Change(d)
     return out
 
 

@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from gluon_amp_core.emulate import (BF16_ROUNDING, REAL_DTYPE_ATTR, ROUND_SUFFIX, emulate_graph, preserves_values,
+from gluon_amp_core.emulate import (BF16_ROUNDING, ROUND_SUFFIX, emulate_graph, preserves_values,
                                     round_bits, rounding_node)
 
 KERNEL = "_gluon_amp_round"
@@ -45,7 +45,7 @@ def test_cast_down_becomes_a_rounding_and_low_outputs_are_rounded():
     # fc's float16 output is rounded: down to float16, back up to float32
     down = nodes[f"fc{ROUND_SUFFIX}_float16"]
     assert down["attrs"]["dtype"] == "float16" and emu.graph["nodes"][down["inputs"][0][0]]["name"] == "fc"
-    assert nodes["fc"]["attrs"][REAL_DTYPE_ATTR] == "float16"
+    assert emu.real_dtypes["fc"] == "float16" and "__amp_dtype__" not in nodes["fc"].get("attrs", {})
     assert emu.entries[("fc", 0)] == (rounding_node("fc"), 0)
     assert emu.rounds == 3
 
@@ -54,8 +54,9 @@ def test_low_precision_variables_are_stored_float32_and_rounded():
     g = _graph([_var("data"), _var("w", __dtype__="12"),
                 _op("FullyConnected", "fc", [(0, 0), (1, 0)], num_hidden="2", no_bias="True")], [[2, 0, 0]])
     types = {("data", 0): "bfloat16", ("w", 0): "bfloat16", ("fc", 0): "bfloat16"}
-    nodes = _by_name(emulate_graph(g, types).graph)
-    assert nodes["w"]["attrs"]["__dtype__"] == "0" and nodes["w"]["attrs"][REAL_DTYPE_ATTR] == "bfloat16"
+    emu = emulate_graph(g, types)
+    nodes = _by_name(emu.graph)
+    assert nodes["w"]["attrs"] == {"__dtype__": "0"} and emu.real_dtypes["w"] == "bfloat16"
     assert rounding_node("w") in nodes and rounding_node("data") in nodes
 
 
@@ -237,3 +238,17 @@ def test_round_bits_agrees_with_an_independent_rounding_on_random_values(dtype, 
 def test_round_bits_names_a_bad_dtype():
     with pytest.raises(ValueError, match="'float16' or 'bfloat16', got 'float64'"):
         round_bits(0, "float64")
+
+
+def test_emulation_adds_no_attribute_of_gluon_amps_and_keeps_real_dtypes_beside_the_graph():
+    """MXNet hands every node attribute to a Python custom op's constructor: the emulated graph's
+    nodes carry their own attributes only; the plan's dtypes are in the result, by node name."""
+    g = _graph([_var("data"), _op("amp_cast", "c", [(0, 0)], dtype="bfloat16"),
+                _op("Custom", "twice", [(1, 0)], op_type="twice"),
+                _op("amp_cast", "out", [(2, 0)], dtype="float32")], [[3, 0, 0]])
+    types = {("data", 0): "float32", ("c", 0): "bfloat16", ("twice", 0): "bfloat16", ("out", 0): "float32"}
+    for kernel in (None, "_gluon_amp_round"):
+        emu = emulate_graph(g, types, kernel=kernel)
+        assert _by_name(emu.graph)["twice"]["attrs"] == {"op_type": "twice"}
+        assert not any(k.startswith("__amp_") for n in emu.graph["nodes"] for k in n.get("attrs", {}))
+        assert emu.real_dtypes == {"data": "float32", "c": "bfloat16", "twice": "bfloat16", "out": "float32"}

@@ -7,7 +7,6 @@ casts produce their ``dtype``; a multicast, with every input known, gives the wi
 from gluon_amp_core.dtypes import FLOAT_DTYPES, widest
 from gluon_amp_core.graph_pass import convert_graph
 from gluon_amp_core.policy import Policy
-from gluon_amp_core.walk import REASON_ATTR
 
 POLICY = Policy.create("bfloat16")
 OP_INPUTS = {"FullyConnected": ("data", "weight", "bias"), "softmax": ("data",),
@@ -66,9 +65,24 @@ def test_one_cast_per_tensor_and_dtype():
 
 
 def test_excluded_node_is_float32_and_marked():
+    """The reason is kept beside the graph (the result), never in the node's attributes."""
     r = run(two_fc(), excluded=["fc2"])
     fc2 = next(n for n in r.graph["nodes"] if n["name"] == "fc2")
-    assert fc2["attrs"][REASON_ATTR] == "excluded" and r.dtypes[("fc2", 0)] == "float32"
+    assert r.reasons["fc2"] == "excluded" and r.dtypes[("fc2", 0)] == "float32"
+    assert fc2.get("attrs", {}) == next(n for n in two_fc()["nodes"] if n["name"] == "fc2").get("attrs", {})
+
+
+def test_the_pass_adds_no_attribute_to_any_node_and_drops_an_older_gluon_amps():
+    """A plan is a plain MXNet graph: MXNet hands every node attribute to a Python custom op's
+    constructor (``TypeError: __init__() got an unexpected keyword argument '__amp_reason__'``)."""
+    g = two_fc()
+    g["nodes"][-1] = {**g["nodes"][-1], "attrs": {**g["nodes"][-1].get("attrs", {}), "__amp_reason__": "excluded"}}
+    r = run(g)
+    before = {n["name"]: n.get("attrs", {}) for n in two_fc()["nodes"]}
+    for n in r.graph["nodes"]:
+        assert not any(k.startswith("__amp_") for k in n.get("attrs", {})), n
+        if n["name"] in before and n["op"] != "null":
+            assert n.get("attrs", {}) == before[n["name"]]
 
 
 def test_cast_optional_params_folds_weight_casts():

@@ -2,12 +2,11 @@
 from gluon_amp_core.decide import Decision, MeasuredChoice, Reason
 from gluon_amp_core.retype import Change, drop_identity_casts, retype
 from gluon_amp_core.table import default_table
-from gluon_amp_core.walk import MEASURED_WHY_ATTR, REASON_ATTR, measured_attrs
+from gluon_amp_core.walk import measured_note
 
 BF16, FP32 = "bfloat16", "float32"
 OP_INPUTS = {"Convolution": ("data", "weight", "bias"),
              "BatchNorm": ("data", "gamma", "beta", "moving_mean", "moving_var")}
-NARROW = {REASON_ATTR: "narrow_input"}
 
 
 def _traced():
@@ -29,11 +28,11 @@ def _by_name(graph):
 
 
 def test_float32_with_unknown_dtypes_reads_before_the_low_casts_casts_and_drops_them():
-    change = Change(Decision(FP32, Reason.NARROW_INPUT), NARROW)
+    change = Change(Decision(FP32, Reason.NARROW_INPUT))
     graph = retype(_traced(), {"conv": change}, {}, OP_INPUTS)
     nodes = _by_name(graph)
     conv, conv_in = nodes["conv"]
-    assert conv["attrs"][REASON_ATTR] == "narrow_input" and conv["attrs"]["stride"] == "(2, 2)"
+    assert conv["attrs"] == {"stride": "(2, 2)"}  # the reason is the caller's to keep, beside the graph
     assert [nodes[c][1] for c in conv_in] == [["x"], ["w"]]
     assert all(nodes[c][0]["attrs"]["dtype"] == FP32 for c in conv_in)  # unknown dtypes: cast
     assert "x_cast" not in nodes and "w_cast" not in nodes  # nothing reads them any more
@@ -46,7 +45,7 @@ def test_float32_with_unknown_dtypes_reads_before_the_low_casts_casts_and_drops_
 def test_kept_inputs_and_other_nodes_are_left_alone():
     graph = _traced()
     graph["nodes"][4] = {**graph["nodes"][4], "op": "BatchNorm"}
-    change = Change(Decision(FP32, Reason.NARROW_INPUT, frozenset({"gamma"})), NARROW)
+    change = Change(Decision(FP32, Reason.NARROW_INPUT, frozenset({"gamma"})))
     out = _by_name(retype(graph, {"conv": change}, {}, OP_INPUTS))
     assert [out[c][0]["attrs"]["dtype"] for c in out["conv"][1]] == [FP32, BF16]
     untouched = retype(_traced(), {"other": change}, {}, OP_INPUTS)
@@ -58,8 +57,8 @@ def test_measured_choices_with_known_dtypes_bypass_or_add_casts_as_needed():
     nodes, heads, dt, _ = _chain()
     choices = {"conv": MeasuredChoice(FP32, 409.0, 205.0, 0.0, BF16), "bn": MeasuredChoice(BF16, 1.0, 9.0, 0.5, BF16)}
     table = default_table(BF16)
-    changes = {n: Change(Decision(c.dtype, Reason.MEASURED, table.keep_fp32_inputs.get(op, frozenset())),
-                         measured_attrs(c)) for (n, c), op in zip(choices.items(), ("Convolution", "BatchNorm"))}
+    changes = {n: Change(Decision(c.dtype, Reason.MEASURED, table.keep_fp32_inputs.get(op, frozenset())))
+               for (n, c), op in zip(choices.items(), ("Convolution", "BatchNorm"))}
     g = retype({"nodes": nodes, "heads": heads, "arg_nodes": [], "attrs": {}}, changes, dt, OP_INPUTS)
     by = {n["name"]: n for n in g["nodes"]}
     name = [n["name"] for n in g["nodes"]]
@@ -68,7 +67,9 @@ def test_measured_choices_with_known_dtypes_bypass_or_add_casts_as_needed():
     src = name[by["bn"]["inputs"][0][0]]
     assert by[src]["op"] == "amp_cast" and by[src]["attrs"]["dtype"] == BF16  # bn held low: a new cast
     assert [name[e[0]] for e in by["bn"]["inputs"][1:]] == ["g", "b", "m", "v"]  # statistics untouched
-    assert by["conv"]["attrs"][REASON_ATTR] == "measured" and "2.0x slower" in by["conv"]["attrs"][MEASURED_WHY_ATTR]
+    note = measured_note(choices["conv"])
+    assert note.reason == "measured" and "2.0x slower" in note.detail
+    assert not any(k.startswith("__amp_") for n in g["nodes"] for k in n.get("attrs", {}))
     assert name[g["heads"][0][0]] == "out" and g["arg_nodes"] == [j for j, n in enumerate(g["nodes"]) if n["op"] == "null"]
     assert retype({"nodes": nodes, "heads": heads, "attrs": {}}, {}, dt, OP_INPUTS)["nodes"] == nodes
 

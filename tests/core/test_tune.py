@@ -7,7 +7,7 @@ import pytest
 from gluon_amp_core.decide import Reason, decide
 from gluon_amp_core.table import default_table
 from gluon_amp_core.tune import FP32, cast_timed, choose, problem
-from gluon_amp_core.walk import MEASURED_ATTR, walk
+from gluon_amp_core.walk import walk
 
 BF16 = "bfloat16"
 TABLE = default_table(BF16)
@@ -123,8 +123,8 @@ def test_decide_and_walk_obey_a_measured_choice_except_where_float32_is_required
     assert decide("Activation", {"act_type": "softrelu"}, [BF16], TABLE, measured=BF16).dtype == FP32
     assert decide("Convolution", {}, [BF16], TABLE, excluded=True, measured=BF16).reason is Reason.EXCLUDED
     nodes, _, dt, _ = _chain()
-    nodes[4]["attrs"] = {**nodes[4]["attrs"], MEASURED_ATTR: FP32}
-    by = {nd.name: nd.decision for nd in walk(nodes, TABLE, lambda e: dt.get((nodes[e[0]]["name"], e[1])))}
+    by = {nd.name: nd.decision for nd in walk(nodes, TABLE, lambda e: dt.get((nodes[e[0]]["name"], e[1])),
+                                              measured={nodes[4]["name"]: FP32})}
     assert by["conv"].dtype == FP32 and by["conv"].reason is Reason.MEASURED
     by = {nd.name: nd.decision for nd in walk(nodes, TABLE, lambda e: None, measured={"bn": FP32})}
     assert by["bn"].dtype == FP32
