@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 from . import mxnet_internals as mxi, runtime
 from gluon_amp_core.policy import FLOAT32, Policy
 from gluon_amp_core.table import ConditionalSpec
-from gluon_amp_core.tune_schedule import ENV as TUNE_BUDGET_ENV, TuneBudget, parse_budget
+from gluon_amp_core.tuning.schedule import ENV as TUNE_BUDGET_ENV, TuneBudget, parse_budget
 
 
 def make_policy(target_dtype: Any = None, *,
@@ -36,7 +36,7 @@ def make_policy(target_dtype: Any = None, *,
     (``None`` then picks float16 with a GPU, else bfloat16); no capability warning.
     ``excluded_sym_names`` keeps those op nodes in float32. ``tune`` times the ops a graph
     runs low on this machine and keeps in float32 those that do not make the whole graph
-    faster (:mod:`gluon_amp.speed.tuner`); ``None`` (the default) tunes unless emulating or
+    faster (:mod:`gluon_amp.tuning.tuner`); ``None`` (the default) tunes unless emulating or
     ``GLUON_AMP_TUNE=0``. ``tune_budget`` bounds what tuning spends per process (see
     :func:`gluon_amp.init`); ``None``: ``$GLUON_AMP_TUNE_BUDGET``, else the default.
     """
@@ -69,7 +69,7 @@ def tune_default() -> bool:
 
 def tune_budget_default() -> TuneBudget:
     """What ``tune_budget=None`` means: ``$GLUON_AMP_TUNE_BUDGET`` if set, else the default
-    (:data:`gluon_amp_core.tune_schedule.DEFAULT_BUDGET`)."""
+    (:data:`gluon_amp_core.tuning.schedule.DEFAULT_BUDGET`)."""
     text = os.environ.get(TUNE_BUDGET_ENV, "").strip()
     return parse_budget(text or None, f"${TUNE_BUDGET_ENV}")
 

@@ -20,7 +20,7 @@ from gluon_amp_core.table import ConditionalSpec, check_name_list
 from .. import mxnet_internals as mxi, runtime
 from ..emulation import emulate_symbol, round_nd
 from ..policy_builder import as_policy
-from ..speed.tuner import tune_graph
+from ..tuning.schedule import tune_graph
 from ..type_inference import infer_dtypes, op_types
 from .fold import fold_batch_norm
 

@@ -19,7 +19,7 @@ from gluon_amp_core.table import ConditionalSpec
 
 from .. import mxnet_internals as mxi, runtime
 from ..policy_builder import as_policy
-from ..speed.schedule import Tuner
+from ..tuning.schedule import Tuner
 from . import low_cast
 from .hooks import graph_rewriter, holds_amp_plan
 from .wrappers import ScalerRegistry, wrapper_for
@@ -255,7 +255,7 @@ def current_policy() -> Optional[Policy]:
 
 def tuning_info() -> Optional[dict]:
     """What tuning has spent and where each graph stands (``None`` when AMP is off or does
-    not tune): :meth:`gluon_amp.speed.schedule.Tuner.info`."""
+    not tune): :meth:`gluon_amp.tuning.schedule.Tuner.info`."""
     active = _active
     return active.tuner.info() if active is not None and active.tuner is not None else None
 

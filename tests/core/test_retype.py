@@ -54,7 +54,7 @@ def test_kept_inputs_and_other_nodes_are_left_alone():
 
 
 def test_measured_choices_with_known_dtypes_bypass_or_add_casts_as_needed():
-    from test_tune import _chain
+    from test_tuning_problem import _chain
     nodes, heads, dt, _ = _chain()
     choices = {"conv": MeasuredChoice(FP32, 409.0, 205.0, 0.0, BF16), "bn": MeasuredChoice(BF16, 1.0, 9.0, 0.5, BF16)}
     table = default_table(BF16)

@@ -22,7 +22,7 @@ def test_notebook_is_committed_executed_at_cpu_sizes_with_its_figures():
     assert "CPU: " in text and "flags: " in text and "probe item" in text
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the throughput and loss chart
     assert "samples/s: FP32" in text and "AMP" in text and "O2" in text
-    # the verdict of gluon_amp_core.loss_match, as the committed run printed it (issue 33)
+    # the verdict of benchmarks/loss_match.py, as the committed run printed it (issue 33)
     assert "vs FP32, first step (equal weights)" in text and "curves at equal update counts" in text
     assert "NOT within" not in text
 

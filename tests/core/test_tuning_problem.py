@@ -6,7 +6,7 @@ import pytest
 
 from gluon_amp_core.decide import Reason, decide
 from gluon_amp_core.table import default_table
-from gluon_amp_core.tune import FP32, cast_timed, choose, problem
+from gluon_amp_core.tuning.problem import FP32, cast_timed, choose, problem
 from gluon_amp_core.walk import MEASURED_ATTR, walk
 
 BF16 = "bfloat16"
