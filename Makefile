@@ -4,7 +4,7 @@ VENV := .venv
 PIP := $(VENV)/bin/pip
 PYTHON := $(VENV)/bin/python
 
-.PHONY: venv install install-dist bench test test-numpy126 check-py312 clean
+.PHONY: venv install install-dist bench lint test test-quick test-numpy126 check-py312 clean
 
 $(VENV)/bin/activate:
 	$(PY) -m venv $(VENV)
@@ -41,8 +41,17 @@ install-dist: install
 	fi
 	$(PIP) install -q -e ".[dist]"
 
-test: install-dist
+# ruff.toml: pyflakes and pycodestyle (E, W, F), lines up to 120 characters.
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: install-dist lint
 	$(PYTHON) -m pytest -q tests
+
+# The suite without the tests marked slow (the benchmarks, the notebook, the longest client runs):
+# for a local run before a commit. `make test` runs everything.
+test-quick: install-dist lint
+	$(PYTHON) -m pytest -q -m "not slow" tests
 
 # numpy 1.26 (what Python 3.12 gets) on this Python, in a venv of its own: the shim's claims, the
 # startup hook (`import mxnet` first) in this editable install and in a wheel installed beside it,

@@ -473,7 +473,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
            "loss_curves": curves, "loss_match": loss_agreement(histories),
            "loss_history": {n: [st.to_dict() for st in h] for n, h in histories.items()},
            "peak_rss_mb_process": peak_here, "runtime": gluon_amp.runtime_info(),
-           "command": " ".join(["python", "benchmarks/ssd_synthetic.py"] + (argv if argv is not None else sys.argv[1:]))}
+           "command": " ".join(["python", "benchmarks/ssd_synthetic.py"]
+                               + (argv if argv is not None else sys.argv[1:]))}
     print_table(doc)
     write_json(doc, args.json)
     if args.plot:

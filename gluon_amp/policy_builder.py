@@ -1,7 +1,8 @@
 """Build a :class:`~gluon_amp_core.policy.Policy` for this machine and this MXNet.
 
 The pure value and its validation live in :mod:`gluon_amp_core.policy`; this module adds
-what only the MXNet layer knows: the machine (resolving ``target_dtype``) and the op mxi.
+what only the MXNet layer knows: the machine (resolving ``target_dtype``) and the op registry
+(op names are checked against MXNet's).
 
 The peer-compatible signatures (``init``, ``convert_*``, ``report``) are shims over
 :func:`as_policy`: they accept a ready ``Policy`` or the classic arguments.

@@ -2,8 +2,8 @@
 
 Times :data:`gluon_amp_core.speed.probe.PROBE` (two ResNet blocks and a dense layer) forward and
 backward in float32 and as AMP's plan runs them (well under 2 s on 2 cores), and keeps the
-figures in this machine's timing cache, so later processes read them in milliseconds. ``GLUON_AMP_SPEED_PROBE=0`` turns it off:
-the CPU flags decide alone.
+figures in this machine's timing cache, so later processes read them in milliseconds.
+``GLUON_AMP_SPEED_PROBE=0`` turns it off: the CPU flags decide alone.
 """
 from __future__ import annotations
 

@@ -69,7 +69,8 @@ def test_measured_choices_with_known_dtypes_bypass_or_add_casts_as_needed():
     assert by[src]["op"] == "amp_cast" and by[src]["attrs"]["dtype"] == BF16  # bn held low: a new cast
     assert [name[e[0]] for e in by["bn"]["inputs"][1:]] == ["g", "b", "m", "v"]  # statistics untouched
     assert by["conv"]["attrs"][REASON_ATTR] == "measured" and "2.0x slower" in by["conv"]["attrs"][MEASURED_WHY_ATTR]
-    assert name[g["heads"][0][0]] == "out" and g["arg_nodes"] == [j for j, n in enumerate(g["nodes"]) if n["op"] == "null"]
+    assert name[g["heads"][0][0]] == "out"
+    assert g["arg_nodes"] == [j for j, n in enumerate(g["nodes"]) if n["op"] == "null"]
     assert retype({"nodes": nodes, "heads": heads, "attrs": {}}, {}, dt, OP_INPUTS)["nodes"] == nodes
 
 

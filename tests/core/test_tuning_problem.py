@@ -11,7 +11,8 @@ from gluon_amp_core.walk import MEASURED_ATTR, walk
 
 BF16 = "bfloat16"
 TABLE = default_table(BF16)
-OP_INPUTS = {"Convolution": ("data", "weight", "bias"), "BatchNorm": ("data", "gamma", "beta", "moving_mean", "moving_var"),
+OP_INPUTS = {"Convolution": ("data", "weight", "bias"),
+             "BatchNorm": ("data", "gamma", "beta", "moving_mean", "moving_var"),
              "Activation": ("data",), "softmax": ("data",)}
 SHAPE = (2, 8, 4, 4)
 
