@@ -29,7 +29,7 @@ def make_policy(target_dtype: Any = None, *,
                 tune: Optional[bool] = None,
                 tune_budget: Any = None) -> Policy:
     """A validated policy: ``target_dtype`` resolved for this machine (``None`` picks;
-    see :func:`gluon_amp_core.capability.resolve_target`), op names checked against MXNet's
+    see :func:`gluon_amp_core.resolve.resolve_target`), op names checked against MXNet's
     mxi. Where no useful low precision exists the policy is float32 (AMP off) and a
     ``RuntimeWarning`` says why, once per process.
 

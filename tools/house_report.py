@@ -33,8 +33,9 @@ PACKAGES = ("gluon_amp", "gluon_amp_core")
 #: The intended layers of gluon_amp, lowest first. A module may import its own unit (a unit is
 #: a package or a module named here) and any unit of a lower layer; an import of a higher
 #: layer, or of another unit of the same layer, runs against the layering (except in the top
-#: layer: a program may run another's code). A module of no unit named here belongs to the unit
-#: of its nearest named parent.
+#: layer: a program may run another's code). A module belongs to the unit of its nearest named
+#: parent; ``gluon_amp`` names the package's ``__init__`` only, so a new module of gluon_amp's
+#: top level is listed as in no layer until it is placed here.
 LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("the pure core", ("gluon_amp_core",)),
     ("numpy's aliases, before MXNet loads", ("gluon_amp._numpy_shim",)),
@@ -86,6 +87,7 @@ class Report:
     locks: Dict[str, List[str]] = field(default_factory=dict)
     against_layering: List[Import] = field(default_factory=list)
     circles: List[List[str]] = field(default_factory=list)
+    unplaced: List[str] = field(default_factory=list)
 
 
 def find_modules(root: str, packages: Sequence[str]) -> Dict[str, Module]:
@@ -138,12 +140,16 @@ def imports(mod: Module, known: Iterable[str]) -> List[Import]:
     return out
 
 
+EXACT_UNITS = {"gluon_amp"}
+
+
 def unit_of(name: str) -> Optional[Tuple[int, str]]:
     """The (layer index, unit) of a module name, or None outside :data:`LAYERS`."""
     best = None
     for i, (_, units) in enumerate(LAYERS):
         for u in units:
-            if (name == u or name.startswith(u + ".")) and (best is None or len(u) > len(best[1])):
+            inside = name == u or (u not in EXACT_UNITS and name.startswith(u + "."))
+            if inside and (best is None or len(u) > len(best[1])):
                 best = (i, u)
     return best
 
@@ -249,6 +255,8 @@ def build(root: str = ROOT, packages: Sequence[str] = PACKAGES) -> Report:
     report = Report(modules=len(mods))
     graph: Dict[str, Set[str]] = {m: set() for m in mods}
     for m in mods.values():
+        if unit_of(m.name) is None:
+            report.unplaced.append(m.name)
         state, locks = module_state(m)
         if state:
             report.state[m.name] = state
@@ -270,6 +278,7 @@ def as_dict(r: Report) -> dict:
             "against_layering": [{"importer": i.importer, "target": i.target, "line": i.line, "lazy": i.lazy}
                                  for i in r.against_layering],
             "circles": r.circles,
+            "in_no_layer": r.unplaced,
             "layers": [{"layer": n, "units": list(u)} for n, u in LAYERS]}
 
 
@@ -284,6 +293,8 @@ def as_text(r: Report) -> str:
               for i in r.against_layering]
     lines.append(f"import circles: {len(r.circles)}")
     lines += [f"  {' <-> '.join(c)}" for c in r.circles]
+    if r.unplaced:
+        lines.append(f"modules in no layer (add them to LAYERS): {', '.join(r.unplaced)}")
     lines.append("layers, lowest first: " + " < ".join(n for n, _ in LAYERS))
     return "\n".join(lines)
 

@@ -90,7 +90,7 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
 
     With ``policy.emulate`` the returned graph is the emulated one (float32, rounded where
     the plan holds low precision) and ``result.dtypes`` stays the plan's. ``measured``
-    holds the tuner's choices (:func:`_tuned`); ``data_dtypes`` the dtypes of data inputs
+    holds the tuner's choices (:func:`~gluon_amp.tuning.schedule.tune_graph`); ``data_dtypes`` the dtypes of data inputs
     that are not float32 (integer token ids and lengths)."""
     if not isinstance(sym, Symbol):
         raise TypeError(f"convert_symbol expects an mxnet Symbol, got {type(sym).__name__}")

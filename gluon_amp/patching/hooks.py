@@ -30,7 +30,7 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
     """What :func:`gluon_amp.init` hooks into every HybridBlock: ``(rewrite, reshaped, watch)``.
 
     ``rewrite(block, args, inputs, out)`` runs on each fresh graph build. First the ops that
-    the input shapes keep in float32 are fed float32 (:class:`gluon_amp.shape_rules.ShapeRules`),
+    the input shapes keep in float32 are fed float32 (:class:`gluon_amp.patching.shape_rules.ShapeRules`),
     emulated or not, so both run one plan. Emulated policies get the emulated graph.
     Otherwise, a graph holding a dtype the call's device cannot execute raises a
     ``RuntimeError`` before MXNet fails on it.
