@@ -4,7 +4,7 @@ VENV := .venv
 PIP := $(VENV)/bin/pip
 PYTHON := $(VENV)/bin/python
 
-.PHONY: venv install install-dist bench test test-numpy126 check-py312 clean
+.PHONY: venv install install-dist bench lint test test-quick test-numpy126 check-py312 clean
 
 $(VENV)/bin/activate:
 	$(PY) -m venv $(VENV)
@@ -45,9 +45,18 @@ install-dist: install
 # versions of its own: --no-deps keeps the venv's (its imports work with them).
 CLIENTS := sockeye==2.3.24 sacrebleu==1.4.14 portalocker
 
-test: install-dist
+# ruff.toml: pyflakes and pycodestyle (E, W, F), lines up to 120 characters.
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: install-dist lint
 	$(PIP) install -q --no-deps $(CLIENTS)
 	$(PYTHON) -m pytest -q tests
+
+# The suite without the tests marked slow (the benchmarks, the notebook, the longest client runs):
+# for a local run before a commit. `make test` runs everything.
+test-quick: install-dist lint
+	$(PYTHON) -m pytest -q -m "not slow" tests
 
 # numpy 1.26 (what Python 3.12 gets) on this Python, in a venv of its own: the shim's claims, the
 # startup hook (`import mxnet` first) in this editable install and in a wheel installed beside it,

@@ -70,7 +70,8 @@ setup(
         "notebook": ["nbclient>=0.7", "nbformat>=5.7", "ipykernel>=6"],
         # gluonnlp: the client tests run its models (pip builds its sdist, about 13 s).
         # wheel: a test builds gluon-amp's wheel, and setuptools before 70.1 has no bdist_wheel.
-        "test": ["pytest>=7", "gluonnlp==0.10.0", "wheel"],
+        # ruff: the linter `make lint` / `make test` run (ruff.toml).
+        "test": ["pytest>=7", "gluonnlp==0.10.0", "wheel", "ruff>=0.2"],
         # Build horovod against the installed MXNet first (see README / `make install-dist`):
         # a plain pip build of it has no MXNet support.
         "dist": ["horovod==0.28.1", "psutil"],

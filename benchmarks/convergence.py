@@ -36,7 +36,7 @@ import _numpy_shim  # noqa: F401  first: numpy aliases MXNet needs (benchmarks/ 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from gluon_amp_core.loss_match import CurveMatch, Step, match_curves  # noqa: E402  (pure: no MXNet)
+from loss_match import CurveMatch, Step, match_curves  # noqa: E402  (benchmarks/ is on sys.path; pure: no MXNet)
 
 CLASSES = ("square", "disc", "triangle", "bar")
 SIZE = 64
@@ -327,7 +327,7 @@ def verdict(results: List[Dict[str, Any]], floor: float = FLOOR) -> Dict[str, An
 
 def first_steps(results: List[Dict[str, Any]]) -> Dict[str, CurveMatch]:
     """Per AMP run (``'mode (seed k)'``): its loss against FP32's of the same seed by
-    gluon_amp_core.loss_match's rule, where each step trains on a new batch: the first step
+    benchmarks/loss_match.py's rule, where each step trains on a new batch: the first step
     (both at the same initial weights: the numerics alone), and the steps the loss scaler
     skipped, named with the scale it went to. Later steps are not compared: the runs
     decorrelate (the final mAPs are the verdict), and after a skip the same step index is

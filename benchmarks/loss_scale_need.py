@@ -190,7 +190,8 @@ def measure(names: List[str], steps: int) -> Dict[str, Any]:
                 "bits_differ_between_scales": float((a.view(np.uint32) != b.view(np.uint32)).mean()),
                 "losses": {"scale 1": l1, "scale 65536": l2, "fp32": ref_losses},
                 "loss_gap_between_scales": max(abs(x - y) / abs(y) for x, y in zip(l2, l1)),
-                "loss_gap_to_fp32": {f"scale {s:g}": max(abs(x - y) / abs(y) for x, y in zip(by_scale[s][1], ref_losses))
+                "loss_gap_to_fp32": {f"scale {s:g}": max(abs(x - y) / abs(y)
+                                                         for x, y in zip(by_scale[s][1], ref_losses))
                                      for s in SCALES},
             }
             print(f"{name} {mode}: done", flush=True)
@@ -206,7 +207,8 @@ def table(doc: Dict[str, Any]) -> str:
     for name, rows in doc["workloads"].items():
         for mode, r in rows.items():
             s1, s2 = r["scale 1"], r["scale 65536"]
-            lines.append(f"{name:8} {mode:20} {s1['zero_where_fp32_nonzero']:>16.2e} / {s2['zero_where_fp32_nonzero']:<15.2e}"
+            lines.append(f"{name:8} {mode:20} {s1['zero_where_fp32_nonzero']:>16.2e} / "
+                         f"{s2['zero_where_fp32_nonzero']:<15.2e}"
                          f"{s1['rel_l2_error']:>11.2e} / {s2['rel_l2_error']:<9.2e}"
                          f"{s1['nonfinite']:>4}/{s2['nonfinite']:<4}"
                          f"{r['bits_differ_between_scales']:>12.2e} {r['loss_gap_between_scales']:>11.2e}"

@@ -26,7 +26,8 @@ Every implementation runs in its own worker processes (the peer never shares a p
 with gluon_amp). Pre-quantized ``*_int8`` networks get workers of their own with
 ``GLUON_AMP_DISABLE_AMX=1``: importing gluon_amp lets oneDNN use AMX, and MXNet 1.9.1's
 oneDNN 2.4.4 segfaults running GluonCV's int8 pose networks with AMX (reproduced without
-gluon_amp: the AMX permission and ``DNNL_MAX_CPU_ISA=AVX512_CORE_AMX`` are enough). Workers append one JSON line per network to ``--state`` (default
+gluon_amp: the AMX permission and ``DNNL_MAX_CPU_ISA=AVX512_CORE_AMX`` are enough). Workers append one
+JSON line per network to ``--state`` (default
 ``/tmp/model_zoo_sweep.jsonl``), so an interrupted sweep resumes where it stopped; a
 worker that crashes or stalls for ``--timeout`` seconds is restarted after the network it
 was on, which is recorded as failed.
@@ -203,9 +204,9 @@ def build_fp32(name: str) -> Tuple[Any, Shape]:
 
 def first_line(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip()
-    lines = [l for l in text.splitlines() if l.strip() and not l.startswith(("Stack trace", "  File"))]
+    lines = [s for s in text.splitlines() if s.strip() and not s.startswith(("Stack trace", "  File"))]
     if lines and lines[0].endswith("Traceback (most recent call last):"):  # MXNet's C++ trace
-        lines = [f"{type(exc).__name__}: {l}" for l in lines[1:] if "Check failed" in l or "Error" in l] or lines
+        lines = [f"{type(exc).__name__}: {s}" for s in lines[1:] if "Check failed" in s or "Error" in s] or lines
     return (lines[0] if lines else type(exc).__name__)[:300]
 
 
@@ -424,7 +425,7 @@ def forget(path: str, models: set, kinds: set) -> None:
     if not os.path.exists(path):
         return
     with open(path) as fh:
-        keep = [l for l in fh if not _matches(l, models, kinds)]
+        keep = [line for line in fh if not _matches(line, models, kinds)]
     with open(path, "w") as fh:
         fh.writelines(keep)
 
@@ -606,7 +607,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         forget(a.state, set(models), set(worker_kinds(dtypes, not a.no_peer, not a.peer_only)))
     orchestrate(models, dtypes, not a.no_peer, a.jobs, a.state, a.timeout, ours=not a.peer_only)
     results = collect(models, dtypes, not a.no_peer, a.state)
-    report = {"commit": _commit(), "dtypes": dtypes, "peer": not a.no_peer, "totals": totals(results, dtypes, not a.no_peer),
+    report = {"commit": _commit(), "dtypes": dtypes, "peer": not a.no_peer,
+              "totals": totals(results, dtypes, not a.no_peer),
               "networks": results}
     if a.json:
         with open(a.json, "w") as fh:

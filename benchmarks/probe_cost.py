@@ -71,7 +71,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         cached = [r["probe_s"] for k, r in rows if k == "cached"]
         print(f"probe cost: first run max {max(first):.2f} s (target <= 2 s), cached max {max(cached) * 1e3:.2f} ms "
               f"(target <= 5 ms); median {statistics.median(first):.2f} s / {statistics.median(cached) * 1e3:.2f} ms")
-        doc = {"rows": [{"run": k, **r} for k, r in rows], "first_max_s": max(first), "cached_max_ms": max(cached) * 1e3}
+        doc = {"rows": [{"run": k, **r} for k, r in rows], "first_max_s": max(first),
+               "cached_max_ms": max(cached) * 1e3}
     write_json(doc, args.json)
     return doc
 

@@ -26,7 +26,7 @@ budget: docs/speed.md); ``--untuned`` adds ``gluon_amp-untuned`` (also an ``--im
 stdout carries the log lines, a progress bar and the closing table; ``--json`` writes the
 full document.
 
-The loss verdict (``gluon_amp_core.loss_match``) compares each AMP mode's total loss with
+The loss verdict (``benchmarks/loss_match.py``) compares each AMP mode's total loss with
 FP32's like with like: the first step (untimed, inside the build), where both modes have the
 same initial weights; then, since every step trains on the same batch, the losses after
 equal numbers of updates (up to 12), so that a step the loss scaler skipped (named, with the
@@ -53,7 +53,7 @@ import gluon_amp  # noqa: E402  first: its numpy shim (docs/python.md) and AMX, 
 import mxnet as mx  # noqa: E402
 from mxnet import autograd, gluon  # noqa: E402
 from _report import write_json  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-from gluon_amp_core.loss_match import CurveMatch, Step, match_curves  # noqa: E402
+from loss_match import CurveMatch, Step, match_curves  # noqa: E402  (benchmarks/ is on sys.path)
 
 IMPLS = ("gluon_amp", "gluon_amp-untuned", "mxnet-contrib")
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
@@ -386,7 +386,7 @@ LOSS_HORIZON = 12
 
 
 def loss_agreement(histories: Dict[str, List[Step]]) -> Dict[str, Any]:
-    """Per AMP mode: its total loss against FP32's by gluon_amp_core.loss_match's rule (the
+    """Per AMP mode: its total loss against FP32's by benchmarks/loss_match.py's rule (the
     same batch every step, so at equal update counts; the first step, at the initial weights,
     included; steps the loss scaler skipped named with the scale it went to)."""
     if "fp32" not in histories:
@@ -473,7 +473,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
            "loss_curves": curves, "loss_match": loss_agreement(histories),
            "loss_history": {n: [st.to_dict() for st in h] for n, h in histories.items()},
            "peak_rss_mb_process": peak_here, "runtime": gluon_amp.runtime_info(),
-           "command": " ".join(["python", "benchmarks/ssd_synthetic.py"] + (argv if argv is not None else sys.argv[1:]))}
+           "command": " ".join(["python", "benchmarks/ssd_synthetic.py"]
+                               + (argv if argv is not None else sys.argv[1:]))}
     print_table(doc)
     write_json(doc, args.json)
     if args.plot:

@@ -133,7 +133,7 @@ def child(args: argparse.Namespace) -> Dict[str, Any]:
         t0 = time.perf_counter()
         with autograd.record():
             losses = net(*data)
-            total = mx.nd.add_n(*[l.sum() for l in losses])
+            total = mx.nd.add_n(*[loss.sum() for loss in losses])
             if amp:
                 with gluon_amp.scale_loss(total, trainer) as scaled:
                     autograd.backward(scaled)

@@ -31,7 +31,8 @@ def import_mxnet():
         import numpy
         raise ImportError(
             f"MXNet 1.9.1 does not import with numpy {numpy.__version__} while "
-            f"{_numpy_shim.ENV}=0 ({str(exc).splitlines()[0]}): it uses numpy aliases that numpy 1.24 removed. Fix: unset "
+            f"{_numpy_shim.ENV}=0 ({str(exc).splitlines()[0]}): it uses numpy aliases that numpy 1.24 removed. "
+            f"Fix: unset "
             f'{_numpy_shim.ENV}, or on Python 3.11: pip install "numpy<1.24"') from exc
     if not mxnet.__version__.startswith(SUPPORTED_MXNET):
         raise ImportError(f"gluon_amp supports MXNet 1.9.x; found mxnet {mxnet.__version__}. Fix: {_FIX}")

@@ -1,7 +1,8 @@
 """Build a :class:`~gluon_amp_core.policy.Policy` for this machine and this MXNet.
 
 The pure value and its validation live in :mod:`gluon_amp_core.policy`; this module adds
-what only the MXNet layer knows: the machine (resolving ``target_dtype``) and the op registry.
+what only the MXNet layer knows: the machine (resolving ``target_dtype``) and the op registry
+(op names are checked against MXNet's).
 
 The peer-compatible signatures (``init``, ``convert_*``, ``report``) are shims over
 :func:`as_policy`: they accept a ready ``Policy`` or the classic arguments.
@@ -14,7 +15,7 @@ from typing import Any, Optional, Sequence
 from . import mxnet_internals as mxi, runtime
 from gluon_amp_core.policy import FLOAT32, Policy, PolicySpec
 from gluon_amp_core.table import ConditionalSpec
-from gluon_amp_core.tune_schedule import ENV as TUNE_BUDGET_ENV, TuneBudget, parse_budget
+from gluon_amp_core.tuning.schedule import ENV as TUNE_BUDGET_ENV, TuneBudget, parse_budget
 
 
 def make_policy(target_dtype: Any = None, *,
@@ -28,7 +29,7 @@ def make_policy(target_dtype: Any = None, *,
                 tune: Optional[bool] = None,
                 tune_budget: Any = None) -> Policy:
     """A validated policy: ``target_dtype`` resolved for this machine (``None`` picks;
-    see :func:`gluon_amp_core.capability.resolve_target`), op names checked against MXNet's
+    see :func:`gluon_amp_core.resolve.resolve_target`), op names checked against MXNet's
     mxi. Where no useful low precision exists the policy is float32 (AMP off) and a
     ``RuntimeWarning`` says why, once per process.
 
@@ -36,7 +37,7 @@ def make_policy(target_dtype: Any = None, *,
     (``None`` then picks float16 with a GPU, else bfloat16); no capability warning.
     ``excluded_sym_names`` keeps those op nodes in float32. ``tune`` times the ops a graph
     runs low on this machine and keeps in float32 those that do not make the whole graph
-    faster (:mod:`gluon_amp.speed.tuner`); ``None`` (the default) tunes unless emulating or
+    faster (:mod:`gluon_amp.tuning.tuner`); ``None`` (the default) tunes unless emulating or
     ``GLUON_AMP_TUNE=0``. ``tune_budget`` bounds what tuning spends per process (see
     :func:`gluon_amp.init`); ``None``: ``$GLUON_AMP_TUNE_BUDGET``, else the default.
     """
@@ -66,7 +67,7 @@ def tune_default() -> bool:
 
 def tune_budget_default() -> TuneBudget:
     """What ``tune_budget=None`` means: ``$GLUON_AMP_TUNE_BUDGET`` if set, else the default
-    (:data:`gluon_amp_core.tune_schedule.DEFAULT_BUDGET`)."""
+    (:data:`gluon_amp_core.tuning.schedule.DEFAULT_BUDGET`)."""
     text = os.environ.get(TUNE_BUDGET_ENV, "").strip()
     return parse_budget(text or None, f"${TUNE_BUDGET_ENV}")
 

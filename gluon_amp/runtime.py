@@ -18,7 +18,7 @@ from typing import Any, Dict, FrozenSet, Optional, Set
 from gluon_amp_core.capability import Bf16, Capability, classify
 from gluon_amp_core.resolve import Resolution, resolve_target
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, parse_target_dtype
-from gluon_amp_core.speed import SpeedVerdict
+from gluon_amp_core.speed.probe import SpeedVerdict
 from gluon_amp_core.timing_cache import TimingCache
 
 _SYS_ARCH_PRCTL = 158

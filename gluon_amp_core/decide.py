@@ -23,7 +23,7 @@ class Reason(str, enum.Enum):
     WIDEST = "widest"
     NEUTRAL = "neutral"
     EXCLUDED = "excluded"
-    MEASURED = "measured"    # the tuner timed both dtypes here (gluon_amp_core.tune)
+    MEASURED = "measured"    # the tuner timed both dtypes here (gluon_amp_core.tuning.problem)
     CAST = "cast"            # amp_cast / amp_multicast: a cast node itself
     KEPT = "kept"            # a fused or quantized op: the dtypes it has in the FP32 graph
 
@@ -37,7 +37,7 @@ CAST_OPS = frozenset({"amp_cast", "amp_multicast"})
 
 @dataclass(frozen=True)
 class MeasuredChoice:
-    """The dtype the tuner (:mod:`gluon_amp_core.tune`) gives one op node, and the figures
+    """The dtype the tuner (:mod:`gluon_amp_core.tuning.problem`) gives one op node, and the figures
     behind it (ms): data for :func:`decide`'s ``measured``.
 
     ``low_ms``/``fp32_ms`` are the op's own times; ``cast_ms`` is what the casts around it
@@ -113,7 +113,7 @@ def decide(
         The caller excluded this node by name: it runs in float32.
     measured : str, optional
         The dtype the tuner chose for this node from measured times (its speed table is
-        data for this rule: :mod:`gluon_amp_core.tune`). It overrides the op's class,
+        data for this rule: :mod:`gluon_amp_core.tuning.problem`). It overrides the op's class,
         except where float32 is required (an fp32 op, or a conditional rule that applies).
     input_shapes : sequence of tuple or None, optional
         Shapes of the tensor inputs where known (a run, or a graph with its input shapes).

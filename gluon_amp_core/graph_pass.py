@@ -156,7 +156,8 @@ def convert_graph(graph: dict, policy: Policy, input_names: Sequence[str],
                 params.add(index[i])
     decisions = []
     chosen = {n: c.dtype for n, c in measured.items()}
-    for nd in walk(graph["nodes"], policy.table, lambda e: b.dtypes.get((index[e[0]], e[1])), excluded, measured=chosen):
+    for nd in walk(graph["nodes"], policy.table, lambda e: b.dtypes.get((index[e[0]], e[1])), excluded,
+                   measured=chosen):
         node = graph["nodes"][nd.index]
         inputs = [(index[e[0]], e[1]) for e in node["inputs"]]
         names = op_inputs.get(node["op"], ())

@@ -198,7 +198,8 @@ class LossScaler:
                                  "max_scale on the scaler first to allow it.")
             state = replace(state, scale=scale)
         if growth_tracker is not None:
-            if isinstance(growth_tracker, bool) or not isinstance(growth_tracker, numbers.Integral) or growth_tracker < 0:
+            if (isinstance(growth_tracker, bool) or not isinstance(growth_tracker, numbers.Integral)
+                    or growth_tracker < 0):
                 raise ValueError(f"the count of finite steps since the scale last changed must be an int >= 0, "
                                  f"got {growth_tracker!r}")
             state = replace(state, growth_tracker=int(growth_tracker))

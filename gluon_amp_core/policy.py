@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple
 
 from .dtypes import parse_target_dtype
 from .table import ConditionalSpec, OpTable, build_table, check_conditional, check_name_list, check_op_lists
-from .tune_schedule import TuneBudget, parse_budget
+from .tuning.schedule import TuneBudget, parse_budget
 
 #: A ``target_dtype`` of ``FLOAT32`` means AMP is off: no useful low precision here.
 FLOAT32 = "float32"
@@ -37,9 +37,9 @@ class Policy:
         Op node names kept in float32 (as ``excluded_sym_names`` of the converters).
     tune : bool
         Time each low-precision op of a graph in both dtypes, with its casts, on this
-        machine, and keep in float32 those not faster low (:mod:`gluon_amp_core.tune`).
+        machine, and keep in float32 those not faster low (:mod:`gluon_amp_core.tuning.problem`).
     tune_budget : TuneBudget or None
-        What tuning may spend per process (:mod:`gluon_amp_core.tune_schedule`); set when
+        What tuning may spend per process (:mod:`gluon_amp_core.tuning.schedule`); set when
         ``tune`` is, ``None`` otherwise.
     table : OpTable or None
         The op table these settings give, checked against the registry it was built with.
@@ -83,7 +83,7 @@ class Policy:
         ``target_dtype`` is a low-precision dtype (any spelling ``parse_target_dtype``
         takes) or ``'float32'`` for off; ``None`` is resolved by the MXNet layer
         (:func:`gluon_amp.make_policy`), which knows the machine. ``known_ops``/``aliases`` are the registry
-        to check op names against. ``tune_budget`` is anything :func:`~gluon_amp_core.tune_schedule.parse_budget`
+        to check op names against. ``tune_budget`` is anything :func:`~gluon_amp_core.tuning.schedule.parse_budget`
         reads (``None``: the default). Raises ``TypeError``/``ValueError`` naming the bad argument.
         """
         off = target_dtype == FLOAT32

@@ -1,7 +1,7 @@
 """Which target dtype AMP uses here: capability plus measured speed give a resolution. Pure.
 
 ``target_dtype=None`` turns a low dtype on only where it executes natively and, on a CPU,
-where the speed probe measured it faster (:class:`~gluon_amp_core.speed.SpeedVerdict`);
+where the speed probe measured it faster (:class:`~gluon_amp_core.speed.probe.SpeedVerdict`);
 otherwise AMP stays in float32 with one message saying why and how to force the dtype. An
 explicit dtype is obeyed, with a message when it cannot run or was measured slower.
 """
@@ -12,7 +12,7 @@ from typing import Optional
 
 from .capability import _FAST_HW, Bf16, Capability
 from .dtypes import LOW_PRECISION_DTYPES, parse_target_dtype
-from .speed import MIN_SPEEDUP, SpeedVerdict
+from .speed.probe import MIN_SPEEDUP, SpeedVerdict
 
 #: What to do about a target this machine cannot execute, for numerics.
 EMULATE_HINT = ("Pass emulate=True to run the same plan emulated in float32 on this CPU "

@@ -20,7 +20,7 @@ from gluon_amp_core.table import ConditionalSpec, check_name_list
 from .. import execution, mxnet_internals as mxi, plan_notes, runtime
 from ..patching import current_policy
 from ..policy_builder import as_policy, make_policy
-from ..speed.tuner import tune_graph
+from ..tuning.schedule import tune_graph
 from ..type_inference import infer_dtypes, op_types
 from .fold import fold_batch_norm
 
@@ -90,7 +90,7 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
 
     The returned graph is the plan, also with ``policy.emulate``: the caller remembers it
     (:func:`gluon_amp.execution.remember`) so that it runs emulated where it is bound. ``measured``
-    holds the tuner's choices (:func:`_tuned`); ``data_dtypes`` the dtypes of data inputs
+    holds the tuner's choices (:func:`~gluon_amp.tuning.schedule.tune_graph`); ``data_dtypes`` the dtypes of data inputs
     that are not float32 (integer token ids and lengths)."""
     if not isinstance(sym, Symbol):
         raise TypeError(f"convert_symbol expects an mxnet Symbol, got {type(sym).__name__}")

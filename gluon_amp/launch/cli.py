@@ -44,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
         prog=PROG, usage=f"{PROG} [options] SCRIPT [ARGS...]  |  {PROG} [options] -m MODULE [ARGS...]",
         description="Run a Python program (code you do not own, e.g. GluonCV's and GluonNLP's training "
                     "scripts) under gluon_amp: mixed precision is on before it starts, its `from "
-                    f"{facade.PEER_PACKAGE} import amp` gets gluon_amp, and its own amp.init() keeps the policy given here. sys.argv, "
+                    f"{facade.PEER_PACKAGE} import amp` gets gluon_amp, and its own amp.init() keeps the policy "
+                    "given here. sys.argv, "
                     "sys.path[0], __main__ and the exit code are what `python SCRIPT` gives; unlike python, a "
                     "thread that dies of an exception ends the process (exit code 1).")
     p.add_argument("-m", dest="module", metavar="MODULE", help="run library module MODULE as a script (as python -m)")

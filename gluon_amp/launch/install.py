@@ -15,7 +15,7 @@ import sys
 import threading
 import types
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec

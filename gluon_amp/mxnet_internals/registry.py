@@ -162,10 +162,6 @@ class Signature:
         """The declared tensor inputs, in order (none for a variadic op)."""
         return self.params[: self.n_inputs]
 
-    def positional_attrs(self, args: tuple) -> bool:
-        """True when ``args`` go past the inputs (attributes or options given by position)."""
-        return not self.variadic and len(args) > self.n_inputs
-
     def input_args(self, args: tuple) -> tuple:
         """The positional arguments that are inputs."""
         return args if self.variadic or len(args) <= self.n_inputs else args[: self.n_inputs]

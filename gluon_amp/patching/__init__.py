@@ -19,7 +19,7 @@ from gluon_amp_core.table import ConditionalSpec
 
 from .. import execution, mxnet_internals as mxi, plan_notes, runtime, state
 from ..policy_builder import as_policy
-from ..speed.schedule import Tuner
+from ..tuning.schedule import Tuner
 from . import low_cast
 from .hooks import graph_rewriter, holds_amp_plan
 from .wrappers import ScalerRegistry, wrapper_for
@@ -369,7 +369,7 @@ def current_policy() -> Optional[Policy]:
 
 def tuning_info() -> Optional[dict]:
     """What tuning has spent and where each graph stands (``None`` when AMP is off or does
-    not tune): :meth:`gluon_amp.speed.schedule.Tuner.info`."""
+    not tune): :meth:`gluon_amp.tuning.schedule.Tuner.info`."""
     graphs = _graphs_now()
     return graphs.tuner.info() if graphs is not None and graphs.tuner is not None else None
 

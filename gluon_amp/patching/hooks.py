@@ -29,7 +29,7 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
 
     ``rewrite(block, args, inputs, out)`` runs on each fresh graph build and gives the plan
     the block keeps: the ops that the input shapes keep in float32 are fed float32
-    (:class:`gluon_amp.shape_rules.ShapeRules`), and the casts the wrappers put on values
+    (:class:`gluon_amp.patching.shape_rules.ShapeRules`), and the casts the wrappers put on values
     they do not convert are dropped. Emulated or not, both run this one plan
     (:func:`gluon_amp.execution.graph_to_run` decides how, when the block's CachedOp is built).
 

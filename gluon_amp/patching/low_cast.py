@@ -78,7 +78,8 @@ def _rule(param: Any, dtype: Any, cast: Callable[[Any], None]) -> None:
     if policy is None:
         raise RuntimeError(
             f"gluon_amp: parameter {param.name!r} is being cast to {low} on {where}, where {low} has no "
-            f"convolution/GEMM kernels ({runtime.capability().why if low == 'bfloat16' else 'float16 runs on a GPU only'}), "
+            f"convolution/GEMM kernels "
+            f"({runtime.capability().why if low == 'bfloat16' else 'float16 runs on a GPU only'}), "
             f"and mixed precision is off here, so the network could not run after it: this cast is GPU-only "
             f"code. Run it emulated (float32 kernels, {low} rounding): python -m gluon_amp.run --emulate "
             f"--target-dtype {low} SCRIPT ..., or gluon_amp.init(target_dtype='{low}', emulate=True) before the "

@@ -9,7 +9,8 @@ from gluon_amp_core.resolve import Resolution
 
 from .. import _numpy_shim, emulation_kernel, runtime
 from ..patching import current_policy, tuning_info
-from ..speed import probe, schedule
+from ..speed import probe
+from ..tuning import schedule
 
 
 def runtime_info() -> Dict[str, Any]:

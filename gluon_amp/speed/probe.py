@@ -1,9 +1,9 @@
 """The speed probe: float32 against the target dtype on a few blocks, once per machine.
 
-Times :data:`gluon_amp_core.speed.PROBE` (two ResNet blocks and a dense layer) forward and
+Times :data:`gluon_amp_core.speed.probe.PROBE` (two ResNet blocks and a dense layer) forward and
 backward in float32 and as AMP's plan runs them (well under 2 s on 2 cores), and keeps the
-figures in this machine's timing cache, so later processes read them in milliseconds. ``GLUON_AMP_SPEED_PROBE=0`` turns it off:
-the CPU flags decide alone.
+figures in this machine's timing cache, so later processes read them in milliseconds.
+``GLUON_AMP_SPEED_PROBE=0`` turns it off: the CPU flags decide alone.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import mxnet as mx
 
 from gluon_amp_core.graph_pass import convert_graph
 from gluon_amp_core.policy import Policy
-from gluon_amp_core.speed import PROBE, OpTiming, SpeedVerdict, busy, timings_from_records, timings_to_records
+from gluon_amp_core.speed.probe import PROBE, OpTiming, SpeedVerdict, busy, timings_from_records, timings_to_records
 from gluon_amp_core.timing_cache import TimingCache, cache_dir
 
 from .. import mxnet_internals as mxi
@@ -102,7 +102,7 @@ class _Graph:
 
 
 def probe_graph(kind: str, p: Mapping[str, int]) -> Tuple[mx.sym.Symbol, Dict[str, Tuple[int, ...]]]:
-    """The FP32 graph of one :data:`~gluon_amp_core.speed.PROBE` item and its input shape."""
+    """The FP32 graph of one :data:`~gluon_amp_core.speed.probe.PROBE` item and its input shape."""
     g = _Graph()
     x = g.add("null", "data")
     if kind == "dense":

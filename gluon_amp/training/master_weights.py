@@ -16,7 +16,7 @@ them and a resumed run continues bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, Tuple
 
 import mxnet as mx
 from mxnet import autograd

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Tuple, Union
 
 import mxnet as mx
-from mxnet.gluon import Block, HybridBlock, Parameter, SymbolBlock, Trainer
+from mxnet.gluon import Block, Parameter, SymbolBlock, Trainer
 from mxnet.gluon.parameter import DeferredInitializationError
 
 from gluon_amp_core.dtypes import FLOAT_DTYPES, LOW_PRECISION_DTYPES, dtype_name

@@ -141,7 +141,8 @@ class _Hook:
             warnings.warn(
                 f"gluon_amp: a training step was skipped for inf/NaN gradients while AMP runs "
                 f"{_dtype_now()}, whose exponent range is float32's: the loss scale is not the cause. "
-                f"Parameters with inf/NaN gradients: {overflow.non_finite_names(params) or 'none now (it came from the loss)'}. "
+                "Parameters with inf/NaN gradients: "
+                f"{overflow.non_finite_names(params) or 'none now (it came from the loss)'}. "
                 "Check the data, the loss and the learning rate; gluon_amp stops the run after "
                 f"{self.scaler.max_consecutive_skips} skips in a row. (Said once per trainer.)",
                 RuntimeWarning, stacklevel=4)
@@ -149,7 +150,8 @@ class _Hook:
             raise RuntimeError(
                 f"{self.scaler.state.consecutive_skips} steps in a row had non-finite gradients "
                 f"(loss scale now {self.scaler.scale_for(dtype):g}); this is not an fp16 range problem. "
-                f"Parameters with inf/NaN gradients: {overflow.non_finite_names(params) or 'none now (inf/NaN came from the loss)'}. "
+                "Parameters with inf/NaN gradients: "
+                f"{overflow.non_finite_names(params) or 'none now (inf/NaN came from the loss)'}. "
                 "Check the learning rate, the data and the loss, or raise max_consecutive_skips.")
         return skip
 
@@ -263,7 +265,7 @@ def scale_loss(loss: Any, trainer: Optional[Trainer] = None, *,
         return
     mxi.set_grad_scale(trainer, hook.original_scale / scale)
     if isinstance(loss, (list, tuple)):
-        yield type(loss)(l * scale for l in loss)
+        yield type(loss)(x * scale for x in loss)
     else:
         yield loss * scale
 

@@ -1,1 +1,1 @@
-"""Op-class data, one module per target dtype. See ``gluon_amp.table`` for the rules."""
+"""Op-class data, one module per target dtype. See :mod:`gluon_amp_core.table` for the rules."""

@@ -12,7 +12,10 @@ for blocked in ("mxnet", "numpy"):
     sys.modules[blocked] = None          # any import of them now raises ImportError
 env_before = dict(os.environ)
 import gluon_amp_core
-from gluon_amp_core import capability, decide, dtypes, fold, graph_pass, loss_scale, policy, resolve, speed, table, timing_cache, walk
+from gluon_amp_core import capability, decide, dtypes, fold, graph_pass, loss_scale, policy, resolve, table
+from gluon_amp_core import timing_cache, walk
+from gluon_amp_core.speed import probe
+from gluon_amp_core.tuning import problem, schedule
 from gluon_amp_core.op_reference import render
 p = policy.Policy.create("float16", fp32_ops=["softmax"])
 d = decide.decide("Convolution", {}, ["float32"], p.table)

@@ -6,7 +6,7 @@ import pytest
 
 from gluon_amp_core.capability import Bf16, Capability, classify
 from gluon_amp_core.resolve import resolve_target
-from gluon_amp_core.speed import MIN_SPEEDUP, SpeedVerdict, timings_from_records
+from gluon_amp_core.speed.probe import MIN_SPEEDUP, SpeedVerdict, timings_from_records
 
 HOSTS = json.load(open(os.path.join(os.path.dirname(__file__), "data", "probe_hosts.json")))["hosts"]
 
@@ -85,7 +85,7 @@ def test_bad_target_names_the_choices():
 
 def test_figures_from_a_busy_machine_are_shown_but_the_flags_decide():
     from dataclasses import replace
-    from gluon_amp_core.speed import busy
+    from gluon_amp_core.speed.probe import busy
     cap, slow = _recorded("intel_xeon_no_amx")
     why = busy(5.2, 2)
     assert why and "5.2" in why and busy(1.9, 2) is None

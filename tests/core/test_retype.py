@@ -53,7 +53,7 @@ def test_kept_inputs_and_other_nodes_are_left_alone():
 
 
 def test_measured_choices_with_known_dtypes_bypass_or_add_casts_as_needed():
-    from test_tune import _chain
+    from test_tuning_problem import _chain
     nodes, heads, dt, _ = _chain()
     choices = {"conv": MeasuredChoice(FP32, 409.0, 205.0, 0.0, BF16), "bn": MeasuredChoice(BF16, 1.0, 9.0, 0.5, BF16)}
     table = default_table(BF16)
@@ -70,7 +70,8 @@ def test_measured_choices_with_known_dtypes_bypass_or_add_casts_as_needed():
     note = measured_note(choices["conv"])
     assert note.reason == "measured" and "2.0x slower" in note.detail
     assert not any(k.startswith("__amp_") for n in g["nodes"] for k in n.get("attrs", {}))
-    assert name[g["heads"][0][0]] == "out" and g["arg_nodes"] == [j for j, n in enumerate(g["nodes"]) if n["op"] == "null"]
+    assert name[g["heads"][0][0]] == "out"
+    assert g["arg_nodes"] == [j for j, n in enumerate(g["nodes"]) if n["op"] == "null"]
     assert retype({"nodes": nodes, "heads": heads, "attrs": {}}, {}, dt, OP_INPUTS)["nodes"] == nodes
 
 

@@ -97,7 +97,8 @@ def import_gluoncv():
 
 def no_bf16_env() -> dict:
     """Environment for a subprocess that behaves like an AVX2-only host on any CPU."""
-    return {**os.environ, "DNNL_MAX_CPU_ISA": "AVX2", "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return {**os.environ, "DNNL_MAX_CPU_ISA": "AVX2",
+            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 def check_graph(sym, policy, excluded=(), **input_types):
     """Return ``(violations, counts by reason)``; no violations when every op runs as decided.

@@ -303,7 +303,8 @@ def run_peer(snippet: str, timeout: float = 120, env: Optional[Dict[str, str]] =
         from mxnet.contrib import amp
         from peer_oracle import *
         result = None
-    """).format(here=HERE, shim=os.path.join(os.path.dirname(os.path.dirname(HERE)), "gluon_amp", "_numpy_shim.py")) + textwrap.dedent(snippet) + f"\nprint({_MARK!r} + json.dumps(result))\n"
+    """).format(here=HERE, shim=os.path.join(os.path.dirname(os.path.dirname(HERE)), "gluon_amp", "_numpy_shim.py"))
+    code += textwrap.dedent(snippet) + f"\nprint({_MARK!r} + json.dumps(result))\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
     for line in proc.stdout.splitlines():

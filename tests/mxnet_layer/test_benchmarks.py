@@ -10,6 +10,8 @@ import pytest
 from helpers import no_bf16_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Each test runs a benchmark script in a process of its own: 6 s (its argparse) to a minute.
+pytestmark = pytest.mark.slow
 
 
 def _run(script, *args, timeout=900, env=None):

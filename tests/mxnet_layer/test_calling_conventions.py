@@ -198,7 +198,8 @@ def _generated_cases():
     sites = {}
     for module, attr, fn, op, kind in mxi.op_function_sites():
         # the ops init wraps: a class with a decision, or several inputs to make agree
-        if kind == "ndarray" and not attr.startswith("_") and module.__name__ in ("mxnet.ndarray", "mxnet.ndarray.contrib") \
+        if kind == "ndarray" and not attr.startswith("_") \
+                and module.__name__ in ("mxnet.ndarray", "mxnet.ndarray.contrib") \
                 and (len(mxi.op_infos()[op].inputs) > 1 or any(t.class_of(op) is not OpClass.NEUTRAL for t in tables)):
             symf = getattr(importlib.import_module(module.__name__.replace("ndarray", "symbol")), attr)
             sites.setdefault(id(fn), (f"{module.__name__}.{attr}", fn, symf, mxi.signature_of(fn)))

@@ -45,6 +45,7 @@ def test_the_metric_scores_ground_truth_as_perfect_and_noise_as_poor():
     assert m.get()[1][-1] < 0.5
 
 
+@pytest.mark.slow  # runs the benchmark: about 30 s
 def test_smoke_run_trains_every_mode_and_writes_the_table(tmp_path):
     out = tmp_path / "c.json"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "convergence.py"), "--smoke",

@@ -299,7 +299,8 @@ def test_ssd_benchmark_under_horovod_reports_per_worker_and_total(tmp_path):
         job.wait()
     doc = json.loads(out.read_text())
     cores = os.cpu_count()
-    expected = [(1, cores)] + ([(1, cores // 2)] if cores >= 2 and cores // 2 != cores else []) + [(2, max(1, cores // 2))]
+    expected = ([(1, cores)] + ([(1, cores // 2)] if cores >= 2 and cores // 2 != cores else [])
+                + [(2, max(1, cores // 2))])
     assert [(r["processes"], r["threads_per_process"]) for r in doc["runs"]] == expected
     for run in doc["runs"]:
         per = run["per_worker_samples_per_sec"]

@@ -7,7 +7,7 @@ import mxnet as mx
 
 import gluon_amp
 from gluon_amp.type_inference import infer_dtypes
-from peer_oracle import BF16, dtype_str, run_peer
+from peer_oracle import BF16, dtype_str, run_peer  # noqa: F401  (the exec of _CAST_GRAPHS reads BF16)
 
 DTYPES = ["float16", "bfloat16"]
 

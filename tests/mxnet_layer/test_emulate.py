@@ -137,7 +137,8 @@ class _EmulatedOnFirstCall(nn.HybridBlock):
         try:
             with emulation_kernel.forced(self.kernel):
                 out = self.net(x)
-            ops = {n["op"] for n in json.loads(gluon_amp.execution.executed_graph(self.net).tojson())["nodes"]}
+            graph = json.loads(gluon_amp.execution.executed_graph(self.net).tojson())
+            ops = {n["op"] for n in graph["nodes"]}
             assert (emulation_kernel.OP_NAME in ops) == self.kernel
         finally:
             gluon_amp.disable()
@@ -269,7 +270,8 @@ def _train_skips(emulate_dtype, steps=4):
     net.initialize(mx.init.Xavier())
     net.hybridize()
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.01}, update_on_kvstore=False)
-    scaler = gluon_amp.init_trainer(trainer, loss_scale=gluon_amp.LossScaler(init_scale=2.0 ** 28, max_scale=2.0 ** 30, growth_interval=1000))
+    scaler = gluon_amp.init_trainer(trainer, loss_scale=gluon_amp.LossScaler(init_scale=2.0 ** 28, max_scale=2.0 ** 30,
+                                                                              growth_interval=1000))
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     for i in range(steps):
         with autograd.record():

@@ -21,7 +21,6 @@ from mxnet import gluon
 
 import gluon_amp
 from gluon_amp import mxnet_internals as mxi
-from gluon_amp.launch import facade
 from helpers import ROOT, import_gluoncv, no_bf16_env
 
 PEER = "mxnet.contrib.amp"

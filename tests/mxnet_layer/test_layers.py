@@ -1,5 +1,4 @@
 """The tests are split by layer: tests/core needs neither MXNet nor NumPy."""
-import os
 import subprocess
 import sys
 

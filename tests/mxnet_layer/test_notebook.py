@@ -22,7 +22,7 @@ def test_notebook_is_committed_executed_at_cpu_sizes_with_its_figures():
     assert "CPU: " in text and "flags: " in text and "probe item" in text
     assert any("image/png" in o.get("data", {}) for o in outputs)  # the throughput and loss chart
     assert "samples/s: FP32" in text and "AMP" in text and "O2" in text
-    # the verdict of gluon_amp_core.loss_match, as the committed run printed it (issue 33)
+    # the verdict of benchmarks/loss_match.py, as the committed run printed it (issue 33)
     assert "vs FP32, first step (equal weights)" in text and "curves at equal update counts" in text
     assert "NOT within" not in text
 
@@ -41,6 +41,7 @@ def _execute(tmp_path, monkeypatch, **env):
     return "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
 
 
+@pytest.mark.slow  # the whole notebook, at tiny sizes: about 90 s
 @pytest.mark.bf16_kernels
 def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     text = _execute(tmp_path, monkeypatch)
@@ -52,6 +53,7 @@ def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     assert "gradients finite without the fix: False" in text and "gradients finite with the fix: True" in text
 
 
+@pytest.mark.slow  # the whole notebook, at tiny sizes: about 90 s
 def test_notebook_runs_without_bf16_kernels(tmp_path, monkeypatch, no_bf16_why):
     """The same notebook on a host without bf16 kernels (simulated on any CPU)."""
     text = _execute(tmp_path, monkeypatch, DNNL_MAX_CPU_ISA="AVX2")

@@ -10,7 +10,7 @@ import gluon_amp
 from gluon_amp import runtime
 from gluon_amp.speed import probe
 from gluon_amp_core.capability import Bf16, Capability
-from gluon_amp_core.speed import PROBE, SpeedVerdict, timings_from_records
+from gluon_amp_core.speed.probe import PROBE, SpeedVerdict, timings_from_records
 from helpers import ROOT, no_bf16_env
 
 HOSTS = json.load(open(os.path.join(ROOT, "tests", "core", "data", "probe_hosts.json")))["hosts"]

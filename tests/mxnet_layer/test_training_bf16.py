@@ -1,9 +1,7 @@
 """bfloat16 AMP training executes on this CPU: quality and bitwise-exact resume."""
 import pytest
 import numpy as np
-import mxnet as mx
 from mxnet import autograd, gluon
-from mxnet.gluon import nn
 
 import gluon_amp
 from helpers import blobs as _data, cnn

@@ -1,7 +1,7 @@
 """The class wrappers: cast (or, emulated, round) an op's inputs as its decision says.
 
 One wrapper per op function with a decision (low precision, fp32, conditional, widest);
-see :mod:`gluon_amp.wrappers` for how they compose with the others.
+see :mod:`gluon_amp.patching.wrappers` for how they compose with the others.
 """
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
-"""Precision per layer by timing: MXNet's side of :mod:`gluon_amp_core.tune`.
+"""Precision per layer by timing: MXNet's side of :mod:`gluon_amp_core.tuning.problem`.
 
 For a graph and the shapes it runs with: MXNet infers every entry's dtype and shape, the
 core lists what to time, this module times what the speed table (the machine's timing
 cache) does not hold yet, and the core chooses. The work is cut into steps (one op's
-timing, the whole-graph trials) that a :class:`~gluon_amp_core.tune_schedule.Ledger` pays
-for: :mod:`gluon_amp.speed.schedule` runs them between the training calls of a hybridized
-block (``init``), :func:`tune_graph` all at once for the converters.
+timing, the whole-graph trials) that a :class:`~gluon_amp_core.tuning.schedule.Ledger` pays
+for: :mod:`gluon_amp.tuning.schedule` runs them, between the training calls of a hybridized
+block (``init``) or all at once for the converters (:func:`~.schedule.tune_graph`).
 
 A graph's outcome is kept per graph structure, not per shape: tuned once in full at one
 input shape, it serves every shape, re-checked only where
-:func:`gluon_amp_core.tune_schedule.could_flip` says a choice could flip (:class:`Job`).
+:func:`gluon_amp_core.tuning.schedule.could_flip` says a choice could flip (:class:`Job`).
 """
 from __future__ import annotations
 
@@ -27,12 +27,12 @@ from gluon_amp_core.decide import MeasuredChoice, decide
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import Change, retype
 from gluon_amp_core.timing_cache import TimingCache
-from gluon_amp_core.tune import Problem, Timed, choose, groups, problem
-from gluon_amp_core.tune_schedule import SIZE_STEP, Ledger, elements, still_float32, to_retime
+from gluon_amp_core.tuning.problem import Problem, Timed, choose, groups, problem
+from gluon_amp_core.tuning.schedule import SIZE_STEP, Ledger, elements, still_float32, to_retime
 
 from .. import mxnet_internals as mxi
 from ..type_inference import infer_dtypes, infer_shapes
-from .timing import time_graph, time_op
+from ..speed.timing import time_graph, time_op
 
 _log = logging.getLogger(__name__)
 _PREFIX = "op/"
@@ -487,47 +487,3 @@ def run(job: Job, ledger: Ledger, clock: Callable[[], float] = time.perf_counter
         ledger.charge(cost, what, estimate)
         job.tuning.seconds += cost
     return True
-
-
-# -- the converters: a whole tuning at once -------------------------------------------
-
-def tune_graph(sym: Symbol, input_dtypes: Mapping[str, str], input_shapes: Mapping[str, Tuple[int, ...]],
-               policy: Policy, train: bool, apply: Callable[[Mapping[str, MeasuredChoice]], Symbol],
-               cache: TimingCache, fused: bool = False, ledger: Optional[Ledger] = None
-               ) -> Tuple[Tuning, Dict[Tuple[str, int], Optional[str]]]:
-    """Choose dtypes for ``sym``'s low-precision ops (typed by the plan) by measured speed,
-    at once (the converters: no training run to pay from, so only the budget's seconds cap
-    applies, shared with the rest of the process through ``ledger``).
-
-    An outcome stored for this graph at other shapes is re-checked here as the rule says;
-    without one, the per-op speed table and :func:`gluon_amp_core.tune.choose` propose, and
-    each group of proposals is kept only if the whole graph with it (``apply(choices)``,
-    run as users run it) is at least :data:`MIN_GAIN` faster. What the budget does not pay
-    for is left as the plan has it. Returns the tuning and the graph's dtypes as MXNet infers them.
-    """
-    from .schedule import now, process_ledger  # the budget is per process, shared with init's tuning
-    ledger = ledger or process_ledger(policy.tune_budget)
-    dtypes = infer_dtypes(sym, input_dtypes, partial=True) or {}
-    target = Target(sym, dict(input_dtypes), apply, policy, train, fused)
-    outcome = load_outcome(cache, graph_key(target), len(target.graph["nodes"]))
-    job = new_job(target, input_shapes, cache, outcome, clock=now)
-    if job is None:  # an outcome that holds at these shapes
-        held = target.by_name(outcome.choices if outcome else {})
-        return Tuning(held, cached=1, status="read from the cache"), dtypes
-    with cache.lock():  # one process measures at a time; the others then read what it stored
-        finished = run(job, ledger, now, cap_only=True)
-        job.flush()
-    tuning = job.tuning
-    if finished:
-        tuning.status = tuning.status if "could not" in tuning.status else f"tuned ({job.kind})"
-    else:
-        spent = ledger.spent
-        tuning.status = (f"stopped by the budget ({ledger.budget.describe()}: {spent:.1f} s spent): "
-                         f"the untimed rest runs the plan")
-        if outcome is not None:  # a re-check that did not finish keeps the choices as they were
-            tuning.choices = target.by_name(outcome.choices)
-    _log.info("gluon_amp tune: %s; %d measurements made, %d read, whole-graph trials %s, %.1f s",
-              tuning.status, tuning.timed, tuning.cached, tuning.trials, tuning.seconds)
-    for name, c in sorted(tuning.choices.items()):
-        _log.info("gluon_amp tune: %s %s", name, c.describe())
-    return tuning, dtypes

@@ -1,4 +1,4 @@
-"""tune=True: precision per op chosen by measured speed (gluon_amp.speed.tuner)."""
+"""tune=True: precision per op chosen by measured speed (gluon_amp.tuning.tuner)."""
 import json
 import os
 import subprocess
@@ -11,9 +11,9 @@ import mxnet as mx
 
 import gluon_amp
 from gluon_amp import runtime
-from gluon_amp.speed import schedule, tuner
+from gluon_amp.tuning import schedule, tuner
 from gluon_amp_core.timing_cache import TimingCache
-from gluon_amp_core.tune_schedule import Ledger
+from gluon_amp_core.tuning.schedule import Ledger
 from helpers import ROOT, MixedNet, make_net, no_bf16_env
 
 
@@ -443,7 +443,7 @@ def test_whole_graph_trials_release_the_blocks_own_graph_first(monkeypatch, cloc
 
 
 def test_tune_budget_is_checked_and_read_from_the_environment(monkeypatch):
-    from gluon_amp_core.tune_schedule import TuneBudget
+    from gluon_amp_core.tuning.schedule import TuneBudget
     assert gluon_amp.make_policy("bfloat16", tune=True, tune_budget="5%,120").tune_budget == TuneBudget(0.05, 120.0)
     assert gluon_amp.make_policy("bfloat16", tune=True, tune_budget=30).tune_budget == TuneBudget(None, 30.0)
     monkeypatch.setenv("GLUON_AMP_TUNE_BUDGET", "inf")

@@ -1,9 +1,13 @@
-"""The loss-curve verdict (gluon_amp_core.loss_match): like with like, skipped steps named."""
+"""The loss-curve verdict (benchmarks/loss_match.py): like with like, skipped steps named."""
 import math
+import os
+import sys
 
 import pytest
 
-from gluon_amp_core.loss_match import CurveMatch, Step, match_curves
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "benchmarks"))
+from loss_match import CurveMatch, Step, match_curves  # noqa: E402
 
 # FP32's loss after n updates, on the same batch every step (ssd_synthetic's and the notebook's
 # set-up): it falls by 10% per update, so an update behind is far beyond 2%.

@@ -6,12 +6,13 @@ import pytest
 
 from gluon_amp_core.decide import Reason, decide
 from gluon_amp_core.table import default_table
-from gluon_amp_core.tune import FP32, cast_timed, choose, problem
+from gluon_amp_core.tuning.problem import FP32, cast_timed, choose, problem
 from gluon_amp_core.walk import walk
 
 BF16 = "bfloat16"
 TABLE = default_table(BF16)
-OP_INPUTS = {"Convolution": ("data", "weight", "bias"), "BatchNorm": ("data", "gamma", "beta", "moving_mean", "moving_var"),
+OP_INPUTS = {"Convolution": ("data", "weight", "bias"),
+             "BatchNorm": ("data", "gamma", "beta", "moving_mean", "moving_var"),
              "Activation": ("data",), "softmax": ("data",)}
 SHAPE = (2, 8, 4, 4)
 

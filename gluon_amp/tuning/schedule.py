@@ -1,10 +1,11 @@
-"""Tuning during training, paid for as it goes: ``init``'s side of the tuner.
+"""When the tuner runs, within the process's one budget: during training, paid for as it
+goes (``init``'s side, :class:`Tuner`), and at once for the converters (:func:`tune_graph`).
 
 A hybridized block's first call runs the plan (or the choices its graph structure already
 has in the timing cache). From then on, each call of the block first gives the tuner a
 turn (:meth:`Tuner.called`): it records the call's input shapes; once a shape repeats it
-starts a :class:`~gluon_amp.speed.tuner.Job` for the graph, and does as many of its steps
-as the process's budget (:class:`~gluon_amp_core.tune_schedule.Ledger`) has paid for by
+starts a :class:`~gluon_amp.tuning.tuner.Job` for the graph, and does as many of its steps
+as the process's budget (:class:`~gluon_amp_core.tuning.schedule.Ledger`) has paid for by
 then; the rest waits for later calls. When a job changes the graph's choices, the block's
 graph is built again with them for that call (and for every other block of the same
 structure at its next call). Whole-graph trials release the block's own graph first, so
@@ -12,27 +13,31 @@ its memory is not held twice.
 """
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import mxnet as mx
 from mxnet.gluon import HybridBlock
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
+from gluon_amp_core.decide import MeasuredChoice
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.timing_cache import TimingCache
-from gluon_amp_core.tune_schedule import Ledger, ShapeHistory, Shapes, TuneBudget
+from gluon_amp_core.tuning.schedule import Ledger, ShapeHistory, Shapes, TuneBudget
 from gluon_amp_core.walk import measured_note
 
 from .. import mxnet_internals as mxi, plan_notes
-from .timing import release_memory
+from ..speed.timing import release_memory
+from ..type_inference import infer_dtypes
 from .tuner import Job, Outcome, Target, Tuning, applier, check_applied, graph_key, load_outcome, new_job, run
 
+_log = logging.getLogger(__name__)
 #: The clock tuning is charged by (tests plant one of their own).
 clock: Callable[[], float] = time.perf_counter
 _LEDGER = Ledger()
@@ -302,3 +307,46 @@ def _shapes(arrays: Any) -> Shapes:
 
 def _shown(shapes: Dict[Any, tuple]) -> str:
     return ", ".join(f"{k}={tuple(v)}" for k, v in shapes.items()) or "?"
+
+
+# -- the converters: a whole tuning at once -------------------------------------------
+
+def tune_graph(sym: Symbol, input_dtypes: Mapping[str, str], input_shapes: Mapping[str, Tuple[int, ...]],
+               policy: Policy, train: bool, apply: Callable[[Mapping[str, MeasuredChoice]], Symbol],
+               cache: TimingCache, fused: bool = False, ledger: Optional[Ledger] = None
+               ) -> Tuple[Tuning, Dict[Tuple[str, int], Optional[str]]]:
+    """Choose dtypes for ``sym``'s low-precision ops (typed by the plan) by measured speed,
+    at once (the converters: no training run to pay from, so only the budget's seconds cap
+    applies, shared with the rest of the process through ``ledger``).
+
+    An outcome stored for this graph at other shapes is re-checked here as the rule says;
+    without one, the per-op speed table and :func:`gluon_amp_core.tuning.problem.choose` propose, and
+    each group of proposals is kept only if the whole graph with it (``apply(choices)``,
+    run as users run it) is at least :data:`~.tuner.MIN_GAIN` faster. What the budget does not pay
+    for is left as the plan has it. Returns the tuning and the graph's dtypes as MXNet infers them.
+    """
+    ledger = ledger or process_ledger(policy.tune_budget)
+    dtypes = infer_dtypes(sym, input_dtypes, partial=True) or {}
+    target = Target(sym, dict(input_dtypes), apply, policy, train, fused)
+    outcome = load_outcome(cache, graph_key(target), len(target.graph["nodes"]))
+    job = new_job(target, input_shapes, cache, outcome, clock=now)
+    if job is None:  # an outcome that holds at these shapes
+        held = target.by_name(outcome.choices if outcome else {})
+        return Tuning(held, cached=1, status="read from the cache"), dtypes
+    with cache.lock():  # one process measures at a time; the others then read what it stored
+        finished = run(job, ledger, now, cap_only=True)
+        job.flush()
+    tuning = job.tuning
+    if finished:
+        tuning.status = tuning.status if "could not" in tuning.status else f"tuned ({job.kind})"
+    else:
+        spent = ledger.spent
+        tuning.status = (f"stopped by the budget ({ledger.budget.describe()}: {spent:.1f} s spent): "
+                         f"the untimed rest runs the plan")
+        if outcome is not None:  # a re-check that did not finish keeps the choices as they were
+            tuning.choices = target.by_name(outcome.choices)
+    _log.info("gluon_amp tune: %s; %d measurements made, %d read, whole-graph trials %s, %.1f s",
+              tuning.status, tuning.timed, tuning.cached, tuning.trials, tuning.seconds)
+    for name, c in sorted(tuning.choices.items()):
+        _log.info("gluon_amp tune: %s %s", name, c.describe())
+    return tuning, dtypes

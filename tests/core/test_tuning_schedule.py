@@ -1,10 +1,10 @@
-"""When tuning may spend, and where its decisions carry (gluon_amp_core.tune_schedule)."""
+"""When tuning may spend, and where its decisions carry (gluon_amp_core.tuning.schedule)."""
 import math
 
 import pytest
 
 from gluon_amp_core.decide import MeasuredChoice
-from gluon_amp_core.tune_schedule import (DEFAULT_BUDGET, Ledger, ShapeHistory, TuneBudget, could_flip,
+from gluon_amp_core.tuning.schedule import (DEFAULT_BUDGET, Ledger, ShapeHistory, TuneBudget, could_flip,
                                           parse_budget, still_float32, to_retime)
 
 

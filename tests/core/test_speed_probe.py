@@ -1,7 +1,7 @@
 """The probe's figures and the step-speedup estimate they give."""
 import pytest
 
-from gluon_amp_core.speed import (MIN_SPEEDUP, PROBE, OpTiming, SpeedVerdict, step_speedup, timings_from_records,
+from gluon_amp_core.speed.probe import (MIN_SPEEDUP, PROBE, OpTiming, SpeedVerdict, step_speedup, timings_from_records,
                                   timings_to_records)
 
 

@@ -1,6 +1,6 @@
 """When tuning may spend time, and where its decisions carry. Pure.
 
-:mod:`gluon_amp_core.tune` says *what* to time and chooses from the figures; this module
+:mod:`gluon_amp_core.tuning.problem` says *what* to time and chooses from the figures; this module
 says *when* the MXNet layer may time, and *whether* a decision made at one input shape
 still holds at another:
 
@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
-from .decide import MeasuredChoice
+from ..decide import MeasuredChoice
 
 Shapes = Tuple[Tuple[int, ...], ...]
 

@@ -18,10 +18,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Collection, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from .decide import CAST_OPS, MeasuredChoice as Choice
-from .dtypes import FLOAT_DTYPES
-from .graph_pass import is_kept
-from .table import OpClass, OpTable
+from ..decide import CAST_OPS, MeasuredChoice as Choice
+from ..dtypes import FLOAT_DTYPES
+from ..graph_pass import is_kept
+from ..table import OpClass, OpTable
 
 Key = Tuple[str, int]          # (node name, output index)
 Shape = Tuple[int, ...]
