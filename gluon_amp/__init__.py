@@ -41,7 +41,7 @@ from .patching import (  # noqa: E402
     autocast, current_policy, disable, init, is_enabled, patched_functions,
 )
 from .policy_builder import make_policy  # noqa: E402
-from .training.opt_levels import initialize  # noqa: E402
+from .opt_levels import initialize  # noqa: E402
 from . import debug  # noqa: E402
 from .reporting.report import Report, report  # noqa: E402
 from .reporting.info import runtime_info  # noqa: E402

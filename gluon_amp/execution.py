@@ -27,7 +27,7 @@ from mxnet.symbol import Symbol
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.policy import Policy
 
-from . import mxnet_internals as mxi, plan_notes, runtime
+from . import mxnet_internals as mxi, plan_notes, runtime, state
 from .emulation import emulate_symbol
 from .type_inference import infer_dtypes
 
@@ -59,7 +59,6 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
         return plan
     if policy.emulate:
         return emulated(plan, typed, shapes)
-    from .patching.hooks import cannot_run  # patching imports this module
     for device in sorted(set(devices)):
         for dtype in sorted(low):
             if not runtime.executable(dtype, device):
@@ -154,8 +153,7 @@ def policy_for(obj: Any) -> Optional[Policy]:
             return mine[1]
     elif obj in _BLOCKS:
         return _BLOCKS[obj]
-    from .patching import current_policy  # patching imports this module
-    return current_policy()
+    return state.current_policy()
 
 
 def hold(owner: str) -> None:
@@ -223,3 +221,13 @@ def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mappin
     known = {n: "float32" for n in inputs if "__dtype__" not in declared.get(n, {})}
     known.update({k: mxi.FLOAT_NAMES.get(v) or dtype_name(v) for k, v in dtypes.items() if k in set(inputs)})
     return graph_to_run(sym, known, shapes, devices, policy, "the bound symbol")
+
+
+def cannot_run(what: str, dtype: str, device: str) -> str:
+    """The message for a low-precision op this machine cannot execute."""
+    why = ("MXNet's CPU build has no float16 convolution or GEMM" if dtype == "float16"
+           else runtime.capability().why)
+    return (f"gluon_amp: {what} would run {dtype} kernels on the {device}, which this machine cannot "
+            f"execute ({why}). Call gluon_amp.init(target_dtype={dtype!r}, emulate=True) to run the "
+            "same plan emulated in float32 on this CPU (for numerics), or run on hardware with "
+            f"{dtype} kernels.")

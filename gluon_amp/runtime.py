@@ -12,14 +12,15 @@ import ctypes
 import functools
 import os
 import platform
-import warnings
-from typing import Any, Dict, FrozenSet, Optional, Set
+from typing import Any, Dict, FrozenSet, Optional
 
 from gluon_amp_core.capability import Bf16, Capability, classify
 from gluon_amp_core.resolve import Resolution, resolve_target
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, parse_target_dtype
 from gluon_amp_core.speed.probe import SpeedVerdict
 from gluon_amp_core.timing_cache import TimingCache
+
+from . import state
 
 _SYS_ARCH_PRCTL = 158
 _ARCH_REQ_XCOMP_PERM = 0x1023
@@ -122,14 +123,8 @@ def capability() -> Capability:
                     gpus=mx.context.num_gpus(), probe_error=_probe_bf16())
 
 
-_warned: Set[str] = set()
-
-
 def _say_once(message: str, warn: bool) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        if warn:
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+    state.say_once(message, warn, stacklevel=5)
 
 
 @functools.lru_cache(maxsize=None)

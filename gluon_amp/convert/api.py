@@ -18,7 +18,7 @@ from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec, check_name_list
 
 from .. import execution, mxnet_internals as mxi, plan_notes, runtime
-from ..patching import current_policy
+from ..state import current_policy
 from ..policy_builder import as_policy, make_policy
 from ..tuning.schedule import tune_graph
 from ..type_inference import infer_dtypes, op_types

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import warnings
-import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, FrozenSet, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
@@ -69,19 +67,9 @@ class _Patched:
     regions_open: int = 0
 
 
-_lock = threading.RLock()
-#: the policy ``init`` put in force for the process (threads without an override follow it)
-_policy: Optional[Policy] = None
-_patched: Optional[_Patched] = None
-#: the Region of ``_policy`` (its wrappers and graph rules in ``_patched``)
+#: the Region of ``state.process.policy``, init's (its wrappers and graph rules in ``_patched``)
 _init_region: Optional[state.Region] = None
-#: (serial, target dtype or None) each time a policy came in force or went (init, disable,
-#: an autocast region): a trainer asks which dtypes ran since its last step (:func:`dtypes_since`)
-_changes: List[Tuple[int, Optional[str]]] = [(0, None)]
-_KEEP_CHANGES = 4096
-#: every trainer hook attached so far (weakly): an ``init`` after ``init_trainer`` starts
-#: its loss-output ops with them, so their first step is scaled as ``scale_loss`` scales it
-_hooks: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_patched: Optional[_Patched] = None
 
 
 def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]] = None,
@@ -150,18 +138,18 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
         policy, is a no-op returning the active policy; with another one while active it
         raises ``RuntimeError``.
     """
-    global _policy, _init_region
-    with _lock:
+    global _init_region
+    with state.lock:
         given = (target_dtype, target_precision_ops, conditional_fp32_ops, fp32_ops, *options.values())
-        if _policy is not None and all(v is None for v in given):
-            return _policy  # asks for nothing in particular (a launcher's second init)
+        if state.process.policy is not None and all(v is None for v in given):
+            return state.process.policy  # asks for nothing in particular (a launcher's second init)
         policy = as_policy(target_dtype, target_precision_ops=target_precision_ops,
                            conditional_fp32_ops=conditional_fp32_ops, fp32_ops=fp32_ops, **options)
-        if _policy is not None:
-            if _policy == policy:
-                return _policy
+        if state.process.policy is not None:
+            if state.process.policy == policy:
+                return state.process.policy
             raise RuntimeError(
-                f"gluon_amp is already on with policy {_policy.describe()}; asked for "
+                f"gluon_amp is already on with policy {state.process.policy.describe()}; asked for "
                 f"{policy.describe()}. Call gluon_amp.disable() first, or use "
                 "`with gluon_amp.autocast(...)` for a scoped change.")
         if not policy.enabled:
@@ -174,20 +162,18 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
             raise
         for site in patched.sites.values():
             mxi.retarget(site.saved, site.routes.get(region, site.impl))
-        _policy, _init_region = policy, region
-        _changed(policy.target_dtype)
+        state.process.policy, _init_region = policy, region
+        state.changed(policy.target_dtype)
         _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
                   policy.describe(), sum(region in site.routes for site in patched.sites.values()))
         return policy
 
 
 def _patch() -> _Patched:
-    """The process-wide patch, made now if no policy is in force (under ``_lock``)."""
+    """The process-wide patch, made now if no policy is in force (under ``state.lock``)."""
     global _patched
     if _patched is None:
         scalers = ScalerRegistry()
-        for hook in list(_hooks):
-            scalers.add(hook)
         hooks = mxi.install_block_hooks(_rewrite, _warn_stale, _reshaped, _watch, _called)
         execution.hold("init")  # where MXNet binds a graph: the plan runs native, emulated or refused
         low_cast.acquire("init")  # a script's net.cast('float16') follows the plan (low_cast.py)
@@ -196,9 +182,9 @@ def _patch() -> _Patched:
 
 
 def _unpatch_if_unused() -> None:
-    """Put every function back once neither ``init`` nor any region holds a policy (under ``_lock``)."""
+    """Put every function back once neither ``init`` nor any region holds a policy (under ``state.lock``)."""
     global _patched
-    if _patched is None or _policy is not None or _patched.regions_open:
+    if _patched is None or state.process.policy is not None or _patched.regions_open:
         return
     _restore([site.saved for site in _patched.sites.values()])
     mxi.remove_block_hooks(_patched.hooks)
@@ -209,7 +195,7 @@ def _unpatch_if_unused() -> None:
 
 def _prepare(patched: _Patched, policy: Policy) -> state.Region:
     """``policy``'s Region, its wrappers built and its functions redirected (once per policy
-    while patched; under ``_lock``). A failure leaves the other policies as they were."""
+    while patched; under ``state.lock``). A failure leaves the other policies as they were."""
     region = patched.regions.get(policy)
     if region is not None:
         return region
@@ -252,49 +238,6 @@ def _noting_traced(rewrite: Callable) -> Callable:
             plan_notes.record_traced(block, out, given)
         return given
     return noting
-
-
-def register_scaler(scaler: Any) -> None:
-    """Make a trainer's loss scaler (its step hook) known to the loss-output ops, now if AMP
-    is on and to every later ``init``."""
-    _hooks.add(scaler)
-    if _patched is not None:
-        _patched.scalers.add(scaler)
-
-
-def _changed(dtype: Optional[str]) -> None:
-    _changes.append((_changes[-1][0] + 1, dtype))
-    if len(_changes) > _KEEP_CHANGES:
-        del _changes[: len(_changes) - _KEEP_CHANGES]
-
-
-def policy_serial() -> int:
-    """A number that grows each time a policy comes in force or goes (``init``, ``disable``,
-    an ``autocast`` region in any thread)."""
-    return _changes[-1][0]
-
-
-def dtypes_since(serial: int) -> FrozenSet[str]:
-    """The target dtypes of the calling thread's policy now and of every one turned on since
-    :func:`policy_serial` gave ``serial``: a step's forward pass may run under ``autocast``
-    and its ``scale_loss`` after the scope (PyTorch's pattern)."""
-    with _lock:
-        now = current_policy()
-        dtypes = {now.target_dtype if now is not None else None}
-        for k, d in reversed(_changes):  # per step: usually nothing changed since, one look
-            if k <= serial:
-                break
-            dtypes.add(d)
-        dtypes.discard(None)
-        return frozenset(dtypes)
-
-
-def forget_scalers() -> None:
-    """Forget every trainer hook attached so far (a test's trainers, kept alive by reference
-    cycles until the collector runs, must not reach the next test's ``init``)."""
-    _hooks.clear()
-
-
 def _wrappers(policy: Policy, scalers: ScalerRegistry, sites: dict) -> Tuple[dict, List[_Site]]:
     """The wrapper ``policy`` needs for each op function (by id), and the sites of those not
     redirected yet; once per function object (one object is often reachable as several
@@ -341,19 +284,19 @@ def disable() -> None:
     """Turn off the policy ``init`` put in force. Every original MXNet function is back unless
     an ``autocast`` region (in any thread) still holds a policy; then threads without a region
     run the originals. A no-op when ``init`` is off."""
-    global _policy, _init_region
-    with _lock:
-        if _policy is None:
+    global _init_region
+    with state.lock:
+        if state.process.policy is None:
             return
-        _policy, _init_region = None, None
+        state.process.policy, _init_region = None, None
         for site in _patched.sites.values():
             mxi.retarget(site.saved, site.impl)
         _unpatch_if_unused()
-        _changed(None)
+        state.changed(None)
 
 
 def _policy_of(region: Optional[state.Region]) -> Optional[Policy]:
-    return _policy if region is None else region.policy
+    return state.process.policy if region is None else region.policy
 
 
 def is_enabled() -> bool:
@@ -361,10 +304,7 @@ def is_enabled() -> bool:
     return current_policy() is not None
 
 
-def current_policy() -> Optional[Policy]:
-    """The policy in force for the calling thread (its innermost ``autocast`` region's, else
-    ``init``'s), or ``None`` when AMP is off for it."""
-    return _policy_of(state.thread.override)
+current_policy = state.current_policy
 
 
 def tuning_info() -> Optional[dict]:
@@ -417,10 +357,10 @@ def autocast(target_dtype: Any = None, enabled: bool = True, **kwargs: Any) -> I
             policy = as_policy(target_dtype, **kwargs)
         if not policy.enabled:  # the float32 fallback of target_dtype=None
             policy = None
-    with _lock:
+    with state.lock:
         region: Optional[state.Region] = state.OFF
         if policy is not None:
-            if policy == _policy:
+            if policy == state.process.policy:
                 region = None  # init's own: the fast path
             else:
                 patched = _patch()
@@ -432,17 +372,17 @@ def autocast(target_dtype: Any = None, enabled: bool = True, **kwargs: Any) -> I
             if _patched is not None:
                 _patched.regions_open += 1
         state.enter(region)
-        _changed(policy.target_dtype if policy is not None else None)
+        state.changed(policy.target_dtype if policy is not None else None)
     try:
         yield policy
     finally:
-        with _lock:
+        with state.lock:
             state.leave()
             if policy is not None and _patched is not None:
                 _patched.regions_open -= 1
                 _unpatch_if_unused()
             now = current_policy()
-            _changed(now.target_dtype if now is not None else None)
+            state.changed(now.target_dtype if now is not None else None)
 
 
 # -- the HybridBlock hooks: each does what the calling thread's policy says ------------------

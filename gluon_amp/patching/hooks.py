@@ -19,7 +19,7 @@ from gluon_amp_core.emulate import ROUND_SUFFIX
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import AMP_CAST_DTYPES, drop_identity_casts
 
-from .. import mxnet_internals as mxi, plan_notes, runtime
+from .. import mxnet_internals as mxi, plan_notes
 from ..type_inference import infer_dtypes
 from .shape_rules import ShapeRules
 
@@ -64,13 +64,3 @@ def holds_amp_plan(sym: Symbol) -> bool:
     inserted, or an emulated graph's roundings."""
     return any(n["op"] in ("amp_cast", "amp_multicast") or n["name"].endswith(ROUND_SUFFIX)
                for n in json.loads(sym.tojson(remove_amp_cast=False))["nodes"])
-
-
-def cannot_run(what: str, dtype: str, device: str) -> str:
-    """The message for a low-precision op this machine cannot execute."""
-    why = ("MXNet's CPU build has no float16 convolution or GEMM" if dtype == "float16"
-           else runtime.capability().why)
-    return (f"gluon_amp: {what} would run {dtype} kernels on the {device}, which this machine cannot "
-            f"execute ({why}). Call gluon_amp.init(target_dtype={dtype!r}, emulate=True) to run the "
-            "same plan emulated in float32 on this CPU (for numerics), or run on hardware with "
-            f"{dtype} kernels.")

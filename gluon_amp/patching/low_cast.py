@@ -21,19 +21,17 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import warnings
 from typing import Any, Callable, Optional, Set
 
 from gluon_amp_core.dtypes import dtype_name
 
 import mxnet as mx
 
-from .. import mxnet_internals as mxi, runtime
+from .. import mxnet_internals as mxi, runtime, state
 
 _lock = threading.Lock()
 _owners: Set[str] = set()
 _hook: Optional[mxi.CastHook] = None
-_warned: Set[str] = set()
 
 
 def acquire(owner: str) -> None:
@@ -101,9 +99,7 @@ def _rule(param: Any, dtype: Any, cast: Callable[[Any], None]) -> None:
 
 
 def _say_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=_caller_level())
+    state.say_once(message, stacklevel=_caller_level() + 1)
 
 
 _SKIPPED = tuple(os.path.dirname(m.__file__) + os.sep for m in (mx, sys.modules["gluon_amp"]))

@@ -18,7 +18,7 @@ from gluon_amp_core.table import default_table
 from gluon_amp_core.walk import Note, walk
 
 from .. import execution, mxnet_internals as mxi, plan_notes, runtime
-from ..patching import current_policy
+from ..state import current_policy
 from ..policy_builder import make_policy
 from ..type_inference import infer_dtypes
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-import weakref
+
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -21,7 +21,7 @@ import mxnet as mx
 import numpy as np
 from mxnet.gluon import Trainer
 
-from .. import mxnet_internals as mxi
+from .. import mxnet_internals as mxi, state
 
 # A dist kvstore key of our own. ps-lite picks the server with ``key * 9973`` in a C int,
 # so the key must stay below 2**31 / 9973; Trainer uses keys 0..len(params)-1.
@@ -29,10 +29,6 @@ FLAG_KEY = 214_000
 
 _EPS32 = float(np.finfo(np.float32).eps)
 _Reduce = Callable[[np.ndarray], np.ndarray]
-#: trainer -> (how it reduces: an engine name or "local", its loss scaler)
-_kinds: "weakref.WeakKeyDictionary[Trainer, tuple]" = weakref.WeakKeyDictionary()
-_flag_ready: "weakref.WeakSet[Any]" = weakref.WeakSet()
-_kvstore_ready: "weakref.WeakSet[Trainer]" = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -50,9 +46,9 @@ def _kvstore_reduce(kv: Any) -> _Reduce:
         # float32, like the gradients: on MXNet 1.9.1's dist_sync server a float64 key
         # corrupted the summed float32 gradients of the other keys.
         arr = mx.nd.array(values, dtype="float32")
-        if kv not in _flag_ready:  # collective: every worker reaches here on the same step
+        if kv not in state.process.done:  # collective: every worker reaches here on the same step
             kv.init(FLAG_KEY, mx.nd.zeros_like(arr))
-            _flag_ready.add(kv)
+            state.process.done.add(kv)
         kv.pushpull(FLAG_KEY, arr, out=arr)
         return arr.asnumpy()
     return reduce
@@ -105,7 +101,7 @@ def init_kvstore(trainer: Trainer) -> None:
                            "shapes); run one forward pass, then call init_kvstore before backward.")
     mxi.init_kvstore_now(trainer)
     mx.nd.waitall()
-    _kvstore_ready.add(trainer)
+    state.trainer_record(trainer).kvstore_ready = True
 
 
 def _refuse_horovod_optimizer(trainer: Trainer) -> None:
@@ -120,8 +116,8 @@ def _refuse_horovod_optimizer(trainer: Trainer) -> None:
 
 
 def _check_shared_scaler(trainer: Trainer, scaler: Any, engine: Optional[Engine]) -> None:
-    _kinds[trainer] = (engine.name if engine else "local", scaler)
-    kinds = {kind for kind, s in list(_kinds.values()) if s is scaler}
+    state.trainer_record(trainer).kind = (engine.name if engine else "local", scaler)
+    kinds = {r.kind[0] for r in list(state.process.trainers.values()) if r.kind is not None and r.kind[1] is scaler}
     if "local" in kinds and len(kinds) > 1:
         spread = sorted(kinds - {"local"})
         raise RuntimeError(
@@ -140,8 +136,9 @@ def _check_kvstore(trainer: Trainer) -> None:
             "check looks for into +-threshold, and would quantise the workers' finite flags too. "
             "Create the Trainer without compression_params, or without loss scaling "
             "(gluon_amp.init_trainer(trainer, None)).")
-    if trainer not in _kvstore_ready:
-        _kvstore_ready.add(trainer)  # warn once
+    record = state.trainer_record(trainer)
+    if not record.kvstore_ready:
+        record.kvstore_ready = True  # warn once
         # stacklevel: agree_finite <- has_overflow <- Trainer._update <- step/update <- user
         warnings.warn("this Trainer's first step broadcast the weights over a dist kvstore while "
                       "pushing gradients; MXNet 1.9.1 can answer that broadcast with the summed "

@@ -28,7 +28,7 @@ from mxnet.gluon import Trainer
 from gluon_amp_core.dtypes import dtype_name
 from gluon_amp_core.loss_scale import LossScaler, Stage, loss_scaler_from
 
-from .. import patching
+from .. import state
 from . import checkpoint, distributed, overflow
 from .. import mxnet_internals as mxi
 
@@ -49,8 +49,8 @@ class _Hook:
         self._warned = False
         #: (compute dtype, scale) of the current step, fixed by its first scale_loss
         self._step: Optional[Tuple[str, float]] = None
-        #: patching.policy_serial() when the last step ended: the policies since are this step's
-        self._since = patching.policy_serial()
+        #: state.policy_serial() when the last step ended: the policies since are this step's
+        self._since = state.policy_serial()
         scaler.attach(self)
 
     def _compute_dtype(self) -> str:
@@ -130,7 +130,7 @@ class _Hook:
         trainer = self._trainer()
         dtype, _ = self._step if self._step is not None else (self._compute_dtype(), None)
         self._step = None  # the next scale_loss decides afresh
-        self._since = patching.policy_serial()
+        self._since = state.policy_serial()
         finite = True if not self.scaler.enabled else overflow.all_finite(params)
         if trainer is not None:
             finite = distributed.agree_finite(trainer, self.scaler, finite)
@@ -161,14 +161,14 @@ def _compute_dtype(params: Sequence[mx.gluon.Parameter], since: int) -> str:
     or emulated) at any time since the trainer's last step (serial ``since``: a forward pass
     under ``autocast`` and its ``scale_loss`` after the scope count alike) or a parameter is
     float16, else bfloat16 likewise, else float32."""
-    dtypes = set(patching.dtypes_since(since))
+    dtypes = set(state.dtypes_since(since))
     for p in params:
         dtypes.add(dtype_name(p.dtype))
     return next((d for d in ("float16", "bfloat16") if d in dtypes), "float32")
 
 
 def _dtype_now() -> str:
-    policy = patching.current_policy()
+    policy = state.current_policy()
     return policy.target_dtype + " (emulated)" * policy.emulate if policy is not None else "float32 (AMP off)"
 
 
@@ -217,7 +217,7 @@ def init_trainer(trainer: Optional[Trainer] = None,
         mxi.force_update_on_worker(trainer)
     hook = _Hook(trainer, scaler)
     mxi.set_step_hook(trainer, hook)
-    patching.register_scaler(hook)  # loss-output ops read the scale the step will use from it
+    state.register_scaler(hook)  # loss-output ops read the scale the step will use from it
     return scaler
 
 
@@ -258,7 +258,7 @@ def scale_loss(loss: Any, trainer: Optional[Trainer] = None, *,
         raise RuntimeError("scale_loss after unscale(trainer) in the same step: the new gradients "
                            "would not be unscaled. Call unscale after the last backward.")
     _, scale = hook.decide()
-    patching.register_scaler(hook)  # AMP turned on after init_trainer: loss-output ops find it from now on
+    state.register_scaler(hook)  # AMP turned on after init_trainer: loss-output ops find it from now on
     if scale == 1.0:
         mxi.set_grad_scale(trainer, hook.original_scale)
         yield loss
@@ -322,23 +322,20 @@ def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
     return max(norms) if norms else 0.0
 
 
-#: trainer -> the opt level gluon_amp.initialize set it up at (for checkpoints' metadata)
-_opt_levels: "weakref.WeakKeyDictionary[Trainer, str]" = weakref.WeakKeyDictionary()
-
-
 def record_opt_level(trainer: Trainer, level: str) -> None:
-    _opt_levels[trainer] = level
+    """Remember the opt level ``gluon_amp.initialize`` set ``trainer`` up at (checkpoints' metadata)."""
+    state.trainer_record(trainer).opt_level = level
 
 
 def _mode(trainer: Trainer) -> Dict[str, Any]:
     """The mixed-precision mode a checkpoint was written in."""
     from .master_weights import MasterWeightUpdater
-    policy = patching.current_policy()
+    policy = state.current_policy()
     updater = mxi.trainer_updaters(trainer)[0] if mxi.trainer_updaters(trainer) else None
     master = ({"dtype": updater.dtype, "keep_master": updater.keep_master}
               if isinstance(updater, MasterWeightUpdater) else None)
     return {"target_dtype": policy.target_dtype if policy else None, "emulate": bool(policy and policy.emulate),
-            "master_weights": master, "opt_level": _opt_levels.get(trainer)}
+            "master_weights": master, "opt_level": state.trainer_record(trainer).opt_level}
 
 
 def save_states(trainer: Trainer, fname: str) -> None:

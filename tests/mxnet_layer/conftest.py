@@ -53,7 +53,7 @@ def _isolated():
         mx.nd.waitall()
     finally:
         gluon_amp.disable()
-        gluon_amp.patching.forget_scalers()
+        gluon_amp.state.reset()
 
 
 @pytest.fixture(scope="session")

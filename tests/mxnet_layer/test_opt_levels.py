@@ -16,7 +16,7 @@ from helpers import blobs as _blobs, cnn, internal_types, sgd_trainer
 from gluon_amp import mxnet_internals as mxi
 from helpers import no_bf16_env
 from gluon_amp.training import master_weights as mw
-from gluon_amp.training import opt_levels
+from gluon_amp import opt_levels
 from gluon_amp.mxnet_internals import BFLOAT16
 from gluon_amp_core.dtypes import dtype_name
 

@@ -18,7 +18,7 @@ from gluon_amp_core.table import OpClass, OpTable
 
 from ... import mxnet_internals as mxi
 from ...emulation import round_nd
-from ..hooks import cannot_run
+from ...execution import cannot_run
 from .casts import CASTABLE, cast_into, cast_nd, cast_sym, multicast_sym
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import functools
 import warnings
-import weakref
 from typing import Any, Callable
 
+from ... import state
 from ...mxnet_internals import Signature
 
 
@@ -52,22 +52,16 @@ def sym_wrapper(fn: Callable, op: str) -> Callable:
 
 
 class ScalerRegistry:
-    """The trainers' step hooks attached (``init_trainer``) while one ``init`` is on.
+    """The trainers' step hooks attached (``init_trainer``; kept in :mod:`gluon_amp.state`).
 
     Loss-output ops start their backward from ``grad_scale``, so they need the scale the
     step of their loss uses (a hook's ``loss_scale``: the same decision ``scale_loss``
     makes); the registry gives it, or refuses when ambiguous.
     """
 
-    def __init__(self) -> None:
-        self._scalers: "weakref.WeakSet" = weakref.WeakSet()
-
-    def add(self, scaler: Any) -> None:
-        self._scalers.add(scaler)
-
     def scale(self, op: str) -> float:
         """The scale ``op`` multiplies its ``grad_scale`` by: the attached trainers' one."""
-        scales = {s.loss_scale for s in list(self._scalers)}
+        scales = {s.loss_scale for s in list(state.process.scalers)}
         if len(scales) > 1:
             raise RuntimeError(
                 f"{op} starts its backward from grad_scale, and {len(scales)} loss scalers with different "

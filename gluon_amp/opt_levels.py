@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import types
 import warnings
-import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Tuple, Union
 
@@ -32,11 +31,10 @@ from gluon_amp_core.dtypes import FLOAT_DTYPES, LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.loss_scale import LossScaler, loss_scaler_from
 from gluon_amp_core.policy import Policy
 
-from .. import patching
-from . import master_weights as master_weights_mod, trainer as trainer_mod
-from .. import mxnet_internals as mxi
-from ..mxnet_internals import NP_SYMBOL, own_casts, to_mx_dtype, updates_on_kvstore
-from ..policy_builder import make_policy
+from . import mxnet_internals as mxi, patching, state
+from .mxnet_internals import NP_SYMBOL, own_casts, to_mx_dtype, updates_on_kvstore
+from .policy_builder import make_policy
+from .training import master_weights as master_weights_mod, trainer as trainer_mod
 
 __all__ = ["OptLevel", "OPT_LEVELS", "properties", "initialize"]
 
@@ -138,9 +136,6 @@ def properties(opt_level: str = "O1", *, keep_batchnorm_fp32: Optional[bool] = N
 _LOW = frozenset(LOW_PRECISION_DTYPES)
 _NORM_SUFFIXES = ("gamma", "beta", "running_mean", "running_var", "moving_mean", "moving_var")
 
-# Nets and trainers initialize() has set up (weak: nothing is kept alive).
-_done_nets: "weakref.WeakSet[Block]" = weakref.WeakSet()
-_done_trainers: "weakref.WeakSet[Trainer]" = weakref.WeakSet()
 
 
 def _is_norm_param(param: Parameter) -> bool:
@@ -167,7 +162,7 @@ def _check_trainer(trainer: Optional[Trainer]) -> None:
         return
     if not isinstance(trainer, Trainer):
         raise TypeError(f"trainer must be a mxnet.gluon.Trainer or None, got {type(trainer).__name__}")
-    if trainer in _done_trainers:
+    if state.trainer_record(trainer).opt_level_done:
         raise RuntimeError("gluon_amp.initialize was already called with this Trainer; call it "
                            "once, with the net and trainer together.")
     if updates_on_kvstore(trainer):
@@ -185,7 +180,7 @@ def _check_trainer(trainer: Optional[Trainer]) -> None:
 def _check_net(net: Block, level: OptLevel) -> None:
     if not isinstance(net, Block):
         raise TypeError(f"net must be a mxnet.gluon.Block, got {type(net).__name__}")
-    if net in _done_nets:
+    if net in state.process.done:
         raise RuntimeError("gluon_amp.initialize was already called with this net; call it once.")
     bad = _uninitialized(net.collect_params(), need_shapes=level.cast_weights)
     if bad:
@@ -336,6 +331,6 @@ def initialize(net: Block, trainer: Optional[Trainer] = None, opt_level: str = "
             master_weights_mod.install(trainer, dtype, keep_master=level.master_weights)
         trainer_mod.init_trainer(trainer, level.loss_scale)
         trainer_mod.record_opt_level(trainer, level.name)
-        _done_trainers.add(trainer)
-    _done_nets.add(net)
+        state.trainer_record(trainer).opt_level_done = True
+    state.process.done.add(net)
     return net, trainer
