@@ -14,6 +14,7 @@ remembered here by identity) or else the one in force (``init``, the launcher).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import threading
 import weakref
@@ -119,9 +120,9 @@ def widen_low_inputs(graph: dict, typed: Mapping[Key, Optional[str]]) -> Tuple[d
 # -- which policy applies ----------------------------------------------------------------
 
 _lock = threading.Lock()
-#: converted blocks asked with ``emulate=True`` -> their policy
+#: converted blocks -> the policy they were converted with
 _BLOCKS: "weakref.WeakKeyDictionary[HybridBlock, Policy]" = weakref.WeakKeyDictionary()
-#: converted Symbols asked with ``emulate=True``: handle address -> (symbol, policy). MXNet's
+#: converted Symbols: handle address -> (symbol, policy). MXNet's
 #: Symbol takes no weak reference, so the newest few are held (a Symbol kept alive keeps its
 #: handle's address from being reused).
 _SYMBOLS: "collections.OrderedDict[int, Tuple[Symbol, Policy]]" = collections.OrderedDict()
@@ -132,7 +133,8 @@ _holders: set = set()
 
 def remember(result: Any, policy: Policy) -> None:
     """Run ``result`` (a converter's Symbol or block) as ``policy`` says wherever it is
-    bound, with or without ``init`` (a converter asked with ``emulate=True``)."""
+    bound in this process, with or without ``init``: natively where its dtypes run, emulated
+    with ``policy.emulate``, else refused with gluon_amp's error naming ``emulate=True``."""
     with _lock:
         if isinstance(result, Symbol):
             _SYMBOLS[mxi.symbol_address(result)] = (result, policy)
@@ -147,13 +149,29 @@ def remember(result: Any, policy: Policy) -> None:
 def policy_for(obj: Any) -> Optional[Policy]:
     """The policy a bound Symbol or block runs under: the one its converter was asked for,
     else the one in force, else None (plain MXNet)."""
+    mine = _remembered(obj)
+    active = state.current_policy()
+    if mine is None:
+        return active
+    if not mine.emulate and active is not None and active.emulate:
+        return dataclasses.replace(mine, emulate=True, tune=False)  # this thread emulates what it runs
+    return mine
+
+
+def _remembered(obj: Any) -> Optional[Policy]:
     if isinstance(obj, Symbol):
         mine = _SYMBOLS.get(mxi.symbol_address(obj))
-        if mine is not None and mine[0] is obj:
-            return mine[1]
-    elif obj in _BLOCKS:
-        return _BLOCKS[obj]
-    return state.current_policy()
+        return mine[1] if mine is not None and mine[0] is obj else None
+    return _BLOCKS.get(obj) if isinstance(obj, HybridBlock) else None
+
+
+def forget_converted() -> None:
+    """Forget every converter result remembered (:func:`remember`) and release the hooks they
+    held (tests; a process that has no more use for them)."""
+    with _lock:
+        _BLOCKS.clear()
+        _SYMBOLS.clear()
+    release("converted")
 
 
 def hold(owner: str) -> None:
@@ -185,12 +203,10 @@ def executed_graph(block: HybridBlock) -> Optional[Symbol]:
 def runs_emulated(obj: Any) -> bool:
     """True for a block whose CachedOp runs an emulated copy of its plan, and for a
     converter's result asked with ``emulate=True``."""
-    if isinstance(obj, HybridBlock) and (executed_graph(obj) is not None or obj in _BLOCKS):
+    if isinstance(obj, HybridBlock) and executed_graph(obj) is not None:
         return True
-    if isinstance(obj, Symbol):
-        mine = _SYMBOLS.get(mxi.symbol_address(obj))
-        return mine is not None and mine[0] is obj
-    return False
+    mine = _remembered(obj)
+    return mine is not None and mine.emulate
 
 
 # -- the two binding sites --------------------------------------------------------------

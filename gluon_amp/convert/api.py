@@ -178,7 +178,7 @@ def convert_symbol(sym: Symbol, target_dtype: Any = None, target_dtype_ops: Opti
     """
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
                      widest_type_ops, keep_batchnorm_fp32, emulate)
-    return _emulated_when_bound(_with_result(*convert_with_policy(sym, policy, excluded_sym_names, data_names,
+    return _run_as_planned(_with_result(*convert_with_policy(sym, policy, excluded_sym_names, data_names,
                                                                   cast_optional_params)), policy)
 
 
@@ -197,10 +197,13 @@ def _with_result(sym: Symbol, result: PassResult) -> MixedPrecisionSymbol:
     return out
 
 
-def _emulated_when_bound(result: Any, policy: Policy) -> Any:
-    """A converter's result (a Symbol or block), remembered to run emulated where it is
-    bound when ``policy`` emulates."""
-    if policy.emulate and policy.enabled:
+def _run_as_planned(result: Any, policy: Policy) -> Any:
+    """A converter's result, remembered to run as ``policy`` says where it is bound
+    (:func:`execution.remember`): a block natively, emulated or refused with gluon_amp's error
+    when its CachedOp is built (its first call); a Symbol when ``policy`` emulates. A Symbol
+    converted for real low precision binds as MXNet binds it (binding is also how users infer
+    its types and shapes) and, without ``init``, runs where its dtypes run."""
+    if policy.enabled and (policy.emulate or not isinstance(result, Symbol)):
         execution.remember(result, policy)
     return result
 
@@ -243,7 +246,7 @@ def convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params:
                      widest_type_ops, keep_batchnorm_fp32, emulate, tune)
     new_sym, new_args, new_aux, result = _convert_model(sym, arg_params, aux_params, policy, excluded_sym_names,
                                                         cast_optional_params, input_shapes, require_shapes=tune is True)
-    return _emulated_when_bound(_with_result(new_sym, result), policy), new_args, new_aux
+    return _run_as_planned(_with_result(new_sym, result), policy), new_args, new_aux
 
 
 def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params: Dict[str, mx.nd.NDArray],
@@ -470,4 +473,4 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
         out.collect_params().load_dict(loaded, ctx=ctx, cast_dtype=True, dtype_source="saved")
     if backend:
         out.hybridize()
-    return _emulated_when_bound(out, policy)
+    return _run_as_planned(out, policy)

@@ -54,6 +54,7 @@ def _isolated():
     finally:
         gluon_amp.disable()
         gluon_amp.state.reset()
+        gluon_amp.execution.forget_converted()
 
 
 @pytest.fixture(scope="session")

@@ -338,7 +338,7 @@ def test_a_target_that_cannot_run_names_emulate_instead_of_failing_in_mxnet():
     for dtype in dtypes:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            gluon_amp.runtime._warned.clear()
+            gluon_amp.state.process.said.clear()
             gluon_amp.init(target_dtype=dtype)
         assert any("emulate=True" in str(w.message) for w in caught)
         assert gluon_amp.runtime_info()["mode"] == "cannot execute"
