@@ -50,6 +50,29 @@ _KEEP_CHANGES = 4096
 _hooks: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
+@dataclass(frozen=True)
+class Extension:
+    """What another part of gluon_amp does when ``init`` turns AMP on (``on``, given the
+    policy), when ``disable`` turns it off (``off``), and on :func:`forget_scalers`
+    (``forget``). Registered at import by that part (e.g. ``training.module``), so patching
+    imports nothing of it."""
+
+    on: Callable[[Policy], None]
+    off: Callable[[], None]
+    forget: Callable[[], None]
+
+
+_extensions: List[Extension] = []
+
+
+def register_extension(extension: Extension) -> None:
+    """Run ``extension`` with every later ``init``/``disable`` (and now, if AMP is on)."""
+    with _lock:
+        _extensions.append(extension)
+        if _active is not None:
+            extension.on(_active.policy)
+
+
 def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]] = None,
          conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
          fp32_ops: Optional[Sequence[str]] = None, **options: Any) -> Policy:
@@ -142,6 +165,8 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
         hooks = mxi.install_block_hooks(rewrite, _warn_stale, reshaped, watch, tuner.called if tuner else None)
         low_cast.acquire("init")  # a script's net.cast('float16') follows the plan (low_cast.py)
         _active = _Active(policy, patches, hooks, scalers, tuner)
+        for extension in _extensions:
+            extension.on(policy)
         _changed(policy.target_dtype)
         _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
                   policy.describe(), len(_active.patches))
@@ -192,6 +217,8 @@ def forget_scalers() -> None:
     """Forget every trainer hook attached so far (a test's trainers, kept alive by reference
     cycles until the collector runs, must not reach the next test's ``init``)."""
     _hooks.clear()
+    for extension in _extensions:
+        extension.forget()
 
 
 def _patch_all(policy: Policy, scalers: ScalerRegistry) -> List[mxi.SavedFunction]:
@@ -240,6 +267,8 @@ def disable() -> None:
         _restore(_active.patches)
         mxi.remove_block_hooks(_active.hooks)
         low_cast.release("init")
+        for extension in reversed(_extensions):
+            extension.off()
         _active = None
         _changed(None)
 
