@@ -201,6 +201,8 @@ def _wrap_bind(original: Callable) -> Callable:
             result = original(self, *args, **kwargs)
         state.bound_scaled, state.heads, state.dtype = True, heads, dtype
         state.scale_arg = SCALE_ARG if heads else None
+        if state.scale_arg is not None:
+            _write_scale(self, state.scale_arg, 1.0)  # MXNet leaves a new argument uninitialised
         return result
     return bind
 
@@ -337,6 +339,8 @@ def _on_disable() -> None:
         for module, state in list(_states.items()):
             if state.hook is not None and state.hook.auto:
                 state.hook = None  # init's default scaler goes with init; explicit ones stay
+            if state.hook is None and state.scale_arg is not None:
+                _write_scale(module, state.scale_arg, 1.0)  # unpatched backward: gradients as MXNet's
     _release("init")
 
 

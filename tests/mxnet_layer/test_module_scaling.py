@@ -354,35 +354,50 @@ def test_init_attaches_the_default_scaler_and_disable_restores_module():
     assert all(mx.mod.Module.__dict__[k] is v for k, v in originals.items())
 
 
+def full_loss(mod, x, y):
+    """Mean cross-entropy of ``mod``'s weights over all of ``x``."""
+    return float(mod.score(mx.io.NDArrayIter(x, y, batch_size=BATCH), "ce")[0][1])
+
+
+def without(x, y, dropped):
+    keep = [i for i in range(len(x) // BATCH) if i not in set(dropped)]
+    return (np.concatenate([x[i * BATCH:(i + 1) * BATCH] for i in keep]),
+            np.concatenate([y[i * BATCH:(i + 1) * BATCH] for i in keep]))
+
+
 def test_emulated_float16_fit_and_loop_match_fp32():
     """Emulated float16 (needs gluon_amp.execution at simple_bind): the default dynamic scaler
-    scales (2**16 at first), and 50 steps of fit and of the loop stay within 5% of FP32's loss
-    (per-step mean over the last 10, and the final weights' loss)."""
+    scales (2**16 at first: the emulated float16 gradients overflow there, the scaler skips
+    those steps and backs off). After 50 steps of the loop and of fit, the loss over the whole
+    data is within 3% of FP32's trained on the same batches less the skipped ones."""
     x, y = data(50)
-    ref_losses = train_loop(module(lr=0.05), x, y)
     amp.init(target_dtype="float16", emulate=True)
     sym = mlp()  # the float16 plan
     mod = module(sym, lr=0.05)  # init attached the default scaler at init_optimizer
     scaler = amp.get_scaler(mod)
-    losses = train_loop(mod, x, y)
-    assert scaler.total_steps == 50 and scaler.loss_scale >= 2.0 ** 14
-    assert abs(np.mean(losses[-10:]) - np.mean(ref_losses[-10:])) <= 0.05 * np.mean(ref_losses[-10:]) + 1e-3
-    assert losses[-1] < 0.5 * losses[0]
-    curve = []
+    skipped = []
+    for i, b in enumerate(batches(x, y)):
+        mod.forward_backward(b)
+        mod.update()
+        if scaler.last_step_skipped:
+            skipped.append(i)
+    assert scaler.total_steps == 50 and scaler.scale_for("float16") >= 2.0 ** 8 and len(skipped) <= 10
+    loop_loss = full_loss(mod, x, y)
+
+    fit_skipped = []
     m = mx.mod.Module(sym, context=mx.cpu())
     mx.random.seed(1)
     m.fit(mx.io.NDArrayIter(x, y, batch_size=BATCH), num_epoch=1, initializer=mx.init.Xavier(),
-          optimizer="sgd", optimizer_params={"learning_rate": 0.05, "momentum": 0.9}, eval_metric="ce",
-          batch_end_callback=lambda p: curve.append(p.eval_metric.get()[1]))
+          optimizer="sgd", optimizer_params={"learning_rate": 0.05, "momentum": 0.9},
+          batch_end_callback=lambda p: fit_skipped.append(p.nbatch) if amp.get_scaler(m).last_step_skipped else None)
     assert amp.get_scaler(m).total_steps == 50 and amp.get_scaler(m).scale_for("float16") > 1
+    fit_loss = full_loss(m, x, y)
     amp.disable()
-    ref_curve = []
-    r = mx.mod.Module(mlp(), context=mx.cpu())
-    mx.random.seed(1)
-    r.fit(mx.io.NDArrayIter(x, y, batch_size=BATCH), num_epoch=1, initializer=mx.init.Xavier(),
-          optimizer="sgd", optimizer_params={"learning_rate": 0.05, "momentum": 0.9}, eval_metric="ce",
-          batch_end_callback=lambda p: ref_curve.append(p.eval_metric.get()[1]))
-    np.testing.assert_allclose(curve, ref_curve, rtol=0.05)
+    for loss, dropped in ((loop_loss, skipped), (fit_loss, fit_skipped)):
+        ref = module(lr=0.05)
+        train_loop(ref, *without(x, y, dropped))
+        fp32 = full_loss(ref, x, y)
+        assert abs(loss - fp32) <= 0.03 * fp32, (loss, fp32, dropped)
 
 
 LAUNCHED = """
@@ -393,14 +408,23 @@ LAUNCHED = """
     sym = mx.sym.SoftmaxOutput(mx.sym.FullyConnected(h, num_hidden=4, name="fc2"), name="softmax")
     rng = np.random.RandomState(0)
     x = rng.randn(320, 10).astype("float32"); y = (x @ rng.randn(10, 4)).argmax(1).astype("float32")
+    drop = [int(i) for i in sys.argv[1].split(",") if i] if len(sys.argv) > 1 else []
+    keep = np.array([k for k in range(320) if k // 16 not in drop])
     mod = mx.mod.Module(sym, context=mx.cpu())
-    curve = []
+    skipped = []
+
+    def seen(p):
+        if "gluon_amp" in sys.modules:
+            import gluon_amp
+            if gluon_amp.get_scaler(mod).last_step_skipped:
+                skipped.append(p.nbatch)
+
     mx.random.seed(1)
-    mod.fit(mx.io.NDArrayIter(x, y, batch_size=16), num_epoch=1, initializer=mx.init.Xavier(),
-            optimizer_params={"learning_rate": 0.05, "momentum": 0.9}, eval_metric="ce",
-            batch_end_callback=lambda p: curve.append(p.eval_metric.get()[1]))
+    mod.fit(mx.io.NDArrayIter(x[keep], y[keep], batch_size=16), num_epoch=1, initializer=mx.init.Xavier(),
+            optimizer_params={"learning_rate": 0.05, "momentum": 0.9}, batch_end_callback=seen)
     mod.save_checkpoint("ckpt", 1)
-    out = {"curve": curve, "symbol_clean": "gluon_amp" not in open("ckpt-symbol.json").read()}
+    loss = mod.score(mx.io.NDArrayIter(x, y, batch_size=16), "ce")[0][1]
+    out = {"loss": loss, "skipped": skipped, "symbol_clean": "gluon_amp" not in open("ckpt-symbol.json").read()}
     if "gluon_amp" in sys.modules:
         import gluon_amp
         s = gluon_amp.get_scaler(mod)
@@ -409,21 +433,23 @@ LAUNCHED = """
 """
 
 
-def _launch(tmp_path, *options):
+def _launch(tmp_path, *argv):
     (tmp_path / "prog.py").write_text(textwrap.dedent(LAUNCHED))
     root = os.path.dirname(os.path.dirname(os.path.abspath(amp.__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "GLUON_AMP_TUNE": "0"}
-    argv = [sys.executable, *(["-m", "gluon_amp.run", *options] if options else []), "prog.py"]
-    r = subprocess.run(argv, capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=300)
+    r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=str(tmp_path), env=env,
+                       timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def test_launcher_gives_an_unmodified_module_script_dynamic_scaling(tmp_path):
     """``python -m gluon_amp.run --emulate --target-dtype float16 prog.py`` (needs
-    gluon_amp.execution): the script's Module is scaled without edits, its loss within 5% of
-    the same script run by python, and its checkpoint symbol is its own graph."""
-    launched = _launch(tmp_path, "--emulate", "--target-dtype", "float16", "--no-tune")
-    plain = _launch(tmp_path)
-    assert launched["steps"] == 20 and launched["scale"] >= 2.0 ** 15 and launched["symbol_clean"]
-    np.testing.assert_allclose(launched["curve"], plain["curve"], rtol=0.05)
+    gluon_amp.execution): the script's Module is scaled without edits; its loss over the data
+    is within 3% of the same script run by python on the batches the scaler did not skip, and
+    its checkpoint symbol is its own graph."""
+    launched = _launch(tmp_path, "-m", "gluon_amp.run", "--emulate", "--target-dtype", "float16", "--no-tune",
+                       "prog.py")
+    plain = _launch(tmp_path, "prog.py", ",".join(map(str, launched["skipped"])))
+    assert launched["steps"] == 20 and launched["scale"] >= 2.0 ** 8 and launched["symbol_clean"]
+    assert abs(launched["loss"] - plain["loss"]) <= 0.03 * plain["loss"], (launched, plain)
