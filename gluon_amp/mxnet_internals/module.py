@@ -30,6 +30,7 @@ __all__ = [
     "Module", "BucketingModule", "MethodPatch", "patch_methods", "restore_methods", "binding_symbol",
     "module_symbol", "module_executors", "module_grad_arrays", "module_optimizer", "module_updater",
     "optimizer_on_server", "module_kvstore", "bind_arguments", "rebind", "bucket_modules", "call_arguments",
+    "set_module_updater_states",
 ]
 
 
@@ -124,6 +125,14 @@ def module_updater(module: Module) -> Any:
     if module._update_on_kvstore:
         return module._kvstore._updater
     return module._updater
+
+
+def set_module_updater_states(module: Module, states: Dict[Any, Any]) -> None:
+    """Give the module's updater ``states`` (1.9.1 ``Updater.states``), moved to each weight's
+    context on its next update (``states_synced`` False), as ``Updater.set_states`` does."""
+    updater = module_updater(module)
+    updater.states = states
+    updater.states_synced = dict.fromkeys(states.keys(), False)
 
 
 # -- binding again ---------------------------------------------------------------------

@@ -450,7 +450,7 @@ def save_states(module: Union[Module, BucketingModule], fname: str) -> None:
     mode = {"target_dtype": policy.target_dtype if policy else None, "emulate": bool(policy and policy.emulate),
             "master_weights": None, "opt_level": None, "module": True}
     checkpoint.write(fname, {"scaler": hook.scaler.state_dict(), "mode": mode},
-                     mxm.module_updater(mod).states, mxm.module_optimizer(mod))
+                     mxi.updater_states(mxm.module_updater(mod)), mxm.module_optimizer(mod))
 
 
 def load_states(module: Union[Module, BucketingModule], fname: str) -> None:
@@ -460,7 +460,5 @@ def load_states(module: Union[Module, BucketingModule], fname: str) -> None:
     meta, make_states = checkpoint.read(fname, mx.cpu())
     opt = mxm.module_optimizer(mod)
     checkpoint.restore_optimizer(opt, meta["optimizer"])
-    updater = mxm.module_updater(mod)
-    updater.states = make_states()
-    updater.states_synced = dict.fromkeys(updater.states.keys(), False)  # moved to the weights' context
+    mxm.set_module_updater_states(mod, make_states())
     hook.scaler.load_state_dict(meta["scaler"])
