@@ -6,6 +6,7 @@
   (:func:`policy_serial`, :func:`dtypes_since`).
 - The scaler registry: every trainer's step hook attached (loss-output ops read their scale).
 - The once-only messages (:func:`say_once`) and the per-trainer records (:func:`trainer_record`).
+- What other parts do when ``init`` turns AMP on or off (:func:`register_extension`).
 
 Layers read and write it here instead of reaching into each other (training never imports
 patching). Caches of what the machine measured (the probe's verdict, the emulation kernel's
@@ -23,7 +24,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, FrozenSet, List, Optional, Set, Tuple
+from typing import Any, Callable, FrozenSet, List, Optional, Set, Tuple
 
 
 class Region:
@@ -187,6 +188,34 @@ def trainer_record(trainer: Any) -> TrainerRecord:
         return record
 
 
+@dataclass(frozen=True)
+class Extension:
+    """What another part of gluon_amp does when ``init`` turns AMP on (``on``, given the
+    policy), when ``disable`` turns it off (``off``), and on :func:`reset` (``forget``).
+    Registered here at import by that part (e.g. ``training.module``), so patching imports
+    nothing of it."""
+
+    on: Callable[[Any], None]
+    off: Callable[[], None]
+    forget: Callable[[], None]
+
+
+_extensions: List[Extension] = []
+
+
+def register_extension(extension: Extension) -> None:
+    """Run ``extension`` with every later ``init``/``disable`` (and now, if ``init`` is on)."""
+    with lock:
+        _extensions.append(extension)
+        if process.policy is not None:
+            extension.on(process.policy)
+
+
+def extensions() -> Tuple[Extension, ...]:
+    """The registered extensions, in registration order."""
+    return tuple(_extensions)
+
+
 def reset() -> None:
     """Forget everything recorded (tests, after ``gluon_amp.disable()``): the process policy,
     the change log, attached scalers, messages said, per-trainer records, and the calling
@@ -194,5 +223,7 @@ def reset() -> None:
     global process
     with lock:
         process = _Process()
+    for extension in _extensions:
+        extension.forget()
     thread.override = None
     thread.stack = []

@@ -14,3 +14,4 @@ from .trainer import *  # noqa: F401,F403
 from .arrays import BFLOAT16, FLOAT_NAMES, host_view, quiet_stderr, to_mx_dtype, unfused_binds  # noqa: F401
 from .code_swap import SavedFunction, copy_function, is_redirected_to, redirect, restore, retarget  # noqa: F401
 from .custom_ops import *  # noqa: F401,F403
+from . import module  # noqa: F401,E402  (Module internals: mxi.module.*, imported where used)

@@ -164,6 +164,8 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
             mxi.retarget(site.saved, site.routes.get(region, site.impl))
         state.process.policy, _init_region = policy, region
         state.changed(policy.target_dtype)
+        for extension in state.extensions():
+            extension.on(policy)
         _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
                   policy.describe(), sum(region in site.routes for site in patched.sites.values()))
         return policy
@@ -238,6 +240,8 @@ def _noting_traced(rewrite: Callable) -> Callable:
             plan_notes.record_traced(block, out, given)
         return given
     return noting
+
+
 def _wrappers(policy: Policy, scalers: ScalerRegistry, sites: dict) -> Tuple[dict, List[_Site]]:
     """The wrapper ``policy`` needs for each op function (by id), and the sites of those not
     redirected yet; once per function object (one object is often reachable as several
@@ -292,6 +296,8 @@ def disable() -> None:
         for site in _patched.sites.values():
             mxi.retarget(site.saved, site.impl)
         _unpatch_if_unused()
+        for extension in reversed(state.extensions()):
+            extension.off()
         state.changed(None)
 
 

@@ -68,9 +68,16 @@ def all_finite(params: Sequence[Parameter]) -> bool:
     across the cores; the others (bfloat16, as float32; GPUs) are chained into one
     ``all_finite`` flag per context. One host-side decision either way.
     """
+    return arrays_finite(grads_by_context(params))
+
+
+def arrays_finite(groups: Dict[mx.Context, List[mx.nd.NDArray]]) -> bool:
+    """True when every array of ``groups`` (arrays by context, as :func:`grads_by_context`
+    gives them) is finite: the one read pass of :func:`all_finite`, for arrays that are not
+    a Gluon parameter's (a Module's gradients)."""
     flags, views = [], []
     with autograd.pause():
-        for ctx, grads in grads_by_context(params).items():
+        for ctx, grads in groups.items():
             chained = []
             for g in grads:
                 view = mxi.host_view(g)

@@ -30,6 +30,7 @@ from gluon_amp_core.loss_scale import LossScaler, Stage, loss_scaler_from
 
 from .. import state
 from . import checkpoint, distributed, overflow
+from . import module as module_scaling
 from .. import mxnet_internals as mxi
 
 
@@ -181,10 +182,15 @@ def _one_trainer(trainer: Any, optimizer_or_trainer: Any, caller: str) -> Any:
     return trainer if trainer is not None else optimizer_or_trainer
 
 
-def init_trainer(trainer: Optional[Trainer] = None,
+def init_trainer(trainer: Union[Trainer, "mx.mod.BaseModule", None] = None,
                  loss_scale: Union[str, float, LossScaler, None] = "dynamic", *,
                  optimizer_or_trainer: Optional[Trainer] = None) -> LossScaler:
-    """Attach loss scaling to ``trainer``; return its :class:`LossScaler`.
+    """Attach loss scaling to ``trainer`` (or to a Module); return its :class:`LossScaler`.
+
+    ``trainer`` may be a ``mx.mod.Module`` or ``BucketingModule``: its loss heads' backward
+    and its ``update`` are scaled, checked and skipped on inf/NaN as a trainer's step is
+    (:mod:`gluon_amp.training.module`; no ``scale_loss`` needed: ``fit`` and
+    ``forward_backward``/``update`` loops work as written).
 
     The trainer must update on the worker, not the kvstore: build it with
     ``update_on_kvstore=False``. If it was left at ``None``, it is set to False here.
@@ -203,8 +209,11 @@ def init_trainer(trainer: Optional[Trainer] = None,
         The peer's name for ``trainer``; give one of the two.
     """
     trainer = _one_trainer(trainer, optimizer_or_trainer, "init_trainer")
+    if module_scaling.is_module(trainer):
+        return module_scaling.init_module(trainer, loss_scale)
     if not isinstance(trainer, Trainer):
-        raise TypeError(f"init_trainer expects a mxnet.gluon.Trainer, got {type(trainer).__name__}")
+        raise TypeError(f"init_trainer expects a mxnet.gluon.Trainer, or a mx.mod.Module / BucketingModule, "
+                        f"got {type(trainer).__name__}")
     if attached_scaler(trainer) is not None:
         raise RuntimeError("this Trainer already has a loss scaler; use gluon_amp.get_scaler(trainer) "
                            "to read it, or build a new Trainer.")
@@ -230,12 +239,16 @@ def _hook_of(trainer: Trainer, caller: str) -> _Hook:
 
 
 def get_scaler(trainer: Trainer) -> LossScaler:
-    """The :class:`LossScaler` attached to ``trainer``; ``RuntimeError`` if there is none."""
+    """The :class:`LossScaler` attached to ``trainer`` (or a Module); ``RuntimeError`` if there is none."""
+    if module_scaling.is_module(trainer):
+        return module_scaling._checked_hook(trainer, "get_scaler").scaler
     return _hook_of(trainer, "get_scaler").scaler
 
 
 def attached_scaler(trainer: Any) -> Optional[LossScaler]:
     """The :class:`LossScaler` attached to ``trainer``, or ``None``: the one place that asks."""
+    if module_scaling.is_module(trainer):
+        return module_scaling.attached_scaler(trainer)
     hook = mxi.get_step_hook(trainer) if isinstance(trainer, Trainer) else None
     return hook.scaler if isinstance(hook, _Hook) else None
 
@@ -340,7 +353,10 @@ def _mode(trainer: Trainer) -> Dict[str, Any]:
 
 def save_states(trainer: Trainer, fname: str) -> None:
     """Save the trainer's optimizer states, its optimizer's settings and its loss scaler to
-    one file (see :mod:`gluon_amp.training.checkpoint`: no pickle, written atomically)."""
+    one file (see :mod:`gluon_amp.training.checkpoint`: no pickle, written atomically).
+    A Module's: :func:`gluon_amp.training.module.save_states`."""
+    if module_scaling.is_module(trainer):
+        return module_scaling.save_states(trainer, fname)
     hook = _hook_of(trainer, "save_states")
     mxi.init_kvstore_now(trainer)
     updater = mxi.trainer_updaters(trainer)[0]
@@ -355,6 +371,8 @@ def load_states(trainer: Trainer, fname: str, *, trusted: bool = False) -> None:
     pickles: they load only with ``trusted=True`` (it runs pickle; only for files you
     trust), or after ``python -m gluon_amp.training.checkpoint upgrade OLD NEW``.
     """
+    if module_scaling.is_module(trainer):
+        return module_scaling.load_states(trainer, fname)
     hook = _hook_of(trainer, "load_states")
     if not isinstance(trusted, bool):
         raise TypeError(f"trusted must be True or False, got {trusted!r}")

@@ -11,3 +11,12 @@ LOSS_OUTPUT_FUNCTIONS = (
     "LogisticRegressionOutput",
     "MAERegressionOutput",
 )
+
+#: Graph outputs whose backward starts from their own attributes, not from a head gradient:
+#: the loss outputs above, plus the loss ops that have no ``grad_scale`` to put a scale in.
+#: A Module's dynamic loss scale reaches them through their data input (``loss_heads.py``).
+GRAPH_LOSS_HEADS = LOSS_OUTPUT_FUNCTIONS + (
+    "MakeLoss",
+    "make_loss",
+    "SVMOutput",
+)

@@ -41,12 +41,15 @@ def _scaled(grad_scale: Any, scale: float) -> Any:
 
 
 def sym_wrapper(fn: Callable, op: str) -> Callable:
-    """A graph cannot follow a dynamic scale: say so when the op is put in one."""
+    """A hybridized Gluon graph cannot follow a dynamic scale: say so when the op is put in a
+    graph (a Module's can: ``gluon_amp.training.module`` scales the graph it binds)."""
     @functools.wraps(fn)
     def amp_op(*args: Any, **kwargs: Any) -> Any:
-        warnings.warn(f"{op} in a symbolic or hybridized graph starts its backward from grad_scale, "
-                      "which a dynamic loss scale cannot reach: use a gluon.loss block, or a static "
-                      "LossScaler and grad_scale=<scale>.", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"{op} in a symbolic or hybridized graph starts its backward from grad_scale. "
+                      "In mx.mod.Module / BucketingModule training gluon_amp scales it (init_trainer(module), "
+                      "or automatically under init); a hybridized Gluon block's dynamic loss scale cannot "
+                      "reach it: use a gluon.loss block there, or a static LossScaler and grad_scale=<scale>.",
+                      RuntimeWarning, stacklevel=2)
         return fn(*args, **kwargs)
     return amp_op
 

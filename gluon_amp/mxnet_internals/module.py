@@ -1,0 +1,157 @@
+"""``mx.mod.Module``, ``BucketingModule`` and executor-group internals (MXNet 1.9.1, mxnet/module/).
+
+What gluon_amp relies on, and what breaks if MXNet changes it:
+
+- ``Module.bind`` builds its ``DataParallelExecutorGroup`` from ``self._symbol`` and reads
+  that attribute nowhere else; ``save_checkpoint`` and ``Module.symbol`` read it later. The
+  executors get gluon_amp's copy by a swap of that attribute around the original ``bind``
+  (:func:`binding_symbol`). If ``bind`` read it elsewhere, the module tests' checkpoint and
+  bind checks fail.
+- The executor group's ``execs`` (one executor per context, ``arg_dict`` by name) and
+  ``grad_arrays`` (per parameter, per context; ``None`` for a fixed parameter).
+- ``_optimizer`` / ``_updater`` / ``_kvstore`` / ``_update_on_kvstore`` as
+  ``init_optimizer`` sets them; with ``update_on_kvstore`` the updater is the kvstore's
+  ``_updater`` (a local kvstore calls the module's own optimizer object).
+- ``_data_shapes``, ``_label_shapes``, ``for_training``, ``inputs_need_grad``, ``_grad_req``:
+  what ``bind`` was given, to bind again; ``_params_dirty`` / ``_sync_params_from_devices``.
+- ``BucketingModule._buckets`` (key -> Module), ``_default_bucket_key``, ``_curr_module``.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import mxnet as mx
+from mxnet.module import BucketingModule, Module
+
+__all__ = [
+    "Module", "BucketingModule", "MethodPatch", "patch_methods", "restore_methods", "binding_symbol",
+    "module_symbol", "module_executors", "module_grad_arrays", "module_optimizer", "module_updater",
+    "optimizer_on_server", "module_kvstore", "bind_arguments", "rebind", "bucket_modules", "call_arguments",
+    "set_module_updater_states",
+]
+
+
+# -- class methods, patched reversibly -------------------------------------------------
+
+@dataclass
+class MethodPatch:
+    cls: type
+    name: str
+    original: Any
+    wrapper: Any
+
+
+def patch_methods(cls: type, wrappers: Dict[str, Callable[[Callable], Callable]]) -> List[MethodPatch]:
+    """Replace ``cls.<name>`` by ``make(original)`` for each entry; undo with :func:`restore_methods`."""
+    patches = []
+    for name, make in wrappers.items():
+        original = cls.__dict__[name]
+        wrapper = make(original)
+        setattr(cls, name, wrapper)
+        patches.append(MethodPatch(cls, name, original, wrapper))
+    return patches
+
+
+def restore_methods(patches: List[MethodPatch]) -> List[str]:
+    """Put back each method still holding gluon_amp's wrapper (checked by identity); return
+    the names of those someone else replaced meanwhile (left as they are)."""
+    changed = []
+    for p in reversed(patches):
+        if p.cls.__dict__.get(p.name) is p.wrapper:
+            setattr(p.cls, p.name, p.original)
+        else:
+            changed.append(f"{p.cls.__module__}.{p.cls.__name__}.{p.name}")
+    return changed
+
+
+def call_arguments(function: Callable, args: tuple, kwargs: dict) -> Dict[str, Any]:
+    """A call's arguments by name, defaults filled in (``self`` included)."""
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+# -- the symbol the executors get --------------------------------------------------------
+
+@contextlib.contextmanager
+def binding_symbol(module: Module, symbol: mx.sym.Symbol) -> Iterator[None]:
+    """Inside the block, ``module``'s ``bind`` builds its executors from ``symbol``; the
+    module's own symbol (``save_checkpoint``, ``Module.symbol``) is back afterwards."""
+    own = module._symbol
+    module._symbol = symbol
+    try:
+        yield
+    finally:
+        module._symbol = own
+
+
+def module_symbol(module: Module) -> mx.sym.Symbol:
+    return module._symbol
+
+
+def module_executors(module: Module) -> List[Any]:
+    """The executors of a bound module (one per context); ``[]`` when not bound."""
+    group = module._exec_group
+    return list(group.execs) if group is not None else []
+
+
+def module_grad_arrays(module: Module) -> List[mx.nd.NDArray]:
+    """Every gradient array the next ``update`` reads (all parameters, all contexts)."""
+    group = module._exec_group
+    if group is None or not getattr(group, "grad_arrays", None):
+        return []
+    return [g for per_ctx in group.grad_arrays for g in per_ctx if g is not None]
+
+
+def module_optimizer(module: Module) -> Any:
+    return module._optimizer
+
+
+def module_kvstore(module: Module) -> Any:
+    return module._kvstore
+
+
+def optimizer_on_server(module: Module) -> bool:
+    """True when the update runs on a distributed kvstore's servers (a copy of the optimizer)."""
+    kv = module._kvstore
+    return bool(kv is not None and module._update_on_kvstore and "dist" in kv.type)
+
+
+def module_updater(module: Module) -> Any:
+    """The ``mx.optimizer.Updater`` whose ``states`` hold the optimizer state."""
+    if module._update_on_kvstore:
+        return module._kvstore._updater
+    return module._updater
+
+
+def set_module_updater_states(module: Module, states: Dict[Any, Any]) -> None:
+    """Give the module's updater ``states`` (1.9.1 ``Updater.states``), moved to each weight's
+    context on its next update (``states_synced`` False), as ``Updater.set_states`` does."""
+    updater = module_updater(module)
+    updater.states = states
+    updater.states_synced = dict.fromkeys(states.keys(), False)
+
+
+# -- binding again ---------------------------------------------------------------------
+
+def bind_arguments(module: Module) -> Dict[str, Any]:
+    """What the module's last ``bind`` was given."""
+    return {"data_shapes": module._data_shapes, "label_shapes": module._label_shapes,
+            "for_training": module.for_training, "inputs_need_grad": module.inputs_need_grad,
+            "grad_req": module._grad_req}
+
+
+def rebind(module: Module, shared_module: Optional[Module] = None) -> None:
+    """Bind ``module`` again with the shapes it has, keeping its current weights (synced
+    from the devices first) and its optimizer."""
+    if module.params_initialized and module._params_dirty:
+        module._sync_params_from_devices()
+    module.bind(force_rebind=True, shared_module=shared_module, **bind_arguments(module))
+
+
+def bucket_modules(module: BucketingModule) -> Tuple[Any, Dict[Any, Module]]:
+    """``(default bucket key, {key: Module})`` of a BucketingModule (empty before bind)."""
+    return module._default_bucket_key, dict(module._buckets)

@@ -1,0 +1,464 @@
+"""Dynamic loss scaling for ``mx.mod.Module`` and ``BucketingModule``.
+
+A Module's loss heads (``SoftmaxOutput``, ``MakeLoss``, the regression outputs...) start their
+backward from their own ``grad_scale``, so a loss scale cannot be multiplied into the loss as
+``scale_loss`` does for Gluon. Instead, the graph the executors run (never the module's own
+symbol, which ``save_checkpoint`` writes) feeds each head's data input through an exact
+identity whose gradient is multiplied by a float32 ``(1,)`` argument
+(:mod:`gluon_amp_core.loss_heads`). Each ``backward`` writes the step's scale into it (no
+rebind when the scale moves), and multiplies ``out_grads`` given for outputs that are not
+loss heads. Each ``update`` checks every gradient in one read pass
+(:func:`gluon_amp.training.overflow.arrays_finite`), skips the step on inf/NaN (weights,
+optimizer state and update counts untouched), and otherwise divides the scale out through
+the optimizer's ``rescale_grad`` for that update (no extra pass over the gradients). The
+scale moves by the same :class:`~gluon_amp_core.loss_scale.LossScaler` a Gluon trainer uses.
+
+The methods of ``Module`` this needs (``bind``, ``backward``, ``update``, ``init_optimizer``,
+``borrow_optimizer``) and ``BucketingModule.bind`` are wrapped while someone needs them:
+``init`` (which then attaches the default scaler to every Module that initialises its
+optimizer: scripts run under ``gluon_amp.run`` get scaling unchanged), or an explicit
+:func:`init_module`. ``disable`` removes what ``init`` installed; modules given a scaler
+explicitly keep it, as Gluon trainers do.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+
+import mxnet as mx
+
+from gluon_amp_core.dtypes import dtype_name
+from gluon_amp_core.lists.loss_outputs import GRAPH_LOSS_HEADS
+from gluon_amp_core.loss_heads import scale_loss_heads
+from gluon_amp_core.loss_scale import LossScaler, loss_scaler_from
+
+from .. import mxnet_internals as mxi, state
+from . import checkpoint, overflow
+
+mxm = mxi.module
+Module, BucketingModule = mxm.Module, mxm.BucketingModule
+
+#: The argument of the bound graph that holds the loss scale.
+SCALE_ARG = "gluon_amp_loss_scale"
+_LOW = ("float16", "bfloat16")
+
+
+class ModuleHook:
+    """One scaled module's member token in its :class:`LossScaler` (a BucketingModule's
+    buckets share one), and the scale its current step carries."""
+
+    def __init__(self, scaler: LossScaler, auto: bool = False) -> None:
+        self.scaler = scaler
+        self.auto = auto  # attached by init's default (replaced by an explicit init_trainer)
+        #: (compute dtype, scale) of the current step, fixed by its first backward
+        self._step: Optional[Tuple[str, float]] = None
+        #: whether this step's gradients carry the scale (a loss head or out_grads took it)
+        self._carried = False
+        #: what the last checked step's gradients are divided by in its update
+        self._unscale = 1.0
+        self._warned: Set[str] = set()
+        scaler.attach(self)
+
+    def decide(self, dtype: str) -> float:
+        if self._step is None:
+            self._step = (dtype, self.scaler.scale_for(dtype))
+        return self._step[1]
+
+    @property
+    def loss_scale(self) -> float:
+        """The scale of the current step's gradients (before its first backward: the scale
+        of the last dtype seen, as the next step will use it)."""
+        return self._step[1] if self._step is not None else self.scaler.loss_scale
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def end_step(self, module: Module) -> bool:
+        """Check ``module``'s gradients, record the step; True when it must be skipped."""
+        dtype, scale = self._step if self._step is not None else ("float32", 1.0)
+        carried = self._carried and scale != 1.0
+        self._step, self._carried = None, False
+        finite = True
+        if self.scaler.enabled:
+            groups: Dict[mx.Context, List[mx.nd.NDArray]] = {}
+            for g in mxm.module_grad_arrays(module):
+                g = g if g.stype == "default" else g.data
+                groups.setdefault(g.context, []).append(g)
+            finite = overflow.arrays_finite(groups)
+        skip = self.scaler.record_step(self, finite, scaled=carried and self.scaler.scales(dtype))
+        if skip and dtype != "float16":
+            self.warn_once("skip", f"gluon_amp: a Module training step was skipped for inf/NaN gradients while "
+                           f"its graph computes in {dtype}, whose exponent range is float32's: the loss scale "
+                           "is not the cause. Check the data, the loss and the learning rate. (Said once.)")
+        if skip and self.scaler.collapsed():
+            raise RuntimeError(
+                f"{self.scaler.state.consecutive_skips} Module steps in a row had non-finite gradients "
+                f"(loss scale now {self.scaler.scale_for(dtype):g}); this is not an fp16 range problem. "
+                "Check the learning rate, the data and the loss, or raise max_consecutive_skips.")
+        self._unscale = scale if carried else 1.0
+        return skip
+
+
+@dataclass
+class _State:
+    """What gluon_amp keeps about one Module (weakly keyed: nothing on the user's object)."""
+
+    hook: Optional[ModuleHook] = None
+    #: the last bind went through gluon_amp (scale argument added where there are heads)
+    bound_scaled: bool = False
+    scale_arg: Optional[str] = None
+    heads: List[str] = field(default_factory=list)
+    dtype: str = "float32"
+
+
+_lock = threading.RLock()
+_states: "weakref.WeakKeyDictionary[Module, _State]" = weakref.WeakKeyDictionary()
+_bucketing: "weakref.WeakKeyDictionary[BucketingModule, ModuleHook]" = weakref.WeakKeyDictionary()
+_owners: Set[str] = set()
+_patches: List[mxm.MethodPatch] = []
+_auto = False
+_pending = threading.local()  # the hook a BucketingModule.bind gives its default bucket
+
+
+def _state(module: Module) -> _State:
+    with _lock:
+        state = _states.get(module)
+        if state is None:
+            state = _states[module] = _State()
+        return state
+
+
+# -- the graph the executors run --------------------------------------------------------
+
+def _graph_dtype(graph: Dict[str, Any], descs: Any) -> str:
+    """float16 where the graph casts to it or holds it (an argument's dtype, a cast's
+    target), else bfloat16 likewise, else float32: the dtype whose range the gradients pass."""
+    seen = set()
+    for node in graph["nodes"]:
+        attrs = node.get("attrs") or {}
+        if node["op"] in ("amp_cast", "Cast", "cast") and attrs.get("dtype") in _LOW:
+            seen.add(attrs["dtype"])
+        flag = attrs.get("__dtype__")
+        if flag in ("2", "12"):
+            seen.add("float16" if flag == "2" else "bfloat16")
+    for d in descs or ():
+        name = _safe_dtype(getattr(d, "dtype", None))
+        if name in _LOW:
+            seen.add(name)
+    return next((d for d in _LOW if d in seen), "float32")
+
+
+def _safe_dtype(dtype: Any) -> Optional[str]:
+    try:
+        return dtype_name(dtype) if dtype is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _scaled_symbol(symbol: mx.sym.Symbol, descs: Any) -> Tuple[mx.sym.Symbol, List[str], str]:
+    """``symbol`` with its loss heads reachable by the scale argument; the heads; the dtype."""
+    graph = json.loads(symbol.tojson(remove_amp_cast=False))
+    dtype = _graph_dtype(graph, descs)
+    input_dtype = None
+    if dtype != "float32":  # a head's input may be low precision: the scaled identity casts around it
+        types = {d.name: d.dtype for d in descs or () if getattr(d, "dtype", None) is not None}
+        _, out_types, _ = symbol.get_internals().infer_type_partial(**types)
+        rows = graph["node_row_ptr"]
+
+        def input_dtype(node: int, output: int) -> Optional[str]:
+            t = out_types[rows[node] + output] if out_types else None
+            return _safe_dtype(t)
+    new, heads = scale_loss_heads(graph, GRAPH_LOSS_HEADS, SCALE_ARG, input_dtype)
+    if not heads:
+        return symbol, [], dtype
+    return mx.sym.load_json(json.dumps(new)), heads, dtype
+
+
+# -- the wrapped Module methods -----------------------------------------------------------
+
+def _wrap_bind(original: Callable) -> Callable:
+    def bind(self: Module, *args: Any, **kwargs: Any) -> Any:
+        a = mxm.call_arguments(original, (self, *args), kwargs)
+        state = _state(self)
+        shared = a["shared_module"]
+        if state.hook is None:
+            inherited = _states.get(shared).hook if shared is not None and shared in _states else None
+            state.hook = inherited or getattr(_pending, "hook", None)
+        if (self.binded and not a["force_rebind"]) or not a["for_training"] or not (state.hook or _auto):
+            if a["force_rebind"] or not self.binded:
+                state.bound_scaled, state.scale_arg = False, None
+            return original(self, *args, **kwargs)
+        descs = list(a["data_shapes"] or []) + list(a["label_shapes"] or [])
+        descs = [d for d in descs if hasattr(d, "name")]
+        symbol, heads, dtype = _scaled_symbol(mxm.module_symbol(self), descs)
+        with mxm.binding_symbol(self, symbol):
+            result = original(self, *args, **kwargs)
+        state.bound_scaled, state.heads, state.dtype = True, heads, dtype
+        state.scale_arg = SCALE_ARG if heads else None
+        if state.scale_arg is not None:
+            _write_scale(self, state.scale_arg, 1.0)  # MXNet leaves a new argument uninitialised
+        return result
+    return bind
+
+
+def _write_scale(module: Module, name: str, value: float) -> None:
+    for ex in mxm.module_executors(module):
+        arr = ex.arg_dict.get(name)
+        if arr is not None:
+            arr[:] = value
+
+
+def _wrap_backward(original: Callable) -> Callable:
+    def backward(self: Module, out_grads: Any = None) -> Any:
+        state = _states.get(self)
+        if state is None or not state.bound_scaled:
+            return original(self, out_grads)
+        hook = state.hook
+        scale = hook.decide(state.dtype) if hook is not None else 1.0
+        if state.scale_arg is not None:
+            _write_scale(self, state.scale_arg, scale)  # also where no hook: the argument must hold 1
+        if out_grads is not None and scale != 1.0:
+            out_grads = [g * scale for g in (out_grads if isinstance(out_grads, (list, tuple)) else [out_grads])]
+        if hook is not None:
+            carried = state.scale_arg is not None or out_grads is not None
+            hook._carried = hook._carried or carried
+            if not carried and scale != 1.0:
+                hook.warn_once("heads", f"gluon_amp: this Module's graph has no loss head gluon_amp can scale "
+                               f"(outputs of {', '.join(GRAPH_LOSS_HEADS)}) and backward got no out_grads: its "
+                               "steps are checked for inf/NaN but not scaled.")
+        return original(self, out_grads)
+    return backward
+
+
+def _wrap_update(original: Callable) -> Callable:
+    def update(self: Module) -> Any:
+        state = _states.get(self)
+        hook = state.hook if state is not None else None
+        if hook is None:
+            return original(self)
+        if hook.end_step(self):
+            return None  # skipped: nothing of the optimizer runs
+        if hook._unscale == 1.0:
+            return original(self)
+        opt = mxm.module_optimizer(self)
+        before = opt.rescale_grad
+        opt.rescale_grad = before / hook._unscale
+        try:
+            return original(self)
+        finally:
+            opt.rescale_grad = before
+    return update
+
+
+def _wrap_init_optimizer(original: Callable) -> Callable:
+    def init_optimizer(self: Module, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        state = _state(self)
+        if state.hook is not None:
+            _refuse_dist(self, state.hook.auto)
+        elif _auto and self.optimizer_initialized and self.binded and self.for_training:
+            if _refuse_dist(self, auto=True):
+                _attach(self, ModuleHook(LossScaler.where_needed(), auto=True))
+        return result
+    return init_optimizer
+
+
+def _wrap_borrow_optimizer(original: Callable) -> Callable:
+    def borrow_optimizer(self: Module, shared_module: Module) -> Any:
+        result = original(self, shared_module)
+        theirs = _states.get(shared_module)
+        if theirs is not None and theirs.hook is not None and _state(self).hook is not theirs.hook:
+            _attach(self, theirs.hook)
+        return result
+    return borrow_optimizer
+
+
+def _wrap_bucketing_bind(original: Callable) -> Callable:
+    def bind(self: BucketingModule, *args: Any, **kwargs: Any) -> Any:
+        _pending.hook = _bucketing.get(self)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _pending.hook = None
+    return bind
+
+
+def _refuse_dist(module: Module, auto: bool) -> bool:
+    """False (auto: with a warning) or RuntimeError for a distributed kvstore: not supported yet."""
+    kv = mxm.module_kvstore(module)
+    if kv is None or "dist" not in kv.type:
+        return True
+    message = (f"gluon_amp: loss scaling of a Module with kvstore {kv.type!r} is not supported (the workers "
+               "would have to agree on skipping a step); use a local kvstore, or a Gluon Trainer with "
+               "gluon_amp.init_trainer.")
+    if auto:
+        warnings.warn(message + " This Module trains without loss scaling.", RuntimeWarning, stacklevel=4)
+        return False
+    raise RuntimeError(message)
+
+
+def _install(owner: str) -> None:
+    global _patches
+    with _lock:
+        if not _owners:
+            _patches = (mxm.patch_methods(Module, {"bind": _wrap_bind, "backward": _wrap_backward,
+                                                   "update": _wrap_update, "init_optimizer": _wrap_init_optimizer,
+                                                   "borrow_optimizer": _wrap_borrow_optimizer})
+                        + mxm.patch_methods(BucketingModule, {"bind": _wrap_bucketing_bind}))
+        _owners.add(owner)
+
+
+def _release(owner: str) -> None:
+    global _patches
+    with _lock:
+        _owners.discard(owner)
+        if not _owners and _patches:
+            changed = mxm.restore_methods(_patches)
+            _patches = []
+            if changed:
+                warnings.warn(f"gluon_amp: {', '.join(changed)} were changed by someone else while patched "
+                              "and are left as they are now, not restored", RuntimeWarning, stacklevel=3)
+
+
+def _on_init(policy: Any) -> None:
+    global _auto
+    _install("init")
+    _auto = True
+
+
+def _on_disable() -> None:
+    global _auto
+    _auto = False
+    with _lock:
+        for module, state in list(_states.items()):
+            if state.hook is not None and state.hook.auto:
+                state.hook = None  # init's default scaler goes with init; explicit ones stay
+            if state.hook is None and state.scale_arg is not None:
+                _write_scale(module, state.scale_arg, 1.0)  # unpatched backward: gradients as MXNet's
+    _release("init")
+
+
+def _forget() -> None:
+    """Drop every module's scaler and the patches explicit ones needed (test isolation)."""
+    with _lock:
+        _states.clear()
+        _bucketing.clear()
+    _release("explicit")
+
+
+state.register_extension(state.Extension(_on_init, _on_disable, _forget))
+
+
+# -- the public side -------------------------------------------------------------------------
+
+def is_module(obj: Any) -> bool:
+    return isinstance(obj, (Module, BucketingModule))
+
+
+def _attach(module: Module, hook: ModuleHook) -> None:
+    """Give ``module`` the hook; bind it again where its executors lack the scale argument."""
+    state = _state(module)
+    state.hook = hook
+    if module.binded and module.for_training and not state.bound_scaled:
+        mxm.rebind(module)
+
+
+def init_module(module: Union[Module, BucketingModule],
+                loss_scale: Union[str, float, LossScaler, None] = "dynamic") -> LossScaler:
+    """Attach dynamic loss scaling to a ``Module`` or ``BucketingModule``; return its scaler.
+
+    Call it before or after ``bind``/``init_optimizer``/``fit`` (a bound module is bound
+    again, keeping its weights and optimizer). ``loss_scale`` as for
+    :func:`gluon_amp.init_trainer`: ``'dynamic'`` scales float16 graphs (real or emulated)
+    and checks and skips inf/NaN steps in any dtype.
+    """
+    if not is_module(module):
+        raise TypeError(f"init_module expects a mxnet.mod.Module or BucketingModule, got {type(module).__name__}")
+    existing = attached_scaler(module)
+    if existing is not None and not _hook_of(module).auto:
+        raise RuntimeError("this Module already has a loss scaler; use gluon_amp.get_scaler(module) to read it")
+    scaler = loss_scaler_from(loss_scale)
+    hook = ModuleHook(scaler)
+    _install("explicit")
+    if isinstance(module, BucketingModule):
+        _bucketing[module] = hook
+        default, buckets = mxm.bucket_modules(module)
+        if default in buckets:
+            _attach(buckets[default], hook)
+        for key, mod in buckets.items():
+            if key != default:
+                _state(mod).hook = hook
+                if mod.binded and mod.for_training and not _state(mod).bound_scaled:
+                    mxm.rebind(mod, shared_module=buckets[default])
+    else:
+        _attach(module, hook)
+    for mod in _modules_of(module):
+        if mxm.module_kvstore(mod) is not None:
+            _refuse_dist(mod, auto=False)
+    return scaler
+
+
+def _modules_of(module: Union[Module, BucketingModule]) -> List[Module]:
+    if isinstance(module, BucketingModule):
+        return list(mxm.bucket_modules(module)[1].values())
+    return [module]
+
+
+def _hook_of(module: Union[Module, BucketingModule]) -> Optional[ModuleHook]:
+    if isinstance(module, BucketingModule) and module in _bucketing:
+        return _bucketing[module]
+    for mod in _modules_of(module):
+        state = _states.get(mod)
+        if state is not None and state.hook is not None:
+            return state.hook
+    return None
+
+
+def attached_scaler(module: Any) -> Optional[LossScaler]:
+    hook = _hook_of(module) if is_module(module) else None
+    return hook.scaler if hook is not None else None
+
+
+def _checked_hook(module: Any, caller: str) -> ModuleHook:
+    hook = _hook_of(module)
+    if hook is None:
+        raise RuntimeError(f"{caller}: this Module has no loss scaler; call gluon_amp.init_trainer(module) first.")
+    return hook
+
+
+def _optimizer_module(module: Union[Module, BucketingModule], caller: str) -> Module:
+    mods = [m for m in _modules_of(module) if m.optimizer_initialized]
+    if not mods:
+        raise RuntimeError(f"{caller}: the Module's optimizer is not initialised yet; call init_optimizer "
+                           "(or fit) first.")
+    return mods[0]
+
+
+def save_states(module: Union[Module, BucketingModule], fname: str) -> None:
+    """Save the module's optimizer state, its optimizer's settings and update counts, and its
+    loss scaler, to one file (the format of :func:`gluon_amp.save_states`). With
+    ``Module.save_checkpoint`` (the weights) it resumes bit for bit."""
+    hook = _checked_hook(module, "save_states")
+    mod = _optimizer_module(module, "save_states")
+    policy = state.current_policy()
+    mode = {"target_dtype": policy.target_dtype if policy else None, "emulate": bool(policy and policy.emulate),
+            "master_weights": None, "opt_level": None, "module": True}
+    checkpoint.write(fname, {"scaler": hook.scaler.state_dict(), "mode": mode},
+                     mxi.updater_states(mxm.module_updater(mod)), mxm.module_optimizer(mod))
+
+
+def load_states(module: Union[Module, BucketingModule], fname: str) -> None:
+    """Load what :func:`save_states` wrote into ``module`` (after ``init_optimizer``) and its scaler."""
+    hook = _checked_hook(module, "load_states")
+    mod = _optimizer_module(module, "load_states")
+    meta, make_states = checkpoint.read(fname, mx.cpu())
+    opt = mxm.module_optimizer(mod)
+    checkpoint.restore_optimizer(opt, meta["optimizer"])
+    mxm.set_module_updater_states(mod, make_states())
+    hook.scaler.load_state_dict(meta["scaler"])
