@@ -30,6 +30,8 @@ _TRAMPOLINE_CODE = _trampoline.__code__
 _NOT_SET = object()
 #: redirected function -> its original code, for op_of_function while AMP is on
 _original_code: "weakref.WeakKeyDictionary[types.FunctionType, types.CodeType]" = weakref.WeakKeyDictionary()
+#: redirected function -> what redirect() changed on it, for original_function
+_saved: "weakref.WeakKeyDictionary[types.FunctionType, Any]" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ def redirect(fn: types.FunctionType, wrapper: Callable, site: str = "") -> Saved
     saved = SavedFunction(fn, wrapper, fn.__code__, fn.__defaults__, fn.__kwdefaults__,
                           fn.__dict__.get("__wrapped__", _NOT_SET), site)
     _original_code[fn] = saved.code
+    _saved[fn] = saved
     fn.__kwdefaults__ = {_IMPL_KW: wrapper}  # ignored by the original code
     fn.__code__ = _TRAMPOLINE_CODE
     fn.__defaults__ = None  # ignored by the trampoline
@@ -98,3 +101,18 @@ def restore(saved: SavedFunction) -> None:
     fn.__code__ = saved.code
     fn.__kwdefaults__ = saved.kwdefaults
     _original_code.pop(fn, None)
+    _saved.pop(fn, None)
+
+
+def original_function(fn: types.FunctionType) -> types.FunctionType:
+    """MXNet's own implementation of ``fn`` whatever :func:`redirect` did to it: ``fn``
+    itself where it is not redirected, else a new function object running its original
+    code (with its original defaults). For gluon_amp's own measurements (the capability
+    probe), which must see what MXNet does, not what AMP makes of it."""
+    saved = _saved.get(fn) if fn.__code__ is _TRAMPOLINE_CODE else None
+    if saved is None:
+        return fn
+    impl = types.FunctionType(saved.code, fn.__globals__, fn.__name__, saved.defaults, fn.__closure__)
+    impl.__kwdefaults__ = saved.kwdefaults
+    impl.__doc__, impl.__qualname__, impl.__module__ = fn.__doc__, fn.__qualname__, fn.__module__
+    return impl
