@@ -37,6 +37,8 @@ class _Active:
     scalers: ScalerRegistry = field(default_factory=ScalerRegistry)
     #: tunes the blocks' graphs as they train (``tune``), within the process's budget
     tuner: Optional[Tuner] = None
+    #: shape and type inference of a block not built yet, with the hooks paused (builds no execution)
+    infer_hook: Optional[mxi.InferHook] = None
 
 
 _lock = threading.RLock()
@@ -141,7 +143,7 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
             rewrite = _after(rewrite, tuner.rewrite)
         hooks = mxi.install_block_hooks(rewrite, _warn_stale, reshaped, watch, tuner.called if tuner else None)
         low_cast.acquire("init")  # a script's net.cast('float16') follows the plan (low_cast.py)
-        _active = _Active(policy, patches, hooks, scalers, tuner)
+        _active = _Active(policy, patches, hooks, scalers, tuner, mxi.install_infer_hook())
         _changed(policy.target_dtype)
         _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
                   policy.describe(), len(_active.patches))
@@ -239,6 +241,8 @@ def disable() -> None:
             return
         _restore(_active.patches)
         mxi.remove_block_hooks(_active.hooks)
+        if _active.infer_hook is not None:
+            mxi.remove_infer_hook(_active.infer_hook)
         low_cast.release("init")
         _active = None
         _changed(None)

@@ -6,6 +6,7 @@ see :mod:`gluon_amp.wrappers` for how they compose with the others.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable, Optional
 
 from mxnet.base import MXNetError
@@ -19,6 +20,7 @@ from gluon_amp_core.table import OpClass, OpTable
 from ... import mxnet_internals as mxi
 from ...emulation import round_nd
 from ..hooks import cannot_run
+from ..low_cast import _caller_level
 from .casts import CASTABLE, cast_into, cast_nd, cast_sym, multicast_sym
 
 
@@ -55,7 +57,9 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
         want, keep = d.dtype, d.keep_fp32
         if guard and want == low and any(isinstance(a, NDArray) and a.context.device_type == "cpu"
                          for a in [*args, *kwargs.values()]):
-            raise RuntimeError(cannot_run(f"{op} (imperative)", want, "cpu"))
+            if mxi.constructing_block() is None:
+                raise RuntimeError(cannot_run(f"{op} (imperative)", want, "cpu"))
+            return _while_constructing(fn, op, want, args, kwargs)
         new_args = None
         for i, a in enumerate(args if variadic or len(args) <= n_pos else args[:n_pos]):
             if isinstance(a, NDArray):
@@ -110,6 +114,27 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
             return neutral(*args, **kwargs) if d.dtype is None else cast_all(args, kwargs, d)
 
     return amp_op
+
+
+def _while_constructing(fn: Callable, op: str, dtype: str, args: tuple, kwargs: dict) -> Any:
+    """``op`` run as the caller gave it (float32), by a forward inside a block's construction.
+
+    A model's constructor that runs part of itself to read a shape (GluonCV's CenterNet runs
+    its backbone on zeros for the channel count) builds the plan; it does not train or infer.
+    Under a target this machine cannot run, its low-precision ops run in float32, said once;
+    a forward outside construction is refused (:func:`gluon_amp.patching.hooks.cannot_run`).
+    """
+    name = getattr(mxi.constructing_block(), "name", "?")
+    if (name, dtype) not in _said_constructing:
+        _said_constructing.add((name, dtype))
+        warnings.warn(f"gluon_amp: a forward run while block {name!r} was being constructed ran its "
+                      f"{dtype} ops ({op}, ...) in float32, since this machine cannot execute {dtype}: such a "
+                      "forward only reads shapes. A forward outside construction raises.",
+                      RuntimeWarning, stacklevel=_caller_level())
+    return fn(*args, **kwargs)
+
+
+_said_constructing: set = set()
 
 
 def _call_with_out(fn: Callable, sig: mxi.Signature, args: list, kwargs: dict, out: Any,
