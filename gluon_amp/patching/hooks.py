@@ -57,7 +57,7 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
         if not low:
             return out
         if policy.emulate:
-            return emulate_symbol(out, dtypes, shapes)[0]
+            return emulate_symbol(out, dtypes, shapes, fed=known)[0]  # float16 data: read as float16
         for device in {a.context.device_type for a in mxi.call_arrays(args) if isinstance(a, NDArray)}:
             for dtype in sorted(low):
                 if not runtime.executable(dtype, device):
