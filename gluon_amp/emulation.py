@@ -16,14 +16,14 @@ import json
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import mxnet as mx
-import numpy as np
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
+from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
 from gluon_amp_core.emulate import BF16_ROUNDING, PLAIN_LAYOUT, EmulatedGraph, emulate_graph
 
 from . import emulation_kernel
-from .mxnet_internals import copy_function, to_mx_dtype
+from .mxnet_internals import FLOAT_NAMES, copy_function, to_mx_dtype
 from .type_inference import entry_keys
 
 Key = Tuple[str, int]
@@ -44,11 +44,20 @@ _AMP_CAST = _unpatched("amp_cast")
 
 
 def round_nd(x: NDArray, dtype: str) -> NDArray:
-    """``x`` (float32) holding only values of ``dtype`` (:func:`gluon_amp_core.emulate.round_bits`)."""
+    """``x`` in float32 holding only values of ``dtype`` (:func:`gluon_amp_core.emulate.round_bits`).
+
+    ``x`` is float32, or float16/bfloat16 (GPU-only code's data, a low-precision parameter):
+    those are cast to float32 first, exactly."""
     if isinstance(x, mx.np.ndarray):
         return round_nd(x.as_nd_ndarray(), dtype).as_np_ndarray()
+    given = FLOAT_NAMES.get(x.dtype)
+    if given in LOW_PRECISION_DTYPES:
+        x = _AMP_CAST(x, dtype="float32")
+        if given == dtype:
+            return x  # its values are dtype's already
+        given = "float32"
     kernel = emulation_kernel.round_function()
-    if kernel is not None and x.dtype == np.float32 and x.stype == "default":
+    if kernel is not None and given == "float32" and x.stype == "default":
         return kernel(x, dtype=dtype)
     if dtype == "bfloat16":
         made: list = []
@@ -60,14 +69,17 @@ def round_nd(x: NDArray, dtype: str) -> NDArray:
 
 def emulate_symbol(sym: Symbol, dtypes: Mapping[Key, Optional[str]],
                    shapes: Optional[Mapping[str, tuple]] = None,
-                   portable: bool = False) -> Tuple[Symbol, EmulatedGraph]:
+                   portable: bool = False, fed: Optional[Mapping[str, str]] = None) -> Tuple[Symbol, EmulatedGraph]:
     """``sym`` (typed by real AMP as ``dtypes``) rewritten for emulation. ``shapes`` (input
     name -> shape), when known, let the fallback's rewrite keep oneDNN's memory layouts (speed
     only). ``portable`` graphs round with MXNet's ops only (a converter's result may be saved
-    and loaded where gluon_amp's kernel is not)."""
+    and loaded where gluon_amp's kernel is not). ``fed`` (input name -> dtype of the array
+    the executor feeds it): inputs fed float16/bfloat16 are read in that dtype, cast to
+    float32, and the graph's low-precision outputs come back in it
+    (:func:`gluon_amp_core.emulate.emulate_graph`)."""
     kernel = None if portable or not emulation_kernel.active() else emulation_kernel.OP_NAME
     ndims = _ndims(sym, shapes) if shapes and kernel is None else None
-    emulated = emulate_graph(json.loads(sym.tojson(remove_amp_cast=False)), dtypes, ndims, kernel)
+    emulated = emulate_graph(json.loads(sym.tojson(remove_amp_cast=False)), dtypes, ndims, kernel, fed)
     return mx.sym.load_json(json.dumps(emulated.graph)), emulated
 
 

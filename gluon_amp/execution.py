@@ -25,7 +25,7 @@ from mxnet.gluon import HybridBlock
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
-from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
+from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.policy import Policy
 
 from . import mxnet_internals as mxi, plan_notes, runtime, state
@@ -59,7 +59,7 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
     if not low:
         return plan
     if policy.emulate:
-        return emulated(plan, typed, shapes)
+        return emulated(plan, typed, shapes, fed=dtypes)
     for device in sorted(set(devices)):
         for dtype in sorted(low):
             if not runtime.executable(dtype, device):
@@ -69,11 +69,18 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
 
 def emulated(plan: Symbol, typed: Mapping[Key, Optional[str]],
              shapes: Optional[Mapping[str, Tuple[int, ...]]] = None, portable: bool = False,
-             widen: bool = True) -> Symbol:
-    """The emulated copy of ``plan`` (typed by MXNet as ``typed``), its low-precision graph
-    inputs kept in their dtype and widened to float32 where read (:func:`widen_low_inputs`);
-    ``widen=False``: those inputs become float32 variables (a self-contained float32 model).
-    ``portable`` copies round with MXNet's ops only (they may be saved and loaded elsewhere)."""
+             widen: bool = True, fed: Optional[Mapping[str, str]] = None) -> Symbol:
+    """The emulated copy of ``plan`` (typed by MXNet as ``typed``).
+
+    ``fed`` (input name -> the dtype of the array the executor feeds it, where known): an input
+    fed in a low dtype is read as it is and cast to float32 exactly, and the outputs real AMP
+    holds low come back in the fed dtype (:func:`gluon_amp_core.emulate.emulate_graph`).
+    Without it, low-precision graph inputs are kept in their dtype and widened to float32 where
+    read (:func:`widen_low_inputs`); ``widen=False``: those inputs become float32 variables (a
+    self-contained float32 model). ``portable`` copies round with MXNet's ops only (they may be
+    saved and loaded elsewhere)."""
+    if fed is not None:
+        return emulate_symbol(plan, typed, shapes, portable=portable, fed=fed)[0]
     graph = json.loads(plan.tojson(remove_amp_cast=False))
     if widen:
         graph, typed = widen_low_inputs(graph, typed)
@@ -233,8 +240,9 @@ def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mappin
     devices = {ctx.device_type, *(c.device_type for c in (group2ctx or {}).values())}
     declared = sym.attr_dict()
     inputs = sym.list_inputs()
-    # MXNet's executors type what nothing declares as float32
-    known = {n: "float32" for n in inputs if "__dtype__" not in declared.get(n, {})}
+    # MXNet's executors allocate what a variable declares, else float32
+    known = {n: CODE_DTYPE.get(int(declared[n]["__dtype__"]), "float32") if "__dtype__" in declared.get(n, {})
+             else "float32" for n in inputs}
     known.update({k: mxi.FLOAT_NAMES.get(v) or dtype_name(v) for k, v in dtypes.items() if k in set(inputs)})
     return graph_to_run(sym, known, shapes, devices, policy, "the bound symbol")
 

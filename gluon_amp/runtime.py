@@ -87,23 +87,27 @@ def _probe_bf16() -> Optional[str]:
 
     MXNet reports a missing kernel when the op runs, and logs it on stderr from C++ too:
     fd 2 is silenced while probing, and the engine's pending error is drained so it cannot
-    surface in the caller's next op.
+    surface in the caller's next op. The probe calls MXNet's own op functions, with the
+    block hooks paused, whatever :func:`gluon_amp.init` patched when it first runs (an
+    emulated init would otherwise run it in float32 and call bfloat16 executable).
     """
-    from .mxnet_internals import quiet_stderr
-    with quiet_stderr():
+    from .mxnet_internals import hooks_paused, quiet_stderr
+    with quiet_stderr(), hooks_paused():
         return _run_probe()
 
 
 def _run_probe() -> Optional[str]:
     import mxnet as mx
-    from .mxnet_internals import BFLOAT16
+    from .mxnet_internals import BFLOAT16, original_function
+    amp_cast, ones = original_function(mx.nd.amp_cast), original_function(mx.nd.ones)
+    conv, dense = original_function(mx.nd.Convolution), original_function(mx.nd.FullyConnected)
     try:
-        x = mx.nd.amp_cast(mx.nd.ones((1, 4, 4, 4), ctx=mx.cpu()), dtype=BFLOAT16)
-        w = mx.nd.amp_cast(mx.nd.ones((4, 4, 1, 1), ctx=mx.cpu()), dtype=BFLOAT16)
-        y = mx.nd.Convolution(x, w, kernel=(1, 1), num_filter=4, no_bias=True)
-        v = mx.nd.amp_cast(mx.nd.ones((2, 64), ctx=mx.cpu()), dtype=BFLOAT16)
-        f = mx.nd.FullyConnected(y.reshape((1, -1)), v, num_hidden=2, no_bias=True)
-        mx.nd.amp_cast(f, dtype="float32").asnumpy()
+        x = amp_cast(ones((1, 4, 4, 4), ctx=mx.cpu()), dtype=BFLOAT16)
+        w = amp_cast(ones((4, 4, 1, 1), ctx=mx.cpu()), dtype=BFLOAT16)
+        y = conv(x, w, kernel=(1, 1), num_filter=4, no_bias=True)
+        v = amp_cast(ones((2, 64), ctx=mx.cpu()), dtype=BFLOAT16)
+        f = dense(y.reshape((1, -1)), v, num_hidden=2, no_bias=True)
+        amp_cast(f, dtype="float32").asnumpy()
         return None
     except mx.base.MXNetError as exc:
         try:

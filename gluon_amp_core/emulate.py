@@ -301,22 +301,53 @@ def _outputs(dtypes: Mapping[Key, Optional[str]], name: str) -> List[Optional[st
     return outs
 
 
+def _low_heads(rw: _Rewriter, graph: dict, dtypes: Mapping[Key, Optional[str]], heads: List[List[int]],
+              fed: Optional[str]) -> List[List[int]]:
+    """``heads`` (float32 entries) for a graph the caller feeds low-precision data: each one
+    real AMP holds in a low dtype cast to ``fed``, the dtype the caller's code works in (or,
+    fed several, to real AMP's): exact where that is real AMP's dtype, as under a float16
+    target fed float16; a bfloat16 value beyond float16's range becomes what float16 makes
+    of it."""
+    out: List[List[int]] = []
+    made: Dict[Tuple[int, int, str], int] = {}
+    for head, (j, k, _) in zip(graph["heads"], heads):
+        name = graph["nodes"][head[0]]["name"] + (f"_{head[1]}" if head[1] else "")
+        dtype = dtypes.get((graph["nodes"][head[0]]["name"], head[1]))
+        if dtype in LOW_PRECISION_DTYPES:
+            dtype = fed or dtype
+            if (j, k, dtype) not in made:
+                made[(j, k, dtype)] = rw.add({"op": "amp_cast", "name": f"{name}{ROUND_SUFFIX}_out",
+                                              "attrs": {"dtype": dtype}, "inputs": [[j, k, 0]]})
+            j, k = made[(j, k, dtype)], 0
+        out.append([j, k, 0])
+    return out
+
+
 def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
-                  ndims: Optional[Mapping[Key, int]] = None, kernel: Optional[str] = None) -> EmulatedGraph:
+                  ndims: Optional[Mapping[Key, int]] = None, kernel: Optional[str] = None,
+                  fed: Optional[Mapping[str, str]] = None) -> EmulatedGraph:
     """Rewrite a graph typed by real AMP (``dtypes``: every entry's dtype) for emulation.
 
     ``kernel``, the name of gluon_amp's rounding op where it is loaded, rounds each entry in
     one node; without it, MXNet's own ops do (the same values). ``ndims`` (entry -> number of
     dimensions, where known) lets the fallback's bfloat16 rounding keep oneDNN's layouts
-    (:func:`plain_layout`); the values are the same without it.
+    (:func:`plain_layout`); the values are the same without it. ``fed`` (input name -> the
+    dtype of the array the executor feeds it, where known) says which inputs come in a low
+    dtype.
 
-    Variables real AMP stores in a low dtype become float32 variables followed by a
-    rounding; casts to a low dtype become roundings (identities where the input has that
-    dtype already); ``amp_multicast`` nodes resolve to
-    the roundings their typed outputs need; every other op runs in float32 and its
-    low-precision outputs are rounded (unless the op only moves values around).
+    Variables real AMP holds in a low dtype that the caller feeds in that dtype (GPU-only
+    code's ``net(x.astype('float16'))``, a parameter stored low) keep it and are cast to
+    float32, exactly; the graph then gives each output real AMP holds in low precision back
+    in the caller's low dtype (:func:`_low_heads`). Other variables real AMP stores in a low
+    dtype (a converter's parameters, stored float32 in emulation) become float32 variables
+    followed by a rounding. A graph fed float32 gives float32 holding the rounded values.
+    Casts to a low dtype become roundings (identities where the input has that dtype
+    already); ``amp_multicast`` nodes resolve to the roundings their typed outputs need;
+    every other op runs in float32 and its low-precision outputs are rounded (unless the op
+    only moves values around).
     """
     rw, index = _Rewriter(dtypes, ndims or {}, kernel), {}
+    fed, fed_low = fed or {}, set()  # fed_low: the low dtypes the caller feeds
     entries: Dict[Key, Key] = {}
     real_dtypes: Dict[str, str] = {}
 
@@ -337,7 +368,11 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
                                  and src != want else e)
             continue
         if op == "null":
-            if real and real[0] in LOW_PRECISION_DTYPES:
+            if real and real[0] in LOW_PRECISION_DTYPES and fed.get(name) == real[0]:
+                fed_low.add(real[0])  # the caller's array, in its dtype: cast to float32, exactly
+                j = rw.add({**node, "attrs": attrs})
+                index[(i, 0)] = rw.up((j, 0), name)
+            elif real and real[0] in LOW_PRECISION_DTYPES:
                 if "__dtype__" in attrs:
                     attrs["__dtype__"] = "0"
                 j = rw.add({**node, "attrs": attrs})
@@ -361,6 +396,8 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
     for (i, k), (j, kk) in index.items():
         entries[(graph["nodes"][i]["name"], k)] = (rw.nodes[j]["name"], kk)
     heads = [[*index[(h[0], h[1])], 0] for h in graph["heads"]]
+    if fed_low:
+        heads = _low_heads(rw, graph, dtypes, heads, fed_low.pop() if len(fed_low) == 1 else None)
     out = {key: v for key, v in graph.items() if key not in ("nodes", "arg_nodes", "heads", "node_row_ptr")}
     out["nodes"] = rw.nodes
     out["arg_nodes"] = [j for j, n in enumerate(rw.nodes) if n["op"] == "null"]

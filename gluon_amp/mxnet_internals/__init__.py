@@ -12,6 +12,7 @@ from .gluon import *  # noqa: F401,F403
 from .registry import *  # noqa: F401,F403
 from .trainer import *  # noqa: F401,F403
 from .arrays import BFLOAT16, FLOAT_NAMES, host_view, quiet_stderr, to_mx_dtype, unfused_binds  # noqa: F401
-from .code_swap import SavedFunction, copy_function, is_redirected_to, redirect, restore, retarget  # noqa: F401
+from .code_swap import (SavedFunction, copy_function, is_redirected_to, original_function,  # noqa: F401
+                        redirect, restore, retarget)
 from .custom_ops import *  # noqa: F401,F403
 from . import module  # noqa: F401,E402  (Module internals: mxi.module.*, imported where used)

@@ -39,6 +39,7 @@ _TRAMPOLINE_CODE = _trampoline.__code__
 _NOT_SET = object()
 #: redirected function -> its original code, for op_of_function while AMP is on
 _original_code: "weakref.WeakKeyDictionary[types.FunctionType, types.CodeType]" = weakref.WeakKeyDictionary()
+#: redirected function -> what redirect() changed on it, for original_function
 
 
 @dataclass(frozen=True)
@@ -121,3 +122,13 @@ def restore(saved: SavedFunction) -> None:
     fn.__code__ = saved.code
     fn.__kwdefaults__ = saved.kwdefaults
     _original_code.pop(fn, None)
+
+
+def original_function(fn: types.FunctionType) -> types.FunctionType:
+    """MXNet's own implementation of ``fn`` whatever :func:`redirect` did to it: ``fn``
+    itself where it is not redirected, else the original the trampoline falls back to. For
+    gluon_amp's own measurements (the capability probe), which must see what MXNet does, not
+    what AMP makes of it."""
+    if fn.__code__ is not _TRAMPOLINE_CODE:
+        return fn
+    return (fn.__kwdefaults__ or {}).get(_ORIG_KW, fn)

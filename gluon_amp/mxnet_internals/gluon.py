@@ -284,6 +284,57 @@ def remove_block_hooks(hooks: BlockHooks) -> None:
         HybridBlock._call_cached_op = _CALL_CACHED_OP
 
 
+# -- shape inference without the hooks -------------------------------------------------
+# 1.9.1 mxnet/gluon/block.py: ``HybridBlock._infer_attrs(infer_fn, attr, *args)`` is where
+# ``infer_shape``/``infer_type`` (and so a block's deferred initialization,
+# ``_deferred_infer_shape``) trace the block's graph (``_get_graph``, which caches it) and read
+# MXNet's shape or type inference. If renamed, init fails here.
+
+_INFER_ATTRS = HybridBlock._infer_attrs
+
+
+@dataclass(frozen=True)
+class InferHook:
+    """The ``HybridBlock._infer_attrs`` :func:`install_infer_hook` put in place."""
+
+    infer_attrs: Callable
+
+
+def install_infer_hook() -> InferHook:
+    """Until :func:`remove_infer_hook`: shape and type inference of a block with no graph yet
+    (deferred initialization; ``net.infer_shape(x)``) trace it with the block hooks paused,
+    and the graph is not kept: building a plan needs no check that this machine can run it
+    (nothing runs). The block's first run builds its graph again, through the hooks."""
+    def _infer_attrs(self: HybridBlock, infer_fn: str, attr: str, *args: Any) -> Any:
+        if self._cached_graph or _paused.depth:
+            return _INFER_ATTRS(self, infer_fn, attr, *args)
+        try:
+            with hooks_paused():
+                return _INFER_ATTRS(self, infer_fn, attr, *args)
+        finally:
+            self._cached_graph = ()  # a plain trace: the hooks see a fresh build when it runs
+
+    _infer_attrs.__doc__ = _INFER_ATTRS.__doc__
+    HybridBlock._infer_attrs = _infer_attrs
+    return InferHook(_infer_attrs)
+
+
+def remove_infer_hook(hook: InferHook) -> None:
+    """Put MXNet's ``_infer_attrs`` back, where ``hook`` is still the one in place."""
+    if HybridBlock.__dict__.get("_infer_attrs") is hook.infer_attrs:
+        HybridBlock._infer_attrs = _INFER_ATTRS
+
+
+def constructing_block() -> Optional[Any]:
+    """The block whose ``with self.name_scope():`` is open in this thread (a block being
+    built: Gluon creates children and parameters there), else None. 1.9.1: ``name_scope()``
+    sets ``_BlockScope._current.value`` to the block's scope, whose ``_block`` is the block
+    (forwards, imperative or traced, run outside it, but for a symbolic trace's own scope).
+    If renamed, None: a forward during construction is treated as any other."""
+    scope = getattr(getattr(getattr(mx.gluon.block, "_BlockScope", None), "_current", None), "value", None)
+    return getattr(scope, "_block", None)
+
+
 def full_op_name(name: Any) -> Optional[str]:
     """The node name an op built now with ``name=`` gets (Gluon's prefix applied), or
     ``None`` when MXNet will make one up. 1.9.1: ``NameManager.current.get(name, hint)``

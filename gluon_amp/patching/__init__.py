@@ -59,6 +59,8 @@ class _Patched:
     hooks: mxi.BlockHooks
     #: loss scalers attached (init_trainer); loss-output ops read them
     scalers: ScalerRegistry
+    #: shape and type inference of a block not built yet, with the hooks paused (builds no execution)
+    infer_hook: mxi.InferHook
     #: policy -> its Region, for every policy whose wrappers were built (equal policies share one)
     regions: dict = field(default_factory=dict)
     #: Region -> what the block hooks do under it
@@ -179,7 +181,7 @@ def _patch() -> _Patched:
         hooks = mxi.install_block_hooks(_rewrite, _warn_stale, _reshaped, _watch, _called)
         execution.hold("init")  # where MXNet binds a graph: the plan runs native, emulated or refused
         low_cast.acquire("init")  # a script's net.cast('float16') follows the plan (low_cast.py)
-        _patched = _Patched({}, hooks, scalers)
+        _patched = _Patched({}, hooks, scalers, mxi.install_infer_hook())
     return _patched
 
 
@@ -190,6 +192,7 @@ def _unpatch_if_unused() -> None:
         return
     _restore([site.saved for site in _patched.sites.values()])
     mxi.remove_block_hooks(_patched.hooks)
+    mxi.remove_infer_hook(_patched.infer_hook)
     execution.release("init")
     low_cast.release("init")
     _patched = None

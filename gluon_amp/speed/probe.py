@@ -126,6 +126,11 @@ def probe_graph(kind: str, p: Mapping[str, int]) -> Tuple[mx.sym.Symbol, Dict[st
 def _measure(dtype: str) -> Tuple[OpTiming, ...]:
     """Each probe item in float32 and as AMP's plan runs it in ``dtype`` (typed by the
     converter's pass, as a training graph: parameters stay float32, cast where read)."""
+    with mxi.hooks_paused():  # MXNet's own graphs, whatever init installed (time_graphs pauses them too)
+        return _measure_items(dtype)
+
+
+def _measure_items(dtype: str) -> Tuple[OpTiming, ...]:
     policy = Policy.create(dtype, known_ops=mxi.op_infos().keys(), aliases=mxi.aliases())
     op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
     timings = []

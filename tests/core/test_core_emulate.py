@@ -252,3 +252,53 @@ def test_emulation_adds_no_attribute_of_gluon_amps_and_keeps_real_dtypes_beside_
         assert _by_name(emu.graph)["twice"]["attrs"] == {"op_type": "twice"}
         assert not any(k.startswith("__amp_") for n in emu.graph["nodes"] for k in n.get("attrs", {}))
         assert emu.real_dtypes == {"data": "float32", "c": "bfloat16", "twice": "bfloat16", "out": "float32"}
+def _fed_graph():
+    """data (no ``__dtype__``: typed from what the caller feeds) -> cast -> fc -> (fc, softmax)."""
+    g = _graph([_var("data"), _var("w"), _op("amp_cast", "c", [(0, 0)], dtype="float16"),
+                _op("amp_cast", "cw", [(1, 0)], dtype="float16"),
+                _op("FullyConnected", "fc", [(2, 0), (3, 0)], num_hidden="2", no_bias="True"),
+                _op("amp_cast", "up", [(4, 0)], dtype="float32"), _op("softmax", "sm", [(5, 0)])],
+               [[4, 0, 0], [6, 0, 0]])
+    return g
+
+
+@pytest.mark.parametrize("kernel", [None, KERNEL])
+@pytest.mark.parametrize("fed", ["float16", "bfloat16"])
+def test_low_precision_data_is_cast_to_float32_and_low_outputs_come_back_in_its_dtype(kernel, fed):
+    types = {("data", 0): fed, ("w", 0): "float32", ("c", 0): "float16", ("cw", 0): "float16",
+             ("fc", 0): "float16", ("up", 0): "float32", ("sm", 0): "float32"}
+    emu = emulate_graph(_fed_graph(), types, kernel=kernel, fed={"data": fed, "w": "float32"}).graph
+    nodes, names = _by_name(emu), [n["name"] for n in emu["nodes"]]
+    # the caller's array is read in its dtype, then cast to float32, exactly (no rounding)
+    assert "__dtype__" not in nodes["data"].get("attrs", {})
+    up = nodes[rounding_node("data")]
+    assert up["op"] == "amp_cast" and up["attrs"]["dtype"] == "float32" and up["inputs"][0][0] == names.index("data")
+    assert not any(n["op"] == KERNEL and emu["nodes"][n["inputs"][0][0]]["name"] == "data" for n in emu["nodes"])
+    # fc (float16 in real AMP) is given back in the caller's dtype; the softmax stays float32
+    fc_head, sm_head = (emu["nodes"][h[0]] for h in emu["heads"])
+    assert fc_head["op"] == "amp_cast" and fc_head["attrs"]["dtype"] == fed
+    assert emu["nodes"][fc_head["inputs"][0][0]]["name"] == rounding_node("fc")
+    assert sm_head["name"] == "sm"
+
+
+def test_a_graph_fed_float32_gives_float32_outputs():
+    types = {("data", 0): "float32", ("w", 0): "float32", ("c", 0): "float16", ("cw", 0): "float16",
+             ("fc", 0): "float16", ("up", 0): "float32", ("sm", 0): "float32"}
+    for fed in (None, {"data": "float32", "w": "float32"}):
+        emu = emulate_graph(_fed_graph(), types, fed=fed).graph
+        assert [emu["nodes"][h[0]]["name"] for h in emu["heads"]] == [rounding_node("fc"), "sm"]
+
+
+def test_a_parameter_stored_low_and_fed_low_keeps_its_dtype():
+    """A parameter the executor holds in bfloat16 (``__dtype__`` says so) is read as it is and
+    cast to float32; one the graph declares low but that is fed float32 is stored float32 and
+    rounded (a converter's emulated copies)."""
+    g = _graph([_var("data"), _var("w", __dtype__="12"),
+                _op("FullyConnected", "fc", [(0, 0), (1, 0)], num_hidden="2", no_bias="True")], [[2, 0, 0]])
+    types = {("data", 0): "bfloat16", ("w", 0): "bfloat16", ("fc", 0): "bfloat16"}
+    held = _by_name(emulate_graph(g, types, fed={"data": "bfloat16", "w": "bfloat16"}).graph)
+    assert held["w"]["attrs"]["__dtype__"] == "12"
+    assert held[rounding_node("w")]["op"] == "amp_cast" and held[rounding_node("w")]["attrs"]["dtype"] == "float32"
+    stored = _by_name(emulate_graph(g, types, fed={"w": "float32"}).graph)
+    assert stored["w"]["attrs"]["__dtype__"] == "0"
+    assert stored[rounding_node("data")]["op"] == BF16_ROUNDING[-1][0]  # not fed low: rounded

@@ -624,3 +624,57 @@ if __name__ == "__main__":  # the fresh processes of the tests above
         print(json.dumps(_ssd_losses(sys.argv[2], int(sys.argv[3]))))
     else:
         raise SystemExit(f"unknown: {what}")
+
+
+def _cast_net(net):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # gluon_amp says once what it makes of GPU-only code's cast
+        net.cast("float16")
+    return net
+
+
+@pytest.mark.parametrize("hybridize", [True, False], ids=["hybridized", "imperative"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_float16_data_into_a_cast_net_runs_emulated_and_comes_back_float16(dtype, hybridize, rounding_path):
+    """GPU-only code (sockeye.translate --dtype float16): net.cast('float16'), then float16
+    data. Emulated, it runs as float32 holding rounded values; the outputs come back in the
+    dtype the caller fed, holding what the same data fed as float32 gives."""
+    gluon_amp.init(target_dtype=dtype, emulate=True)
+    rng = np.random.default_rng(3)
+    x16 = mx.nd.array(rng.normal(size=(5, 7)), dtype="float16")
+
+    def run(x):
+        mx.random.seed(0)
+        net = nn.Dense(6, in_units=7)
+        net.initialize(mx.init.Xavier())
+        if hybridize:
+            net.hybridize()
+        _cast_net(net)
+        with autograd.record():
+            y = net(x)
+        y.backward()
+        return y, net.weight.grad().asnumpy()
+
+    y16, grad16 = run(x16)
+    y32, grad32 = run(x16.astype("float32"))
+    assert y16.dtype == np.float16 and y32.dtype == np.float32
+    assert _is_representable(y32.asnumpy(), dtype)
+    np.testing.assert_array_equal(y16.asnumpy(), y32.asnumpy().astype(np.float16))
+    np.testing.assert_array_equal(grad16, grad32)
+
+
+@pytest.mark.parametrize("hybridize", [True, False], ids=["hybridized", "imperative"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_float16_data_runs_emulated_through_every_class_of_op(dtype, hybridize):
+    """conv, batch norm (its parameters kept float32), softmax (float32) and a residual add of
+    both, fed float16 data: a graph gives the values of the same data fed as float32. Run
+    imperatively, emulation rounds at decided ops only, so the residual add (neutral) runs
+    in float16 on float16 data as real AMP runs it, and in float32 on float32 data: close."""
+    gluon_amp.init(target_dtype=dtype, emulate=True)
+    x16 = mx.nd.random.normal(shape=(2, 3, 8, 8)).astype("float16")
+    outs = [_cast_net(make_net(seed=1, hybridize=hybridize))(x) for x in (x16, x16.astype("float32"))]
+    assert outs[0].dtype == outs[1].dtype == np.float32  # softmax: float32 in real AMP too
+    if hybridize:
+        np.testing.assert_array_equal(outs[0].asnumpy(), outs[1].asnumpy())
+    else:
+        np.testing.assert_allclose(outs[0].asnumpy(), outs[1].asnumpy(), rtol=2 ** -7, atol=1e-4)

@@ -86,3 +86,29 @@ def test_real_syscall_never_crashes():
     code = "from gluon_amp import runtime; print(runtime._request_amx_permission())"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() in ("True", "False")
+
+
+_INFO = ("import gluon_amp{init}; info = gluon_amp.runtime_info(); "
+         "print(repr((info['bf16'], info['bf16_why'])))")
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_an_emulated_init_does_not_change_what_the_capability_probe_finds(target):
+    # The probe is cached per process: each answer comes from a fresh one. It runs MXNet's
+    # own op functions, so the wrappers an emulated init installed cannot make it pass.
+    def info(init):
+        r = subprocess.run([sys.executable, "-c", _INFO.format(init=init)], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout.strip().splitlines()[-1]
+
+    plain = info("")
+    emulated = info(f"; gluon_amp.init(target_dtype={target!r}, emulate=True)")
+    assert emulated == plain
+
+
+def test_the_probe_calls_mxnets_functions_while_init_has_patched_them():
+    expected = runtime._probe_bf16()
+    gluon_amp.init(target_dtype="float16", emulate=True)
+    assert runtime._probe_bf16() == expected
+    assert (expected is None) == (runtime.capability().bf16 is not Bf16.NONE)

@@ -6,19 +6,21 @@ see :mod:`gluon_amp.patching.wrappers` for how they compose with the others.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+import warnings
+from typing import Any, Callable, Optional, Tuple
 
 from mxnet.base import MXNetError
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import Decision, Reason, decide
-from gluon_amp_core.dtypes import dtype_name
+from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.table import OpClass, OpTable
 
 from ... import mxnet_internals as mxi
 from ...emulation import round_nd
 from ...execution import cannot_run
+from ..low_cast import _caller_level
 from .casts import CASTABLE, cast_into, cast_nd, cast_sym, multicast_sym
 
 
@@ -48,36 +50,71 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
     variadic = sig.variadic
     to_name = mxi.FLOAT_NAMES
     low = table.target_dtype
-    cast = (lambda x, dt: round_nd(x, dt) if dt == low else x) if emulate else cast_nd
     guard = not emulate and not runs_on_cpu and op_class is OpClass.LOW_PRECISION
+
+    def emulated_inputs(args: tuple, kwargs: dict, want: str, keep: frozenset) -> Tuple[Optional[list], Any]:
+        """Emulated: every float input in float32, rounded to ``want`` where it is the target;
+        float16/bfloat16 inputs (GPU-only code's data) cast to float32 first, even kept ones.
+        Returns the new positional arguments (None: unchanged) and the first low dtype fed."""
+        new_args, fed = None, None
+        for i, a in enumerate(args if variadic or len(args) <= n_pos else args[:n_pos]):
+            if isinstance(a, NDArray):
+                dt = CASTABLE.get(a.dtype)
+                if dt is None:
+                    continue
+                kept = keep and i < len(input_names) and input_names[i] in keep
+                if dt in LOW_PRECISION_DTYPES:
+                    fed = fed or dt
+                elif kept:
+                    continue
+                if new_args is None:
+                    new_args = list(args)
+                new_args[i] = _emulated(a, "float32" if kept else want, dt, low)
+        if kwargs:
+            for k, v in kwargs.items():
+                if k != "out" and isinstance(v, NDArray):
+                    dt = CASTABLE.get(v.dtype)
+                    if dt is None or (k in keep and dt not in LOW_PRECISION_DTYPES):
+                        continue
+                    if dt in LOW_PRECISION_DTYPES:
+                        fed = fed or dt
+                    kwargs[k] = _emulated(v, "float32" if k in keep else want, dt, low)
+        return new_args, fed
 
     def cast_all(args: tuple, kwargs: dict, d: Decision) -> Any:
         want, keep = d.dtype, d.keep_fp32
         if guard and want == low and any(isinstance(a, NDArray) and a.context.device_type == "cpu"
                          for a in [*args, *kwargs.values()]):
-            raise RuntimeError(cannot_run(f"{op} (imperative)", want, "cpu"))
-        new_args = None
-        for i, a in enumerate(args if variadic or len(args) <= n_pos else args[:n_pos]):
-            if isinstance(a, NDArray):
-                dt = CASTABLE.get(a.dtype)
-                if dt is not None and (dt != want or emulate) and not (
-                        keep and i < len(input_names) and input_names[i] in keep):
-                    if new_args is None:
-                        new_args = list(args)
-                    new_args[i] = cast(a, want)
-        if kwargs:
-            for k, v in kwargs.items():
-                if k != "out" and k not in keep and isinstance(v, NDArray):
-                    dt = CASTABLE.get(v.dtype)
-                    if dt is not None and (dt != want or emulate):
-                        kwargs[k] = cast(v, want)
+            if mxi.constructing_block() is None:
+                raise RuntimeError(cannot_run(f"{op} (imperative)", want, "cpu"))
+            return _while_constructing(fn, op, want, args, kwargs)
+        fed = None
+        if emulate:
+            new_args, fed = emulated_inputs(args, kwargs, want, keep)
+        else:
+            new_args = None
+            for i, a in enumerate(args if variadic or len(args) <= n_pos else args[:n_pos]):
+                if isinstance(a, NDArray):
+                    dt = CASTABLE.get(a.dtype)
+                    if dt is not None and dt != want and not (
+                            keep and i < len(input_names) and input_names[i] in keep):
+                        if new_args is None:
+                            new_args = list(args)
+                        new_args[i] = cast_nd(a, want)
+            if kwargs:
+                for k, v in kwargs.items():
+                    if k != "out" and k not in keep and isinstance(v, NDArray):
+                        dt = CASTABLE.get(v.dtype)
+                        if dt is not None and dt != want:
+                            kwargs[k] = cast_nd(v, want)
         given = kwargs.get("out") if variadic or len(args) <= n_pos else sig.option(args, kwargs, "out")
         if given is not None:
             return _call_with_out(fn, sig, new_args or list(args), kwargs, given, want,
                                   low if emulate and want == low else None)
         out = fn(*(args if new_args is None else new_args), **kwargs)
         if emulate and want == low:
-            return _round_outputs(out, low)
+            out = _round_outputs(out, low)
+            return out if fed is None else _cast_outputs(out, fed)
         return out
 
     if fixed is not None:
@@ -110,6 +147,27 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
             return neutral(*args, **kwargs) if d.dtype is None else cast_all(args, kwargs, d)
 
     return amp_op
+
+
+def _while_constructing(fn: Callable, op: str, dtype: str, args: tuple, kwargs: dict) -> Any:
+    """``op`` run as the caller gave it (float32), by a forward inside a block's construction.
+
+    A model's constructor that runs part of itself to read a shape (GluonCV's CenterNet runs
+    its backbone on zeros for the channel count) builds the plan; it does not train or infer.
+    Under a target this machine cannot run, its low-precision ops run in float32, said once;
+    a forward outside construction is refused (:func:`gluon_amp.patching.hooks.cannot_run`).
+    """
+    name = getattr(mxi.constructing_block(), "name", "?")
+    if (name, dtype) not in _said_constructing:
+        _said_constructing.add((name, dtype))
+        warnings.warn(f"gluon_amp: a forward run while block {name!r} was being constructed ran its "
+                      f"{dtype} ops ({op}, ...) in float32, since this machine cannot execute {dtype}: such a "
+                      "forward only reads shapes. A forward outside construction raises.",
+                      RuntimeWarning, stacklevel=_caller_level())
+    return fn(*args, **kwargs)
+
+
+_said_constructing: set = set()
 
 
 def _call_with_out(fn: Callable, sig: mxi.Signature, args: list, kwargs: dict, out: Any,
@@ -161,6 +219,25 @@ def _into(out: Any, result: Any, rounded: Optional[str]) -> Any:
             cast_into(r, o)
         else:
             r.copyto(o)  # MXNet says so when these do not fit
+    return out
+
+
+def _emulated(x: NDArray, to: str, given: str, low: str) -> NDArray:
+    """``x`` (of dtype ``given``) as an emulated op reads it: float32, holding ``low``'s
+    values where ``to`` is the target."""
+    if to == low:
+        return round_nd(x, low)
+    return cast_nd(x, "float32") if given in LOW_PRECISION_DTYPES else x
+
+
+def _cast_outputs(out: Any, dtype: str) -> Any:
+    """An emulated low-precision op's float32 outputs, for a caller that fed it ``dtype``
+    (GPU-only code working in float16): in that dtype, as a graph fed so gives them
+    (:func:`gluon_amp_core.emulate.emulate_graph`)."""
+    if isinstance(out, NDArray):
+        return cast_nd(out, dtype) if mxi.FLOAT_NAMES.get(out.dtype) == "float32" else out
+    if isinstance(out, (list, tuple)):
+        return type(out)(_cast_outputs(o, dtype) for o in out)
     return out
 
 
