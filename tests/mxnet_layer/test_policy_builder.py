@@ -8,7 +8,8 @@ from typing import Callable, Dict, Iterator
 import pytest
 
 import gluon_amp as amp
-from gluon_amp_core import dtypes, tune_schedule
+from gluon_amp_core import dtypes
+from gluon_amp_core.tuning import schedule as tune_schedule
 
 
 @contextmanager
