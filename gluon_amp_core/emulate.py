@@ -274,8 +274,9 @@ def _low_cast(rw: _Rewriter, graph: dict, dtypes: Mapping[Key, Optional[str]], n
 
     - a cast of a value that has the dtype already (init's symbols cast every input of a
       low-precision op) is an identity: every low entry holds the target's values here;
-    - with the kernel, the value is rounded first and the cast passes it on in place (a
-      parameter's value is then read once, not copied and then rounded);
+    - with the kernel, a float32 value is rounded first and the cast passes it on in place (a
+      parameter's value is then read once, not copied and then rounded); a value of another
+      dtype (an int32 mask cast to float16) is cast to float32 first, then rounded;
     - without it, float16's cast down is half a rounding (the way back up is added), and
       bfloat16 rounds after the cast.
     """
@@ -284,9 +285,12 @@ def _low_cast(rw: _Rewriter, graph: dict, dtypes: Mapping[Key, Optional[str]], n
     def cast(entry: Tuple[int, int], to: str) -> Tuple[int, int]:
         return rw.add({**node, "attrs": {**node["attrs"], "dtype": to}, "inputs": [[entry[0], entry[1], 0]]}), 0
 
-    if dtypes.get((graph["nodes"][src[0]]["name"], src[1])) == dtype:
+    source = dtypes.get((graph["nodes"][src[0]]["name"], src[1]))
+    if source == dtype:
         return cast(inputs[0], "float32")
     if rw.kernel is not None:
+        if source not in (None, "float32"):  # ids, masks, float64: the kernel rounds float32 only
+            return rw.round(cast(inputs[0], "float32"), dtype, node["name"])
         return cast(rw.round(inputs[0], dtype, node["name"]), "float32")
     if dtype == "bfloat16":
         return rw.round_bf16(cast(inputs[0], "float32"), node["name"])

@@ -70,8 +70,7 @@ def _rule(param: Any, dtype: Any, cast: Callable[[Any], None]) -> None:
     contexts = mxi.param_contexts(param)
     if low is None or all(runtime.executable(low, c.device_type) for c in contexts):
         return cast(dtype)
-    from . import current_policy
-    policy = current_policy()
+    policy = state.current_policy()
     where = ", ".join(str(c) for c in contexts)
     if policy is None:
         raise RuntimeError(

@@ -302,3 +302,20 @@ def test_a_parameter_stored_low_and_fed_low_keeps_its_dtype():
     stored = _by_name(emulate_graph(g, types, fed={"w": "float32"}).graph)
     assert stored["w"]["attrs"]["__dtype__"] == "0"
     assert stored[rounding_node("data")]["op"] == BF16_ROUNDING[-1][0]  # not fed low: rounded
+
+
+@pytest.mark.parametrize("kernel", [None, KERNEL])
+@pytest.mark.parametrize("source", ["int32", "float64"])
+def test_a_cast_of_a_non_float32_value_to_a_low_dtype_rounds_float32(kernel, source):
+    """Sockeye casts its int32 ``finished`` mask to float16: the rounding must read float32 (the
+    kernel rejects other dtypes), so the value is cast to float32 before it is rounded."""
+    g = _graph([_var("mask"), _op("Cast", "c", [(0, 0)], dtype="float16")], [[1, 0, 0]])
+    types = {("mask", 0): source, ("c", 0): "float16"}
+    emu = emulate_graph(g, types, kernel=kernel).graph
+    nodes = emu["nodes"]
+    for n in nodes:
+        if n["op"] == KERNEL:
+            src = nodes[n["inputs"][0][0]]
+            assert src["op"] == "Cast" and src["attrs"]["dtype"] == "float32", n
+    head = nodes[emu["heads"][0][0]]
+    assert head["op"] in (KERNEL, "amp_cast", "Cast") and any(n["op"] in (KERNEL, "amp_cast") for n in nodes)

@@ -22,7 +22,7 @@ NATIVE = Capability(0, Bf16.NATIVE, "AVX512_CORE_BF16", "oneDNN runs bfloat16 na
 def native_host(monkeypatch):
     """This process believes it has native bfloat16, whatever the CPU; probe state isolated."""
     monkeypatch.setattr(runtime, "capability", lambda: NATIVE)
-    monkeypatch.setattr(runtime, "_warned", set())
+    monkeypatch.setattr(gluon_amp.state.process, "said", set())
     monkeypatch.delenv(probe.ENV, raising=False)
     probe.forget()
     yield

@@ -66,7 +66,7 @@ def test_no_amx_cpu_is_a_quiet_no_op(fresh_state, monkeypatch):
 def test_resolve_warns_once_per_message(monkeypatch):
     emulated = Capability(0, Bf16.EMULATED, "AVX512_CORE", "no avx512_bf16: slower than float32")
     monkeypatch.setattr(runtime, "capability", lambda: emulated)
-    monkeypatch.setattr(runtime, "_warned", set())
+    monkeypatch.setattr(gluon_amp.state.process, "said", set())
     with pytest.warns(RuntimeWarning, match="slower than float32"):
         assert runtime.resolve("bfloat16").dtype == "bfloat16"
     with warnings.catch_warnings():

@@ -155,7 +155,7 @@ def _while_constructing(fn: Callable, op: str, dtype: str, args: tuple, kwargs: 
     A model's constructor that runs part of itself to read a shape (GluonCV's CenterNet runs
     its backbone on zeros for the channel count) builds the plan; it does not train or infer.
     Under a target this machine cannot run, its low-precision ops run in float32, said once;
-    a forward outside construction is refused (:func:`gluon_amp.patching.hooks.cannot_run`).
+    a forward outside construction is refused (:func:`gluon_amp.execution.cannot_run`).
     """
     name = getattr(mxi.constructing_block(), "name", "?")
     if (name, dtype) not in _said_constructing:
