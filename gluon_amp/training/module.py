@@ -37,6 +37,7 @@ from gluon_amp_core.loss_heads import scale_loss_heads
 from gluon_amp_core.loss_scale import LossScaler, loss_scaler_from
 
 from .. import mxnet_internals as mxi, state
+from ..type_inference import infer_dtypes
 from . import checkpoint, overflow
 
 mxm = mxi.module
@@ -167,13 +168,12 @@ def _scaled_symbol(symbol: mx.sym.Symbol, descs: Any) -> Tuple[mx.sym.Symbol, Li
     dtype = _graph_dtype(graph, descs)
     input_dtype = None
     if dtype != "float32":  # a head's input may be low precision: the scaled identity casts around it
-        types = {d.name: d.dtype for d in descs or () if getattr(d, "dtype", None) is not None}
-        _, out_types, _ = symbol.get_internals().infer_type_partial(**types)
-        rows = graph["node_row_ptr"]
+        known = {d.name: _safe_dtype(d.dtype) for d in descs or () if _safe_dtype(getattr(d, "dtype", None))}
+        typed = infer_dtypes(symbol, known, partial=True) or {}
+        names = [n["name"] for n in graph["nodes"]]
 
         def input_dtype(node: int, output: int) -> Optional[str]:
-            t = out_types[rows[node] + output] if out_types else None
-            return _safe_dtype(t)
+            return typed.get((names[node], output))
     new, heads = scale_loss_heads(graph, GRAPH_LOSS_HEADS, SCALE_ARG, input_dtype)
     if not heads:
         return symbol, [], dtype

@@ -453,3 +453,31 @@ def test_launcher_gives_an_unmodified_module_script_dynamic_scaling(tmp_path):
     plain = _launch(tmp_path, "prog.py", ",".join(map(str, launched["skipped"])))
     assert launched["steps"] == 20 and launched["scale"] >= 2.0 ** 8 and launched["symbol_clean"]
     assert abs(launched["loss"] - plain["loss"]) <= 0.03 * plain["loss"], (launched, plain)
+
+
+def test_a_convert_model_result_with_batch_norm_binds_in_a_module_under_emulation():
+    """MXNet's amp_model_conversion.py pattern (issue 36): convert_model's float16 graph with its
+    BatchNorm aux states and a SoftmaxOutput head, bound by a Module under emulated float16; the
+    Module's loss-head scaling types the heads' inputs by node name (an IndexError before)."""
+    x = mx.sym.var("data")
+    for k in range(3):  # each BatchNorm holds outputs MXNet's internals list does not show
+        x = mx.sym.BatchNorm(mx.sym.Convolution(x, kernel=(3, 3), pad=(1, 1), num_filter=4, name=f"c{k}"),
+                             name=f"bn{k}")
+    fc = mx.sym.FullyConnected(mx.sym.Flatten(mx.sym.relu(x)), num_hidden=3, name="fc")
+    sym = mx.sym.SoftmaxOutput(fc, name="softmax")
+    mod = mx.mod.Module(sym, data_names=["data"], label_names=["softmax_label"])
+    mod.bind(data_shapes=[("data", (2, 1, 6, 6))], label_shapes=[("softmax_label", (2,))], for_training=False)
+    mod.init_params(mx.init.Xavier())
+    args, aux = mod.get_params()
+    amp.init(target_dtype="float16", emulate=True)
+    conv_sym, conv_args, conv_aux = amp.convert_model(sym, args, aux)
+    run = mx.mod.Module(conv_sym, data_names=["data"], label_names=["softmax_label"])
+    run.bind(data_shapes=[("data", (2, 1, 6, 6))], label_shapes=[("softmax_label", (2,))])
+    run.set_params(args, aux)
+    batch = mx.io.DataBatch([mx.nd.ones((2, 1, 6, 6))], [mx.nd.ones((2,))])
+    run.forward(batch, is_train=False)
+    out = run.get_outputs()[0].asnumpy()
+    amp.disable()
+    mod.forward(batch, is_train=False)
+    ref = mod.get_outputs()[0].asnumpy()
+    assert np.isfinite(out).all() and np.abs(out - ref).max() < 2e-2
