@@ -156,20 +156,15 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
                 "`with gluon_amp.autocast(...)` for a scoped change.")
         if not policy.enabled:
             return policy
-        patched = _patch()
-        try:
-            region = _prepare(patched, policy)
-        except BaseException:
-            _unpatch_if_unused()
-            raise
-        for site in patched.sites.values():
+        region = _region_for(policy)
+        for site in _patched.sites.values():
             mxi.retarget(site.saved, site.routes.get(region, site.impl))
         state.process.policy, _init_region = policy, region
         state.changed(policy.target_dtype)
         for extension in state.extensions():
             extension.on(policy)
         _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
-                  policy.describe(), sum(region in site.routes for site in patched.sites.values()))
+                  policy.describe(), sum(region in site.routes for site in _patched.sites.values()))
         return policy
 
 
@@ -196,6 +191,17 @@ def _unpatch_if_unused() -> None:
     execution.release("init")
     low_cast.release("init")
     _patched = None
+
+
+def _region_for(policy: Policy) -> state.Region:
+    """``policy``'s Region, patching first if nothing is patched yet (under ``state.lock``); a
+    failure takes back what it patched."""
+    patched = _patch()
+    try:
+        return _prepare(patched, policy)
+    except BaseException:
+        _unpatch_if_unused()
+        raise
 
 
 def _prepare(patched: _Patched, policy: Policy) -> state.Region:
@@ -372,12 +378,7 @@ def autocast(target_dtype: Any = None, enabled: bool = True, **kwargs: Any) -> I
             if policy == state.process.policy:
                 region = None  # init's own: the fast path
             else:
-                patched = _patch()
-                try:
-                    region = _prepare(patched, policy)
-                except BaseException:
-                    _unpatch_if_unused()
-                    raise
+                region = _region_for(policy)
             if _patched is not None:
                 _patched.regions_open += 1
         state.enter(region)
