@@ -678,3 +678,26 @@ def test_float16_data_runs_emulated_through_every_class_of_op(dtype, hybridize):
         np.testing.assert_array_equal(outs[0].asnumpy(), outs[1].asnumpy())
     else:
         np.testing.assert_allclose(outs[0].asnumpy(), outs[1].asnumpy(), rtol=2 ** -7, atol=1e-4)
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_an_in_place_assignment_writes_into_the_callers_array(target, dtype):
+    """``x[idx] = v`` runs MXNet's ``_scatter_set_nd``, whose input must be its own ``out=``:
+    emulation must not hand it a float32 copy of a float16 array (Sockeye's beam search under
+    emulated bfloat16 died on MXNet's in-place check)."""
+    gluon_amp.init(target_dtype=target, emulate=True)
+    x = mx.nd.zeros((5,), dtype=dtype)
+    x[mx.nd.array([1, 3])] = mx.nd.array([2.5, 7], dtype=dtype)
+    assert x.dtype == np.dtype(dtype)
+    assert x.asnumpy().tolist() == [0.0, 2.5, 0.0, 7.0, 0.0]
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_an_in_place_add_of_another_dtype_reads_it_in_the_callers_dtype(target):
+    """``scores += mask`` (Sockeye's beam search: float32 scores, a float16 mask) writes into the
+    caller's array in its dtype, the other input read in that dtype."""
+    gluon_amp.init(target_dtype=target, emulate=True)
+    scores = mx.nd.array([1.0, 2.0, 3.0])
+    scores += mx.nd.array([0.5, 0.25, 0.125], dtype="float16")
+    assert scores.dtype == np.float32 and scores.asnumpy().tolist() == [1.5, 2.25, 3.125]

@@ -88,6 +88,13 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
             if mxi.constructing_block() is None:
                 raise RuntimeError(cannot_run(f"{op} (imperative)", want, "cpu"))
             return _while_constructing(fn, op, want, args, kwargs)
+        given = kwargs.get("out") if variadic or len(args) <= n_pos else sig.option(args, kwargs, "out")
+        if given is not None and (any(a is given for a in args)
+                                  or any(v is given for k, v in kwargs.items() if k != "out")):
+            # in place (x[idx] = v, x += y; MXNet's _scatter_set_nd requires its input to be its
+            # out=): the caller's array stays the one written, in its own dtype; the other inputs
+            # come in that dtype
+            return _in_place(fn, args, kwargs, given)
         fed = None
         if emulate:
             new_args, fed = emulated_inputs(args, kwargs, want, keep)
@@ -107,7 +114,6 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
                         dt = CASTABLE.get(v.dtype)
                         if dt is not None and dt != want:
                             kwargs[k] = cast_nd(v, want)
-        given = kwargs.get("out") if variadic or len(args) <= n_pos else sig.option(args, kwargs, "out")
         if given is not None:
             return _call_with_out(fn, sig, new_args or list(args), kwargs, given, want,
                                   low if emulate and want == low else None)
@@ -147,6 +153,19 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
             return neutral(*args, **kwargs) if d.dtype is None else cast_all(args, kwargs, d)
 
     return amp_op
+
+
+def _in_place(fn: Callable, args: tuple, kwargs: dict, out: NDArray) -> Any:
+    """``fn`` writing into ``out``, one of its own inputs, with every other float input cast to
+    ``out``'s dtype (exact for a float16 or bfloat16 value read into float32)."""
+    dtype = CASTABLE.get(out.dtype)
+
+    def fit(v: Any) -> Any:
+        if v is out or not isinstance(v, NDArray) or dtype is None or CASTABLE.get(v.dtype) in (None, dtype):
+            return v
+        return cast_nd(v, dtype)
+
+    return fn(*[fit(a) for a in args], **{k: (v if k == "out" else fit(v)) for k, v in kwargs.items()})
 
 
 def _while_constructing(fn: Callable, op: str, dtype: str, args: tuple, kwargs: dict) -> Any:
