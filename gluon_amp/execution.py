@@ -13,11 +13,9 @@ remembered here by identity) or else the one in force (``init``, the launcher).
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import threading
-import weakref
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 import mxnet as mx
@@ -126,14 +124,12 @@ def widen_low_inputs(graph: dict, typed: Mapping[Key, Optional[str]]) -> Tuple[d
 
 # -- which policy applies ----------------------------------------------------------------
 
-_lock = threading.Lock()
-#: converted blocks -> the policy they were converted with
-_BLOCKS: "weakref.WeakKeyDictionary[HybridBlock, Policy]" = weakref.WeakKeyDictionary()
-#: converted Symbols: handle address -> (symbol, policy). MXNet's
-#: Symbol takes no weak reference, so the newest few are held (a Symbol kept alive keeps its
-#: handle's address from being reused).
-_SYMBOLS: "collections.OrderedDict[int, Tuple[Symbol, Policy]]" = collections.OrderedDict()
+# The converted results remembered, and their policies, live in state (state.process.converted:
+# one home, one reset). Kept here: the bookkeeping of the hooks installed in MXNet (the hooks,
+# who holds them, their lock), which follows what MXNet holds and must survive a state.reset().
+#: how many converted Symbols are held (the newest)
 _KEEP_SYMBOLS = 64
+_lock = threading.Lock()
 _hooks: Optional[mxi.ExecutionHooks] = None
 _holders: set = set()
 
@@ -142,14 +138,16 @@ def remember(result: Any, policy: Policy) -> None:
     """Run ``result`` (a converter's Symbol or block) as ``policy`` says wherever it is
     bound in this process, with or without ``init``: natively where its dtypes run, emulated
     with ``policy.emulate``, else refused with gluon_amp's error naming ``emulate=True``."""
-    with _lock:
+    with state.lock:
+        converted = state.process.converted
         if isinstance(result, Symbol):
-            _SYMBOLS[mxi.symbol_address(result)] = (result, policy)
-            _SYMBOLS.move_to_end(mxi.symbol_address(result))
-            while len(_SYMBOLS) > _KEEP_SYMBOLS:
-                _SYMBOLS.popitem(last=False)
+            symbols = converted.symbols
+            symbols[mxi.symbol_address(result)] = (result, policy)
+            symbols.move_to_end(mxi.symbol_address(result))
+            while len(symbols) > _KEEP_SYMBOLS:
+                symbols.popitem(last=False)
         else:
-            _BLOCKS[result] = policy
+            converted.blocks[result] = policy
     hold("converted")  # for the process: remembered results may be bound at any time
 
 
@@ -166,18 +164,20 @@ def policy_for(obj: Any) -> Optional[Policy]:
 
 
 def _remembered(obj: Any) -> Optional[Policy]:
+    converted = state.process.converted
     if isinstance(obj, Symbol):
-        mine = _SYMBOLS.get(mxi.symbol_address(obj))
+        mine = converted.symbols.get(mxi.symbol_address(obj))
         return mine[1] if mine is not None and mine[0] is obj else None
-    return _BLOCKS.get(obj) if isinstance(obj, HybridBlock) else None
+    return converted.blocks.get(obj) if isinstance(obj, HybridBlock) else None
 
 
 def forget_converted() -> None:
     """Forget every converter result remembered (:func:`remember`) and release the hooks they
-    held (tests; a process that has no more use for them)."""
-    with _lock:
-        _BLOCKS.clear()
-        _SYMBOLS.clear()
+    held (tests; a process that has no more use for them). :func:`gluon_amp.state.reset` does
+    it too."""
+    with state.lock:
+        state.process.converted.blocks.clear()
+        state.process.converted.symbols.clear()
     release("converted")
 
 
@@ -199,6 +199,22 @@ def release(owner: str) -> None:
         if not _holders and _hooks is not None:
             mxi.remove_execution_hooks(_hooks)
             _hooks = None
+
+
+def _on_init(policy: Policy) -> None:
+    """Nothing: ``init`` holds the hooks itself (:func:`hold`), where it patches."""
+
+
+def _on_disable() -> None:
+    """Nothing: ``disable`` releases the hooks itself (:func:`release`)."""
+
+
+def _forget() -> None:
+    """After :func:`gluon_amp.state.reset` forgot the converted results: release the hooks they held."""
+    release("converted")
+
+
+state.register_extension(state.Extension(_on_init, _on_disable, _forget))
 
 
 def executed_graph(block: HybridBlock) -> Optional[Symbol]:

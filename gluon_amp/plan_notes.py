@@ -3,7 +3,9 @@
 A plan is a plain MXNet graph: its nodes carry no attribute of gluon_amp's (MXNet hands every
 node attribute to a Python custom op's constructor, and ``export``, ``tojson`` and the
 converters read the graph as it is). What the precision report needs besides the graph is
-kept here, per block and keyed by node name, by whoever made it:
+kept through these functions, per block and keyed by node name, by whoever made it, in the
+block's record in :mod:`gluon_amp.state` (:func:`gluon_amp.state.block_record`: one home for
+process state, one ``reset``):
 
 - the reasons of decisions taken once shapes were known (the shape rules, the tuner), with
   the tuner's figures (:class:`gluon_amp_core.walk.Note`), one set per source, replaced
@@ -14,19 +16,17 @@ Converted results keep theirs in their ``amp_result`` (:class:`gluon_amp_core.gr
 """
 from __future__ import annotations
 
-import weakref
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional
 
 from gluon_amp_core.walk import Note
 
-_NOTES: "weakref.WeakKeyDictionary[object, Dict[str, Dict[str, Note]]]" = weakref.WeakKeyDictionary()
-_REAL: "weakref.WeakKeyDictionary[object, Dict[str, str]]" = weakref.WeakKeyDictionary()
+from . import state
 
 
 def record(block: object, source: str, notes: Mapping[str, Note]) -> None:
     """Keep ``notes`` (node name -> note) as what ``source`` says of ``block``'s current graph,
     replacing what it said before (nothing, when ``notes`` is empty)."""
-    by_source = _NOTES.setdefault(block, {})
+    by_source = state.block_record(block).notes
     if notes:
         by_source[source] = dict(notes)
     else:
@@ -36,7 +36,8 @@ def record(block: object, source: str, notes: Mapping[str, Note]) -> None:
 def notes(block: object) -> Dict[str, Note]:
     """Node name -> note, for ``block``'s current graph (later sources win)."""
     out: Dict[str, Note] = {}
-    for by_node in _NOTES.get(block, {}).values():
+    kept = state.process.blocks.get(block)
+    for by_node in (kept.notes if kept is not None else {}).values():
         out.update(by_node)
     return out
 
@@ -45,28 +46,28 @@ def record_emulated(block: object, real_dtypes: Optional[Mapping[str, str]]) -> 
     """``block`` runs its plan emulated, and ``real_dtypes`` (node name -> dtype) are the
     plan's; ``None``: it runs its graph as it is."""
     if real_dtypes is None:
-        _REAL.pop(block, None)
+        kept = state.process.blocks.get(block)
+        if kept is not None:
+            kept.real_dtypes = None
     else:
-        _REAL[block] = dict(real_dtypes)
+        state.block_record(block).real_dtypes = dict(real_dtypes)
 
 
 def emulated_dtypes(block: object) -> Optional[Dict[str, str]]:
     """The plan's dtypes by node name where ``block`` runs its plan emulated, else ``None``."""
-    return _REAL.get(block)
-
-
-# The graph init's block hooks traced for a block (the symbolic wrappers' casts in it), and
-# the graph they gave the block to keep: a converter reads the block's FP32 graph from it.
-_TRACED: "weakref.WeakKeyDictionary[object, Tuple[Any, Any]]" = weakref.WeakKeyDictionary()
+    kept = state.process.blocks.get(block)
+    return kept.real_dtypes if kept is not None else None
 
 
 def record_traced(block: object, traced: Any, given: Any) -> None:
-    """``block``'s graph ``traced`` under ``init`` became ``given`` (the graph the block keeps)."""
-    _TRACED[block] = (traced, given)
+    """``block``'s graph ``traced`` under ``init`` became ``given`` (the graph the block keeps):
+    a converter reads the block's FP32 graph from it (the symbolic wrappers' casts in it)."""
+    state.block_record(block).traced = (traced, given)
 
 
 def traced_graph(block: object, kept: Any) -> Optional[Any]:
     """The graph traced under ``init`` that ``block``'s graph ``kept`` was made from, or
     ``None`` when ``kept`` is not one the block hooks made (traced without AMP, or given)."""
-    traced = _TRACED.get(block)
+    kept_by = state.process.blocks.get(block)
+    traced = kept_by.traced if kept_by is not None else None
     return traced[0] if traced is not None and traced[1] is kept else None

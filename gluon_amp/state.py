@@ -5,12 +5,17 @@
 - The policy-change log: a trainer asks which dtypes ran since its last step
   (:func:`policy_serial`, :func:`dtypes_since`).
 - The scaler registry: every trainer's step hook attached (loss-output ops read their scale).
-- The once-only messages (:func:`say_once`) and the per-trainer records (:func:`trainer_record`).
+- The once-only messages (:func:`say_once`) and the per-object records: a trainer's
+  (:func:`trainer_record`), a Module's (:func:`module_record`), what is kept beside a block's
+  plan (:func:`block_record`, read through :mod:`gluon_amp.plan_notes`), and the converters'
+  results run as their policy says (:class:`Converted`, read through :mod:`gluon_amp.execution`).
 - What other parts do when ``init`` turns AMP on or off (:func:`register_extension`).
 
 Layers read and write it here instead of reaching into each other (training never imports
 patching). Caches of what the machine measured (the probe's verdict, the emulation kernel's
-build) stay with the code that measures them.
+build) stay with the code that measures them, and so does the bookkeeping of what is patched
+(the saved originals, who holds a patch): it must follow what MXNet's classes hold, which a
+:func:`reset` cannot change.
 
 The patched op functions read :data:`thread`'s ``override`` on every call (one attribute read):
 
@@ -20,11 +25,12 @@ The patched op functions read :data:`thread`'s ``override`` on every call (one a
 """
 from __future__ import annotations
 
+import collections
 import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, FrozenSet, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 
 class Region:
@@ -49,11 +55,15 @@ OFF = Region(None)
 
 class _ThreadPolicy(threading.local):
     """One thread's regions: ``override`` (read on every op call) and the stack of the
-    regions it is in, innermost last (``None`` where a region follows the process)."""
+    regions it is in, innermost last (``None`` where a region follows the process); and the
+    scaler hook of a ``BucketingModule.bind`` under way in it."""
 
     def __init__(self) -> None:
         self.override: Optional[Region] = None
         self.stack: List[Optional[Region]] = []
+        #: the scaler hook a ``BucketingModule.bind`` under way gives its default bucket
+        #: (``training.module``), else ``None``
+        self.bucket_hook: Optional[Any] = None
 
 
 thread = _ThreadPolicy()
@@ -104,6 +114,72 @@ class TrainerRecord:
     kvstore_ready: bool = False
 
 
+@dataclass
+class ModuleRecord:
+    """What gluon_amp knows of one ``Module`` or ``BucketingModule`` (``training.module``),
+    weakly keyed: nothing on the user's object. A BucketingModule's record holds its ``hook``
+    only (its buckets, Modules, have their own records).
+
+    Attributes
+    ----------
+    hook : ModuleHook or None
+        Its member token in its loss scaler.
+    bound_scaled : bool
+        Its last bind went through gluon_amp (the scale argument added where there are heads).
+    scale_arg : str or None
+        The bound graph's loss-scale argument, where it has loss heads.
+    heads : list of str
+        The loss heads scaled.
+    dtype : str
+        The compute dtype of its bound graph.
+    """
+
+    hook: Optional[Any] = None
+    bound_scaled: bool = False
+    scale_arg: Optional[str] = None
+    heads: List[str] = field(default_factory=list)
+    dtype: str = "float32"
+
+
+@dataclass
+class BlockRecord:
+    """What gluon_amp keeps beside a hybridized block's plan (:mod:`gluon_amp.plan_notes`).
+
+    Attributes
+    ----------
+    notes : dict
+        Source (``'shape_rules'``, ``'tuner'``) -> node name -> note, what each source says of
+        the block's current graph.
+    real_dtypes : dict or None
+        Node name -> the dtype real AMP gives it, where the block runs its plan emulated.
+    traced : tuple or None
+        ``(graph traced under init, graph the block was given to keep)``.
+    """
+
+    notes: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    real_dtypes: Optional[Dict[str, str]] = None
+    traced: Optional[Tuple[Any, Any]] = None
+
+
+@dataclass
+class Converted:
+    """The converters' results remembered to run as the policy they were asked for
+    (:func:`gluon_amp.execution.remember`).
+
+    Attributes
+    ----------
+    blocks : WeakKeyDictionary
+        Converted block -> its policy.
+    symbols : OrderedDict
+        Converted Symbol's handle address -> ``(symbol, policy)``, oldest first. MXNet's
+        Symbol takes no weak reference, so the newest few are held (a Symbol kept alive keeps
+        its handle's address from being reused).
+    """
+
+    blocks: "weakref.WeakKeyDictionary[Any, Any]" = field(default_factory=weakref.WeakKeyDictionary)
+    symbols: "collections.OrderedDict[int, Tuple[Any, Any]]" = field(default_factory=collections.OrderedDict)
+
+
 _KEEP_CHANGES = 4096
 
 
@@ -124,6 +200,14 @@ class _Process:
     trainers: "weakref.WeakKeyDictionary[Any, TrainerRecord]" = field(default_factory=weakref.WeakKeyDictionary)
     #: objects set up once (an Apex-initialized net, a kvstore's finite flag), weakly
     done: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
+    #: per-Module (and per-BucketingModule) records
+    modules: "weakref.WeakKeyDictionary[Any, ModuleRecord]" = field(default_factory=weakref.WeakKeyDictionary)
+    #: ``init`` gives its default scaler to every Module that initialises its optimizer
+    modules_auto: bool = False
+    #: per-block records: what is kept beside a block's plan
+    blocks: "weakref.WeakKeyDictionary[Any, BlockRecord]" = field(default_factory=weakref.WeakKeyDictionary)
+    #: the converters' results remembered with their policy
+    converted: Converted = field(default_factory=Converted)
 
 
 #: guards :data:`process` where a read-modify-write spans several fields
@@ -188,6 +272,24 @@ def trainer_record(trainer: Any) -> TrainerRecord:
         return record
 
 
+def module_record(module: Any) -> ModuleRecord:
+    """``module``'s record, made on first use (kept as long as the module lives)."""
+    with lock:
+        record = process.modules.get(module)
+        if record is None:
+            record = process.modules[module] = ModuleRecord()
+        return record
+
+
+def block_record(block: Any) -> BlockRecord:
+    """``block``'s record, made on first use (kept as long as the block lives)."""
+    with lock:
+        record = process.blocks.get(block)
+        if record is None:
+            record = process.blocks[block] = BlockRecord()
+        return record
+
+
 @dataclass(frozen=True)
 class Extension:
     """What another part of gluon_amp does when ``init`` turns AMP on (``on``, given the
@@ -218,8 +320,9 @@ def extensions() -> Tuple[Extension, ...]:
 
 def reset() -> None:
     """Forget everything recorded (tests, after ``gluon_amp.disable()``): the process policy,
-    the change log, attached scalers, messages said, per-trainer records, and the calling
-    thread's regions."""
+    the change log, attached scalers, messages said, the per-trainer, per-Module and per-block
+    records, the converters' remembered results, and the calling thread's regions; then each
+    extension's ``forget`` (which releases what those held, e.g. the execution hooks)."""
     global process
     with lock:
         process = _Process()
@@ -227,3 +330,4 @@ def reset() -> None:
         extension.forget()
     thread.override = None
     thread.stack = []
+    thread.bucket_hook = None

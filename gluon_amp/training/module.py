@@ -25,8 +25,6 @@ from __future__ import annotations
 import json
 import threading
 import warnings
-import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import mxnet as mx
@@ -106,33 +104,18 @@ class ModuleHook:
         return skip
 
 
-@dataclass
-class _State:
-    """What gluon_amp keeps about one Module (weakly keyed: nothing on the user's object)."""
-
-    hook: Optional[ModuleHook] = None
-    #: the last bind went through gluon_amp (scale argument added where there are heads)
-    bound_scaled: bool = False
-    scale_arg: Optional[str] = None
-    heads: List[str] = field(default_factory=list)
-    dtype: str = "float32"
-
-
+# What gluon_amp knows of each Module lives in state (state.module_record, state.process.modules,
+# state.process.modules_auto, state.thread.bucket_hook): one home, one reset. Kept here: the
+# bookkeeping of the method patches (the saved originals, who holds them, their lock), which
+# follows what MXNet's classes hold and must survive a state.reset().
 _lock = threading.RLock()
-_states: "weakref.WeakKeyDictionary[Module, _State]" = weakref.WeakKeyDictionary()
-_bucketing: "weakref.WeakKeyDictionary[BucketingModule, ModuleHook]" = weakref.WeakKeyDictionary()
 _owners: Set[str] = set()
 _patches: List[mxm.MethodPatch] = []
-_auto = False
-_pending = threading.local()  # the hook a BucketingModule.bind gives its default bucket
 
 
-def _state(module: Module) -> _State:
-    with _lock:
-        state = _states.get(module)
-        if state is None:
-            state = _states[module] = _State()
-        return state
+def _record(module: Any) -> Optional[state.ModuleRecord]:
+    """``module``'s record if it has one (none is made)."""
+    return state.process.modules.get(module)
 
 
 # -- the graph the executors run --------------------------------------------------------
@@ -185,24 +168,26 @@ def _scaled_symbol(symbol: mx.sym.Symbol, descs: Any) -> Tuple[mx.sym.Symbol, Li
 def _wrap_bind(original: Callable) -> Callable:
     def bind(self: Module, *args: Any, **kwargs: Any) -> Any:
         a = mxm.call_arguments(original, (self, *args), kwargs)
-        state = _state(self)
+        record = state.module_record(self)
         shared = a["shared_module"]
-        if state.hook is None:
-            inherited = _states.get(shared).hook if shared is not None and shared in _states else None
-            state.hook = inherited or getattr(_pending, "hook", None)
-        if (self.binded and not a["force_rebind"]) or not a["for_training"] or not (state.hook or _auto):
+        if record.hook is None:
+            theirs = _record(shared) if shared is not None else None
+            inherited = theirs.hook if theirs is not None else None
+            record.hook = inherited or state.thread.bucket_hook
+        if ((self.binded and not a["force_rebind"]) or not a["for_training"]
+                or not (record.hook or state.process.modules_auto)):
             if a["force_rebind"] or not self.binded:
-                state.bound_scaled, state.scale_arg = False, None
+                record.bound_scaled, record.scale_arg = False, None
             return original(self, *args, **kwargs)
         descs = list(a["data_shapes"] or []) + list(a["label_shapes"] or [])
         descs = [d for d in descs if hasattr(d, "name")]
         symbol, heads, dtype = _scaled_symbol(mxm.module_symbol(self), descs)
         with mxm.binding_symbol(self, symbol):
             result = original(self, *args, **kwargs)
-        state.bound_scaled, state.heads, state.dtype = True, heads, dtype
-        state.scale_arg = SCALE_ARG if heads else None
-        if state.scale_arg is not None:
-            _write_scale(self, state.scale_arg, 1.0)  # MXNet leaves a new argument uninitialised
+        record.bound_scaled, record.heads, record.dtype = True, heads, dtype
+        record.scale_arg = SCALE_ARG if heads else None
+        if record.scale_arg is not None:
+            _write_scale(self, record.scale_arg, 1.0)  # MXNet leaves a new argument uninitialised
         return result
     return bind
 
@@ -216,17 +201,17 @@ def _write_scale(module: Module, name: str, value: float) -> None:
 
 def _wrap_backward(original: Callable) -> Callable:
     def backward(self: Module, out_grads: Any = None) -> Any:
-        state = _states.get(self)
-        if state is None or not state.bound_scaled:
+        record = _record(self)
+        if record is None or not record.bound_scaled:
             return original(self, out_grads)
-        hook = state.hook
-        scale = hook.decide(state.dtype) if hook is not None else 1.0
-        if state.scale_arg is not None:
-            _write_scale(self, state.scale_arg, scale)  # also where no hook: the argument must hold 1
+        hook = record.hook
+        scale = hook.decide(record.dtype) if hook is not None else 1.0
+        if record.scale_arg is not None:
+            _write_scale(self, record.scale_arg, scale)  # also where no hook: the argument must hold 1
         if out_grads is not None and scale != 1.0:
             out_grads = [g * scale for g in (out_grads if isinstance(out_grads, (list, tuple)) else [out_grads])]
         if hook is not None:
-            carried = state.scale_arg is not None or out_grads is not None
+            carried = record.scale_arg is not None or out_grads is not None
             hook._carried = hook._carried or carried
             if not carried and scale != 1.0:
                 hook.warn_once("heads", f"gluon_amp: this Module's graph has no loss head gluon_amp can scale "
@@ -238,8 +223,8 @@ def _wrap_backward(original: Callable) -> Callable:
 
 def _wrap_update(original: Callable) -> Callable:
     def update(self: Module) -> Any:
-        state = _states.get(self)
-        hook = state.hook if state is not None else None
+        record = _record(self)
+        hook = record.hook if record is not None else None
         if hook is None:
             return original(self)
         if hook.end_step(self):
@@ -259,10 +244,10 @@ def _wrap_update(original: Callable) -> Callable:
 def _wrap_init_optimizer(original: Callable) -> Callable:
     def init_optimizer(self: Module, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        state = _state(self)
-        if state.hook is not None:
-            _refuse_dist(self, state.hook.auto)
-        elif _auto and self.optimizer_initialized and self.binded and self.for_training:
+        record = state.module_record(self)
+        if record.hook is not None:
+            _refuse_dist(self, record.hook.auto)
+        elif state.process.modules_auto and self.optimizer_initialized and self.binded and self.for_training:
             if _refuse_dist(self, auto=True):
                 _attach(self, ModuleHook(LossScaler.where_needed(), auto=True))
         return result
@@ -272,8 +257,8 @@ def _wrap_init_optimizer(original: Callable) -> Callable:
 def _wrap_borrow_optimizer(original: Callable) -> Callable:
     def borrow_optimizer(self: Module, shared_module: Module) -> Any:
         result = original(self, shared_module)
-        theirs = _states.get(shared_module)
-        if theirs is not None and theirs.hook is not None and _state(self).hook is not theirs.hook:
+        theirs = _record(shared_module)
+        if theirs is not None and theirs.hook is not None and state.module_record(self).hook is not theirs.hook:
             _attach(self, theirs.hook)
         return result
     return borrow_optimizer
@@ -281,11 +266,12 @@ def _wrap_borrow_optimizer(original: Callable) -> Callable:
 
 def _wrap_bucketing_bind(original: Callable) -> Callable:
     def bind(self: BucketingModule, *args: Any, **kwargs: Any) -> Any:
-        _pending.hook = _bucketing.get(self)
+        record = _record(self)
+        state.thread.bucket_hook = record.hook if record is not None else None
         try:
             return original(self, *args, **kwargs)
         finally:
-            _pending.hook = None
+            state.thread.bucket_hook = None
     return bind
 
 
@@ -327,28 +313,24 @@ def _release(owner: str) -> None:
 
 
 def _on_init(policy: Any) -> None:
-    global _auto
     _install("init")
-    _auto = True
+    state.process.modules_auto = True
 
 
 def _on_disable() -> None:
-    global _auto
-    _auto = False
-    with _lock:
-        for module, state in list(_states.items()):
-            if state.hook is not None and state.hook.auto:
-                state.hook = None  # init's default scaler goes with init; explicit ones stay
-            if state.hook is None and state.scale_arg is not None:
-                _write_scale(module, state.scale_arg, 1.0)  # unpatched backward: gradients as MXNet's
+    state.process.modules_auto = False
+    with state.lock:
+        for module, record in list(state.process.modules.items()):
+            if record.hook is not None and record.hook.auto:
+                record.hook = None  # init's default scaler goes with init; explicit ones stay
+            if record.hook is None and record.scale_arg is not None:
+                _write_scale(module, record.scale_arg, 1.0)  # unpatched backward: gradients as MXNet's
     _release("init")
 
 
 def _forget() -> None:
-    """Drop every module's scaler and the patches explicit ones needed (test isolation)."""
-    with _lock:
-        _states.clear()
-        _bucketing.clear()
+    """Release the patches explicit scalers needed (test isolation: :func:`state.reset` has
+    dropped every module's record, and so its scaler)."""
     _release("explicit")
 
 
@@ -363,9 +345,9 @@ def is_module(obj: Any) -> bool:
 
 def _attach(module: Module, hook: ModuleHook) -> None:
     """Give ``module`` the hook; bind it again where its executors lack the scale argument."""
-    state = _state(module)
-    state.hook = hook
-    if module.binded and module.for_training and not state.bound_scaled:
+    record = state.module_record(module)
+    record.hook = hook
+    if module.binded and module.for_training and not record.bound_scaled:
         mxm.rebind(module)
 
 
@@ -387,14 +369,15 @@ def init_module(module: Union[Module, BucketingModule],
     hook = ModuleHook(scaler)
     _install("explicit")
     if isinstance(module, BucketingModule):
-        _bucketing[module] = hook
+        state.module_record(module).hook = hook
         default, buckets = mxm.bucket_modules(module)
         if default in buckets:
             _attach(buckets[default], hook)
         for key, mod in buckets.items():
             if key != default:
-                _state(mod).hook = hook
-                if mod.binded and mod.for_training and not _state(mod).bound_scaled:
+                record = state.module_record(mod)
+                record.hook = hook
+                if mod.binded and mod.for_training and not record.bound_scaled:
                     mxm.rebind(mod, shared_module=buckets[default])
     else:
         _attach(module, hook)
@@ -411,12 +394,14 @@ def _modules_of(module: Union[Module, BucketingModule]) -> List[Module]:
 
 
 def _hook_of(module: Union[Module, BucketingModule]) -> Optional[ModuleHook]:
-    if isinstance(module, BucketingModule) and module in _bucketing:
-        return _bucketing[module]
+    if isinstance(module, BucketingModule):
+        record = _record(module)
+        if record is not None and record.hook is not None:
+            return record.hook
     for mod in _modules_of(module):
-        state = _states.get(mod)
-        if state is not None and state.hook is not None:
-            return state.hook
+        record = _record(mod)
+        if record is not None and record.hook is not None:
+            return record.hook
     return None
 
 

@@ -53,8 +53,7 @@ def _isolated():
         mx.nd.waitall()
     finally:
         gluon_amp.disable()
-        gluon_amp.state.reset()
-        gluon_amp.execution.forget_converted()
+        gluon_amp.state.reset()  # also forgets converted results and releases their hooks
 
 
 @pytest.fixture(scope="session")

@@ -353,8 +353,7 @@ def _reset():
         mx.nd.waitall()
     finally:
         gluon_amp.disable()
-        gluon_amp.state.reset()
-        gluon_amp.execution.forget_converted()
+        gluon_amp.state.reset()  # also forgets converted results and releases their hooks
 
 
 # -- processes: the custom-op worker and plain MXNet ------------------------------------------

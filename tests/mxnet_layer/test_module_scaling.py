@@ -297,10 +297,9 @@ def test_bucketing_module_two_buckets():
         for b in bs:
             m.forward_backward(b)
             m.update()
-    from gluon_amp.training import module as scaling
     assert sorted(mod._buckets) == [5, 8]
     for key, bucket in mod._buckets.items():
-        assert scaling._states[bucket].scale_arg is not None, key
+        assert amp.state.process.modules[bucket].scale_arg is not None, key
     scaler = amp.get_scaler(mod)
     assert scaler.total_steps == 12 and scaler.loss_scale == 2.0 ** 11
     for k, v in params(ref).items():
