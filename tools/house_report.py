@@ -39,13 +39,17 @@ PACKAGES = ("gluon_amp", "gluon_amp_core")
 LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("the pure core", ("gluon_amp_core",)),
     ("numpy's aliases, before MXNet loads", ("gluon_amp._numpy_shim",)),
+    ("process state", ("gluon_amp.state",)),
+    ("what is kept beside a plan", ("gluon_amp.plan_notes",)),
     ("the door to MXNet", ("gluon_amp._compat", "gluon_amp.mxnet_internals")),
     ("MXNet's services", ("gluon_amp.type_inference", "gluon_amp.emulation_kernel")),
     ("measuring", ("gluon_amp.speed",)),
     ("the machine", ("gluon_amp.runtime",)),
     ("policy, emulation and tuning", ("gluon_amp.policy_builder", "gluon_amp.lists_api", "gluon_amp.emulation",
                                       "gluon_amp.tuning")),
+    ("execution, where MXNet binds a plan", ("gluon_amp.execution",)),
     ("the features, peers", ("gluon_amp.patching", "gluon_amp.training", "gluon_amp.convert")),
+    ("composing the features (Apex's initialize)", ("gluon_amp.opt_levels",)),
     ("reading the features", ("gluon_amp.reporting", "gluon_amp.debug")),
     ("the launcher", ("gluon_amp.launch",)),
     ("the public API and the programs (python -m)", (
