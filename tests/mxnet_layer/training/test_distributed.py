@@ -1,6 +1,6 @@
 """Loss scaling across workers: real 2-worker jobs on 127.0.0.1 and 2 CPU contexts in one process.
 
-Every job trains the float32 MLP of ``tests/dist/dist_scenario.py``: an inf on one worker at
+Every job trains the float32 MLP of ``tests/mxnet_layer/dist/dist_scenario.py``: an inf on one worker at
 one step, a checkpoint saved by rank 0 and restored (after scrambling) on every rank. Each
 must match one process training on the whole global batch, step for step.
 """
