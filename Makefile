@@ -41,7 +41,7 @@ install-dist: install
 	fi
 	$(PIP) install -q -e ".[dist]"
 
-# Real clients the suite runs (tests/mxnet_layer/test_clients_*.py). Sockeye pins mxnet and numpy
+# Real clients the suite runs (tests/mxnet_layer/clients/). Sockeye pins mxnet and numpy
 # versions of its own: --no-deps keeps the venv's (its imports work with them).
 CLIENTS := sockeye==2.3.24 sacrebleu==1.4.14 portalocker
 
@@ -63,9 +63,9 @@ test-quick: install-dist lint
 # the launcher (GluonCV's R-CNN task under it), the suite's core (init/patching, trainer, convert,
 # emulate) and make bench's script. No Horovod there.
 NP126_VENV := .venv-np126
-NP126_TESTS := $(addprefix tests/mxnet_layer/,test_numpy_shim.py test_numpy_startup.py test_compat.py \
-	test_launcher.py test_patching.py \
-	test_trainer.py test_convert.py test_emulate.py test_benchmarks.py::test_ssd_synthetic_amp_smoke)
+NP126_TESTS := $(addprefix tests/mxnet_layer/,compat/test_numpy_shim.py compat/test_numpy_startup.py \
+	compat/test_compat.py launch/test_launcher.py patching/test_patching.py training/test_trainer.py \
+	convert/test_convert.py execution/test_emulation.py benchmarks/test_benchmarks.py::test_ssd_synthetic_amp_smoke)
 
 $(NP126_VENV)/bin/activate:
 	$(PY) -m venv $(NP126_VENV)

@@ -4,7 +4,7 @@ Run with a Python that has torch installed, e.g.::
 
     /tmp/torchenv/bin/python tools/gen_gradscaler_golden.py
 
-Output: ``tests/data/gradscaler_trajectory.json`` (relative to the repository
+Output: ``tests/core/data/gradscaler_trajectory.json`` (relative to the repository
 root; the path is resolved from this file's location, so the working
 directory does not matter).
 
@@ -47,7 +47,7 @@ import torch
 
 OUT_PATH = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    "tests", "data", "gradscaler_trajectory.json")
+    "tests", "core", "data", "gradscaler_trajectory.json")
 
 
 def _plain(v):

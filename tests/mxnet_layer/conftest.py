@@ -11,7 +11,7 @@ import tempfile  # noqa: E402
 # The speed probe's cache: one per test session, never the user's (the probe runs once here).
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="gluon-amp-tests-cache-")
 # init()'s default tunes each new graph by timing it (seconds to minutes): the many small
-# init tests run the op table's plan; tests/mxnet_layer/test_tuning.py tunes on purpose.
+# init tests run the op table's plan; tests/mxnet_layer/tuning/test_tuning.py tunes on purpose.
 os.environ["GLUON_AMP_TUNE"] = "0"
 
 import gluon_amp  # noqa: E402  first: its numpy shim runs before MXNet loads (docs/python.md)

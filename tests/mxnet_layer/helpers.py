@@ -13,7 +13,10 @@ from gluon_amp.type_inference import infer_dtypes
 from gluon_amp_core.dtypes import FLOAT_DTYPES
 from gluon_amp_core.walk import walk
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: tests/mxnet_layer: its data/ and dist/ folders, and this module, which a test's fresh
+#: process (run from its own subfolder) finds by putting LAYER on its PYTHONPATH.
+LAYER = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(LAYER))
 
 
 class MixedNet(nn.HybridBlock):

@@ -57,7 +57,8 @@ from gluon_amp.training.trainer import attached_scaler
 from gluon_amp.type_inference import infer_dtypes
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# this file also runs as a worker script, where the tests' helpers module is not on the path
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 OP_TYPE = "matrix_twice"
 # The custom op, as user code writes it; the plain-MXNet loader defines it from this text too.
 _TWICE = f'''

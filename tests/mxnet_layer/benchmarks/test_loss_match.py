@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "benchmarks"))
+from helpers import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from loss_match import CurveMatch, Step, match_curves  # noqa: E402
 
 # FP32's loss after n updates, on the same batch every step (ssd_synthetic's and the notebook's

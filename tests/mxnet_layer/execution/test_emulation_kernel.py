@@ -1,6 +1,6 @@
 """gluon_amp/emulation_kernel: built once per machine into the user's cache, checked, or why not.
 
-The kernel's values and training graphs are tested in test_emulate.py (on both paths). Here:
+The kernel's values and training graphs are tested in test_emulation.py (on both paths). Here:
 the cache and its key, the lock, the recorded outcome, with stand-in compilers (shell scripts
 that log their calls), so nothing is compiled."""
 import hashlib

@@ -17,7 +17,7 @@ import pytest
 import gluon_amp
 from gluon_amp import _numpy_shim
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import ROOT
 SHIM = os.path.join(ROOT, "gluon_amp", "_numpy_shim.py")
 NUMPY = tuple(int(x) for x in numpy.__version__.split(".")[:2])
 # numpy 1.24 removed these three aliases of builtins; 1.20-1.23 still serve them (deprecated)

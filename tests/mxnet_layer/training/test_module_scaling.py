@@ -18,9 +18,9 @@ import mxnet as mx
 
 import gluon_amp as amp
 from gluon_amp import LossScaler
+from helpers import ROOT
 
-GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "core", "data",
-                      "gradscaler_trajectory.json")
+GOLDEN = os.path.join(ROOT, "tests", "core", "data", "gradscaler_trajectory.json")
 BATCH = 16
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from helpers import no_bf16_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import ROOT
 # Each test runs a benchmark script in a process of its own: 6 s (its argparse) to a minute.
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from gluon_amp.policy_builder import make_policy
 from helpers import import_gluoncv, no_bf16_env
 from helpers import check_graph
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import ROOT
 ZOO = ["resnet18_v1", "mobilenet1.0", "vgg11_bn", "densenet121"]
 # drawn from numpy, not MXNet's generator: the same input whatever modules were imported first
 X = mx.nd.array(np.random.RandomState(0).uniform(-1, 1, size=(2, 3, 224, 224)))

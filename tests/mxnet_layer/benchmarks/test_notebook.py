@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import ROOT
 NOTEBOOK = os.path.join(ROOT, "notebooks", "amp_ssd_tutorial.ipynb")
 
 

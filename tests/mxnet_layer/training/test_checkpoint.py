@@ -15,7 +15,7 @@ from mxnet.gluon import nn
 import gluon_amp
 from gluon_amp.training import checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import ROOT
 
 
 class Scale(nn.HybridBlock):

@@ -19,7 +19,7 @@ from gluon_amp import runtime
 from gluon_amp.type_inference import infer_dtypes
 from helpers import make_net
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import ROOT
 DTYPES = ["float16", "bfloat16"]
 
 _TWICE = '''

@@ -16,7 +16,7 @@ from mxnet.gluon import nn
 from gluon_amp import emulation_kernel
 from gluon_amp.emulation_kernel.selftest import edge_bits, same_bits, same_numerics, training_runs
 from gluon_amp_core.emulate import ROUND_SUFFIX, round_bits
-from helpers import ROOT, blobs, make_net
+from helpers import LAYER, ROOT, blobs, make_net
 
 DTYPES = ["float16", "bfloat16"]
 
@@ -488,7 +488,7 @@ def test_cli_emulate_writes_a_float32_model_that_runs(tmp_path):
 # kernels accumulate in another order, which flips roundings, and from there a native and an
 # emulated run drift apart as two FP32 runs with different seeds do.
 
-GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "resnet18_native_bf16_errors.json")
+GOLDEN = os.path.join(LAYER, "data", "resnet18_native_bf16_errors.json")
 #: Per-op relative tolerance between an emulated and a native error against FP32. Measured:
 #: on the Intel host that recorded GOLDEN, the emulated error is within 2.6% of the native one
 #: at every one of the 68 ops; on the AMD Zen 4 (AVX-512 BF16) host native errors equal the
@@ -535,7 +535,7 @@ def test_emulated_bfloat16_error_matches_recorded_native_error_at_every_op():
 def _fresh_process(*args, timeout=900):
     """Run this file's ``__main__`` in a new process and return its JSON answer. Native
     bfloat16 runs go there: a conversion earlier in the suite's process can spoil them (issue 27)."""
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, LAYER, os.environ.get("PYTHONPATH", "")])}  # helpers
     r = subprocess.run([sys.executable, os.path.abspath(__file__), *map(str, args)], capture_output=True,
                        text=True, timeout=timeout, env=env)
     assert r.returncode == 0, r.stderr[-3000:]

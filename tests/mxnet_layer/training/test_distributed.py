@@ -1,6 +1,6 @@
 """Loss scaling across workers: real 2-worker jobs on 127.0.0.1 and 2 CPU contexts in one process.
 
-Every job trains the float32 MLP of ``tests/dist/dist_scenario.py``: an inf on one worker at
+Every job trains the float32 MLP of ``tests/mxnet_layer/dist/dist_scenario.py``: an inf on one worker at
 one step, a checkpoint saved by rank 0 and restored (after scrambling) on every rank. Each
 must match one process training on the whole global batch, step for step.
 """
@@ -19,8 +19,9 @@ from mxnet import gluon
 import gluon_amp
 from gluon_amp import LossScaler
 from gluon_amp.training import distributed
+from helpers import LAYER, ROOT
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist"))
+sys.path.insert(0, os.path.join(LAYER, "dist"))
 
 import dist_launcher  # noqa: E402
 import dist_scenario as sc  # noqa: E402
@@ -290,8 +291,7 @@ def test_dist_kvstore_with_gradient_compression_is_refused(monkeypatch):
 
 @pytest.mark.bf16_kernels
 def test_ssd_benchmark_under_horovod_reports_per_worker_and_total(tmp_path):
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks",
-                         "ssd_synthetic.py")
+    bench = os.path.join(ROOT, "benchmarks", "ssd_synthetic.py")
     out = tmp_path / "hvd.json"
     with dist_launcher.Job(str(tmp_path), timeout=600) as job:
         job.start("bench", [sys.executable, bench, "--horovod", "2", "--batch-size", "1", "--iters", "1",

@@ -18,7 +18,7 @@ from typing import List, Optional, Tuple
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import ROOT
 PACKAGES = ("gluon_amp", "gluon_amp_core")
 ARCHITECTURE = os.path.join(ROOT, "docs", "architecture.md")
 PAGES = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))

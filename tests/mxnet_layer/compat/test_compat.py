@@ -7,7 +7,7 @@ import pytest
 
 from gluon_amp import _compat
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import ROOT
 
 
 def test_numpy_2_names_the_fix(monkeypatch):

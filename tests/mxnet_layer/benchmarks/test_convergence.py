@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import mxnet as mx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import ROOT
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import convergence  # noqa: E402

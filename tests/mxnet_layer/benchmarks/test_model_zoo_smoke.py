@@ -16,9 +16,9 @@ import pytest
 
 import gluon_amp
 from gluon_amp import runtime
+from helpers import ROOT
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import model_zoo_sweep as sweep  # noqa: E402
 

@@ -15,7 +15,7 @@ import venv
 
 import numpy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import ROOT
 NUMPY = tuple(int(x) for x in numpy.__version__.split(".")[:2])
 EXPECTED = [] if NUMPY < (1, 24) else ["bool", "int", "float"]
 PTH = "gluon_amp-numpy-aliases.pth"
