@@ -21,12 +21,11 @@ import helpers  # noqa: E402
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: runs a real client or a benchmark (tens of seconds or more)")
     config.addinivalue_line(
         "markers", "bf16_kernels: executes bfloat16 kernels; skipped, naming the missing CPU "
         "feature, where oneDNN has none (below AVX-512, or DNNL_MAX_CPU_ISA caps it there)")
     config.addinivalue_line(
-        "markers", "slow: runs a benchmark or the notebook, or takes over 20 s on 2 cores; "
+        "markers", "slow: runs a benchmark, the notebook or a real client, or takes over 20 s on 2 cores; "
         "`make test-quick` (pytest -m 'not slow') leaves it out, `make test` runs it")
 
 
