@@ -69,6 +69,23 @@ class _ThreadPolicy(threading.local):
 thread = _ThreadPolicy()
 
 
+class _Gate:
+    """Whether any thread is inside an ``autocast`` region. The patched op functions read
+    ``open`` (a plain attribute) on every call, and the thread-local ``scope.override`` only
+    while it is True: outside regions, a call costs no thread-local read."""
+
+    __slots__ = ("open", "scope", "entered", "guard")
+
+    def __init__(self, scope: _ThreadPolicy) -> None:
+        self.open = False
+        self.scope = scope
+        self.entered = 0  # regions entered and not left, over every thread
+        self.guard = threading.Lock()
+
+
+gate = _Gate(thread)
+
+
 def override() -> Optional[Region]:
     """The calling thread's innermost region, or ``None`` when it follows the process."""
     return thread.override
@@ -76,6 +93,9 @@ def override() -> Optional[Region]:
 
 def enter(region: Optional[Region]) -> None:
     """Make ``region`` the calling thread's innermost (``None``: follow the process)."""
+    with gate.guard:  # open before the override is set: no call on this thread misses it
+        gate.entered += 1
+        gate.open = True
     thread.stack.append(thread.override)
     thread.override = region
 
@@ -83,6 +103,9 @@ def enter(region: Optional[Region]) -> None:
 def leave() -> None:
     """Back to the region the last :func:`enter` of this thread left."""
     thread.override = thread.stack.pop()
+    with gate.guard:
+        gate.entered -= 1
+        gate.open = gate.entered > 0
 
 
 def current_policy() -> Optional[Any]:
@@ -331,3 +354,5 @@ def reset() -> None:
     thread.override = None
     thread.stack = []
     thread.bucket_hook = None
+    with gate.guard:
+        gate.entered, gate.open = 0, False

@@ -20,19 +20,21 @@ from typing import Any, Callable, Optional
 # no keyword-only defaults; redirect() refuses any function that does.
 
 _IMPL_KW = "_gluon_amp_impl"
-_SCOPE_KW = "_gluon_amp_scope"
+_GATE_KW = "_gluon_amp_gate"
 _ROUTES_KW = "_gluon_amp_routes"
 _ORIG_KW = "_gluon_amp_orig"
 
 
-def _trampoline(*args: Any, _gluon_amp_impl: Callable, _gluon_amp_scope: Any, _gluon_amp_routes: dict,
+def _trampoline(*args: Any, _gluon_amp_impl: Callable, _gluon_amp_gate: Any, _gluon_amp_routes: dict,
                 _gluon_amp_orig: Callable, **kwargs: Any) -> Any:
     # The code every redirected function runs, in MXNet's module globals (hence all by
-    # keyword-only defaults). The hot path is one attribute read of a thread-local.
-    region = _gluon_amp_scope.override
-    if region is None:
-        return _gluon_amp_impl(*args, **kwargs)
-    return _gluon_amp_routes.get(region, _gluon_amp_orig)(*args, **kwargs)
+    # keyword-only defaults). The hot path is one plain attribute read; the thread-local is
+    # read only while some thread is inside a region.
+    if _gluon_amp_gate.open:
+        region = _gluon_amp_gate.scope.override
+        if region is not None:
+            return _gluon_amp_routes.get(region, _gluon_amp_orig)(*args, **kwargs)
+    return _gluon_amp_impl(*args, **kwargs)
 
 
 _TRAMPOLINE_CODE = _trampoline.__code__
@@ -80,8 +82,9 @@ def copy_function(fn: types.FunctionType) -> types.FunctionType:
 def redirect(fn: types.FunctionType, wrapper: Callable, site: str, *, scope: Any, routes: dict,
              original: Callable) -> SavedFunction:
     """Make every call of ``fn`` (through any reference) call ``wrapper`` instead, unless
-    ``scope.override`` (read per call: a thread-local) is set: then ``routes[override]``, and
-    ``original`` where ``routes`` has none. ``routes`` is kept by reference: entries added
+    ``scope.open`` (a plain attribute, read per call) and ``scope.scope.override`` (the calling
+    thread's, read only then) is set: then ``routes[override]``, and ``original`` where
+    ``routes`` has none. ``routes`` is kept by reference: entries added
     later are used.
 
     ``fn`` keeps its identity, name and doc; ``fn.__wrapped__`` is ``original``, so
@@ -92,7 +95,7 @@ def redirect(fn: types.FunctionType, wrapper: Callable, site: str, *, scope: Any
                           fn.__dict__.get("__wrapped__", _NOT_SET), site)
     _original_code[fn] = saved.code
     # ignored by the original code
-    fn.__kwdefaults__ = {_IMPL_KW: wrapper, _SCOPE_KW: scope, _ROUTES_KW: routes, _ORIG_KW: original}
+    fn.__kwdefaults__ = {_IMPL_KW: wrapper, _GATE_KW: scope, _ROUTES_KW: routes, _ORIG_KW: original}
     fn.__code__ = _TRAMPOLINE_CODE
     fn.__defaults__ = None  # ignored by the trampoline
     fn.__wrapped__ = original

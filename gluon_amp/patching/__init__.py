@@ -215,7 +215,7 @@ def _prepare(patched: _Patched, policy: Policy) -> state.Region:
     redirected: List[_Site] = []
     try:
         for site in new_sites:
-            site.saved = mxi.redirect(site.function, site.impl, site.name, scope=state.thread,
+            site.saved = mxi.redirect(site.function, site.impl, site.name, scope=state.gate,
                                       routes=site.routes, original=site.impl)
             redirected.append(site)
     except BaseException:
