@@ -30,6 +30,8 @@ import gluon_amp as amp
 
 import gluonnlp as nlp  # installed by `make test` (the [test] extra): a missing one is an error
 
+pytestmark = pytest.mark.slow  # a real client's models, ~25 s: `make test` runs them, test-quick does not
+
 VOCAB_SIZE = 50
 SEQ_LEN = 8
 BATCH = 4
