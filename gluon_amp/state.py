@@ -286,31 +286,30 @@ def say_once(message: str, warn: bool = True, category: type = RuntimeWarning, s
     return True
 
 
-def trainer_record(trainer: Any) -> TrainerRecord:
-    """``trainer``'s record, made on first use (kept as long as the trainer lives)."""
+def _record(table: str, key: Any, make: Callable[[], Any]) -> Any:
+    """``process.<table>[key]``, made by ``make`` on first use (weakly keyed: kept as long as
+    ``key`` lives)."""
     with lock:
-        record = process.trainers.get(trainer)
+        records = getattr(process, table)
+        record = records.get(key)
         if record is None:
-            record = process.trainers[trainer] = TrainerRecord()
+            record = records[key] = make()
         return record
+
+
+def trainer_record(trainer: Any) -> TrainerRecord:
+    """``trainer``'s record, made on first use."""
+    return _record("trainers", trainer, TrainerRecord)
 
 
 def module_record(module: Any) -> ModuleRecord:
-    """``module``'s record, made on first use (kept as long as the module lives)."""
-    with lock:
-        record = process.modules.get(module)
-        if record is None:
-            record = process.modules[module] = ModuleRecord()
-        return record
+    """``module``'s record, made on first use."""
+    return _record("modules", module, ModuleRecord)
 
 
 def block_record(block: Any) -> BlockRecord:
-    """``block``'s record, made on first use (kept as long as the block lives)."""
-    with lock:
-        record = process.blocks.get(block)
-        if record is None:
-            record = process.blocks[block] = BlockRecord()
-        return record
+    """``block``'s record, made on first use."""
+    return _record("blocks", block, BlockRecord)
 
 
 @dataclass(frozen=True)
