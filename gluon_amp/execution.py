@@ -130,8 +130,9 @@ def widen_low_inputs(graph: dict, typed: Mapping[Key, Optional[str]]) -> Tuple[d
 #: how many converted Symbols are held (the newest)
 _KEEP_SYMBOLS = 64
 _lock = threading.Lock()
-_hooks: Optional[mxi.ExecutionHooks] = None
-_holders: set = set()
+#: the execution hooks (Symbol.bind/simple_bind, the block's CachedOp build), installed while
+#: anyone holds them (``init``; converted results)
+hooks_held = state.Held(lambda: mxi.install_execution_hooks(_for_block, _for_symbol), mxi.remove_execution_hooks)
 
 
 def remember(result: Any, policy: Policy) -> None:
@@ -184,21 +185,12 @@ def forget_converted() -> None:
 def hold(owner: str) -> None:
     """Install the execution hooks (Symbol.bind/simple_bind, the block's CachedOp build)
     while any owner holds them (``init``; converted results)."""
-    global _hooks
-    with _lock:
-        _holders.add(owner)
-        if _hooks is None:
-            _hooks = mxi.install_execution_hooks(_for_block, _for_symbol)
+    hooks_held.hold(owner)
 
 
 def release(owner: str) -> None:
     """Remove the execution hooks when no owner holds them any more (``disable``)."""
-    global _hooks
-    with _lock:
-        _holders.discard(owner)
-        if not _holders and _hooks is not None:
-            mxi.remove_execution_hooks(_hooks)
-            _hooks = None
+    hooks_held.release(owner)
 
 
 def _on_init(policy: Policy) -> None:

@@ -312,6 +312,41 @@ def block_record(block: Any) -> BlockRecord:
     return _record("blocks", block, BlockRecord)
 
 
+class Held:
+    """Something installed while any owner holds it (hooks, method patches): ``install()`` runs
+    when the first owner comes and its result is kept; ``remove(installed)`` runs when the last
+    owner leaves. Patching machinery, not a record: :func:`reset` leaves it (what is installed
+    must stay known to be undone)."""
+
+    def __init__(self, install: Callable[[], Any], remove: Callable[[Any], Any]) -> None:
+        self._install, self._remove = install, remove
+        self._owners: Set[str] = set()
+        self.installed: Any = None
+        self._guard = threading.Lock()
+
+    @property
+    def holders(self) -> FrozenSet[str]:
+        """Who holds it now."""
+        return frozenset(self._owners)
+
+    def hold(self, owner: str) -> None:
+        """``owner`` needs it: installed now if nobody held it."""
+        with self._guard:
+            if self.installed is None:
+                self.installed = self._install()
+            self._owners.add(owner)
+
+    def release(self, owner: str) -> Any:
+        """``owner`` no longer needs it: the last one out removes it (and gets what ``remove``
+        returned; ``None`` otherwise)."""
+        with self._guard:
+            self._owners.discard(owner)
+            if self._owners or self.installed is None:
+                return None
+            installed, self.installed = self.installed, None
+            return self._remove(installed)
+
+
 @dataclass(frozen=True)
 class Extension:
     """What another part of gluon_amp does when ``init`` turns AMP on (``on``, given the

@@ -59,7 +59,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
 #: What the pure core never imports.
 CORE_FORBIDDEN = ("gluon_amp", "mxnet", "numpy")
 
-MUTABLE_CALLS = {"list", "dict", "set", "WeakSet", "WeakKeyDictionary", "WeakValueDictionary", "defaultdict",
+MUTABLE_CALLS = {"Held", "list", "dict", "set", "WeakSet", "WeakKeyDictionary", "WeakValueDictionary", "defaultdict",
                  "OrderedDict", "deque", "Counter", "local", "Lock", "RLock", "Condition", "Semaphore"}
 #: Calls of a class that give no process state.
 NOT_STATE_CALLS = {"TypeVar", "NamedTuple", "ContextVar", "Enum", "Path", "Decimal", "Fraction", "MappingProxyType"}

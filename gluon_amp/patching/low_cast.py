@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
-from typing import Any, Callable, Optional, Set
+from typing import Any, Callable, Optional
 
 from gluon_amp_core.dtypes import dtype_name
 
@@ -29,32 +28,22 @@ import mxnet as mx
 
 from .. import mxnet_internals as mxi, runtime, state
 
-_lock = threading.Lock()
-_owners: Set[str] = set()
-_hook: Optional[mxi.CastHook] = None
+#: the Parameter.cast hook, installed while anyone holds it (``init``, the launcher)
+_hook = state.Held(lambda: mxi.install_param_cast_hook(_rule), mxi.remove_param_cast_hook)
 
 
 def acquire(owner: str) -> None:
     """Install the rule (once) on behalf of ``owner``; it stays until every owner released it."""
-    global _hook
-    with _lock:
-        if not _owners:
-            _hook = mxi.install_param_cast_hook(_rule)
-        _owners.add(owner)
+    _hook.hold(owner)
 
 
 def release(owner: str) -> None:
     """``owner`` no longer needs the rule; the last one out puts MXNet's cast back."""
-    global _hook
-    with _lock:
-        _owners.discard(owner)
-        if not _owners and _hook is not None:
-            mxi.remove_param_cast_hook(_hook)
-            _hook = None
+    _hook.release(owner)
 
 
 def active() -> bool:
-    return _hook is not None
+    return _hook.installed is not None
 
 
 def _low(dtype: Any) -> Optional[str]:

@@ -23,7 +23,6 @@ explicitly keep it, as Gluon trainers do.
 from __future__ import annotations
 
 import json
-import threading
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
@@ -108,9 +107,6 @@ class ModuleHook:
 # state.process.modules_auto, state.thread.bucket_hook): one home, one reset. Kept here: the
 # bookkeeping of the method patches (the saved originals, who holds them, their lock), which
 # follows what MXNet's classes hold and must survive a state.reset().
-_lock = threading.RLock()
-_owners: Set[str] = set()
-_patches: List[mxm.MethodPatch] = []
 
 
 def _record(module: Any) -> Optional[state.ModuleRecord]:
@@ -289,27 +285,24 @@ def _refuse_dist(module: Module, auto: bool) -> bool:
     raise RuntimeError(message)
 
 
-def _install(owner: str) -> None:
-    global _patches
-    with _lock:
-        if not _owners:
-            _patches = (mxm.patch_methods(Module, {"bind": _wrap_bind, "backward": _wrap_backward,
-                                                   "update": _wrap_update, "init_optimizer": _wrap_init_optimizer,
-                                                   "borrow_optimizer": _wrap_borrow_optimizer})
-                        + mxm.patch_methods(BucketingModule, {"bind": _wrap_bucketing_bind}))
-        _owners.add(owner)
+def _patch() -> List[mxm.MethodPatch]:
+    return (mxm.patch_methods(Module, {"bind": _wrap_bind, "backward": _wrap_backward, "update": _wrap_update,
+                                       "init_optimizer": _wrap_init_optimizer,
+                                       "borrow_optimizer": _wrap_borrow_optimizer})
+            + mxm.patch_methods(BucketingModule, {"bind": _wrap_bucketing_bind}))
 
 
-def _release(owner: str) -> None:
-    global _patches
-    with _lock:
-        _owners.discard(owner)
-        if not _owners and _patches:
-            changed = mxm.restore_methods(_patches)
-            _patches = []
-            if changed:
-                warnings.warn(f"gluon_amp: {', '.join(changed)} were changed by someone else while patched "
-                              "and are left as they are now, not restored", RuntimeWarning, stacklevel=3)
+def _unpatch(patches: List[mxm.MethodPatch]) -> None:
+    changed = mxm.restore_methods(patches)
+    if changed:
+        warnings.warn(f"gluon_amp: {', '.join(changed)} were changed by someone else while patched "
+                      "and are left as they are now, not restored", RuntimeWarning, stacklevel=4)
+
+
+#: Module's and BucketingModule's methods, patched while anyone holds them (``init``, an
+#: explicit ``init_trainer(module)``)
+_patches = state.Held(_patch, _unpatch)
+_install, _release = _patches.hold, _patches.release
 
 
 def _on_init(policy: Any) -> None:

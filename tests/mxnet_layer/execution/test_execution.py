@@ -190,7 +190,7 @@ def test_binding_leaves_the_users_symbol_unchanged_and_runs_emulated():
     assert _is_bf16(out) and np.array_equal(out, out2)
     gluon_amp.disable()
     assert mx.sym.Symbol.bind is gluon_amp.mxnet_internals.gluon._BIND or \
-        gluon_amp.execution._holders == {"converted"}
+        gluon_amp.execution.hooks_held.holders == {"converted"}
 
 
 def test_a_module_binding_a_plan_the_host_cannot_run_raises_gluon_amps_error():
