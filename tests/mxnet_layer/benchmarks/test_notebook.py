@@ -38,7 +38,15 @@ def _execute(tmp_path, monkeypatch, **env):
     client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     client.execute()
-    return "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    # Each stream joined on its own: the kernel flushes stdout and stderr on its own timers, so
+    # one print may arrive in pieces with a log line between them (CI saw "...the fix:" and
+    # " False" split by the next init's INFO line).
+    streams = {"stdout": [], "stderr": []}
+    for cell in nb.cells:
+        for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            if out.get("output_type") == "stream":
+                streams.setdefault(out.get("name"), []).append(out.get("text", ""))
+    return "".join(streams["stdout"]) + "\n" + "".join(streams["stderr"])
 
 
 @pytest.mark.slow  # the whole notebook, at tiny sizes: about 90 s
