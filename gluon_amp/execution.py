@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 import mxnet as mx
 from mxnet.gluon import HybridBlock
@@ -61,8 +61,12 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
     for device in sorted(set(devices)):
         for dtype in sorted(low):
             if not runtime.executable(dtype, device):
-                raise RuntimeError(cannot_run(what, dtype, device))
+                raise CannotRun(cannot_run(what, dtype, device))
     return plan
+
+
+class CannotRun(RuntimeError):
+    """gluon_amp's refusal of a plan whose low dtypes a device of this machine cannot execute."""
 
 
 def emulated(plan: Symbol, typed: Mapping[Key, Optional[str]],
@@ -241,7 +245,7 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
 
 
 def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mapping[str, Tuple[int, ...]],
-                group2ctx: Optional[Mapping[str, Any]]) -> Symbol:
+                group2ctx: Optional[Mapping[str, Any]]) -> Union[Symbol, "mxi.RefusedRun"]:
     policy = policy_for(sym)
     if policy is None:
         return sym
@@ -252,7 +256,12 @@ def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mappin
     known = {n: CODE_DTYPE.get(int(declared[n]["__dtype__"]), "float32") if "__dtype__" in declared.get(n, {})
              else "float32" for n in inputs}
     known.update({k: mxi.FLOAT_NAMES.get(v) or dtype_name(v) for k, v in dtypes.items() if k in set(inputs)})
-    return graph_to_run(sym, known, shapes, devices, policy, "the bound symbol")
+    try:
+        return graph_to_run(sym, known, shapes, devices, policy, "the bound symbol")
+    except CannotRun as refused:
+        # Binding is also how users infer a graph's shapes and types (and Module binds before it
+        # runs): the executor binds, and its first forward raises this before MXNet's kernels would.
+        return mxi.RefusedRun(sym, refused)
 
 
 def cannot_run(what: str, dtype: str, device: str) -> str:

@@ -199,11 +199,11 @@ def _with_result(sym: Symbol, result: PassResult) -> MixedPrecisionSymbol:
 
 def _run_as_planned(result: Any, policy: Policy) -> Any:
     """A converter's result, remembered to run as ``policy`` says where it is bound
-    (:func:`execution.remember`): a block natively, emulated or refused with gluon_amp's error
-    when its CachedOp is built (its first call); a Symbol when ``policy`` emulates. A Symbol
-    converted for real low precision binds as MXNet binds it (binding is also how users infer
-    its types and shapes) and, without ``init``, runs where its dtypes run."""
-    if policy.enabled and (policy.emulate or not isinstance(result, Symbol)):
+    (:func:`execution.remember`), with or without ``init``: natively, emulated, or refused with
+    gluon_amp's error, a block when its CachedOp is built (its first call), a Symbol at its
+    executor's first ``forward`` (it binds wherever MXNet binds it: binding is also how users
+    infer its shapes and types)."""
+    if policy.enabled:
         execution.remember(result, policy)
     return result
 

@@ -5,7 +5,7 @@ import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mxnet as mx
 from mxnet.gluon import HybridBlock, Parameter
@@ -425,6 +425,31 @@ class ExecutionHooks:
     bind: Callable
 
 
+@dataclass(frozen=True)
+class RefusedRun:
+    """What a ``for_symbol`` hook returns for a graph this machine cannot run: ``graph`` binds
+    (so its shapes and types can be read), and the executor's ``forward`` raises ``error``."""
+
+    graph: Symbol
+    error: Exception
+
+
+def _refusing(executor: Any, error: Exception) -> Any:
+    """``executor`` with ``forward`` raising a copy of ``error``, and its ``reshape`` results alike
+    (1.9.1: ``Executor.forward``/``reshape`` are plain methods; Module's executor group calls
+    ``exec_.forward(is_train=...)`` and ``exec_.reshape(...)``)."""
+    reshape = executor.reshape
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        raise type(error)(*error.args)
+
+    def reshaped(*args: Any, **kwargs: Any) -> Any:
+        return _refusing(reshape(*args, **kwargs), error)
+
+    executor.forward, executor.reshape = forward, reshaped
+    return executor
+
+
 def symbol_address(sym: Symbol) -> int:
     """The address of ``sym``'s C handle (1.9.1: ``Symbol.handle``, a ctypes pointer): one
     per live Symbol object's graph; Symbols take no weak references (``__slots__``)."""
@@ -444,12 +469,14 @@ def _names_of(given: Any, names: Sequence[str]) -> Any:
 
 
 def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Sequence[Symbol]], Symbol],
-                            for_symbol: Callable[[Symbol, Any, Dict[str, Any], Dict[str, tuple], Any], Symbol]
+                            for_symbol: Callable[[Symbol, Any, Dict[str, Any], Dict[str, tuple], Any],
+                                                 Union[Symbol, RefusedRun]]
                             ) -> ExecutionHooks:
     """Until :func:`remove_execution_hooks`: a hybridized block's CachedOp is built from
     ``for_block(block, args, graph, inputs)`` (the block's cached graph stays its own), and
     ``Symbol.bind``/``simple_bind`` bind ``for_symbol(sym, ctx, dtypes, shapes, group2ctx)``
-    (the Symbol itself is left as it is). Either returns its graph to run it unchanged.
+    (the Symbol itself is left as it is; a :class:`RefusedRun` binds it and refuses its
+    forward). Either returns its graph to run it unchanged.
     Blocks built inside :func:`hooks_paused` pass untouched."""
 
     def _build_cache(self: HybridBlock, *args: Any) -> Any:
@@ -479,6 +506,9 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
                     shared_exec: Any = None, shared_buffer: Any = None, **kwargs: Any) -> Any:
         shapes = {k: tuple(v) for k, v in kwargs.items() if isinstance(v, tuple)}
         run = for_symbol(self, ctx, dict(type_dict or {}), shapes, group2ctx)
+        if isinstance(run, RefusedRun):
+            return _refusing(_SIMPLE_BIND(self, ctx, grad_req, type_dict, stype_dict, group2ctx, shared_arg_names,
+                                          shared_exec, shared_buffer, **kwargs), run.error)
         if run is not self:
             grad_req = _names_of(grad_req, self.list_arguments())
         return _SIMPLE_BIND(run, ctx, grad_req, type_dict, stype_dict, group2ctx, shared_arg_names,
@@ -492,6 +522,9 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
             return _BIND(self, ctx, args, args_grad, grad_req, aux_states, group2ctx, shared_exec)
         run = for_symbol(self, ctx, {k: a.dtype for k, a in arrays.items()},
                          {k: a.shape for k, a in arrays.items()}, group2ctx)
+        if isinstance(run, RefusedRun):
+            return _refusing(_BIND(self, ctx, args, args_grad, grad_req, aux_states, group2ctx, shared_exec),
+                             run.error)
         if run is self:
             return _BIND(self, ctx, args, args_grad, grad_req, aux_states, group2ctx, shared_exec)
         # the copy may list its variables in another order: pass them by name

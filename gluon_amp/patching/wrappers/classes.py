@@ -19,7 +19,7 @@ from gluon_amp_core.table import OpClass, OpTable
 
 from ... import mxnet_internals as mxi
 from ...emulation import round_nd
-from ...execution import cannot_run
+from ...execution import CannotRun, cannot_run
 from ..low_cast import _caller_level
 from .casts import CASTABLE, cast_into, cast_nd, cast_sym, multicast_sym
 
@@ -86,7 +86,7 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
         if guard and want == low and any(isinstance(a, NDArray) and a.context.device_type == "cpu"
                          for a in [*args, *kwargs.values()]):
             if mxi.constructing_block() is None:
-                raise RuntimeError(cannot_run(f"{op} (imperative)", want, "cpu"))
+                raise CannotRun(cannot_run(f"{op} (imperative)", want, "cpu"))
             return _while_constructing(fn, op, want, args, kwargs)
         given = kwargs.get("out") if variadic or len(args) <= n_pos else sig.option(args, kwargs, "out")
         if given is not None and (any(a is given for a in args)

@@ -207,6 +207,35 @@ def test_a_module_binding_a_plan_the_host_cannot_run_raises_gluon_amps_error():
     assert "MXNetError" not in type(err.value).__name__
 
 
+def test_a_converted_symbol_the_host_cannot_run_binds_and_its_forward_raises_gluon_amps_error():
+    """Without ``init``: ``convert_model`` for a dtype this CPU cannot run (float16 on any CPU)
+    binds in a Module (shapes and types read as MXNet gives them), and its first forward, after
+    a reshape too, raises gluon_amp's error naming ``emulate=True``, not MXNet's."""
+    dtype = next(d for d in ("float16", "bfloat16") if not runtime.executable(d, "cpu"))
+    mod = mx.mod.Module(_mlp(), context=mx.cpu())
+    mod.bind(data_shapes=[("data", (16, 8))], label_shapes=[("softmax_label", (16,))])
+    mod.init_params(mx.init.Xavier())
+    args, aux = mod.get_params()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the converter warns that the dtype cannot execute here
+        sym, args, aux = gluon_amp.convert_model(_mlp(), args, aux, target_dtype=dtype)
+    ex = sym.simple_bind(mx.cpu(), data=(16, 8), grad_req="null")
+    assert [o.shape for o in ex.outputs] == [(16, 2)]
+    runs = [lambda: ex.forward(data=mx.nd.ones((16, 8)))[0].asnumpy()]
+    conv = mx.mod.Module(sym, context=mx.cpu())
+    conv.bind(data_shapes=[("data", (16, 8))], label_shapes=[("softmax_label", (16,))], for_training=False)
+    conv.set_params(args, aux)
+    batch = _batches(1)[0]
+    runs.append(lambda: (conv.forward(batch, is_train=False), conv.get_outputs()[0].asnumpy()))
+    runs.append(lambda: (conv.reshape(data_shapes=[("data", (8, 8))], label_shapes=[("softmax_label", (8,))]),
+                         conv.forward(_batches(1, batch=8)[0], is_train=False), conv.get_outputs()[0].asnumpy()))
+    for run in runs:
+        with pytest.raises(RuntimeError, match="emulate=True") as err:
+            run()
+        assert not isinstance(err.value, mx.base.MXNetError) and str(err.value).startswith("gluon_amp")
+        mx.nd.waitall()  # nothing of MXNet's is left deferred for the next test
+
+
 def _bucket_sym(key):
     data, label = mx.sym.var("data"), mx.sym.var("softmax_label")
     h = mx.sym.FullyConnected(data, num_hidden=6, flatten=False, name="proj")  # (N, key, 6)
