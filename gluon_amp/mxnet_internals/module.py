@@ -29,7 +29,8 @@ from mxnet.module import BucketingModule, Module
 __all__ = [
     "Module", "BucketingModule", "MethodPatch", "patch_methods", "restore_methods", "binding_symbol",
     "module_symbol", "module_executors", "module_grad_arrays", "module_optimizer", "module_updater",
-    "optimizer_on_server", "module_kvstore", "bind_arguments", "rebind", "bucket_modules", "call_arguments",
+    "optimizer_on_server", "module_compression", "module_kvstore", "bind_arguments", "rebind", "bucket_modules",
+    "call_arguments",
     "set_module_updater_states",
 ]
 
@@ -112,6 +113,11 @@ def module_optimizer(module: Module) -> Any:
 
 def module_kvstore(module: Module) -> Any:
     return module._kvstore
+
+
+def module_compression(module: Module) -> Any:
+    """The ``compression_params`` the module's kvstore was given (1.9.1: ``Module._compression_params``)."""
+    return getattr(module, "_compression_params", None)
 
 
 def optimizer_on_server(module: Module) -> bool:

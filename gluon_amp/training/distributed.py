@@ -26,6 +26,8 @@ from .. import mxnet_internals as mxi, state
 # A dist kvstore key of our own. ps-lite picks the server with ``key * 9973`` in a C int,
 # so the key must stay below 2**31 / 9973; Trainer uses keys 0..len(params)-1.
 FLAG_KEY = 214_000
+# Module's kvstore keys are its parameter names, and a kvstore refuses mixed key types.
+MODULE_FLAG_KEY = "gluon_amp_finite_flag"
 
 _EPS32 = float(np.finfo(np.float32).eps)
 _Reduce = Callable[[np.ndarray], np.ndarray]
@@ -41,15 +43,15 @@ class Engine:
     kvstore: bool = False
 
 
-def _kvstore_reduce(kv: Any) -> _Reduce:
+def _kvstore_reduce(kv: Any, key: Any = FLAG_KEY) -> _Reduce:
     def reduce(values: np.ndarray) -> np.ndarray:
         # float32, like the gradients: on MXNet 1.9.1's dist_sync server a float64 key
         # corrupted the summed float32 gradients of the other keys.
         arr = mx.nd.array(values, dtype="float32")
         if kv not in state.process.done:  # collective: every worker reaches here on the same step
-            kv.init(FLAG_KEY, mx.nd.zeros_like(arr))
+            kv.init(key, mx.nd.zeros_like(arr))
             state.process.done.add(kv)
-        kv.pushpull(FLAG_KEY, arr, out=arr)
+        kv.pushpull(key, arr, out=arr)
         return arr.asnumpy()
     return reduce
 
@@ -176,8 +178,28 @@ def agree_finite(trainer: Trainer, scaler: Any, finite: bool) -> bool:
         return bool(finite)
     if engine.kvstore:
         _check_kvstore(trainer)
-    scale = float(scaler.loss_scale)
+    return _agree(engine, float(scaler.loss_scale), finite)
+
+
+def _agree(engine: Engine, scale: float, finite: bool) -> bool:
     sums = engine.reduce(np.array([0.0 if finite else 1.0, scale, scale * scale], dtype="float32"))
     bad, total, squares = (float(v) for v in sums)
     _check_same_scale(engine, scale, total, squares)
     return bad == 0
+
+
+def module_engine(kv: Any) -> Optional[Engine]:
+    """The cross-process engine of a Module whose kvstore is ``kv``: a native ``dist_*``
+    kvstore with more than one worker, else None."""
+    if isinstance(kv, mx.kvstore.KVStore) and "dist" in kv.type and kv.num_workers > 1:
+        return Engine(f"the {kv.type} kvstore", kv.num_workers, _kvstore_reduce(kv, MODULE_FLAG_KEY), kvstore=True)
+    return None
+
+
+def agree_module_finite(kv: Any, scale: float, finite: bool) -> bool:
+    """Return whether every worker of a Module on kvstore ``kv`` saw finite gradients this
+    step, its gradients multiplied by ``scale``. Collective on a dist kvstore (every
+    ``Module.update`` calls it before its gradients are pushed); raises ``RuntimeError`` when
+    the workers' scales differ."""
+    engine = module_engine(kv)
+    return bool(finite) if engine is None else _agree(engine, float(scale), finite)

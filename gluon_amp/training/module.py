@@ -35,7 +35,7 @@ from gluon_amp_core.loss_scale import LossScaler, loss_scaler_from
 
 from .. import mxnet_internals as mxi, state
 from ..type_inference import infer_dtypes
-from . import checkpoint, overflow
+from . import checkpoint, distributed, overflow
 
 mxm = mxi.module
 Module, BucketingModule = mxm.Module, mxm.BucketingModule
@@ -89,6 +89,9 @@ class ModuleHook:
                 g = g if g.stype == "default" else g.data
                 groups.setdefault(g.context, []).append(g)
             finite = overflow.arrays_finite(groups)
+            kv = mxm.module_kvstore(module)
+            if kv is not None and "dist" in kv.type:  # before the push: every worker skips, or none
+                finite = distributed.agree_module_finite(kv, scale, finite)
         skip = self.scaler.record_step(self, finite, scaled=carried and self.scaler.scales(dtype))
         if skip and dtype != "float16":
             self.warn_once("skip", f"gluon_amp: a Module training step was skipped for inf/NaN gradients while "
@@ -272,13 +275,27 @@ def _wrap_bucketing_bind(original: Callable) -> Callable:
 
 
 def _refuse_dist(module: Module, auto: bool) -> bool:
-    """False (auto: with a warning) or RuntimeError for a distributed kvstore: not supported yet."""
+    """True where ``module``'s kvstore lets it be scaled; else False (auto: with a warning) or
+    RuntimeError. On a ``dist_*`` kvstore the workers agree on each skip before they push
+    (:func:`~gluon_amp.training.distributed.agree_module_finite`), and the update must run on
+    them: an optimizer on the servers is a pickled copy whose ``rescale_grad`` cannot unscale."""
     kv = mxm.module_kvstore(module)
     if kv is None or "dist" not in kv.type:
         return True
-    message = (f"gluon_amp: loss scaling of a Module with kvstore {kv.type!r} is not supported (the workers "
-               "would have to agree on skipping a step); use a local kvstore, or a Gluon Trainer with "
-               "gluon_amp.init_trainer.")
+    if mxm.optimizer_on_server(module):
+        why = ("its optimizer runs on the kvstore's servers (update_on_kvstore), where a step can be neither "
+               "skipped nor unscaled; set MXNET_UPDATE_ON_KVSTORE=0 in the environment of every worker "
+               "before init_optimizer/fit, so that the workers update (MXNet then pushes and pulls gradients)")
+    elif "async" in kv.type:
+        why = ("asynchronous workers never meet at a step, so they cannot agree to skip one; use "
+               "dist_sync or dist_device_sync")
+    elif mxm.module_compression(module):
+        why = (f"its gradient compression ({mxm.module_compression(module)!r}) turns the inf/NaN the overflow "
+               "check looks for into +-threshold; create the Module's optimizer without compression_params")
+    else:
+        return True
+    message = (f"gluon_amp: loss scaling of a Module on kvstore {kv.type!r} cannot work: {why}. Or use a "
+               "Gluon Trainer with gluon_amp.init_trainer.")
     if auto:
         warnings.warn(message + " This Module trains without loss scaling.", RuntimeWarning, stacklevel=4)
         return False
@@ -359,6 +376,9 @@ def init_module(module: Union[Module, BucketingModule],
     if existing is not None and not _hook_of(module).auto:
         raise RuntimeError("this Module already has a loss scaler; use gluon_amp.get_scaler(module) to read it")
     scaler = loss_scaler_from(loss_scale)
+    for mod in _modules_of(module):  # before anything is attached: a refused module is left as it was
+        if mxm.module_kvstore(mod) is not None:
+            _refuse_dist(mod, auto=False)
     hook = ModuleHook(scaler)
     _install("explicit")
     if isinstance(module, BucketingModule):
@@ -374,9 +394,6 @@ def init_module(module: Union[Module, BucketingModule],
                     mxm.rebind(mod, shared_module=buckets[default])
     else:
         _attach(module, hook)
-    for mod in _modules_of(module):
-        if mxm.module_kvstore(mod) is not None:
-            _refuse_dist(mod, auto=False)
     return scaler
 
 

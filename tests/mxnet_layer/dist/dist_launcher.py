@@ -111,16 +111,18 @@ def _base_env() -> Dict[str, str]:
     return env
 
 
-def run_dist_sync(args: Sequence[str], log_dir: str, workers: int = 2, timeout: float = 90) -> None:
-    """Scheduler, one server and ``workers`` workers of ``dist_worker.py args`` on 127.0.0.1."""
-    env = _base_env()
+def run_dist_sync(args: Sequence[str], log_dir: str, workers: int = 2, timeout: float = 90,
+                  worker: str = WORKER, env_extra: Optional[Dict[str, str]] = None) -> None:
+    """Scheduler, one server and ``workers`` workers of ``worker args`` (``dist_worker.py``)
+    on 127.0.0.1, every process with ``env_extra`` in its environment."""
+    env = {**_base_env(), **(env_extra or {})}
     env.update(DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(free_port()),
                DMLC_NODE_HOST="127.0.0.1", DMLC_NUM_SERVER="1", DMLC_NUM_WORKER=str(workers))
     with Job(log_dir, timeout) as job:
         job.start("scheduler", [sys.executable, "-c", "import gluon_amp, mxnet"], {**env, "DMLC_ROLE": "scheduler"})
         job.start("server", [sys.executable, "-c", "import gluon_amp, mxnet"], {**env, "DMLC_ROLE": "server"})
         for i in range(workers):
-            job.start(f"worker{i}", [sys.executable, WORKER, *args], {**env, "DMLC_ROLE": "worker"})
+            job.start(f"worker{i}", [sys.executable, worker, *args], {**env, "DMLC_ROLE": "worker"})
         job.wait()
 
 

@@ -117,6 +117,42 @@ def test_device_kvstore_two_contexts_in_one_process(tmp_path, reference):
     _assert_params_close(copy0, reference["params"])
 
 
+MODULE_WORKER = os.path.join(LAYER, "dist", "dist_module_worker.py")
+
+
+def _module_run(out_dir, **job):
+    if job:
+        dist_launcher.run_dist_sync(["--out", str(out_dir)], str(out_dir), worker=MODULE_WORKER, **job)
+    else:  # the single process on the whole global batch
+        subprocess.run([sys.executable, MODULE_WORKER, "--workers", "1", "--out", str(out_dir)], check=True,
+                       timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return [json.load(open(os.path.join(out_dir, f))) for f in sorted(os.listdir(out_dir))
+            if f.startswith("module-rank")]
+
+
+def test_a_module_on_dist_sync_updating_on_the_workers_skips_with_every_worker(tmp_path):
+    """2 workers, MXNET_UPDATE_ON_KVSTORE=0: the inf on one worker's shard skips the step on
+    both, the scale moves alike, and both end with the single process's weights."""
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "job").mkdir()
+    [ref] = _module_run(tmp_path / "ref")
+    assert [i for i, s in enumerate(ref["skipped"]) if s] == [2] and len(set(ref["scale"])) >= 3
+    results = _module_run(tmp_path / "job", env_extra={"MXNET_UPDATE_ON_KVSTORE": "0"})
+    assert [r["rank"] for r in results] == [0, 1] and {r["workers"] for r in results} == {2}
+    for r in results:
+        assert r["update_on_kvstore"] is False
+        assert r["skipped"] == ref["skipped"], f"rank {r['rank']} skipped other steps than one process"
+        assert r["scale"] == ref["scale"], f"rank {r['rank']} has other loss scales than one process"
+        assert r["params"] == results[0]["params"], f"rank {r['rank']} ended with other weights than rank 0"
+    _assert_params_close(results[0]["params"], ref["params"])
+
+
+def test_a_module_whose_optimizer_runs_on_dist_servers_is_refused_naming_the_setting(tmp_path):
+    [r] = _module_run(tmp_path, workers=1)  # a dist_sync job of one worker: MXNet's default update_on_kvstore
+    assert r["update_on_kvstore"] is True
+    assert r["refused"].startswith("gluon_amp") and "MXNET_UPDATE_ON_KVSTORE=0" in r["refused"], r["refused"]
+
+
 def test_horovod_distributed_optimizer_is_refused():
     code = textwrap.dedent("""
         import gluon_amp, mxnet as mx, horovod.mxnet as hvd
