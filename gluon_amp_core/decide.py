@@ -55,6 +55,8 @@ class MeasuredChoice:
     def describe(self) -> str:
         """e.g. ``float32: measured 2.0x slower in bfloat16 (409.00 vs 205.00 ms)``."""
         low, fp32, t = self.low_ms, self.fp32_ms, self.target
+        if self.dtype == "float32" and not fp32 > 0:  # no figures: the whole graph runs float32 by rule
+            return "float32: the whole graph runs float32 until measured against it"
         if self.dtype == "float32":
             if low >= fp32:
                 text = f"float32: measured {low / fp32:.1f}x slower in {t} ({low:.2f} vs {fp32:.2f} ms)"

@@ -158,4 +158,4 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
     tuning = getattr(symbol_or_block, "amp_tuning", None)
     return Report(label, rows, casts, dict(Counter(r.dtype for r in rows)),
                   dict(Counter(r.reason.split(" ")[0] for r in rows)), any(r.emulated for r in rows),
-                  getattr(tuning, "status", ""))
+                  getattr(tuning, "summary", getattr(tuning, "status", "")))

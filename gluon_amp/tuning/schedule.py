@@ -30,12 +30,14 @@ from gluon_amp_core.decide import MeasuredChoice
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.timing_cache import TimingCache
 from gluon_amp_core.tuning.schedule import Ledger, ShapeHistory, Shapes, TuneBudget
-from gluon_amp_core.walk import measured_note
+from gluon_amp_core.decide import Reason
+from gluon_amp_core.walk import Note, measured_note
 
 from .. import mxnet_internals as mxi, plan_notes
 from ..speed.timing import release_memory
 from ..type_inference import infer_dtypes
-from .tuner import Job, Outcome, Target, Tuning, applier, check_applied, graph_key, load_outcome, new_job, run
+from .tuner import (Job, Outcome, Target, Tuning, applier, check_applied, choices_to_run, graph_key, load_outcome,
+                    new_job, run)
 
 _log = logging.getLogger(__name__)
 #: The clock tuning is charged by (tests plant one of their own).
@@ -129,9 +131,12 @@ class Tuner:
         b.version = g.version
         g.blocks.add(block)
         block.amp_tuning = g.tuning
-        if g.broken or g.outcome is None or not g.outcome.choices:
+        if g.broken:
             return out
-        choices = target.by_name(g.outcome.choices)
+        choices, why = choices_to_run(target, g.outcome)
+        g.tuning.verdict = why
+        if not choices:
+            return out
         tuned = target.apply(choices)
         wrong = check_applied(tuned, known, choices)
         if wrong:
@@ -141,7 +146,9 @@ class Tuner:
                           f"({wrong[:3]}); it runs the untuned plan. Please report this with the model.",
                           RuntimeWarning, stacklevel=5)
             return out
-        plan_notes.record(block, "tuner", {n: measured_note(c) for n, c in choices.items()})
+        everywhere = set(choices) == set(target.low_ops()) and all(c.dtype == "float32" for c in choices.values())
+        plan_notes.record(block, "tuner", {n: Note(Reason.MEASURED.value, f"float32: the whole graph {why}")
+                                           if everywhere else measured_note(c) for n, c in choices.items()})
         return tuned
 
     def _graph(self, target: Target, data_names: List[str]) -> _Graph:
@@ -156,9 +163,9 @@ class Tuner:
                 tuning.cached = 1
                 tuning.status = f"read from the cache: tuned at input shapes {_shown(tuning.tuned_at)}"
             elif self.ledger.budget.seconds == 0:
-                tuning.status = "runs the plan: the tuning budget is 0 s (only outcomes in the cache are used)"
+                tuning.status = "not tuned: the tuning budget is 0 s (only outcomes in the cache are used)"
             else:
-                tuning.status = "runs the plan until an input shape repeats"
+                tuning.status = "tuning waits until an input shape repeats"
             g = self.graphs[key] = _Graph(target, key, data_names, outcome, tuning)
         return g
 
@@ -220,17 +227,29 @@ class Tuner:
         if done:
             self._finish(g, job)
         else:
+            if job.provisional is not None and g.outcome is not job.provisional:
+                self._adopt(g, job.provisional)
             self._waiting(g, job)
         return released
+
+    def _adopt(self, g: _Graph, outcome: Optional[Outcome]) -> None:
+        """Run ``outcome`` from the next call on (a new version where what runs changes)."""
+        before = choices_to_run(g.target, g.outcome)[0]
+        g.outcome = outcome
+        after, why = choices_to_run(g.target, outcome)
+        g.tuning.verdict = why
+        if set(after) != set(before) or any(after[n].dtype != before[n].dtype for n in after):
+            g.version += 1
 
     def _new_job(self, g: _Graph, key: Shapes) -> Optional[Job]:
         if key in g.done_keys:
             return None
         if g.history.count(key) < 2:
             if g.outcome is None:
-                g.tuning.status = "runs the plan until an input shape repeats (a shape seen once is not tuned for)"
+                g.tuning.status = "tuning waits until an input shape repeats (a shape seen once is not tuned for)"
             return None
-        if g.outcome is not None and any(g.history.matches(key, self._ordered(g, s)) for s in g.outcome.shapes_tried()):
+        if g.outcome is not None and g.outcome.complete and any(
+                g.history.matches(key, self._ordered(g, s)) for s in g.outcome.shapes_tried()):
             g.done_keys.add(key)
             return None
         shapes = dict(zip(g.data_names, g.history.last or ()))
@@ -257,13 +276,12 @@ class Tuner:
         t.cached += job.tuning.cached
         t.seconds += job.tuning.seconds
         t.trials = job.tuning.trials or t.trials
-        before = g.outcome.choices if g.outcome is not None else {}
-        g.outcome = job.outcome
         g.job = None
         if g.job_key is not None:
             g.done_keys.add(g.job_key)
-        if g.outcome is None:
+        if job.outcome is None:
             return
+        self._adopt(g, job.outcome)
         t.choices = g.target.by_name(g.outcome.choices)
         names = g.target.names
         t.withdrawn = [f"{names[p]}: {w}" for p, w in g.outcome.withdrawn.items()]
@@ -277,8 +295,6 @@ class Tuner:
             t.rechecked.append(f"{_shown(job.shapes)}: {job.tuning.status}")
             t.status = (f"tuned at input shapes {_shown(t.tuned_at or {})}, re-checked at {_shown(job.shapes)}: "
                         f"{kept} op(s) in float32" + (f", {len(t.withdrawn)} withdrawn" if t.withdrawn else ""))
-        if g.outcome.choices != before:
-            g.version += 1
 
     # -- what runtime_info() shows
     def info(self) -> Dict[str, Any]:
@@ -287,6 +303,7 @@ class Tuner:
         for g in self.graphs.values():
             busy = g.job.tuning if g.job is not None else Tuning()  # a job under way: what it did so far
             graphs.append({"blocks": sorted(b.name for b in g.blocks), "status": g.tuning.status,
+                           "verdict": g.tuning.verdict,
                            "calls": g.history.calls, "distinct_shapes": g.history.distinct,
                            "dynamic_dims": sorted(f"input {i} dim {d}" for i, d in g.history.dynamic),
                            "tuned_at": g.tuning.tuned_at, "rechecked": list(g.tuning.rechecked),
@@ -331,22 +348,24 @@ def tune_graph(sym: Symbol, input_dtypes: Mapping[str, str], input_shapes: Mappi
     outcome = load_outcome(cache, graph_key(target), len(target.graph["nodes"]))
     job = new_job(target, input_shapes, cache, outcome, clock=now)
     if job is None:  # an outcome that holds at these shapes
-        held = target.by_name(outcome.choices if outcome else {})
-        return Tuning(held, cached=1, status="read from the cache"), dtypes
+        held, why = choices_to_run(target, outcome)
+        return Tuning(held, cached=1, status="read from the cache", verdict=why), dtypes
     with cache.lock():  # one process measures at a time; the others then read what it stored
         finished = run(job, ledger, now, cap_only=True)
         job.flush()
     tuning = job.tuning
     if finished:
         tuning.status = tuning.status if "could not" in tuning.status else f"tuned ({job.kind})"
+        tuning.choices, tuning.verdict = choices_to_run(target, job.outcome)
     else:
         spent = ledger.spent
         tuning.status = (f"stopped by the budget ({ledger.budget.describe()}: {spent:.1f} s spent): "
                          f"the untimed rest runs the plan")
-        if outcome is not None:  # a re-check that did not finish keeps the choices as they were
-            tuning.choices = target.by_name(outcome.choices)
+        # what was decided so far: a re-check that did not finish keeps the choices as they
+        # were; a full tuning, its check against float32 where that was done, else the rule
+        tuning.choices, tuning.verdict = choices_to_run(target, job.provisional or outcome)
     _log.info("gluon_amp tune: %s; %d measurements made, %d read, whole-graph trials %s, %.1f s",
-              tuning.status, tuning.timed, tuning.cached, tuning.trials, tuning.seconds)
+              tuning.summary, tuning.timed, tuning.cached, tuning.trials, tuning.seconds)
     for name, c in sorted(tuning.choices.items()):
         _log.info("gluon_amp tune: %s %s", name, c.describe())
     return tuning, dtypes

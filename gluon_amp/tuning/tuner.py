@@ -29,10 +29,12 @@ from gluon_amp_core.retype import Change, retype
 from gluon_amp_core.timing_cache import TimingCache
 from gluon_amp_core.tuning.problem import Problem, Timed, choose, groups, problem
 from gluon_amp_core.tuning.schedule import SIZE_STEP, Ledger, elements, still_float32, to_retime
+from gluon_amp_core.tuning.verdict import (Verdict, activation_casts, describe_unmeasured, low_op_nodes,
+                                          unmeasured_runs_fp32)
 
 from .. import mxnet_internals as mxi
 from ..type_inference import infer_dtypes, infer_shapes
-from ..speed.timing import time_graph, time_op
+from ..speed.timing import time_graph, time_graphs, time_op
 
 _log = logging.getLogger(__name__)
 _PREFIX = "op/"
@@ -83,6 +85,14 @@ class Tuning:
     tuned_at: Optional[Dict[str, Tuple[int, ...]]] = None
     rechecked: List[str] = field(default_factory=list)
     withdrawn: List[str] = field(default_factory=list)
+    #: what the graph runs (its plan or float32) and why: the whole graph against float32, or
+    #: the rule where that is not measured yet ("" where it was not looked at)
+    verdict: str = ""
+
+    @property
+    def summary(self) -> str:
+        """Where tuning stands and what the graph runs, in one line (``report()``'s)."""
+        return "; ".join(p for p in (self.status, self.verdict) if p)
 
 
 def signature(graph: dict, dtypes: Mapping[str, str], train: bool, fused: bool) -> str:
@@ -115,13 +125,31 @@ class Outcome:
     rechecked: List[Dict[int, Tuple[int, ...]]] = field(default_factory=list)
     #: choices withdrawn at another shape: position -> why
     withdrawn: Dict[int, str] = field(default_factory=dict)
+    #: the whole graph as AMP runs it (these choices) and in float32, ms, at ``tuned_at``;
+    #: None where either could not be timed
+    check: Optional[Tuple[float, float]] = None
+    #: the check is done but not the per-op tuning (a job under way, or a process that stopped)
+    partial: bool = False
+    #: False for an outcome stored before whole graphs were checked against float32
+    checked: bool = True
+
+    @property
+    def verdict(self) -> Optional[Verdict]:
+        """The whole graph against float32, where both were timed."""
+        return Verdict(*self.check) if self.check is not None else None
+
+    @property
+    def complete(self) -> bool:
+        """True when nothing is left to tune at ``tuned_at`` (else a full tuning runs again)."""
+        return self.checked and not self.partial
 
     def to_json(self) -> Dict[str, Any]:
         return {"choices": {str(p): [c.dtype, c.low_ms, c.fp32_ms, c.cast_ms, c.target,
                                      list(c.graph_ms) if c.graph_ms else None] for p, c in self.choices.items()},
                 "tuned_at": {str(p): list(s) for p, s in self.tuned_at.items()},
                 "rechecked": [{str(p): list(s) for p, s in r.items()} for r in self.rechecked],
-                "withdrawn": {str(p): w for p, w in self.withdrawn.items()}}
+                "withdrawn": {str(p): w for p, w in self.withdrawn.items()},
+                "check": list(self.check) if self.check is not None else None, "partial": self.partial}
 
     @classmethod
     def from_json(cls, doc: Any, nodes: int) -> Optional["Outcome"]:
@@ -135,15 +163,36 @@ class Outcome:
             shapes = [{int(p): tuple(int(d) for d in s) for p, s in r.items()}
                       for r in [doc["tuned_at"], *doc.get("rechecked", [])]]
             withdrawn = {int(p): str(w) for p, w in doc.get("withdrawn", {}).items()}
+            check = doc.get("check")
+            check = (float(check[0]), float(check[1])) if check is not None else None
+            partial = bool(doc.get("partial", False))
         except (TypeError, ValueError, IndexError, KeyError, AttributeError):
             return None
         if any(not 0 <= p < nodes for p in choices):
             return None
-        return cls(choices, shapes[0], shapes[1:], withdrawn)
+        return cls(choices, shapes[0], shapes[1:], withdrawn, check, partial, checked="check" in doc)
 
     def shapes_tried(self) -> List[Dict[int, Tuple[int, ...]]]:
         """Every input shape where these choices were confirmed."""
         return [self.tuned_at, *self.rechecked]
+
+
+def choices_to_run(target: "Target", outcome: Optional[Outcome]) -> Tuple[Dict[str, MeasuredChoice], str]:
+    """The choices ``target`` runs with given its outcome, and why, in words: float32
+    everywhere where the whole graph measured no faster than float32 (or, not measured yet,
+    where :func:`~gluon_amp_core.tuning.verdict.unmeasured_runs_fp32` says so), else the
+    outcome's per-op choices."""
+    verdict = outcome.verdict if outcome is not None else None
+    target_dtype = target.policy.target_dtype
+    if verdict is not None:
+        if verdict.runs_fp32:
+            return target.fp32_choices(verdict), verdict.describe(target_dtype)
+        return target.by_name(outcome.choices), verdict.describe(target_dtype)
+    why = "no whole-graph timing yet" if outcome is None or outcome.partial or not outcome.checked else \
+        "it could not be timed as a whole graph"
+    if target.unmeasured_fp32():
+        return target.fp32_choices(None), target.describe_unmeasured(why)
+    return (target.by_name(outcome.choices) if outcome is not None else {}), target.describe_unmeasured(why)
 
 
 def load_outcome(cache: TimingCache, sig: str, nodes: int) -> Optional[Outcome]:
@@ -164,6 +213,7 @@ class Target:
     train: bool
     fused: bool = False
     graph: dict = field(init=False)
+    _dtypes: Optional[Dict[Tuple[str, int], Optional[str]]] = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.graph = json.loads(self.sym.tojson(remove_amp_cast=False))
@@ -188,9 +238,43 @@ class Target:
         names = self.names
         return {names[p]: tuple(s) for p, s in shapes.items() if 0 <= p < len(names)}
 
+    def plan_dtypes(self) -> Dict[Tuple[str, int], Optional[str]]:
+        """Every entry's dtype in the plan, as MXNet infers it (once)."""
+        if self._dtypes is None:
+            self._dtypes = infer_dtypes(self.sym, self.known, partial=True) or {}
+        return self._dtypes
+
+    def low_ops(self) -> List[str]:
+        """The op nodes the plan runs in the low dtype."""
+        return low_op_nodes(self.graph["nodes"], self.plan_dtypes(), self.policy.target_dtype)
+
+    def casts(self) -> int:
+        """The plan's activation casts (the rule's measure)."""
+        return activation_casts(self.graph["nodes"])
+
+    def unmeasured_fp32(self) -> bool:
+        """The rule without a whole-graph measurement (:func:`unmeasured_runs_fp32`)."""
+        return unmeasured_runs_fp32(self.casts(), len(self.low_ops()))
+
+    def describe_unmeasured(self, why: str) -> str:
+        return describe_unmeasured(self.casts(), len(self.low_ops()), self.policy.target_dtype, why)
+
+    def fp32_choices(self, verdict: Optional[Verdict]) -> Dict[str, MeasuredChoice]:
+        """A float32 choice for every op the plan runs low: the same graph in float32
+        (``verdict``'s figures on each, where measured)."""
+        amp, fp32 = (verdict.amp_ms, verdict.fp32_ms) if verdict is not None else (0.0, 0.0)
+        graph_ms = (amp, fp32) if verdict is not None else None
+        low = self.policy.target_dtype
+        return {n: MeasuredChoice("float32", amp, fp32, 0.0, low, graph_ms=graph_ms) for n in self.low_ops()}
+
+    def fp32(self) -> Symbol:
+        """The same graph in float32 (every op the plan runs low in float32; casts that
+        only served them dropped)."""
+        return self.apply(self.fp32_choices(None))
+
     def problem(self, shapes: Mapping[str, Tuple[int, ...]]) -> Problem:
         """The tuning problem at these input shapes (MXNet's type and shape inference)."""
-        dtypes = infer_dtypes(self.sym, self.known, partial=True) or {}
+        dtypes = self.plan_dtypes()
         entry_shapes = infer_shapes(self.sym, shapes)
         op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
         return problem(self.graph["nodes"], self.graph["heads"], dtypes, entry_shapes, self.policy.table, op_inputs,
@@ -271,6 +355,9 @@ class Job:
         self.outcome = outcome
         self.step_s = step_s
         self.tuning = Tuning()
+        #: a full job's outcome once the whole graph was checked against float32, before
+        #: its per-op tuning is done (the verdict serves from then on)
+        self.provisional: Optional[Outcome] = None
         self._pending: Dict[str, Optional[float]] = {}
         self._pending_s = 0.0
         #: what timing cost so far, per op and in all: (elements, seconds)
@@ -342,6 +429,18 @@ class Job:
         target, shapes = self.target, self.shapes
         prob = target.problem(shapes)
         times, todo = self._known_times(prob.to_time())
+        # The verdict first: two whole graphs decide more than all the per-op timings
+        # (a plan slower than float32 runs float32 from the next call on).
+        yield Step(self._graph_estimate(2, prob, times), "whole-graph check against float32", whole_graph=True)
+        t0 = self.clock()
+        got = time_graphs([target.sym, target.fp32()], shapes, target.train, target.fused, runs=GRAPH_RUNS)
+        one = (self.clock() - t0) / 2
+        plan_ms, fp32_ms = got if got else (None, None)
+        self.tuning.trials = [("plan", _round(plan_ms)), ("float32", _round(fp32_ms))]
+        here = target.shapes_by_position(shapes)
+        if plan_ms is not None and fp32_ms is not None:
+            self.provisional = Outcome({}, here, check=(plan_ms, fp32_ms), partial=True)
+            self._store_outcome(self.provisional)
         prior = self._prior_rate(todo)
         for t in todo:
             yield Step(self._op_estimate(t, prior), "per-op timing")
@@ -349,21 +448,23 @@ class Job:
         self._flush()
         proposals = choose(prob, times)
         kept: Dict[str, MeasuredChoice] = {}
-        if proposals:
-            yield Step(self._graph_estimate(1, prob, times), "whole-graph trials", whole_graph=True)
-            t0 = self.clock()
-            best = time_graph(target.sym, shapes, target.train, target.fused, runs=GRAPH_RUNS)
-            one = self.clock() - t0
-            self.tuning.trials = [("plan", _round(best))]
+        best = plan_ms
+        if plan_ms is None:
+            self.tuning.status = "the plan could not be timed as a whole graph: it runs untuned"
+        elif proposals:
             tried = groups(prob, proposals)[:MAX_TRIALS]
-            if best is None:
-                self.tuning.status = "the plan could not be timed as a whole graph: it runs untuned"
-            elif tried:
+            if tried:
                 yield Step(len(tried) * one * TRIAL_COST, "whole-graph trials", whole_graph=True)
-                kept = _trials(best, tried, target.apply, shapes, target.train, target.fused, self.tuning.trials)
-        self.outcome = Outcome(target.by_position(kept), target.shapes_by_position(shapes))
+                kept, best = _trials(plan_ms, tried, target.apply, shapes, target.train, target.fused,
+                                     self.tuning.trials)
+        check = (best, fp32_ms) if best is not None and fp32_ms is not None else None
+        self.outcome = Outcome(target.by_position(kept), here, check=check)
         self.tuning.choices = kept
-        if not proposals or self.tuning.trials[0][1] is not None:  # the plan ran: an outcome worth keeping
+        if check is not None:
+            self.tuning.verdict = Verdict(*check).describe(target.policy.target_dtype)
+        elif plan_ms is not None:
+            self.tuning.verdict = target.describe_unmeasured("float32 could not be timed as a whole graph")
+        if plan_ms is not None:  # the plan ran: an outcome worth keeping
             self._store_outcome()
 
     def _recheck(self, outcome: Outcome) -> Iterator[Step]:
@@ -416,9 +517,10 @@ class Job:
         self.tuning.choices = target.by_name(outcome.choices)
         self._store_outcome()
 
-    def _store_outcome(self) -> None:
-        if self.outcome is not None:
-            store(self.cache, {_GRAPH + graph_key(self.target): self.outcome.to_json()})
+    def _store_outcome(self, outcome: Optional[Outcome] = None) -> None:
+        outcome = outcome or self.outcome
+        if outcome is not None:
+            store(self.cache, {_GRAPH + graph_key(self.target): outcome.to_json()})
 
 
 def graph_key(target: Target) -> str:
@@ -436,9 +538,10 @@ def _round(ms: Optional[float]) -> Optional[float]:
 
 
 def _trials(best: float, tried: Sequence[Tuple[str, Dict[str, MeasuredChoice]]], apply: Callable, shapes: Mapping,
-            train: bool, fused: bool, log: list) -> Dict[str, MeasuredChoice]:
+            train: bool, fused: bool, log: list) -> Tuple[Dict[str, MeasuredChoice], float]:
     """Keep each group of proposals that makes the whole graph (the plan: ``best`` ms) faster,
-    greedily; each trial's (group, ms) is appended to ``log``."""
+    greedily; each trial's (group, ms) is appended to ``log``. Returns the choices kept and
+    the whole graph's time with them."""
     kept: Dict[str, MeasuredChoice] = {}
     for op, group in tried:
         trial = {**kept, **group}
@@ -447,7 +550,7 @@ def _trials(best: float, tried: Sequence[Tuple[str, Dict[str, MeasuredChoice]]],
         if t is not None and t < best * (1 - MIN_GAIN):
             kept = {**kept, **{n: replace(c, graph_ms=(best, t)) for n, c in group.items()}}
             best = t
-    return kept
+    return kept, best
 
 
 def store(cache: TimingCache, entries: Mapping[str, Any]) -> None:
@@ -461,9 +564,12 @@ def store(cache: TimingCache, entries: Mapping[str, Any]) -> None:
 def new_job(target: Target, shapes: Mapping[str, Tuple[int, ...]], cache: TimingCache,
             outcome: Optional[Outcome], step_s: Optional[float] = None,
             clock: Callable[[], float] = time.perf_counter) -> Optional[Job]:
-    """The job for ``target`` at ``shapes``: a full tuning without an outcome; with one, a
-    re-check where it was not tried at these shapes and has float32 choices to re-check;
-    else None."""
+    """The job for ``target`` at ``shapes``: a full tuning without a complete outcome (none,
+    one whose job stopped after the check against float32, or one stored before that check
+    existed); with one, a re-check where it was not tried at these shapes and has float32
+    choices to re-check; else None."""
+    if outcome is not None and not outcome.complete:
+        return Job(target, shapes, cache, None, step_s, clock)  # its check or per-op tuning is missing
     if outcome is not None:
         here = target.shapes_by_position(shapes)
         if here in outcome.shapes_tried() or not any(c.dtype == "float32" for c in outcome.choices.values()):

@@ -33,9 +33,21 @@ def _recorded_times(conv_low, conv_fp32):
     return time_one
 
 
+def _check(monkeypatch, plan=1000.0, fp32=1500.0):
+    """Planted whole-graph check: the plan and the same graph in float32 (ms), timed together."""
+    checks = []
+
+    def time_graphs(syms, *a, **k):
+        checks.append(len(syms))
+        return [plan, fp32]
+    monkeypatch.setattr(tuner, "time_graphs", time_graphs)
+    return checks
+
+
 def test_tune_keeps_an_op_recorded_slower_in_float32_and_the_report_names_it(monkeypatch):
     monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
-    graph_ms = iter([1000.0, 700.0])  # the plan, then the plan with the convolutions in float32
+    _check(monkeypatch)  # the plan 1000 ms, float32 1500 ms
+    graph_ms = iter([700.0])  # the plan with the convolutions in float32
     monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: next(graph_ms))
     net = make_net()
     x = mx.nd.ones((2, 3, 8, 8))
@@ -53,6 +65,7 @@ def test_tune_keeps_an_op_recorded_slower_in_float32_and_the_report_names_it(mon
 
 def test_a_change_the_whole_graph_does_not_confirm_is_not_kept(monkeypatch):
     monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
+    _check(monkeypatch)
     monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: 1000.0)  # no faster as a whole
     net = make_net()
     net(mx.nd.ones((2, 3, 8, 8)))
@@ -65,10 +78,11 @@ def test_conversion_tunes_within_the_budgets_cap_and_converts_the_plan_past_it(m
     net = make_net()
     net(mx.nd.ones((2, 3, 8, 8)))
     shapes = {"data": (2, 3, 8, 8)}
-    policy = gluon_amp.make_policy("bfloat16", tune=True, tune_budget=1)  # 1 s: some ops, no whole graph
+    policy = gluon_amp.make_policy("bfloat16", tune=True, tune_budget=3)  # 3 s: the check (2 s), some ops, no trial
     capped = gluon_amp.convert_hybrid_block(net, policy, fuse=False, input_shapes=shapes)
-    assert timed and graphs == [] and "measured" not in {r.reason for r in gluon_amp.report(capped).rows}
-    assert schedule.process_ledger().spent <= 1 + schedule.process_ledger().overrun
+    assert timed and [g[1] for g in graphs] == [[], "float32"]  # the plan and float32, no trial
+    assert "measured" not in {r.reason for r in gluon_amp.report(capped).rows}
+    assert schedule.process_ledger().spent <= 3 + schedule.process_ledger().overrun
     n_timed = len(timed)
     tuned = gluon_amp.convert_hybrid_block(net, "bfloat16", fuse=False, tune=True, input_shapes=shapes)  # 600 s
     assert "measured" in {r.reason for r in gluon_amp.report(tuned).rows}
@@ -99,7 +113,8 @@ def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph_from_th
     from mxnet import autograd
     from helpers import sgd_trainer
     monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
-    graph_ms = iter([1000.0, 700.0])
+    _check(monkeypatch)
+    graph_ms = iter([700.0])
     monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: next(graph_ms))
     kinds = _spy_jobs(monkeypatch)
     gluon_amp.init("bfloat16", tune=True, tune_budget=60)
@@ -132,7 +147,8 @@ def test_a_symbolblock_built_under_init_tunes_from_its_second_call_too(monkeypat
     graph they were given; tuning rebuilds it from that graph, not on its first call."""
     from mxnet import gluon
     monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
-    graph_ms = iter([1000.0, 700.0])
+    _check(monkeypatch)
+    graph_ms = iter([700.0])
     monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: next(graph_ms))
     gluon_amp.init("bfloat16", tune=True, tune_budget=60)
     net = MixedNet()
@@ -150,6 +166,7 @@ def test_a_symbolblock_built_under_init_tunes_from_its_second_call_too(monkeypat
 def test_conversion_with_input_shapes_tunes_by_default_and_tune_false_opts_out(monkeypatch):
     monkeypatch.delenv("GLUON_AMP_TUNE", raising=False)  # the suite turns the default off
     monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
+    _check(monkeypatch)
     monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: 1000.0 if k.get("give_up_ms") is None else 700.0)
     net = make_net()
     net(mx.nd.ones((2, 3, 8, 8)))
@@ -237,11 +254,12 @@ def _spy_jobs(monkeypatch):
 
 
 def _plant(monkeypatch, clock, conv=lambda shape: (409.0, 205.0), graph=None, op_s_per_element=1e-5,
-           graph_s=1.0):
+           graph_s=1.0, fp32_ms=1500.0):
     """Planted per-op figures (a 3x3 convolution's (bfloat16, float32) ms by its input shape,
     every other op faster in bfloat16) and whole-graph figures (``graph(choices)`` -> ms;
-    by default 1000 ms for the plan, 700 with a choice), each advancing ``clock`` by a cost.
-    Returns the lists of what was timed."""
+    by default 1000 ms for the plan, 700 with a choice; the graph in float32 ``fp32_ms``),
+    each advancing ``clock`` by a cost. Returns the lists of what was timed (the float32
+    graph's entry has ``'float32'`` for its choices)."""
     timed, graphs = [], []
 
     def time_one(t):
@@ -255,13 +273,21 @@ def _plant(monkeypatch, clock, conv=lambda shape: (409.0, 205.0), graph=None, op
         return 1.0 if low else 1.1
 
     def time_graph(sym, shapes, train, fused=False, runs=2, give_up_ms=None):
+        if not _low_entries(sym):
+            graphs.append((tuple(shapes["data"]), "float32"))
+            clock.now += graph_s
+            return fp32_ms
         kept = _float32_low_ops(sym)
         graphs.append((tuple(shapes["data"]), kept))
         clock.now += graph_s
         return (graph or (lambda k: 700.0 if k else 1000.0))(kept)
 
+    def time_graphs(syms, shapes, train, fused=False, runs=2, give_up_ms=None):
+        return [time_graph(s, shapes, train, fused, runs, give_up_ms) for s in syms]
+
     monkeypatch.setattr(tuner, "time_one", time_one)
     monkeypatch.setattr(tuner, "time_graph", time_graph)
+    monkeypatch.setattr(tuner, "time_graphs", time_graphs)
     return timed, graphs
 
 
@@ -305,6 +331,13 @@ class _Training:
 _LOW_IN_PLAN = ("Convolution", "FullyConnected", "BatchNorm")
 
 
+def _low_entries(sym):
+    """The entries a graph holds in bfloat16 (none: the graph runs float32)."""
+    from gluon_amp.type_inference import infer_dtypes
+    dtypes = infer_dtypes(sym, {"data": "float32"}, partial=True) or {}
+    return sorted(k for k, t in dtypes.items() if t == "bfloat16")
+
+
 def _float32_low_ops(sym):
     """The ops a tuned graph runs in float32 that the plan runs low (read from MXNet's type
     inference: the graph's nodes carry no attribute of gluon_amp's)."""
@@ -337,7 +370,7 @@ def test_a_graph_seen_at_k_shapes_tunes_once_in_full_and_a_wide_margin_is_carrie
     run.call((2, 3, 8, 8))
     run.call((2, 3, 8, 8))
     full_timed, full_graphs = len(timed), len(graphs)
-    assert kinds == ["full"] and full_timed > 0 and full_graphs == 2 and run.rebuilds == 1
+    assert kinds == ["full"] and full_timed > 0 and full_graphs == 3 and run.rebuilds == 1  # plan, float32, trial
     for batch in (3, 8, 16):  # K = 4 shapes in all, each for a few calls, as train_yolo3.py does
         for _ in range(3):
             run.call((batch, 3, 8, 8))
@@ -348,13 +381,15 @@ def test_a_graph_seen_at_k_shapes_tunes_once_in_full_and_a_wide_margin_is_carrie
     assert run.float32_ops() == [run.net.conv.name + "_fwd"] and run.rebuilds == 1
 
 
-def test_a_graph_whose_ops_are_all_faster_low_is_tuned_without_whole_graph_runs_or_a_rebuild(monkeypatch, clock):
+def test_a_graph_whose_ops_are_all_faster_low_is_checked_against_float32_once_and_keeps_its_plan(monkeypatch, clock):
     timed, graphs = _plant(monkeypatch, clock, conv=lambda shape: (1.0, 2.0))
     run = _Training(clock, budget="inf")
     for _ in range(3):
         run.call((2, 3, 8, 8))
-    assert timed and graphs == [] and run.rebuilds == 0 and run.float32_ops() == []
+    # built again once: its graph was released while the check ran
+    assert timed and [g[1] for g in graphs] == [[], "float32"] and run.rebuilds == 1 and run.float32_ops() == []
     assert "tuned at input shapes" in run.net.amp_tuning.status
+    assert "keeps bfloat16: the whole graph measured 1.50x float32's speed" in run.net.amp_tuning.verdict
 
 
 def test_a_choice_near_break_even_is_timed_again_where_the_shape_moved_it_and_withdrawn_if_it_flipped(monkeypatch,
@@ -363,7 +398,7 @@ def test_a_choice_near_break_even_is_timed_again_where_the_shape_moved_it_and_wi
         return (1.1, 1.0) if shape[0] <= 4 else (0.9, 1.0)
 
     def graph(kept):  # confirmed at batch 2; at batch 8 the whole graph is no faster with it
-        return 1000.0 if not kept else 900.0 if len(graphs) <= 2 else 995.0
+        return 1000.0 if not kept else 900.0 if len(graphs) <= 3 else 995.0
     timed, graphs = _plant(monkeypatch, clock, conv=conv, graph=graph)
     kinds = _spy_jobs(monkeypatch)
     run = _Training(clock, budget="inf")
@@ -377,7 +412,7 @@ def test_a_choice_near_break_even_is_timed_again_where_the_shape_moved_it_and_wi
     assert kinds == ["full", "recheck", "recheck"]  # none at batch 16: no float32 choice left to re-check
     again = timed[full_timed:]
     assert len(again) == 2 and {t.op for t in again} == {"Convolution"} and all(t.shapes[0][0] == 8 for t in again)
-    assert [g[0][0] for g in graphs] == [2, 2, 8, 8] and run.float32_ops() == [] and run.rebuilds == 2
+    assert [g[0][0] for g in graphs] == [2, 2, 2, 8, 8] and run.float32_ops() == [] and run.rebuilds == 2
     withdrawn = run.tuner.info()["graphs"][0]["withdrawn"]
     assert len(withdrawn) == 1 and withdrawn[0].startswith(conv_name) and "no faster in float32" in withdrawn[0]
 
@@ -421,7 +456,7 @@ def test_tuning_spends_within_its_budget_and_the_untuned_plan_runs_meanwhile(mon
         assert run.float32_ops() == [] and info["spent_s"] <= 3 + info["largest_overrun_s"]
         assert "waits for the budget" in info["graphs"][0]["status"] and graphs == []
     else:  # done once 1% of the run paid for it; never ahead of it
-        assert run.float32_ops() == [run.net.conv.name + "_fwd"] and len(graphs) == 2
+        assert run.float32_ops() == [run.net.conv.name + "_fwd"] and len(graphs) == 3
         assert info["spent_s"] <= 0.02 * info["elapsed_s"] + info["largest_overrun_s"] + 1e-9
         # the run is slower by at most 1/99 of its training time (tuning counts in the elapsed time)
         assert info["spent_s"] <= 0.01 / 0.99 * calls * 0.5 + info["largest_overrun_s"] + 1e-9
@@ -435,11 +470,12 @@ def test_whole_graph_trials_release_the_blocks_own_graph_first(monkeypatch, cloc
     run = _Training(clock, budget="inf")
     monkeypatch.setattr(schedule.mxi, "drop_cached_graph", lambda block: released.append((block, len(graphs_at))))
     graphs_at = []
-    plant_graph = tuner.time_graph
+    plant_graph, plant_graphs = tuner.time_graph, tuner.time_graphs
     monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: (graphs_at.append(1), plant_graph(*a, **k))[1])
+    monkeypatch.setattr(tuner, "time_graphs", lambda *a, **k: (graphs_at.append(2), plant_graphs(*a, **k))[1])
     run.call((2, 3, 8, 8))
     run.call((2, 3, 8, 8))
-    assert released == [(run.net, 0)] and len(graphs_at) == 2 and run.rebuilds == 1
+    assert released == [(run.net, 0)] and graphs_at == [2, 1] and run.rebuilds == 1  # check, then one trial
 
 
 def test_tune_budget_is_checked_and_read_from_the_environment(monkeypatch):

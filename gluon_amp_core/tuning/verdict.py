@@ -1,0 +1,100 @@
+"""Whether a graph keeps its AMP plan at all: the whole graph against the same graph in float32. Pure.
+
+Per-op choices (:mod:`gluon_amp_core.tuning.problem`) can only move a plan between its own
+ops; a graph whose plan is slower than float32 as a whole (a recurrent net: small matrix
+products between elementwise ops, a cast on every edge between them) needs the other
+answer: run float32. TensorRT never builds an engine slower than the float32 one it timed;
+this is that rule for one graph:
+
+- **Measured** (:class:`Verdict`): the plan (with the tuner's choices) and the graph in
+  float32 are timed as whole graphs, casts included. The plan is kept only where it is
+  faster; a tie runs float32 (the safe side: never slower).
+- **Not measured yet** (a first run, a budget that has not paid for the timing, a graph
+  that could not be timed): :func:`unmeasured_runs_fp32`. The machine's speed probe found
+  the plan faster on convolutional blocks, where an activation (a value an op computed; not
+  a parameter, whose cast is the price of float32 master weights) is cast about once per two
+  low-precision ops; a plan that casts activations more than
+  :data:`UNMEASURED_MAX_CASTS_PER_LOW_OP` times per low-precision op is unlike what the probe
+  timed (small products between elementwise ops that cast on every edge), and runs float32
+  until it is measured.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Mapping, Optional, Sequence, Tuple
+
+from ..decide import CAST_OPS
+
+Key = Tuple[str, int]
+FP32 = "float32"
+
+#: Without a measurement, a plan with more activation casts than this per low-precision op
+#: runs float32. bfloat16 training graphs under ``init`` at aeec3b5: SSD-512 (1.5x faster than
+#: float32 on Zen 4) 0.52, ResNet-50 0.40; an LSTM net shaped as GluonTS DeepAR (which trained at
+#: 0.65x float32's speed) 2.79 (converted: 1.40).
+UNMEASURED_MAX_CASTS_PER_LOW_OP = 1.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A graph's two whole-graph times (ms): as AMP runs it (its tuned plan) and in float32."""
+
+    amp_ms: float
+    fp32_ms: float
+
+    @property
+    def runs_fp32(self) -> bool:
+        """True unless the plan measured faster than float32 (a tie runs float32)."""
+        return not self.amp_ms < self.fp32_ms
+
+    @property
+    def speedup(self) -> float:
+        """float32's time over the plan's (above 1: the plan is faster)."""
+        return self.fp32_ms / self.amp_ms if self.amp_ms > 0 else 0.0
+
+    def describe(self, target: str) -> str:
+        """e.g. ``runs float32: the whole graph in bfloat16 measured 0.65x float32's speed
+        (15.2 ms vs 9.9 ms, casts included)``."""
+        figures = f"({self.amp_ms:.1f} ms vs {self.fp32_ms:.1f} ms in float32, casts included)"
+        if self.runs_fp32:
+            return f"runs float32: the whole graph in {target} measured {self.speedup:.2f}x float32's speed {figures}"
+        return f"keeps {target}: the whole graph measured {self.speedup:.2f}x float32's speed {figures}"
+
+
+def low_op_nodes(nodes: Sequence[dict], dtypes: Mapping[Key, Optional[str]], low: str) -> List[str]:
+    """The op nodes (not variables, not casts) whose first output the plan holds in ``low``."""
+    return [n["name"] for n in nodes
+            if n["op"] != "null" and n["op"] not in CAST_OPS and dtypes.get((n["name"], 0)) == low]
+
+
+def cast_nodes(nodes: Sequence[dict]) -> int:
+    """How many cast nodes (``amp_cast``, ``amp_multicast``) a graph holds."""
+    return sum(n["op"] in CAST_OPS for n in nodes)
+
+
+def activation_casts(nodes: Sequence[dict]) -> int:
+    """How many cast nodes cast a value an op computed (not only variables: data, parameters)."""
+    return sum(n["op"] in CAST_OPS and any(nodes[e[0]]["op"] != "null" for e in n["inputs"]) for n in nodes)
+
+
+def casts_per_low_op(casts: int, low_ops: int) -> Optional[float]:
+    """Casts per low-precision op; ``None`` for a graph without any (nothing runs low)."""
+    return casts / low_ops if low_ops else None
+
+
+def unmeasured_runs_fp32(casts: int, low_ops: int) -> bool:
+    """The rule where no whole-graph measurement decides: True (run float32) when the plan
+    has more than :data:`UNMEASURED_MAX_CASTS_PER_LOW_OP` activation casts (``casts``) per
+    low-precision op."""
+    ratio = casts_per_low_op(casts, low_ops)
+    return ratio is not None and ratio > UNMEASURED_MAX_CASTS_PER_LOW_OP
+
+
+def describe_unmeasured(casts: int, low_ops: int, target: str, why: str) -> str:
+    """What the rule did with a graph not measured yet, and why it was not."""
+    ratio = casts_per_low_op(casts, low_ops)
+    shown = f"{casts} activation casts for {low_ops} {target} ops" + (f" ({ratio:.2f} per op)" if ratio else "")
+    if unmeasured_runs_fp32(casts, low_ops):
+        return (f"runs float32 until measured ({why}): its plan has {shown}, above the "
+                f"{UNMEASURED_MAX_CASTS_PER_LOW_OP:g} per op the speed probe's blocks have")
+    return f"runs the plan until measured against float32 ({why}): {shown}"
