@@ -505,3 +505,118 @@ def test_variable_shape_benchmark_without_bf16_kernels_says_why_and_exits_0(tmp_
     assert "cannot measure" in r.stdout and no_bf16_why in r.stdout
     doc = json.loads(out.read_text())
     assert doc["modes"] == [] and no_bf16_why in doc["not_measured"]
+
+
+# -- never slower, per graph: the whole plan against the same graph in float32 (issue 43) --
+
+def _all_float32(sym):
+    return _low_entries(sym) == []
+
+
+@pytest.mark.parametrize("plan_ms, fp32_ms, runs_fp32", [(1000.0, 650.0, True), (1000.0, 1000.0, True),
+                                                         (1000.0, 1500.0, False)])
+def test_a_graph_whose_plan_is_no_faster_than_float32_runs_float32_once_tuned_and_a_faster_one_keeps_it(
+        monkeypatch, clock, plan_ms, fp32_ms, runs_fp32):
+    """Planted whole-graph times (no hardware): the plan (its per-op choices included) at
+    ``plan_ms``, the same graph in float32 at ``fp32_ms``; a tie runs float32."""
+    timed, graphs = _plant(monkeypatch, clock, conv=lambda shape: (1.0, 2.0), graph=lambda kept: plan_ms,
+                           fp32_ms=fp32_ms)
+    run = _Training(clock, budget="inf")
+    for _ in range(3):
+        run.call((2, 3, 8, 8))
+    assert _all_float32(run.graph) == runs_fp32
+    tuning = run.net.amp_tuning
+    shown = f"({plan_ms:.1f} ms vs {fp32_ms:.1f} ms in float32, casts included)"
+    assert shown in tuning.verdict and tuning.verdict.startswith("runs float32" if runs_fp32 else "keeps bfloat16")
+    assert run.tuner.info()["graphs"][0]["verdict"] == tuning.verdict
+    # the verdict is cached with the graph's outcome: a later process (budget 0: reads only) runs the same
+    monkeypatch.setattr(schedule, "_LEDGER", Ledger())
+    later = _Training(clock, budget=0)
+    later.call((8, 3, 8, 8))
+    assert _all_float32(later.graph) == runs_fp32 and shown in later.net.amp_tuning.verdict
+    assert [g[1] for g in graphs].count("float32") == 1  # measured once
+
+
+def test_the_report_says_once_why_a_graph_runs_float32_with_the_figures(monkeypatch, clock):
+    _plant(monkeypatch, clock, conv=lambda shape: (1.0, 2.0), graph=lambda kept: 1000.0, fp32_ms=650.0)
+    run = _Training(clock, budget="inf")
+    for _ in range(3):
+        run.call((2, 3, 8, 8))
+    rep = gluon_amp.report(run.graph, "bfloat16")
+    rep.tuning = run.net.amp_tuning.summary  # what report(block) shows of a block trained under init
+    assert {r.dtype for r in rep.rows} == {"float32"}
+    assert str(rep).count("0.65x float32's speed (1000.0 ms vs 650.0 ms in float32, casts included)") == 1
+
+
+def test_the_verdict_comes_first_and_serves_while_the_per_op_tuning_waits_for_the_budget(monkeypatch, clock):
+    """A budget that pays for the two whole-graph timings but not yet for every op: the graph
+    runs float32 from the call after the check, before its tuning is done, and a process
+    that stops there leaves the verdict to the next one (which still tunes in full)."""
+    timed, graphs = _plant(monkeypatch, clock, graph=lambda kept: 1000.0, fp32_ms=650.0, op_s_per_element=2e-3,
+                           graph_s=0.5)
+    kinds = _spy_jobs(monkeypatch)
+    run = _Training(clock, budget="1.5", step_s=0.05)
+    for _ in range(4):
+        run.call((2, 3, 8, 8))
+    assert [g[1] for g in graphs] == [[], "float32"] and _all_float32(run.graph) and run.rebuilds >= 1
+    assert "waits for the budget" in run.net.amp_tuning.status and "runs float32" in run.net.amp_tuning.verdict
+    monkeypatch.setattr(schedule, "_LEDGER", Ledger())
+    later = _Training(clock, budget="inf")
+    later.call((2, 3, 8, 8))
+    assert _all_float32(later.graph)  # the stored check serves at once
+    later.call((2, 3, 8, 8))
+    assert kinds == ["full", "full"] and "tuned at input shapes" in later.net.amp_tuning.status
+
+
+class _Recurrent(mx.gluon.HybridBlock):
+    """An LSTM-like stack: products between float32 gates, a cast on every edge between them."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.a = mx.gluon.nn.Dense(8, flatten=False)
+            self.b = mx.gluon.nn.Dense(8, flatten=False)
+
+    def hybrid_forward(self, F, x):
+        h = F.sigmoid(self.a(x)) * F.tanh(self.b(x))
+        return F.sigmoid(self.b(h)) * F.tanh(self.a(h))
+
+
+def _traced(net, data):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with gluon_amp.autocast("bfloat16", tune=False):
+            return net(data)
+
+
+@pytest.mark.parametrize("recurrent", [False, True])
+def test_without_a_measurement_the_rule_runs_a_plan_that_casts_more_than_once_per_low_op_in_float32(
+        monkeypatch, clock, recurrent):
+    """The rule where no whole-graph timing decides (budget 0, first call): the activation
+    casts per low-precision op of the plan, against the limit in docs/speed.md."""
+    from gluon_amp_core.tuning.verdict import UNMEASURED_MAX_CASTS_PER_LOW_OP, activation_casts
+    _plant(monkeypatch, clock)
+    run = _Training(clock, budget=0)
+    if recurrent:
+        run.net = _Recurrent()
+        run.net.initialize()
+        run.plan = _traced(run.net, run.data)
+    run.call((2, 3, 8, 8))
+    nodes = json.loads(run.plan.tojson(remove_amp_cast=False))["nodes"]
+    low = [n for n in nodes if n["op"] in ("FullyConnected", "Convolution", "BatchNorm")]
+    ratio = activation_casts(nodes) / len(low)
+    assert (ratio > UNMEASURED_MAX_CASTS_PER_LOW_OP) == recurrent
+    assert _all_float32(run.graph) == recurrent
+    assert ("runs float32 until measured" if recurrent else "runs the plan until measured") in run.net.amp_tuning.verdict
+
+
+def test_converting_a_graph_whose_plan_is_slower_than_float32_gives_the_float32_graph(monkeypatch, clock):
+    _plant(monkeypatch, clock, conv=lambda shape: (1.0, 2.0), graph=lambda kept: 1000.0, fp32_ms=650.0)
+    net = make_net()
+    x = mx.nd.ones((2, 3, 8, 8))
+    ref = net(x).asnumpy()
+    block = gluon_amp.convert_hybrid_block(net, "bfloat16", fuse=False, tune=True, input_shapes={"data": x.shape})
+    rows = gluon_amp.report(block).rows
+    assert {r.dtype for r in rows} == {"float32"} and {r.reason for r in rows if r.op == "Convolution"} == {"measured"}
+    assert "whole graph 1000 -> 650 ms" in next(r.detail for r in rows if r.op == "Convolution")
+    assert np.abs(block(x).asnumpy() - ref).max() < 1e-5  # runs on any host: float32
