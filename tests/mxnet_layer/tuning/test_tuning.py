@@ -607,7 +607,8 @@ def test_without_a_measurement_the_rule_runs_a_plan_that_casts_more_than_once_pe
     ratio = activation_casts(nodes) / len(low)
     assert (ratio > UNMEASURED_MAX_CASTS_PER_LOW_OP) == recurrent
     assert _all_float32(run.graph) == recurrent
-    assert ("runs float32 until measured" if recurrent else "runs the plan until measured") in run.net.amp_tuning.verdict
+    said = "runs float32 until measured" if recurrent else "runs the plan until measured"
+    assert said in run.net.amp_tuning.verdict
 
 
 def test_converting_a_graph_whose_plan_is_slower_than_float32_gives_the_float32_graph(monkeypatch, clock):
