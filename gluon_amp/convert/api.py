@@ -20,6 +20,7 @@ from gluon_amp_core.table import ConditionalSpec, check_name_list
 from .. import execution, mxnet_internals as mxi, plan_notes, runtime
 from ..state import current_policy
 from ..policy_builder import as_policy, make_policy
+from ..tuning.casts import pass_result_with_fewer_casts
 from ..tuning.schedule import tune_graph
 from ..type_inference import infer_dtypes, op_types
 from .fold import fold_batch_norm
@@ -107,7 +108,10 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
                            excluded, cast_optional_params, fp32_types=fp32_types, measured=measured or {})
     converted = mx.sym.load_json(json.dumps(result.graph))
     _verify(converted, result, {n: "float32" for n in data_names} | dict(data_dtypes or {}))
-    return converted, result
+    # no value cast back and forth between neighbours that can share a dtype
+    fewer = pass_result_with_fewer_casts(result, policy.table, {n: "float32" for n in data_names}
+                                         | dict(data_dtypes or {}))
+    return (converted if fewer is None else fewer), result
 
 
 def _verify(sym: Symbol, result: PassResult, data_dtypes: Mapping[str, str]) -> None:

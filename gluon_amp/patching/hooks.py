@@ -20,6 +20,7 @@ from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import AMP_CAST_DTYPES, drop_identity_casts
 
 from .. import mxnet_internals as mxi, plan_notes
+from ..tuning.casts import with_fewer_casts
 from ..type_inference import infer_dtypes
 from .shape_rules import ShapeRules
 
@@ -51,7 +52,8 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
             graph, dropped = drop_identity_casts(json.loads(out.tojson(remove_amp_cast=False)), dtypes)
             if dropped:  # the wrappers cast ids, lengths and float64 values too: oneDNN rejects some
                 out = mx.sym.load_json(json.dumps(graph))
-        return out
+                dtypes = infer_dtypes(out, known, partial=True) or {}
+        return with_fewer_casts(out, known, policy.table, dtypes)[0]  # none back and forth between neighbours
 
     def reshaped(block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> bool:
         return rules.keeps_more(block, out, mxi.call_inputs(block, args, inputs)[1])

@@ -133,7 +133,7 @@ class Tuner:
         block.amp_tuning = g.tuning
         if g.broken:
             return out
-        choices, why = choices_to_run(target, g.outcome)
+        choices, why = choices_to_run(target, g.outcome, self._last_shapes(g))
         g.tuning.verdict = why
         if not choices:
             return out
@@ -234,9 +234,10 @@ class Tuner:
 
     def _adopt(self, g: _Graph, outcome: Optional[Outcome]) -> None:
         """Run ``outcome`` from the next call on (a new version where what runs changes)."""
-        before = choices_to_run(g.target, g.outcome)[0]
+        shapes = self._last_shapes(g)
+        before = choices_to_run(g.target, g.outcome, shapes)[0]
         g.outcome = outcome
-        after, why = choices_to_run(g.target, outcome)
+        after, why = choices_to_run(g.target, outcome, shapes)
         g.tuning.verdict = why
         if set(after) != set(before) or any(after[n].dtype != before[n].dtype for n in after):
             g.version += 1
@@ -257,6 +258,11 @@ class Tuner:
         if job is None:
             g.done_keys.add(key)
         return job
+
+    @staticmethod
+    def _last_shapes(g: _Graph) -> Dict[str, Tuple[int, ...]]:
+        """The data input shapes of the graph's last call."""
+        return dict(zip(g.data_names, g.history.last or ()))
 
     def _ordered(self, g: _Graph, shapes: Dict[int, tuple]) -> Shapes:
         by_name = g.target.shapes_by_name(shapes)
@@ -348,7 +354,7 @@ def tune_graph(sym: Symbol, input_dtypes: Mapping[str, str], input_shapes: Mappi
     outcome = load_outcome(cache, graph_key(target), len(target.graph["nodes"]))
     job = new_job(target, input_shapes, cache, outcome, clock=now)
     if job is None:  # an outcome that holds at these shapes
-        held, why = choices_to_run(target, outcome)
+        held, why = choices_to_run(target, outcome, input_shapes)
         return Tuning(held, cached=1, status="read from the cache", verdict=why), dtypes
     with cache.lock():  # one process measures at a time; the others then read what it stored
         finished = run(job, ledger, now, cap_only=True)
@@ -356,14 +362,14 @@ def tune_graph(sym: Symbol, input_dtypes: Mapping[str, str], input_shapes: Mappi
     tuning = job.tuning
     if finished:
         tuning.status = tuning.status if "could not" in tuning.status else f"tuned ({job.kind})"
-        tuning.choices, tuning.verdict = choices_to_run(target, job.outcome)
+        tuning.choices, tuning.verdict = choices_to_run(target, job.outcome, input_shapes)
     else:
         spent = ledger.spent
         tuning.status = (f"stopped by the budget ({ledger.budget.describe()}: {spent:.1f} s spent): "
                          f"the untimed rest runs the plan")
         # what was decided so far: a re-check that did not finish keeps the choices as they
         # were; a full tuning, its check against float32 where that was done, else the rule
-        tuning.choices, tuning.verdict = choices_to_run(target, job.provisional or outcome)
+        tuning.choices, tuning.verdict = choices_to_run(target, job.provisional or outcome, input_shapes)
     _log.info("gluon_amp tune: %s; %d measurements made, %d read, whole-graph trials %s, %.1f s",
               tuning.summary, tuning.timed, tuning.cached, tuning.trials, tuning.seconds)
     for name, c in sorted(tuning.choices.items()):

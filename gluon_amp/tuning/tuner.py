@@ -177,7 +177,8 @@ class Outcome:
         return [self.tuned_at, *self.rechecked]
 
 
-def choices_to_run(target: "Target", outcome: Optional[Outcome]) -> Tuple[Dict[str, MeasuredChoice], str]:
+def choices_to_run(target: "Target", outcome: Optional[Outcome],
+                   shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> Tuple[Dict[str, MeasuredChoice], str]:
     """The choices ``target`` runs with given its outcome, and why, in words: float32
     everywhere where the whole graph measured no faster than float32 (or, not measured yet,
     where :func:`~gluon_amp_core.tuning.verdict.unmeasured_runs_fp32` says so), else the
@@ -190,9 +191,9 @@ def choices_to_run(target: "Target", outcome: Optional[Outcome]) -> Tuple[Dict[s
         return target.by_name(outcome.choices), verdict.describe(target_dtype)
     why = "no whole-graph timing yet" if outcome is None or outcome.partial or not outcome.checked else \
         "it could not be timed as a whole graph"
-    if target.unmeasured_fp32():
-        return target.fp32_choices(None), target.describe_unmeasured(why)
-    return (target.by_name(outcome.choices) if outcome is not None else {}), target.describe_unmeasured(why)
+    if target.unmeasured_fp32(shapes):
+        return target.fp32_choices(None), target.describe_unmeasured(why, shapes)
+    return (target.by_name(outcome.choices) if outcome is not None else {}), target.describe_unmeasured(why, shapes)
 
 
 def load_outcome(cache: TimingCache, sig: str, nodes: int) -> Optional[Outcome]:
@@ -252,12 +253,31 @@ class Target:
         """The plan's activation casts (the rule's measure)."""
         return activation_casts(self.graph["nodes"])
 
-    def unmeasured_fp32(self) -> bool:
-        """The rule without a whole-graph measurement (:func:`unmeasured_runs_fp32`)."""
-        return unmeasured_runs_fp32(self.casts(), len(self.low_ops()))
+    def low_elements(self, shapes: Optional[Mapping[str, Tuple[int, ...]]]) -> Optional[int]:
+        """The elements the plan's low-precision ops read at these input shapes, in all
+        (None: shapes not given, or not all known)."""
+        if not shapes:
+            return None
+        entry = infer_shapes(self.sym, shapes)
+        nodes = self.graph["nodes"]
+        low = set(self.low_ops())
+        total = 0
+        for n in nodes:
+            if n["name"] in low:
+                for e in n["inputs"]:
+                    shape = entry.get((nodes[e[0]]["name"], e[1]))
+                    if shape is None:
+                        return None
+                    total += elements([shape])
+        return total
 
-    def describe_unmeasured(self, why: str) -> str:
-        return describe_unmeasured(self.casts(), len(self.low_ops()), self.policy.target_dtype, why)
+    def unmeasured_fp32(self, shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> bool:
+        """The rule without a whole-graph measurement (:func:`unmeasured_runs_fp32`)."""
+        return unmeasured_runs_fp32(self.casts(), len(self.low_ops()), self.low_elements(shapes))
+
+    def describe_unmeasured(self, why: str, shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> str:
+        return describe_unmeasured(self.casts(), len(self.low_ops()), self.policy.target_dtype, why,
+                                   self.low_elements(shapes))
 
     def fp32_choices(self, verdict: Optional[Verdict]) -> Dict[str, MeasuredChoice]:
         """A float32 choice for every op the plan runs low: the same graph in float32
@@ -463,7 +483,7 @@ class Job:
         if check is not None:
             self.tuning.verdict = Verdict(*check).describe(target.policy.target_dtype)
         elif plan_ms is not None:
-            self.tuning.verdict = target.describe_unmeasured("float32 could not be timed as a whole graph")
+            self.tuning.verdict = target.describe_unmeasured("float32 could not be timed as a whole graph", shapes)
         if plan_ms is not None:  # the plan ran: an outcome worth keeping
             self._store_outcome()
 

@@ -16,7 +16,10 @@ this is that rule for one graph:
   low-precision ops; a plan that casts activations more than
   :data:`UNMEASURED_MAX_CASTS_PER_LOW_OP` times per low-precision op is unlike what the probe
   timed (small products between elementwise ops that cast on every edge), and runs float32
-  until it is measured.
+  until it is measured; so does a plan whose low-precision ops read fewer than
+  :data:`UNMEASURED_MIN_ELEMENTS_PER_LOW_OP` elements each on average (the probe's blocks read
+  hundreds of thousands: on a tiny product, the low dtype saves less than its casts and
+  reorders cost).
 """
 from __future__ import annotations
 
@@ -33,6 +36,11 @@ FP32 = "float32"
 #: float32 on Zen 4) 0.52, ResNet-50 0.40; an LSTM net shaped as GluonTS DeepAR (which trained at
 #: 0.65x float32's speed) 2.79 (converted: 1.40).
 UNMEASURED_MAX_CASTS_PER_LOW_OP = 1.0
+#: Without a measurement, a plan whose low-precision ops read fewer elements than this on
+#: average (all their inputs, parameters included) runs float32. The probe's smallest item, a
+#: 2048 -> 1000 dense layer at batch 16, reads 2.1 million; SSD-512's and ResNet-50's convolutions
+#: read tens of thousands to millions; a DeepAR LSTM cell's products (batch 32, 40 units) about 8,000.
+UNMEASURED_MIN_ELEMENTS_PER_LOW_OP = 16384
 
 
 @dataclass(frozen=True)
@@ -82,19 +90,27 @@ def casts_per_low_op(casts: int, low_ops: int) -> Optional[float]:
     return casts / low_ops if low_ops else None
 
 
-def unmeasured_runs_fp32(casts: int, low_ops: int) -> bool:
+def unmeasured_runs_fp32(casts: int, low_ops: int, elements: Optional[int] = None) -> bool:
     """The rule where no whole-graph measurement decides: True (run float32) when the plan
     has more than :data:`UNMEASURED_MAX_CASTS_PER_LOW_OP` activation casts (``casts``) per
-    low-precision op."""
+    low-precision op, or its low-precision ops read fewer than
+    :data:`UNMEASURED_MIN_ELEMENTS_PER_LOW_OP` elements each on average (``elements``: their
+    inputs' elements in all; ``None``: shapes unknown, not counted)."""
     ratio = casts_per_low_op(casts, low_ops)
-    return ratio is not None and ratio > UNMEASURED_MAX_CASTS_PER_LOW_OP
+    if ratio is None:
+        return False
+    small = elements is not None and elements / low_ops < UNMEASURED_MIN_ELEMENTS_PER_LOW_OP
+    return ratio > UNMEASURED_MAX_CASTS_PER_LOW_OP or small
 
 
-def describe_unmeasured(casts: int, low_ops: int, target: str, why: str) -> str:
+def describe_unmeasured(casts: int, low_ops: int, target: str, why: str, elements: Optional[int] = None) -> str:
     """What the rule did with a graph not measured yet, and why it was not."""
     ratio = casts_per_low_op(casts, low_ops)
     shown = f"{casts} activation casts for {low_ops} {target} ops" + (f" ({ratio:.2f} per op)" if ratio else "")
-    if unmeasured_runs_fp32(casts, low_ops):
-        return (f"runs float32 until measured ({why}): its plan has {shown}, above the "
-                f"{UNMEASURED_MAX_CASTS_PER_LOW_OP:g} per op the speed probe's blocks have")
+    if elements is not None and low_ops:
+        shown += f", {elements / low_ops:,.0f} input elements per op"
+    if unmeasured_runs_fp32(casts, low_ops, elements):
+        return (f"runs float32 until measured ({why}): its plan has {shown}; the speed probe's blocks have at "
+                f"most {UNMEASURED_MAX_CASTS_PER_LOW_OP:g} cast and at least "
+                f"{UNMEASURED_MIN_ELEMENTS_PER_LOW_OP:,} elements per op")
     return f"runs the plan until measured against float32 ({why}): {shown}"

@@ -112,6 +112,8 @@ def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph_from_th
     wide margin) without timing anything again; no step is lost."""
     from mxnet import autograd
     from helpers import sgd_trainer
+    from gluon_amp_core.tuning import verdict
+    monkeypatch.setattr(verdict, "UNMEASURED_MIN_ELEMENTS_PER_LOW_OP", 0)  # tiny ops: see _plant
     monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
     _check(monkeypatch)
     graph_ms = iter([700.0])
@@ -146,6 +148,8 @@ def test_a_symbolblock_built_under_init_tunes_from_its_second_call_too(monkeypat
     """GluonCV builds feature extractors as SymbolBlocks from symbols: the hooks rewrite the
     graph they were given; tuning rebuilds it from that graph, not on its first call."""
     from mxnet import gluon
+    from gluon_amp_core.tuning import verdict
+    monkeypatch.setattr(verdict, "UNMEASURED_MIN_ELEMENTS_PER_LOW_OP", 0)  # tiny ops: see _plant
     monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
     _check(monkeypatch)
     graph_ms = iter([700.0])
@@ -254,12 +258,17 @@ def _spy_jobs(monkeypatch):
 
 
 def _plant(monkeypatch, clock, conv=lambda shape: (409.0, 205.0), graph=None, op_s_per_element=1e-5,
-           graph_s=1.0, fp32_ms=1500.0):
+           graph_s=1.0, fp32_ms=1500.0, small_ops_rule=False):
     """Planted per-op figures (a 3x3 convolution's (bfloat16, float32) ms by its input shape,
     every other op faster in bfloat16) and whole-graph figures (``graph(choices)`` -> ms;
     by default 1000 ms for the plan, 700 with a choice; the graph in float32 ``fp32_ms``),
     each advancing ``clock`` by a cost. Returns the lists of what was timed (the float32
-    graph's entry has ``'float32'`` for its choices)."""
+    graph's entry has ``'float32'`` for its choices). MixedNet's ops at these tiny shapes
+    are far below the size the rule without a measurement asks of a plan (``small_ops_rule``:
+    as the rule is; else its size limit is lifted, for the tests of what follows a first call)."""
+    from gluon_amp_core.tuning import verdict
+    if not small_ops_rule:
+        monkeypatch.setattr(verdict, "UNMEASURED_MIN_ELEMENTS_PER_LOW_OP", 0)
     timed, graphs = [], []
 
     def time_one(t):
@@ -621,3 +630,18 @@ def test_converting_a_graph_whose_plan_is_slower_than_float32_gives_the_float32_
     assert {r.dtype for r in rows} == {"float32"} and {r.reason for r in rows if r.op == "Convolution"} == {"measured"}
     assert "whole graph 1000 -> 650 ms" in next(r.detail for r in rows if r.op == "Convolution")
     assert np.abs(block(x).asnumpy() - ref).max() < 1e-5  # runs on any host: float32
+
+
+@pytest.mark.parametrize("batch, side, runs_fp32", [(2, 8, True), (64, 32, False)])
+def test_without_a_measurement_the_rule_runs_a_plan_of_tiny_ops_in_float32(monkeypatch, clock, batch, side,
+                                                                          runs_fp32):
+    """The rule's other half: the elements a low-precision op reads on average, at the first call's shapes."""
+    from gluon_amp_core.tuning.verdict import UNMEASURED_MIN_ELEMENTS_PER_LOW_OP
+    _plant(monkeypatch, clock, small_ops_rule=True)
+    run = _Training(clock, budget=0)
+    run.call((batch, 3, side, side))
+    target = run.tuner.graphs[next(iter(run.tuner.graphs))].target
+    per_op = target.low_elements({"data": (batch, 3, side, side)}) / len(target.low_ops())
+    assert (per_op < UNMEASURED_MIN_ELEMENTS_PER_LOW_OP) == runs_fp32
+    assert _all_float32(run.graph) == runs_fp32
+    assert f"{per_op:,.0f} input elements per op" in run.net.amp_tuning.verdict
