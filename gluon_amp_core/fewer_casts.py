@@ -52,7 +52,10 @@ def fewer_casts(graph: dict, dtypes: Mapping[Key, Optional[str]], table: OpTable
     """
     nodes = [dict(n, inputs=[list(e[:3]) for e in n["inputs"]]) for n in graph["nodes"]]
     heads = [list(h[:3]) for h in graph["heads"]]
-    now: Dict[Key, Optional[str]] = dict(dtypes)
+    names = [n["name"] for n in nodes]
+    # a name given twice (Gluon's scopes can repeat one) types neither node here: left alone
+    twice = {n for n in names if names.count(n) > 1} if len(set(names)) < len(names) else set()
+    now: Dict[Key, Optional[str]] = {k: v for k, v in dtypes.items() if k[0] not in twice}
     nodes, heads, removed = _simplify(nodes, heads, now)
     changed = True
     while changed:
@@ -75,8 +78,9 @@ def fewer_casts(graph: dict, dtypes: Mapping[Key, Optional[str]], table: OpTable
     result["nodes"] = nodes
     result["arg_nodes"] = [k for k, n in enumerate(nodes) if n["op"] == "null"]
     result["heads"] = heads
-    names = {n["name"] for n in nodes}
-    return result, {k: v for k, v in now.items() if k[0] in names}, removed
+    left = {n["name"] for n in nodes}
+    now.update({k: v for k, v in dtypes.items() if k[0] in twice})
+    return result, {k: v for k, v in now.items() if k[0] in left}, removed
 
 
 def _simplify(nodes: List[dict], heads: List[list], dtypes: Dict[Key, Optional[str]]

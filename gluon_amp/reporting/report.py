@@ -48,9 +48,20 @@ class Report:
     #: where tuning stands for this block's graph ("" when it was not tuned)
     tuning: str = ""
 
+    @property
+    def low_ops(self) -> int:
+        """How many ops run in a low-precision dtype."""
+        return sum(n for d, n in self.totals_by_dtype.items() if d in LOW_PRECISION_DTYPES)
+
+    @property
+    def casts_per_low_op(self) -> Optional[float]:
+        """Cast nodes per low-precision op (``None`` where no op runs low): what a plan pays
+        in casts for what it runs low; host-independent."""
+        return self.casts / self.low_ops if self.low_ops else None
+
     def to_dict(self) -> Dict[str, Any]:
         return {"target_dtype": self.target_dtype, "casts": self.casts, "emulated": self.emulated,
-                "tuning": self.tuning,
+                "casts_per_low_op": self.casts_per_low_op, "tuning": self.tuning,
                 "totals_by_dtype": self.totals_by_dtype, "totals_by_reason": self.totals_by_reason,
                 "ops": [r.__dict__ for r in self.rows]}
 
@@ -61,7 +72,9 @@ class Report:
                   + (f": {r.detail}" if r.detail else "") for r in self.rows]
         lines += ["", f"ops by dtype:  {dict(sorted(self.totals_by_dtype.items()))}",
                   f"ops by reason: {dict(sorted(self.totals_by_reason.items()))}",
-                  f"casts: {self.casts}  (target dtype {self.target_dtype}"
+                  f"casts: {self.casts}"
+                  + (f", {self.casts_per_low_op:.2f} per low-precision op" if self.casts_per_low_op is not None else "")
+                  + f"  (target dtype {self.target_dtype}"
                   + (", emulated in float32: dtypes are the plan's, values rounded to them)" if self.emulated else ")")]
         lines += [f"tuning: {self.tuning}"] if self.tuning else []
         return "\n".join(lines)

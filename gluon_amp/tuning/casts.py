@@ -11,6 +11,7 @@ from typing import Mapping, Optional, Tuple
 import mxnet as mx
 from mxnet.symbol import Symbol
 
+from gluon_amp_core.decide import CAST_OPS
 from gluon_amp_core.fewer_casts import fewer_casts
 from gluon_amp_core.graph_pass import PassResult
 from gluon_amp_core.table import OpTable
@@ -23,16 +24,49 @@ def with_fewer_casts(sym: Symbol, known: Mapping[str, str], table: OpTable,
     """``sym`` with casts moved across neutral ops where that removes some, and how many went
     (``sym`` itself and 0 where none could go or MXNet disagrees with the result).
     ``known``: the input dtypes MXNet types it from; ``dtypes``: its typing, where known."""
-    typed = dict(dtypes) if dtypes is not None else (infer_dtypes(sym, known, partial=True) or {})
     graph = json.loads(sym.tojson(remove_amp_cast=False))
+    if _unique_cast_names(graph):  # typed by name: the renamed casts typed again
+        dtypes = infer_dtypes(mx.sym.load_json(json.dumps(graph)), known, partial=True) or {}
+    typed = dict(dtypes) if dtypes is not None else (infer_dtypes(sym, known, partial=True) or {})
     new_graph, new_types, removed = fewer_casts(graph, typed, table)
     if not removed:
         return sym, 0
     new = mx.sym.load_json(json.dumps(new_graph))
-    inferred = infer_dtypes(new, known, partial=True)
-    if inferred is None or any(inferred.get(k) != t for k, t in new_types.items() if t is not None and k in inferred):
+    if not _agrees(new, new_graph, new_types, known, partial=True):
         return sym, 0
     return new, removed
+
+
+def _unique_cast_names(graph: dict) -> bool:
+    """Give the cast nodes that share a name with another node one of their own (the op
+    wrappers name casts per name scope: an unrolled cell repeats them); True if any was renamed."""
+    names = [n["name"] for n in graph["nodes"]]
+    if len(set(names)) == len(names):
+        return False
+    taken = set(names)
+    seen: set = set()
+    renamed = False
+    for i, n in enumerate(graph["nodes"]):
+        if n["name"] in seen and n["op"] in CAST_OPS:
+            new = f"{n['name']}_{i}"
+            while new in taken:
+                new += "_"
+            n["name"] = new
+            taken.add(new)
+            renamed = True
+        seen.add(n["name"])
+    return renamed
+
+
+def _agrees(sym: Symbol, graph: dict, dtypes: Mapping[Tuple[str, int], Optional[str]], known: Mapping[str, str],
+            partial: bool) -> bool:
+    """True when MXNet types ``sym`` as the pass says (names given twice are not compared)."""
+    inferred = infer_dtypes(sym, known, partial=partial)
+    if inferred is None:
+        return False
+    names = [n["name"] for n in graph["nodes"]]
+    twice = {n for n in names if names.count(n) > 1} if len(set(names)) < len(names) else set()
+    return all(inferred.get(k) == t for k, t in dtypes.items() if t is not None and k in inferred and k[0] not in twice)
 
 
 def pass_result_with_fewer_casts(result: PassResult, table: OpTable, known: Mapping[str, str]) -> Optional[Symbol]:
@@ -43,8 +77,7 @@ def pass_result_with_fewer_casts(result: PassResult, table: OpTable, known: Mapp
     if not removed:
         return None
     new = mx.sym.load_json(json.dumps(new_graph))
-    inferred = infer_dtypes(new, known)
-    if inferred is None or any(inferred.get(k) != t for k, t in new_types.items() if t is not None and k in inferred):
+    if not _agrees(new, new_graph, new_types, known, partial=False):
         return None
     result.graph, result.dtypes = new_graph, new_types
     result.casts_inserted = max(0, result.casts_inserted - removed)
