@@ -26,11 +26,10 @@ from mxnet.gluon import HybridBlock
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
-from gluon_amp_core.decide import MeasuredChoice
+from gluon_amp_core.decide import MeasuredChoice, Reason
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.timing_cache import TimingCache
 from gluon_amp_core.tuning.schedule import Ledger, ShapeHistory, Shapes, TuneBudget
-from gluon_amp_core.decide import Reason
 from gluon_amp_core.walk import Note, measured_note
 
 from .. import mxnet_internals as mxi, plan_notes
@@ -74,6 +73,8 @@ class _Graph:
     intervals: Dict[Shapes, List[float]] = field(default_factory=dict)
     broken: bool = False
     blocks: "weakref.WeakSet[HybridBlock]" = field(default_factory=weakref.WeakSet)
+    #: the dtype of each chosen node in the graph its blocks were last built with
+    running: Dict[str, str] = field(default_factory=dict)
 
     def step_s(self, key: Shapes) -> Optional[float]:
         """The median call-to-call time at ``key`` (the training step, as the user runs it)."""
@@ -135,6 +136,7 @@ class Tuner:
             return out
         choices, why = choices_to_run(target, g.outcome, self._last_shapes(g))
         g.tuning.verdict = why
+        g.running = {n: c.dtype for n, c in choices.items()}
         if not choices:
             return out
         tuned = target.apply(choices)
@@ -234,12 +236,10 @@ class Tuner:
 
     def _adopt(self, g: _Graph, outcome: Optional[Outcome]) -> None:
         """Run ``outcome`` from the next call on (a new version where what runs changes)."""
-        shapes = self._last_shapes(g)
-        before = choices_to_run(g.target, g.outcome, shapes)[0]
         g.outcome = outcome
-        after, why = choices_to_run(g.target, outcome, shapes)
+        after, why = choices_to_run(g.target, outcome, self._last_shapes(g))
         g.tuning.verdict = why
-        if set(after) != set(before) or any(after[n].dtype != before[n].dtype for n in after):
+        if {n: c.dtype for n, c in after.items()} != g.running:
             g.version += 1
 
     def _new_job(self, g: _Graph, key: Shapes) -> Optional[Job]:
