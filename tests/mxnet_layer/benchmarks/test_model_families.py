@@ -24,6 +24,8 @@ def _run(*args, env=None, timeout=900):
 
 def _check_timed(row):
     assert row["it_per_s"] > 0 and math.isfinite(row["vs_fp32"]) and math.isfinite(row["last_loss"])
+    assert row["best_it_per_s"] >= row["it_per_s"] and math.isfinite(row["best_vs_fp32"])
+    assert row["cpu_it_per_s"] > 0 and math.isfinite(row["cpu_vs_fp32"])
 
 
 @pytest.mark.slow  # six processes, each importing GluonTS or GluonNLP: about a minute on 2 cores
