@@ -43,7 +43,10 @@ install-dist: install
 
 # Real clients the suite runs (tests/mxnet_layer/clients/). Sockeye pins mxnet and numpy
 # versions of its own: --no-deps keeps the venv's (its imports work with them).
-CLIENTS := sockeye==2.3.24 sacrebleu==1.4.14 portalocker
+# GluonTS 0.11 (the last with gluonts.mx for MXNet 1.9) asks for pandas~=1.0: --no-deps keeps
+# the venv's pandas 2 (gluoncv's), which runs it; pydantic 1 and toolz are what it imports besides.
+CLIENTS := sockeye==2.3.24 sacrebleu==1.4.14 portalocker \
+	gluonts==0.11.12 "pydantic>=1.7,<2" "toolz>=0.10"
 
 # ruff.toml: pyflakes and pycodestyle (E, W, F), lines up to 120 characters.
 lint: install

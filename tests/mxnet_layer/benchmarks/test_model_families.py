@@ -1,0 +1,72 @@
+"""``benchmarks/model_families.py`` (issue 43): runs at tiny sizes and prints its table.
+
+GluonTS (DeepAR) and GluonNLP are installed by ``make test`` (the Makefile's CLIENTS, the [test]
+extra): a missing one is an error, not a skip.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, no_bf16_env
+
+SCRIPT = os.path.join(ROOT, "benchmarks", "model_families.py")
+TINY = ["--tiny", "--rounds", "1", "--warmup", "1", "--steps", "2"]
+
+
+def _run(*args, env=None, timeout=900):
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env or {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+
+
+def _check_timed(row):
+    assert row["it_per_s"] > 0 and math.isfinite(row["vs_fp32"]) and math.isfinite(row["last_loss"])
+    assert row["best_it_per_s"] >= row["it_per_s"] and math.isfinite(row["best_vs_fp32"])
+    assert row["cpu_it_per_s"] > 0 and math.isfinite(row["cpu_vs_fp32"])
+
+
+@pytest.mark.slow  # six processes, each importing GluonTS or GluonNLP: about a minute on 2 cores
+def test_every_family_runs_emulated_and_reports_its_plan(tmp_path):
+    out = tmp_path / "mf.json"
+    r = _run(*TINY, "--mode", "emulated-bfloat16", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert list(doc["summary"]) == ["deepar", "lstm_lm", "transformer"]  # GluonTS's DeepAR, not the stand-in
+    for net, modes in doc["summary"].items():
+        assert list(modes) == ["fp32", "emulated-bfloat16"]
+        fp32, amp = modes["fp32"], modes["emulated-bfloat16"]
+        _check_timed(fp32)
+        _check_timed(amp)
+        assert fp32["ran"] == "float32" and fp32["vs_fp32"] == 1.0 and fp32["casts_per_low_op"] is None
+        assert amp["ran"] == "bfloat16 emulated"
+        assert amp["low_ops"] > 0 and amp["casts"] > 0  # the plan holds ops low and casts between them
+        assert amp["casts_per_low_op"] == pytest.approx(amp["casts"] / amp["low_ops"])
+        assert f"{net:<15} emulated-bfloat16  bfloat16 emulated" in r.stdout  # the table, one row each
+    assert "host flags" in r.stdout and '"summary"' not in r.stdout
+
+
+@pytest.mark.slow  # three processes of a few seconds each
+def test_without_bf16_kernels_the_default_is_fp32_and_native_bfloat16_says_why(tmp_path, no_bf16_why):
+    out = tmp_path / "mf.json"
+    r = _run(*TINY, "--nets", "lstm_forecaster", "--mode", "default,bfloat16", "--json", str(out),
+             env={**no_bf16_env(), "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["summary"]["lstm_forecaster"]
+    assert rows["default"]["ran"] == "float32" and rows["default"]["low_ops"] == 0  # AMP off: the FP32 graph
+    _check_timed(rows["default"])
+    assert rows["bfloat16"]["ran"] is None and no_bf16_why in rows["bfloat16"]["why_not"]
+    assert "lstm_forecaster bfloat16           not run [1]" in r.stdout and no_bf16_why in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mode", "float8"], "mode float8 unknown"),
+    (["--nets", "resnet"], "net resnet unknown"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--warmup", "-1"], "--warmup must be 0 or more"),
+])
+def test_bad_flags_name_the_value_and_what_is_allowed(args, message):
+    r = _run(*args, timeout=120)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
