@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 from .dtypes import LOW_PRECISION_DTYPES
+from .verdicts import Verdict, fact_from_row, plan_verdicts
 
 
 class OpListError(ValueError, AssertionError):
@@ -69,6 +70,9 @@ class OpTable:
     aliases: Mapping[str, str] = field(default_factory=dict)
     #: low-precision op -> when its input shape keeps it in float32 (a kernel's limits)
     narrow_fp32: Mapping[str, NarrowRule] = field(default_factory=dict)
+    #: op -> the conformance verdict that set its class (:mod:`gluon_amp_core.verdicts`): no kernel
+    #: or wrong in the target dtype -> float32; needs uniform inputs -> the widest input type
+    verdicts: Mapping[str, Verdict] = field(default_factory=dict)
 
     def canonical(self, op: str) -> str:
         """Resolve an alias (``'concat'``) to the registered op name (``'Concat'``)."""
@@ -99,6 +103,37 @@ def _unknown_message(name: str, valid: Iterable[str], where: str) -> str:
 
 def _load_lists(target_dtype: str):
     return importlib.import_module(f"{__package__}.lists.{target_dtype}")
+
+
+@functools.lru_cache(maxsize=None)
+def default_verdicts(target_dtype: str) -> Mapping[str, Verdict]:
+    """The verdicts a ``target_dtype`` plan follows, from the recorded facts (``lists/verdicts.py``)."""
+    data = importlib.import_module(f"{__package__}.lists.verdicts")
+    return plan_verdicts((fact_from_row(r) for r in data.FACTS), target_dtype)
+
+
+def apply_verdicts(classes: Dict[str, OpClass], verdicts: Mapping[str, Verdict],
+                   user_named: Iterable[str]) -> Dict[str, Verdict]:
+    """Move the ops the verdicts rule out of their class (in place); returns those applied.
+
+    An op with no kernel, or a wrong one, runs in float32 (a widest or neutral op fed a low
+    input gets it cast up); an op that needs uniform inputs takes the widest one, unless its class
+    already casts every input to one dtype. An op the user put in a list keeps the user's class.
+    """
+    applied: Dict[str, Verdict] = {}
+    named = set(user_named)
+    for name, verdict in verdicts.items():
+        have = classes.get(name, OpClass.NEUTRAL)
+        if name in named:
+            continue
+        if verdict in (Verdict.NO_KERNEL, Verdict.WRONG):
+            if have is not OpClass.FP32:
+                classes[name] = OpClass.FP32
+                applied[name] = verdict
+        elif verdict is Verdict.NEEDS_UNIFORM_INPUTS and have in (OpClass.NEUTRAL, OpClass.CONDITIONAL_FP32):
+            classes[name] = OpClass.WIDEST
+            applied[name] = verdict
+    return applied
 
 
 def check_name_list(arg: str, value: object, kind: str = "op names") -> Tuple[str, ...]:
@@ -263,6 +298,15 @@ def build_table(
         for bn in _BATCHNORM_OPS:
             if bn in classes:
                 classes[bn] = OpClass.FP32 if keep_batchnorm_fp32 else OpClass.LOW_PRECISION
+    verdicts = default_verdicts(target_dtype)
+    if known_ops is not None:
+        stale = sorted(n for n in verdicts if n not in valid)
+        if stale:
+            raise ValueError(f"conformance verdicts name ops this MXNet does not register: {stale[:10]}; "
+                             "fix gluon_amp_core/lists/verdicts.py or run python -m gluon_amp.conformance --write")
+    applied = apply_verdicts(classes, verdicts, seen)
+    for name in applied:
+        conditions.pop(name, None)
     narrow = {n: NarrowRule(a) for n, a in data.FP32_WHEN_NARROWER}
     unknown = sorted(set(narrow) - set(classes))
     if unknown:
@@ -271,7 +315,8 @@ def build_table(
     return OpTable(target_dtype=target_dtype, classes=MappingProxyType(classes),
                    conditions=MappingProxyType(conditions),
                    keep_fp32_inputs=MappingProxyType({n: frozenset(v) for n, v in data.KEEP_FP32_INPUTS.items()}),
-                   aliases=MappingProxyType(aliases), narrow_fp32=MappingProxyType(narrow))
+                   aliases=MappingProxyType(aliases), narrow_fp32=MappingProxyType(narrow),
+                   verdicts=MappingProxyType(applied))
 
 
 @functools.lru_cache(maxsize=None)
