@@ -13,7 +13,8 @@ from .table import OpClass, OpTable, default_table
 _RULES = """\
 # gluon_amp op reference
 
-Generated from `gluon_amp_core/lists/` (verdicts included) by `python -m gluon_amp_core.op_reference`. Do not edit by hand.
+Generated from `gluon_amp_core/lists/` (verdicts included) by `python -m gluon_amp_core.op_reference`.
+Do not edit by hand.
 
 ## How an op's precision is chosen
 
