@@ -143,7 +143,9 @@ def decide(
         return Decision("float32", _VERDICT_REASONS.get(table.verdicts.get(name), Reason.FP32), keep)
     if op_class is OpClass.CONDITIONAL_FP32:
         if _rule_applies(table, name, attrs):
-            return Decision("float32", Reason.CONDITIONAL_FP32, keep)
+            rule = table.conditions[name]
+            verdict = table.verdicts.get(f"{name}:{rule.attr}={attrs.get(rule.attr)}")
+            return Decision("float32", _VERDICT_REASONS.get(verdict, Reason.CONDITIONAL_FP32), keep)
         return Decision(None, Reason.CONDITIONAL_NEUTRAL, keep)
     if op_class is OpClass.WIDEST:
         floats = [d for d in input_dtypes if d is None or d in FLOAT_DTYPES]

@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import List
 
 from .dtypes import LOW_PRECISION_DTYPES
-from .table import OpClass, OpTable, default_table
+from .table import OpClass, OpTable, default_table, split_key
+from .verdicts import Verdict
 
 _RULES = """\
 # gluon_amp op reference
@@ -80,12 +81,19 @@ def render_table(t: OpTable) -> List[str]:
             f"`{rule.attr}`" for op, rule in sorted(t.narrow_fp32.items())] or ["(none)"]
     out.append("")
     out += ["### Classes set by a conformance verdict", ""]
-    out += [f"- `{op}`: {v.value} -> {t.classes[op].value}" for op, v in sorted(t.verdicts.items())] or ["(none)"]
+    out += [_verdict_line(t, key, v) for key, v in sorted(t.verdicts.items())] or ["(none)"]
     out.append("")
     out += ["### Kept float32 inputs", ""]
     out += [f"- `{op}`: {_names(sorted(v))}" for op, v in sorted(t.keep_fp32_inputs.items())]
     out.append("")
     return out
+
+
+def _verdict_line(t: OpTable, key: str, v: Verdict) -> str:
+    op, cond = split_key(key)
+    if cond is not None:
+        return f"- `{op}` when `{cond[0]}` is `{cond[1]}`: {v.value} -> float32"
+    return f"- `{op}`: {v.value} -> {t.classes[op].value}"
 
 
 def render() -> str:

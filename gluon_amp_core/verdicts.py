@@ -46,7 +46,8 @@ DEVICE_CPU = "cpu"
 PLAN_DEVICES: Mapping[str, Tuple[str, ...]] = MappingProxyType(
     {"bfloat16": (DEVICE_ANY, DEVICE_CPU), "float16": (DEVICE_ANY,)})
 
-_SEVERITY = {Verdict.OK: 0, Verdict.NEEDS_UNIFORM_INPUTS: 1, Verdict.WRONG: 2, Verdict.NO_KERNEL: 3}
+SEVERITY: Mapping[Verdict, int] = MappingProxyType(
+    {Verdict.OK: 0, Verdict.NEEDS_UNIFORM_INPUTS: 1, Verdict.WRONG: 2, Verdict.NO_KERNEL: 3})
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def fact_from_row(row: Tuple) -> Fact:
 
 def worst(verdicts: Iterable[Verdict]) -> Verdict:
     """The most restrictive verdict (no kernel, wrong, needs uniform inputs, ok)."""
-    return max(verdicts, key=_SEVERITY.__getitem__, default=Verdict.OK)
+    return max(verdicts, key=SEVERITY.__getitem__, default=Verdict.OK)
 
 
 def plan_verdicts(facts: Iterable[Fact], target_dtype: str) -> Mapping[str, Verdict]:
@@ -113,3 +114,39 @@ def plan_verdicts(facts: Iterable[Fact], target_dtype: str) -> Mapping[str, Verd
         if f.dtype == target_dtype and f.device in devices:
             found[f.op] = worst((found.get(f.op, Verdict.OK), f.verdict))
     return MappingProxyType({op: v for op, v in sorted(found.items()) if v is not Verdict.OK})
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the harness saw of one op in one low dtype (the MXNet layer runs it; this is data).
+
+    Attributes
+    ----------
+    refused : str or None
+        MXNet's message when it refused the op with every float input in the dtype.
+    refused_by_types : bool
+        The refusal came from type inference (the same on every device), not a kernel.
+    error : float or None
+        The largest relative error of the op's outputs and input gradients against FP32 on
+        the same rounded inputs (:data:`BOUNDS`), when it ran.
+    mixed_refused : str or None
+        MXNet's message for a mix of the dtype and float32 inputs it refused, when
+        MXNet's type inference cannot give the other inputs the first one's dtype either
+        (so no cast to the first input's dtype helps: the inputs must be made uniform).
+    """
+
+    refused: Optional[str] = None
+    refused_by_types: bool = False
+    error: Optional[float] = None
+    mixed_refused: Optional[str] = None
+
+
+def judge(seen: Observation, dtype: str) -> Tuple[Verdict, str]:
+    """The verdict for one observation and the device kind it holds on (``any``/``cpu``)."""
+    if seen.refused is not None:
+        return Verdict.NO_KERNEL, DEVICE_ANY if seen.refused_by_types else DEVICE_CPU
+    if seen.error is not None and not seen.error <= BOUNDS[dtype]:  # NaN is beyond any bound
+        return Verdict.WRONG, DEVICE_CPU
+    if seen.mixed_refused is not None:
+        return Verdict.NEEDS_UNIFORM_INPUTS, DEVICE_ANY
+    return Verdict.OK, DEVICE_CPU

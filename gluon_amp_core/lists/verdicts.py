@@ -34,7 +34,7 @@ RECORDED = (
      "mu bfloat16, sigma float32: Operator _sample_normal is missing FInferType attribute (GluonTS)"),
     ("Convolution", "bfloat16", "ok", "cpu", "xeon-golden", 0.0032, "ResNet-18, 20 nodes"),
     ("BatchNorm", "bfloat16", "ok", "cpu", "xeon-golden", 0.0017, "ResNet-18, 20 nodes"),
-    ("Activation", "bfloat16", "ok", "cpu", "xeon-golden", 0.0017, "ResNet-18, 17 nodes (relu)"),
+    ("Activation:act_type=relu", "bfloat16", "ok", "cpu", "xeon-golden", 0.0017, "ResNet-18, 17 nodes"),
     ("elemwise_add", "bfloat16", "ok", "cpu", "xeon-golden", 0.0025, "ResNet-18, 8 nodes"),
     ("Pooling", "bfloat16", "ok", "cpu", "xeon-golden", 0.0017, "ResNet-18, max and global avg"),
     ("FullyConnected", "bfloat16", "ok", "cpu", "xeon-golden", 0.0026, "ResNet-18, 1 node"),

@@ -79,6 +79,8 @@ def test_every_ruled_out_op_runs_float32_or_uniform_from_low_inputs():
     for dt in ("bfloat16", "float16"):
         table = build_table(dt)
         for op, verdict in default_verdicts(dt).items():
+            if ":" in op:  # one attribute value: test_decide_names_the_verdict_of_an_attribute_value
+                continue
             for given in ([dt], [dt, dt], [dt, "float32"], ["float32", dt]):
                 d = decide(op, {}, given, table)
                 if verdict is Verdict.NEEDS_UNIFORM_INPUTS:
@@ -87,7 +89,7 @@ def test_every_ruled_out_op_runs_float32_or_uniform_from_low_inputs():
                         assert d.dtype == "float32", (op, given, d)
                 else:
                     assert d.dtype == "float32", (op, given, d)
-                assert d.reason.value in ("no_kernel", "wrong_kernel", "uniform_inputs", "fp32"), (op, d)
+                assert d.reason.value in ("no_kernel", "wrong_kernel", "uniform_inputs", "fp32", "widest"), (op, d)
 
 
 def test_issue41_ops_bfloat16_plan():
@@ -140,3 +142,37 @@ def test_recorded_facts_are_well_formed_and_name_their_host():
             assert f.error is not None and f.error > BOUNDS[f.dtype], f
     # facts no CI host can produce travel with the host that did
     assert any(f.host == "zen4-issue41" and f.op == "_contrib_AdaptiveAvgPooling2D" for f in facts)
+
+
+def test_a_verdict_for_one_attribute_value_joins_the_conditional_rule():
+    from gluon_amp_core.table import OpClass, apply_verdicts, list_classes
+    classes = list_classes("bfloat16")
+    conditions = {}
+    from gluon_amp_core.table import ConditionalRule
+    conditions["Activation"] = ConditionalRule("act_type", frozenset({"softrelu"}))
+    applied = apply_verdicts(classes, conditions, {"Activation:act_type=softsign": Verdict.NO_KERNEL,
+                                                   "_contrib_AdaptiveAvgPooling2D:output_size=2": Verdict.WRONG,
+                                                   "Reshape": Verdict.NEEDS_UNIFORM_INPUTS}, ())
+    assert conditions["Activation"].values == {"softrelu", "softsign"}
+    assert classes["_contrib_AdaptiveAvgPooling2D"] is OpClass.CONDITIONAL_FP32
+    assert classes["Reshape"] is OpClass.WIDEST and len(applied) == 3
+
+
+def test_decide_names_the_verdict_of_an_attribute_value():
+    bf = build_table("bfloat16")
+    for key, verdict in default_verdicts("bfloat16").items():
+        op, _, cond = key.partition(":")
+        if not cond or verdict not in (Verdict.NO_KERNEL, Verdict.WRONG):
+            continue
+        attr, _, value = cond.partition("=")
+        d = decide(op, {attr: value}, ["bfloat16"], bf)
+        assert d.dtype == "float32" and d.reason.value in ("no_kernel", "wrong_kernel", "conditional_fp32"), (key, d)
+
+
+def test_judge_follows_the_bounds():
+    from gluon_amp_core.verdicts import Observation, judge
+    assert judge(Observation(error=0.01), "bfloat16") == (Verdict.OK, "cpu")
+    assert judge(Observation(error=0.01), "float16")[0] is Verdict.WRONG
+    assert judge(Observation(error=float("nan")), "bfloat16")[0] is Verdict.WRONG
+    assert judge(Observation(refused="x", refused_by_types=True), "float16") == (Verdict.NO_KERNEL, "any")
+    assert judge(Observation(error=0.0, mixed_refused="m"), "bfloat16") == (Verdict.NEEDS_UNIFORM_INPUTS, "any")
