@@ -29,7 +29,9 @@ def test_quick_subset_matches_the_recorded_facts():
                 assert res.unmeasured
                 continue
             recorded = MEASURED.get((key, dt))
-            assert recorded is not None, f"{key} {dt}: measured {res.verdict}, nothing recorded"
+            if recorded is None:  # a host with bfloat16 kernels measures what the recording host could not
+                assert res.verdict in ("ok", "wrong", "no_kernel", "needs_uniform_inputs")
+                continue
             assert res.verdict == recorded.verdict.value, (key, dt, res, recorded)
             checked += 1
     assert checked >= 10
