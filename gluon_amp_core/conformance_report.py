@@ -138,8 +138,9 @@ def render() -> str:
         f"{len(model_ops)} graphs traced ({sum(m.startswith('gluoncv:') for m in model_ops)} of GluonCV's model zoo, "
         f"{sum(m.startswith('vision:') for m in model_ops)} of MXNet's vision zoo, "
         f"{sum(m.startswith('gluonnlp:') for m in model_ops)} of GluonNLP: BERT, language models, the transformer"
-        " encoder), built offline with random weights. gluoncv2 is not installed here (the shared environment;"
-        " its graphs use the same MXNet ops). Their ops:",
+        f" encoder; {sum(m.startswith('gluoncv2:') for m in model_ops)} of gluoncv2 0.0.64, the first net of each"
+        " family, installed with `pip install --target DIR --no-deps gluoncv2` on PYTHONPATH), built offline with"
+        " random weights. Their ops:",
         f"- {len(in_models)} distinct ops; {len(in_models) - len(fp32_both) - len(left)} ran above, "
         f"{len(fp32_both)} are float32 in both lists (no plan places them low): "
         + (", ".join(f"`{op}`" for op in fp32_both) or "none") + ";",

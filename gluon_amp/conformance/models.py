@@ -1,6 +1,7 @@
 """The ops of real model graphs (GluonCV's model zoo, MXNet's vision zoo, GluonNLP's BERT and
-language models): each net is built offline with random weights and traced symbolically
-(``net(mx.sym.var(...))``), so nothing runs; the harness checks each op is covered."""
+language models, gluoncv2's families where it is installed): each net is built offline with random
+weights and traced symbolically (``net(mx.sym.var(...))``), so nothing runs; the harness checks each
+op is covered."""
 from __future__ import annotations
 
 import contextlib
@@ -92,6 +93,21 @@ def _gluonnlp() -> Dict[str, Callable[[], List[str]]]:
             "gluonnlp:awd_lstm_lm_600": lm("awd_lstm_lm_600"), "gluonnlp:transformer": transformer}
 
 
+def _gluoncv2() -> Dict[str, Callable[[], List[str]]]:
+    """One net per family of gluoncv2's model provider (the first name of each), when it is installed
+    (``pip install --no-deps gluoncv2``; its graphs use the same MXNet ops)."""
+    try:
+        import re
+
+        from gluoncv2.model_provider import _models, get_model
+    except ImportError:
+        return {}
+    families: Dict[str, str] = {}
+    for name in sorted(_models):
+        families.setdefault(re.split(r"[\d_]", name)[0], name)
+    return {f"gluoncv2:{n}": (lambda n=n: _trace(get_model(n, pretrained=False))) for n in families.values()}
+
+
 def model_ops(limit: int = 0) -> Tuple[Dict[str, List[str]], Dict[str, str]]:
     """``({model: its canonical ops}, {model: why it was not traced})`` over GluonCV's zoo
     (``limit``: its first so many, 0 for all), MXNet's vision zoo and GluonNLP's models."""
@@ -106,6 +122,7 @@ def model_ops(limit: int = 0) -> Tuple[Dict[str, List[str]], Dict[str, str]]:
     for name in ("resnet18_v1", "mobilenet1.0", "densenet121", "squeezenet1.0", "inceptionv3", "vgg11_bn"):
         builders[f"vision:{name}"] = (lambda n=name: _trace(vision.get_model(n, pretrained=False)))
     builders.update(_gluonnlp())
+    builders.update(_gluoncv2())
     for model, build in builders.items():
         try:
             with _quiet():
