@@ -8,6 +8,7 @@ from typing import Mapping, Optional, Sequence, Tuple
 
 from .dtypes import FLOAT_DTYPES, widest
 from .table import NarrowRule, OpClass, OpTable
+from .verdicts import Verdict
 
 _EMPTY: frozenset = frozenset()
 
@@ -26,6 +27,9 @@ class Reason(str, enum.Enum):
     MEASURED = "measured"    # the tuner timed both dtypes here (gluon_amp_core.tuning.problem)
     CAST = "cast"            # amp_cast / amp_multicast: a cast node itself
     KEPT = "kept"            # a fused or quantized op: the dtypes it has in the FP32 graph
+    NO_KERNEL = "no_kernel"  # float32: MXNet has no kernel for the target dtype (a conformance verdict)
+    WRONG_KERNEL = "wrong_kernel"  # float32: MXNet's kernel in the target dtype is beyond its bound
+    UNIFORM_INPUTS = "uniform_inputs"  # the widest input type: MXNet refuses mixed float inputs here
 
     def __str__(self) -> str:
         return self.value
@@ -138,17 +142,24 @@ def decide(
     if op_class is OpClass.LOW_PRECISION:
         return Decision(table.target_dtype, Reason.LOW_PRECISION, keep)
     if op_class is OpClass.FP32:
-        return Decision("float32", Reason.FP32, keep)
+        return Decision("float32", _VERDICT_REASONS.get(table.verdicts.get(name), Reason.FP32), keep)
     if op_class is OpClass.CONDITIONAL_FP32:
         if _rule_applies(table, name, attrs):
-            return Decision("float32", Reason.CONDITIONAL_FP32, keep)
+            rule = table.conditions[name]
+            verdict = table.verdicts.get(f"{name}:{rule.attr}={attrs.get(rule.attr)}")
+            return Decision("float32", _VERDICT_REASONS.get(verdict, Reason.CONDITIONAL_FP32), keep)
         return Decision(None, Reason.CONDITIONAL_NEUTRAL, keep)
     if op_class is OpClass.WIDEST:
         floats = [d for d in input_dtypes if d is None or d in FLOAT_DTYPES]
+        reason = _VERDICT_REASONS.get(table.verdicts.get(name), Reason.WIDEST)
         if not floats or any(d is None for d in floats):
-            return Decision(None, Reason.WIDEST, keep)
-        return Decision(widest(floats), Reason.WIDEST, keep)
+            return Decision(None, reason, keep)
+        return Decision(widest(floats), reason, keep)
     return Decision(None, Reason.NEUTRAL, keep)
+
+
+_VERDICT_REASONS = {Verdict.NO_KERNEL: Reason.NO_KERNEL, Verdict.WRONG: Reason.WRONG_KERNEL,
+                    Verdict.NEEDS_UNIFORM_INPUTS: Reason.UNIFORM_INPUTS}
 
 
 def _rule_applies(table: OpTable, name: str, attrs: Mapping[str, object]) -> bool:

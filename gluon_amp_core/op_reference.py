@@ -8,12 +8,14 @@ from __future__ import annotations
 from typing import List
 
 from .dtypes import LOW_PRECISION_DTYPES
-from .table import OpClass, OpTable, default_table
+from .table import OpClass, OpTable, default_table, split_key
+from .verdicts import Verdict
 
 _RULES = """\
 # gluon_amp op reference
 
-Generated from `gluon_amp_core/lists/` by `python -m gluon_amp_core.op_reference`. Do not edit by hand.
+Generated from `gluon_amp_core/lists/` (verdicts included) by `python -m gluon_amp_core.op_reference`.
+Do not edit by hand.
 
 ## How an op's precision is chosen
 
@@ -45,6 +47,10 @@ the inference converter.
   neutral: there is nothing to cast.
 - Override any list with the matching `init` argument; an override *replaces* the default
   list of its class, and an op may be in one list only.
+- The classes below include the conformance verdicts (`gluon_amp_core/lists/verdicts.py`, measured
+  by `python -m gluon_amp.conformance`; every op, dtype and host in [op_conformance.md](op_conformance.md)):
+  an op with no kernel in the target dtype, or a kernel beyond its error bound, runs in float32;
+  an op that refuses mixed float inputs runs in the widest. An op you name in a list keeps your class.
 """
 
 
@@ -74,10 +80,20 @@ def render_table(t: OpTable) -> List[str]:
     out += [f"- `{op}` when its data input's width (last spatial axis) is smaller than its "
             f"`{rule.attr}`" for op, rule in sorted(t.narrow_fp32.items())] or ["(none)"]
     out.append("")
+    out += ["### Classes set by a conformance verdict", ""]
+    out += [_verdict_line(t, key, v) for key, v in sorted(t.verdicts.items())] or ["(none)"]
+    out.append("")
     out += ["### Kept float32 inputs", ""]
     out += [f"- `{op}`: {_names(sorted(v))}" for op, v in sorted(t.keep_fp32_inputs.items())]
     out.append("")
     return out
+
+
+def _verdict_line(t: OpTable, key: str, v: Verdict) -> str:
+    op, cond = split_key(key)
+    if cond is not None:
+        return f"- `{op}` when `{cond[0]}` is `{cond[1]}`: {v.value} -> float32"
+    return f"- `{op}`: {v.value} -> {t.classes[op].value}"
 
 
 def render() -> str:

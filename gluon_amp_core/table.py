@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 from .dtypes import LOW_PRECISION_DTYPES
+from .verdicts import Verdict, fact_from_row, plan_verdicts
 
 
 class OpListError(ValueError, AssertionError):
@@ -69,6 +70,9 @@ class OpTable:
     aliases: Mapping[str, str] = field(default_factory=dict)
     #: low-precision op -> when its input shape keeps it in float32 (a kernel's limits)
     narrow_fp32: Mapping[str, NarrowRule] = field(default_factory=dict)
+    #: op -> the conformance verdict that set its class (:mod:`gluon_amp_core.verdicts`): no kernel
+    #: or wrong in the target dtype -> float32; needs uniform inputs -> the widest input type
+    verdicts: Mapping[str, Verdict] = field(default_factory=dict)
 
     def canonical(self, op: str) -> str:
         """Resolve an alias (``'concat'``) to the registered op name (``'Concat'``)."""
@@ -99,6 +103,60 @@ def _unknown_message(name: str, valid: Iterable[str], where: str) -> str:
 
 def _load_lists(target_dtype: str):
     return importlib.import_module(f"{__package__}.lists.{target_dtype}")
+
+
+@functools.lru_cache(maxsize=None)
+def default_verdicts(target_dtype: str) -> Mapping[str, Verdict]:
+    """The verdicts a ``target_dtype`` plan follows, from the recorded facts (``lists/verdicts.py``)."""
+    data = importlib.import_module(f"{__package__}.lists.verdicts")
+    return plan_verdicts((fact_from_row(r) for r in data.FACTS), target_dtype)
+
+
+def split_key(key: str) -> Tuple[str, Optional[Tuple[str, str]]]:
+    """A verdict's key: ``'op'``, or ``'op:attr=value'`` for one value of a conditional attribute."""
+    op, _, cond = key.partition(":")
+    if not cond:
+        return op, None
+    attr, _, value = cond.partition("=")
+    return op, (attr, value)
+
+
+def apply_verdicts(classes: Dict[str, OpClass], conditions: Dict[str, ConditionalRule],
+                   verdicts: Mapping[str, Verdict], user_named: Iterable[str]) -> Dict[str, Verdict]:
+    """Move the ops the verdicts rule out of their class (in place); returns those applied.
+
+    An op with no kernel, or a wrong one, runs in float32 (a widest or neutral op fed a low
+    input gets it cast up); an op that needs uniform inputs takes the widest one, unless its class
+    already casts every input to one dtype. A verdict for one value of an attribute
+    (``'Activation:act_type=softsign'``) adds that value to the op's conditional float32 rule.
+    An op the user put in a list keeps the user's class.
+    """
+    applied: Dict[str, Verdict] = {}
+    named = set(user_named)
+    for key, verdict in verdicts.items():
+        name, cond = split_key(key)
+        have = classes.get(name, OpClass.NEUTRAL)
+        if name in named:
+            continue
+        if verdict in (Verdict.NO_KERNEL, Verdict.WRONG):
+            if cond is not None:
+                rule = conditions.get(name)
+                if have is OpClass.CONDITIONAL_FP32 and rule is not None and rule.attr == cond[0]:
+                    if cond[1] not in rule.values:
+                        conditions[name] = ConditionalRule(rule.attr, rule.values | {cond[1]})
+                        applied[key] = verdict
+                elif have is OpClass.NEUTRAL:
+                    classes[name] = OpClass.CONDITIONAL_FP32
+                    conditions[name] = ConditionalRule(cond[0], frozenset({cond[1]}))
+                    applied[key] = verdict
+            elif have is not OpClass.FP32:
+                classes[name] = OpClass.FP32
+                conditions.pop(name, None)
+                applied[key] = verdict
+        elif verdict is Verdict.NEEDS_UNIFORM_INPUTS and cond is None and have is OpClass.NEUTRAL:
+            classes[name] = OpClass.WIDEST
+            applied[key] = verdict
+    return applied
 
 
 def check_name_list(arg: str, value: object, kind: str = "op names") -> Tuple[str, ...]:
@@ -150,6 +208,11 @@ def _default_classes(target_dtype: str, data: Any) -> Dict[str, OpClass]:
                                  f"{classes[name].value} and {op_class.value}; fix the lists/{target_dtype}.py data")
             classes[name] = op_class
     return classes
+
+
+def list_classes(target_dtype: str) -> Dict[str, OpClass]:
+    """Op -> class as ``lists/<target_dtype>.py`` gives it, before any verdict or override."""
+    return _default_classes(target_dtype, _load_lists(target_dtype))
 
 
 def _valid_names(target_dtype: str, classes: Mapping[str, OpClass], known_ops: Optional[Iterable[str]],
@@ -263,6 +326,13 @@ def build_table(
         for bn in _BATCHNORM_OPS:
             if bn in classes:
                 classes[bn] = OpClass.FP32 if keep_batchnorm_fp32 else OpClass.LOW_PRECISION
+    verdicts = default_verdicts(target_dtype)
+    if known_ops is not None:
+        stale = sorted(n for n in verdicts if split_key(n)[0] not in valid)
+        if stale:
+            raise ValueError(f"conformance verdicts name ops this MXNet does not register: {stale[:10]}; "
+                             "fix gluon_amp_core/lists/verdicts.py or run python -m gluon_amp.conformance --write")
+    applied = apply_verdicts(classes, conditions, verdicts, seen)
     narrow = {n: NarrowRule(a) for n, a in data.FP32_WHEN_NARROWER}
     unknown = sorted(set(narrow) - set(classes))
     if unknown:
@@ -271,7 +341,8 @@ def build_table(
     return OpTable(target_dtype=target_dtype, classes=MappingProxyType(classes),
                    conditions=MappingProxyType(conditions),
                    keep_fp32_inputs=MappingProxyType({n: frozenset(v) for n, v in data.KEEP_FP32_INPUTS.items()}),
-                   aliases=MappingProxyType(aliases), narrow_fp32=MappingProxyType(narrow))
+                   aliases=MappingProxyType(aliases), narrow_fp32=MappingProxyType(narrow),
+                   verdicts=MappingProxyType(applied))
 
 
 @functools.lru_cache(maxsize=None)

@@ -50,11 +50,11 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("execution, where MXNet binds a plan", ("gluon_amp.execution",)),
     ("the features, peers", ("gluon_amp.patching", "gluon_amp.training", "gluon_amp.convert")),
     ("composing the features (Apex's initialize)", ("gluon_amp.opt_levels",)),
-    ("reading the features", ("gluon_amp.reporting", "gluon_amp.debug")),
+    ("reading the features", ("gluon_amp.reporting", "gluon_amp.debug", "gluon_amp.conformance")),
     ("the launcher", ("gluon_amp.launch",)),
     ("the public API and the programs (python -m)", (
         "gluon_amp", "gluon_amp.run", "gluon_amp.convert.cli", "gluon_amp.convert.__main__", "gluon_amp.debug.cli",
-        "gluon_amp.debug.__main__", "gluon_amp.emulation_kernel.selftest")),
+        "gluon_amp.debug.__main__", "gluon_amp.emulation_kernel.selftest", "gluon_amp.conformance.__main__")),
 )
 #: What the pure core never imports.
 CORE_FORBIDDEN = ("gluon_amp", "mxnet", "numpy")

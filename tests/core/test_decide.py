@@ -64,3 +64,115 @@ def test_is_narrower_reads_attributes_as_mxnet_and_python_write_them():
     assert not is_narrower((1, 1, 9, 8), {"stride": "(2, 2)", "layout": "NHWC"}, rule)
     assert not is_narrower((1, 8), {"stride": "2"}, rule)  # no spatial axis
     assert not is_narrower((1, 8, 1, 1), {"stride": "()"}, rule)
+
+
+# -- conformance verdicts (gluon_amp_core/verdicts.py, data in lists/verdicts.py): issue 41 items 1-3
+
+from gluon_amp_core.lists import verdicts as verdict_data  # noqa: E402
+from gluon_amp_core.table import default_verdicts  # noqa: E402
+from gluon_amp_core.verdicts import BOUNDS, Fact, Verdict, fact_from_row, plan_verdicts  # noqa: E402
+
+
+def test_every_ruled_out_op_runs_float32_or_uniform_from_low_inputs():
+    """Generated over every verdict a plan follows: no op left without a kernel, or with a wrong
+    one, in the target dtype, whatever its class; uniform inputs where MXNet needs them."""
+    for dt in ("bfloat16", "float16"):
+        table = build_table(dt)
+        for op, verdict in default_verdicts(dt).items():
+            if ":" in op:  # one attribute value: test_decide_names_the_verdict_of_an_attribute_value
+                continue
+            for given in ([dt], [dt, dt], [dt, "float32"], ["float32", dt]):
+                d = decide(op, {}, given, table)
+                if verdict is Verdict.NEEDS_UNIFORM_INPUTS:
+                    assert d.dtype in (None, "float32", dt), (op, given, d)
+                    if len(set(given)) > 1:
+                        assert d.dtype == "float32", (op, given, d)
+                else:
+                    assert d.dtype == "float32", (op, given, d)
+                assert d.reason.value in ("no_kernel", "wrong_kernel", "uniform_inputs", "fp32", "widest"), (op, d)
+
+
+def test_issue41_ops_bfloat16_plan():
+    bf = build_table("bfloat16")
+    # 1. AdaptiveAvgPooling2D after a bfloat16 conv: neutral before, so it kept bfloat16
+    d = decide("_contrib_AdaptiveAvgPooling2D", {"output_size": "1"}, ["bfloat16"], bf)
+    assert (d.dtype, d.reason.value) == ("float32", "wrong_kernel")
+    # 2. batch_dot / dot of two bfloat16 tensors: widest kept them bfloat16; the CPU has no kernel
+    for op in ("batch_dot", "dot"):
+        d = decide(op, {}, ["bfloat16", "bfloat16"], bf)
+        assert (d.dtype, d.reason.value) == ("float32", "no_kernel")
+    # 3. sample_normal(mu bfloat16, sigma float32): one dtype for both
+    d = decide("_sample_normal", {}, ["bfloat16", "float32"], bf)
+    assert (d.dtype, d.reason.value) == ("float32", "uniform_inputs")
+    assert decide("_sample_normal", {}, ["bfloat16", "bfloat16"], bf).dtype == "bfloat16"
+    assert decide("_sample_normal", {}, [None, None], bf).dtype is None  # run-time multicast
+
+
+def test_measured_choice_does_not_override_a_verdict():
+    bf = build_table("bfloat16")
+    assert decide("batch_dot", {}, ["bfloat16"] * 2, bf, measured="bfloat16").dtype == "float32"
+
+
+def test_user_lists_keep_their_class_over_a_verdict():
+    t = build_table("bfloat16", widest_type_ops=["batch_dot"])
+    assert decide("batch_dot", {}, ["bfloat16", "bfloat16"], t).dtype == "bfloat16"
+    assert "batch_dot" not in t.verdicts
+
+
+def test_plan_verdicts_take_the_worst_fact_on_the_target_devices():
+    facts = [Fact("a", "bfloat16", Verdict.OK, "cpu", "h1"), Fact("a", "bfloat16", Verdict.WRONG, "cpu", "h2"),
+             Fact("b", "float16", Verdict.NO_KERNEL, "cpu", "h1"),  # a CPU fact: float16 plans target GPUs
+             Fact("c", "float16", Verdict.NEEDS_UNIFORM_INPUTS, "any", "h1"),
+             Fact("d", "bfloat16", Verdict.OK, "cpu", "h1")]
+    assert dict(plan_verdicts(facts, "bfloat16")) == {"a": Verdict.WRONG}
+    assert dict(plan_verdicts(facts, "float16")) == {"c": Verdict.NEEDS_UNIFORM_INPUTS}
+
+
+def test_recorded_facts_are_well_formed_and_name_their_host():
+    facts = [fact_from_row(r) for r in verdict_data.FACTS]
+    assert facts
+    for f in facts:
+        assert f.host in verdict_data.HOSTS, f
+        assert f.dtype in BOUNDS and f.device in ("any", "cpu"), f
+        host = verdict_data.HOSTS[f.host]
+        assert len(host) == 4 and all(isinstance(x, str) and x for x in host), f.host
+        if f.verdict is Verdict.OK and f.error is not None:
+            assert f.error <= BOUNDS[f.dtype], f
+        if f.verdict is Verdict.WRONG:
+            assert f.error is not None and f.error > BOUNDS[f.dtype], f
+    # facts no CI host can produce travel with the host that did
+    assert any(f.host == "zen4-issue41" and f.op == "_contrib_AdaptiveAvgPooling2D" for f in facts)
+
+
+def test_a_verdict_for_one_attribute_value_joins_the_conditional_rule():
+    from gluon_amp_core.table import OpClass, apply_verdicts, list_classes
+    classes = list_classes("bfloat16")
+    conditions = {}
+    from gluon_amp_core.table import ConditionalRule
+    conditions["Activation"] = ConditionalRule("act_type", frozenset({"softrelu"}))
+    applied = apply_verdicts(classes, conditions, {"Activation:act_type=softsign": Verdict.NO_KERNEL,
+                                                   "_contrib_AdaptiveAvgPooling2D:output_size=2": Verdict.WRONG,
+                                                   "Reshape": Verdict.NEEDS_UNIFORM_INPUTS}, ())
+    assert conditions["Activation"].values == {"softrelu", "softsign"}
+    assert classes["_contrib_AdaptiveAvgPooling2D"] is OpClass.CONDITIONAL_FP32
+    assert classes["Reshape"] is OpClass.WIDEST and len(applied) == 3
+
+
+def test_decide_names_the_verdict_of_an_attribute_value():
+    bf = build_table("bfloat16")
+    for key, verdict in default_verdicts("bfloat16").items():
+        op, _, cond = key.partition(":")
+        if not cond or verdict not in (Verdict.NO_KERNEL, Verdict.WRONG):
+            continue
+        attr, _, value = cond.partition("=")
+        d = decide(op, {attr: value}, ["bfloat16"], bf)
+        assert d.dtype == "float32" and d.reason.value in ("no_kernel", "wrong_kernel", "conditional_fp32"), (key, d)
+
+
+def test_judge_follows_the_bounds():
+    from gluon_amp_core.verdicts import Observation, judge
+    assert judge(Observation(error=0.01), "bfloat16") == (Verdict.OK, "cpu")
+    assert judge(Observation(error=0.01), "float16")[0] is Verdict.WRONG
+    assert judge(Observation(error=float("nan")), "bfloat16")[0] is Verdict.WRONG
+    assert judge(Observation(refused="x", refused_by_types=True), "float16") == (Verdict.NO_KERNEL, "any")
+    assert judge(Observation(error=0.0, mixed_refused="m"), "bfloat16") == (Verdict.NEEDS_UNIFORM_INPUTS, "any")

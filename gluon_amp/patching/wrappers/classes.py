@@ -285,7 +285,7 @@ def sym_wrapper(fn: Callable, op: str, table: OpTable, info: mxi.OpInfo, sig: mx
         n_given = sum(isinstance(a, Symbol) for a in inputs) + len(sym_kw)
         is_excluded = bool(excluded) and mxi.full_op_name(sig.option(args, kwargs, "name")) in excluded
         d = decide(op, sig.rule_attributes(args, kwargs), [None] * n_given, table, excluded=is_excluded)
-        if d.dtype is None and d.reason is not Reason.WIDEST:
+        if d.dtype is None and d.reason not in (Reason.WIDEST, Reason.UNIFORM_INPUTS):
             return neutral(*args, **kwargs)
         if not info.variadic and n_given < declared:
             # MXNet creates the missing inputs (weights) itself: build, then re-wire casts.

@@ -1,0 +1,75 @@
+"""python -m gluon_amp.conformance [--write] [--dtypes bfloat16,float16] [OP ...]
+
+Without --write: print the verdicts and the coverage. --write: record them in
+gluon_amp_core/lists/verdicts_measured.py and render docs/op_conformance.md (from a checkout).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gluon_amp.conformance", description=__doc__.splitlines()[2])
+    parser.add_argument("ops", nargs="*", help="ops to run (default: every candidate)")
+    parser.add_argument("--dtypes", default="bfloat16,float16")
+    parser.add_argument("--write", action="store_true", help="record the facts and render the docs page")
+    parser.add_argument("--models", action="store_true",
+                        help="with --write: trace the model zoos' graphs again (minutes); else keep the recorded ones")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    bad = [d for d in dtypes if d not in ("bfloat16", "float16")]
+    if bad:
+        parser.error(f"--dtypes takes bfloat16 and/or float16, got {bad}")
+    import gluon_amp  # noqa: F401  its numpy shim first
+    from . import cases, harness
+    if args.worker:
+        harness.worker(args.ops, dtypes)
+        return 0
+    known = cases.candidates()
+    unknown = [o for o in args.ops if o not in known]
+    if unknown:
+        parser.error(f"not candidate ops (no plan places them in a low dtype): {unknown}")
+    if args.write and args.ops:
+        parser.error("--write records every candidate op: give no op names")
+    ops = args.ops or list(known)
+    results = harness.run_all(ops, dtypes, log=lambda m: print(m, file=sys.stderr, flush=True))
+    for r in results:
+        if r.excluded:
+            print(f"{r.op}: not run: {r.excluded}")
+            continue
+        cells = [f"{dt} {res.verdict or 'needs another host'}"
+                 + (f" ({res.error:.3g})" if res.error is not None else "") for dt, res in r.results.items()]
+        print(f"{r.op}: " + "; ".join(cells))
+    print(harness.summary(results))
+    if args.write:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        data = os.path.join(root, "gluon_amp_core", "lists", "verdicts_measured.py")
+        if not os.path.exists(os.path.dirname(data)):
+            print("--write needs a checkout of gluon-amp (gluon_amp_core/lists/ not found)", file=sys.stderr)
+            return 2
+        if args.models:
+            from .models import model_ops
+            print("tracing the model zoos' graphs", file=sys.stderr, flush=True)
+            traced = model_ops()
+        else:
+            from gluon_amp_core.lists import verdicts_measured as recorded
+            traced = ({m: ops.split() for m, ops in recorded.MODEL_OPS.items()}, dict(recorded.MODEL_FAILED))
+        harness.write_data(results, data, traced)
+        from gluon_amp_core import conformance_report
+        import importlib
+        import gluon_amp_core.lists.verdicts_measured as m
+        importlib.reload(m)
+        import gluon_amp_core.lists.verdicts as v
+        importlib.reload(v)
+        with open(os.path.join(root, "docs", "op_conformance.md"), "w", encoding="utf-8") as f:
+            f.write(conformance_report.render())
+        print(f"wrote {data} and docs/op_conformance.md", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
