@@ -1,6 +1,7 @@
 """Smoke test of ``benchmarks/soak.py`` (issue 42): 4 threads, real SIGINTs, a few seconds.
 
-Slow (about 15 s on 2 shared cores: MXNet's import, then 9 s of soak).
+Slow (15-40 s on 2 shared cores: MXNet's import, the emulation kernel's build in the session's fresh
+cache, then 9 s of soak).
 """
 import json
 import os
