@@ -29,8 +29,9 @@ E. ``disable()`` at the end restores      1, 2 (``disable()`` cannot restore MXN
 Item 8 (a change log that overflows after ~2,000 regions) needs thousands of regions per step:
 ``repro/state/policy_log_eviction_unscaled_step.py`` and the trainstate branch's tests cover it.
 
-Runs: ``test_state_machine_quick`` (make test-quick): derandomized, 8 examples of up to 20 steps,
-about 4 s on 2 shared cores (plus the emulation kernel's build in a fresh cache).
+Runs: ``test_state_machine_quick`` (make test-quick): derandomized, 10 examples of up to 25 steps,
+about 10 s on 2 shared cores (plus the emulation kernel's build in a fresh cache); at aeec3b5 this
+seed fails on item 6 after 5 s.
 ``test_state_machine_long`` (slow): 150 random examples of up to 50 steps, a few minutes.
 """
 from __future__ import annotations
@@ -497,8 +498,8 @@ def _run(**options: Any) -> None:
 
 
 def test_state_machine_quick():
-    """Fixed seed (derandomized): 8 examples of up to 20 steps; runs in make test-quick."""
-    _run(max_examples=8, stateful_step_count=20, derandomize=True)
+    """Fixed seed (derandomized): 10 examples of up to 25 steps; runs in make test-quick."""
+    _run(max_examples=10, stateful_step_count=25, derandomize=True)
 
 
 @pytest.mark.slow
