@@ -71,7 +71,8 @@ setup(
         # gluonnlp: the client tests run its models (pip builds its sdist, about 13 s).
         # wheel: a test builds gluon-amp's wheel, and setuptools before 70.1 has no bdist_wheel.
         # ruff: the linter `make lint` / `make test` run (ruff.toml).
-        "test": ["pytest>=7", "gluonnlp==0.10.0", "wheel", "ruff>=0.2"],
+        # hypothesis: the stateful property test (tests/mxnet_layer/state/test_stateful.py).
+        "test": ["pytest>=7", "gluonnlp==0.10.0", "wheel", "ruff>=0.2", "hypothesis>=6.100"],
         # Build horovod against the installed MXNet first (see README / `make install-dist`):
         # a plain pip build of it has no MXNet support.
         "dist": ["horovod==0.28.1", "psutil"],

@@ -9,12 +9,13 @@ The peer-compatible signatures (``init``, ``convert_*``, ``report``) are shims o
 """
 from __future__ import annotations
 
+import difflib
 import os
 from typing import Any, Optional, Sequence
 
 from . import mxnet_internals as mxi, runtime
 from gluon_amp_core.policy import FLOAT32, Policy, PolicySpec
-from gluon_amp_core.table import ConditionalSpec
+from gluon_amp_core.table import ConditionalSpec, OpListError
 from gluon_amp_core.tuning.schedule import ENV as TUNE_BUDGET_ENV, TuneBudget, parse_budget
 
 
@@ -52,8 +53,34 @@ def make_policy(target_dtype: Any = None, *,
         res = runtime.resolve(spec.requested)
         dtype, reason = res.dtype, (res.warning if res.dtype == FLOAT32 else None)
     tune_on = tune_default() if spec.tune is None and not spec.emulate else bool(spec.tune)
-    return Policy.from_spec(spec, dtype, tune=tune_on, known_ops=mxi.op_infos().keys(), aliases=mxi.aliases(),
-                            reason=reason)
+    policy = Policy.from_spec(spec, dtype, tune=tune_on, known_ops=mxi.op_infos().keys(), aliases=mxi.aliases(),
+                              reason=reason)
+    check_conditional_attrs(spec.conditional_fp32_ops or ())  # after the op names: those errors come first
+    return policy
+
+
+#: Ops whose attributes are whatever the caller passes (the registry declares only some).
+_FREE_ATTRS = frozenset({"Custom"})
+
+
+def check_conditional_attrs(conditional_fp32_ops: Sequence[ConditionalSpec]) -> None:
+    """Raise :class:`~gluon_amp_core.table.OpListError` (a ``ValueError``) for an entry
+    ``(op, attr, values)`` whose ``attr`` the op does not have in MXNet's registry: such an
+    entry could never match a node. Hidden attributes (``__name__``) pass."""
+    infos = mxi.op_infos()
+    for op, attr, _values in conditional_fp32_ops:
+        info = infos.get(op)
+        if info is None or info.canonical in _FREE_ATTRS or (attr.startswith("__") and attr.endswith("__")):
+            continue
+        declared = info.attrs
+        if attr in declared:
+            continue
+        near = difflib.get_close_matches(attr, declared, n=3, cutoff=0.6)
+        hint = f" Did you mean {', '.join(repr(n) for n in near)}?" if near else ""
+        has = f"its attributes are {', '.join(declared)}" if declared else "it has no attributes"
+        raise OpListError(f"conditional_fp32_ops entry {(op, attr)!r}: op {op!r} has no attribute {attr!r} "
+                          f"in MXNet's registry ({has}), so the entry could never match.{hint} "
+                          "Name an attribute the op has, or remove the entry.")
 
 
 #: Set to ``0`` to make ``tune=None`` mean no tuning (as ``tune=False`` everywhere).

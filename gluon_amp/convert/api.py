@@ -5,7 +5,7 @@ import difflib
 import json
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import mxnet as mx
 from mxnet.gluon import HybridBlock, SymbolBlock
@@ -421,9 +421,25 @@ def fusion_plan(fuse: Optional[bool], device_type: str, policy: Policy) -> Fusio
     return FusionPlan(backend, bool(backend) and policy.enabled and policy.target_dtype == "bfloat16")
 
 
+def _contexts(ctx: Any) -> List[mx.Context]:
+    """``ctx`` (a Context, or a list/tuple of them, as MXNet's own APIs take it) as a non-empty
+    list of Contexts of one device type; ``TypeError``/``ValueError`` naming it otherwise."""
+    many = list(ctx) if isinstance(ctx, (list, tuple)) else [ctx]
+    bad = [c for c in many if not isinstance(c, mx.Context)]
+    if bad or not many:
+        raise (ValueError if not many else TypeError)(
+            f"ctx must be an mx.Context or a non-empty list of them (e.g. mx.cpu() or [mx.gpu(0), mx.gpu(1)]), "
+            f"got {ctx!r}")
+    kinds = sorted({c.device_type for c in many})
+    if len(kinds) > 1:
+        raise ValueError(f"ctx mixes device types {kinds} ({ctx!r}): the converted block is planned for one "
+                         "device type; give contexts of one type.")
+    return many
+
+
 def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dtype_ops=None,
                          fp32_ops=None, conditional_fp32_ops=None, excluded_sym_names=None,
-                         ctx: Optional[mx.Context] = None,
+                         ctx: Union[None, mx.Context, Sequence[mx.Context]] = None,
                          cast_optional_params: bool = False, *, widest_type_ops=None,
                          keep_batchnorm_fp32: Optional[bool] = None,
                          fuse: Optional[bool] = None, emulate: Optional[bool] = None,
@@ -432,7 +448,8 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     """Convert a hybridized FP32 block into a mixed-precision :class:`MixedPrecisionBlock`.
 
     The block must have been hybridized and run once (its graph is read from the cache).
-    ``ctx`` defaults to where the block's parameters live. The block is not modified.
+    ``ctx`` (a Context or a list of Contexts of one device type, as MXNet's APIs take it) defaults to
+    where the block's parameters live. The block is not modified.
     ``fuse`` (default: on for a CPU context with oneDNN, unless the target is float16)
     makes the result use MXNet's oneDNN subgraph fusion (conv+BN+ReLU+sum), as
     ``hybridize(backend='MKLDNN')`` does, also after a later ``hybridize``; ``fuse=False``
@@ -459,7 +476,8 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     params = {p.name: p for p in block.collect_params().values()}
     if ctx is None:
         ctx = next(iter(params.values())).list_ctx()[0] if params else mx.current_context()
-    plan = fusion_plan(fuse, ctx.device_type, policy)
+    ctx = _contexts(ctx)
+    plan = fusion_plan(fuse, ctx[0].device_type, policy)
     backend = plan.backend
     arg_names, aux_names = set(sym.list_arguments()), set(sym.list_auxiliary_states())
     arg_params = {n: params[n].data(params[n].list_ctx()[0]) for n in arg_names if n in params}

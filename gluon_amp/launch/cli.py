@@ -9,7 +9,6 @@ after SCRIPT (or -m MODULE) is the program's.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import warnings
@@ -110,10 +109,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     if target is None:
         p.error("give the program to run: SCRIPT [ARGS...] or -m MODULE [ARGS...]")
     kind, name, args = target
-    if kind == "script" and not os.path.exists(name):
-        p.exit(2, f"{PROG}: can't open file {os.path.join(os.getcwd(), name)!r}: [Errno 2] No such file or directory\n")
-    if kind == "module" and importlib.util.find_spec(name) is None:
-        p.exit(1, f"{PROG}: No module named {name}\n")
+    if kind == "script" and not os.path.exists(name):  # python's line, before anything starts
+        where = name if os.path.isabs(name) else os.path.join(os.getcwd(), name)
+        p.exit(2, f"{sys.orig_argv[0]}: can't open file {where!r}: [Errno 2] No such file or directory\n")
+    # a module python -m cannot run (missing, a package without __main__) ends in runner.run_module
+    # with python's own line: looking for it here would import its parents before AMP is on
     try:
         # what installing warns (e.g. AMP off on this CPU) is said as the launcher's own lines:
         # a warning's usual source line would show gluon_amp's frames above the program's output
