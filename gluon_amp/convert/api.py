@@ -381,6 +381,13 @@ def _as_called(block: HybridBlock, sym: Symbol, inputs: List[Symbol]) -> Tuple[A
     return outputs, grouped
 
 
+def _like_frontend(like: Symbol, outputs: Any) -> Any:
+    """``outputs`` (a Symbol, or nested lists of them) in the frontend of ``like``."""
+    if isinstance(outputs, list):
+        return [_like_frontend(like, o) for o in outputs]
+    return mxi.like_frontend(like, outputs)
+
+
 def _leaves(x: Any) -> list:
     return [z for y in x for z in _leaves(y)] if isinstance(x, list) else [x]
 
@@ -447,6 +454,7 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     if not isinstance(block, HybridBlock):
         raise TypeError(f"convert_hybrid_block expects a gluon HybridBlock, got {type(block).__name__}")
     inputs, sym = mxi.cached_graph(block, "convert_hybrid_block")
+    frontend = sym  # a numpy-mode block's graph: the result returns mx.np arrays too
     traced = plan_notes.traced_graph(block, sym)
     if traced is not None:  # traced under init: its FP32 graph, without the plan's casts (any policy's)
         sym = mx.sym.load_json(json.dumps(without_amp_casts(json.loads(traced.tojson(remove_amp_cast=False)))))
@@ -466,7 +474,8 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
                                                         cast_optional_params, input_shapes, backend is not None,
                                                         require_shapes=tune is True)
     data_vars = [mx.sym.var(i.name, dtype="float32") for i in inputs]
-    out = MixedPrecisionBlock(*_as_called(block, new_sym, data_vars))
+    outputs, grouped = _as_called(block, new_sym, data_vars)
+    out = MixedPrecisionBlock(_like_frontend(frontend, outputs), grouped)
     out.amp_result, out.fuse_backend = result, backend
     loaded = {**{f"arg:{k}": v for k, v in new_args.items()}, **{f"aux:{k}": v for k, v in new_aux.items()}}
     with mxi.own_casts():  # the plan's parameter dtypes: never a script's GPU-only cast (patching/low_cast.py)
