@@ -186,9 +186,20 @@ class MixedPrecisionSymbol(Symbol):
     """The Symbol :func:`convert_symbol` and :func:`convert_model` return: a plain MXNet graph
     (its nodes carry no attribute of gluon_amp's), and ``amp_result``, the pass's per-node
     decisions, kept beside it (read by :func:`gluon_amp.report`). Symbols MXNet derives from
-    it (``get_internals``, a saved and loaded copy) are plain Symbols."""
+    it (``get_internals``, a saved and loaded copy) are plain Symbols.
+
+    :meth:`save` and :meth:`tojson` keep the casts by default (``remove_amp_cast=False``), as
+    the converted block's ``export`` does: MXNet's default removes the ``amp_cast`` nodes a plan
+    reads through, and the file would hold the FP32 graph (plain MXNet on a bfloat16 host ran it
+    bit for bit as FP32). ``remove_amp_cast=True`` still does what MXNet does."""
 
     amp_result: Optional[PassResult] = None
+
+    def save(self, fname: str, remove_amp_cast: bool = False) -> None:
+        super().save(fname, remove_amp_cast=remove_amp_cast)
+
+    def tojson(self, remove_amp_cast: bool = False) -> str:
+        return super().tojson(remove_amp_cast=remove_amp_cast)
 
 
 def _with_result(sym: Symbol, result: PassResult) -> MixedPrecisionSymbol:
