@@ -41,14 +41,15 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
     """The graph MXNet runs for ``plan`` bound with inputs of ``dtypes`` (input name -> dtype,
     those known) and ``shapes`` on ``devices`` under ``policy``.
 
-    Returns ``plan`` itself when it holds nothing in low precision, when no policy applies,
-    or when every device runs its low dtypes; a new emulated Symbol when ``policy.emulate``.
+    Returns ``plan`` itself when it holds nothing in low precision or when no policy applies;
+    where every device runs the dtypes its kernels compute in, the plan with its outputs in the
+    dtype the caller feeds (:func:`outputs_as_fed`); a new emulated Symbol when ``policy.emulate``.
 
     Raises
     ------
     RuntimeError
-        gluon_amp's, naming ``emulate=True``, when a device cannot run a low dtype of the plan
-        (before MXNet fails on it with its own error).
+        gluon_amp's, naming ``emulate=True``, when a device cannot run a low dtype the plan's
+        kernels compute in (:func:`kernel_dtypes`), before MXNet fails on it with its own error.
     """
     if policy is None or not policy.enabled:
         return plan
@@ -58,11 +59,62 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
         return plan
     if policy.emulate:
         return emulated(plan, typed, shapes, fed=dtypes)
+    kernels = kernel_dtypes(plan, typed)
     for device in sorted(set(devices)):
-        for dtype in sorted(low):
+        for dtype in sorted(kernels):
             if not runtime.executable(dtype, device):
                 raise CannotRun(cannot_run(what, dtype, device))
-    return plan
+    return outputs_as_fed(plan, typed, dtypes)
+
+
+#: Suffix of the cast that gives a natively run plan's low-precision output in the fed dtype.
+OUTPUT_SUFFIX = "_amp_output"
+
+
+def outputs_as_fed(plan: Symbol, typed: Mapping[Key, Optional[str]], fed: Mapping[str, Any]) -> Symbol:
+    """``plan`` run natively, its outputs in the dtype the caller works in, as its emulated
+    copy gives them (:func:`gluon_amp_core.emulate.emulate_graph`): an output the plan holds in
+    a low dtype comes back float32 to a caller that fed no low-precision input, and in the low
+    dtype a caller fed (GPU-style float16 code), if one. ``plan`` itself where nothing changes.
+
+    NumPy has no bfloat16: a bfloat16 array handed to float32 code reads as raw 16-bit words
+    (``asnumpy()`` gives a structured ``uint16`` array, ``tolist()`` a ``(..., 1)`` shape).
+    Only the executor's graph changes; the plan (what ``export`` writes) is left as it is."""
+    fed_low = {dtype_name(t) if not isinstance(t, str) else t for t in fed.values()} & set(LOW_PRECISION_DTYPES)
+    if len(fed_low) > 1:
+        return plan  # several low dtypes fed: the plan's own outputs
+    want = fed_low.pop() if fed_low else "float32"
+    graph = json.loads(plan.tojson(remove_amp_cast=False))
+    nodes, heads, made = graph["nodes"], [], {}
+    for j, k, v in graph["heads"]:
+        name = nodes[j]["name"]
+        if typed.get((name, k)) in LOW_PRECISION_DTYPES and typed.get((name, k)) != want:
+            if (j, k) not in made:
+                nodes.append({"op": "amp_cast", "name": f"{name}{OUTPUT_SUFFIX}{k}", "attrs": {"dtype": want},
+                              "inputs": [[j, k, 0]]})
+                made[(j, k)] = len(nodes) - 1
+            j, k = made[(j, k)], 0
+        heads.append([j, k, v])
+    if not made:
+        return plan
+    graph = {**graph, "nodes": nodes, "heads": heads}
+    graph.pop("node_row_ptr", None)
+    return mx.sym.load_json(json.dumps(graph))
+
+
+#: Ops that only convert a value's dtype: MXNet's ``amp_cast`` (and ``Cast``) convert between any float
+#: dtypes on any device (a float16 array cast to bfloat16 on a CPU runs no float16 kernel).
+_CASTS = frozenset({"amp_cast", "Cast"})
+
+
+def kernel_dtypes(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> set:
+    """The low dtypes ``plan`` (typed by MXNet as ``typed``) computes in: the outputs of its op
+    nodes but casts. A graph input in a low dtype that is only cast (GPU-style code's float16
+    data fed to a bfloat16 plan: ``net.cast('float16')``, ``net(x.astype('float16'))``) runs no
+    kernel of that dtype, as the same plan run op by op does not."""
+    nodes = json.loads(plan.tojson(remove_amp_cast=False))["nodes"]
+    exempt = {n["name"] for n in nodes if n["op"] == "null" or n["op"] in _CASTS}
+    return {t for (name, _), t in typed.items() if t in LOW_PRECISION_DTYPES and name not in exempt}
 
 
 class CannotRun(RuntimeError):
@@ -214,8 +266,8 @@ state.register_extension(state.Extension(_on_init, _on_disable, _forget))
 
 
 def executed_graph(block: HybridBlock) -> Optional[Symbol]:
-    """The graph ``block``'s CachedOp runs where it is not the block's plan (an emulated copy),
-    else None."""
+    """The graph ``block``'s CachedOp runs where it is not the block's plan (an emulated copy,
+    or the plan with its outputs as fed: :func:`outputs_as_fed`), else None."""
     return mxi.executed_graph(block)
 
 
@@ -223,7 +275,8 @@ def runs_emulated(obj: Any) -> bool:
     """True for a block whose CachedOp runs an emulated copy of its plan, and for a
     converter's result asked with ``emulate=True``."""
     if isinstance(obj, HybridBlock) and executed_graph(obj) is not None:
-        return True
+        policy = policy_for(obj)
+        return policy is not None and policy.emulate  # else the plan, its outputs as fed
     mine = _remembered(obj)
     return mine is not None and mine.emulate
 

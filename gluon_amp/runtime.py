@@ -89,10 +89,11 @@ def _probe_bf16() -> Optional[str]:
     fd 2 is silenced while probing, and the engine's pending error is drained so it cannot
     surface in the caller's next op. The probe calls MXNet's own op functions, with the
     block hooks paused, whatever :func:`gluon_amp.init` patched when it first runs (an
-    emulated init would otherwise run it in float32 and call bfloat16 executable).
+    emulated init would otherwise run it in float32 and call bfloat16 executable), in legacy
+    arrays (numpy mode too).
     """
-    from .mxnet_internals import hooks_paused, quiet_stderr
-    with quiet_stderr(), hooks_paused():
+    from .mxnet_internals import hooks_paused, legacy_arrays, quiet_stderr
+    with quiet_stderr(), hooks_paused(), legacy_arrays():  # legacy arrays in numpy mode too
         return _run_probe()
 
 

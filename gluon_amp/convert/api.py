@@ -190,9 +190,20 @@ class MixedPrecisionSymbol(Symbol):
     """The Symbol :func:`convert_symbol` and :func:`convert_model` return: a plain MXNet graph
     (its nodes carry no attribute of gluon_amp's), and ``amp_result``, the pass's per-node
     decisions, kept beside it (read by :func:`gluon_amp.report`). Symbols MXNet derives from
-    it (``get_internals``, a saved and loaded copy) are plain Symbols."""
+    it (``get_internals``, a saved and loaded copy) are plain Symbols.
+
+    :meth:`save` and :meth:`tojson` keep the casts by default (``remove_amp_cast=False``), as
+    the converted block's ``export`` does: MXNet's default removes the ``amp_cast`` nodes a plan
+    reads through, and the file would hold the FP32 graph (plain MXNet on a bfloat16 host ran it
+    bit for bit as FP32). ``remove_amp_cast=True`` still does what MXNet does."""
 
     amp_result: Optional[PassResult] = None
+
+    def save(self, fname: str, remove_amp_cast: bool = False) -> None:
+        super().save(fname, remove_amp_cast=remove_amp_cast)
+
+    def tojson(self, remove_amp_cast: bool = False) -> str:
+        return super().tojson(remove_amp_cast=remove_amp_cast)
 
 
 def _with_result(sym: Symbol, result: PassResult) -> MixedPrecisionSymbol:
@@ -385,6 +396,13 @@ def _as_called(block: HybridBlock, sym: Symbol, inputs: List[Symbol]) -> Tuple[A
     return outputs, grouped
 
 
+def _like_frontend(like: Symbol, outputs: Any) -> Any:
+    """``outputs`` (a Symbol, or nested lists of them) in the frontend of ``like``."""
+    if isinstance(outputs, list):
+        return [_like_frontend(like, o) for o in outputs]
+    return mxi.like_frontend(like, outputs)
+
+
 def _leaves(x: Any) -> list:
     return [z for y in x for z in _leaves(y)] if isinstance(x, list) else [x]
 
@@ -468,6 +486,7 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     if not isinstance(block, HybridBlock):
         raise TypeError(f"convert_hybrid_block expects a gluon HybridBlock, got {type(block).__name__}")
     inputs, sym = mxi.cached_graph(block, "convert_hybrid_block")
+    frontend = sym  # a numpy-mode block's graph: the result returns mx.np arrays too
     traced = plan_notes.traced_graph(block, sym)
     if traced is not None:  # traced under init: its FP32 graph, without the plan's casts (any policy's)
         sym = mx.sym.load_json(json.dumps(without_amp_casts(json.loads(traced.tojson(remove_amp_cast=False)))))
@@ -488,7 +507,8 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
                                                         cast_optional_params, input_shapes, backend is not None,
                                                         require_shapes=tune is True)
     data_vars = [mx.sym.var(i.name, dtype="float32") for i in inputs]
-    out = MixedPrecisionBlock(*_as_called(block, new_sym, data_vars))
+    outputs, grouped = _as_called(block, new_sym, data_vars)
+    out = MixedPrecisionBlock(_like_frontend(frontend, outputs), grouped)
     out.amp_result, out.fuse_backend = result, backend
     loaded = {**{f"arg:{k}": v for k, v in new_args.items()}, **{f"aux:{k}": v for k, v in new_aux.items()}}
     with mxi.own_casts():  # the plan's parameter dtypes: never a script's GPU-only cast (patching/low_cast.py)

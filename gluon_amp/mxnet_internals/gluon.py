@@ -102,6 +102,27 @@ def call_inputs(block: HybridBlock, args: tuple, inputs: Sequence[Symbol]
 NP_SYMBOL = mx.sym.np._Symbol
 
 
+def like_frontend(like: Symbol, sym: Symbol) -> Symbol:
+    """``sym`` in the frontend of ``like``: a numpy-frontend Symbol where ``like`` is one.
+
+    1.9.1 mxnet/_ctypes/ndarray.py: a ``CachedOp`` built from a numpy-frontend Symbol returns
+    ``mx.np.ndarray`` outputs, from a legacy one ``mx.nd.NDArray``, which Gluon refuses in numpy
+    mode (``npx.set_np()``). A graph gluon_amp rebuilds (``mx.sym.load_json``) is legacy:
+    ``Symbol.as_np_ndarray`` shares its graph under the numpy class."""
+    if isinstance(like, NP_SYMBOL) and not isinstance(sym, NP_SYMBOL):
+        return sym.as_np_ndarray()
+    return sym
+
+
+def legacy_arrays() -> ContextManager[Any]:
+    """Inside, Gluon makes and expects legacy ``mx.nd`` arrays, in numpy mode too
+    (``npx.set_np()``): gluon_amp's own measuring blocks are built from legacy symbols and fed
+    legacy arrays. 1.9.1: ``mx.util.np_array(False)``, a per-thread scope that Gluon's blocks,
+    parameters and output check read; NumPy shape semantics are left as the user set them
+    (turning them off while numpy arrays are on is refused)."""
+    return mx.util.np_array(False)
+
+
 def pin_float32(var: Symbol) -> None:
     """Declare a variable float32 (``__dtype__='0'``). 1.9.1: ``Symbol._set_attr``; the
     public ``var(dtype=)`` cannot change an existing variable."""
@@ -227,7 +248,7 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
         if _paused.depth:
             return inputs, out
         if fresh:
-            self._cached_graph = (inputs, rewrite(self, args, inputs, out))
+            self._cached_graph = (inputs, like_frontend(out, rewrite(self, args, inputs, out)))
             built.add(self)
             if reshaped is not None and watch is not None and watch(self):
                 seen[self] = _shapes(args)
@@ -261,6 +282,7 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
         inputs, out = self._cached_graph
         rewritten = rewrite(self, args, inputs, out)
         if rewritten is not out:
+            rewritten = like_frontend(out, rewritten)
             _RUN_GRAPHS[self] = (inputs, rewritten)
         else:
             _RUN_GRAPHS.pop(self, None)
@@ -487,6 +509,7 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
         if run is graph:
             _EXECUTED.pop(self, None)
             return _BUILD_CACHE(self, *args)
+        run = like_frontend(graph, run)  # the CachedOp returns what the block's own graph would
         given = _RUN_GRAPHS.get(self)
         saved = self._cached_graph
         if given is not None:

@@ -70,7 +70,7 @@ def time_op(op: str, attrs: Mapping[str, str], shapes: Sequence[Tuple[int, ...]]
     names = sym.list_arguments()
     given = {f"in{k}": s for k, s in enumerate(shapes) if f"in{k}" in names}
     try:
-        with autograd.pause(), mxi.unfused_binds():
+        with autograd.pause(), mxi.unfused_binds(), mxi.legacy_arrays():  # numpy mode too
             # 1.9.1 binds shapes an op rejects into a segmentation fault: ask first (its
             # refusal is printed on stdout, then raised)
             with contextlib.redirect_stdout(io.StringIO()):
@@ -128,7 +128,7 @@ def time_graphs(syms: Sequence[mx.sym.Symbol], shapes: Mapping[str, Tuple[int, .
     """:func:`time_graph` of several graphs of the same inputs, their runs taking turns (one
     run of each, then again), so a change of load on the machine falls on all of them alike."""
     try:
-        with mxi.hooks_paused(), autograd.pause():
+        with mxi.hooks_paused(), autograd.pause(), mxi.legacy_arrays():  # numpy mode too
             return _take_turns([_prepare(sym, shapes, train, fused) for sym in syms], runs, give_up_ms)
     except (MXNetError, ValueError, RuntimeError):
         try:

@@ -3,8 +3,11 @@
 Entry points: a hybridized block, an imperative block, a SymbolBlock, a Module, a
 BucketingModule (two bucket keys), ``Symbol.simple_bind`` (hand-written SGD on the executor),
 and the three converters, each followed by an export that a fresh process of plain MXNet (no
-gluon_amp) loads. The net: FullyConnected 8 -> 16, relu, with ``custom`` a Python custom op
-(y = 2x; its ``CustomOpProp`` has a plain ``__init__``), FullyConnected 16 -> 4; batch 4.
+gluon_amp) loads. The Gluon entries (the blocks and ``convert_hybrid_block``) also run in MXNet's
+numpy mode (``npx.set_np()`` before ``init``, as d2l programs do; without the custom op), where
+every array a block returns must be an ``mx.np.ndarray``. The net: FullyConnected 8 -> 16, relu,
+with ``custom`` a Python custom op (y = 2x; its ``CustomOpProp`` has a plain ``__init__``),
+FullyConnected 16 -> 4; batch 4.
 
 Modes: off (no ``init``), emulated float16, emulated bfloat16, native bfloat16, and float16
 without emulation (MXNet has no float16 GEMM on CPU). Each cell's outcome follows from
@@ -26,7 +29,8 @@ kernels, and every low-precision cell must also differ from FP32 (its rounding t
 Under float16 a Module's dynamic loss scale skips the steps whose gradients overflow
 (``MAX_SKIPPED``); FP32's reference then skips the same updates. Each export must hold no
 ``_gluon_amp_round`` node and no ``__amp_`` attribute, load and type in plain MXNet, and run
-there (its logits within the same tolerance) where its dtypes run natively. A converter given
+there (its logits within the same tolerance) where its dtypes run natively; the dtypes MXNet
+infers in the loaded export are the plan's (a save that dropped the casts would run FP32). A converter given
 no ``target_dtype`` must follow the mode's policy.
 
 Cells with the custom op run in one worker process (a custom op whose constructor fails makes
@@ -49,7 +53,7 @@ import pytest
 
 import gluon_amp
 import mxnet as mx
-from mxnet import autograd, gluon
+from mxnet import autograd, gluon, npx
 from mxnet.gluon import nn
 
 from gluon_amp import runtime
@@ -108,7 +112,10 @@ MODES = {
 }
 TRAINING = ["hybridized", "imperative", "symbolblock", "module", "bucketing", "simple_bind"]
 CONVERTERS = ["convert_symbol", "convert_model", "convert_hybrid_block"]
-CELLS = list(itertools.product(TRAINING + CONVERTERS, MODES, [False, True]))
+#: the entries of numpy mode (Gluon's); without the custom op
+NUMPY = ["hybridized", "imperative", "symbolblock", "convert_hybrid_block"]
+CELLS = [(e, m, c, False) for e, m, c in itertools.product(TRAINING + CONVERTERS, MODES, [False, True])] + \
+    [(e, m, False, True) for e, m in itertools.product(NUMPY, MODES)]
 MARK = "@@matrix "
 
 
@@ -151,30 +158,42 @@ def _softmax(custom, act="relu"):
 
 
 class _Net(gluon.HybridBlock):
-    def __init__(self, custom):
+    def __init__(self, custom, numpy=False):
         super().__init__(prefix="")
-        self.custom = custom
+        self.custom, self.numpy = custom, numpy
         with self.name_scope():
             self.fc1 = nn.Dense(HIDDEN, in_units=IN, prefix="fc1_")
             self.fc2 = nn.Dense(CLASSES, in_units=HIDDEN, prefix="fc2_")
 
     def hybrid_forward(self, F, x):
-        h = F.Activation(self.fc1(x), act_type="relu")
+        h = (F.npx.activation if self.numpy else F.Activation)(self.fc1(x), act_type="relu")
         if self.custom:
             h = F.Custom(h, op_type=OP_TYPE)
         return self.fc2(h)
 
 
-def _set_weights(block):
+def _array(x, numpy=False):
+    return mx.np.array(x) if numpy else mx.nd.array(x)
+
+
+def _frontend(y, numpy):
+    """``y``, a block's output: an ``mx.np.ndarray`` in numpy mode (Gluon requires it), else legacy."""
+    if isinstance(y, mx.np.ndarray) != numpy:
+        raise TypeError(f"a block gave a {type(y).__module__}.{type(y).__name__} in {'numpy' if numpy else 'legacy'} "
+                        "mode")
+    return y
+
+
+def _set_weights(block, numpy=False):
     params = block.collect_params()
     params.initialize()
     for name, value in _weights().items():
-        params[name].set_data(value)
+        params[name].set_data(value.as_np_ndarray() if numpy else value)
     return block
 
 
-def _net(custom, hybridize):
-    net = _set_weights(_Net(custom))
+def _net(custom, hybridize, numpy=False):
+    net = _set_weights(_Net(custom, numpy), numpy)
     if hybridize:
         net.hybridize()
     return net
@@ -194,22 +213,25 @@ def _skipped(trainer_or_module):
     return scaler is not None and scaler.last_step_skipped
 
 
-def _train_block(net, skip):
+def _train_block(net, skip, numpy=False):
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": LR})
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     losses, skipped = [], []
     for i, (x, y) in enumerate(zip(*_batches())):
         with autograd.record():
-            loss = loss_fn(net(mx.nd.array(x)), mx.nd.array(y))
+            loss = loss_fn(_frontend(net(_array(x, numpy)), numpy), _array(y, numpy))
         loss.backward()
         if i not in skip:
             trainer.step(BATCH)
-        losses.append(float(loss.mean().asscalar()))
+        losses.append(float(loss.mean().asnumpy()))
         skipped += [i] * _skipped(trainer)
     return {"losses": losses, "skipped": skipped}
 
 
-def _symbolblock(custom):
+def _symbolblock(custom, numpy=False):
+    if numpy:
+        return _set_weights(gluon.SymbolBlock(_logits(custom).as_np_ndarray(), mx.sym.var("data").as_np_ndarray()),
+                            numpy)
     return _set_weights(gluon.SymbolBlock(_logits(custom), mx.sym.var("data")))
 
 
@@ -230,13 +252,13 @@ def _train_module(mod, skip):
     return {"losses": losses, "skipped": skipped}
 
 
-def _module(custom, skip):
+def _module(custom, skip, numpy=False):
     mod = mx.mod.Module(_softmax(custom), context=mx.cpu())
     mod.bind(data_shapes=[("data", (BATCH, IN))], label_shapes=[("softmax_label", (BATCH,))])
     return _train_module(mod, skip)
 
 
-def _bucketing(custom, skip):
+def _bucketing(custom, skip, numpy=False):
     def sym_gen(key):  # the two buckets share the weights; their graphs differ
         return _softmax(custom, "relu" if key == 2 else "tanh"), ("data",), ("softmax_label",)
 
@@ -245,7 +267,7 @@ def _bucketing(custom, skip):
     return _train_module(mod, skip)
 
 
-def _simple_bind(custom, skip):
+def _simple_bind(custom, skip, numpy=False):
     weights = _weights()
     grad_req = {"data": "null", "softmax_label": "null", **dict.fromkeys(weights, "write")}
     ex = _softmax(custom).simple_bind(mx.cpu(), data=(BATCH, IN), softmax_label=(BATCH,), grad_req=grad_req)
@@ -262,9 +284,9 @@ def _simple_bind(custom, skip):
 
 
 TRAIN = {
-    "hybridized": lambda custom, skip: _train_block(_net(custom, hybridize=True), skip),
-    "imperative": lambda custom, skip: _train_block(_net(custom, hybridize=False), skip),
-    "symbolblock": lambda custom, skip: _train_block(_symbolblock(custom), skip),
+    "hybridized": lambda custom, skip, numpy: _train_block(_net(custom, True, numpy), skip, numpy),
+    "imperative": lambda custom, skip, numpy: _train_block(_net(custom, False, numpy), skip, numpy),
+    "symbolblock": lambda custom, skip, numpy: _train_block(_symbolblock(custom, numpy), skip, numpy),
     "module": _module,
     "bucketing": _bucketing,
     "simple_bind": _simple_bind,
@@ -273,8 +295,8 @@ TRAIN = {
 
 # -- the converters ---------------------------------------------------------------------------
 
-def _x0():
-    return mx.nd.array(_batches()[0][0])
+def _x0(numpy=False):
+    return _array(_batches()[0][0], numpy)
 
 
 def _run_symbol(sym, args, aux):
@@ -299,16 +321,17 @@ def _attempt(run):
                            "mxnet": isinstance(err, mx.base.MXNetError), "trace": traceback.format_exc()}}
 
 
-def _convert(entry, custom, prefix):
+def _convert(entry, custom, prefix, numpy=False):
     """Convert the FP32 model with no ``target_dtype`` (the active policy's), export it, and run
     the result here. Conversion and export must not fail; running may refuse."""
     out = {}
     if entry == "convert_hybrid_block":
-        net = _net(custom, hybridize=True)
-        out["before"] = _attempt(lambda: net(_x0()).asnumpy().tolist())  # the block ran under this mode
+        net = _net(custom, True, numpy)
+        # the block ran under this mode (its outputs as a float32 caller reads them: no raw bfloat16 words)
+        out["before"] = _attempt(lambda: _frontend(net(_x0(numpy)), numpy).asnumpy().tolist())
         conv = gluon_amp.convert_hybrid_block(net)
         conv.export(prefix, 0)
-        out["run"] = _attempt(lambda: conv(_x0()).asnumpy().astype("float32").tolist())
+        out["run"] = _attempt(lambda: _frontend(conv(_x0(numpy)), numpy).asnumpy().astype("float32").tolist())
         sym = mx.sym.load(prefix + "-symbol.json")
     else:
         fp32, args, aux = _logits(custom), _weights(), {}
@@ -333,20 +356,32 @@ def _init(mode):
             gluon_amp.init(**MODES[mode])
 
 
-def run_cell(entry, mode, custom, workdir):
-    """FP32's outputs, then this cell's (or what it raised), as data (JSON)."""
+def run_cell(entry, mode, custom, workdir, numpy=False):
+    """FP32's outputs, then this cell's (or what it raised), as data (JSON). ``numpy``: in
+    MXNet's numpy mode, turned on before ``init`` and off again after."""
+    if numpy:
+        npx.set_np()
+    try:
+        return _run_cell(entry, mode, custom, workdir, numpy)
+    finally:
+        if numpy:
+            npx.reset_np()
+
+
+def _run_cell(entry, mode, custom, workdir, numpy):
     if entry in TRAIN:
         _init(mode)
-        run = _attempt(lambda: TRAIN[entry](custom, ()))
+        run = _attempt(lambda: TRAIN[entry](custom, (), numpy))
         gluon_amp.disable()
         # FP32's run, with the updates the loss scaler skipped skipped too
-        ref = TRAIN[entry](custom, run.get("outputs", {}).get("skipped", ()))
+        ref = TRAIN[entry](custom, run.get("outputs", {}).get("skipped", ()), numpy)
         return {"ref": ref, "run": run}
     fp32 = _run_symbol(_logits(custom), _weights(), {})
     _init(mode)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # float32 fallback / kept-in-float32 notes
-        return {"ref": fp32, **_convert(entry, custom, os.path.join(workdir, f"{entry}-{mode}-{int(custom)}"))}
+        prefix = os.path.join(workdir, f"{entry}-{mode}-{int(custom)}{'-numpy' * numpy}")
+        return {"ref": fp32, **_convert(entry, custom, prefix, numpy)}
 
 
 def _reset():
@@ -369,13 +404,17 @@ for line in sys.stdin:
     req = json.loads(line)
     try:
         sym = mx.sym.load(req["prefix"] + "-symbol.json")
-        params = mx.nd.load(req["prefix"] + "-0000.params")
+        with mx.util.np_shape(req["numpy"]):  # arrays saved in numpy mode load in its shape semantics
+            params = mx.nd.load(req["prefix"] + "-0000.params")
         args = {k[4:]: v for k, v in params.items() if k.startswith("arg:")}
         aux = {k[4:]: v for k, v in params.items() if k.startswith("aux:")}
         arg_types, out_types, _ = sym.infer_type(data="float32")
         if arg_types is None or None in out_types:
             raise ValueError("infer_type left types unknown")
-        res = {"loaded": sorted(params), "outputs": None}
+        codes = mx.ndarray.ndarray._DTYPE_NP_TO_MX
+        internal = sym.get_internals().infer_type(data="float32")[1]
+        low = sorted({{2: "float16", 12: "bfloat16"}.get(codes.get(t)) for t in internal} - {None})
+        res = {"loaded": sorted(params), "outputs": None, "low": low}
         if req["runs"]:
             ex = sym.simple_bind(mx.cpu(), data=tuple(req["shape"]), grad_req="null")
             ex.copy_params_from(args, aux, allow_extra_params=True)
@@ -496,11 +535,11 @@ def _lowest(low):
     return "float16" if "float16" in low else ("bfloat16" if "bfloat16" in low else None)
 
 
-@pytest.mark.parametrize("entry,mode,custom", CELLS,
-                         ids=[f"{e}-{m}-{'custom' if c else 'plain'}" for e, m, c in CELLS])
-def test_cell(entry, mode, custom, worker, plain_mxnet, workdir):
-    cell = f"{entry} / {mode} / {'with' if custom else 'without'} the custom op"
-    request = {"entry": entry, "mode": mode, "custom": custom, "workdir": workdir}
+@pytest.mark.parametrize("entry,mode,custom,numpy", CELLS,
+                         ids=[f"{e}-{m}-{'custom' if c else 'plain'}{'-numpy' * n}" for e, m, c, n in CELLS])
+def test_cell(entry, mode, custom, numpy, worker, plain_mxnet, workdir):
+    cell = f"{entry} / {mode} / {'with' if custom else 'without'} the custom op{' / numpy mode' * numpy}"
+    request = {"entry": entry, "mode": mode, "custom": custom, "workdir": workdir, "numpy": numpy}
     if custom:
         result = worker.ask(request)
         assert "error" not in result, f"{cell}:\n{result['error']}"
@@ -525,10 +564,11 @@ def test_cell(entry, mode, custom, worker, plain_mxnet, workdir):
     text = open(result["prefix"] + "-symbol.json").read()
     assert "_gluon_amp_round" not in text and "__amp_" not in text, f"{cell}: gluon_amp's nodes in the export"
     runs = all(runtime.executable(d, "cpu") for d in low)  # plain MXNet runs it natively, or not at all
-    loaded = plain_mxnet.ask({"prefix": result["prefix"], "runs": runs, "shape": [BATCH, IN],
+    loaded = plain_mxnet.ask({"prefix": result["prefix"], "runs": runs, "shape": [BATCH, IN], "numpy": numpy,
                               "x": _x0().asnumpy().tolist()})
     assert "error" not in loaded, f"{cell}: plain MXNet failed on the export\n{loaded['error']}"
     assert not loaded["gluon_amp"] and loaded["loaded"], loaded
+    assert loaded["low"] == sorted(low), f"{cell}: the export holds {loaded['low']}, the plan {sorted(low)}"
     if runs:
         _check_ran(cell + " (plain MXNet)", {"outputs": loaded["outputs"]}, result["ref"], _lowest(low), scale)
 

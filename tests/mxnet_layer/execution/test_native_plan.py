@@ -1,0 +1,137 @@
+"""Which graph runs where bfloat16 runs natively (issue 41, items 6 and 7), decided in-process:
+``runtime.capability`` is replaced by a native-bfloat16 one (the seam ``speed/test_probe.py``
+uses), so :func:`gluon_amp.execution.graph_to_run` decides as on a bfloat16 host; nothing runs
+a bfloat16 kernel. The runs themselves are checked under the hardware marker.
+
+- GPU-style float16 code (``net.cast('float16')``, ``net(x.astype('float16'))``) under native
+  bfloat16: the float16 data is only cast to bfloat16, so the plan runs, hybridized as it does
+  op by op (the README's promise); a plan that computes in float16 is still refused.
+- A plan's bfloat16 outputs come back in the dtype the caller feeds, as emulation gives them:
+  never bfloat16 arrays to float32 code, whose ``asnumpy()`` reads raw 16-bit words.
+"""
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+import gluon_amp
+import mxnet as mx
+from mxnet import autograd, gluon
+
+from gluon_amp import execution, runtime
+from gluon_amp.speed import probe
+from gluon_amp.type_inference import infer_dtypes
+from gluon_amp_core.capability import Bf16, Capability
+
+NATIVE = Capability(0, Bf16.NATIVE, "AVX512_CORE_BF16", "oneDNN runs bfloat16 natively (in-process stand-in)",
+                    amx_hint="")
+
+
+@pytest.fixture
+def native_host(monkeypatch):
+    """This process decides as a CPU with native bfloat16 does (the speed probe off)."""
+    monkeypatch.setattr(runtime, "capability", lambda: NATIVE)
+    monkeypatch.setattr(gluon_amp.state.process, "said", set())
+    monkeypatch.setenv(probe.ENV, "0")
+    probe.forget()
+    yield
+    probe.forget()
+
+
+def _init(**kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return gluon_amp.init(**kwargs)
+
+
+def _cnn():
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(4, 3, padding=1), gluon.nn.BatchNorm(), gluon.nn.Activation("relu"),
+            gluon.nn.Dense(10))
+    net.initialize()
+    return net
+
+
+def _plan(net):
+    """The plan ``net`` builds under the policy in force (its symbolic trace, as the block
+    hooks receive it), its parameters' dtypes as stored."""
+    plan = net(mx.sym.var("data"))
+    return plan, {p.name: str(np.dtype(p.dtype)) for p in net.collect_params().values()}
+
+
+def _head_dtype(sym, fed):
+    graph = json.loads(sym.tojson(remove_amp_cast=False))
+    j, k, _ = graph["heads"][0]
+    return infer_dtypes(sym, fed, partial=True)[(graph["nodes"][j]["name"], k)]
+
+
+SHAPES = {"data": (2, 3, 8, 8)}
+
+
+def test_gpu_style_float16_code_runs_the_bfloat16_plan_natively(native_host):
+    policy = _init(target_dtype="bfloat16")
+    assert not policy.emulate and runtime.executable("bfloat16", "cpu")
+    net = _cnn()
+    net.cast("float16")  # left to AMP: float32 master weights
+    plan, params = _plan(net)
+    assert set(params.values()) == {"float32"}
+    fed = {"data": "float16", **params}
+    run = execution.graph_to_run(plan, fed, SHAPES, {"cpu"}, policy, "the block")
+    assert execution.kernel_dtypes(run, infer_dtypes(run, fed, partial=True)) == {"bfloat16"}
+    # its output in the dtype the code works in, as the emulated copy gives it (gluon_amp_core.emulate)
+    assert _head_dtype(plan, fed) == "bfloat16" and _head_dtype(run, fed) == "float16"
+
+
+def test_a_plan_computing_in_float16_is_still_refused_on_a_cpu(native_host):
+    policy = _init(target_dtype="float16")
+    plan, params = _plan(_cnn())
+    with pytest.raises(execution.CannotRun, match="float16 kernels.*emulate=True"):
+        execution.graph_to_run(plan, {"data": "float32", **params}, SHAPES, {"cpu"}, policy, "the block")
+
+
+@pytest.mark.parametrize("entry", ["block", "symbol"])
+def test_bfloat16_outputs_come_back_float32_to_float32_code_and_the_plan_keeps_them(native_host, entry):
+    policy = _init(target_dtype="bfloat16")
+    net = gluon.nn.Dense(4, in_units=3)
+    net.initialize()
+    plan, params = _plan(net)
+    fed = {"data": "float32", **params}
+    if entry == "block":
+        run = execution.graph_to_run(plan, fed, {"data": (2, 3)}, {"cpu"}, policy, "the block")
+    else:  # where Symbol.simple_bind / Module bind it
+        run = execution._for_symbol(plan, mx.cpu(), {}, {"data": (2, 3)}, None)
+    assert _head_dtype(plan, fed) == "bfloat16"  # the plan (what export writes) is left as it is
+    assert _head_dtype(run, fed) == "float32"
+    assert not execution.runs_emulated(plan)
+
+
+# -- on a CPU with bfloat16 kernels ---------------------------------------------------------
+
+@pytest.mark.bf16_kernels
+def test_gpu_style_float16_training_step_runs_hybridized_as_unhybridized():
+    _init(target_dtype="bfloat16")
+    x = mx.nd.array(np.random.RandomState(0).uniform(-1, 1, (2, 3, 8, 8)))
+    outs = []
+    for hybridize in (False, True):
+        mx.random.seed(0)
+        net = _cnn()
+        net.cast("float16")
+        if hybridize:
+            net.hybridize()
+        with autograd.record():
+            y = net(x.astype("float16"))
+        y.backward()
+        assert y.dtype == np.float16, hybridize
+        outs.append(y.asnumpy().astype("float32"))
+    assert np.abs(outs[0] - outs[1]).max() <= 2e-2 * np.abs(outs[0]).max()
+
+
+@pytest.mark.bf16_kernels
+def test_a_hybridized_block_s_output_is_float32_not_raw_bfloat16_words():
+    _init(target_dtype="bfloat16")
+    net = gluon.nn.Dense(4, in_units=3)
+    net.initialize()
+    net.hybridize()
+    y = net(mx.nd.ones((2, 3)))
+    assert y.dtype == np.float32 and y.asnumpy().shape == (2, 4)
