@@ -338,12 +338,25 @@ def _direct_split(rw: _Rewriter, graph: dict, dtypes: Mapping[Key, Optional[str]
     ``r`` rounded from ``BlockGrad(w)``: the value and the data's gradient are those of the
     rounded parameter (to float32 rounding in the sum), the parameter's gradient is the first
     op's alone, and the second op computes no parameter gradient (the faulty path). Unlike the
-    plan, the parameter's gradient is not rounded to the low dtype. A parameter behind anything
-    but casts (the user's own ops, a low variable the caller feeds) is left as the plan has it.
+    plan, the parameter's gradient is not rounded to the low dtype. A parameter the caller feeds
+    in a low dtype is read through an add of zero; one behind anything but casts (the user's own
+    ops) is left as the plan has it.
     """
     k, name = DIRECT_INPUTS[node["op"]], node["name"]
     var = _parameter_behind(graph, node["inputs"][k])
     raw = variables.get(var) if var is not None else None
+    if raw is None and var is not None:
+        # a parameter the caller feeds low (GPU-style float16 code): the op cannot read it in
+        # float32 itself. Read through an add of zero, measured not to take the faulty path
+        # (tests/mxnet_layer/execution/test_direct_inputs.py), unlike casts and other ops.
+        base = name + DIRECT_SUFFIX
+        v = [inputs[k][0], inputs[k][1], 0]
+        zeros = rw.add({"op": "zeros_like", "name": f"{base}_zeros", "inputs": [v]})
+        still = rw.add({"op": "BlockGrad", "name": f"{base}_zeros_still", "inputs": [[zeros, 0, 0]]})
+        added = rw.add({"op": "elemwise_add", "name": f"{base}_added", "inputs": [v, [still, 0, 0]]})
+        fed = [[e[0], e[1], 0] for e in inputs]
+        fed[k] = [added, 0, 0]
+        return rw.add({**node, "attrs": attrs, "inputs": fed})
     if raw is None or inputs[k] == (raw, 0):
         return rw.add({**node, "attrs": attrs, "inputs": [[e[0], e[1], 0] for e in inputs]})
     plain = [[e[0], e[1], 0] for e in inputs]

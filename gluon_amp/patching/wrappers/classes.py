@@ -168,6 +168,11 @@ def _direct_emulated(fn: Callable, args: tuple, new_args: list, kwargs: dict, k:
     parameter's only one (MXNet 1.9.1's oneDNN deconvolution backward crashes otherwise); the
     other inputs as ``new_args`` has them. As in graphs (:func:`gluon_amp_core.emulate._direct_split`)."""
     w = args[k]
+    if isinstance(w, NDArray) and mxi.FLOAT_NAMES.get(w.dtype) in LOW_PRECISION_DTYPES:
+        # fed low (GPU-style float16 code): read through an add of zero, as graphs do
+        with autograd.pause():
+            zeros = _ZEROS_LIKE(new_args[k])
+        return fn(*[_ADD(a, zeros) if i == k else a for i, a in enumerate(new_args)], **kwargs)
     if not isinstance(w, NDArray) or mxi.FLOAT_NAMES.get(w.dtype) != "float32" or new_args[k] is w:
         return fn(*new_args, **kwargs)
     with autograd.pause():
@@ -264,7 +269,7 @@ def _into(out: Any, result: Any, rounded: Optional[str]) -> Any:
     return out
 
 
-_SUB, _ADD = unpatched("elemwise_sub"), unpatched("elemwise_add")
+_SUB, _ADD, _ZEROS_LIKE = unpatched("elemwise_sub"), unpatched("elemwise_add"), unpatched("zeros_like")
 
 
 def _emulated(x: NDArray, to: str, given: str, low: str) -> NDArray:

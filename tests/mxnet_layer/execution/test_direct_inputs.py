@@ -65,6 +65,18 @@ def test_direct_inputs_are_the_ones_plain_mxnet_cannot_train_through_an_op(op, s
         assert "OK" in r.stdout
 
 
+@pytest.mark.parametrize("op,slot", [
+    pytest.param(op, slot, marks=() if (op, slot) == ("Deconvolution", "weight") else pytest.mark.slow)
+    for op, (_, _, slots) in CASES.items() for slot in slots])
+def test_a_float16_parameter_read_through_an_add_of_zero_trains_with_its_own_gradient(op, slot):
+    """What emulation does with a parameter the caller feeds in float16 (GPU-style code): it
+    reads ``amp_cast(p, float32) + BlockGrad(0)``; plain MXNet trains through it, with the
+    gradient a float32 parameter of the same values gets."""
+    r = _run("plain", op, slot, "float16_add_of_zero")
+    assert r.returncode == 0, r.stderr[-1500:]
+    assert "OK" in r.stdout
+
+
 def _fp32_losses():
     r = _run("train", "fp32")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -79,12 +91,14 @@ def fp32_losses():
 @pytest.mark.parametrize("mode", MODES)
 def test_conv_then_transposed_conv_trains_in_every_mode_and_api(mode, fp32_losses):
     """Hybridized, unhybridized, converted (convert_hybrid_block) and as a bound Symbol built
-    under init: a few SGD steps run (no crash) and land near FP32's losses."""
+    under init: a few SGD steps run (no crash) and land near FP32's losses; and GPU-style code
+    (``net.cast('float16')``) trains too."""
     r = _run("train", mode)
     assert r.returncode == 0, r.stderr[-3000:]
     losses = json.loads(r.stdout.strip().splitlines()[-1])
     bound = {"emulate_float16": 2e-2, "emulate_bfloat16": 5e-2}[mode]
-    assert set(losses) == set(fp32_losses)
+    assert set(losses) == set(fp32_losses) | {"float16_parameters"}
+    assert all(math.isfinite(v) for v in losses.pop("float16_parameters"))
     for api, got in losses.items():
         want = fp32_losses[api]
         assert all(math.isfinite(v) for v in got), (api, got)
@@ -101,20 +115,122 @@ def test_conv_then_transposed_conv_trains_in_native_bfloat16(fp32_losses):
         assert all(abs(g - w) <= 5e-2 * max(abs(w), 1e-3) for g, w in zip(got, want)), (api, got, want)
 
 
+def _layers():
+    """Gluon's layers with parameters, each with an input: every op with a parameter input a
+    plan can hold in float32 that Gluon builds, and the low-precision ones beside them."""
+    from mxnet.gluon import nn, rnn
+    return {
+        "Conv1DTranspose": (lambda: nn.Conv1DTranspose(4, 3, strides=2), (2, 3, 6)),
+        "Conv2DTranspose": (lambda: nn.Conv2DTranspose(4, 2, strides=2), (2, 3, 6, 6)),
+        "Conv3DTranspose": (lambda: nn.Conv3DTranspose(4, 2, strides=2), (2, 3, 4, 4, 4)),
+        "Conv2D": (lambda: nn.Conv2D(4, 3), (2, 3, 6, 6)),
+        "Dense": (lambda: nn.Dense(4), (2, 6)),
+        "BatchNorm": (lambda: nn.BatchNorm(), (2, 3, 6, 6)),
+        "LayerNorm": (lambda: nn.LayerNorm(), (2, 3, 6)),
+        "InstanceNorm": (lambda: nn.InstanceNorm(), (2, 3, 6, 6)),
+        "GroupNorm": (lambda: nn.GroupNorm(num_groups=1), (2, 3, 6, 6)),
+        "Embedding": (lambda: nn.Embedding(10, 4), (2, 5)),
+        "PReLU": (lambda: nn.PReLU(), (2, 3, 6)),
+        "LSTM": (lambda: rnn.LSTM(4), (5, 2, 3)),
+    }
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_no_node_between_a_parameter_and_an_op_the_plan_leaves_float32(target):
+    """Generated over Gluon's layers with parameters, each after a convolution (so float32 ops
+    are fed low data) and alone: in the block's plan, every op held in float32 reads each
+    parameter input as the variable itself; in the graph it runs (emulated), every op of
+    DIRECT_INPUTS does, whatever its dtype."""
+    import gluon_amp
+    import mxnet as mx
+    from mxnet.gluon import nn
+    from gluon_amp import execution
+    from gluon_amp.type_inference import infer_dtypes
+    from gluon_amp_core.emulate import DIRECT_INPUTS, DIRECT_SUFFIX
+    from gluon_amp_core.graph_pass import PARAMETER_SLOTS
+    from gluon_amp import mxnet_internals as mxi
+
+    gluon_amp.init(target_dtype=target, emulate=True)
+    infos = mxi.op_infos()
+    checked = set()
+    for name, (make, shape) in _layers().items():
+        for lead in (False, True):
+            if lead and name in ("Embedding", "LSTM", "Dense", "LayerNorm", "PReLU"):
+                continue
+            net = nn.HybridSequential()
+            if lead:
+                net.add(nn.Conv2D(3, 1) if len(shape) == 4 else nn.Conv1D(3, 1) if len(shape) == 3
+                        else nn.Conv3D(3, 1))
+            net.add(make())
+            net.initialize()
+            net.hybridize()
+            x = mx.nd.random.uniform(0, 9, shape=shape).floor() if name == "Embedding" else \
+                mx.nd.random.uniform(shape=shape)
+            net(x)
+            plan = net._cached_graph[1]
+            run = execution.executed_graph(net)
+            run = plan if run is None else run
+            params = {p.name: p.dtype for p in net.collect_params().values()}
+            typed = infer_dtypes(plan, {**params, "data": "float32"}, partial=True) or {}
+            for graph, which in ((plan, "plan"), (run, "run")):
+                nodes = json.loads(graph.tojson(remove_amp_cast=False))["nodes"]
+                for node in nodes:
+                    declared = list(infos[node["op"]].inputs) if node["op"] in infos else []
+                    for k, e in enumerate(node["inputs"]):
+                        slot = declared[k] if k < len(declared) else ""
+                        if slot not in PARAMETER_SLOTS:
+                            continue
+                        src = nodes[e[0]]
+                        held = typed.get((node["name"], 0))
+                        must = (DIRECT_INPUTS.get(node["op"]) == k if which == "run"
+                                else held == "float32")
+                        if not must:
+                            continue
+                        checked.add((node["op"], slot))
+                        where = (name, lead, which, node["op"], slot, src["name"])
+                        if which == "plan":  # the user's graph may compute it; AMP adds nothing
+                            assert src["op"] not in ("amp_cast", "amp_multicast"), where
+                        elif node["name"].endswith(DIRECT_SUFFIX + "_correction"):
+                            assert src["op"] == "BlockGrad", where  # no gradient: no faulty path
+                        else:
+                            assert src["op"] == "null", where
+    assert ("Deconvolution", "weight") in checked and ("BatchNorm", "gamma") in checked
+
+
 # -- the worker ----------------------------------------------------------------------------
 
 def _plain(op, slot, variant):
     import faulthandler
     faulthandler.enable()
+    import numpy as np
+    if variant == "float16_add_of_zero":
+        direct = _plain_grad(op, slot, None)
+        added = _plain_grad(op, slot, "float16_add_of_zero")
+        # the float16 parameter gets its gradient in float16 (subnormal below 6.1e-5)
+        want = direct.astype("float16").astype("float32")
+        assert np.allclose(added, want, rtol=1e-2, atol=2.0 ** -24), np.abs(added - want).max()
+        print("OK")
+        return
+    _plain_grad(op, slot, variant)
+    print("OK")
+
+
+def _plain_grad(op, slot, variant):
+    """``slot``'s gradient, after two training steps of ``op`` in plain MXNet."""
     import mxnet as mx
+    import numpy as np
     S = mx.sym
     attrs, shapes, slots = CASES[op]
-    inputs = {s: S.var(s) for s in slots}
+    low = variant == "float16_add_of_zero"
+    inputs = {s: S.var(s, dtype="float16" if low and s == slot else None) for s in slots}
     if op == "RNN":
         inputs.update(state=S.var("state"), state_cell=S.var("state_cell"))
     param = inputs[slot]
     if variant == "through_op":
         inputs[slot] = param * 1.0
+    elif low:
+        wide = S.amp_cast(param, dtype="float32")
+        inputs[slot] = S.elemwise_add(wide, S.BlockGrad(S.zeros_like(wide)))
     out = getattr(S, op)(S.var("data"), **inputs, **attrs)
     if len(out.list_outputs()) > 1:
         out = out[0]
@@ -123,17 +239,19 @@ def _plain(op, slot, variant):
         out = S.broadcast_add(out, S.sum(param) * 1e-3)
     loss = S.MakeLoss(out)
     req = {n: "null" if n == "data" and op == "Embedding" else "write" for n in loss.list_arguments()}
-    ex = loss.simple_bind(mx.cpu(), grad_req=req, **shapes)
+    types = {n: "float16" if low and n == slot else "float32" for n in loss.list_arguments()}
+    ex = loss.simple_bind(mx.cpu(), grad_req=req, type_dict=types, **shapes)
+    rng = np.random.RandomState(0)
     for k, arr in ex.arg_dict.items():
         if k == "data" and op == "Embedding":
-            arr[:] = mx.nd.random.randint(0, 20, shape=arr.shape).astype("float32")
-        else:
-            mx.nd.random.uniform(-0.1, 0.1, shape=arr.shape).copyto(arr)
+            arr[:] = rng.randint(0, 20, size=arr.shape).astype("float32")
+        else:  # values float16 holds, so both parameters start alike
+            arr[:] = rng.uniform(-0.1, 0.1, size=arr.shape).astype("float16").astype("float32")
     for _ in range(2):
         ex.forward(is_train=True)
         ex.backward()
     mx.nd.waitall()
-    print("OK")
+    return ex.grad_dict[slot].astype("float32").asnumpy()
 
 
 class _Net:
@@ -216,6 +334,11 @@ def _train(mode):
                                                emulate=mode.startswith("emulate_"))
         out[api] = _steps(net, x, y)
     out["symbol"] = _symbol_steps(x, y)
+    if mode.startswith("emulate_"):  # GPU-style float16 code: the parameters fed in float16
+        net = _Net.build()
+        net.cast("float16")
+        net.hybridize()
+        out["float16_parameters"] = _steps(net, x.astype("float16"), y)
     print(json.dumps(out))
 
 
