@@ -29,7 +29,7 @@ from .type_inference import entry_keys
 Key = Tuple[str, int]
 
 
-def _unpatched(op: str) -> Any:
+def unpatched(op: str) -> Any:
     """MXNet's own ``mx.nd`` function for ``op``, as a copy made before any patching (so
     rounding inside an AMP wrapper does not re-enter the wrappers)."""
     fn = getattr(mx.nd, op, None) or getattr(mx.nd._internal, op)
@@ -38,9 +38,9 @@ def _unpatched(op: str) -> Any:
 
 # Imperatively, a value's layout is converted per call and freed: the first step (a
 # graph's plain-layout step) is the value itself.
-_BF16_STEPS = [(None if op == PLAIN_LAYOUT else _unpatched(op), args, dict(attrs))
+_BF16_STEPS = [(None if op == PLAIN_LAYOUT else unpatched(op), args, dict(attrs))
                for op, args, attrs in BF16_ROUNDING]
-_AMP_CAST = _unpatched("amp_cast")
+_AMP_CAST = unpatched("amp_cast")
 
 
 def round_nd(x: NDArray, dtype: str) -> NDArray:

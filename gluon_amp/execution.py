@@ -25,6 +25,7 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.policy import Policy
+from gluon_amp_core.retype import drop_identity_casts
 
 from . import mxnet_internals as mxi, plan_notes, runtime, state
 from .emulation import emulate_symbol
@@ -115,6 +116,16 @@ def kernel_dtypes(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> set:
     nodes = json.loads(plan.tojson(remove_amp_cast=False))["nodes"]
     exempt = {n["name"] for n in nodes if n["op"] == "null" or n["op"] in _CASTS}
     return {t for (name, _), t in typed.items() if t in LOW_PRECISION_DTYPES and name not in exempt}
+
+
+def without_identity_casts(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> Symbol:
+    """``plan`` without its casts that convert nothing (``plan`` itself when it has none):
+    a symbol built under ``init`` casts every input of a decided op before dtypes are known,
+    and such a cast changes how MXNet runs the op that reads it (a block's plan has none: the
+    block hooks drop them, :mod:`gluon_amp.patching.hooks`)
+    (:func:`gluon_amp_core.retype.drop_identity_casts`)."""
+    graph, dropped = drop_identity_casts(json.loads(plan.tojson(remove_amp_cast=False)), typed)
+    return mx.sym.load_json(json.dumps(graph)) if dropped else plan
 
 
 class CannotRun(RuntimeError):
@@ -309,6 +320,7 @@ def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mappin
     known = {n: CODE_DTYPE.get(int(declared[n]["__dtype__"]), "float32") if "__dtype__" in declared.get(n, {})
              else "float32" for n in inputs}
     known.update({k: mxi.FLOAT_NAMES.get(v) or dtype_name(v) for k, v in dtypes.items() if k in set(inputs)})
+    sym = without_identity_casts(sym, infer_dtypes(sym, known, partial=True) or {})
     try:
         return graph_to_run(sym, known, shapes, devices, policy, "the bound symbol")
     except CannotRun as refused:

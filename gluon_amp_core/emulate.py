@@ -83,6 +83,20 @@ VALUE_PRESERVING_IF = {"Activation": ("act_type", frozenset({"relu"}), ""),
 
 _CAST_OPS = frozenset({"amp_cast", "Cast", "cast"})
 
+#: Op inputs MXNet's kernels read directly: op -> the input index that must be a parameter
+#: itself, never an op's output. MXNet 1.9.1's oneDNN deconvolution backward crashes (SIGSEGV,
+#: or "could not execute a primitive") when its weight is any op's output, even ``w * 1.0``
+#: or an ``amp_cast`` to float32, in plain float32 MXNet; its bias, and the parameters of
+#: Convolution, FullyConnected, BatchNorm, Embedding, LayerNorm, InstanceNorm, GroupNorm, PReLU
+#: and RNN, do not (measured on this build: tests/mxnet_layer/execution/test_direct_inputs.py).
+#: Every op listed is linear in that input (see :func:`_direct_split`).
+DIRECT_INPUTS: Mapping[str, int] = {"Deconvolution": 1}
+
+#: Suffix of the nodes an emulated graph adds for an op of :data:`DIRECT_INPUTS` whose
+#: parameter the plan rounds: ``<node>_amp_direct`` (the op on the parameter itself) and
+#: ``<node>_amp_direct_correction`` (the op on the rounding's change, with no gradient).
+DIRECT_SUFFIX = "_amp_direct"
+
 #: Placeholder for the first step of :data:`BF16_ROUNDING`: see :func:`plain_layout`.
 PLAIN_LAYOUT = "<plain layout>"
 
@@ -251,9 +265,9 @@ class _Rewriter:
         return made[-1]
 
     def is_parameter(self, entry: Tuple[int, int]) -> bool:
-        """A variable, or a cast of one (a parameter's value: never in a oneDNN layout)."""
+        """A variable, or a cast or BlockGrad of one (a parameter's value: never in a oneDNN layout)."""
         node = self.nodes[entry[0]]
-        while node["op"] in _CAST_OPS:
+        while node["op"] in _CAST_OPS or node["op"] == "BlockGrad":
             node = self.nodes[node["inputs"][0][0]]
         return node["op"] == "null"
 
@@ -295,6 +309,72 @@ def _low_cast(rw: _Rewriter, graph: dict, dtypes: Mapping[Key, Optional[str]], n
     if dtype == "bfloat16":
         return rw.round_bf16(cast(inputs[0], "float32"), node["name"])
     return rw.up(cast(inputs[0], dtype), node["name"])
+
+
+def _parameter_behind(graph: dict, entry: list) -> Optional[int]:
+    """The variable node whose value ``entry`` of ``graph`` is, through casts only, or None."""
+    nodes = graph["nodes"]
+    while True:
+        node = nodes[entry[0]]
+        if node["op"] == "null":
+            return entry[0]
+        if node["op"] in _CAST_OPS:
+            entry = node["inputs"][0]
+        elif node["op"] == "amp_multicast":
+            entry = node["inputs"][entry[1]]
+        else:
+            return None
+
+
+def _direct_split(rw: _Rewriter, graph: dict, dtypes: Mapping[Key, Optional[str]],
+                  variables: Mapping[int, int], node: dict, attrs: Dict[str, str],
+                  inputs: List[Tuple[int, int]]) -> int:
+    """The new node for an op of :data:`DIRECT_INPUTS` (``node``, its inputs ``inputs`` in the
+    new graph): the op reads its parameter itself, and its gradient is the parameter's only one.
+
+    Where the plan holds the parameter as it is (casts to float32 only), the op reads the
+    variable. Where the plan rounds it (``r``, from the parameter ``w``), the op being linear in
+    it, ``op(x, r, b) = op(x, w, b) + op(x, BlockGrad(r - w))`` (the second without bias), with
+    ``r`` rounded from ``BlockGrad(w)``: the value and the data's gradient are those of the
+    rounded parameter (to float32 rounding in the sum), the parameter's gradient is the first
+    op's alone, and the second op computes no parameter gradient (the faulty path). Unlike the
+    plan, the parameter's gradient is not rounded to the low dtype. A parameter the caller feeds
+    in a low dtype is read through an add of zero; one behind anything but casts (the user's own
+    ops) is left as the plan has it.
+    """
+    k, name = DIRECT_INPUTS[node["op"]], node["name"]
+    var = _parameter_behind(graph, node["inputs"][k])
+    raw = variables.get(var) if var is not None else None
+    if raw is None and var is not None:
+        # a parameter the caller feeds low (GPU-style float16 code): the op cannot read it in
+        # float32 itself. Read through an add of zero, measured not to take the faulty path
+        # (tests/mxnet_layer/execution/test_direct_inputs.py), unlike casts and other ops.
+        base = name + DIRECT_SUFFIX
+        v = [inputs[k][0], inputs[k][1], 0]
+        zeros = rw.add({"op": "zeros_like", "name": f"{base}_zeros", "inputs": [v]})
+        still = rw.add({"op": "BlockGrad", "name": f"{base}_zeros_still", "inputs": [[zeros, 0, 0]]})
+        added = rw.add({"op": "elemwise_add", "name": f"{base}_added", "inputs": [v, [still, 0, 0]]})
+        fed = [[e[0], e[1], 0] for e in inputs]
+        fed[k] = [added, 0, 0]
+        return rw.add({**node, "attrs": attrs, "inputs": fed})
+    if raw is None or inputs[k] == (raw, 0):
+        return rw.add({**node, "attrs": attrs, "inputs": [[e[0], e[1], 0] for e in inputs]})
+    plain = [[e[0], e[1], 0] for e in inputs]
+    plain[k] = [raw, 0, 0]
+    src = node["inputs"][k]
+    held = dtypes.get((graph["nodes"][src[0]]["name"], src[1]))
+    if held not in LOW_PRECISION_DTYPES:  # the same values: read the variable
+        return rw.add({**node, "attrs": attrs, "inputs": plain})
+    base = name + DIRECT_SUFFIX
+    main = rw.add({**node, "name": base, "attrs": attrs, "inputs": plain})
+    still = rw.add({"op": "BlockGrad", "name": f"{base}_param", "inputs": [[raw, 0, 0]]})
+    rounded = rw.round((still, 0), held, base)
+    delta = rw.add({"op": "elemwise_sub", "name": f"{base}_delta",
+                    "inputs": [[rounded[0], rounded[1], 0], [still, 0, 0]]})
+    delta = rw.add({"op": "BlockGrad", "name": f"{base}_delta_still", "inputs": [[delta, 0, 0]]})
+    corr = rw.add({**node, "name": f"{base}_correction", "attrs": {**attrs, "no_bias": "True"},
+                   "inputs": [[e[0], e[1], 0] for e in inputs[:k]] + [[delta, 0, 0]]})
+    return rw.add({"op": "elemwise_add", "name": name, "inputs": [[main, 0, 0], [corr, 0, 0]]})
 
 
 def _outputs(dtypes: Mapping[Key, Optional[str]], name: str) -> List[Optional[str]]:
@@ -351,6 +431,7 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
     only moves values around).
     """
     rw, index = _Rewriter(dtypes, ndims or {}, kernel), {}
+    variables: Dict[int, int] = {}  # variable node -> its node in the new graph, read as it is
     fed, fed_low = fed or {}, set()  # fed_low: the low dtypes the caller feeds
     entries: Dict[Key, Key] = {}
     real_dtypes: Dict[str, str] = {}
@@ -379,10 +460,11 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
             elif real and real[0] in LOW_PRECISION_DTYPES:
                 if "__dtype__" in attrs:
                     attrs["__dtype__"] = "0"
-                j = rw.add({**node, "attrs": attrs})
+                j = variables[i] = rw.add({**node, "attrs": attrs})
                 index[(i, 0)] = rw.round((j, 0), real[0], name)
             else:
-                index[(i, 0)] = (rw.add(dict(node)), 0)
+                j = variables[i] = rw.add(dict(node))
+                index[(i, 0)] = (j, 0)
             continue
         low_cast = op in _CAST_OPS and attrs.get("dtype") in LOW_PRECISION_DTYPES
         if attrs.get("dtype") in LOW_PRECISION_DTYPES and not low_cast:
@@ -390,7 +472,14 @@ def emulate_graph(graph: dict, dtypes: Mapping[Key, Optional[str]],
         if low_cast:
             index[(i, 0)] = _low_cast(rw, graph, dtypes, {**node, "attrs": attrs}, inputs)
             continue
-        j = rw.add({**node, "attrs": attrs, "inputs": [[e[0], e[1], 0] for e in inputs]})
+        if op == "amp_cast" and attrs.get("dtype") == "float32" and dtypes.get(
+                (graph["nodes"][node["inputs"][0][0]]["name"], node["inputs"][0][1])) == "float32":
+            index[(i, 0)] = inputs[0]  # an identity cast: read through (see DIRECT_INPUTS)
+            continue
+        if op in DIRECT_INPUTS and DIRECT_INPUTS[op] < len(inputs):
+            j = _direct_split(rw, graph, dtypes, variables, node, attrs, inputs)
+        else:
+            j = rw.add({**node, "attrs": attrs, "inputs": [[e[0], e[1], 0] for e in inputs]})
         exact = preserves_values(op, attrs)
         for k, dt in enumerate(real or [None]):
             e = (j, k)

@@ -137,8 +137,23 @@ def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tup
     by ``dtypes``) is dropped, and such an input of an ``amp_multicast`` goes around it (the
     multicast keeps its other inputs, or goes when one or none is left: a multicast of one
     value is that value).
+
+    An ``amp_cast`` of an entry that has the cast's dtype already is dropped too, and so is an
+    ``amp_multicast`` whose inputs all have one float dtype (unless the node is an output of
+    the graph, whose name the caller may read): such a node converts nothing, yet
+    it changes how MXNet runs the op that reads it (1.9.1's oneDNN deconvolution backward
+    crashes when its weight is any op's output: :data:`gluon_amp_core.emulate.DIRECT_INPUTS`).
     """
     nodes = graph["nodes"]
+
+    heads = {h[0] for h in graph["heads"]}  # an output keeps its node (and its name)
+
+    def same(e: list, dtype: Optional[str]) -> bool:
+        return dtype is not None and dtypes.get((nodes[e[0]]["name"], e[1])) == dtype
+
+    def uniform(node: dict) -> bool:
+        first = dtypes.get((nodes[node["inputs"][0][0]]["name"], node["inputs"][0][1])) if node["inputs"] else None
+        return first in FLOAT_DTYPES and all(same(e, first) for e in node["inputs"])
 
     def passed(e: list, kept: frozenset) -> bool:
         t = dtypes.get((nodes[e[0]]["name"], e[1]))
@@ -157,9 +172,14 @@ def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tup
     dropped = 0
     for i, node in enumerate(nodes):
         inputs = [entry(e) for e in node["inputs"]]
-        if node["op"] == "amp_cast" and passed(node["inputs"][0], AMP_CAST_DTYPES):
+        if node["op"] == "amp_cast" and (passed(node["inputs"][0], AMP_CAST_DTYPES) or (
+                i not in heads and same(node["inputs"][0], node.get("attrs", {}).get("dtype")))):
             moved[(i, 0)] = inputs[0]
             dropped += 1
+            continue
+        if node["op"] == "amp_multicast" and i not in heads and uniform(node):
+            moved.update({(i, k): e for k, e in enumerate(inputs)})
+            dropped += len(inputs)
             continue
         if node["op"] == "amp_multicast" and any(integer(e) for e in node["inputs"]):
             floats = [k for k, e in enumerate(node["inputs"]) if not integer(e)]

@@ -2,7 +2,7 @@
 
 :func:`gluon_amp.init` installs the hooks (:func:`gluon_amp.mxnet_internals.install_block_hooks`);
 this module says what they do with a freshly built graph: the plan's steps, the input-shape
-rules (:mod:`.shape_rules`) and the casts dropped that convert nothing. The block keeps the
+rules (:mod:`.shape_rules`) and the casts dropped that convert nothing (identity casts included). The block keeps the
 plan; how it executes (natively, emulated, or refused) is decided where MXNet binds it
 (:mod:`gluon_amp.execution`).
 """
@@ -17,7 +17,7 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.emulate import ROUND_SUFFIX
 from gluon_amp_core.policy import Policy
-from gluon_amp_core.retype import AMP_CAST_DTYPES, drop_identity_casts
+from gluon_amp_core.retype import drop_identity_casts
 
 from .. import mxnet_internals as mxi, plan_notes
 from ..tuning.casts import with_fewer_casts
@@ -48,9 +48,12 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
         known, shapes = mxi.call_inputs(block, args, inputs)
         out = rules.apply(block, out, shapes)
         dtypes = infer_dtypes(out, known, partial=True) or {}
-        if any(t is not None and t not in AMP_CAST_DTYPES for t in dtypes.values()):
+        if dtypes:
+            # the wrappers cast every input before dtypes are known: ids, lengths and float64
+            # values (oneDNN rejects some), and values that have the dtype already (a cast
+            # between a weight and its op changes how MXNet runs it)
             graph, dropped = drop_identity_casts(json.loads(out.tojson(remove_amp_cast=False)), dtypes)
-            if dropped:  # the wrappers cast ids, lengths and float64 values too: oneDNN rejects some
+            if dropped:
                 out = mx.sym.load_json(json.dumps(graph))
                 dtypes = infer_dtypes(out, known, partial=True) or {}
         return with_fewer_casts(out, known, policy.table, dtypes)[0]  # none back and forth between neighbours

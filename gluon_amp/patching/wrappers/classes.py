@@ -9,16 +9,18 @@ import functools
 import warnings
 from typing import Any, Callable, Optional, Tuple
 
+from mxnet import autograd
 from mxnet.base import MXNetError
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import Decision, Reason, decide
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
+from gluon_amp_core.emulate import DIRECT_INPUTS
 from gluon_amp_core.table import OpClass, OpTable
 
 from ... import mxnet_internals as mxi
-from ...emulation import round_nd
+from ...emulation import round_nd, unpatched
 from ...execution import CannotRun, cannot_run
 from ..low_cast import _caller_level
 from .casts import CASTABLE, cast_into, cast_nd, cast_sym, multicast_sym
@@ -51,6 +53,7 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
     to_name = mxi.FLOAT_NAMES
     low = table.target_dtype
     guard = not emulate and not runs_on_cpu and op_class is OpClass.LOW_PRECISION
+    direct = DIRECT_INPUTS.get(table.canonical(op)) if emulate else None
 
     def emulated_inputs(args: tuple, kwargs: dict, want: str, keep: frozenset) -> Tuple[Optional[list], Any]:
         """Emulated: every float input in float32, rounded to ``want`` where it is the target;
@@ -117,7 +120,10 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
         if given is not None:
             return _call_with_out(fn, sig, new_args or list(args), kwargs, given, want,
                                   low if emulate and want == low else None)
-        out = fn(*(args if new_args is None else new_args), **kwargs)
+        if direct is not None and want == low and new_args is not None and direct < len(args) <= n_pos:
+            out = _direct_emulated(fn, args, new_args, kwargs, direct, low)
+        else:
+            out = fn(*(args if new_args is None else new_args), **kwargs)
         if emulate and want == low:
             out = _round_outputs(out, low)
             return out if fed is None else _cast_outputs(out, fed)
@@ -153,6 +159,28 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
             return neutral(*args, **kwargs) if d.dtype is None else cast_all(args, kwargs, d)
 
     return amp_op
+
+
+def _direct_emulated(fn: Callable, args: tuple, new_args: list, kwargs: dict, k: int, low: str) -> Any:
+    """An emulated op of :data:`gluon_amp_core.emulate.DIRECT_INPUTS` whose parameter (input
+    ``k``, ``args[k]``) the plan rounds: ``op(x, w, b) + op(x, r - w)``, the second without bias
+    and ``r - w`` outside autograd, so the op reads the parameter itself and its gradient is the
+    parameter's only one (MXNet 1.9.1's oneDNN deconvolution backward crashes otherwise); the
+    other inputs as ``new_args`` has them. As in graphs (:func:`gluon_amp_core.emulate._direct_split`)."""
+    w = args[k]
+    if isinstance(w, NDArray) and mxi.FLOAT_NAMES.get(w.dtype) in LOW_PRECISION_DTYPES:
+        # fed low (GPU-style float16 code): read through an add of zero, as graphs do
+        with autograd.pause():
+            zeros = _ZEROS_LIKE(new_args[k])
+        return fn(*[_ADD(a, zeros) if i == k else a for i, a in enumerate(new_args)], **kwargs)
+    if not isinstance(w, NDArray) or mxi.FLOAT_NAMES.get(w.dtype) != "float32" or new_args[k] is w:
+        return fn(*new_args, **kwargs)
+    with autograd.pause():
+        delta = _SUB(round_nd(w, low), w)
+    main = fn(*[w if i == k else a for i, a in enumerate(new_args)], **kwargs)
+    rest = {n: v for n, v in kwargs.items() if n not in ("bias", "no_bias", "name")}
+    correction = fn(*new_args[:k], delta, no_bias=True, **rest)
+    return _ADD(main, correction)
 
 
 def _in_place(fn: Callable, args: tuple, kwargs: dict, out: NDArray) -> Any:
@@ -239,6 +267,9 @@ def _into(out: Any, result: Any, rounded: Optional[str]) -> Any:
         else:
             r.copyto(o)  # MXNet says so when these do not fit
     return out
+
+
+_SUB, _ADD, _ZEROS_LIKE = unpatched("elemwise_sub"), unpatched("elemwise_add"), unpatched("zeros_like")
 
 
 def _emulated(x: NDArray, to: str, given: str, low: str) -> NDArray:
