@@ -1,6 +1,8 @@
 """Gluon Trainer, parameter and optimizer-updater internals (MXNet 1.9.1)."""
 from __future__ import annotations
 
+import sys
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mxnet as mx
@@ -130,3 +132,31 @@ def set_updater_states(trainer: Trainer, make_states: Callable[[], Dict[Any, Any
         updater.states = make_states()
         updater.states_synced = dict.fromkeys(updater.states.keys(), False)
     trainer._optimizer.param_dict = dict(enumerate(trainer._params))
+
+
+# -- who holds a trainer -------------------------------------------------------------
+# 1.9.1 ``Parameter._set_trainer`` keeps a strong ``_trainer`` on each parameter, and the
+# trainer keeps its ``_params``: a cycle, freed only by Python's cyclic GC, and a trainer that
+# lived through some training sits in its oldest generation. A trainer held by nothing but
+# those back-references is one the program dropped: nothing can call its ``step``.
+
+def held_elsewhere(ref: "weakref.ref[Trainer]") -> bool:
+    """True when the trainer ``ref`` points to is held by something other than its own
+    parameters' ``_trainer`` (CPython reference counts: the program, a frame running its step)."""
+    trainer = ref()
+    if trainer is None:
+        return False
+    held = sys.getrefcount(trainer) - 2  # this frame's name, getrefcount's argument
+    for p in trainer._params:
+        if getattr(p, "_trainer", None) is trainer:
+            held -= 1
+    return held > 0
+
+
+def correct_rescale_grad(trainer: Trainer, wanted_scale: float) -> None:
+    """Make this step's update divide as if ``trainer._scale`` were ``wanted_scale``: 1.9.1
+    ``Trainer.step``/``update`` set ``optimizer.rescale_grad = _scale / batch_size`` before
+    ``_update`` calls the step hook, and the next step sets it afresh."""
+    used = trainer._scale
+    if used != wanted_scale:
+        trainer._optimizer.rescale_grad = trainer._optimizer.rescale_grad * (wanted_scale / used)

@@ -48,11 +48,31 @@ class _Hook:
         self.scaler = scaler
         self.original_scale = mxi.grad_scale(trainer)
         self._warned = False
-        #: (compute dtype, scale) of the current step, fixed by its first scale_loss
-        self._step: Optional[Tuple[str, float]] = None
+        #: (compute dtype, scale, the scaler's step count of this trainer) fixed by the step's
+        #: first scale_loss: valid while the count stays (an interrupted step records nothing)
+        self._decided: Optional[Tuple[str, float, int]] = None
         #: state.policy_serial() when the last step ended: the policies since are this step's
         self._since = state.policy_serial()
         scaler.attach(self)
+
+    @property
+    def _step(self) -> Optional[Tuple[str, float]]:
+        """(compute dtype, scale) of the current step if its first ``scale_loss`` ran, else None."""
+        decided = self._decided
+        if decided is None or decided[2] != self.scaler.steps_of(self):
+            return None
+        return decided[0], decided[1]
+
+    def attached(self) -> bool:
+        """Whether this trainer still counts (for the loss-output ops and the scaler's rounds):
+        False once the program holds it no more, without waiting for the cyclic GC (MXNet's
+        parameters point back at their trainer, so it is freed only by the GC), or once the
+        trainer has another hook."""
+        trainer = self._trainer()
+        if trainer is None or mxi.get_step_hook(trainer) is not self:
+            return False
+        del trainer  # held_elsewhere counts references: none of ours
+        return mxi.held_elsewhere(self._trainer)
 
     def _compute_dtype(self) -> str:
         trainer = self._trainer()
@@ -61,10 +81,12 @@ class _Hook:
     def decide(self) -> Tuple[str, float]:
         """The current step's compute dtype and scale: decided now if no ``scale_loss`` of
         this step did yet, then kept until the step (accumulated gradients share one scale)."""
-        if self._step is None:
+        step = self._step
+        if step is None:
             dtype = self._compute_dtype()
-            self._step = (dtype, self.scaler.scale_for(dtype))
-        return self._step
+            step = (dtype, self.scaler.scale_for(dtype))
+            self._decided = (*step, self.scaler.steps_of(self))
+        return step
 
     # The peer's scaler fields, read and assigned as clients do (Sockeye saves and restores
     # ``(_loss_scale, _next_loss_scale, _unskipped)`` by pickle). Each reads from, and an
@@ -128,15 +150,23 @@ class _Hook:
         self.scaler.growth_interval = steps
 
     def has_overflow(self, params: Sequence[mx.gluon.Parameter]) -> bool:
+        # All or nothing: everything before record_step only reads (or sets what MXNet's next
+        # step sets afresh), record_step commits the step in one statement, and what follows
+        # it is derived state that the next step does not trust (an exception or a Ctrl-C
+        # anywhere leaves the round, the scale and the next step as they should be).
         trainer = self._trainer()
-        dtype, _ = self._step if self._step is not None else (self._compute_dtype(), None)
-        self._step = None  # the next scale_loss decides afresh
-        self._since = state.policy_serial()
+        step = self._step
+        dtype = step[0] if step is not None else self._compute_dtype()
         finite = True if not self.scaler.enabled else overflow.all_finite(params)
         if trainer is not None:
             finite = distributed.agree_finite(trainer, self.scaler, finite)
-            mxi.set_grad_scale(trainer, self.original_scale)  # unscaled unless scale_loss runs again
+            divisor = step[1] if step is not None and self.scaler.stage(self) is not Stage.UNSCALED else 1.0
+            # the update divides by this step's own scale, whatever a fault left in trainer._scale
+            mxi.correct_rescale_grad(trainer, self.original_scale / divisor)
         skip = self.scaler.record_step(self, finite, scaled=self.scaler.scales(dtype))
+        self._since = state.policy_serial()
+        if trainer is not None:
+            mxi.set_grad_scale(trainer, self.original_scale)  # unscaled unless scale_loss runs again
         if skip and not self._warned and dtype != "float16":
             self._warned = True
             warnings.warn(
@@ -270,17 +300,27 @@ def scale_loss(loss: Any, trainer: Optional[Trainer] = None, *,
     if hook.scaler.stage(hook) is Stage.UNSCALED:
         raise RuntimeError("scale_loss after unscale(trainer) in the same step: the new gradients "
                            "would not be unscaled. Call unscale after the last backward.")
-    _, scale = hook.decide()
-    state.register_scaler(hook)  # AMP turned on after init_trainer: loss-output ops find it from now on
-    if scale == 1.0:
-        mxi.set_grad_scale(trainer, hook.original_scale)
-        yield loss
-        return
-    mxi.set_grad_scale(trainer, hook.original_scale / scale)
-    if isinstance(loss, (list, tuple)):
-        yield type(loss)(x * scale for x in loss)
-    else:
-        yield loss * scale
+    # All or nothing: a scale_loss whose block raises (a Ctrl-C included, wherever it lands)
+    # is as if it never ran, as a batch skipped: the step's decision and the trainer's
+    # gradient scale go back to what they were, so a later step without scale_loss is not
+    # divided by a stale scale (the step also checks, see _Hook.has_overflow).
+    before = hook._decided, mxi.grad_scale(trainer)
+    done = False
+    try:
+        _, scale = hook.decide()
+        state.register_scaler(hook)  # AMP turned on after init_trainer: loss-output ops find it from now on
+        mxi.set_grad_scale(trainer, hook.original_scale / scale if scale != 1.0 else hook.original_scale)
+        if scale == 1.0:
+            yield loss
+        elif isinstance(loss, (list, tuple)):
+            yield type(loss)(x * scale for x in loss)
+        else:
+            yield loss * scale
+        done = True
+    finally:
+        if not done:
+            hook._decided = before[0]
+            mxi.set_grad_scale(trainer, before[1])
 
 
 @contextlib.contextmanager
@@ -304,8 +344,9 @@ def unscale(trainer: Optional[Trainer] = None, *, optimizer_or_trainer: Optional
     """
     trainer = _one_trainer(trainer, optimizer_or_trainer, "unscale")
     hook = _hook_of(trainer, "unscale")
+    step = hook._step
     hook.scaler.mark_unscaled(hook)
-    inv = mxi.grad_scale(trainer) / hook.original_scale  # 1/loss_scale when scale_loss ran, else 1
+    inv = 1.0 / step[1] if step is not None else 1.0  # 1/loss_scale when scale_loss ran, else 1
     if inv != 1.0:
         with autograd.pause():
             for grads in overflow.grads_by_context(mxi.trainer_params(trainer)).values():
