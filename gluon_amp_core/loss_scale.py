@@ -282,9 +282,10 @@ class LossScaler:
             finite_all, scaled_any = True, False
             for m in list(stages):
                 stages[m] = Stage.READY
-        vars(self).update(state=state, _stages=stages, _steps=steps, _round_finite=finite_all,
-                          _round_scaled=scaled_any)
-        return self.enabled and not finite
+        skip = self.enabled and not finite
+        new = {"state": state, "_stages": stages, "_steps": steps, "_round_finite": finite_all,
+               "_round_scaled": scaled_any}
+        return vars(self).update(new) or skip  # the commit, one C call, and nothing after it
 
     def end_round(self) -> None:
         """Close the round: update the scale once and make every trainer READY again."""

@@ -150,10 +150,11 @@ class _Hook:
         self.scaler.growth_interval = steps
 
     def has_overflow(self, params: Sequence[mx.gluon.Parameter]) -> bool:
-        # All or nothing: everything before record_step only reads (or sets what MXNet's next
-        # step sets afresh), record_step commits the step in one statement, and what follows
-        # it is derived state that the next step does not trust (an exception or a Ctrl-C
-        # anywhere leaves the round, the scale and the next step as they should be).
+        # All or nothing under an exception or a Ctrl-C at any bytecode: what runs before the
+        # commit only reads, or sets what is derived (trainer._scale, rescale_grad: the next
+        # step sets them afresh and checks them against its own decision); record_step's last
+        # statement commits the step, round and scale at once; after it, only a skipped step
+        # runs more code (it does not update either way).
         trainer = self._trainer()
         step = self._step
         dtype = step[0] if step is not None else self._compute_dtype()
@@ -163,11 +164,13 @@ class _Hook:
             divisor = step[1] if step is not None and self.scaler.stage(self) is not Stage.UNSCALED else 1.0
             # the update divides by this step's own scale, whatever a fault left in trainer._scale
             mxi.correct_rescale_grad(trainer, self.original_scale / divisor)
-        skip = self.scaler.record_step(self, finite, scaled=self.scaler.scales(dtype))
-        self._since = state.policy_serial()
-        if trainer is not None:
             mxi.set_grad_scale(trainer, self.original_scale)  # unscaled unless scale_loss runs again
-        if skip and not self._warned and dtype != "float16":
+        self._since = state.policy_serial()
+        return self.scaler.record_step(self, finite, scaled=self.scaler.scales(dtype)) and self._skipped(dtype, params)
+
+    def _skipped(self, dtype: str, params: Sequence[mx.gluon.Parameter]) -> bool:
+        """A step was skipped (and recorded): say why once, stop a collapsed run; True."""
+        if not self._warned and dtype != "float16":
             self._warned = True
             warnings.warn(
                 f"gluon_amp: a training step was skipped for inf/NaN gradients while AMP runs "
@@ -176,15 +179,15 @@ class _Hook:
                 f"{overflow.non_finite_names(params) or 'none now (it came from the loss)'}. "
                 "Check the data, the loss and the learning rate; gluon_amp stops the run after "
                 f"{self.scaler.max_consecutive_skips} skips in a row. (Said once per trainer.)",
-                RuntimeWarning, stacklevel=4)
-        if skip and self.scaler.collapsed():
+                RuntimeWarning, stacklevel=5)
+        if self.scaler.collapsed():
             raise RuntimeError(
                 f"{self.scaler.state.consecutive_skips} steps in a row had non-finite gradients "
                 f"(loss scale now {self.scaler.scale_for(dtype):g}); this is not an fp16 range problem. "
                 "Parameters with inf/NaN gradients: "
                 f"{overflow.non_finite_names(params) or 'none now (inf/NaN came from the loss)'}. "
                 "Check the learning rate, the data and the loss, or raise max_consecutive_skips.")
-        return skip
+        return True
 
 
 def _compute_dtype(params: Sequence[mx.gluon.Parameter], since: int) -> str:
@@ -305,7 +308,6 @@ def scale_loss(loss: Any, trainer: Optional[Trainer] = None, *,
     # gradient scale go back to what they were, so a later step without scale_loss is not
     # divided by a stale scale (the step also checks, see _Hook.has_overflow).
     before = hook._decided, mxi.grad_scale(trainer)
-    done = False
     try:
         _, scale = hook.decide()
         state.register_scaler(hook)  # AMP turned on after init_trainer: loss-output ops find it from now on
@@ -315,12 +317,11 @@ def scale_loss(loss: Any, trainer: Optional[Trainer] = None, *,
         elif isinstance(loss, (list, tuple)):
             yield type(loss)(x * scale for x in loss)
         else:
-            yield loss * scale
-        done = True
-    finally:
-        if not done:
-            hook._decided = before[0]
-            mxi.set_grad_scale(trainer, before[1])
+            yield loss * scale  # after the block, no line of this function runs: none can be interrupted
+    except BaseException:
+        hook._decided = before[0]
+        mxi.set_grad_scale(trainer, before[1])
+        raise
 
 
 @contextlib.contextmanager
