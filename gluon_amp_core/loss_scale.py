@@ -125,6 +125,9 @@ class LossScaler:
         self._stages: "weakref.WeakKeyDictionary[Any, Stage]" = weakref.WeakKeyDictionary()
         #: steps each member has recorded (a member's per-step cache is valid for one count)
         self._steps: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+        #: members whose step of this round was interrupted before it counted (the round
+        #: does not wait for them once the others step again)
+        self._abandoned: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
         self._round_finite = True
         self._round_scaled = False
 
@@ -253,6 +256,16 @@ class LossScaler:
         stages[member] = Stage.UNSCALED
         self._stages = stages
 
+    def abandon(self, member: Any, steps: Optional[int]) -> None:
+        """``member``'s step was interrupted before it counted (its count still ``steps``;
+        None: before it read the count):
+        the round does not wait for it once the others step again (as if it skipped this
+        round); it stays READY, and its next step counts as usual."""
+        if steps in (None, self._steps.get(member, 0)) and self._stages.get(member) is not Stage.STEPPED:
+            abandoned = weakref.WeakKeyDictionary(self._abandoned)
+            abandoned[member] = True
+            self._abandoned = abandoned
+
     def record_step(self, member: Any, finite: bool, scaled: bool = True) -> bool:
         """``member`` stepped with (non-)finite gradients, its loss multiplied by the
         scale or not (``scaled``); return True if it must skip.
@@ -263,35 +276,38 @@ class LossScaler:
         """
         state, finite_all, scaled_any = self.state, self._round_finite, self._round_scaled
         stages, steps = self._copies()
+        abandoned = weakref.WeakKeyDictionary(self._abandoned)
         if self.stage(member) is Stage.STEPPED:
-            if not _round_complete(stages):
+            if not _round_complete(stages, abandoned):
                 raise RuntimeError(
                     "a trainer stepped twice in one round of a shared LossScaler before the other "
                     f"{_live_count(stages) - 1} trainer(s) stepped; when trainers step at different rates, "
                     "call scaler.end_round() once per iteration after the last step.")
-            # the others it waited for were dropped since: that round is over
+            # the others it waited for were dropped, or their step was interrupted: that round is over
             state = self.next_state(state, finite_all, scaled_any)
-            finite_all, scaled_any = True, False
+            finite_all, scaled_any, abandoned = True, False, weakref.WeakKeyDictionary()
             for m in list(stages):
                 stages[m] = Stage.READY
         stages[member] = Stage.STEPPED
         steps[member] = steps.get(member, 0) + 1
+        abandoned.pop(member, None)
         finite_all, scaled_any = finite_all and finite, scaled_any or scaled
         if _round_complete(stages):
             state = self.next_state(state, finite_all, scaled_any)
-            finite_all, scaled_any = True, False
+            finite_all, scaled_any, abandoned = True, False, weakref.WeakKeyDictionary()
             for m in list(stages):
                 stages[m] = Stage.READY
         skip = self.enabled and not finite
         new = {"state": state, "_stages": stages, "_steps": steps, "_round_finite": finite_all,
-               "_round_scaled": scaled_any}
+               "_round_scaled": scaled_any, "_abandoned": abandoned}
         return vars(self).update(new) or skip  # the commit, one C call, and nothing after it
 
     def end_round(self) -> None:
         """Close the round: update the scale once and make every trainer READY again."""
         stages = weakref.WeakKeyDictionary(dict.fromkeys(list(self._stages), Stage.READY))
         vars(self).update(state=self.next_state(self.state, self._round_finite, self._round_scaled),
-                          _stages=stages, _round_finite=True, _round_scaled=False)
+                          _stages=stages, _round_finite=True, _round_scaled=False,
+                          _abandoned=weakref.WeakKeyDictionary())
 
     def collapsed(self) -> bool:
         """True once ``max_consecutive_skips`` steps in a row were skipped."""
@@ -315,8 +331,8 @@ class LossScaler:
         ``ValueError`` and change nothing; a dict without ``scaled_dtypes`` (gluon_amp before
         it existed) keeps this scaler's."""
         fresh = self.checked(state)
-        fresh._stages, fresh._steps, fresh._round_finite, fresh._round_scaled = (  # attachments stay
-            self._stages, self._steps, self._round_finite, self._round_scaled)
+        fresh._stages, fresh._steps, fresh._abandoned, fresh._round_finite, fresh._round_scaled = (
+            self._stages, self._steps, self._abandoned, self._round_finite, self._round_scaled)  # attachments stay
         self.__dict__.update(fresh.__dict__)  # one C call: the load is whole or nothing
 
     def checked(self, state: Dict[str, Any]) -> "LossScaler":
@@ -374,8 +390,8 @@ def _live_count(stages: "weakref.WeakKeyDictionary[Any, Stage]") -> int:
     return sum(1 for m in list(stages) if _attached(m))
 
 
-def _round_complete(stages: "weakref.WeakKeyDictionary[Any, Stage]") -> bool:
-    return all(s is Stage.STEPPED for m, s in list(stages.items()) if _attached(m))
+def _round_complete(stages: "weakref.WeakKeyDictionary[Any, Stage]", excused: Any = ()) -> bool:
+    return all(s is Stage.STEPPED or m in excused for m, s in list(stages.items()) if _attached(m))
 
 
 def loss_scaler_from(spec: Any) -> LossScaler:

@@ -8,6 +8,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import mxnet as mx
 from mxnet.gluon import Parameter, Trainer
 
+from gluon_amp_core.dtypes import dtype_name
+
 
 # -- trainer -------------------------------------------------------------------------
 # 1.9.1 mxnet/gluon/trainer.py: ``_update`` calls ``self._amp_loss_scaler.has_overflow(params)``
@@ -129,8 +131,8 @@ def set_updater_states(trainer: Trainer, make_states: Callable[[], Dict[Any, Any
     """Give every updater of ``trainer`` its own ``make_states()``, synced lazily to its context."""
     init_kvstore_now(trainer)
     for updater in trainer._updaters:
-        updater.states = make_states()
-        updater.states_synced = dict.fromkeys(updater.states.keys(), False)
+        states = make_states()
+        vars(updater).update(states=states, states_synced=dict.fromkeys(states.keys(), False))
     trainer._optimizer.param_dict = dict(enumerate(trainer._params))
 
 
@@ -160,3 +162,18 @@ def correct_rescale_grad(trainer: Trainer, wanted_scale: float) -> None:
     used = trainer._scale
     if used != wanted_scale:
         trainer._optimizer.rescale_grad = trainer._optimizer.rescale_grad * (wanted_scale / used)
+
+
+def param_specs(trainer: Trainer) -> List[Any]:
+    """(name, shape, dtype name) of each parameter, in the order of the optimizer's indices."""
+    return [(p.name, tuple(p.shape or ()), dtype_name(p.dtype)) for p in trainer._params]
+
+
+def updaters_snapshot(trainer: Trainer) -> List[Any]:
+    """What :func:`set_updater_states` changes, to put back (:func:`restore_updaters`)."""
+    return [(u, u.states, u.states_synced) for u in trainer._updaters]
+
+
+def restore_updaters(trainer: Trainer, snapshot: List[Any]) -> None:
+    for u, states, synced in snapshot:
+        vars(u).update(states=states, states_synced=synced)

@@ -155,18 +155,26 @@ class _Hook:
         # step sets them afresh and checks them against its own decision); record_step's last
         # statement commits the step, round and scale at once; after it, only a skipped step
         # runs more code (it does not update either way).
-        trainer = self._trainer()
-        step = self._step
-        dtype = step[0] if step is not None else self._compute_dtype()
-        finite = True if not self.scaler.enabled else overflow.all_finite(params)
-        if trainer is not None:
-            finite = distributed.agree_finite(trainer, self.scaler, finite)
-            divisor = step[1] if step is not None and self.scaler.stage(self) is not Stage.UNSCALED else 1.0
-            # the update divides by this step's own scale, whatever a fault left in trainer._scale
-            mxi.correct_rescale_grad(trainer, self.original_scale / divisor)
-            mxi.set_grad_scale(trainer, self.original_scale)  # unscaled unless scale_loss runs again
-        self._since = state.policy_serial()
-        return self.scaler.record_step(self, finite, scaled=self.scaler.scales(dtype)) and self._skipped(dtype, params)
+        try:
+            steps = self.scaler.steps_of(self)
+            trainer = self._trainer()
+            step = self._step
+            dtype = step[0] if step is not None else self._compute_dtype()
+            finite = True if not self.scaler.enabled else overflow.all_finite(params)
+            if trainer is not None:
+                finite = distributed.agree_finite(trainer, self.scaler, finite)
+                divisor = step[1] if step is not None and self.scaler.stage(self) is not Stage.UNSCALED else 1.0
+                # the update divides by this step's own scale, whatever a fault left in trainer._scale
+                mxi.correct_rescale_grad(trainer, self.original_scale / divisor)
+                mxi.set_grad_scale(trainer, self.original_scale)  # unscaled unless scale_loss runs again
+            self._since = state.policy_serial()
+            scaled = self.scaler.scales(dtype)
+            return self.scaler.record_step(self, finite, scaled=scaled) and self._skipped(dtype, params)
+        except BaseException:
+            # a shared round does not wait for a step that never counted (steps unset: it stopped
+            # at the first line)
+            self.scaler.abandon(self, locals().get("steps"))
+            raise
 
     def _skipped(self, dtype: str, params: Sequence[mx.gluon.Parameter]) -> bool:
         """A step was skipped (and recorded): say why once, stop a collapsed run; True."""
@@ -403,7 +411,7 @@ def save_states(trainer: Trainer, fname: str) -> None:
     mxi.init_kvstore_now(trainer)
     updater = mxi.trainer_updaters(trainer)[0]
     checkpoint.write(fname, {"scaler": hook.scaler.state_dict(), "mode": _mode(trainer)},
-                     mxi.updater_states(updater), mxi.trainer_optimizer(trainer))
+                     mxi.updater_states(updater), mxi.trainer_optimizer(trainer), mxi.param_specs(trainer))
 
 
 def load_states(trainer: Trainer, fname: str, *, trusted: bool = False) -> None:
@@ -420,6 +428,7 @@ def load_states(trainer: Trainer, fname: str, *, trusted: bool = False) -> None:
         raise TypeError(f"trusted must be True or False, got {trusted!r}")
     if trusted and os.path.isfile(fname) and not zipfile.is_zipfile(fname):
         scaler_state, _, _ = checkpoint.read_old(fname)
+        checkpoint.checked_scaler_state(hook.scaler, scaler_state, fname)
         with open(fname, "rb") as f:
             blob = pickle.load(f)["trainer"]  # noqa: S301 - the caller trusts this file
         with tempfile.TemporaryDirectory() as tmp:
@@ -429,15 +438,33 @@ def load_states(trainer: Trainer, fname: str, *, trusted: bool = False) -> None:
             trainer.load_states(path)
         hook.scaler.load_state_dict(scaler_state)
         return
-    meta, make_states = checkpoint.read(fname, mx.cpu())
-    _check_mode(trainer, meta.get("mode") or {}, fname)
-    checkpoint.restore_optimizer(mxi.trainer_optimizer(trainer), meta["optimizer"])
-    mxi.set_updater_states(trainer, make_states)
-    hook.scaler.load_state_dict(meta["scaler"])
+    # All or nothing: everything is read and checked first (the file, the scaler's values,
+    # the state tree against this trainer's parameters, the optimizer and the mode); then
+    # the optimizer, the updaters' states and the scaler change, undone if that is interrupted.
+    ck = checkpoint.read(fname)
+    _check_mode(trainer, ck.meta.get("mode") or {}, fname)
+    scaler = checkpoint.checked_scaler_state(hook.scaler, ck.meta["scaler"], fname)
+    checkpoint.check_params(ck, fname, mxi.param_specs(trainer))
+    fields = checkpoint.check_optimizer(mxi.trainer_optimizer(trainer), ck.meta["optimizer"], fname)
+    mxi.init_kvstore_now(trainer)  # what the first step does anyway; the updaters exist from here
+    states = iter([ck.states(mx.cpu()) for _ in mxi.trainer_updaters(trainer)])
+    opt = mxi.trainer_optimizer(trainer)
+    undo = checkpoint.Undo(opt, hook.scaler, mxi.updaters_snapshot(trainer))
+    try:
+        checkpoint.restore_optimizer(opt, fields)
+        mxi.set_updater_states(trainer, lambda: next(states))
+        vars(hook.scaler).update(scaler)
+    except BaseException:
+        undo(trainer)
+        raise
 
 
 def _check_mode(trainer: Trainer, saved: Dict[str, Any], fname: str) -> None:
     from .master_weights import MasterWeightUpdater
+    if saved.get("module"):
+        raise checkpoint.CheckpointError(
+            f"{fname!r} holds a Module's optimizer state (gluon_amp.save_states(module, ...)); a Gluon "
+            "Trainer cannot load it: load it into the Module, or a checkpoint saved from a Trainer")
     master = saved.get("master_weights")
     if master and master.get("keep_master") and not isinstance(mxi.trainer_updaters(trainer)[0], MasterWeightUpdater):
         raise checkpoint.CheckpointError(
