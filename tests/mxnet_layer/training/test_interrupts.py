@@ -31,6 +31,7 @@ from helpers import ROOT
 pytestmark = pytest.mark.filterwarnings("ignore:gluon_amp. a training step was skipped:RuntimeWarning")
 
 _OURS = tuple(os.path.join(ROOT, d) + os.sep for d in ("gluon_amp", "gluon_amp_core"))
+_STATE = os.path.join("gluon_amp", "state.py")
 _BATCHES = 5
 _AT = 2  # the batch whose call is interrupted (batch 1 has inf gradients: a skipped step)
 
@@ -43,7 +44,11 @@ class _Injector:
         self.at, self.exc, self.lines, self.fired = at, exc, 0, False
 
     def __call__(self, frame, event, arg):
-        return self._line if frame.f_code.co_filename.startswith(_OURS) else None
+        name = frame.f_code.co_filename
+        # gluon_amp/state.py left out: a trace function raising at a `with lock:` line's exit
+        # leaks the lock (CPython runs the line event before __exit__), a hang for later
+        # threaded tests; state's own transitions are tested with its regions
+        return self._line if name.startswith(_OURS) and not name.endswith(_STATE) else None
 
     def _line(self, frame, event, arg):
         if event == "line" and not self.fired:
