@@ -18,7 +18,7 @@ import math
 import numbers
 import weakref
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Union
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Tuple, Union
 
 #: The compute dtypes whose range a loss scale protects, for the default scaler: float16
 #: (5 exponent bits). bfloat16 has float32's exponent range; measured on BERT and SSD
@@ -119,7 +119,15 @@ class LossScaler:
         self.enabled = bool(enabled)
         self.scaled_dtypes = _dtype_set(scaled_dtypes)
         self.state = ScaleState(scale=self.init_scale if enabled else 1.0)
+        # The round's bookkeeping. Each change builds new values and commits them with one
+        # ``vars(self).update(...)`` (a single C call): an exception or a Ctrl-C at any
+        # bytecode before it changes nothing, and none can land inside it.
         self._stages: "weakref.WeakKeyDictionary[Any, Stage]" = weakref.WeakKeyDictionary()
+        #: steps each member has recorded (a member's per-step cache is valid for one count)
+        self._steps: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+        #: members whose step of this round was interrupted before it counted (the round
+        #: does not wait for them once the others step again)
+        self._abandoned: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
         self._round_finite = True
         self._round_scaled = False
 
@@ -214,11 +222,18 @@ class LossScaler:
     # A round is one step of every trainer attached to this scaler. The scale moves once
     # per round, on whether all their gradients were finite; each trainer skips on its
     # own gradients. A round ends when every attached trainer has stepped, or when
-    # end_round() is called (needed when trainers step at different rates).
+    # end_round() is called (needed when trainers step at different rates). A member whose
+    # ``attached()`` says False (its trainer was dropped) is not waited for.
+
+    def _copies(self) -> "Tuple[weakref.WeakKeyDictionary[Any, Stage], weakref.WeakKeyDictionary[Any, int]]":
+        return weakref.WeakKeyDictionary(self._stages), weakref.WeakKeyDictionary(self._steps)
 
     def attach(self, member: Any) -> None:
         """Register ``member`` (one per trainer, weakly held) as a participant of each round."""
-        self._stages[member] = Stage.READY
+        stages, steps = self._copies()
+        stages[member] = Stage.READY
+        steps.setdefault(member, 0)
+        vars(self).update(_stages=stages, _steps=steps)
 
     def stage(self, member: Any) -> Stage:
         try:
@@ -227,38 +242,72 @@ class LossScaler:
             raise RuntimeError("this trainer is not attached to the scaler; call "
                                "gluon_amp.init_trainer(trainer, scaler) first") from None
 
+    def steps_of(self, member: Any) -> int:
+        """How many steps ``member`` has recorded: what it decided for its current step is
+        valid while this count stays the same (a step that was interrupted records nothing)."""
+        return self._steps.get(member, 0)
+
     def mark_unscaled(self, member: Any) -> None:
         """READY -> UNSCALED; ``RuntimeError`` if the gradients were already unscaled."""
         if self.stage(member) is Stage.UNSCALED:
             raise RuntimeError("unscale(trainer) was already called since the last trainer.step(); "
                                "the gradients are unscaled already.")
-        self._stages[member] = Stage.UNSCALED
+        stages = weakref.WeakKeyDictionary(self._stages)
+        stages[member] = Stage.UNSCALED
+        self._stages = stages
+
+    def abandon(self, member: Any, steps: Optional[int]) -> None:
+        """``member``'s step was interrupted before it counted (its count still ``steps``;
+        None: before it read the count):
+        the round does not wait for it once the others step again (as if it skipped this
+        round); it stays READY, and its next step counts as usual."""
+        if steps in (None, self._steps.get(member, 0)) and self._stages.get(member) is not Stage.STEPPED:
+            abandoned = weakref.WeakKeyDictionary(self._abandoned)
+            abandoned[member] = True
+            self._abandoned = abandoned
 
     def record_step(self, member: Any, finite: bool, scaled: bool = True) -> bool:
         """``member`` stepped with (non-)finite gradients, its loss multiplied by the
         scale or not (``scaled``); return True if it must skip.
 
         Ends the round once every attached member has stepped. The scale moves only if
-        some member's loss of the round was scaled.
+        some member's loss of the round was scaled. All or nothing: the stage, the round and
+        the scale change in one statement at the end.
         """
+        state, finite_all, scaled_any = self.state, self._round_finite, self._round_scaled
+        stages, steps = self._copies()
+        abandoned = weakref.WeakKeyDictionary(self._abandoned)
         if self.stage(member) is Stage.STEPPED:
-            raise RuntimeError(
-                "a trainer stepped twice in one round of a shared LossScaler before the other "
-                f"{len(self._stages) - 1} trainer(s) stepped; when trainers step at different rates, "
-                "call scaler.end_round() once per iteration after the last step.")
-        self._stages[member] = Stage.STEPPED
-        self._round_finite = self._round_finite and finite
-        self._round_scaled = self._round_scaled or scaled
-        if all(s is Stage.STEPPED for s in self._stages.values()):
-            self.end_round()
-        return self.enabled and not finite
+            if not _round_complete(stages, abandoned):
+                raise RuntimeError(
+                    "a trainer stepped twice in one round of a shared LossScaler before the other "
+                    f"{_live_count(stages) - 1} trainer(s) stepped; when trainers step at different rates, "
+                    "call scaler.end_round() once per iteration after the last step.")
+            # the others it waited for were dropped, or their step was interrupted: that round is over
+            state = self.next_state(state, finite_all, scaled_any)
+            finite_all, scaled_any, abandoned = True, False, weakref.WeakKeyDictionary()
+            for m in list(stages):
+                stages[m] = Stage.READY
+        stages[member] = Stage.STEPPED
+        steps[member] = steps.get(member, 0) + 1
+        abandoned.pop(member, None)
+        finite_all, scaled_any = finite_all and finite, scaled_any or scaled
+        if _round_complete(stages):
+            state = self.next_state(state, finite_all, scaled_any)
+            finite_all, scaled_any, abandoned = True, False, weakref.WeakKeyDictionary()
+            for m in list(stages):
+                stages[m] = Stage.READY
+        skip = self.enabled and not finite
+        new = {"state": state, "_stages": stages, "_steps": steps, "_round_finite": finite_all,
+               "_round_scaled": scaled_any, "_abandoned": abandoned}
+        return vars(self).update(new) or skip  # the commit, one C call, and nothing after it
 
     def end_round(self) -> None:
         """Close the round: update the scale once and make every trainer READY again."""
-        self.update(self._round_finite, self._round_scaled)
-        self._round_finite, self._round_scaled = True, False
-        for member in list(self._stages):
-            self._stages[member] = Stage.READY
+        stages = weakref.WeakKeyDictionary(dict.fromkeys(list(self._stages), Stage.READY))
+        vars(self).update(state=self.next_state(self.state, self._round_finite, self._round_scaled),
+                          _stages=stages, _round_finite=True, _round_scaled=False,
+                          _abandoned=weakref.WeakKeyDictionary())
 
     def collapsed(self) -> bool:
         """True once ``max_consecutive_skips`` steps in a row were skipped."""
@@ -277,8 +326,18 @@ class LossScaler:
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`. Unknown or missing keys raise ``ValueError``;
-        a dict without ``scaled_dtypes`` (gluon_amp before it existed) keeps this scaler's."""
+        """Restore from :meth:`state_dict`. Unknown or missing keys, and values a scaler
+        cannot hold (a scale that is not finite and positive, negative counts), raise
+        ``ValueError`` and change nothing; a dict without ``scaled_dtypes`` (gluon_amp before
+        it existed) keeps this scaler's."""
+        fresh = self.checked(state)
+        fresh._stages, fresh._steps, fresh._abandoned, fresh._round_finite, fresh._round_scaled = (
+            self._stages, self._steps, self._abandoned, self._round_finite, self._round_scaled)  # attachments stay
+        self.__dict__.update(fresh.__dict__)  # one C call: the load is whole or nothing
+
+    def checked(self, state: Dict[str, Any]) -> "LossScaler":
+        """A new scaler holding ``state`` (a :meth:`state_dict`), every value checked;
+        ``ValueError``/``TypeError`` naming the bad one. This scaler is not changed."""
         if not isinstance(state, dict):
             raise TypeError(f"load_state_dict expects a dict from LossScaler.state_dict(), got {type(state).__name__}")
         expected = set(self.state_dict())
@@ -286,15 +345,31 @@ class LossScaler:
         if missing or set(state) - expected:
             raise ValueError(f"not a LossScaler state_dict: missing {sorted(missing)}, "
                              f"unexpected {sorted(set(state) - expected)}")
+        for key in ("dynamic", "enabled", "last_skipped"):
+            if not isinstance(state[key], bool):
+                raise ValueError(f"LossScaler state: {key!r} must be True or False, got {state[key]!r}")
+        counts = {}
+        for key in ("growth_tracker", "consecutive_skips", "total_steps", "skipped_steps"):
+            v = state[key]
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+                raise ValueError(f"LossScaler state: {key!r} must be an int >= 0, got {v!r}")
+            counts[key] = int(v)
+        if counts["skipped_steps"] > counts["total_steps"]:
+            raise ValueError(f"LossScaler state: skipped_steps={counts['skipped_steps']} exceeds "
+                             f"total_steps={counts['total_steps']}")
         fresh = LossScaler(scaled_dtypes=state.get("scaled_dtypes", self.scaled_dtypes), **{k: state[k] for k in (
             "init_scale", "growth_factor", "backoff_factor", "growth_interval", "min_scale",
             "max_scale", "max_consecutive_skips", "dynamic", "enabled")})
-        fresh.state = ScaleState(float(state["scale"]), int(state["growth_tracker"]),
-                                 int(state["consecutive_skips"]), int(state["total_steps"]),
-                                 int(state["skipped_steps"]), bool(state["last_skipped"]))
-        fresh._stages, fresh._round_finite, fresh._round_scaled = (  # attachments stay
-            self._stages, self._round_finite, self._round_scaled)
-        self.__dict__.update(fresh.__dict__)
+        scale = state["scale"]
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (
+                math.isfinite(scale) and scale > 0):
+            raise ValueError(f"LossScaler state: the scale must be a finite number > 0, got {scale!r}")
+        if fresh.enabled and not fresh.min_scale <= float(scale) <= fresh.max_scale:
+            raise ValueError(f"LossScaler state: the scale {scale!r} lies outside its [min_scale={fresh.min_scale:g}, "
+                             f"max_scale={fresh.max_scale:g}]")
+        fresh.state = ScaleState(float(scale), counts["growth_tracker"], counts["consecutive_skips"],
+                                 counts["total_steps"], counts["skipped_steps"], state["last_skipped"])
+        return fresh
 
     def __repr__(self) -> str:
         kind = "disabled" if not self.enabled else ("dynamic" if self.dynamic else "static")
@@ -303,6 +378,20 @@ class LossScaler:
         s = self.state
         return (f"LossScaler({kind}, scale={s.scale:g}, skipped={s.skipped_steps}/{s.total_steps}, "
                 f"last_skipped={s.last_skipped})")
+
+
+def _attached(member: Any) -> bool:
+    """Whether a round waits for ``member``: False once its owner is gone (``member.attached()``)."""
+    attached = getattr(member, "attached", None)
+    return attached() if callable(attached) else True
+
+
+def _live_count(stages: "weakref.WeakKeyDictionary[Any, Stage]") -> int:
+    return sum(1 for m in list(stages) if _attached(m))
+
+
+def _round_complete(stages: "weakref.WeakKeyDictionary[Any, Stage]", excused: Any = ()) -> bool:
+    return all(s is Stage.STEPPED or m in excused for m, s in list(stages.items()) if _attached(m))
 
 
 def loss_scaler_from(spec: Any) -> LossScaler:

@@ -13,7 +13,11 @@ do, the first process builds and later ones load:
   the pure reference, a oneDNN training graph forward and backward) before any process uses
   it, so a build that breaks in MXNet's process breaks there, not in the user's;
 - the outcome is written next to the library (``ok.json`` or ``failed.json``, atomically):
-  a failed build is not retried until something in the key changes.
+  a failed build is not retried until something in the key changes;
+- every file is fsynced, and its folder, before it is renamed into place, and ``ok.json``
+  records the library's size and SHA-256: a process checks both before it loads the library,
+  and builds it again where they differ (a file cut short by a crash or a power loss would
+  otherwise kill every process that loads it with SIGBUS).
 """
 from __future__ import annotations
 
@@ -149,7 +153,8 @@ def ensure(facts: Mapping[str, Any], env: Mapping[str, str], log: Any = None) ->
         if error is None:
             error = _check(library, env)
         try:
-            _write_json(os.path.join(folder, "failed.json" if error else "ok.json"), {"key": key, "error": error})
+            doc = {"key": key, "error": error, **({} if error else {"library": _fingerprint(library)})}
+            _write_json(os.path.join(folder, "failed.json" if error else "ok.json"), doc)
         except OSError as exc:
             error = error or f"cannot write the kernel cache {folder}: {exc}"
     return Build(None, error) if error else Build(library, f"built now with {compiler}")
@@ -165,7 +170,7 @@ def _outcome(folder: str, key: Mapping[str, Any], library: str) -> Optional[Buil
             continue
         if not isinstance(doc, dict) or doc.get("key") != json.loads(json.dumps(key)):
             continue
-        if ok and os.path.exists(library):
+        if ok and os.path.exists(library) and doc.get("library") == _fingerprint(library):
             return Build(library, f"cached in {folder}")
         if not ok:
             return Build(None, f"{doc.get('error')} (recorded in {folder}; a new compiler, MXNet or "
@@ -184,7 +189,9 @@ def _compile(command_for: Callable[[str], List[str]], folder: str, library: str)
             lines = [ln for ln in r.stderr.splitlines() if "error" in ln] or r.stderr.splitlines()
             return (f"the compiler failed (exit status {r.returncode}): {' '.join(lines[:3])[:600]}; "
                     f"command: {shlex.join(cmd)}")
+        _fsync(tmp)
         os.replace(tmp, library)
+        _fsync(folder)
         return None
     except (OSError, subprocess.SubprocessError) as exc:
         return f"the compiler did not run: {exc}"
@@ -236,8 +243,39 @@ def _write_json(path: str, doc: Mapping[str, Any]) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync(os.path.dirname(path))
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _fingerprint(library: str) -> Optional[Dict[str, Any]]:
+    """Size and SHA-256 of ``library`` (None where it cannot be read): what ``ok.json`` records."""
+    digest = hashlib.sha256()
+    try:
+        with open(library, "rb") as f:
+            size = 0
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+                size += len(block)
+    except OSError:
+        return None
+    return {"size": size, "sha256": digest.hexdigest()}
+
+
+def _fsync(path: str) -> None:
+    """Flush ``path`` (a file or a folder) to the disk; where the system cannot, nothing."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

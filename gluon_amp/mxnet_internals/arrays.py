@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import mxnet as mx
@@ -64,25 +65,31 @@ def unfused_binds() -> Iterator[None]:
 
 
 # -- host views ----------------------------------------------------------------------
-# MXNet 1.9.1 NDArray.to_dlpack_for_read() waits for pending writes and exports the
-# array's memory (no copy); NumPy >= 1.22 reads it through np.from_dlpack. NumPy has no
+# MXNet 1.9.1: ``NDArray.wait_to_read()`` waits for pending writes and the C API's
+# ``MXNDArrayGetData`` gives the address of the array's first value (its offset included).
+# NumPy reads it through ``__array_interface__`` of a holder that keeps the NDArray alive.
+# No DLPack: its capsule destructor is a ctypes callback, Python code that a Ctrl-C landing
+# in it turns into "SystemError: error return without exception set". NumPy has no
 # bfloat16, so those arrays have no host view.
 
-class _DLPack:
-    def __init__(self, array: mx.nd.NDArray) -> None:
+class _Memory:
+    """Owns a reference to ``array`` while a view of its memory lives (the view's base)."""
+
+    def __init__(self, array: mx.nd.NDArray, address: int, typestr: str) -> None:
         self.array = array
-
-    def __dlpack__(self, stream: Any = None) -> Any:
-        return self.array.to_dlpack_for_read()
-
-    def __dlpack_device__(self) -> Tuple[int, int]:
-        return 1, 0  # kDLCPU
+        self.__array_interface__ = {"data": (address, True), "shape": tuple(array.shape),
+                                    "typestr": typestr, "version": 3}
 
 
 def host_view(array: mx.nd.NDArray) -> Optional[np.ndarray]:
     """A read-only NumPy view of a CPU float32/float16 array's memory (after its pending
     writes), or None where there is none (other devices, dtypes, storage types)."""
-    if (array.context.device_type != "cpu" or array.stype != "default"
-            or FLOAT_NAMES.get(array.dtype) not in ("float32", "float16")):
+    name = FLOAT_NAMES.get(array.dtype)
+    if array.context.device_type != "cpu" or array.stype != "default" or name not in ("float32", "float16"):
         return None
-    return np.from_dlpack(_DLPack(array))
+    array.wait_to_read()
+    if array.size == 0:
+        return np.empty(array.shape, dtype=name)
+    address = ctypes.c_void_p()
+    mx.base.check_call(mx.base._LIB.MXNDArrayGetData(array.handle, ctypes.byref(address)))
+    return np.asarray(_Memory(array, address.value, "<f4" if name == "float32" else "<f2"))

@@ -31,7 +31,7 @@ __all__ = [
     "module_symbol", "module_executors", "module_grad_arrays", "module_optimizer", "module_updater",
     "optimizer_on_server", "module_compression", "module_kvstore", "bind_arguments", "rebind", "bucket_modules",
     "call_arguments",
-    "set_module_updater_states",
+    "set_module_updater_states", "module_param_specs", "module_devices",
 ]
 
 
@@ -136,9 +136,7 @@ def module_updater(module: Module) -> Any:
 def set_module_updater_states(module: Module, states: Dict[Any, Any]) -> None:
     """Give the module's updater ``states`` (1.9.1 ``Updater.states``), moved to each weight's
     context on its next update (``states_synced`` False), as ``Updater.set_states`` does."""
-    updater = module_updater(module)
-    updater.states = states
-    updater.states_synced = dict.fromkeys(states.keys(), False)
+    vars(module_updater(module)).update(states=states, states_synced=dict.fromkeys(states.keys(), False))
 
 
 # -- binding again ---------------------------------------------------------------------
@@ -161,3 +159,19 @@ def rebind(module: Module, shared_module: Optional[Module] = None) -> None:
 def bucket_modules(module: BucketingModule) -> Tuple[Any, Dict[Any, Module]]:
     """``(default bucket key, {key: Module})`` of a BucketingModule (empty before bind)."""
     return module._default_bucket_key, dict(module._buckets)
+
+
+def module_param_specs(module: Module) -> List[Tuple[str, Tuple[int, ...], str]]:
+    """(name, shape, dtype name) of each parameter a bound module updates, in the order of the
+    updater's indices (1.9.1 ``model._update_params``: ``index * num_device + device``)."""
+    from gluon_amp_core.dtypes import dtype_name
+    group = module._exec_group
+    if group is None:
+        return []
+    return [(name, tuple(arrays[0].shape), dtype_name(arrays[0].dtype))
+            for name, arrays in zip(group.param_names, group.param_arrays)]
+
+
+def module_devices(module: Module) -> int:
+    """How many updater indices each parameter has (one per device)."""
+    return len(module._context)

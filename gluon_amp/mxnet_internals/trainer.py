@@ -1,10 +1,14 @@
 """Gluon Trainer, parameter and optimizer-updater internals (MXNet 1.9.1)."""
 from __future__ import annotations
 
+import sys
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import mxnet as mx
 from mxnet.gluon import Parameter, Trainer
+
+from gluon_amp_core.dtypes import dtype_name
 
 
 # -- trainer -------------------------------------------------------------------------
@@ -127,6 +131,49 @@ def set_updater_states(trainer: Trainer, make_states: Callable[[], Dict[Any, Any
     """Give every updater of ``trainer`` its own ``make_states()``, synced lazily to its context."""
     init_kvstore_now(trainer)
     for updater in trainer._updaters:
-        updater.states = make_states()
-        updater.states_synced = dict.fromkeys(updater.states.keys(), False)
+        states = make_states()
+        vars(updater).update(states=states, states_synced=dict.fromkeys(states.keys(), False))
     trainer._optimizer.param_dict = dict(enumerate(trainer._params))
+
+
+# -- who holds a trainer -------------------------------------------------------------
+# 1.9.1 ``Parameter._set_trainer`` keeps a strong ``_trainer`` on each parameter, and the
+# trainer keeps its ``_params``: a cycle, freed only by Python's cyclic GC, and a trainer that
+# lived through some training sits in its oldest generation. A trainer held by nothing but
+# those back-references is one the program dropped: nothing can call its ``step``.
+
+def held_elsewhere(ref: "weakref.ref[Trainer]") -> bool:
+    """True when the trainer ``ref`` points to is held by something other than its own
+    parameters' ``_trainer`` (CPython reference counts: the program, a frame running its step)."""
+    trainer = ref()
+    if trainer is None:
+        return False
+    held = sys.getrefcount(trainer) - 2  # this frame's name, getrefcount's argument
+    for p in trainer._params:
+        if getattr(p, "_trainer", None) is trainer:
+            held -= 1
+    return held > 0
+
+
+def correct_rescale_grad(trainer: Trainer, wanted_scale: float) -> None:
+    """Make this step's update divide as if ``trainer._scale`` were ``wanted_scale``: 1.9.1
+    ``Trainer.step``/``update`` set ``optimizer.rescale_grad = _scale / batch_size`` before
+    ``_update`` calls the step hook, and the next step sets it afresh."""
+    used = trainer._scale
+    if used != wanted_scale:
+        trainer._optimizer.rescale_grad = trainer._optimizer.rescale_grad * (wanted_scale / used)
+
+
+def param_specs(trainer: Trainer) -> List[Any]:
+    """(name, shape, dtype name) of each parameter, in the order of the optimizer's indices."""
+    return [(p.name, tuple(p.shape or ()), dtype_name(p.dtype)) for p in trainer._params]
+
+
+def updaters_snapshot(trainer: Trainer) -> List[Any]:
+    """What :func:`set_updater_states` changes, to put back (:func:`restore_updaters`)."""
+    return [(u, u.states, u.states_synced) for u in trainer._updaters]
+
+
+def restore_updaters(trainer: Trainer, snapshot: List[Any]) -> None:
+    for u, states, synced in snapshot:
+        vars(u).update(states=states, states_synced=synced)

@@ -5,6 +5,11 @@ mixed precision, the optimizer's hyper-parameters and the shape of its state tre
 ``.npy`` array per optimizer state tensor. Loading reads JSON and arrays with
 ``allow_pickle=False``: nothing from the file is ever executed.
 
+A load checks everything before it changes anything (:func:`read`, :func:`check_params`,
+:func:`check_optimizer`): the zip and every member's CRC, meta.json's fields, every array the
+state tree names (and no other), the scaler's values, the state tree against the trainer's
+parameters. Any damage raises :class:`CheckpointError` naming the file and what is wrong.
+
 Files written by gluon_amp before this format (a pickle) are refused unless the caller
 trusts them (``load_states(..., trusted=True)``, or ``python -m gluon_amp.training.checkpoint
 upgrade OLD NEW`` once). Their outer layer is read with an unpickler that resolves no
@@ -18,16 +23,19 @@ import io
 import json
 import os
 import pickle
+import re
+import socket
 import sys
 import tempfile
 import zipfile
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import mxnet as mx
 import numpy as np
 
 from gluon_amp_core.dtypes import dtype_name
 
+from .. import mxnet_internals as mxi
 from .master_weights import MasterState
 
 FORMAT = "gluon_amp.checkpoint"
@@ -118,34 +126,89 @@ def optimizer_fields(opt: Any) -> Dict[str, Any]:
                 {k: v for k, v in vars(sched).items() if _plain(v)})}}
 
 
-def restore_optimizer(opt: Any, saved: Dict[str, Any]) -> None:
-    """Set ``saved`` (from :func:`optimizer_fields`) on the trainer's own optimizer."""
+def check_optimizer(opt: Any, saved: Any, path: str) -> Dict[str, Any]:
+    """The optimizer's and its LR scheduler's fields as ``saved`` (from
+    :func:`optimizer_fields`) sets them, checked against ``opt``; nothing is changed."""
     if type(opt).__name__ != saved["class"]:
-        raise CheckpointError(f"the checkpoint was saved with optimizer {saved['class']!r}, this trainer has "
+        raise CheckpointError(f"{path!r} was saved with optimizer {saved['class']!r}, this trainer has "
                               f"{type(opt).__name__!r}; build the Trainer with the same optimizer")
-    for k, v in _from_json(saved["fields"]).items():
-        setattr(opt, k, v)
-    if "_all_index_update_counts" in vars(opt):  # MXNet 1.9: the per-device counts alias the first
-        opt._index_update_count = opt._all_index_update_counts[0]
     sched, want = getattr(opt, "lr_scheduler", None), saved["lr_scheduler"]
     if (sched is None) != (want is None) or (sched is not None and type(sched).__name__ != want["class"]):
-        raise CheckpointError(f"the checkpoint's LR scheduler {want and want['class']!r} differs from this "
+        raise CheckpointError(f"{path!r}: its LR scheduler {want and want['class']!r} differs from this "
                               f"trainer's {sched and type(sched).__name__!r}; build the Trainer with the same one")
-    if sched is not None:
-        for k, v in _from_json(want["fields"]).items():
-            setattr(sched, k, v)
+    fields = _from_json(saved["fields"])
+    if "_all_index_update_counts" in {**vars(opt), **fields}:  # MXNet 1.9: the per-device counts alias the first
+        fields["_index_update_count"] = {**vars(opt), **fields}["_all_index_update_counts"][0]
+    return {"optimizer": fields, "lr_scheduler": _from_json(want["fields"]) if want is not None else None}
+
+
+def restore_optimizer(opt: Any, checked: Dict[str, Any]) -> None:
+    """Set what :func:`check_optimizer` gave on the trainer's own optimizer (one C call per object)."""
+    vars(opt).update(checked["optimizer"])
+    if checked["lr_scheduler"] is not None:
+        vars(opt.lr_scheduler).update(checked["lr_scheduler"])
 
 
 # -- files --------------------------------------------------------------------------------
 
-def write(path: str, meta: Dict[str, Any], states: Dict[Any, Any], opt: Any) -> None:
+#: a save's temporary file: ``.gluon_amp-<host>-<pid>-<random>.tmp`` beside the checkpoint
+_TMP_PREFIX = ".gluon_amp-"
+_TMP_SUFFIX = ".tmp"
+
+
+def _host() -> str:
+    return "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:40] or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. EPERM: a process of another user has that pid
+        return True
+    return True
+
+
+def clean_stale_temporaries(directory: str) -> List[str]:
+    """Remove the temporary files of saves on this host whose writer is dead (killed mid-save);
+    return their names. A live writer's file and other hosts' (a shared disk) are left."""
+    removed = []
+    host = _host()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith(_TMP_PREFIX) and name.endswith(_TMP_SUFFIX)):
+            continue
+        parts = name[len(_TMP_PREFIX):-len(_TMP_SUFFIX)].rsplit("-", 2)
+        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
+            continue
+        if int(parts[1]) == os.getpid() or _pid_alive(int(parts[1])):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
+def write(path: str, meta: Dict[str, Any], states: Dict[Any, Any], opt: Any,
+          params: Optional[List[Tuple[str, Tuple[int, ...], str]]] = None) -> None:
     """Write a checkpoint atomically: a temporary file in the same directory, flushed and
-    fsynced, then renamed over ``path``. A failed save leaves the previous file as it was."""
+    fsynced, then renamed over ``path``. A failed save leaves the previous file as it was;
+    a killed one leaves its temporary file, which the next save in that directory removes.
+    ``params``: (name, shape, dtype) of each parameter, in the order of the state tree's indices."""
     enc = _Encoder()
     doc = {"format": FORMAT, "version": VERSION, **meta, "optimizer": optimizer_fields(opt),
            "states": enc.encode(states)}
+    if params is not None:
+        doc["params"] = [[n, list(shape), d] for n, shape, d in params]
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".gluon_amp-", suffix=".tmp", dir=directory)
+    clean_stale_temporaries(directory)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{_host()}-{os.getpid()}-", suffix=_TMP_SUFFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as z:
@@ -157,33 +220,224 @@ def write(path: str, meta: Dict[str, Any], states: Dict[Any, Any], opt: Any) -> 
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(directory)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
 
 
-def read(path: str, ctx: mx.Context) -> Tuple[Dict[str, Any], Callable[[], Dict[Any, Any]]]:
-    """``(meta, make_states)`` of a checkpoint; ``make_states()`` builds fresh state arrays."""
+def _fsync_dir(directory: str) -> None:
+    """Make a rename in ``directory`` durable (POSIX; a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class Checkpoint:
+    """A checkpoint read and checked: ``meta`` (meta.json without the tree), the state tree,
+    its arrays, and the shapes of the arrays under each top-level index."""
+
+    def __init__(self, meta: Dict[str, Any], tree: Any, arrays: Dict[str, np.ndarray],
+                 shapes: Dict[Any, List[Tuple[int, ...]]]) -> None:
+        self.meta, self.tree, self.arrays, self.shapes = meta, tree, arrays, shapes
+
+    def states(self, ctx: mx.Context) -> Dict[Any, Any]:
+        """Fresh state arrays (on ``ctx``) for one updater."""
+        return _decode(self.tree, self.arrays, ctx)
+
+
+_KINDS = ("nd", "master", "tuple", "list", "dict", "scalar")
+_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64")
+
+
+def _check_tree(node: Any, arrays: Dict[str, np.ndarray], used: List[str], shapes: List[Tuple[int, ...]],
+                depth: int = 0) -> None:
+    """``node`` is a state tree :class:`_Encoder` writes, naming arrays that exist; raises
+    ``ValueError`` (made a CheckpointError by :func:`read`) for anything else."""
+    if depth > 32 or not isinstance(node, dict) or node.get("t") not in _KINDS:
+        raise ValueError(f"a state entry is not one gluon_amp writes: {str(node)[:80]}")
+    kind = node["t"]
+    if kind == "nd":
+        key, dtype = node.get("key"), node.get("dtype")
+        if not isinstance(key, str) or key not in arrays:
+            raise ValueError(f"the state tree names array {key!r}, which the file does not hold")
+        if dtype not in _DTYPES:
+            raise ValueError(f"array {key!r} has dtype {dtype!r}, not one of {list(_DTYPES)}")
+        used.append(key)
+        shapes.append(tuple(arrays[key].shape))
+    elif kind == "master":
+        _check_tree(node.get("master"), arrays, used, shapes, depth + 1)
+        _check_tree(node.get("inner"), arrays, used, shapes, depth + 1)
+    elif kind in ("tuple", "list"):
+        items = node.get("items")
+        if not isinstance(items, list):
+            raise ValueError(f"a {kind} entry without its items: {str(node)[:80]}")
+        for v in items:
+            _check_tree(v, arrays, used, shapes, depth + 1)
+    elif kind == "dict":
+        items = node.get("items")
+        if not isinstance(items, list) or not all(isinstance(kv, list) and len(kv) == 2 for kv in items):
+            raise ValueError(f"a dict entry without its items: {str(node)[:80]}")
+        for k, v in items:
+            _check_tree(k, arrays, used, shapes, depth + 1)
+            _check_tree(v, arrays, used, shapes, depth + 1)
+    elif not isinstance(node.get("v"), _SCALARS) or "v" not in node:
+        raise ValueError(f"a scalar entry holds {node.get('v')!r}")
+
+
+def _check_doc(doc: Any) -> None:
+    if not isinstance(doc, dict):
+        raise ValueError("meta.json is not an object")
+    for key, kinds in (("scaler", dict), ("optimizer", dict), ("states", dict)):
+        if not isinstance(doc.get(key), kinds):
+            raise ValueError(f"meta.json has no {key!r} object")
+    if not isinstance(doc.get("mode"), (dict, type(None))):
+        raise ValueError("meta.json's 'mode' is not an object")
+    opt = doc["optimizer"]
+    if not isinstance(opt.get("class"), str) or not isinstance(opt.get("fields"), list) or not (
+            opt.get("lr_scheduler") is None or (isinstance(opt["lr_scheduler"], dict)
+                                               and isinstance(opt["lr_scheduler"].get("class"), str)
+                                               and isinstance(opt["lr_scheduler"].get("fields"), list))):
+        raise ValueError("meta.json's 'optimizer' is not what gluon_amp writes")
+    _from_json(opt["fields"])
+    if opt.get("lr_scheduler") is not None:
+        _from_json(opt["lr_scheduler"]["fields"])
+    params = doc.get("params")
+    if params is not None and not (isinstance(params, list) and all(
+            isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) and isinstance(p[2], str)
+            and isinstance(p[1], list) and all(isinstance(d, int) and d >= 0 for d in p[1]) for p in params)):
+        raise ValueError("meta.json's 'params' is not a list of [name, shape, dtype]")
+    if doc["states"].get("t") != "dict":
+        raise ValueError("the state tree is not a dict of parameter indices")
+
+
+def read(path: str) -> Checkpoint:
+    """Read and check a checkpoint; :class:`CheckpointError` naming the file and what is
+    wrong for any damage (a CRC, a member missing or extra, meta.json's fields, the tree)."""
     if not os.path.isfile(path):
         raise ValueError(f"load_states: no such file {path!r}")
     if not zipfile.is_zipfile(path):
         raise CheckpointError(_not_ours(path))
-    with zipfile.ZipFile(path) as z:
-        try:
-            doc = json.loads(z.read("meta.json"))
-        except (KeyError, ValueError) as exc:
-            raise CheckpointError(f"{path!r} is not a gluon_amp.save_states file ({exc})") from None
-        if doc.get("format") != FORMAT or not isinstance(doc.get("version"), int) or doc["version"] > VERSION:
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return _parse(path, data)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure to parse the bytes is damage to the file
+        raise CheckpointError(f"{path!r} is damaged or not a whole gluon_amp checkpoint "
+                              f"({type(exc).__name__}: {exc}); load an older checkpoint") from None
+
+
+def _parse(path: str, data: bytes) -> Checkpoint:
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        names = z.namelist()
+        if len(set(names)) != len(names):
+            raise ValueError("a member appears twice")
+        if "meta.json" not in names:
+            raise CheckpointError(f"{path!r} is not a gluon_amp.save_states file (no meta.json)")
+        doc = json.loads(z.read("meta.json"))  # reading checks each member's CRC
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("version"), int) \
+                or doc["version"] > VERSION:
             raise CheckpointError(f"{path!r} is not a gluon_amp.save_states file of version <= {VERSION}")
-        try:
-            arrays = {name[len("arrays/"):-len(".npy")]: np.lib.format.read_array(io.BytesIO(z.read(name)),
-                                                                                   allow_pickle=False)
-                      for name in z.namelist() if name.startswith("arrays/")}
-        except ValueError as exc:  # e.g. an object array, which would need pickle
-            raise CheckpointError(f"{path!r} holds an array gluon_amp will not load: {exc}") from None
+        _check_doc(doc)
+        arrays: Dict[str, np.ndarray] = {}
+        for name in names:
+            if name == "meta.json":
+                continue
+            if not (name.startswith("arrays/") and name.endswith(".npy")):
+                raise ValueError(f"unexpected member {name!r}")
+            try:
+                arr = np.lib.format.read_array(io.BytesIO(z.read(name)), allow_pickle=False)
+            except ValueError as exc:  # e.g. an object array, which would need pickle
+                raise CheckpointError(f"{path!r} holds an array gluon_amp will not load: {exc}") from None
+            if arr.dtype.kind not in "fiub":
+                raise ValueError(f"member {name!r} holds a {arr.dtype} array")
+            arrays[name[len("arrays/"):-len(".npy")]] = arr
     tree = doc.pop("states")
-    return doc, lambda: _decode(tree, arrays, ctx)
+    used: List[str] = []
+    shapes: Dict[Any, List[Tuple[int, ...]]] = {}
+    for kv in tree.get("items") if isinstance(tree.get("items"), list) else [None]:
+        if not (isinstance(kv, list) and len(kv) == 2 and isinstance(kv[0], dict) and kv[0].get("t") == "scalar"
+                and isinstance(kv[0].get("v"), int) and not isinstance(kv[0].get("v"), bool)):
+            raise ValueError("the state tree's keys are not parameter indices")
+        shapes[kv[0]["v"]] = found = []
+        _check_tree(kv[1], arrays, used, found)
+    if len(used) != len(set(used)) or set(used) != set(arrays):
+        raise ValueError(f"the arrays {sorted(set(arrays) - set(used))} are named by no state, or one is named twice")
+    return Checkpoint(doc, tree, arrays, shapes)
+
+
+def _generic(name: str) -> str:
+    """A parameter name without Gluon's per-process block counters (``dense3_weight`` ->
+    ``dense#_weight``): two builds of one model in one process differ only there."""
+    return re.sub(r"\d+", "#", name)
+
+
+def check_params(ck: Checkpoint, path: str, params: List[Tuple[str, Tuple[int, ...], str]],
+                 owner: str = "trainer", per_index: int = 1) -> None:
+    """The checkpoint's state tree fits ``params`` ((name, shape, dtype) in the order of the
+    optimizer's indices; ``per_index`` indices per parameter, a Module's devices):
+    CheckpointError naming the first difference. Files written before the parameters were
+    recorded are checked by the shapes of their state arrays."""
+    saved = ck.meta.get("params")
+    if saved is not None:
+        if len(saved) != len(params):
+            raise CheckpointError(f"{path!r} holds the state of {len(saved)} parameters; this {owner} has "
+                                  f"{len(params)}: it was saved for another model")
+        for (sname, sshape, sdtype), (name, shape, dtype) in zip(saved, params):
+            if tuple(sshape) != tuple(shape) or sdtype != dtype or _generic(sname) != _generic(name):
+                raise CheckpointError(
+                    f"{path!r} was saved for another model: its parameter {sname!r} {tuple(sshape)} {sdtype} "
+                    f"stands where this {owner} has {name!r} {tuple(shape)} {dtype}")
+    for index, shapes in ck.shapes.items():
+        i = index // per_index if index >= 0 else -1
+        if not 0 <= i < len(params):
+            raise CheckpointError(f"{path!r} holds optimizer state for parameter index {index}; this {owner} "
+                                  f"has {len(params)} parameters: it was saved for another model")
+        for shape in shapes:
+            if tuple(shape) != tuple(params[i][1]):
+                raise CheckpointError(f"{path!r} holds optimizer state of shape {tuple(shape)} for parameter "
+                                      f"{params[i][0]!r}, whose shape is {tuple(params[i][1])}: it was saved for "
+                                      "another model")
+
+
+# -- loading: all or nothing ---------------------------------------------------------------
+
+def checked_scaler_state(scaler: Any, saved: Any, fname: str) -> Dict[str, Any]:
+    """What ``scaler`` holds once ``saved`` (a state_dict from a file) is loaded, checked; its
+    attachments kept. ``CheckpointError`` naming the file and the bad value."""
+    try:
+        fresh = scaler.checked(saved)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{fname!r}: its loss scaler state cannot be loaded: {exc}") from None
+    fresh._stages, fresh._steps, fresh._abandoned, fresh._round_finite, fresh._round_scaled = (
+        scaler._stages, scaler._steps, scaler._abandoned, scaler._round_finite, scaler._round_scaled)
+    return dict(vars(fresh))
+
+
+class Undo:
+    """What a load changes, as it was: put back on any exception (a Ctrl-C included)."""
+
+    def __init__(self, opt: Any, scaler: Any, updaters: Any) -> None:
+        self.opt, self.scaler, self.updaters = opt, scaler, updaters
+        sched = getattr(opt, "lr_scheduler", None)
+        self.vars = [(o, dict(vars(o))) for o in (opt, sched, scaler) if o is not None]
+
+    def __call__(self, trainer: Any) -> None:
+        for obj, saved in self.vars:
+            for key in set(vars(obj)) - set(saved):
+                del vars(obj)[key]
+            vars(obj).update(saved)
+        mxi.restore_updaters(trainer, self.updaters)
 
 
 class _NoGlobals(pickle.Unpickler):

@@ -445,15 +445,34 @@ def save_states(module: Union[Module, BucketingModule], fname: str) -> None:
     mode = {"target_dtype": policy.target_dtype if policy else None, "emulate": bool(policy and policy.emulate),
             "master_weights": None, "opt_level": None, "module": True}
     checkpoint.write(fname, {"scaler": hook.scaler.state_dict(), "mode": mode},
-                     mxi.updater_states(mxm.module_updater(mod)), mxm.module_optimizer(mod))
+                     mxi.updater_states(mxm.module_updater(mod)), mxm.module_optimizer(mod),
+                     mxm.module_param_specs(mod) if mxm.module_devices(mod) == 1 else None)
 
 
 def load_states(module: Union[Module, BucketingModule], fname: str) -> None:
     """Load what :func:`save_states` wrote into ``module`` (after ``init_optimizer``) and its scaler."""
     hook = _checked_hook(module, "load_states")
     mod = _optimizer_module(module, "load_states")
-    meta, make_states = checkpoint.read(fname, mx.cpu())
+    # All or nothing, as a Trainer's load: everything is checked before anything changes.
+    ck = checkpoint.read(fname)
+    if not (ck.meta.get("mode") or {}).get("module"):
+        raise checkpoint.CheckpointError(
+            f"{fname!r} holds a Gluon Trainer's optimizer state; a Module cannot load it: load it into "
+            "the Trainer, or a checkpoint saved from a Module (gluon_amp.save_states(module, ...))")
+    scaler = checkpoint.checked_scaler_state(hook.scaler, ck.meta["scaler"], fname)
+    checkpoint.check_params(ck, fname, mxm.module_param_specs(mod), owner="Module",
+                            per_index=mxm.module_devices(mod))
     opt = mxm.module_optimizer(mod)
-    checkpoint.restore_optimizer(opt, meta["optimizer"])
-    mxm.set_module_updater_states(mod, make_states())
-    hook.scaler.load_state_dict(meta["scaler"])
+    fields = checkpoint.check_optimizer(opt, ck.meta["optimizer"], fname)
+    states = ck.states(mx.cpu())
+    updater = mxm.module_updater(mod)
+    undo = checkpoint.Undo(opt, hook.scaler, [])
+    before = updater.states, updater.states_synced
+    try:
+        checkpoint.restore_optimizer(opt, fields)
+        mxm.set_module_updater_states(mod, states)
+        vars(hook.scaler).update(scaler)
+    except BaseException:
+        undo(None)
+        vars(updater).update(states=before[0], states_synced=before[1])
+        raise

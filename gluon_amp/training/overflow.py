@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Sequence
+import queue
+import threading
+from typing import Any, Dict, List, Sequence
 
 import mxnet as mx
 import numpy as np
@@ -27,38 +28,70 @@ def grads_by_context(params: Sequence[Parameter]) -> Dict[mx.Context, List[mx.nd
     return groups
 
 
+def _part(chunk: List[np.ndarray]) -> bool:
+    with np.errstate(all="ignore"):  # inf/NaN is what is looked for, not an error (per thread)
+        return all(np.isfinite(v.sum()) or np.isfinite(v).all() for v in chunk)
+
+
 def _finite_on_host(views: List[np.ndarray]) -> bool:
     """One read pass: a finite sum proves every value finite (inf and NaN propagate through
     a sum); a non-finite one is confirmed value by value, since finite values can overflow
     it. The values are cut into chunks (views, no copy) and balanced over one thread per
-    core (NumPy's reductions release the GIL)."""
-    def part(chunk: List[np.ndarray]) -> bool:
-        with np.errstate(all="ignore"):  # inf/NaN is what is looked for, not an error (per thread)
-            return all(np.isfinite(v.sum()) or np.isfinite(v).all() for v in chunk)
-
-    if _THREADS == 1:
-        return part(views)
+    core (NumPy's reductions release the GIL); the calling thread takes one share."""
     total = sum(v.size for v in views)
-    step = max(1 << 20, -(-total // (4 * _THREADS)))  # a few chunks per thread: a big gradient is split
+    threads = min(_THREADS, max(1, total // _MIN_PER_THREAD))
+    if threads == 1:
+        return _part(views)
+    step = max(1 << 20, -(-total // (4 * threads)))  # a few chunks per thread: a big gradient is split
     chunks = sorted((v.reshape(-1)[i:i + step] for v in views for i in range(0, v.size, step)),
                     key=lambda c: -c.size)
-    bins: List[List[np.ndarray]] = [[] for _ in range(_THREADS)]
-    loads = [0] * _THREADS
+    bins: List[List[np.ndarray]] = [[] for _ in range(threads)]
+    loads = [0] * threads
     for c in chunks:  # largest first into the lightest bin
         k = loads.index(min(loads))
         bins[k].append(c)
         loads[k] += c.size
-    return all(_pool().map(part, [b for b in bins if b]))
+    bins = [b for b in bins if b]
+    # Interrupt-safe: no lock or condition of Python code is held across a wait. The jobs
+    # and each check's answers go through SimpleQueues (C: a put or get is whole, and a
+    # Ctrl-C in the wait raises with the queue intact); workers never see signals. An
+    # interrupted check leaves its jobs to finish into a queue nobody reads.
+    answers: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+    _start_workers(len(bins) - 1)
+    for b in bins[1:]:
+        _JOBS.put((b, answers))
+    results = [_part(bins[0])]
+    for _ in bins[1:]:
+        results.append(answers.get())
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return all(results)
 
 
 _THREADS = max(1, min(os.cpu_count() or 1, 8))
-_POOL: List[ThreadPoolExecutor] = []
+_MIN_PER_THREAD = 1 << 20  # values: below this, a thread's hand-off costs more than it saves
+#: the workers' jobs: (chunks, the queue their answer goes to)
+_JOBS: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+_WORKERS: List[threading.Thread] = []
 
 
-def _pool() -> ThreadPoolExecutor:
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(_THREADS, thread_name_prefix="gluon_amp_finite"))
-    return _POOL[0]
+def _work() -> None:
+    while True:
+        chunks, answers = _JOBS.get()
+        try:
+            answers.put(_part(chunks))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
+            answers.put(exc)
+        del chunks, answers
+
+
+def _start_workers(n: int) -> None:
+    """At least ``n`` worker threads (daemons; two callers racing may start a spare one)."""
+    while len(_WORKERS) < n:
+        t = threading.Thread(target=_work, name="gluon_amp_finite", daemon=True)
+        t.start()
+        _WORKERS.append(t)
 
 
 def all_finite(params: Sequence[Parameter]) -> bool:

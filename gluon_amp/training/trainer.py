@@ -48,11 +48,31 @@ class _Hook:
         self.scaler = scaler
         self.original_scale = mxi.grad_scale(trainer)
         self._warned = False
-        #: (compute dtype, scale) of the current step, fixed by its first scale_loss
-        self._step: Optional[Tuple[str, float]] = None
+        #: (compute dtype, scale, the scaler's step count of this trainer) fixed by the step's
+        #: first scale_loss: valid while the count stays (an interrupted step records nothing)
+        self._decided: Optional[Tuple[str, float, int]] = None
         #: state.policy_serial() when the last step ended: the policies since are this step's
         self._since = state.policy_serial()
         scaler.attach(self)
+
+    @property
+    def _step(self) -> Optional[Tuple[str, float]]:
+        """(compute dtype, scale) of the current step if its first ``scale_loss`` ran, else None."""
+        decided = self._decided
+        if decided is None or decided[2] != self.scaler.steps_of(self):
+            return None
+        return decided[0], decided[1]
+
+    def attached(self) -> bool:
+        """Whether this trainer still counts (for the loss-output ops and the scaler's rounds):
+        False once the program holds it no more, without waiting for the cyclic GC (MXNet's
+        parameters point back at their trainer, so it is freed only by the GC), or once the
+        trainer has another hook."""
+        trainer = self._trainer()
+        if trainer is None or mxi.get_step_hook(trainer) is not self:
+            return False
+        del trainer  # held_elsewhere counts references: none of ours
+        return mxi.held_elsewhere(self._trainer)
 
     def _compute_dtype(self) -> str:
         trainer = self._trainer()
@@ -61,10 +81,12 @@ class _Hook:
     def decide(self) -> Tuple[str, float]:
         """The current step's compute dtype and scale: decided now if no ``scale_loss`` of
         this step did yet, then kept until the step (accumulated gradients share one scale)."""
-        if self._step is None:
+        step = self._step
+        if step is None:
             dtype = self._compute_dtype()
-            self._step = (dtype, self.scaler.scale_for(dtype))
-        return self._step
+            step = (dtype, self.scaler.scale_for(dtype))
+            self._decided = (*step, self.scaler.steps_of(self))
+        return step
 
     # The peer's scaler fields, read and assigned as clients do (Sockeye saves and restores
     # ``(_loss_scale, _next_loss_scale, _unskipped)`` by pickle). Each reads from, and an
@@ -128,16 +150,35 @@ class _Hook:
         self.scaler.growth_interval = steps
 
     def has_overflow(self, params: Sequence[mx.gluon.Parameter]) -> bool:
-        trainer = self._trainer()
-        dtype, _ = self._step if self._step is not None else (self._compute_dtype(), None)
-        self._step = None  # the next scale_loss decides afresh
-        self._since = state.policy_serial()
-        finite = True if not self.scaler.enabled else overflow.all_finite(params)
-        if trainer is not None:
-            finite = distributed.agree_finite(trainer, self.scaler, finite)
-            mxi.set_grad_scale(trainer, self.original_scale)  # unscaled unless scale_loss runs again
-        skip = self.scaler.record_step(self, finite, scaled=self.scaler.scales(dtype))
-        if skip and not self._warned and dtype != "float16":
+        # All or nothing under an exception or a Ctrl-C at any bytecode: what runs before the
+        # commit only reads, or sets what is derived (trainer._scale, rescale_grad: the next
+        # step sets them afresh and checks them against its own decision); record_step's last
+        # statement commits the step, round and scale at once; after it, only a skipped step
+        # runs more code (it does not update either way).
+        try:
+            steps = self.scaler.steps_of(self)
+            trainer = self._trainer()
+            step = self._step
+            dtype = step[0] if step is not None else self._compute_dtype()
+            finite = True if not self.scaler.enabled else overflow.all_finite(params)
+            if trainer is not None:
+                finite = distributed.agree_finite(trainer, self.scaler, finite)
+                divisor = step[1] if step is not None and self.scaler.stage(self) is not Stage.UNSCALED else 1.0
+                # the update divides by this step's own scale, whatever a fault left in trainer._scale
+                mxi.correct_rescale_grad(trainer, self.original_scale / divisor)
+                mxi.set_grad_scale(trainer, self.original_scale)  # unscaled unless scale_loss runs again
+            self._since = state.policy_serial()
+            scaled = self.scaler.scales(dtype)
+            return self.scaler.record_step(self, finite, scaled=scaled) and self._skipped(dtype, params)
+        except BaseException:
+            # a shared round does not wait for a step that never counted (steps unset: it stopped
+            # at the first line)
+            self.scaler.abandon(self, locals().get("steps"))
+            raise
+
+    def _skipped(self, dtype: str, params: Sequence[mx.gluon.Parameter]) -> bool:
+        """A step was skipped (and recorded): say why once, stop a collapsed run; True."""
+        if not self._warned and dtype != "float16":
             self._warned = True
             warnings.warn(
                 f"gluon_amp: a training step was skipped for inf/NaN gradients while AMP runs "
@@ -146,15 +187,15 @@ class _Hook:
                 f"{overflow.non_finite_names(params) or 'none now (it came from the loss)'}. "
                 "Check the data, the loss and the learning rate; gluon_amp stops the run after "
                 f"{self.scaler.max_consecutive_skips} skips in a row. (Said once per trainer.)",
-                RuntimeWarning, stacklevel=4)
-        if skip and self.scaler.collapsed():
+                RuntimeWarning, stacklevel=5)
+        if self.scaler.collapsed():
             raise RuntimeError(
                 f"{self.scaler.state.consecutive_skips} steps in a row had non-finite gradients "
                 f"(loss scale now {self.scaler.scale_for(dtype):g}); this is not an fp16 range problem. "
                 "Parameters with inf/NaN gradients: "
                 f"{overflow.non_finite_names(params) or 'none now (inf/NaN came from the loss)'}. "
                 "Check the learning rate, the data and the loss, or raise max_consecutive_skips.")
-        return skip
+        return True
 
 
 def _compute_dtype(params: Sequence[mx.gluon.Parameter], since: int) -> str:
@@ -270,17 +311,25 @@ def scale_loss(loss: Any, trainer: Optional[Trainer] = None, *,
     if hook.scaler.stage(hook) is Stage.UNSCALED:
         raise RuntimeError("scale_loss after unscale(trainer) in the same step: the new gradients "
                            "would not be unscaled. Call unscale after the last backward.")
-    _, scale = hook.decide()
-    state.register_scaler(hook)  # AMP turned on after init_trainer: loss-output ops find it from now on
-    if scale == 1.0:
-        mxi.set_grad_scale(trainer, hook.original_scale)
-        yield loss
-        return
-    mxi.set_grad_scale(trainer, hook.original_scale / scale)
-    if isinstance(loss, (list, tuple)):
-        yield type(loss)(x * scale for x in loss)
-    else:
-        yield loss * scale
+    # All or nothing: a scale_loss whose block raises (a Ctrl-C included, wherever it lands)
+    # is as if it never ran, as a batch skipped: the step's decision and the trainer's
+    # gradient scale go back to what they were, so a later step without scale_loss is not
+    # divided by a stale scale (the step also checks, see _Hook.has_overflow).
+    before = hook._decided, mxi.grad_scale(trainer)
+    try:
+        _, scale = hook.decide()
+        state.register_scaler(hook)  # AMP turned on after init_trainer: loss-output ops find it from now on
+        mxi.set_grad_scale(trainer, hook.original_scale / scale if scale != 1.0 else hook.original_scale)
+        if scale == 1.0:
+            yield loss
+        elif isinstance(loss, (list, tuple)):
+            yield type(loss)(x * scale for x in loss)
+        else:
+            yield loss * scale  # after the block, no line of this function runs: none can be interrupted
+    except BaseException:
+        hook._decided = before[0]
+        mxi.set_grad_scale(trainer, before[1])
+        raise
 
 
 @contextlib.contextmanager
@@ -304,8 +353,9 @@ def unscale(trainer: Optional[Trainer] = None, *, optimizer_or_trainer: Optional
     """
     trainer = _one_trainer(trainer, optimizer_or_trainer, "unscale")
     hook = _hook_of(trainer, "unscale")
+    step = hook._step
     hook.scaler.mark_unscaled(hook)
-    inv = mxi.grad_scale(trainer) / hook.original_scale  # 1/loss_scale when scale_loss ran, else 1
+    inv = 1.0 / step[1] if step is not None else 1.0  # 1/loss_scale when scale_loss ran, else 1
     if inv != 1.0:
         with autograd.pause():
             for grads in overflow.grads_by_context(mxi.trainer_params(trainer)).values():
@@ -361,7 +411,7 @@ def save_states(trainer: Trainer, fname: str) -> None:
     mxi.init_kvstore_now(trainer)
     updater = mxi.trainer_updaters(trainer)[0]
     checkpoint.write(fname, {"scaler": hook.scaler.state_dict(), "mode": _mode(trainer)},
-                     mxi.updater_states(updater), mxi.trainer_optimizer(trainer))
+                     mxi.updater_states(updater), mxi.trainer_optimizer(trainer), mxi.param_specs(trainer))
 
 
 def load_states(trainer: Trainer, fname: str, *, trusted: bool = False) -> None:
@@ -378,6 +428,7 @@ def load_states(trainer: Trainer, fname: str, *, trusted: bool = False) -> None:
         raise TypeError(f"trusted must be True or False, got {trusted!r}")
     if trusted and os.path.isfile(fname) and not zipfile.is_zipfile(fname):
         scaler_state, _, _ = checkpoint.read_old(fname)
+        checkpoint.checked_scaler_state(hook.scaler, scaler_state, fname)
         with open(fname, "rb") as f:
             blob = pickle.load(f)["trainer"]  # noqa: S301 - the caller trusts this file
         with tempfile.TemporaryDirectory() as tmp:
@@ -387,15 +438,33 @@ def load_states(trainer: Trainer, fname: str, *, trusted: bool = False) -> None:
             trainer.load_states(path)
         hook.scaler.load_state_dict(scaler_state)
         return
-    meta, make_states = checkpoint.read(fname, mx.cpu())
-    _check_mode(trainer, meta.get("mode") or {}, fname)
-    checkpoint.restore_optimizer(mxi.trainer_optimizer(trainer), meta["optimizer"])
-    mxi.set_updater_states(trainer, make_states)
-    hook.scaler.load_state_dict(meta["scaler"])
+    # All or nothing: everything is read and checked first (the file, the scaler's values,
+    # the state tree against this trainer's parameters, the optimizer and the mode); then
+    # the optimizer, the updaters' states and the scaler change, undone if that is interrupted.
+    ck = checkpoint.read(fname)
+    _check_mode(trainer, ck.meta.get("mode") or {}, fname)
+    scaler = checkpoint.checked_scaler_state(hook.scaler, ck.meta["scaler"], fname)
+    checkpoint.check_params(ck, fname, mxi.param_specs(trainer))
+    fields = checkpoint.check_optimizer(mxi.trainer_optimizer(trainer), ck.meta["optimizer"], fname)
+    mxi.init_kvstore_now(trainer)  # what the first step does anyway; the updaters exist from here
+    states = iter([ck.states(mx.cpu()) for _ in mxi.trainer_updaters(trainer)])
+    opt = mxi.trainer_optimizer(trainer)
+    undo = checkpoint.Undo(opt, hook.scaler, mxi.updaters_snapshot(trainer))
+    try:
+        checkpoint.restore_optimizer(opt, fields)
+        mxi.set_updater_states(trainer, lambda: next(states))
+        vars(hook.scaler).update(scaler)
+    except BaseException:
+        undo(trainer)
+        raise
 
 
 def _check_mode(trainer: Trainer, saved: Dict[str, Any], fname: str) -> None:
     from .master_weights import MasterWeightUpdater
+    if saved.get("module"):
+        raise checkpoint.CheckpointError(
+            f"{fname!r} holds a Module's optimizer state (gluon_amp.save_states(module, ...)); a Gluon "
+            "Trainer cannot load it: load it into the Module, or a checkpoint saved from a Trainer")
     master = saved.get("master_weights")
     if master and master.get("keep_master") and not isinstance(mxi.trainer_updaters(trainer)[0], MasterWeightUpdater):
         raise checkpoint.CheckpointError(

@@ -64,10 +64,17 @@ class ScalerRegistry:
 
     def scale(self, op: str) -> float:
         """The scale ``op`` multiplies its ``grad_scale`` by: the attached trainers' one."""
-        scales = {s.loss_scale for s in list(state.process.scalers)}
+        scales = {s.loss_scale for s in list(state.process.scalers) if _counts(s)}
         if len(scales) > 1:
             raise RuntimeError(
                 f"{op} starts its backward from grad_scale, and {len(scales)} loss scalers with different "
                 f"scales {sorted(scales)} are attached: gluon_amp cannot tell which one this loss belongs "
                 "to. Share one LossScaler between the trainers, or compute this loss with a gluon.loss block.")
         return scales.pop() if scales else 1.0
+
+
+def _counts(hook: Any) -> bool:
+    """A hook whose trainer the program dropped does not count (``attached()``: at once,
+    without waiting for the cyclic GC)."""
+    attached = getattr(hook, "attached", None)
+    return attached() if callable(attached) else True
