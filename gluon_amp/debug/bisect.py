@@ -172,6 +172,14 @@ def bisect(block: Any, *inputs: mx.nd.NDArray, target_dtype: Any = None, emulate
     trials.seen[frozenset()] = first = trials.judge(run.low_outputs)
     kept: List[str] = []
     if not first[0]:
+        unreproducible = [r.name for r in report.rows if r.unreproducible]
+        if unreproducible:
+            raise RuntimeError(f"bisect: the FP32 reference is not reproducible, so no op kept in float32 can "
+                               f"meet it (output error {first[1]:.3e}): {', '.join(unreproducible)} gave another "
+                               "output when run again in float32 on the same inputs (a random kernel, or one "
+                               "that leaves part of its output unwritten, as MXNet 1.9.1's CPU ROIAlign does "
+                               "for rois whose batch index is below 0). Fix or remove that op's input case "
+                               "first; gluon_amp.debug.compare shows the rows")
         if not ranked:
             raise RuntimeError("the plan runs no op in low precision by its own decision (no candidate to keep "
                                f"in float32), yet the output fails (error {first[1]:.3e}): check the tolerance "
