@@ -189,5 +189,7 @@ def bisect(block: Any, *inputs: mx.nd.NDArray, target_dtype: Any = None, emulate
     if not ok:
         raise RuntimeError(f"bisect's result {kept} did not re-validate (error {after:.3e}); the network "
                            "does not run the same twice: check for randomness (dropout) in inference mode")
-    return BisectResult(sorted(kept), trials.count, first[1], after, len(ranked), run.policy.target_dtype,
+    # the graph's own names: one excludes every node of that name (a block called several times)
+    names = sorted({run.model.renamed.get(k, k) for k in kept})
+    return BisectResult(names, trials.count, first[1], after, len(ranked), run.policy.target_dtype,
                         run.policy.emulate, ranked)

@@ -276,6 +276,68 @@ def test_an_op_fp32_itself_does_not_reproduce_is_named_not_blamed_on_precision()
             debug.bisect(net, X, target_dtype=dtype, emulate=True, tolerance=TOL)
 
 
+class Shared(nn.HybridBlock):
+    """One planted dense called twice on inputs of different sizes (as an FPN's RPN head runs on
+    every level): two graph nodes of one name."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.planted = nn.Dense(16, in_units=8)
+            self.last = nn.Dense(4, in_units=16)
+
+    def hybrid_forward(self, F, x):
+        both = F.concat(self.planted(x), self.planted(F.slice_axis(x, axis=0, begin=0, end=3)), dim=0)
+        return self.last(both * 1e-3)
+
+
+@pytest.mark.parametrize("hybridize", [False, True])
+def test_a_block_called_twice_is_compared_per_call_and_bisected_by_its_name(hybridize):
+    mx.random.seed(0)
+    net = Shared()
+    net.initialize(mx.init.Xavier())
+    net.planted.weight.set_data(net.planted.weight.data() * 60000)  # outputs ~1e5: float16 overflows
+    if hybridize:
+        net.hybridize()
+    net(X)
+    name = _planted_name(net)
+    rep = debug.compare(net, X, target_dtype="float16", emulate=True, tolerance=TOL)
+    calls = [r for r in rep.rows if r.op == "FullyConnected" and r.name.startswith(name)]
+    assert [r.name for r in calls] == [name, name + "#2"], str(rep)
+    assert all(r.overflow > 0 and r.local_error == math.inf for r in calls)
+    assert rep.first_divergence is calls[0]
+    res = debug.bisect(net, X, target_dtype="float16", emulate=True, tolerance=TOL)
+    assert res.excluded_sym_names == [name]  # the graph's own name: it keeps both calls in float32
+    fixed = debug.compare(net, X, target_dtype="float16", emulate=True, tolerance=TOL,
+                          excluded_sym_names=res.excluded_sym_names)
+    assert fixed.output_error < TOL and all(r.dtype == "float32" for r in fixed.rows if r.name.startswith(name))
+    assert res.error_after < TOL
+
+
+def test_a_graph_with_its_own_amp_multicast_is_compared():
+    """GluonCV's box decoders call ``F.amp_multicast`` themselves; on float32 inputs the pass
+    drops it (it changes no dtype), and compare and bisect skip what does not run."""
+    class OwnCast(nn.HybridBlock):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            with self.name_scope():
+                self.dense = nn.Dense(4, in_units=8)
+
+        def hybrid_forward(self, F, x, y):
+            a, b = F.amp_multicast(x, y, num_outputs=2)
+            return self.dense(a + b)
+
+    mx.random.seed(0)
+    net = OwnCast()
+    net.initialize()
+    net.hybridize()
+    net(X, X)
+    for dtype in ("float16", "bfloat16"):
+        rep = debug.compare(net, X, X, target_dtype=dtype, emulate=True, tolerance=TOL)
+        assert [r.op for r in rep.rows] == ["elemwise_add", "FullyConnected"] and rep.first_divergence is None
+        assert debug.bisect(net, X, X, target_dtype=dtype, emulate=True, tolerance=TOL).excluded_sym_names == []
+
+
 def test_compare_leaves_the_block_as_it_was():
     net = planted("offset")
     before = {k: v.data().asnumpy().copy() for k, v in net.collect_params().items()}
