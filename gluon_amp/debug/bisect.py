@@ -172,6 +172,14 @@ def bisect(block: Any, *inputs: mx.nd.NDArray, target_dtype: Any = None, emulate
     trials.seen[frozenset()] = first = trials.judge(run.low_outputs)
     kept: List[str] = []
     if not first[0]:
+        unreproducible = [r.name for r in report.rows if r.unreproducible]
+        if unreproducible:
+            raise RuntimeError(f"bisect: the FP32 reference is not reproducible, so no op kept in float32 can "
+                               f"meet it (output error {first[1]:.3e}): {', '.join(unreproducible)} gave another "
+                               "output when run again in float32 on the same inputs (a random kernel, or one "
+                               "that leaves part of its output unwritten, as MXNet 1.9.1's CPU ROIAlign does "
+                               "for rois whose batch index is below 0). Fix or remove that op's input case "
+                               "first; gluon_amp.debug.compare shows the rows")
         if not ranked:
             raise RuntimeError("the plan runs no op in low precision by its own decision (no candidate to keep "
                                f"in float32), yet the output fails (error {first[1]:.3e}): check the tolerance "
@@ -181,5 +189,7 @@ def bisect(block: Any, *inputs: mx.nd.NDArray, target_dtype: Any = None, emulate
     if not ok:
         raise RuntimeError(f"bisect's result {kept} did not re-validate (error {after:.3e}); the network "
                            "does not run the same twice: check for randomness (dropout) in inference mode")
-    return BisectResult(sorted(kept), trials.count, first[1], after, len(ranked), run.policy.target_dtype,
+    # the graph's own names: one excludes every node of that name (a block called several times)
+    names = sorted({run.model.renamed.get(k, k) for k in kept})
+    return BisectResult(names, trials.count, first[1], after, len(ranked), run.policy.target_dtype,
                         run.policy.emulate, ranked)

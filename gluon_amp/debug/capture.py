@@ -32,6 +32,8 @@ class Model:
     aux: Dict[str, mx.nd.NDArray]
     ctx: mx.Context
     data_dtypes: Dict[str, str] = field(default_factory=dict)
+    #: op nodes renamed because an earlier node had their name: new name -> the graph's own
+    renamed: Dict[str, str] = field(default_factory=dict)
 
     @property
     def graph(self) -> dict:
@@ -54,6 +56,30 @@ def _symbols(inputs: Any, names: Iterator[str]) -> Any:
     if isinstance(inputs, (list, tuple)):
         return type(inputs)(_symbols(x, names) for x in inputs)
     return None if inputs is None else mx.sym.var(next(names))
+
+
+def _unique_names(sym: Symbol) -> Tuple[Symbol, Dict[str, str]]:
+    """``sym`` with every op node named once, and the renamed nodes (new name -> old).
+
+    A block called several times in one graph (an FPN's RPN head, run on each level) gives
+    nodes of one name; values are read by name, so the second and later become ``NAME#2``..."""
+    graph = json.loads(sym.tojson(remove_amp_cast=False))
+    taken = {n["name"] for n in graph["nodes"]}
+    count: Dict[str, int] = {}
+    renamed: Dict[str, str] = {}
+    for node in graph["nodes"]:
+        if node["op"] == "null":
+            continue
+        name = node["name"]
+        count[name] = count.get(name, 0) + 1
+        if count[name] > 1:
+            k = count[name]
+            while f"{name}#{k}" in taken:
+                k += 1
+            node["name"] = f"{name}#{k}"
+            taken.add(node["name"])
+            renamed[node["name"]] = name
+    return (mx.sym.load_json(json.dumps(graph)) if renamed else sym), renamed
 
 
 def model_of(block: HybridBlock, inputs: Sequence[Any], caller: str) -> Model:
@@ -90,7 +116,8 @@ def model_of(block: HybridBlock, inputs: Sequence[Any], caller: str) -> Model:
                            "deferred): run one forward pass, block(x), first.") from None
     dtypes = {n: "float32" if dtype_name(x.dtype) in FLOAT_DTYPES else dtype_name(x.dtype)
               for n, x in zip(names, flat)}
-    return Model(sym, names, args, aux, ctx, dtypes)
+    sym, renamed = _unique_names(sym)
+    return Model(sym, names, args, aux, ctx, dtypes, renamed)
 
 
 def as_float32(x: mx.nd.NDArray) -> np.ndarray:

@@ -197,6 +197,7 @@ def test_a_healthy_network_has_no_divergence_and_needs_nothing_kept():
         rep = debug.compare(net, x, target_dtype=dtype, emulate=True, tolerance=TOL)
         assert rep.first_divergence is None and rep.output_error < TOL
         assert all(r.nonfinite == 0 for r in rep.rows) and max(r.error for r in rep.rows) > 0
+        assert not any(r.unreproducible for r in rep.rows), str(rep)  # float32 ops recompute the same
         res = debug.bisect(net, x, target_dtype=dtype, emulate=True, tolerance=TOL)
         assert res.excluded_sym_names == [] and res.trials == 1  # the re-validating run only
 
@@ -241,6 +242,100 @@ def test_values_fp32_itself_makes_non_finite_are_no_divergence():
     assert not np.isfinite(net(X).asnumpy()).all()
     rep = debug.compare(net, X, target_dtype="float16", emulate=True, tolerance=TOL)
     assert rep.first_divergence is None and rep.output_error < TOL, str(rep)
+
+
+def test_an_op_fp32_itself_does_not_reproduce_is_named_not_blamed_on_precision():
+    """A float32 op whose output changes from run to run on the same inputs (here a random op;
+    in GluonCV's Mask R-CNN, MXNet 1.9.1's CPU ROIAlign, which leaves the rows of rois with a
+    negative batch index unwritten) makes FP32's reference itself differ: compare names it and
+    does not call it the first divergence, and bisect says so instead of searching."""
+    class Noisy(nn.HybridBlock):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            with self.name_scope():
+                self.first = nn.Dense(8, in_units=8)
+                self.last = nn.Dense(4, in_units=8)
+
+        def hybrid_forward(self, F, x):
+            noise = F.random.uniform_like(x)  # float32 input: a float32 op in the plan
+            return self.last(self.first(x + noise * 10))
+
+    mx.random.seed(0)
+    net = Noisy()
+    net.initialize()
+    net.hybridize()
+    for dtype in ("float16", "bfloat16"):
+        rep = debug.compare(net, X, target_dtype=dtype, emulate=True, tolerance=TOL)
+        noisy = [r for r in rep.rows if r.unreproducible]
+        assert [r.op for r in noisy] == ["_random_uniform_like"], str(rep)
+        assert noisy[0].dtype == "float32" and noisy[0].local_error > TOL
+        assert rep.first_divergence is None and rep.output_error > TOL, str(rep)
+        assert any(noisy[0].name in n for n in rep.notes) and noisy[0].name in str(rep)
+        assert rep.to_dict()["rows"][noisy[0].index]["unreproducible"] is True
+        with pytest.raises(RuntimeError, match="not reproducible.*" + noisy[0].name):
+            debug.bisect(net, X, target_dtype=dtype, emulate=True, tolerance=TOL)
+
+
+class Shared(nn.HybridBlock):
+    """One planted dense called twice on inputs of different sizes (as an FPN's RPN head runs on
+    every level): two graph nodes of one name."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.planted = nn.Dense(16, in_units=8)
+            self.last = nn.Dense(4, in_units=16)
+
+    def hybrid_forward(self, F, x):
+        both = F.concat(self.planted(x), self.planted(F.slice_axis(x, axis=0, begin=0, end=3)), dim=0)
+        return self.last(both * 1e-3)
+
+
+@pytest.mark.parametrize("hybridize", [False, True])
+def test_a_block_called_twice_is_compared_per_call_and_bisected_by_its_name(hybridize):
+    mx.random.seed(0)
+    net = Shared()
+    net.initialize(mx.init.Xavier())
+    net.planted.weight.set_data(net.planted.weight.data() * 60000)  # outputs ~1e5: float16 overflows
+    if hybridize:
+        net.hybridize()
+    net(X)
+    name = _planted_name(net)
+    rep = debug.compare(net, X, target_dtype="float16", emulate=True, tolerance=TOL)
+    calls = [r for r in rep.rows if r.op == "FullyConnected" and r.name.startswith(name)]
+    assert [r.name for r in calls] == [name, name + "#2"], str(rep)
+    assert all(r.overflow > 0 and r.local_error == math.inf for r in calls)
+    assert rep.first_divergence is calls[0]
+    res = debug.bisect(net, X, target_dtype="float16", emulate=True, tolerance=TOL)
+    assert res.excluded_sym_names == [name]  # the graph's own name: it keeps both calls in float32
+    fixed = debug.compare(net, X, target_dtype="float16", emulate=True, tolerance=TOL,
+                          excluded_sym_names=res.excluded_sym_names)
+    assert fixed.output_error < TOL and all(r.dtype == "float32" for r in fixed.rows if r.name.startswith(name))
+    assert res.error_after < TOL
+
+
+def test_a_graph_with_its_own_amp_multicast_is_compared():
+    """GluonCV's box decoders call ``F.amp_multicast`` themselves; on float32 inputs the pass
+    drops it (it changes no dtype), and compare and bisect skip what does not run."""
+    class OwnCast(nn.HybridBlock):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            with self.name_scope():
+                self.dense = nn.Dense(4, in_units=8)
+
+        def hybrid_forward(self, F, x, y):
+            a, b = F.amp_multicast(x, y, num_outputs=2)
+            return self.dense(a + b)
+
+    mx.random.seed(0)
+    net = OwnCast()
+    net.initialize()
+    net.hybridize()
+    net(X, X)
+    for dtype in ("float16", "bfloat16"):
+        rep = debug.compare(net, X, X, target_dtype=dtype, emulate=True, tolerance=TOL)
+        assert [r.op for r in rep.rows] == ["elemwise_add", "FullyConnected"] and rep.first_divergence is None
+        assert debug.bisect(net, X, X, target_dtype=dtype, emulate=True, tolerance=TOL).excluded_sym_names == []
 
 
 def test_compare_leaves_the_block_as_it_was():
