@@ -509,39 +509,44 @@ class autocast(contextlib.ContextDecorator):
                 policy = _region_policy(self._target, self._kwargs)
             if not policy.enabled:  # the float32 fallback of target_dtype=None
                 policy = None
-        with state.lock:  # not while disable() decides that no region holds a policy
-            if policy is None:
-                region = state.OFF
-            else:
-                with state.interrupts_deferred():
-                    region = _region_for(policy)
-            parent = state.frame()
-            frame = state.Frame(region, policy if policy is not None else (parent.outer if parent else None),
-                                parent)
-            try:
+        frame: Optional[state.Frame] = None
+        try:
+            with state.lock:  # not while disable() decides that no region holds a policy
+                if policy is None:
+                    region = state.OFF
+                else:
+                    with state.interrupts_deferred():
+                        region = _region_for(policy)
+                parent = state.frame()
+                frame = state.Frame(region, policy if policy is not None else (parent.outer if parent else None),
+                                    parent)
                 state.enter(frame)  # one store: in, or (on any exception) not
-                self._frame = frame
-                return policy
-            except BaseException:
+            self._frame = frame
+            return policy
+        except BaseException:  # whatever landed (the lock's release included): out again
+            if frame is not None:
                 state.leave(frame)
-                self._frame = None
-                raise
+            self._frame = None
+            raise
 
     def __exit__(self, *exc: Any) -> None:
-        frame = self._frame
-        if frame is None:
-            return
+        # CPython may deliver a signal at a function's entry (its RESUME), before any try can
+        # be set up: no Python code is safe there. From the first statement on, the region is
+        # left whatever lands where: twice (idempotent), the second time in a finally.
         try:
-            state.leave(frame)  # one store or pop: out
+            self._leave()
         finally:
-            try:
-                state.leave(frame)  # again, should anything land in the first (a no-op after it)
-            finally:
-                self._frame = None
+            self._leave()
         patched = _patched
         if patched is not None and patched.release_when_idle:  # disable() was called meanwhile
             with state.lock:
                 _release_if_idle()
+
+    def _leave(self) -> None:
+        frame = self._frame
+        if frame is not None:
+            state.leave(frame)  # one store or pop: out (a no-op the second time)
+            self._frame = None
 
 
 # -- the HybridBlock hooks: each does what the calling thread's policy says ------------------
