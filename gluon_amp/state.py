@@ -76,12 +76,12 @@ get_ident = threading.get_ident
 
 
 class _ThreadState(threading.local):
-    """One thread's facts besides its region: which dtypes were in force on it and until when
+    """One thread's facts besides its region: when each dtype last came in force on it
     (:func:`dtypes_since`), and the scaler hook of a ``BucketingModule.bind`` under way in it."""
 
     def __init__(self) -> None:
-        #: target dtype (None: float32) -> the serial at which it last stopped being in force here
-        self.ended: Dict[Optional[str], int] = {}
+        #: target dtype (None: float32) -> the serial at which it last came in force here
+        self.began: Dict[Optional[str], int] = {}
         #: the serial since which the thread is outside every region (it follows the process)
         self.follow_from: int = 0
         #: the scaler hook a ``BucketingModule.bind`` under way gives its default bucket
@@ -104,17 +104,27 @@ def _dtype(policy: Optional[Any]) -> Optional[str]:
     return policy.target_dtype if policy is not None else None
 
 
+def _began(dtypes: Dict[Optional[str], int]) -> None:
+    began = thread.began
+    for d, k in dtypes.items():
+        if began.get(d, 0) < k:
+            began[d] = k
+
+
 def enter(new: Frame) -> None:
     """Make ``new`` (whose ``parent`` is the calling thread's frame now) its innermost region.
 
     Idempotent, and the region is entered by the last item store: an exception before it
-    leaves the thread where it was. What was in force until now is noted first (a true fact
-    either way, for :func:`dtypes_since`)."""
+    leaves the thread where it was. When it comes in force is noted first (a fact either way,
+    for :func:`dtypes_since`: noted early, a step counts it a little early)."""
     ident = get_ident()
     if regions.get(ident) is new:
         return
     now = next(_clock)
-    _note_leaving(new.parent, now)
+    if new.parent is None:  # the policies init turned on while the thread followed the process
+        since = thread.follow_from
+        _began({d: k for d, k in list(process.began.items()) if k > since})
+    _began({_dtype(new.region.policy): now})
     regions[ident] = new
 
 
@@ -126,27 +136,13 @@ def leave(old: Frame) -> None:
     if regions.get(ident) is not old:
         return
     now = next(_clock)
-    _note_leaving(old, now)
     if old.parent is None:
-        thread.follow_from = now  # may run before the pop: following from a little early is a fact too
+        _began({_dtype(process.policy): now})
+        thread.follow_from = now
         regions.pop(ident, None)
     else:
+        _began({_dtype(old.parent.region.policy): now})
         regions[ident] = old.parent
-
-
-def _note_leaving(old: Optional[Frame], now: int) -> None:
-    """Note that what was in force on this thread (``old``'s region, or the process's policies
-    since the thread followed it) was in force until ``now``."""
-    ended = thread.ended
-    if old is not None:
-        dtypes = {_dtype(old.region.policy): now}
-    else:
-        since = thread.follow_from
-        dtypes = {d: k for d, k in process.ended.items() if k > since}
-        dtypes[_dtype(process.policy)] = now
-    for d, k in dtypes.items():
-        if ended.get(d, 0) < k:
-            ended[d] = k
 
 
 def current_policy() -> Optional[Any]:
@@ -260,9 +256,9 @@ class _Process:
 
     #: the policy ``init`` put in force (threads without a region follow it)
     policy: Optional[Any] = None
-    #: target dtype -> the serial at which an ``init`` policy of it last went (``disable``):
-    #: threads outside regions ran it until then (one entry per dtype: nothing grows)
-    ended: Dict[Optional[str], int] = field(default_factory=dict)
+    #: target dtype -> the serial at which an ``init`` policy of it last came in force: threads
+    #: outside regions ran it from then (one entry per dtype: nothing grows)
+    began: Dict[Optional[str], int] = field(default_factory=dict)
     #: every trainer step hook attached so far (weakly): loss-output ops read their scale
     scalers: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
     #: messages said once per process
@@ -288,32 +284,31 @@ process = _Process()
 
 def set_process_policy(policy: Optional[Any]) -> None:
     """Put ``policy`` in force for the threads outside regions (``init``; ``None``: ``disable``).
-    The end of the one going is noted before it goes (:func:`dtypes_since` of a thread that
-    reads in between sees it either way)."""
-    old = process.policy
-    if old is not None and old is not policy:
-        process.ended[_dtype(old)] = next(_clock)
+    When it comes in force is noted before (:func:`dtypes_since` of a thread that reads in
+    between sees it either way)."""
+    if policy is not None and policy is not process.policy:
+        process.began[_dtype(policy)] = next(_clock)
     process.policy = policy
 
 
 def policy_serial() -> int:
     """A mark on the clock of policy transitions (a trainer takes one after each step): what
-    comes in force or goes later has a greater serial."""
+    comes in force later has a greater serial."""
     return next(_clock)
 
 
 def dtypes_since(serial: int) -> FrozenSet[str]:
-    """The target dtypes in force on the calling thread at any time since :func:`policy_serial`
-    gave ``serial``: its policy now, its regions' since, and ``init``'s while it was outside
-    regions. Another thread's regions never count: a step's forward pass runs on the thread that
-    scales its loss, under ``autocast`` or after the scope (PyTorch's pattern). Nothing here
-    grows: one serial per dtype."""
+    """The target dtypes of the calling thread's policy now and of every one that came in force
+    on it since :func:`policy_serial` gave ``serial``: its regions, and ``init``'s while it was
+    outside regions. Another thread's regions never count: a step's forward pass runs on the
+    thread that scales its loss, under ``autocast`` or after the scope (PyTorch's pattern).
+    Nothing here grows: one serial per dtype."""
     f = regions.get(get_ident())
     dtypes = {_dtype(process.policy if f is None else f.region.policy)}
-    dtypes.update(d for d, k in list(thread.ended.items()) if k > serial)
+    dtypes.update(d for d, k in list(thread.began.items()) if k > serial)
     if f is None:
         since = max(serial, thread.follow_from)
-        dtypes.update(d for d, k in list(process.ended.items()) if k > since)
+        dtypes.update(d for d, k in list(process.began.items()) if k > since)
     dtypes.discard(None)
     return frozenset(dtypes)
 
@@ -478,5 +473,5 @@ def reset() -> None:
     for extension in _extensions:
         extension.forget()
     regions.clear()  # the same dict: the patched functions hold it
-    thread.ended, thread.follow_from = {}, 0
+    thread.began, thread.follow_from = {}, 0
     thread.bucket_hook = None
