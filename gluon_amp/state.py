@@ -111,6 +111,10 @@ def _began(dtypes: Dict[Optional[str], int]) -> None:
             began[d] = k
 
 
+def _began_now(dtype: Optional[str], now: int) -> None:
+    thread.began[dtype] = now  # the clock only grows: now is the latest
+
+
 def enter(new: Frame) -> None:
     """Make ``new`` (whose ``parent`` is the calling thread's frame now) its innermost region.
 
@@ -121,10 +125,10 @@ def enter(new: Frame) -> None:
     if regions.get(ident) is new:
         return
     now = next(_clock)
-    if new.parent is None:  # the policies init turned on while the thread followed the process
+    if new.parent is None and process.began:  # init's policies turned on while the thread followed it
         since = thread.follow_from
         _began({d: k for d, k in list(process.began.items()) if k > since})
-    _began({_dtype(new.region.policy): now})
+    _began_now(_dtype(new.region.policy), now)
     regions[ident] = new
 
 
@@ -137,11 +141,11 @@ def leave(old: Frame) -> None:
         return
     now = next(_clock)
     if old.parent is None:
-        _began({_dtype(process.policy): now})
+        _began_now(_dtype(process.policy), now)
         thread.follow_from = now
         regions.pop(ident, None)
     else:
-        _began({_dtype(old.parent.region.policy): now})
+        _began_now(_dtype(old.parent.region.policy), now)
         regions[ident] = old.parent
 
 

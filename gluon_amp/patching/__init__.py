@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -18,8 +17,7 @@ from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
 
 from .. import execution, mxnet_internals as mxi, plan_notes, runtime, state
-from ..policy_builder import TUNE_ENV, as_policy
-from gluon_amp_core.tuning.schedule import ENV as TUNE_BUDGET_ENV
+from ..policy_builder import as_policy
 from ..tuning.schedule import Tuner
 from . import low_cast
 from .hooks import graph_rewriter, holds_amp_plan
@@ -70,9 +68,10 @@ class _Patched:
     regions: dict = field(default_factory=dict)
     #: Region -> what the block hooks do under it
     graphs: dict = field(default_factory=dict)
-    #: autocast's arguments -> their policy (make_policy validates for a millisecond; a region
-    #: entered per step asks it once)
-    policies: dict = field(default_factory=dict)
+    #: autocast's arguments -> (their policy, its Region): make_policy validates for a
+    #: millisecond, a region entered per step asks it once while patched (the environment it
+    #: reads, ``$GLUON_AMP_TUNE``, is read then)
+    known: dict = field(default_factory=dict)
     #: disable() asked for the functions back while a region elsewhere held a policy: the
     #: last such region to end restores them
     release_when_idle: bool = False
@@ -435,32 +434,30 @@ def _outer_policy() -> Optional[Policy]:
 
 
 def _policy_key(target_dtype: Any, kwargs: dict) -> Optional[tuple]:
-    """A key for autocast's arguments (the environment make_policy reads included), or None
-    when some argument is not a plain value (then the policy is made afresh)."""
-    def frozen(v: Any) -> Any:
-        if v is None or isinstance(v, (str, bool, int, float)):
-            return v
-        if isinstance(v, (list, tuple)):
-            return (type(v).__name__, *map(frozen, v))
-        raise TypeError
+    """A key for autocast's arguments, or None when some argument is unhashable (a list of op
+    names: then the policy is made afresh each time)."""
+    key = (target_dtype, *sorted(kwargs.items()))
     try:
-        return (frozen(target_dtype), tuple(sorted((k, frozen(v)) for k, v in kwargs.items())),
-                os.environ.get(TUNE_ENV), os.environ.get(TUNE_BUDGET_ENV))
+        hash(key)
     except TypeError:
         return None
+    return key
 
 
-def _region_policy(target_dtype: Any, kwargs: dict) -> Policy:
-    """``as_policy(target_dtype, **kwargs)``, remembered while patched."""
-    if isinstance(target_dtype, Policy):
-        return as_policy(target_dtype, **kwargs)
-    patched, key = _patched, _policy_key(target_dtype, kwargs)
-    policy = patched.policies.get(key) if patched is not None and key is not None else None
-    if policy is None:
-        policy = as_policy(target_dtype, **kwargs)
-        if patched is not None and key is not None:
-            patched.policies[key] = policy
-    return policy
+def _known_region(target_dtype: Any, kwargs: dict) -> Optional[Tuple[Policy, state.Region]]:
+    """The policy and Region an earlier region with the same arguments got (while patched)."""
+    patched = _patched
+    if patched is None:
+        return None
+    key = _policy_key(target_dtype, kwargs)
+    return patched.known.get(key) if key is not None else None
+
+
+def _remember_region(target_dtype: Any, kwargs: dict, policy: Policy, region: state.Region) -> None:
+    patched = _patched
+    key = _policy_key(target_dtype, kwargs)
+    if patched is not None and key is not None and patched.regions.get(policy) is region:
+        patched.known[key] = (policy, region)
 
 
 class autocast(contextlib.ContextDecorator):
@@ -502,21 +499,28 @@ class autocast(contextlib.ContextDecorator):
             raise RuntimeError("this autocast object is already entered; use a new autocast(...) for a "
                                "nested region")
         policy: Optional[Policy] = None
+        known = None
         if self._enabled:
             if self._target is None and not self._kwargs:
-                policy = _outer_policy() or _region_policy(None, {})
+                policy = _outer_policy() or as_policy(None)
             else:
-                policy = _region_policy(self._target, self._kwargs)
+                known = _known_region(self._target, self._kwargs)  # a region entered before: no make_policy
+                policy = known[0] if known is not None else as_policy(self._target, **self._kwargs)
             if not policy.enabled:  # the float32 fallback of target_dtype=None
                 policy = None
         frame: Optional[state.Frame] = None
         try:
             with state.lock:  # not while disable() decides that no region holds a policy
+                patched = _patched
                 if policy is None:
                     region = state.OFF
+                elif known is not None and patched is not None and patched.regions.get(policy) is known[1]:
+                    region = known[1]  # patched already: a lookup
                 else:
                     with state.interrupts_deferred():
                         region = _region_for(policy)
+                    if self._target is not None or self._kwargs:
+                        _remember_region(self._target, self._kwargs, policy, region)
                 parent = state.frame()
                 frame = state.Frame(region, policy if policy is not None else (parent.outer if parent else None),
                                     parent)
