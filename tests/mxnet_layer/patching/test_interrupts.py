@@ -77,6 +77,7 @@ def few_ops(monkeypatch):
 #: ``interrupts_deferred.__exit__`` is delivered: its own handler holds it.)
 EXIT_CODE = getattr(getattr(gluon_amp.autocast, "__exit__", None), "__code__", None)  # a class here
 RETURN_VALUE = dis.opmap["RETURN_VALUE"]
+BEFORE_WITH = dis.opmap["BEFORE_WITH"]
 
 
 class _Deliver:
@@ -118,8 +119,12 @@ class _Deliver:
             if id(frame) in self.entries:  # the entry of autocast.__exit__: see EXIT_CODE
                 self.entries.discard(id(frame))
                 return self._local
-            if event == "opcode" and frame.f_code.co_code[frame.f_lasti] == RETURN_VALUE:
-                return self._local  # CPython runs no handler at a return: it lands in the caller
+            if event == "opcode" and (frame.f_code.co_code[frame.f_lasti] == RETURN_VALUE
+                                      or frame.f_code.co_code[frame.f_lasti - 2] == BEFORE_WITH):
+                # CPython runs no handler there (handlers run at a function's start, a backward
+                # jump or after a call): at a return it lands in the caller, and right after a
+                # with-statement's __enter__ inside the block, where __exit__ runs
+                return self._local
             self.count += 1
             if self.count - 1 == self.at and not self.fired:
                 self._fire(frame)
