@@ -13,6 +13,12 @@ Each figure is the median over ``--repeats`` runs of ``--calls`` calls (after a 
 each run ending with ``mx.nd.waitall()``. Overhead = patched - unpatched, in µs/call.
 The report is printed as JSON, then as a table.
 
+``ours`` also measures an ``autocast`` region without ``init`` (PyTorch's pattern,
+``with gluon_amp.autocast(target_dtype): ...`` around every step): the first region of the
+process (it patches MXNet's op functions), then entry + exit of an empty region, the median over
+``--repeats`` runs of ``--regions`` regions, in µs per region, wall and CPU time (issue 43: at
+most 20 µs).
+
 Run::
 
     PYTHONPATH=. python benchmarks/dispatch_overhead.py [--calls 3000] [--repeats 5]
@@ -83,8 +89,30 @@ def _time_all(mx: Any, calls: Dict[str, Callable[[], Any]], n: int, repeats: int
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def worker(lib: str, target_dtype: str, n: int, repeats: int, ops: List[str]) -> Dict[str, Any]:
-    """Runs in a subprocess: unpatched timings, then patched timings, for one library."""
+def _time_regions(gluon_amp: Any, target_dtype: str, n: int, repeats: int) -> Dict[str, float]:
+    """An autocast region without init: the first one (ms), then entry + exit (µs/region)."""
+    t0 = time.perf_counter()
+    with gluon_amp.autocast(target_dtype):
+        pass
+    first_ms = (time.perf_counter() - t0) * 1e3
+    samples, cpu = [], []
+    for _ in range(repeats):
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            with gluon_amp.autocast(target_dtype):
+                pass
+        samples.append((time.perf_counter() - t0) / n * 1e6)
+        cpu.append((time.process_time() - c0) / n * 1e6)
+    gluon_amp.disable()  # every function back before init is timed
+    # the CPU time too: on a busy host the wall time counts the waits for a core
+    return {"first_region_ms": first_ms, "region_us": statistics.median(samples),
+            "region_cpu_us": statistics.median(cpu)}
+
+
+def worker(lib: str, target_dtype: str, n: int, repeats: int, ops: List[str],
+           regions: int = 2000) -> Dict[str, Any]:
+    """Runs in a subprocess: unpatched timings, then (ours) regions without init, then patched
+    timings, for one library."""
     if lib == "ours":
         import gluon_amp
         import mxnet as mx
@@ -95,19 +123,25 @@ def worker(lib: str, target_dtype: str, n: int, repeats: int, ops: List[str]) ->
     ctx = mx.gpu(0) if target_dtype == "float16" and mx.context.num_gpus() > 0 else mx.cpu()
     calls = {k: v for k, v in _op_calls(mx, ctx).items() if k in ops}
     unpatched = _time_all(mx, calls, n, repeats)
+    region = None
     if lib == "ours":
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a target without kernels here: regions still build plans
+            region = _time_regions(gluon_amp, target_dtype, regions, repeats)
         gluon_amp.init(target_dtype)
     else:
         amp.init(target_dtype=target_dtype)
     out_dtypes = {name: dtype_name(fn().dtype) for name, fn in calls.items()}
     patched = _time_all(mx, calls, n, repeats)
-    return {"unpatched_us": unpatched, "patched_us": patched, "patched_out_dtype": out_dtypes}
+    return {"unpatched_us": unpatched, "patched_us": patched, "patched_out_dtype": out_dtypes,
+            "region_without_init": region}
 
 
 def _run_worker(lib: str, args: argparse.Namespace) -> Dict[str, Any]:
     cmd = [sys.executable, __file__, "--worker", lib, "--calls", str(args.calls),
            "--repeats", str(args.repeats), "--target-dtype", args.target_dtype,
-           "--ops", ",".join(args.ops)]
+           "--ops", ",".join(args.ops), "--regions", str(args.regions)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{lib} worker failed (exit {proc.returncode}):\n{proc.stderr}")
@@ -134,8 +168,10 @@ def build_report(res: Dict[str, Dict[str, Any]], args: argparse.Namespace) -> Di
         row["patched_ratio_ours_over_peer"] = _ratio(row["ours"]["patched_us"], row["peer"]["patched_us"])
         ops[name] = row
     mean = {lib: round(statistics.mean(r[lib]["overhead_us"] for r in ops.values()), 3) for lib in LIBS}
+    region = res["ours"].get("region_without_init")
     return {"target_dtype": args.target_dtype, "calls": args.calls, "repeats": args.repeats,
             "statistic": "median", "ops": ops, "not_measured": args.not_measured,
+            "region_without_init": ({k: round(v, 3) for k, v in region.items()} if region else None),
             "mean_overhead_us": {**mean, "ratio_ours_over_peer": _ratio(mean["ours"], mean["peer"])}}
 
 
@@ -156,6 +192,10 @@ def format_table(rep: Dict[str, Any]) -> str:
     m = rep["mean_overhead_us"]
     lines.append(f"mean overhead: ours {m['ours']:.2f} µs/call vs peer {m['peer']:.2f} µs/call "
                  f"(ours/peer = {f(m['ratio_ours_over_peer'])})")
+    r = rep.get("region_without_init")
+    if r:
+        lines.append(f"autocast region without init (ours): first {r['first_region_ms']:.1f} ms (patches), "
+                     f"then {r['region_us']:.2f} µs per region entry + exit ({r['region_cpu_us']:.2f} µs CPU time)")
     if rep["not_measured"]:
         lines.append(rep["not_measured"])
     return "\n".join(lines)
@@ -169,12 +209,14 @@ def main(argv: List[str] | None = None) -> None:
     ap.add_argument("--json", metavar="PATH", help="also write the JSON report here")
     ap.add_argument("--worker", choices=LIBS, help=argparse.SUPPRESS)
     ap.add_argument("--ops", default=",".join(OPS), help=argparse.SUPPRESS)
+    ap.add_argument("--regions", type=int, default=2000,
+                    help="autocast regions without init per repeat (ours); the median is reported")
     args = ap.parse_args(argv)
     args.ops = args.ops.split(",")
-    if args.calls < 1 or args.repeats < 1:
-        ap.error("--calls and --repeats must be >= 1")
+    if args.calls < 1 or args.repeats < 1 or args.regions < 1:
+        ap.error("--calls, --repeats and --regions must be >= 1")
     if args.worker:
-        print(json.dumps(worker(args.worker, args.target_dtype, args.calls, args.repeats, args.ops)))
+        print(json.dumps(worker(args.worker, args.target_dtype, args.calls, args.repeats, args.ops, args.regions)))
         return
     import gluon_amp
     res = gluon_amp.runtime.resolve(args.target_dtype, warn=False)

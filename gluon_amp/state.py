@@ -1,15 +1,16 @@
 """gluon_amp's process state, in one place; :func:`reset` clears it (tests).
 
-- The policy in force: ``init``'s for the process (:data:`process`), and each thread's
-  ``autocast`` regions (:data:`thread`); :func:`current_policy` answers for the calling thread.
-- The policy-change log: a trainer asks which dtypes ran since its last step
-  (:func:`policy_serial`, :func:`dtypes_since`).
+- The policy in force: ``init``'s for the process (:data:`process`), and each thread's open
+  ``autocast`` regions (:data:`regions`); :func:`current_policy` answers for the calling thread.
+- Per-thread facts for loss scaling: which dtypes were in force on a thread since a trainer's
+  last step (:func:`policy_serial`, :func:`dtypes_since`): one serial per dtype, no log.
 - The scaler registry: every trainer's step hook attached (loss-output ops read their scale).
 - The once-only messages (:func:`say_once`) and the per-object records: a trainer's
   (:func:`trainer_record`), a Module's (:func:`module_record`), what is kept beside a block's
   plan (:func:`block_record`, read through :mod:`gluon_amp.plan_notes`), and the converters'
   results run as their policy says (:class:`Converted`, read through :mod:`gluon_amp.execution`).
 - What other parts do when ``init`` turns AMP on or off (:func:`register_extension`).
+- :class:`interrupts_deferred`: a Ctrl-C that lands in a multi-step transition waits for its end.
 
 Layers read and write it here instead of reaching into each other (training never imports
 patching). Caches of what the machine measured (the probe's verdict, the emulation kernel's
@@ -17,15 +18,17 @@ build) stay with the code that measures them, and so does the bookkeeping of wha
 (the saved originals, who holds a patch): it must follow what MXNet's classes hold, which a
 :func:`reset` cannot change.
 
-The patched op functions read :data:`thread`'s ``override`` on every call (one attribute read):
-
-- ``None``: the thread follows the process, the policy ``init`` put in force (or none);
-- :data:`OFF`: float32, the original MXNet functions (``autocast(enabled=False)``);
-- another :class:`Region`: its policy, for this thread only.
+The patched op functions read :data:`regions` on every call: while it is empty (no thread in a
+region) they run the process's choice at once; otherwise the calling thread's :class:`Frame`
+(none: the process's choice) names its :class:`Region`: a policy's, or :data:`OFF` (float32, the
+original MXNet functions, ``autocast(enabled=False)``). A region holds its own policy for its
+whole extent, whatever ``init``/``disable`` do meanwhile in any thread.
 """
 from __future__ import annotations
 
 import collections
+import itertools
+import signal
 import threading
 import warnings
 import weakref
@@ -36,8 +39,8 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 class Region:
     """The policy an ``autocast`` region puts in force on its thread (``None``: float32).
 
-    One object per policy while it is in force (equal policies share it), hashed by
-    identity: the patched functions look their wrapper up by it on every call.
+    One object per policy while the op functions are patched (equal policies share it),
+    hashed by identity: the patched functions look their wrapper up by it on every call.
     """
 
     __slots__ = ("policy",)
@@ -53,66 +56,114 @@ class Region:
 OFF = Region(None)
 
 
-class _ThreadPolicy(threading.local):
-    """One thread's regions: ``override`` (read on every op call) and the stack of the
-    regions it is in, innermost last (``None`` where a region follows the process); and the
-    scaler hook of a ``BucketingModule.bind`` under way in it."""
+class Frame:
+    """One open ``autocast`` region of one thread: its :class:`Region`, the policy an
+    ``autocast()`` without a target means inside it (``outer``), and the frame it was entered
+    from (``parent``, ``None`` when the thread followed the process). Immutable once made."""
+
+    __slots__ = ("region", "outer", "parent")
+
+    def __init__(self, region: Region, outer: Optional[Any], parent: Optional["Frame"]) -> None:
+        self.region, self.outer, self.parent = region, outer, parent
+
+
+#: thread ident -> its innermost open region; a thread outside every region has no entry, so
+#: the dict is empty while no thread is in a region. The patched op functions read it on every
+#: call (its truth, then the calling thread's entry); one item store enters or leaves a region,
+#: so a region is either entered or not whatever exception lands where (no stack to unwind).
+regions: Dict[int, Frame] = {}
+get_ident = threading.get_ident
+
+
+class _ThreadState(threading.local):
+    """One thread's facts besides its region: when each dtype last came in force on it
+    (:func:`dtypes_since`), and the scaler hook of a ``BucketingModule.bind`` under way in it."""
 
     def __init__(self) -> None:
-        self.override: Optional[Region] = None
-        self.stack: List[Optional[Region]] = []
+        #: target dtype (None: float32) -> the serial at which it last came in force here
+        self.began: Dict[Optional[str], int] = {}
+        #: the serial since which the thread is outside every region (it follows the process)
+        self.follow_from: int = 0
         #: the scaler hook a ``BucketingModule.bind`` under way gives its default bucket
         #: (``training.module``), else ``None``
         self.bucket_hook: Optional[Any] = None
 
 
-thread = _ThreadPolicy()
+thread = _ThreadState()
+#: one clock for every transition (itertools.count's next() is atomic under the GIL): serials
+#: order region entries and exits, init/disable and a trainer's marks, over all threads
+_clock = itertools.count(1)
 
 
-class _Gate:
-    """Whether any thread is inside an ``autocast`` region. The patched op functions read
-    ``open`` (a plain attribute) on every call, and the thread-local ``scope.override`` only
-    while it is True: outside regions, a call costs no thread-local read."""
-
-    __slots__ = ("open", "scope", "entered", "guard")
-
-    def __init__(self, scope: _ThreadPolicy) -> None:
-        self.open = False
-        self.scope = scope
-        self.entered = 0  # regions entered and not left, over every thread
-        self.guard = threading.Lock()
+def frame() -> Optional[Frame]:
+    """The calling thread's innermost open region, or ``None`` when it follows the process."""
+    return regions.get(get_ident())
 
 
-gate = _Gate(thread)
+def _dtype(policy: Optional[Any]) -> Optional[str]:
+    return policy.target_dtype if policy is not None else None
 
 
-def override() -> Optional[Region]:
-    """The calling thread's innermost region, or ``None`` when it follows the process."""
-    return thread.override
+def _began(dtypes: Dict[Optional[str], int]) -> None:
+    began = thread.began
+    for d, k in dtypes.items():
+        if began.get(d, 0) < k:
+            began[d] = k
 
 
-def enter(region: Optional[Region]) -> None:
-    """Make ``region`` the calling thread's innermost (``None``: follow the process)."""
-    with gate.guard:  # open before the override is set: no call on this thread misses it
-        gate.entered += 1
-        gate.open = True
-    thread.stack.append(thread.override)
-    thread.override = region
+def _began_now(dtype: Optional[str], now: int) -> None:
+    thread.began[dtype] = now  # the clock only grows: now is the latest
 
 
-def leave() -> None:
-    """Back to the region the last :func:`enter` of this thread left."""
-    thread.override = thread.stack.pop()
-    with gate.guard:
-        gate.entered -= 1
-        gate.open = gate.entered > 0
+def enter(new: Frame) -> None:
+    """Make ``new`` (whose ``parent`` is the calling thread's frame now) its innermost region.
+
+    Idempotent, and the region is entered by the last item store: an exception before it
+    leaves the thread where it was. When it comes in force is noted first (a fact either way,
+    for :func:`dtypes_since`: noted early, a step counts it a little early)."""
+    ident = get_ident()
+    if regions.get(ident) is new:
+        return
+    now = next(_clock)
+    if new.parent is None and process.began:  # init's policies turned on while the thread followed it
+        since = thread.follow_from
+        _began({d: k for d, k in list(process.began.items()) if k > since})
+    _began_now(_dtype(new.region.policy), now)
+    regions[ident] = new
+
+
+def leave(old: Frame) -> None:
+    """Back to ``old.parent`` on the calling thread, if ``old`` is its innermost region;
+    idempotent (call it again after any exception: a second call changes nothing). The region
+    is left by one item store or pop."""
+    ident = get_ident()
+    if regions.get(ident) is not old:
+        return
+    now = next(_clock)
+    if old.parent is None:
+        _began_now(_dtype(process.policy), now)
+        thread.follow_from = now
+        regions.pop(ident, None)
+    else:
+        _began_now(_dtype(old.parent.region.policy), now)
+        regions[ident] = old.parent
 
 
 def current_policy() -> Optional[Any]:
     """The policy in force for the calling thread (its innermost ``autocast`` region's, else
     ``init``'s), or ``None`` when AMP is off for it."""
-    region = thread.override
-    return process.policy if region is None else region.policy
+    f = regions.get(get_ident())
+    return process.policy if f is None else f.region.policy
+
+
+def in_any_region() -> bool:
+    """True while some thread is inside a region that puts a policy in force (at any depth)."""
+    for f in list(regions.values()):
+        while f is not None:
+            if f.region.policy is not None:
+                return True
+            f = f.parent
+    return False
 
 
 @dataclass
@@ -203,18 +254,15 @@ class Converted:
     symbols: "collections.OrderedDict[int, Tuple[Any, Any]]" = field(default_factory=collections.OrderedDict)
 
 
-_KEEP_CHANGES = 4096
-
-
 @dataclass
 class _Process:
     """The process's part of the state (one object: :data:`process`)."""
 
     #: the policy ``init`` put in force (threads without a region follow it)
     policy: Optional[Any] = None
-    #: (serial, target dtype or None) each time a policy came in force or went (init, disable,
-    #: an autocast region in any thread)
-    changes: List[Tuple[int, Optional[str]]] = field(default_factory=lambda: [(0, None)])
+    #: target dtype -> the serial at which an ``init`` policy of it last came in force: threads
+    #: outside regions ran it from then (one entry per dtype: nothing grows)
+    began: Dict[Optional[str], int] = field(default_factory=dict)
     #: every trainer step hook attached so far (weakly): loss-output ops read their scale
     scalers: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
     #: messages said once per process
@@ -238,34 +286,35 @@ lock = threading.RLock()
 process = _Process()
 
 
-def changed(dtype: Optional[str]) -> None:
-    """Record that a policy with ``dtype`` came in force (``None``: one went)."""
-    with lock:
-        changes = process.changes
-        changes.append((changes[-1][0] + 1, dtype))
-        if len(changes) > _KEEP_CHANGES:
-            del changes[: len(changes) - _KEEP_CHANGES]
+def set_process_policy(policy: Optional[Any]) -> None:
+    """Put ``policy`` in force for the threads outside regions (``init``; ``None``: ``disable``).
+    When it comes in force is noted before (:func:`dtypes_since` of a thread that reads in
+    between sees it either way)."""
+    if policy is not None and policy is not process.policy:
+        process.began[_dtype(policy)] = next(_clock)
+    process.policy = policy
 
 
 def policy_serial() -> int:
-    """A number that grows each time a policy comes in force or goes (``init``, ``disable``,
-    an ``autocast`` region in any thread)."""
-    return process.changes[-1][0]
+    """A mark on the clock of policy transitions (a trainer takes one after each step): what
+    comes in force later has a greater serial."""
+    return next(_clock)
 
 
 def dtypes_since(serial: int) -> FrozenSet[str]:
-    """The target dtypes of the calling thread's policy now and of every one turned on since
-    :func:`policy_serial` gave ``serial``: a step's forward pass may run under ``autocast``
-    and its ``scale_loss`` after the scope (PyTorch's pattern)."""
-    with lock:
-        now = current_policy()
-        dtypes = {now.target_dtype if now is not None else None}
-        for k, d in reversed(process.changes):  # per step: usually nothing changed since, one look
-            if k <= serial:
-                break
-            dtypes.add(d)
-        dtypes.discard(None)
-        return frozenset(dtypes)
+    """The target dtypes of the calling thread's policy now and of every one that came in force
+    on it since :func:`policy_serial` gave ``serial``: its regions, and ``init``'s while it was
+    outside regions. Another thread's regions never count: a step's forward pass runs on the
+    thread that scales its loss, under ``autocast`` or after the scope (PyTorch's pattern).
+    Nothing here grows: one serial per dtype."""
+    f = regions.get(get_ident())
+    dtypes = {_dtype(process.policy if f is None else f.region.policy)}
+    dtypes.update(d for d, k in list(thread.began.items()) if k > serial)
+    if f is None:
+        since = max(serial, thread.follow_from)
+        dtypes.update(d for d, k in list(process.began.items()) if k > since)
+    dtypes.discard(None)
+    return frozenset(dtypes)
 
 
 def register_scaler(hook: Any) -> None:
@@ -347,6 +396,48 @@ class Held:
             return self._remove(installed)
 
 
+class interrupts_deferred:
+    """A block that a Ctrl-C does not cut: a ``KeyboardInterrupt`` (SIGINT) arriving inside it
+    is raised at its end, once what it does is whole (CPython's ``signal`` docs: a Python
+    handler runs between bytecodes, anywhere). Only the main thread receives SIGINT; elsewhere,
+    and where SIGINT's handler is not a Python function, it changes nothing. Nests.
+
+    Other exceptions still propagate from inside: the block keeps its invariants with
+    ``try``/``except`` itself."""
+
+    __slots__ = ("_handler", "_pending")
+
+    def __enter__(self) -> "interrupts_deferred":
+        self._handler: Any = None
+        self._pending: List[tuple] = []
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        handler = signal.getsignal(signal.SIGINT)
+        if not callable(handler):  # SIG_IGN, SIG_DFL, or a handler not installed from Python
+            return self
+        pending = self._pending
+        self._handler = handler  # before the swap: __exit__ (or the except below) puts it back
+        try:
+            signal.signal(signal.SIGINT, lambda signum, frame: pending.append((signum, frame)))
+        except BaseException:
+            signal.signal(signal.SIGINT, handler)
+            self._handler = None
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        handler = self._handler
+        if handler is None:
+            return
+        try:
+            signal.signal(signal.SIGINT, handler)
+        finally:
+            signal.signal(signal.SIGINT, handler)  # again, should anything land in the first
+            self._handler = None
+        if self._pending:
+            handler(*self._pending[0])  # Python's default handler raises KeyboardInterrupt
+
+
 @dataclass(frozen=True)
 class Extension:
     """What another part of gluon_amp does when ``init`` turns AMP on (``on``, given the
@@ -385,8 +476,6 @@ def reset() -> None:
         process = _Process()
     for extension in _extensions:
         extension.forget()
-    thread.override = None
-    thread.stack = []
+    regions.clear()  # the same dict: the patched functions hold it
+    thread.began, thread.follow_from = {}, 0
     thread.bucket_hook = None
-    with gate.guard:
-        gate.entered, gate.open = 0, False

@@ -20,20 +20,22 @@ from typing import Any, Callable, Optional
 # no keyword-only defaults; redirect() refuses any function that does.
 
 _IMPL_KW = "_gluon_amp_impl"
-_GATE_KW = "_gluon_amp_gate"
+_REGIONS_KW = "_gluon_amp_regions"
+_IDENT_KW = "_gluon_amp_ident"
 _ROUTES_KW = "_gluon_amp_routes"
 _ORIG_KW = "_gluon_amp_orig"
 
 
-def _trampoline(*args: Any, _gluon_amp_impl: Callable, _gluon_amp_gate: Any, _gluon_amp_routes: dict,
-                _gluon_amp_orig: Callable, **kwargs: Any) -> Any:
+def _trampoline(*args: Any, _gluon_amp_impl: Callable, _gluon_amp_regions: dict, _gluon_amp_ident: Callable,
+                _gluon_amp_routes: dict, _gluon_amp_orig: Callable, **kwargs: Any) -> Any:
     # The code every redirected function runs, in MXNet's module globals (hence all by
-    # keyword-only defaults). The hot path is one plain attribute read; the thread-local is
-    # read only while some thread is inside a region.
-    if _gluon_amp_gate.open:
-        region = _gluon_amp_gate.scope.override
-        if region is not None:
-            return _gluon_amp_routes.get(region, _gluon_amp_orig)(*args, **kwargs)
+    # keyword-only defaults). The hot path is one dict truth test: the dict of open regions
+    # (thread ident -> frame) is empty while no thread is in one. Otherwise the calling
+    # thread's frame names the region whose wrapper runs.
+    if _gluon_amp_regions:
+        frame = _gluon_amp_regions.get(_gluon_amp_ident())
+        if frame is not None:
+            return _gluon_amp_routes.get(frame.region, _gluon_amp_orig)(*args, **kwargs)
     return _gluon_amp_impl(*args, **kwargs)
 
 
@@ -41,19 +43,19 @@ _TRAMPOLINE_CODE = _trampoline.__code__
 _NOT_SET = object()
 #: redirected function -> its original code, for op_of_function while AMP is on
 _original_code: "weakref.WeakKeyDictionary[types.FunctionType, types.CodeType]" = weakref.WeakKeyDictionary()
-#: redirected function -> what redirect() changed on it, for original_function
 
 
 @dataclass(frozen=True)
 class SavedFunction:
-    """What :func:`redirect` changed on ``function``; :func:`restore` puts it back.
+    """What :func:`redirect` changes on ``function``, taken before it changes anything
+    (:func:`saved_state`); :func:`restore` puts it back.
 
     ``function`` stays MXNet's own object: every module attribute and every reference taken
     before (``from mxnet.symbol.contrib import SyncBatchNorm``) still names it, and calls
     through any of them reach the wrapper :func:`redirect` and :func:`retarget` chose.
     ``routes`` is the function's own table of wrappers by region (see :func:`redirect`), which
-    also tells that the function is still redirected by gluon_amp. ``site`` is where it was
-    first found (``'mxnet.symbol.Convolution'``), for messages.
+    also tells that the function is gluon_amp's (:func:`is_redirected_to`). ``site`` is where
+    it was first found (``'mxnet.symbol.Convolution'``), for messages.
     """
 
     function: types.FunctionType
@@ -79,51 +81,69 @@ def copy_function(fn: types.FunctionType) -> types.FunctionType:
     return impl
 
 
-def redirect(fn: types.FunctionType, wrapper: Callable, site: str, *, scope: Any, routes: dict,
-             original: Callable) -> SavedFunction:
-    """Make every call of ``fn`` (through any reference) call ``wrapper`` instead, unless
-    ``scope.open`` (a plain attribute, read per call) and ``scope.scope.override`` (the calling
-    thread's, read only then) is set: then ``routes[override]``, and ``original`` where
-    ``routes`` has none. ``routes`` is kept by reference: entries added
-    later are used.
+def saved_state(fn: types.FunctionType, routes: dict, site: str) -> SavedFunction:
+    """What :func:`redirect` will change on ``fn`` (changes nothing). Keep it before redirecting:
+    whatever lands during or after :func:`redirect`, :func:`restore` can then undo it."""
+    return SavedFunction(fn, routes, fn.__code__, fn.__defaults__, fn.__kwdefaults__,
+                         fn.__dict__.get("__wrapped__", _NOT_SET), site)
+
+
+def redirect(saved: SavedFunction, wrapper: Callable, *, regions: dict, ident: Callable[[], int],
+             original: Callable) -> None:
+    """Make every call of ``saved.function`` (through any reference) call ``wrapper`` instead,
+    unless the calling thread has a frame in ``regions`` (``ident()`` -> frame; the dict is
+    read per call, the thread's entry only while it is not empty): then
+    ``saved.routes[frame.region]``, and ``original`` where the routes have none. The routes
+    are kept by reference: entries added later are used.
 
     ``fn`` keeps its identity, name and doc; ``fn.__wrapped__`` is ``original``, so
-    ``inspect.signature`` reaches the original signature. The order of the assignments
-    keeps ``fn`` callable between them (a thread may call it meanwhile).
+    ``inspect.signature`` reaches the original signature. The order of the assignments keeps
+    ``fn`` callable between them (a thread may call it meanwhile), and the first one marks it
+    as gluon_amp's (:func:`is_redirected_to`), so an exception anywhere leaves a state
+    :func:`restore` undoes.
     """
-    saved = SavedFunction(fn, routes, fn.__code__, fn.__defaults__, fn.__kwdefaults__,
-                          fn.__dict__.get("__wrapped__", _NOT_SET), site)
+    fn = saved.function
     _original_code[fn] = saved.code
-    # ignored by the original code
-    fn.__kwdefaults__ = {_IMPL_KW: wrapper, _GATE_KW: scope, _ROUTES_KW: routes, _ORIG_KW: original}
+    # first: marks fn as ours; the original code has no keyword-only parameters and ignores it
+    fn.__kwdefaults__ = {_IMPL_KW: wrapper, _REGIONS_KW: regions, _IDENT_KW: ident,
+                         _ROUTES_KW: saved.routes, _ORIG_KW: original}
     fn.__code__ = _TRAMPOLINE_CODE
     fn.__defaults__ = None  # ignored by the trampoline
     fn.__wrapped__ = original
-    return saved
 
 
 def retarget(saved: SavedFunction, wrapper: Callable) -> None:
-    """Calls of ``saved.function`` outside any override go to ``wrapper`` from now on."""
+    """Calls of ``saved.function`` outside any region go to ``wrapper`` from now on."""
     fn = saved.function
-    if is_redirected_to(fn, saved.routes):
+    if fn.__code__ is _TRAMPOLINE_CODE and is_redirected_to(fn, saved.routes):
         fn.__kwdefaults__ = {**fn.__kwdefaults__, _IMPL_KW: wrapper}  # one assignment: atomic for callers
 
 
 def is_redirected_to(fn: types.FunctionType, routes: dict) -> bool:
-    """True while ``fn`` still trampolines through ``routes`` (nobody changed it since)."""
-    return fn.__code__ is _TRAMPOLINE_CODE and (fn.__kwdefaults__ or {}).get(_ROUTES_KW) is routes
+    """True while ``fn`` is (even partly) redirected through ``routes`` by :func:`redirect` and
+    nobody else changed its code since: :func:`restore` puts it back."""
+    return ((fn.__kwdefaults__ or {}).get(_ROUTES_KW) is routes
+            and (fn.__code__ is _TRAMPOLINE_CODE or fn.__code__ is _original_code.get(fn)))
+
+
+def is_untouched(saved: SavedFunction) -> bool:
+    """True while ``saved.function`` is as :func:`saved_state` found it (not redirected, and
+    nobody changed its code)."""
+    fn = saved.function
+    return fn.__code__ is saved.code and not is_redirected_to(fn, saved.routes)
 
 
 def restore(saved: SavedFunction) -> None:
-    """Undo :func:`redirect` (callers check :func:`is_redirected_to` first)."""
+    """Undo :func:`redirect` (callers check :func:`is_redirected_to` first). Idempotent: after
+    an exception anywhere in it, calling it again finishes the job; the mark goes last."""
     fn = saved.function
     if saved.wrapped is _NOT_SET:
         fn.__dict__.pop("__wrapped__", None)
     else:
         fn.__wrapped__ = saved.wrapped
-    fn.__defaults__ = saved.defaults
+    fn.__defaults__ = saved.defaults  # before the code: the trampoline ignores them, the original needs them
     fn.__code__ = saved.code
-    fn.__kwdefaults__ = saved.kwdefaults
+    fn.__kwdefaults__ = saved.kwdefaults  # last: the mark
     _original_code.pop(fn, None)
 
 

@@ -6,11 +6,12 @@ function is swapped in place (and back) in :mod:`gluon_amp.mxnet_internals`.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
@@ -32,9 +33,10 @@ class _Site:
 
     def __init__(self, function: Any, impl: Any, op: str, kind: str, name: str) -> None:
         self.function, self.impl, self.op, self.kind, self.name = function, impl, op, kind, name
-        #: Region -> wrapper: the trampoline reads it (by reference) under an override
+        #: Region -> wrapper: the trampoline reads it (by reference) inside a region
         self.routes: dict = {}
-        self.saved: Optional[mxi.SavedFunction] = None
+        #: what redirecting it changes, taken before: whatever lands mid-way can be undone
+        self.saved: mxi.SavedFunction = mxi.saved_state(function, self.routes, name)
 
 
 @dataclass
@@ -49,11 +51,12 @@ class _Graphs:
 
 @dataclass
 class _Patched:
-    """The op functions redirected, process-wide, while any policy is in force (``init``, or
-    an ``autocast`` region in any thread); which wrapper a call gets is the calling thread's
-    policy (:mod:`gluon_amp.state`)."""
+    """The op functions redirected, process-wide, from the first ``init`` or ``autocast`` region
+    on, until :func:`disable` finds no policy in force anywhere (or the process exits); which
+    wrapper a call gets is the calling thread's region, else ``init``'s (:mod:`gluon_amp.state`)."""
 
-    #: id(original function) -> its site, for every function some policy in force wraps
+    #: id(original function) -> its site, for every function some policy wraps; recorded
+    #: before it is redirected, so an interrupted redirect is still known to be undone
     sites: dict
     #: the HybridBlock hooks, which dispatch on the calling thread's policy too
     hooks: mxi.BlockHooks
@@ -65,8 +68,13 @@ class _Patched:
     regions: dict = field(default_factory=dict)
     #: Region -> what the block hooks do under it
     graphs: dict = field(default_factory=dict)
-    #: autocast regions in force with a policy, in every thread
-    regions_open: int = 0
+    #: autocast's arguments -> (their policy, its Region): make_policy validates for a
+    #: millisecond, a region entered per step asks it once while patched (the environment it
+    #: reads, ``$GLUON_AMP_TUNE``, is read then)
+    known: dict = field(default_factory=dict)
+    #: disable() asked for the functions back while a region elsewhere held a policy: the
+    #: last such region to end restores them
+    release_when_idle: bool = False
 
 
 #: the Region of ``state.process.policy``, init's (its wrappers and graph rules in ``_patched``)
@@ -156,73 +164,151 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
                 "`with gluon_amp.autocast(...)` for a scoped change.")
         if not policy.enabled:
             return policy
-        region = _region_for(policy)
-        for site in _patched.sites.values():
-            mxi.retarget(site.saved, site.routes.get(region, site.impl))
-        state.process.policy, _init_region = policy, region
-        state.changed(policy.target_dtype)
-        for extension in state.extensions():
-            extension.on(policy)
+        with state.interrupts_deferred():  # a Ctrl-C waits for the end; other exceptions roll back
+            try:
+                region = _region_for(policy)
+                patched = _patched
+                patched.release_when_idle = False
+                for site in patched.sites.values():
+                    mxi.retarget(site.saved, site.routes.get(region, site.impl))
+                _init_region = region
+                state.set_process_policy(policy)
+                for extension in state.extensions():
+                    extension.on(policy)
+            except BaseException:
+                _turn_off(policy)
+                raise
         _log.info("gluon_amp: mixed precision on, %s, %d functions patched",
-                  policy.describe(), sum(region in site.routes for site in _patched.sites.values()))
+                  policy.describe(), sum(region in site.routes for site in patched.sites.values()))
         return policy
 
 
+def _turn_off(policy: Optional[Policy]) -> None:
+    """``init``'s policy off (idempotent: run it again after anything lands in it): threads
+    outside regions run the original functions, and the extensions are off where ``policy``
+    (the one going, if any) turned them on. Under ``state.lock``."""
+    global _init_region
+    _init_region = None
+    state.set_process_policy(None)
+    if _patched is not None:
+        for site in _patched.sites.values():
+            mxi.retarget(site.saved, site.impl)
+    if policy is not None:
+        for extension in reversed(state.extensions()):
+            extension.off()
+
+
 def _patch() -> _Patched:
-    """The process-wide patch, made now if no policy is in force (under ``state.lock``)."""
+    """The process-wide patch, made now if there is none (under ``state.lock``, interrupts
+    deferred). Each part is undone if a later one fails; the patch exists once it is whole."""
     global _patched
-    if _patched is None:
-        scalers = ScalerRegistry()
+    if _patched is not None:
+        return _patched
+    undo: List[Callable[[], Any]] = []
+    try:
         hooks = mxi.install_block_hooks(_rewrite, _warn_stale, _reshaped, _watch, _called)
+        undo.append(lambda: mxi.remove_block_hooks(hooks))
+        undo.append(lambda: execution.release("init"))  # releasing what is not held changes nothing
         execution.hold("init")  # where MXNet binds a graph: the plan runs native, emulated or refused
+        undo.append(lambda: low_cast.release("init"))
         low_cast.acquire("init")  # a script's net.cast('float16') follows the plan (low_cast.py)
-        _patched = _Patched({}, hooks, scalers, mxi.install_infer_hook())
-    return _patched
+        infer = mxi.install_infer_hook()
+        undo.append(lambda: mxi.remove_infer_hook(infer))
+        patched = _Patched({}, hooks, ScalerRegistry(), infer)
+        atexit.register(_at_exit)
+        undo.append(lambda: atexit.unregister(_at_exit))
+        _patched = patched
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        raise
+    return patched
 
 
-def _unpatch_if_unused() -> None:
-    """Put every function back once neither ``init`` nor any region holds a policy (under ``state.lock``)."""
+def _unpatch() -> None:
+    """Every function back (checked by identity), the hooks removed, the patch forgotten
+    (under ``state.lock``). Idempotent: after anything lands in it, calling it again finishes."""
     global _patched
-    if _patched is None or state.process.policy is not None or _patched.regions_open:
+    patched = _patched
+    if patched is None:
         return
-    _restore([site.saved for site in _patched.sites.values()])
-    mxi.remove_block_hooks(_patched.hooks)
-    mxi.remove_infer_hook(_patched.infer_hook)
+    _restore([site.saved for site in patched.sites.values()])
+    mxi.remove_block_hooks(patched.hooks)
+    mxi.remove_infer_hook(patched.infer_hook)
     execution.release("init")
     low_cast.release("init")
+    atexit.unregister(_at_exit)
     _patched = None
 
 
+def _release_if_idle() -> None:
+    """After ``disable``: put every function back unless ``init`` or a region in some thread still
+    holds a policy (then the last such region to end does it). Under ``state.lock``."""
+    patched = _patched
+    if patched is None or not patched.release_when_idle:
+        return
+    if state.process.policy is not None or state.in_any_region():
+        return
+    with state.interrupts_deferred():
+        try:
+            _unpatch()
+        finally:
+            _unpatch()  # again, should anything land in the first (it finishes what that left)
+
+
+def _at_exit() -> None:
+    """At process exit, every function back, whatever threads are still in regions."""
+    if state.lock.acquire(timeout=5):  # a daemon thread may hold it forever: restore anyway
+        try:
+            _unpatch()
+        finally:
+            state.lock.release()
+    else:
+        _unpatch()
+
+
 def _region_for(policy: Policy) -> state.Region:
-    """``policy``'s Region, patching first if nothing is patched yet (under ``state.lock``); a
-    failure takes back what it patched."""
+    """``policy``'s Region, patching first if nothing is patched yet (under ``state.lock``,
+    interrupts deferred). A failure leaves what was patched before as it was; what a first
+    patch made stays only if nothing held it before (then nothing does now: disable()'s rule)."""
+    patched = _patched
+    if patched is not None:
+        region = patched.regions.get(policy)
+        if region is not None:
+            return region
+    fresh = patched is None
     patched = _patch()
     try:
         return _prepare(patched, policy)
     except BaseException:
-        _unpatch_if_unused()
+        if fresh:
+            patched.release_when_idle = True
+            _release_if_idle()
         raise
 
 
 def _prepare(patched: _Patched, policy: Policy) -> state.Region:
     """``policy``'s Region, its wrappers built and its functions redirected (once per policy
-    while patched; under ``state.lock``). A failure leaves the other policies as they were."""
+    while patched; under ``state.lock``, interrupts deferred). Each new function is recorded
+    before it is redirected; a failure puts back the ones it redirected, and leaves the other
+    policies as they were. The Region exists once it is whole."""
     region = patched.regions.get(policy)
     if region is not None:
         return region
     region = state.Region(policy)
     built, new_sites = _wrappers(policy, patched.scalers, patched.sites)
-    redirected: List[_Site] = []
-    try:
-        for site in new_sites:
-            site.saved = mxi.redirect(site.function, site.impl, site.name, scope=state.gate,
-                                      routes=site.routes, original=site.impl)
-            redirected.append(site)
-    except BaseException:
-        _restore([s.saved for s in redirected])
-        raise
     for site in new_sites:
         patched.sites[id(site.function)] = site
+    try:
+        for site in patched.sites.values():
+            if mxi.is_untouched(site.saved):  # new, or one an interrupted redirect never reached
+                mxi.redirect(site.saved, site.routes.get(_init_region, site.impl), regions=state.regions,
+                             ident=state.get_ident, original=site.impl)
+    except BaseException:
+        _restore([site.saved for site in new_sites])
+        for site in new_sites:
+            patched.sites.pop(id(site.function), None)
+        raise
     for key, wrapper in built.items():
         patched.sites[key].routes[region] = wrapper
     rewrite, reshaped, watch = graph_rewriter(policy)
@@ -230,7 +316,7 @@ def _prepare(patched: _Patched, policy: Policy) -> state.Region:
     if tuner is not None:  # after the rewrite: the plan's shape rules apply first, and tuning needs kernels
         rewrite = _after(rewrite, tuner.rewrite)
     patched.graphs[region] = _Graphs(_noting_traced(rewrite), reshaped, watch, tuner)
-    patched.regions[policy] = region
+    patched.regions[policy] = region  # last: the Region is used only once it is whole
     return region
 
 
@@ -275,15 +361,14 @@ def _wrappers(policy: Policy, scalers: ScalerRegistry, sites: dict) -> Tuple[dic
     return built, new
 
 
-def _restore(patches: Sequence[Optional[mxi.SavedFunction]]) -> None:
-    """Put back each function that still calls its wrapper; leave (and name) the others."""
+def _restore(patches: Sequence[mxi.SavedFunction]) -> None:
+    """Put back each function that still calls its wrapper (or is half-way there); leave the
+    untouched ones, and leave (and name) those someone else changed meanwhile."""
     changed = []
     for p in reversed(patches):
-        if p is None:
-            continue
         if mxi.is_redirected_to(p.function, p.routes):
             mxi.restore(p)
-        else:
+        elif not mxi.is_untouched(p):
             changed.append(p.site)
     if changed:
         shown = ", ".join(changed[:5]) + (" ..." if len(changed) > 5 else "")
@@ -294,24 +379,26 @@ def _restore(patches: Sequence[Optional[mxi.SavedFunction]]) -> None:
 
 
 def disable() -> None:
-    """Turn off the policy ``init`` put in force. Every original MXNet function is back unless
-    an ``autocast`` region (in any thread) still holds a policy; then threads without a region
-    run the originals. A no-op when ``init`` is off."""
-    global _init_region
+    """Turn off the policy ``init`` put in force, and put every original MXNet function back
+    (checked by identity), as it was before the first ``init`` or ``autocast`` region.
+
+    A region open in another thread keeps its policy for its whole extent: threads outside
+    regions run the originals at once, and the functions are put back when the last such region
+    ends. A no-op when nothing is patched."""
     with state.lock:
-        if state.process.policy is None:
+        policy = state.process.policy
+        if policy is None and _patched is None:
             return
-        state.process.policy, _init_region = None, None
-        for site in _patched.sites.values():
-            mxi.retarget(site.saved, site.impl)
-        _unpatch_if_unused()
-        for extension in reversed(state.extensions()):
-            extension.off()
-        state.changed(None)
-
-
-def _policy_of(region: Optional[state.Region]) -> Optional[Policy]:
-    return state.process.policy if region is None else region.policy
+        with state.interrupts_deferred():
+            try:
+                _turn_off(policy)
+            finally:
+                try:
+                    _turn_off(None)  # again, should anything land in the first (extensions are idempotent)
+                finally:
+                    if _patched is not None:
+                        _patched.release_when_idle = True
+                    _release_if_idle()
 
 
 def is_enabled() -> bool:
@@ -333,21 +420,47 @@ def patched_functions() -> Tuple[mxi.SavedFunction, ...]:
     """The record of the op functions redirected, one per function (empty when no policy is in
     force in any thread)."""
     patched = _patched
-    return tuple(site.saved for site in patched.sites.values()) if patched is not None else ()
+    if patched is None:
+        return ()
+    return tuple(site.saved for site in patched.sites.values() if mxi.is_redirected_to(site.function, site.routes))
 
 
 def _outer_policy() -> Optional[Policy]:
     """The policy ``autocast(enabled=True)`` without a target means on this thread: its
     innermost region's with a policy, else ``init``'s; ``None`` when there is none."""
-    for region in (state.thread.override, *reversed(state.thread.stack)):
-        policy = _policy_of(region)
-        if policy is not None:
-            return policy
-    return None
+    frame = state.frame()
+    outer = frame.outer if frame is not None else None
+    return outer if outer is not None else state.process.policy
 
 
-@contextlib.contextmanager
-def autocast(target_dtype: Any = None, enabled: bool = True, **kwargs: Any) -> Iterator[Optional[Policy]]:
+def _policy_key(target_dtype: Any, kwargs: dict) -> Optional[tuple]:
+    """A key for autocast's arguments, or None when some argument is unhashable (a list of op
+    names: then the policy is made afresh each time)."""
+    key = (target_dtype, *sorted(kwargs.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _known_region(target_dtype: Any, kwargs: dict) -> Optional[Tuple[Policy, state.Region]]:
+    """The policy and Region an earlier region with the same arguments got (while patched)."""
+    patched = _patched
+    if patched is None:
+        return None
+    key = _policy_key(target_dtype, kwargs)
+    return patched.known.get(key) if key is not None else None
+
+
+def _remember_region(target_dtype: Any, kwargs: dict, policy: Policy, region: state.Region) -> None:
+    patched = _patched
+    key = _policy_key(target_dtype, kwargs)
+    if patched is not None and key is not None and patched.regions.get(policy) is region:
+        patched.known[key] = (policy, region)
+
+
+class autocast(contextlib.ContextDecorator):
     """A region of code, on this thread only, with its own policy; the outer one is back on exit.
 
     ``enabled=False`` runs the region in float32: every op called inside runs the original
@@ -355,53 +468,98 @@ def autocast(target_dtype: Any = None, enabled: bool = True, **kwargs: Any) -> I
     Otherwise the region runs ``target_dtype`` and ``kwargs`` (as :func:`init` takes them);
     with neither, the policy already in force (an outer region's, else ``init``'s), or
     :func:`init`'s default. Regions nest, and each thread has its own: other threads keep
-    theirs, and ``init``'s where they have none.
+    theirs, and ``init``'s where they have none. The region's policy holds for its whole
+    extent, whatever ``init`` and ``disable`` do meanwhile in other threads.
+
+    The first region (or ``init``) of the process patches MXNet's op functions; they stay
+    patched, so a later region costs microseconds, until :func:`disable` (or process exit)
+    puts them back. Entering and leaving are each one step: an exception or a Ctrl-C anywhere
+    leaves the thread either inside or outside, never half-way.
 
     A hybridized block's graph takes the policy of the region where Gluon builds it and keeps
     it where it runs later (docs/training.md, "autocast regions").
 
-    Yields the region's policy, or ``None`` where it runs float32.
+    ``with`` gives the region's policy, or ``None`` where it runs float32. Usable as a
+    decorator; one object is entered once at a time.
     """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"autocast(enabled=...) takes True or False, got {enabled!r}")
-    policy: Optional[Policy] = None
-    if enabled:
-        if target_dtype is None and not kwargs:
-            policy = _outer_policy() or as_policy(None)
-        else:
-            policy = as_policy(target_dtype, **kwargs)
-        if not policy.enabled:  # the float32 fallback of target_dtype=None
-            policy = None
-    with state.lock:
-        region: Optional[state.Region] = state.OFF
-        if policy is not None:
-            if policy == state.process.policy:
-                region = None  # init's own: the fast path
+
+    __slots__ = ("_target", "_enabled", "_kwargs", "_frame")
+
+    def __init__(self, target_dtype: Any = None, enabled: bool = True, **kwargs: Any) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"autocast(enabled=...) takes True or False, got {enabled!r}")
+        self._target, self._enabled, self._kwargs = target_dtype, enabled, kwargs
+        self._frame: Optional[state.Frame] = None
+
+    def _recreate_cm(self) -> "autocast":  # as a decorator: a fresh region per call
+        return autocast(self._target, self._enabled, **self._kwargs)
+
+    def __enter__(self) -> Optional[Policy]:
+        if self._frame is not None:
+            raise RuntimeError("this autocast object is already entered; use a new autocast(...) for a "
+                               "nested region")
+        policy: Optional[Policy] = None
+        known = None
+        if self._enabled:
+            if self._target is None and not self._kwargs:
+                policy = _outer_policy() or as_policy(None)
             else:
-                region = _region_for(policy)
-            if _patched is not None:
-                _patched.regions_open += 1
-        state.enter(region)
-        state.changed(policy.target_dtype if policy is not None else None)
-    try:
-        yield policy
-    finally:
-        with state.lock:
-            state.leave()
-            if policy is not None and _patched is not None:
-                _patched.regions_open -= 1
-                _unpatch_if_unused()
-            now = current_policy()
-            state.changed(now.target_dtype if now is not None else None)
+                known = _known_region(self._target, self._kwargs)  # a region entered before: no make_policy
+                policy = known[0] if known is not None else as_policy(self._target, **self._kwargs)
+            if not policy.enabled:  # the float32 fallback of target_dtype=None
+                policy = None
+        frame: Optional[state.Frame] = None
+        try:
+            with state.lock:  # not while disable() decides that no region holds a policy
+                patched = _patched
+                if policy is None:
+                    region = state.OFF
+                elif known is not None and patched is not None and patched.regions.get(policy) is known[1]:
+                    region = known[1]  # patched already: a lookup
+                else:
+                    with state.interrupts_deferred():
+                        region = _region_for(policy)
+                    if self._target is not None or self._kwargs:
+                        _remember_region(self._target, self._kwargs, policy, region)
+                parent = state.frame()
+                frame = state.Frame(region, policy if policy is not None else (parent.outer if parent else None),
+                                    parent)
+                state.enter(frame)  # one store: in, or (on any exception) not
+            self._frame = frame
+            return policy
+        except BaseException:  # whatever landed (the lock's release included): out again
+            if frame is not None:
+                state.leave(frame)
+            self._frame = None
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        # CPython may deliver a signal at a function's entry (its RESUME), before any try can
+        # be set up: no Python code is safe there. From the first statement on, the region is
+        # left whatever lands where: twice (idempotent), the second time in a finally.
+        try:
+            self._leave()
+        finally:
+            self._leave()
+        patched = _patched
+        if patched is not None and patched.release_when_idle:  # disable() was called meanwhile
+            with state.lock:
+                _release_if_idle()
+
+    def _leave(self) -> None:
+        frame = self._frame
+        if frame is not None:
+            state.leave(frame)  # one store or pop: out (a no-op the second time)
+            self._frame = None
 
 
 # -- the HybridBlock hooks: each does what the calling thread's policy says ------------------
 
 def _graphs_now() -> Optional[_Graphs]:
-    patched, region = _patched, state.thread.override
+    patched, frame = _patched, state.frame()
     if patched is None:
         return None
-    region = _init_region if region is None else region
+    region = _init_region if frame is None else frame.region
     return patched.graphs.get(region) if region is not None else None
 
 

@@ -124,12 +124,21 @@ def test_enabled_true_without_a_target_means_the_active_or_the_default_policy():
     assert gluon_amp.current_policy() is active
 
 
-def test_regions_leave_every_function_as_it_was():
+def test_regions_patch_once_and_disable_leaves_every_function_as_it_was():
+    """The first region patches; the functions stay patched (a later region costs a store, not a
+    patch) and run MXNet's own code outside regions; disable() puts every one back."""
     code = mx.nd.FullyConnected.__code__
     with gluon_amp.autocast("float16", emulate=True):
         with gluon_amp.autocast(enabled=False):
             assert mx.nd.FullyConnected.__code__ is not code  # patched while a policy is in force
+    patched = gluon_amp.patched_functions()
+    assert mx.nd.FullyConnected.__code__ is not code and patched
+    assert _rounded_to(_fc(), "float32") and gluon_amp.current_policy() is None
+    with gluon_amp.autocast("float16", emulate=True):
+        assert gluon_amp.patched_functions() == patched  # nothing patched again
+    gluon_amp.disable()
     assert mx.nd.FullyConnected.__code__ is code and gluon_amp.patched_functions() == ()
+    assert all(p.function.__code__ is p.code for p in patched)
 
 
 def _run_in_threads(first, second):

@@ -110,9 +110,10 @@ def test_references_taken_before_init_get_amp_and_keep_identity():
         assert cap_softmax(x).dtype == np.float32  # fp32 op, through the captured reference
         assert inspect.signature(mx.nd.Convolution) == sig
     assert "amp_cast" not in conv_json()
-    assert cap_conv.__code__ is code
     assert cap_softmax(x).dtype == np.float16
     assert inspect.signature(mx.nd.Convolution) == sig
+    gluon_amp.disable()  # the functions stay patched after a region until disable()
+    assert cap_conv.__code__ is code
 
 
 @pytest.mark.bf16_kernels
@@ -185,8 +186,9 @@ def test_autocast_scopes_patching():
     with gluon_amp.autocast("bfloat16") as table:
         assert table.target_dtype == "bfloat16"
         assert mx.nd.Convolution is orig and orig.__code__ is not code
-    assert mx.nd.Convolution is orig and orig.__code__ is code and not gluon_amp.is_enabled()
-    assert "__wrapped__" not in vars(orig)
+    assert mx.nd.Convolution is orig and not gluon_amp.is_enabled()
+    gluon_amp.disable()  # patched once, kept for the next region, put back here
+    assert orig.__code__ is code and "__wrapped__" not in vars(orig)
 
 
 def test_autocast_restores_on_error():
@@ -195,6 +197,9 @@ def test_autocast_restores_on_error():
         with gluon_amp.autocast("float16"):
             assert mx.sym.FullyConnected.__code__ is not code
             raise KeyError("boom")
+    assert not gluon_amp.is_enabled()
+    assert "amp_cast" not in mx.sym.FullyConnected(mx.sym.var("d"), num_hidden=2).tojson(remove_amp_cast=False)
+    gluon_amp.disable()
     assert mx.sym.FullyConnected.__code__ is code
 
 
