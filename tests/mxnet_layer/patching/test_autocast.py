@@ -189,3 +189,19 @@ def test_each_thread_keeps_its_own_amp_state_for_1000_calls(how):
     with_amp, without = _run_in_threads(amp, plain)
     assert with_amp == ({"float32"}, True)
     assert without == ({"float16"}, False)
+
+
+def test_outside_every_region_a_parameter_cast_is_mxnets_own():
+    """Functions stay patched after a region (patched once), but outside it gluon_amp is not
+    there: ``net.cast('float16')`` (code written for a GPU, or to save float16 weights) casts as
+    MXNet does, where the patched cast rule would refuse it on a CPU."""
+    net = nn.Dense(3, in_units=4)
+    net.initialize()
+    with gluon_amp.autocast("float16", emulate=True):
+        _fc()
+    try:
+        net.cast("float16")
+        dtypes = {p.data().dtype for p in net.collect_params().values()}
+    finally:
+        gluon_amp.disable()
+    assert dtypes == {np.float16}
