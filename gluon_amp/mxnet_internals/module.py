@@ -46,13 +46,22 @@ class MethodPatch:
 
 
 def patch_methods(cls: type, wrappers: Dict[str, Callable[[Callable], Callable]]) -> List[MethodPatch]:
-    """Replace ``cls.<name>`` by ``make(original)`` for each entry; undo with :func:`restore_methods`."""
-    patches = []
-    for name, make in wrappers.items():
-        original = cls.__dict__[name]
-        wrapper = make(original)
-        setattr(cls, name, wrapper)
-        patches.append(MethodPatch(cls, name, original, wrapper))
+    """Replace ``cls.<name>`` by ``make(original)`` for each entry; undo with :func:`restore_methods`.
+
+    All or nothing: the wrappers are made first, and if anything fails while they are set, the
+    methods already replaced are put back before the exception goes on (a half-patched class
+    would be wrapped twice by the next call)."""
+    patches = [MethodPatch(cls, name, cls.__dict__[name], None) for name in wrappers]
+    for p in patches:
+        p.wrapper = wrappers[p.name](p.original)
+    done: List[MethodPatch] = []
+    try:
+        for p in patches:
+            done.append(p)
+            setattr(cls, p.name, p.wrapper)
+    except BaseException:
+        restore_methods(done)
+        raise
     return patches
 
 

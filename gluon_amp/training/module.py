@@ -303,10 +303,14 @@ def _refuse_dist(module: Module, auto: bool) -> bool:
 
 
 def _patch() -> List[mxm.MethodPatch]:
-    return (mxm.patch_methods(Module, {"bind": _wrap_bind, "backward": _wrap_backward, "update": _wrap_update,
-                                       "init_optimizer": _wrap_init_optimizer,
-                                       "borrow_optimizer": _wrap_borrow_optimizer})
-            + mxm.patch_methods(BucketingModule, {"bind": _wrap_bucketing_bind}))
+    module = mxm.patch_methods(Module, {"bind": _wrap_bind, "backward": _wrap_backward, "update": _wrap_update,
+                                        "init_optimizer": _wrap_init_optimizer,
+                                        "borrow_optimizer": _wrap_borrow_optimizer})
+    try:
+        return module + mxm.patch_methods(BucketingModule, {"bind": _wrap_bucketing_bind})
+    except BaseException:  # all or nothing, as each class's patch is
+        mxm.restore_methods(module)
+        raise
 
 
 def _unpatch(patches: List[mxm.MethodPatch]) -> None:

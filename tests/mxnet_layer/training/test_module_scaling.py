@@ -480,3 +480,29 @@ def test_a_convert_model_result_with_batch_norm_binds_in_a_module_under_emulatio
     mod.forward(batch, is_train=False)
     ref = mod.get_outputs()[0].asnumpy()
     assert np.isfinite(out).all() and np.abs(out - ref).max() < 2e-2
+
+
+def test_a_method_patch_that_fails_part_way_leaves_the_class_as_it_was():
+    """init patches Module's methods as one transition: a failure while making its wrappers (an
+    injected exception, a Ctrl-C) must not leave some replaced, which the next init would wrap a
+    second time (their signatures then lose MXNet's defaults)."""
+    from gluon_amp import mxnet_internals as mxi
+
+    class Target:
+        def first(self):
+            return 1
+
+        def second(self):
+            return 2
+
+    before = dict(Target.__dict__)
+
+    def fail(original):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        mxi.module.patch_methods(Target, {"first": lambda f: (lambda self: 10), "second": fail})
+    assert Target.__dict__["first"] is before["first"] and Target.__dict__["second"] is before["second"]
+    patches = mxi.module.patch_methods(Target, {"first": lambda f: (lambda self: 10 + f(self))})
+    assert Target().first() == 11
+    assert mxi.module.restore_methods(patches) == [] and Target.__dict__["first"] is before["first"]
