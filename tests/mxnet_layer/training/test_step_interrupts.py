@@ -315,4 +315,3 @@ def test_real_ctrl_c_during_steps_never_hangs_or_surfaces_as_another_error():
     # MXNet's own NDArray.__del__ is plain MXNet's
     assert "Exception ignored on calling ctypes callback" not in run.stderr, run.stderr[-3000:]
     assert int(run.stdout.split()[1]) > 3, run.stdout  # interrupts did land
-
