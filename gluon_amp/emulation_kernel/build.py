@@ -34,6 +34,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
+from gluon_amp_core.durable import fsync_path
 from gluon_amp_core.timing_cache import cache_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -189,9 +190,9 @@ def _compile(command_for: Callable[[str], List[str]], folder: str, library: str)
             lines = [ln for ln in r.stderr.splitlines() if "error" in ln] or r.stderr.splitlines()
             return (f"the compiler failed (exit status {r.returncode}): {' '.join(lines[:3])[:600]}; "
                     f"command: {shlex.join(cmd)}")
-        _fsync(tmp)
+        fsync_path(tmp)
         os.replace(tmp, library)
-        _fsync(folder)
+        fsync_path(folder)
         return None
     except (OSError, subprocess.SubprocessError) as exc:
         return f"the compiler did not run: {exc}"
@@ -246,7 +247,7 @@ def _write_json(path: str, doc: Mapping[str, Any]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync(os.path.dirname(path))
+        fsync_path(os.path.dirname(path))
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -266,16 +267,3 @@ def _fingerprint(library: str) -> Optional[Dict[str, Any]]:
         return None
     return {"size": size, "sha256": digest.hexdigest()}
 
-
-def _fsync(path: str) -> None:
-    """Flush ``path`` (a file or a folder) to the disk; where the system cannot, nothing."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

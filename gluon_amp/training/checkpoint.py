@@ -34,6 +34,7 @@ import mxnet as mx
 import numpy as np
 
 from gluon_amp_core.dtypes import dtype_name
+from gluon_amp_core.durable import fsync_path
 
 from .. import mxnet_internals as mxi
 from .master_weights import MasterState
@@ -220,25 +221,12 @@ def write(path: str, meta: Dict[str, Any], states: Dict[Any, Any], opt: Any,
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(directory)
+        fsync_path(directory)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
 
-
-def _fsync_dir(directory: str) -> None:
-    """Make a rename in ``directory`` durable (POSIX; a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class Checkpoint:
