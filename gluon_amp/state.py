@@ -379,21 +379,27 @@ class Held:
         return frozenset(self._owners)
 
     def hold(self, owner: str) -> None:
-        """``owner`` needs it: installed now if nobody held it."""
+        """``owner`` needs it: installed now if nobody held it. A removal an exception cut short
+        (installed, no owner) is finished first, so nothing is ever installed over itself."""
         with self._guard:
+            if self.installed is not None and not self._owners:
+                self._remove(self.installed)
+                self.installed = None
             if self.installed is None:
                 self.installed = self._install()
             self._owners.add(owner)
 
     def release(self, owner: str) -> Any:
         """``owner`` no longer needs it: the last one out removes it (and gets what ``remove``
-        returned; ``None`` otherwise)."""
+        returned; ``None`` otherwise). It is forgotten only once ``remove`` returned: if that
+        raises, the next ``hold`` or ``release`` removes it again (``remove`` must allow that)."""
         with self._guard:
             self._owners.discard(owner)
             if self._owners or self.installed is None:
                 return None
-            installed, self.installed = self.installed, None
-            return self._remove(installed)
+            result = self._remove(self.installed)
+            self.installed = None
+            return result
 
 
 class interrupts_deferred:

@@ -70,9 +70,10 @@ def restore_methods(patches: List[MethodPatch]) -> List[str]:
     the names of those someone else replaced meanwhile (left as they are)."""
     changed = []
     for p in reversed(patches):
-        if p.cls.__dict__.get(p.name) is p.wrapper:
+        now = p.cls.__dict__.get(p.name)
+        if now is p.wrapper:
             setattr(p.cls, p.name, p.original)
-        else:
+        elif now is not p.original:  # restored already (a removal finished again) is no change
             changed.append(f"{p.cls.__module__}.{p.cls.__name__}.{p.name}")
     return changed
 

@@ -1,4 +1,5 @@
 """gluon_amp.state: one home for process state, and one ``reset`` that forgets it (issue 38)."""
+import pytest
 import mxnet as mx
 
 import gluon_amp
@@ -37,3 +38,26 @@ def test_reset_forgets_block_notes_module_scalers_and_converted_results_and_rele
     assert execution.policy_for(sym) is None and not execution.runs_emulated(sym)
     assert scaling.attached_scaler(module) is None
     assert mx.sym.Symbol.bind is mxg._BIND and mx.mod.Module.bind is module_bind
+
+
+def test_a_held_install_whose_removal_was_cut_short_is_removed_before_it_is_installed_again():
+    """An exception (a Ctrl-C) inside ``remove`` must not leave it installed and forgotten: the
+    next hold would install it over itself (Module's methods wrapped twice)."""
+    events = []
+    fail = [True]
+
+    def remove(token):
+        events.append(("remove", token))
+        if fail[0]:
+            fail[0] = False
+            raise KeyboardInterrupt
+
+    count = iter(range(1, 100))
+    held = state.Held(lambda: events.append(("install", next(count))) or events[-1][1], remove)
+    held.hold("a")
+    with pytest.raises(KeyboardInterrupt):
+        held.release("a")
+    held.hold("b")
+    held.release("b")
+    assert events == [("install", 1), ("remove", 1), ("remove", 1), ("install", 2), ("remove", 2)]
+    assert held.installed is None
