@@ -16,6 +16,7 @@ The op functions are cut to four so that a transition is short (the full set is 
 identity all the same).
 """
 import dis
+import linecache
 import hashlib
 import signal
 import sys
@@ -116,7 +117,8 @@ class _Deliver:
 
     def _local(self, frame, event, arg):
         if event in ("line", "opcode") and event == ("opcode" if self.opcodes else "line"):
-            if _before_a_with_exit(frame):
+            if _before_a_with_exit(frame) or (event == "line" and linecache.getline(
+                    frame.f_code.co_filename, frame.f_lineno).lstrip().startswith("with ")):
                 # the calling of a with-statement's __exit__ (three Nones, the call): no handler
                 # runs there either, and a raise would skip the __exit__ (a lock held for good)
                 return self._local
