@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Dict, Optional
 
 
@@ -17,3 +18,15 @@ def emit(report: Dict[str, Any], table: str, json_path: Optional[str] = None) ->
     """Print the readable ``table``; write the full JSON ``report`` to ``json_path`` if given."""
     print(table)
     write_json(report, json_path)
+
+
+def host_info() -> Dict[str, Any]:
+    """The CPU flags that decide what runs where (every figure is given with them), the core count
+    and a ``DNNL_MAX_CPU_ISA`` cap, if any."""
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags |= set(line.split(":", 1)[1].split())
+    return {"flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16"}),
+            "cpus": os.cpu_count(), "DNNL_MAX_CPU_ISA": os.environ.get("DNNL_MAX_CPU_ISA")}

@@ -150,18 +150,9 @@ def run(nets: List[str], rounds: int, warmup: Optional[int], steps: Optional[int
             s["time_vs_fp32"] = s["sec_per_step"] / base["sec_per_step"]
             s["min_time_vs_fp32"] = s["min_sec_per_step"] / base["min_sec_per_step"]
             s["memory_vs_fp32"] = s["peak_rss_mb"] / base["peak_rss_mb"]
+    from _report import host_info  # benchmarks/ is on sys.path when run as a script
     return {"host": host_info(), "load_before": load, "load_after": os.getloadavg(), "rounds": rounds,
             "summary": summary, "runs": runs}
-
-
-def host_info() -> Dict[str, Any]:
-    flags = set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                flags |= set(line.split(":", 1)[1].split())
-    return {"flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16"}),
-            "cpus": os.cpu_count(), "DNNL_MAX_CPU_ISA": os.environ.get("DNNL_MAX_CPU_ISA")}
 
 
 def format_table(doc: Dict[str, Any]) -> str:

@@ -258,16 +258,6 @@ def _run_child(net: str, mode: str, warmup: int, steps: int, tiny: bool, timeout
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def host_info() -> Dict[str, Any]:
-    flags = set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                flags |= set(line.split(":", 1)[1].split())
-    return {"flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16"}),
-            "cpus": os.cpu_count(), "DNNL_MAX_CPU_ISA": os.environ.get("DNNL_MAX_CPU_ISA")}
-
-
 def run(nets: List[str], modes: List[str], rounds: int, warmup: int, steps: int, tiny: bool = False,
         timeout: float = 1800) -> Dict[str, Any]:
     """FP32 and every mode of every net, ``rounds`` times, back to back within a round."""
@@ -281,6 +271,7 @@ def run(nets: List[str], modes: List[str], rounds: int, warmup: int, steps: int,
                 runs[n][m].append(res)
                 figure = f"{1 / res['sec_per_step']:.2f} it/s" if res["ran"] else "not run"
                 print(f"round {r + 1}/{rounds} {n:<15} {m:<18} {figure}", file=sys.stderr, flush=True)
+    from _report import host_info  # benchmarks/ is on sys.path when run as a script
     return {"host": host_info(), "load_before": load, "load_after": os.getloadavg(), "rounds": rounds,
             "warmup": warmup, "steps": steps, "tiny": tiny, "summary": summarize(runs), "runs": runs}
 

@@ -25,6 +25,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .decide import CAST_OPS
 from .dtypes import FLOAT_DTYPES
+from .retype import converts_nothing
 from .table import OpClass, OpTable
 
 Key = Tuple[str, int]
@@ -104,10 +105,7 @@ def _simplify(nodes: List[dict], heads: List[list], dtypes: Dict[Key, Optional[s
     for i, node in enumerate(nodes):
         inputs = [entry(e) for e in node["inputs"]]
         if node["op"] in CAST_OPS:
-            ins = [dtype_of(e) for e in node["inputs"]]
-            outs = [dtypes.get((node["name"], k)) for k in range(len(ins))]
-            if None not in ins and ins == outs[:len(ins)] and (
-                    node["op"] == "amp_multicast" or ins[0] == node.get("attrs", {}).get("dtype")):
+            if converts_nothing(node["op"], node.get("attrs", {}), [dtype_of(e) for e in node["inputs"]]):
                 moved.update({(i, k): e for k, e in enumerate(inputs)})
                 removed += 1
                 continue

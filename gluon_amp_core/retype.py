@@ -125,6 +125,17 @@ def _reachable(graph: dict, nodes: List[dict], heads: List[list]) -> dict:
 AMP_CAST_DTYPES = frozenset({"float16", "bfloat16", "float32"})
 
 
+def converts_nothing(op: str, attrs: Mapping[str, object], input_dtypes: Sequence[Optional[str]]) -> bool:
+    """True for a cast node that leaves its values and dtypes as they are: an ``amp_cast`` to the
+    dtype its input has, or an ``amp_multicast`` whose inputs all have one float dtype."""
+    if not input_dtypes or None in input_dtypes:
+        return False
+    if op == "amp_cast":
+        return input_dtypes[0] == attrs.get("dtype")
+    first = input_dtypes[0]
+    return op == "amp_multicast" and first in FLOAT_DTYPES and all(d == first for d in input_dtypes)
+
+
 def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tuple[dict, int]:
     """``graph`` without the casts that leave their value as it is, and how many inputs
     went around one.
@@ -148,12 +159,9 @@ def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tup
 
     heads = {h[0] for h in graph["heads"]}  # an output keeps its node (and its name)
 
-    def same(e: list, dtype: Optional[str]) -> bool:
-        return dtype is not None and dtypes.get((nodes[e[0]]["name"], e[1])) == dtype
-
-    def uniform(node: dict) -> bool:
-        first = dtypes.get((nodes[node["inputs"][0][0]]["name"], node["inputs"][0][1])) if node["inputs"] else None
-        return first in FLOAT_DTYPES and all(same(e, first) for e in node["inputs"])
+    def identity(i: int, node: dict) -> bool:
+        return i not in heads and converts_nothing(
+            node["op"], node.get("attrs", {}), [dtypes.get((nodes[e[0]]["name"], e[1])) for e in node["inputs"]])
 
     def passed(e: list, kept: frozenset) -> bool:
         t = dtypes.get((nodes[e[0]]["name"], e[1]))
@@ -172,12 +180,11 @@ def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tup
     dropped = 0
     for i, node in enumerate(nodes):
         inputs = [entry(e) for e in node["inputs"]]
-        if node["op"] == "amp_cast" and (passed(node["inputs"][0], AMP_CAST_DTYPES) or (
-                i not in heads and same(node["inputs"][0], node.get("attrs", {}).get("dtype")))):
+        if node["op"] == "amp_cast" and (passed(node["inputs"][0], AMP_CAST_DTYPES) or identity(i, node)):
             moved[(i, 0)] = inputs[0]
             dropped += 1
             continue
-        if node["op"] == "amp_multicast" and i not in heads and uniform(node):
+        if node["op"] == "amp_multicast" and identity(i, node):
             moved.update({(i, k): e for k, e in enumerate(inputs)})
             dropped += len(inputs)
             continue

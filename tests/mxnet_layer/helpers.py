@@ -1,5 +1,6 @@
 """What the MXNet-layer tests share: small networks and data, graph checks, and the
 environment of a host without bfloat16 kernels. Import it as ``from helpers import ...``."""
+import hashlib
 import json
 import os
 
@@ -129,3 +130,30 @@ def check_graph(sym, policy, excluded=(), **input_types):
             if t in FLOAT_DTYPES and t != d.dtype:
                 problems.append(f"{nd.name} ({nd.op}, {d.reason.value}): input {j} is {t}, want {d.dtype}")
     return problems, counts
+
+
+class FcDtype:
+    """Which dtype an imperative ``FullyConnected`` ran in on the calling thread, told from its
+    output: ``probe()`` hashes the output of a fixed product (inputs from ``seed``), and
+    ``kinds()`` maps the hashes float32 and each emulated low dtype give to their names
+    (``kinds()[probe()]``). ``kinds()`` enters and leaves emulated regions, then disables."""
+
+    def __init__(self, seed: int) -> None:
+        rng = np.random.RandomState(seed)
+        self.x = mx.nd.array(rng.uniform(-3, 3, (4, 64)).astype("float32"))
+        self.w = mx.nd.array(rng.uniform(-3, 3, (8, 64)).astype("float32"))
+
+    def probe(self) -> str:
+        out = mx.nd.FullyConnected(self.x, self.w, num_hidden=8, no_bias=True).asnumpy()
+        return hashlib.sha1(out.tobytes()).hexdigest()
+
+    def kinds(self) -> dict:
+        import gluon_amp
+
+        ref = {self.probe(): "float32"}
+        for dt in ("float16", "bfloat16"):
+            with gluon_amp.autocast(dt, emulate=True):
+                ref[self.probe()] = dt
+        gluon_amp.disable()
+        assert len(ref) == 3
+        return ref

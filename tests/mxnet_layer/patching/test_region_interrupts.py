@@ -17,7 +17,6 @@ identity all the same).
 """
 import dis
 import linecache
-import hashlib
 import signal
 import sys
 import os
@@ -32,26 +31,12 @@ from mxnet.symbol import Symbol
 import gluon_amp
 from gluon_amp import mxnet_internals as mxi, state
 from gluon_amp.mxnet_internals import gluon as mxg
+from helpers import FcDtype
 
 PACKAGE = os.path.dirname(gluon_amp.__file__) + os.sep
-_rng = np.random.RandomState(3)
-X = mx.nd.array(_rng.uniform(-3, 3, (4, 64)).astype("float32"))
-W = mx.nd.array(_rng.uniform(-3, 3, (8, 64)).astype("float32"))
 KEPT = {mx.nd.FullyConnected, mx.sym.FullyConnected, mx.nd.softmax, mx.nd.elemwise_add}
-
-
-def _fc() -> str:
-    return hashlib.sha1(mx.nd.FullyConnected(X, W, num_hidden=8, no_bias=True).asnumpy().tobytes()).hexdigest()
-
-
-def _references() -> dict:
-    ref = {_fc(): "float32"}
-    for dt in ("float16", "bfloat16"):
-        with gluon_amp.autocast(dt, emulate=True):
-            ref[_fc()] = dt
-    gluon_amp.disable()
-    assert len(ref) == 3
-    return ref
+_FC = FcDtype(seed=3)
+_fc, _references = _FC.probe, _FC.kinds
 
 
 ALL_SITES = [(fn, fn.__code__, fn.__defaults__, fn.__kwdefaults__, fn.__dict__.get("__wrapped__"))

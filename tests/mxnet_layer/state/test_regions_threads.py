@@ -6,35 +6,24 @@
 - A step's loss scale follows the policies in force on its own thread since its last step:
   another thread's regions never count, however many there are (no log to overflow).
 """
-import hashlib
 import threading
 
-import numpy as np
 import mxnet as mx
 import pytest
 from mxnet import autograd, gluon
 
 import gluon_amp
+from helpers import FcDtype
 
-_rng = np.random.RandomState(7)
-X = mx.nd.array(_rng.uniform(-3, 3, size=(4, 64)).astype("float32"))
-W = mx.nd.array(_rng.uniform(-3, 3, size=(8, 64)).astype("float32"))
-
-
-def _fc() -> str:
-    return hashlib.sha1(mx.nd.FullyConnected(X, W, num_hidden=8, no_bias=True).asnumpy().tobytes()).hexdigest()
+_FC = FcDtype(seed=7)
+_fc = _FC.probe
+X = _FC.x
 
 
 @pytest.fixture
 def kinds():
     """Output hash -> the dtype the op ran in."""
-    ref = {_fc(): "float32"}
-    for dt in ("float16", "bfloat16"):
-        with gluon_amp.autocast(dt, emulate=True):
-            ref[_fc()] = dt
-    gluon_amp.disable()
-    assert len(ref) == 3
-    return ref
+    return _FC.kinds()
 
 
 def _in_thread(body):
