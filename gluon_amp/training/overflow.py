@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 import queue
 import threading
 from typing import Any, Dict, List, Sequence
@@ -17,7 +16,10 @@ from .. import mxnet_internals as mxi
 
 def grads_by_context(params: Sequence[Parameter]) -> Dict[mx.Context, List[mx.nd.NDArray]]:
     """Every dense gradient array of ``params``, grouped by the context it lives on."""
-    groups: Dict[mx.Context, List[mx.nd.NDArray]] = OrderedDict()
+    # A plain dict, not an OrderedDict: iterating an OrderedDict looks each key up again, and a
+    # Ctrl-C that lands in mx.Context.__eq__ there is swallowed by CPython and comes out as
+    # ``KeyError: cpu(0)``. A dict's iteration runs no Python code.
+    groups: Dict[mx.Context, List[mx.nd.NDArray]] = {}
     for p in params:
         if not mxi.has_grad(p):
             continue

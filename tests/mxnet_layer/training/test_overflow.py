@@ -58,3 +58,37 @@ def test_bfloat16_gradients_take_the_chained_check():
     assert overflow.all_finite([p])
     p.grad()[:] = mx.nd.amp_cast(mx.nd.array([np.inf] * 64), dtype=mxi.BFLOAT16)
     assert not overflow.all_finite([p]) and overflow.non_finite_names([p]) == ["b"]
+
+
+def test_a_ctrl_c_in_a_context_lookup_comes_out_as_keyboardinterrupt():
+    """A KeyboardInterrupt raised inside ``mx.Context.__hash__``/``__eq__`` (Python code the
+    check runs for its per-context grouping) at each of their calls in turn comes out as
+    itself: an OrderedDict's iteration swallowed it and raised ``KeyError: cpu(0)`` (seen
+    under real SIGINTs in test_step_interrupts.py)."""
+    import sys
+    params = _params(ctxs=(mx.cpu(0), mx.cpu(1)))
+    context_file = mx.context.__file__
+    counted, n = 0, 0
+    while True:
+        n += 1
+        calls = [0]
+
+        def tracer(frame, event, arg, n=n, calls=calls):
+            if event == "call" and frame.f_code.co_filename == context_file \
+                    and frame.f_code.co_name in ("__hash__", "__eq__"):
+                calls[0] += 1
+                if calls[0] == n:
+                    raise KeyboardInterrupt(f"call {n}")
+            return None
+
+        sys.settrace(tracer)
+        try:
+            result = overflow.all_finite(params)
+        except KeyboardInterrupt:
+            counted += 1
+            continue
+        finally:
+            sys.settrace(None)
+        assert result is True
+        break
+    assert counted >= 4, counted  # the grouping and the check did call them: interrupts did land
