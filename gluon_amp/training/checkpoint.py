@@ -25,9 +25,11 @@ import os
 import pickle
 import re
 import socket
+import struct
 import sys
 import tempfile
 import zipfile
+import zlib
 from typing import Any, Dict, List, Optional, Tuple
 
 import mxnet as mx
@@ -307,6 +309,11 @@ def _check_doc(doc: Any) -> None:
         raise ValueError("the state tree is not a dict of parameter indices")
 
 
+#: what zipfile, zlib, json, NumPy's .npy reader and the checks below raise on damaged bytes
+_DAMAGE = (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, struct.error, EOFError, KeyError, IndexError,
+           ValueError, TypeError, AttributeError, NotImplementedError, OverflowError, RecursionError)
+
+
 def read(path: str) -> Checkpoint:
     """Read and check a checkpoint; :class:`CheckpointError` naming the file and what is
     wrong for any damage (a CRC, a member missing or extra, meta.json's fields, the tree)."""
@@ -320,7 +327,7 @@ def read(path: str) -> Checkpoint:
         return _parse(path, data)
     except CheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001 - any failure to parse the bytes is damage to the file
+    except _DAMAGE as exc:  # what parsing damaged bytes raises (an error of ours or a MemoryError stays itself)
         raise CheckpointError(f"{path!r} is damaged or not a whole gluon_amp checkpoint "
                               f"({type(exc).__name__}: {exc}); load an older checkpoint") from None
 
