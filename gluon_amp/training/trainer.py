@@ -79,14 +79,24 @@ class _Hook:
         return _compute_dtype(mxi.trainer_params(trainer) if trainer is not None else (), self._since)
 
     def decide(self) -> Tuple[str, float]:
-        """The current step's compute dtype and scale: decided now if no ``scale_loss`` of
-        this step did yet, then kept until the step (accumulated gradients share one scale)."""
+        """The current step's compute dtype and scale. Where a parameter accumulates
+        (``grad_req='add'``) the first ``scale_loss`` since the last step decides, and later
+        ones share it (accumulated gradients share one scale). Where every backward replaces
+        the gradients (``'write'``), each ``scale_loss`` decides afresh: nothing earlier shares
+        its scale, and a step that raised after its backward (a Ctrl-C in ``trainer.step``)
+        does not hand its decision to the next forward, which may run another policy."""
         step = self._step
-        if step is None:
+        if step is None or not self._accumulates():
             dtype = self._compute_dtype()
-            step = (dtype, self.scaler.scale_for(dtype))
-            self._decided = (*step, self.scaler.steps_of(self))
+            new = (dtype, self.scaler.scale_for(dtype))
+            if new != step:
+                self._decided = (*new, self.scaler.steps_of(self))
+            step = new
         return step
+
+    def _accumulates(self) -> bool:
+        trainer = self._trainer()
+        return trainer is not None and any(p.grad_req == "add" for p in mxi.trainer_params(trainer))
 
     # The peer's scaler fields, read and assigned as clients do (Sockeye saves and restores
     # ``(_loss_scale, _next_loss_scale, _unskipped)`` by pickle). Each reads from, and an

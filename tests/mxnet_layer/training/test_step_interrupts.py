@@ -249,6 +249,59 @@ def test_a_shared_scaler_round_survives_an_interrupt_in_either_trainer():
     assert at > 20
 
 
+def _policy_change_after_an_interrupted_step(grad_req, at):
+    """A float32 step interrupted at line ``at`` of ``trainer.step``, then a float16 (emulated)
+    forward's ``scale_loss``: (the scale it multiplies by, whether the interrupted step had
+    committed: its update ran); None where the step ran to its end."""
+    net, trainer, _ = _setup("dynamic")  # the default scaler: only float16 steps are scaled
+    net.collect_params().setattr("grad_req", grad_req)
+    x = _data()[0]
+    with autograd.record():
+        loss = (net(x) ** 2).mean()
+        with gluon_amp.scale_loss(loss, trainer) as s:
+            assert s is loss  # float32: not scaled
+            s.backward()
+    before = _weights(net)
+    injector = _Injector(at)
+    try:
+        _traced(injector, lambda: trainer.step(4))
+    except KeyboardInterrupt:
+        pass
+    if not injector.fired:
+        return None
+    committed = any((a != b).any() for a, b in zip(before, _weights(net)))
+    with gluon_amp.autocast("float16", emulate=True, tune=False), autograd.record():
+        loss = (net(x) ** 2).mean()
+        with gluon_amp.scale_loss(loss, trainer) as s:
+            ratio = float(s.asscalar()) / float(loss.asscalar())
+            s.backward()
+    trainer.step(4)
+    return ratio, committed
+
+
+@pytest.mark.parametrize("grad_req", ["write", "add"])
+def test_a_step_interrupted_after_its_backward_hands_its_scale_on_only_to_accumulated_gradients(grad_req):
+    """Issue 42 items 3/4 (the state machine found it): a float32 step interrupted inside
+    ``trainer.step``, at every line in turn, left its decision (scale 1) to the next forward,
+    which ran float16 and went unscaled. Where a backward replaces the gradients ('write') the
+    next ``scale_loss`` decides afresh; where they accumulate ('add') and the step did not
+    commit, the kept gradients were scaled by 1, so the next ones share that scale."""
+    runs = []
+    at = 1
+    while True:
+        run = _policy_change_after_an_interrupted_step(grad_req, at)
+        if run is None:
+            break
+        runs.append(run)
+        at += 1
+    assert len(runs) > 10, runs  # the step's lines were interrupted in turn
+    for ratio, committed in runs:
+        if grad_req == "write" or committed:
+            assert ratio > 1.0, runs
+        else:
+            assert ratio == 1.0, runs
+
+
 _REAL_SIGNALS = r"""
 import faulthandler, os, random, signal, sys, time, warnings
 warnings.filterwarnings("ignore")
