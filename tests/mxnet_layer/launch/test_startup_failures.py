@@ -7,8 +7,9 @@ package without ``__main__``, a relative name, a SyntaxError in a module, in a p
 ``__init__``; a file that is missing, with a SyntaxError/IndentationError/TabError; a directory or
 zip without ``__main__``, a directory whose ``__main__`` does not compile) x each way to name it.
 Costs (2 shared cores): each case runs ``python`` (0.1 s) and the launcher (3-4 s, it imports
-MXNet); the issue's four cases run in ``make test-quick``, the rest are ``slow``.
+MXNet), four cases at a time; the issue's four cases run in ``make test-quick``, the rest are ``slow``.
 """
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -60,16 +61,35 @@ def _argv(how: str, name: str, absolute: bool, tmp) -> list:
     return [str(tmp / name) if absolute else name]
 
 
-@pytest.mark.parametrize("how, name, absolute", list(_cases()))
-def test_a_program_that_cannot_start_ends_as_under_python(tmp_path, how, name, absolute):
-    _tree(tmp_path)
+def _run_case(tmp, how: str, name: str, absolute: bool):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    args = _argv(how, name, absolute, tmp_path)
-    plain = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=tmp_path, env=env,
+    args = _argv(how, name, absolute, tmp)
+    plain = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=tmp, env=env,
                            timeout=60)
     launched = subprocess.run([sys.executable, "-m", "gluon_amp.run", "--emulate", "--no-tune", *args],
-                              capture_output=True, text=True, cwd=tmp_path, env=env, timeout=180)
+                              capture_output=True, text=True, cwd=tmp, env=env, timeout=300)
+    return plain, launched
+
+
+@pytest.fixture(scope="module")
+def outcomes(request, tmp_path_factory):
+    """Every selected case's (python, launcher) runs, four at a time: each launcher spends its
+    seconds importing MXNet, so running them side by side halves this file's time on 2 cores.
+    The cases share one tree (nothing writes to it: no bytecode)."""
+    tmp = tmp_path_factory.mktemp("startup")
+    _tree(tmp)
+    selected = [tuple(item.callspec.params[k] for k in ("how", "name", "absolute"))
+                for item in request.session.items
+                if getattr(item, "originalname", None) == "test_a_program_that_cannot_start_ends_as_under_python"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        runs = dict(zip(selected, pool.map(lambda case: _run_case(tmp, *case), selected)))
+    return runs
+
+
+@pytest.mark.parametrize("how, name, absolute", list(_cases()))
+def test_a_program_that_cannot_start_ends_as_under_python(outcomes, how, name, absolute):
+    plain, launched = outcomes[(how, name, absolute)]
     err = [line for line in launched.stderr.splitlines() if not line.startswith("gluon_amp.run:")]
     assert plain.returncode != 0  # the case fails under python: that is the point
     assert (launched.returncode, err) == (plain.returncode, plain.stderr.splitlines()), launched.stderr[-3000:]
