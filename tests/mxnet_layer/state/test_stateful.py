@@ -6,7 +6,8 @@ Hypothesis (``RuleBasedStateMachine``) drives 2 to 4 worker threads through rand
 checkpoint save/load, and bursts where every thread runs at once. Any call may get an injected
 ``KeyboardInterrupt`` or exception at a random line inside gluon_amp's own code (``sys.settrace``
 on that thread; not where no signal handler can run: a ``with`` line, where a raise skips the
-``__exit__`` and leaks a lock, and the first line of ``autocast.__exit__``, before its ``try``). A model says what must hold; after every rule the invariants are checked:
+``__exit__`` and leaks a lock, and the first line of ``autocast.__exit__``, before its ``try``).
+A model says what must hold; after every rule the invariants are checked:
 
 ========================================  ======================================================
 invariant                                 issue 42 item it guards
