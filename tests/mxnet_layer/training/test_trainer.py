@@ -256,3 +256,31 @@ def test_a_skip_that_range_cannot_explain_warns_once(emulated):
     assert len(said) == (0 if emulated == "float16" else 1)  # float16: a scale can overflow its range
     if said:
         assert (emulated or "float32") in str(said[0].message) and "dense" in str(said[0].message)
+
+
+def test_a_step_while_autograd_records_says_why_and_the_next_step_works():
+    """A Ctrl-C inside ``autograd.record()``'s exit leaves recording on (MXNet's scope): every
+    later update then failed with MXNet's "Assigning to NDArrays that are already in a
+    computational graph" (the 10-minute soak's main thread, 29,017 times). The step now says
+    what happened and what to do, before the scaler counts it; then the next step works."""
+    net = gluon.nn.Dense(4, in_units=8)
+    net.initialize()
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, update_on_kvstore=False)
+    scaler = gluon_amp.init_trainer(trainer)
+    x = mx.nd.ones((2, 8))
+    with autograd.record():
+        loss = net(x).sum()
+        with gluon_amp.scale_loss(loss, trainer) as scaled:
+            scaled.backward()
+    before = net.weight.data().asnumpy().copy()
+    steps = scaler.state_dict()
+    autograd.set_recording(True)  # what the interrupted exit leaves
+    try:
+        with pytest.raises(RuntimeError, match=r"set_recording\(False\)"):
+            trainer.step(2)
+    finally:
+        autograd.set_recording(False)
+    assert (net.weight.data().asnumpy() == before).all()
+    assert scaler.state_dict() == steps  # not counted as a step
+    trainer.step(2)
+    assert not (net.weight.data().asnumpy() == before).all()
