@@ -204,11 +204,20 @@ def main_loop(soak: Soak, body: Callable[..., None]) -> None:
                 except KeyboardInterrupt:
                     soak.generation += 1
                     soak.count("interrupts")
+                    _recording_off()
                 except Exception as exc:  # noqa: BLE001
                     soak.failed("train-f16", exc)
         except KeyboardInterrupt:  # landed in the handler or the loop's own lines
             soak.generation += 1
             soak.count("interrupts")
+            _recording_off()
+
+
+def _recording_off() -> None:
+    """What a loop that catches Ctrl-C must do (plain MXNet too): one that lands in an
+    ``autograd.record()`` block's exit leaves recording on, and every later update fails."""
+    autograd.set_recording(False)
+    autograd.set_training(False)
 
 
 def sender(soak: Soak, every: float) -> None:
