@@ -165,15 +165,15 @@ class _Hook:
         # step sets them afresh and checks them against its own decision); record_step's last
         # statement commits the step, round and scale at once; after it, only a skipped step
         # runs more code (it does not update either way).
-        if autograd.is_recording():
-            # MXNet's update then fails with "Assigning to NDArrays that are already in a
-            # computational graph", step after step: say why first, before the round counts it
-            raise RuntimeError(
-                "trainer.step was called while autograd is recording: move it out of "
-                "'with autograd.record():'. If no such block is open, a Ctrl-C that landed in an "
-                "autograd.record() block's exit left recording on (MXNet's scope is not "
-                "interrupt-safe): call mx.autograd.set_recording(False) after catching it.")
         try:
+            if autograd.is_recording():
+                # MXNet's update then fails with "Assigning to NDArrays that are already in a
+                # computational graph", step after step: say why first, before the round counts it
+                raise RuntimeError(
+                    "trainer.step was called while autograd is recording: move it out of "
+                    "'with autograd.record():'. If no such block is open, a Ctrl-C that landed in an "
+                    "autograd.record() block's exit left recording on (MXNet's scope is not "
+                    "interrupt-safe): call mx.autograd.set_recording(False) after catching it.")
             steps = self.scaler.steps_of(self)
             trainer = self._trainer()
             step = self._step
