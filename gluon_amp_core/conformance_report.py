@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from .dtypes import LOW_PRECISION_DTYPES
 from .table import OpClass, list_classes, split_key
-from .verdicts import BOUNDS, SEVERITY, PLAN_DEVICES, Fact, Verdict, fact_from_row, plan_verdicts
+from .verdicts import (BOUNDS, MODES, PLAN_DEVICES, REFERENCE_BOUND, RULES, SEVERITY, Fact, Verdict, fact_from_row,
+                       plan_verdicts)
 
 
 def _data():
-    return importlib.import_module(f"{__package__}.lists.verdicts"), \
-        importlib.import_module(f"{__package__}.lists.verdicts_measured")
+    data = importlib.import_module(f"{__package__}.lists.verdicts")
+    return data, importlib.import_module(f"{__package__}.lists.verdicts_measured"), \
+        [importlib.import_module(f"{__package__}.lists.{n}") for n in data.MEASURED_MODULES]
 
 
 def _cell(facts: List[Fact]) -> str:
@@ -26,12 +28,24 @@ def _cell(facts: List[Fact]) -> str:
     parts = []
     for f in facts:
         err = f" {f.error:.2g}" if f.error is not None else ""
-        parts.append(f"{f.verdict.value}{err} ({f.host}{', any device' if f.device == 'any' else ''})")
+        predict = [(v, e) for m, v, e in f.backward if m == "predict" and v is not Verdict.OK]
+        also = "".join(f"; predict-mode backward {v.value}" + (f" {e:.2g}" if e is not None else "")
+                       for v, e in predict)
+        parts.append(f"{f.verdict.value}{err} ({f.host}{', any device' if f.device == 'any' else ''}{also})")
     return "; ".join(parts)
 
 
+def _rules(rules: Optional[int]) -> str:
+    if rules is None:
+        return ""
+    if rules >= RULES:
+        return f", rules {rules}"
+    return (f", rules {rules}: before the float32 reference check and the train-mode backward;"
+            " run it there again to judge by the current rules")
+
+
 def render() -> str:
-    data, measured = _data()
+    data, measured, modules = _data()
     facts = [fact_from_row(r) for r in data.FACTS]
     by: Dict[Tuple[str, str], List[Fact]] = {}
     for f in facts:
@@ -40,7 +54,8 @@ def render() -> str:
     candidates = sorted({op for dt in LOW_PRECISION_DTYPES for op, c in classes[dt].items() if c is not OpClass.FP32}
                         | set(measured.UNLISTED))
     excluded = dict(measured.EXCLUDED)
-    unmeasured = {(op, dt): why for op, dt, why in measured.UNMEASURED}
+    # needs another host: no measured host had the dtype's kernels (every one that ran it says why)
+    unmeasured = {(op, dt): why for m in modules for op, dt, why in m.UNMEASURED}
     ran_ops = [op for op in candidates if op not in excluded]
     keys: Dict[str, set] = {}
     for op, _dt in list(by) + list(unmeasured):
@@ -61,6 +76,19 @@ def render() -> str:
         "and float32 (imperative). The reference is FP32 on the same inputs rounded to the dtype, so what",
         "rounding the inputs costs is not counted; the emulated run (FP32, output rounded) is measured too.",
         "",
+        "Each path runs in both autograd modes: `autograd.record()` (train mode, what training runs) and",
+        "`autograd.record(train_mode=False)` (predict mode). The forward in both modes and the train-mode",
+        "backward decide the verdict; the predict-mode backward is recorded beside it (`predict-mode backward`).",
+        "",
+        "A reference that is right: before a part (outputs or input gradients, in one mode, on one path) beyond",
+        "the bound blames the dtype, its FP32 reference is run again and in float64 (where the op has float64",
+        f"kernels). If FP32 is further than {REFERENCE_BOUND:.3g} (2**{int(round(math.log2(REFERENCE_BOUND)))}) "
+        "from either, MXNet's float32 is itself off:",
+        "the part says `fp32_wrong` (what MXNet's float32 does), and the dtype is not blamed. MXNet 1.9.1's max",
+        "pooling and `_contrib_BatchNormWithReLU` backward in predict mode are such: their FP32 gradients are off",
+        "float64 and change from run to run; in train mode they are right",
+        "(see \"Backward per autograd mode\" below).",
+        "",
         "Verdicts, one per op per dtype (the worst over its cases and paths):",
         "",
         "| verdict | meaning | what the plan does |",
@@ -70,6 +98,8 @@ def render() -> str:
         "| `wrong` | runs, beyond the bound | float32 |",
         "| `needs_uniform_inputs` | runs in the dtype, refuses a mix its type inference does not catch | "
         "the widest input type |",
+        "| `fp32_wrong` | beyond the bound, but MXNet's FP32 reference is itself off (float64, a second run) | "
+        "as its class says: float32 is no better |",
         "",
         "Bounds (relative max error `max|low - ref| / max|ref|`, outputs and input gradients): "
         + ", ".join(f"{dt} {b:.3g} (2**{int(round(math.log2(b)))})" for dt, b in BOUNDS.items()) + ".",
@@ -84,7 +114,8 @@ def render() -> str:
         "| host | CPU | flags | MXNet | how its facts were produced |",
         "|---|---|---|---|---|",
     ]
-    out += [f"| `{k}` | {h[0]} | {h[1]} | {h[2]} | `{h[3]}` |" for k, h in sorted(data.HOSTS.items())]
+    out += [f"| `{k}` | {h[0]} | {h[1]} | {h[2]} | `{h[3]}`{_rules(data.RULES_OF.get(k))} |"
+            for k, h in sorted(data.HOSTS.items())]
     counts = []
     for dt in LOW_PRECISION_DTYPES:
         seen = {f.op: f for f in facts if f.dtype == dt}
@@ -92,7 +123,7 @@ def render() -> str:
             (f for f in by[(op, dt)]), key=lambda f: SEVERITY[f.verdict]).verdict is v) for v in Verdict}
         need = sum(1 for op in run if (op, dt) in unmeasured and not by.get((op, dt)))
         counts.append(f"- {dt}: " + ", ".join(f"{n} `{v.value}`" for v, n in per.items())
-                      + f"; {need} need a host with {dt} kernels (oneDNN refused the dtype on this ISA)"
+                      + f"; {need} need a host with {dt} kernels (oneDNN refused the dtype on every measured host)"
                       + f"; facts for {len(seen)} ops")
     out += [
         "",
@@ -107,10 +138,12 @@ def render() -> str:
         "",
         "## Verdicts",
         "",
-        "`error` is the largest relative error measured; the host in brackets produced the fact. The harness"
-        " last ran on a host without bfloat16 kernels in oneDNN (the AVX2 CI host): its bfloat16 facts are of"
-        " MXNet's kernels outside oneDNN (and of type inference); what oneDNN refused there says \"needs a bf16"
-        " host\", and the facts of hosts with native bfloat16 (issue 41's Zen 4, the golden figures' Xeon) are"
+        "`error` is the largest relative error measured (forward in both modes, train-mode backward); the host"
+        " in brackets produced the fact, and a cell has one fact per host. The harness ran on "
+        + " and on ".join(f"`{h[0]}` ({h[2]})" for h in data.MEASURED_HOSTS)
+        + ". The AVX2 CI host's bfloat16 facts are of MXNet's kernels outside oneDNN (and of type inference);"
+        " a host with native bfloat16 measures oneDNN's too. What no measured host could run says \"needs a bf16"
+        " host\"; the facts of other hosts with native bfloat16 (issue 41's Zen 4, the golden figures' Xeon) are"
         " recorded with their host. On such a host, `tests/mxnet_layer/conformance` checks the recorded"
         " bfloat16 facts against its kernels (marker `bf16_kernels`).",
         "",
@@ -121,7 +154,7 @@ def render() -> str:
         cells = []
         for dt in ("bfloat16", "float16"):
             cell = _cell(by.get((op, dt), []))
-            if not cell and (op, dt) in unmeasured:
+            if not cell and (op, dt) in unmeasured:  # no host's fact: none had the kernels
                 cell = "needs a bf16 host" if dt == "bfloat16" else "not measured"
             cells.append(cell or "-")
         out.append(f"| `{op}` | {cells[0]} | {cells[1]} | {measured.PATHS.get(op, '')} |")
@@ -130,7 +163,7 @@ def render() -> str:
         rules = plan_verdicts(facts, dt)
         out.append(f"- {dt}: " + (", ".join(f"`{op}` {v.value}" for op, v in rules.items()) or "nothing"))
     out += ["", "## The ops of real models", ""]
-    model_ops = {m: ops.split() for m, ops in measured.MODEL_OPS.items()}
+    model_ops = {m: ops.split() for mod in modules for m, ops in mod.MODEL_OPS.items()}
     in_models = sorted(set().union(*model_ops.values())) if model_ops else []
     fp32_both = [op for op in in_models if op not in candidates]
     left = [op for op in in_models if op in excluded]
@@ -154,6 +187,14 @@ def render() -> str:
     for f in facts:
         if f.verdict is not Verdict.OK:
             out.append(f"- `{f.op}` {f.dtype} {f.verdict.value} on `{f.host}`: {f.note}")
+    out += ["", "## Backward per autograd mode", "",
+            "Where the backward's verdict differs between the modes (train decides; predict is recorded):", ""]
+    for f in facts:
+        modes = {m: (v, e) for m, v, e in f.backward}
+        if len({v for v, _ in modes.values()}) > 1:
+            out.append(f"- `{f.op}` {f.dtype} on `{f.host}`: " + ", ".join(
+                f"{m} {modes[m][0].value}" + (f" {modes[m][1]:.2g}" if modes[m][1] is not None else "")
+                for m in MODES if m in modes))
     out.append("")
     return "\n".join(out)
 

@@ -1,7 +1,8 @@
 """python -m gluon_amp.conformance [--write] [--dtypes bfloat16,float16] [OP ...]
 
-Without --write: print the verdicts and the coverage. --write: record them in
-gluon_amp_core/lists/verdicts_measured.py and render docs/op_conformance.md (from a checkout).
+Without --write: print the verdicts and the coverage. --write: record them as this host's facts
+(gluon_amp_core/lists/verdicts_measured*.py: the module naming this host, or a new one beside the
+other hosts') and render docs/op_conformance.md (from a checkout).
 """
 from __future__ import annotations
 
@@ -47,23 +48,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(harness.summary(results))
     if args.write:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        data = os.path.join(root, "gluon_amp_core", "lists", "verdicts_measured.py")
-        if not os.path.exists(os.path.dirname(data)):
+        if not os.path.exists(os.path.join(root, "gluon_amp_core", "lists")):
             print("--write needs a checkout of gluon-amp (gluon_amp_core/lists/ not found)", file=sys.stderr)
             return 2
+        data = harness.data_path(root, harness.host()[0])
         if args.models:
             from .models import model_ops
             print("tracing the model zoos' graphs", file=sys.stderr, flush=True)
             traced = model_ops()
-        else:
+        elif os.path.basename(data) == "verdicts_measured.py":
             from gluon_amp_core.lists import verdicts_measured as recorded
             traced = ({m: ops.split() for m, ops in recorded.MODEL_OPS.items()}, dict(recorded.MODEL_FAILED))
+        else:  # the graphs are the same on every host: the first host's module keeps them
+            traced = None
         harness.write_data(results, data, traced)
         from gluon_amp_core import conformance_report
         import importlib
-        import gluon_amp_core.lists.verdicts_measured as m
-        importlib.reload(m)
         import gluon_amp_core.lists.verdicts as v
+        for name in v.MEASURED_MODULES:
+            importlib.reload(importlib.import_module(f"gluon_amp_core.lists.{name}"))
         importlib.reload(v)
         with open(os.path.join(root, "docs", "op_conformance.md"), "w", encoding="utf-8") as f:
             f.write(conformance_report.render())

@@ -12,12 +12,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
-from gluon_amp_core.verdicts import BOUNDS, Verdict, judge, worst
+from gluon_amp_core.verdicts import (BOUNDS, MODES, RULES, Observation, Verdict, backward_by_mode, decisive_error,
+                                     judge, part_verdict, worst)
 
 from .. import runtime
 from . import cases, runner
 
 COMMAND = "python -m gluon_amp.conformance --write"
+#: the CPU flags that decide which low-precision kernels a host has
+_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "f16c")
 
 
 @dataclass
@@ -31,6 +34,8 @@ class DtypeResult:
     note: str = ""
     paths: List[str] = field(default_factory=list)
     unmeasured: str = ""
+    #: [mode, verdict, error] of the backward per autograd mode (train decides the verdict)
+    backward: List[list] = field(default_factory=list)
 
 
 @dataclass
@@ -56,7 +61,9 @@ def host() -> Tuple[str, str, str, str, str]:
         pass
     isa = str(getattr(cap.bf16, "value", cap.bf16)).lower()
     why = str(getattr(cap, "why", "") or "").split(",")[0]
-    flags = f"bfloat16 kernels: {isa}" + (f" ({why})" if why else "")
+    have = runtime.cpu_flags()
+    cpu_flags = " ".join(f for f in _FLAGS if f in have) + ("" if "amx_bf16" in have else " (no AMX)")
+    flags = f"{cpu_flags.strip()}; bfloat16 kernels: {isa}" + (f" ({why})" if why else "")
     key = "-".join(cpu.lower().replace("(r)", "").split()[:2] + ["no-bf16" if isa == "none" else isa])
     return key, cpu, flags, mx.__version__, COMMAND
 
@@ -99,16 +106,18 @@ def _check_group(key: str, op: str, group: Sequence[cases.Case], dtypes: Sequenc
     for dt in dtypes:
         res = DtypeResult()
         found: List[Tuple[Verdict, str, str, Optional[float]]] = []
+        by_mode: Dict[str, Tuple[Verdict, float]] = {}
         for c in group:
             r = runner.check_case(op, c, dt, apis)
             if r.unmeasured:
                 res.unmeasured = r.unmeasured
                 continue
             verdict, device = judge(r.observation, dt)
-            ob = r.observation
-            note = ob.refused or ob.mixed_refused or (
-                f"{_attrs(c)}: error {ob.error:.3g}" if ob.error is not None else _attrs(c))
-            found.append((verdict, device, note, ob.error))
+            error = decisive_error(r.observation)
+            found.append((verdict, device, _note(c, r.observation, verdict, dt, error), error))
+            for mode, v, e in backward_by_mode(r.observation.parts, dt):
+                was_v, was_e = by_mode.get(mode, (Verdict.OK, 0.0))
+                by_mode[mode] = (worst((was_v, v)), e if e != e or e > was_e else was_e)
             res.paths = sorted(set(res.paths) | set(r.paths))
             if r.emulated_error is not None:
                 res.emulated_error = max(res.emulated_error or 0.0, r.emulated_error)
@@ -118,8 +127,21 @@ def _check_group(key: str, op: str, group: Sequence[cases.Case], dtypes: Sequenc
             res.verdict, res.device, res.note = v.value, first[1], first[2]
             errors = [f[3] for f in found if f[3] is not None]
             res.error = max(errors) if errors else None
+            res.backward = [[m, by_mode[m][0].value, by_mode[m][1]] for m in MODES if m in by_mode]
         out.results[dt] = res
     return out
+
+
+def _note(c: cases.Case, ob: Observation, verdict: Verdict, dtype: str, error: Optional[float]) -> str:
+    """What the row says: MXNet's refusal, the error, or, where FP32 itself is off, what it does."""
+    if ob.refused or ob.mixed_refused:
+        return ob.refused or ob.mixed_refused or ""
+    if verdict is Verdict.FP32_WRONG:
+        p = max((p for p in ob.parts if p.decisive and part_verdict(p, dtype) is Verdict.FP32_WRONG),
+                key=lambda p: p.reference_error if p.reference_error == p.reference_error else float("inf"))
+        return (f"{_attrs(c)}: MXNet's float32 {p.mode}-mode {p.name} is itself off by {p.reference_error:.3g} "
+                f"(against float64 or a second run, {p.path}); {dtype} is not blamed (error {p.error:.3g})")
+    return f"{_attrs(c)}: error {error:.3g}" if error is not None else _attrs(c)
 
 
 def _attrs(c: cases.Case) -> str:
@@ -224,14 +246,18 @@ def _alone(op: str, dtypes: Sequence[str], env: Mapping[str, str]) -> List[OpRes
 
 
 def facts(results: Iterable[OpResult], host_key: str) -> List[tuple]:
-    """The data rows ``(op, dtype, verdict, device, host, error, note)`` of what was measured."""
+    """The data rows ``(op, dtype, verdict, device, host, error, note[, backward per mode])`` of
+    what was measured."""
     rows = []
     for r in results:
         for dt, res in sorted(r.results.items()):
             if res.verdict is None:
                 continue
             err = None if res.error is None else float(f"{res.error:.3g}")
-            rows.append((r.op, dt, res.verdict, res.device, host_key, err, res.note[:160]))
+            row = (r.op, dt, res.verdict, res.device, host_key, err, res.note[:200])
+            if res.backward:
+                row += (tuple((m, v, float(f"{e:.3g}")) for m, v, e in res.backward),)
+            rows.append(row)
     return rows
 
 
@@ -244,9 +270,10 @@ def data_module(results: Sequence[OpResult], host_row: Sequence[str],
              "",
              "What this host's MXNet kernels did in each low dtype (see gluon_amp_core/lists/verdicts.py).",
              '"""', "", f"MEASURED_HOST = {tuple(host_row)!r}", "",
+             "# the harness's rules these facts were judged by (gluon_amp_core.verdicts.RULES)", f"RULES = {RULES}", "",
              f"REGISTRY_SIZE = {cases.registry_size()}", "",
              "# (op, dtype, verdict, device, host, error, note)", "MEASURED = ("]
-    lines += [f"    {tuple(r)!r}," for r in rows]
+    lines += [f"    {_py(tuple(r))}," for r in rows]
     lines += [")", "", "# candidate ops not run: (op, why)", "EXCLUDED = ("]
     lines += [f"    {(r.op, r.excluded[:200])!r}," for r in results if r.excluded]
     lines += [")", "", "# (op, dtype, why): oneDNN has no kernel for the dtype on this host's ISA", "UNMEASURED = ("]
@@ -268,6 +295,30 @@ def data_module(results: Sequence[OpResult], host_row: Sequence[str],
     lines += [f"    {m!r}: {why!r}," for m, why in sorted(failed.items())]
     lines += ["}", ""]
     return "\n".join(lines)
+
+
+def _py(value: object) -> str:
+    """``repr`` that a Python module can read back, an infinite or NaN error included."""
+    if isinstance(value, float) and value != value:
+        return 'float("nan")'
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return 'float("inf")' if value > 0 else 'float("-inf")'
+    if isinstance(value, tuple):
+        inner = ", ".join(_py(v) for v in value)
+        return f"({inner},)" if len(value) == 1 else f"({inner})"
+    return repr(value)
+
+
+def data_path(root: str, host_key: str) -> str:
+    """The data module a host's ``--write`` records into: the one that already names this host
+    (``MEASURED_HOST``), else ``verdicts_measured_<host>.py`` beside the others, so each host's
+    facts stay and a new host's are added (:data:`gluon_amp_core.lists.verdicts.MEASURED_MODULES`)."""
+    from gluon_amp_core.lists import verdicts
+    lists = os.path.join(root, "gluon_amp_core", "lists")
+    for name, key in zip(verdicts.MEASURED_MODULES, (h[0] for h in verdicts.MEASURED_HOSTS)):
+        if key == host_key:
+            return os.path.join(lists, f"{name}.py")
+    return os.path.join(lists, "verdicts_measured_" + "".join(c if c.isalnum() else "_" for c in host_key) + ".py")
 
 
 def write_data(results: Sequence[OpResult], path: str,

@@ -15,7 +15,7 @@ import numpy as np
 from mxnet import autograd, gluon
 
 from gluon_amp_core.lists.common import KEEP_FP32_INPUTS
-from gluon_amp_core.verdicts import Observation
+from gluon_amp_core.verdicts import BOUNDS, MODES, Observation, Part
 
 from ..mxnet_internals import original_function, quiet_stderr, registry, to_mx_dtype
 from ..type_inference import op_types
@@ -100,16 +100,17 @@ def _to_np(x: Any) -> np.ndarray:
 def _arrays(values: Sequence[np.ndarray], dtypes: Sequence[str], api: str) -> List[Any]:
     out = []
     for v, dt in zip(values, dtypes):
-        a = mx.nd.array(v, dtype="float32")
-        if dt != "float32":
+        a = mx.nd.array(v, dtype="float64" if dt == "float64" else "float32")
+        if dt not in ("float32", "float64"):
             a = mx.nd.amp_cast(a, dtype=to_mx_dtype(dt))
         out.append(a.as_np_ndarray() if api == "numpy" else a)
     return out
 
 
 def run(op: str, case: Case, values: Sequence[np.ndarray], dtypes: Sequence[str], api: str,
-        hybridize: bool, backward: bool = True) -> Run:
-    """``op`` on ``values`` (each cast to its dtype in ``dtypes``; int inputs stay float32)."""
+        hybridize: bool, backward: bool = True, train_mode: bool = False) -> Run:
+    """``op`` on ``values`` (each cast to its dtype in ``dtypes``; int inputs stay float32), with
+    the backward recorded in ``autograd.record(train_mode=train_mode)``."""
     fns = _functions()[op]
     arrays = _arrays(values, dtypes, api)
     floats = [i for i in float_slots(case)]
@@ -132,7 +133,7 @@ def run(op: str, case: Case, values: Sequence[np.ndarray], dtypes: Sequence[str]
     if case.random:
         mx.random.seed(7)
     with mx.util.np_shape(api == "numpy"), mx.util.np_array(api == "numpy"):
-        with autograd.record(train_mode=False) if backward else _nothing():
+        with autograd.record(train_mode=train_mode) if backward else _nothing():
             out = call(*arrays)
         outs = list(out) if isinstance(out, (list, tuple)) else [out]
         picked = [outs[k] for k in (case.outputs if case.outputs is not None else range(len(outs)))]
@@ -142,7 +143,8 @@ def run(op: str, case: Case, values: Sequence[np.ndarray], dtypes: Sequence[str]
             try:
                 heads = [mx.nd.array(np.random.RandomState(11 + k).uniform(0.5, 1.5, o.shape), dtype="float32")
                          for k, o in enumerate(picked)]
-                heads = [mx.nd.amp_cast(h, dtype=to_mx_dtype(_dtype(o))) for h, o in zip(heads, picked)]
+                heads = [h.astype("float64") if _dtype(o) == "float64"
+                         else mx.nd.amp_cast(h, dtype=to_mx_dtype(_dtype(o))) for h, o in zip(heads, picked)]
                 if api == "numpy":
                     heads = [h.as_np_ndarray() for h in heads]
                 autograd.backward(picked, head_grads=heads)
@@ -213,49 +215,105 @@ def low_slots(op: str, case: Case) -> List[int]:
 
 
 def check_case(op: str, case: Case, dtype: str, apis: Sequence[str]) -> CaseResult:
-    """Run ``case`` of ``op`` in ``dtype`` every way, against FP32 on the same rounded inputs."""
+    """Run ``case`` of ``op`` in ``dtype`` every way, in both autograd modes, against FP32 on the
+    same rounded inputs; a part beyond the dtype's bound gets its FP32 reference checked
+    (:func:`reference_error`) before the dtype is blamed."""
     values = make_inputs(case)
     rvalues = rounded(values, case, dtype, low_slots(op, case))
     n = len(case.shapes)
     low = [dtype if i in low_slots(op, case) else "float32" for i in range(n)]
     f32 = ["float32"] * n
-    errors: List[float] = []
+    parts: List[Part] = []
     paths: List[str] = []
     refused, by_types = None, False
     emulated = None
     for api, hyb in itertools.product(apis, (False, True)):
         path = f"{api}/{'hybridized' if hyb else 'imperative'}"
-        try:
-            ref = run(op, case, rvalues, f32, api, hyb)
-        except mx.base.MXNetError:
-            continue  # this path does not run these inputs even in FP32
-        try:
-            got = run(op, case, values, low, api, hyb)
-        except mx.base.MXNetError as e:
-            msg = first_line(e)
-            if is_isa_refusal(msg):
-                return CaseResult(Observation(), paths, unmeasured=f"{path}: {msg}")
-            refused, by_types = f"{path}: {msg}", is_type_refusal(msg)
-            break
-        paths.append(path)
-        if case.random:  # values drawn differently per dtype: whether it runs is the fact
-            continue
-        errors.append(rel_error(got.outputs, ref.outputs))
-        if ref.grads is not None:
-            if got.grads is None:
-                if got.grad_error and is_isa_refusal(got.grad_error):
-                    return CaseResult(Observation(), paths, unmeasured=f"{path} backward: {got.grad_error}")
-                refused, by_types = f"{path} backward: {got.grad_error}", False
+        ran = False
+        for mode in MODES:
+            train = mode == "train"
+            try:
+                ref = run(op, case, rvalues, f32, api, hyb, train_mode=train)
+            except mx.base.MXNetError:
+                continue  # this path does not run these inputs even in FP32
+            try:
+                got = run(op, case, values, low, api, hyb, train_mode=train)
+            except mx.base.MXNetError as e:
+                msg = first_line(e)
+                if is_isa_refusal(msg):
+                    return CaseResult(Observation(), paths, unmeasured=f"{path}: {msg}")
+                refused, by_types = f"{path}: {msg}", is_type_refusal(msg)
                 break
-            errors.append(rel_error(got.grads, ref.grads))
-        if emulated is None:
+            ran = True
+            if case.random:  # values drawn differently per dtype: whether it runs is the fact
+                continue
+            checked = functools.partial(reference_error, op, case, rvalues, api, hyb, train, ref)
+            parts.append(_part(path, "forward", mode, rel_error(got.outputs, ref.outputs), dtype, checked))
+            if ref.grads is not None:
+                if got.grads is None:
+                    if got.grad_error and is_isa_refusal(got.grad_error):
+                        return CaseResult(Observation(), paths, unmeasured=f"{path} backward: {got.grad_error}")
+                    refused, by_types = f"{path} {mode}-mode backward: {got.grad_error}", False
+                    break
+                parts.append(_part(path, "backward", mode, rel_error(got.grads, ref.grads), dtype, checked))
+        if refused:
+            break
+        if not ran:
+            continue
+        paths.append(path)
+        if emulated is None and not case.random:
+            ref = run(op, case, rvalues, f32, api, hyb, backward=False)
             full = run(op, case, values, f32, api, hyb, backward=False)
             emu = [rounded([np.atleast_1d(o)], Case((np.atleast_1d(o).shape,)), dtype)[0].reshape(o.shape)
                    if o.size else o for o in ref.outputs]
             emulated = rel_error(emu, full.outputs)
     mixed = None if refused else mixed_refusal(op, case, values, dtype, apis[0] if apis else "legacy")
-    error = max(errors) if errors else None
-    return CaseResult(Observation(refused, by_types, error, mixed), paths, emulated_error=emulated)
+    return CaseResult(Observation(refused, by_types, None, mixed, tuple(parts)), paths, emulated_error=emulated)
+
+
+def _part(path: str, name: str, mode: str, error: float, dtype: str,
+          checked: Callable[[str], float]) -> Part:
+    """A compared part; its reference checked only where the dtype would otherwise be blamed."""
+    beyond = not error <= BOUNDS[dtype]  # NaN is beyond
+    return Part(path, name, mode, error, checked(name) if beyond else None)
+
+
+def reference_error(op: str, case: Case, values: Sequence[np.ndarray], api: str, hybridize: bool,
+                    train_mode: bool, ref: Run, name: str) -> float:
+    """How far FP32's ``name`` part (``forward`` outputs or ``backward`` input gradients) of
+    ``ref`` is from the same FP32 run again and from MXNet's float64 run (where the op has
+    float64): the larger. ``inf`` where the FP32 run does not run again."""
+    def part(r: Run) -> Optional[List[np.ndarray]]:
+        return r.outputs if name == "forward" else r.grads
+
+    want = part(ref)
+    if want is None:
+        return float("inf")
+    try:
+        again = part(run(op, case, values, ["float32"] * len(case.shapes), api, hybridize, train_mode=train_mode))
+    except mx.base.MXNetError:
+        return float("inf")
+    found = [float("inf") if again is None else rel_error(again, want)]
+    floats = float_slots(case)
+    for f64 in (["float64"] * len(case.shapes),
+                ["float64" if i in floats else "float32" for i in range(len(case.shapes))]):
+        try:
+            wide = part(run(op, case, values, f64, api, hybridize, train_mode=train_mode))
+        except mx.base.MXNetError:
+            _flush()
+            continue
+        if wide is not None:
+            found.append(rel_error(want, wide))
+        break
+    return max(found, key=lambda e: (e != e, e))  # NaN counts as the largest
+
+
+def _flush() -> None:
+    """Collect an error MXNet's engine keeps from a refused run, so no later run reports it."""
+    try:
+        mx.nd.waitall()
+    except mx.base.MXNetError:
+        pass
 
 
 def mixed_refusal(op: str, case: Case, values: Sequence[np.ndarray], dtype: str, api: str) -> Optional[str]:

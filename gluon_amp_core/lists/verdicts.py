@@ -3,12 +3,29 @@
 Data only (types and rules: :mod:`gluon_amp_core.verdicts`). Two sources:
 - ``RECORDED``: facts from hosts this project's CI does not have (native bfloat16 kernels:
   AVX512-BF16 or AMX), copied from their reports with the host and the command;
-- ``verdicts_measured.MEASURED``: what ``python -m gluon_amp.conformance --write`` measured, on the
-  host named there (generated; do not edit by hand).
+- ``MEASURED``: what ``python -m gluon_amp.conformance --write`` measured, one generated module per
+  host (``verdicts_measured.py``: the AVX2 CI host, which also keeps the coverage and the model
+  graphs; ``verdicts_measured_<host>.py``: each other host, its flags in its ``MEASURED_HOST``).
+  Several hosts' facts stand side by side; a plan follows the worst (:func:`plan_verdicts`).
 A test on a bfloat16 host (marker ``bf16_kernels``) checks the bfloat16 facts against its kernels.
-Each row: ``(op, dtype, verdict, device, host, error, note)``.
+Each row: ``(op, dtype, verdict, device, host, error, note[, backward per mode])``.
 """
-from .verdicts_measured import MEASURED, MEASURED_HOST
+import importlib
+import pkgutil
+
+from . import verdicts_measured as _first
+from .verdicts_measured import MEASURED_HOST  # noqa: F401  the CI host (coverage, model graphs)
+
+#: the generated modules, one per measured host: ``verdicts_measured`` first, then the others by name
+MEASURED_MODULES = ("verdicts_measured",) + tuple(sorted(
+    m.name for m in pkgutil.iter_modules(importlib.import_module(__package__).__path__)
+    if m.name.startswith("verdicts_measured_")))
+_MODULES = (_first,) + tuple(importlib.import_module(f"{__package__}.{n}") for n in MEASURED_MODULES[1:])
+#: each measured host's ``(key, cpu, flags, MXNet, command)``
+MEASURED_HOSTS = tuple(m.MEASURED_HOST for m in _MODULES)
+MEASURED = tuple(row for m in _MODULES for row in m.MEASURED)
+#: measured host -> the harness rules its facts were judged by (``gluon_amp_core.verdicts.RULES``)
+RULES_OF = {m.MEASURED_HOST[0]: getattr(m, "RULES", 1) for m in _MODULES}
 
 #: key -> (cpu, CPU flags that matter, MXNet, command that produced its facts)
 HOSTS = {
@@ -20,7 +37,7 @@ HOSTS = {
         "Intel(R) Xeon(R) Processor", "avx2 avx512f avx512_bf16 avx512_fp16 (oneDNN ISA avx512_core_bf16)", "1.9.1",
         "golden/resnet18_native_bf16_errors.json: gluon_amp.debug.compare(resnet18_v1, x, "
         "target_dtype='bfloat16', emulate=False), each op's local error against FP32"),
-    MEASURED_HOST[0]: MEASURED_HOST[1:],
+    **{h[0]: h[1:] for h in MEASURED_HOSTS},
 }
 
 RECORDED = (

@@ -89,3 +89,29 @@ def test_a_fact_row_carries_its_backward_per_mode():
     assert fact_from_row(row[:7]).backward == ()
     with pytest.raises(ValueError, match="7 or 8 fields"):
         fact_from_row(row[:6])
+
+
+def test_the_zen4_facts_stand_beside_the_avx2_hosts():
+    from gluon_amp_core.lists import verdicts as data
+    keys = [h[0] for h in data.MEASURED_HOSTS]
+    assert "amd-epyc-no-bf16" in keys and "amd-epyc-native" in keys  # neither replaced the other
+    assert "avx512_bf16" in data.HOSTS["amd-epyc-native"][1] and "native" in data.HOSTS["amd-epyc-native"][1]
+    facts = [fact_from_row(r) for r in data.FACTS]
+    pooling = {f.host: f for f in facts if f.op == "Pooling" and f.dtype == "bfloat16"}
+    zen4 = pooling["amd-epyc-native"]
+    assert zen4.verdict is Verdict.OK, zen4
+    modes = {m: v for m, v, _ in zen4.backward}
+    assert modes == {"train": Verdict.OK, "predict": Verdict.FP32_WRONG}
+    assert "Pooling" not in plan_verdicts(facts, "bfloat16")
+    # each host's facts were judged by the rules it names
+    assert data.RULES_OF["amd-epyc-native"] == 2
+
+
+def test_the_report_shows_both_hosts_facts():
+    from gluon_amp_core import conformance_report
+    text = conformance_report.render()
+    row = next(line for line in text.splitlines() if line.startswith("| `Pooling` |"))
+    bf16_cell = row.split(" | ")[1]
+    assert "(amd-epyc-native; predict-mode backward fp32_wrong" in bf16_cell and "xeon-golden" in bf16_cell
+    assert "`amd-epyc-no-bf16`" in text and "`amd-epyc-native`" in text
+    assert "## Backward per autograd mode" in text
