@@ -6,7 +6,8 @@ Data only (types and rules: :mod:`gluon_amp_core.verdicts`). Two sources:
 - ``MEASURED``: what ``python -m gluon_amp.conformance --write`` measured, one generated module per
   host (``verdicts_measured.py``: the AVX2 CI host, which also keeps the coverage and the model
   graphs; ``verdicts_measured_<host>.py``: each other host, its flags in its ``MEASURED_HOST``).
-  Several hosts' facts stand side by side; a plan follows the worst (:func:`plan_verdicts`).
+  Several hosts' facts stand side by side; a plan follows the worst
+  (:func:`gluon_amp_core.verdicts.plan_verdicts`).
 A test on a bfloat16 host (marker ``bf16_kernels``) checks the bfloat16 facts against its kernels.
 Each row: ``(op, dtype, verdict, device, host, error, note[, backward per mode])``.
 """
