@@ -64,8 +64,16 @@ def host() -> Tuple[str, str, str, str, str]:
     have = runtime.cpu_flags()
     cpu_flags = " ".join(f for f in _FLAGS if f in have) + ("" if "amx_bf16" in have else " (no AMX)")
     flags = f"{cpu_flags.strip()}; bfloat16 kernels: {isa}" + (f" ({why})" if why else "")
-    key = "-".join(cpu.lower().replace("(r)", "").split()[:2] + ["no-bf16" if isa == "none" else isa])
+    key = host_key(cpu, isa, os.environ.get("DNNL_MAX_CPU_ISA"))
     return key, cpu, flags, mx.__version__, COMMAND
+
+
+def host_key(cpu: str, isa: str, capped: Optional[str]) -> str:
+    """A host's key: the CPU's first two words and its bfloat16 kernels (``'amd-epyc-native'``),
+    and the ``DNNL_MAX_CPU_ISA`` cap where one is set: a simulated host's facts must not replace
+    those of the host it imitates."""
+    key = "-".join(cpu.lower().replace("(r)", "").split()[:2] + ["no-bf16" if isa == "none" else isa])
+    return key + ("-dnnl-" + "".join(c if c.isalnum() else "-" for c in capped.lower()) if capped else "")
 
 
 def conditional_attr(op: str) -> Optional[str]:

@@ -101,6 +101,11 @@ def test_a_wrong_kernel_stays_wrong_with_its_reference_checked():
 
 def test_a_host_writes_its_own_facts_module_beside_the_others(tmp_path):
     root = str(tmp_path)
+    assert harness.host_key("AMD EPYC 9654 96-Core Processor", "native", None) == "amd-epyc-native"
+    # a simulated AVX2 host (a Zen 4 under DNNL_MAX_CPU_ISA) is a host of its own
+    simulated = harness.host_key("AMD EPYC 9654 96-Core Processor", "none", "AVX2")
+    assert simulated == "amd-epyc-no-bf16-dnnl-avx2"
+    assert harness.data_path(root, simulated).endswith("verdicts_measured_amd_epyc_no_bf16_dnnl_avx2.py")
     assert harness.data_path(root, "amd-epyc-no-bf16").endswith("gluon_amp_core/lists/verdicts_measured.py")
     assert harness.data_path(root, "amd-epyc-native").endswith("lists/verdicts_measured_amd_epyc_native.py")
     assert harness.data_path(root, "intel-xeon-native").endswith("lists/verdicts_measured_intel_xeon_native.py")
