@@ -43,7 +43,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"{r.op}: not run: {r.excluded}")
             continue
         cells = [f"{dt} {res.verdict or 'needs another host'}"
-                 + (f" ({res.error:.3g})" if res.error is not None else "") for dt, res in r.results.items()]
+                 + (f" ({res.error:.3g})" if res.error is not None else "")
+                 + "".join(f", {m}-mode backward {v} ({e:.3g})" for m, v, e in res.backward if v != "ok")
+                 for dt, res in r.results.items()]
         print(f"{r.op}: " + "; ".join(cells))
     print(harness.summary(results))
     if args.write:
