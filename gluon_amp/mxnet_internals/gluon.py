@@ -162,6 +162,13 @@ def block_backend(block: HybridBlock) -> Tuple[Optional[str], Dict[str, Any]]:
     return block._backend, dict(block._backend_opts)
 
 
+def drop_backend(block: HybridBlock) -> None:
+    """Build ``block``'s next graph without a subgraph backend, its other ``hybridize``
+    flags kept (1.9.1: ``_backend``, ``_backend_opts``; the cached op rebuilt)."""
+    block._backend, block._backend_opts = None, {}
+    block._clear_cached_op()
+
+
 def bucketing_module_options(mod: Any) -> Dict[str, Any]:
     """Constructor options a ``BucketingModule`` keeps only privately (1.9.1: ``_sym_gen``,
     ``_default_bucket_key``, ``_context``, ...), to build an equivalent module. If renamed,
