@@ -299,6 +299,7 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
     if policy is None:
         return plan
     known, shapes = mxi.call_inputs(block, args, inputs)
+    plan_notes.record_fed(block, known)  # report types the plan as it runs (gluon_amp.reporting)
     devices = {a.context.device_type for a in mxi.call_arrays(args) if isinstance(a, NDArray)}
     run = graph_to_run(plan, known, shapes, devices, policy, f"block {block.name!r}")
     if run is not plan and policy.emulate:  # the report says which nodes real AMP runs low

@@ -71,3 +71,16 @@ def traced_graph(block: object, kept: Any) -> Optional[Any]:
     kept_by = state.process.blocks.get(block)
     traced = kept_by.traced if kept_by is not None else None
     return traced[0] if traced is not None and traced[1] is kept else None
+
+
+def record_fed(block: object, dtypes: Mapping[str, str]) -> None:
+    """``block``'s executor was built for inputs of ``dtypes`` (graph input name -> dtype): data
+    an O2 boundary or GPU-style code feeds low, parameters as stored."""
+    state.block_record(block).fed = dict(dtypes)
+
+
+def fed_dtypes(block: object) -> Dict[str, str]:
+    """The input dtypes ``block``'s executor was last built for (:func:`record_fed`), else ``{}``."""
+    kept = state.process.blocks.get(block)
+    return dict(kept.fed or {}) if kept is not None else {}
+

@@ -228,11 +228,14 @@ class BlockRecord:
         Node name -> the dtype real AMP gives it, where the block runs its plan emulated.
     traced : tuple or None
         ``(graph traced under init, graph the block was given to keep)``.
+    fed : dict or None
+        Graph input name -> the dtype the call that built the block's executor fed it.
     """
 
     notes: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     real_dtypes: Optional[Dict[str, str]] = None
     traced: Optional[Tuple[Any, Any]] = None
+    fed: Optional[Dict[str, str]] = None
 
 
 @dataclass
