@@ -135,3 +135,16 @@ def test_a_hybridized_block_s_output_is_float32_not_raw_bfloat16_words():
     net.hybridize()
     y = net(mx.nd.ones((2, 3)))
     assert y.dtype == np.float32 and y.asnumpy().shape == (2, 4)
+
+
+def test_gpu_style_float16_code_gets_float16_outputs_when_tuning_runs_the_graph_float32(native_host):
+    """The tuner's whole-graph rule runs a graph this small float32 until measured: the output
+    dtype must not follow timings. GPU-style code fed float16 gets float16, as the untuned plan
+    and its emulated copy give it (only float32 kernels run here: any CPU)."""
+    _init(target_dtype="bfloat16", tune=True)
+    net = _cnn()
+    net.cast("float16")
+    net.hybridize()
+    y = net(mx.nd.ones((2, 3, 8, 8), dtype="float16"))
+    assert set(gluon_amp.report(net, data="float16").totals_by_dtype) == {"float32"}  # the tuner's verdict
+    assert y.dtype == np.float16
