@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import mxnet as mx
 from mxnet.gluon import HybridBlock
@@ -38,13 +38,18 @@ WIDEN_SUFFIX = "_amp_widened"
 
 
 def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, Tuple[int, ...]],
-                 devices: Iterable[str], policy: Optional[Policy], what: str) -> Symbol:
+                 devices: Iterable[str], policy: Optional[Policy], what: str,
+                 plan_heads: Optional[Sequence[Optional[str]]] = None) -> Symbol:
     """The graph MXNet runs for ``plan`` bound with inputs of ``dtypes`` (input name -> dtype,
     those known) and ``shapes`` on ``devices`` under ``policy``.
 
     Returns ``plan`` itself when it holds nothing in low precision or when no policy applies;
     where every device runs the dtypes its kernels compute in, the plan with its outputs in the
-    dtype the caller feeds (:func:`outputs_as_fed`); a new emulated Symbol when ``policy.emulate``.
+    dtype the caller feeds (:func:`outputs_as_fed`); a new emulated Symbol when ``policy.emulate``,
+    and on a simulated native host (:func:`gluon_amp.runtime.simulated`) where the plan runs
+    bfloat16 kernels, with or without a policy: that host's only change to what runs.
+    ``plan_heads``: the dtypes of the plan's outputs before measured choices (the tuner) moved
+    some to float32, whose outputs then still come back as fed (timings never change them).
 
     Raises
     ------
@@ -52,27 +57,31 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
         gluon_amp's, naming ``emulate=True``, when a device cannot run a low dtype the plan's
         kernels compute in (:func:`kernel_dtypes`), before MXNet fails on it with its own error.
     """
-    if policy is None or not policy.enabled:
+    simulated = runtime.simulated()
+    if (policy is None or not policy.enabled) and not simulated:
         return plan
     typed = infer_dtypes(plan, dtypes, partial=True) or {}
     low = {t for t in typed.values() if t in LOW_PRECISION_DTYPES}
     if not low:
-        return plan
-    if policy.emulate:
+        return outputs_as_fed(plan, typed, dtypes, plan_heads) if plan_heads and policy is not None else plan
+    if policy is not None and policy.enabled and policy.emulate:
         return emulated(plan, typed, shapes, fed=dtypes)
     kernels = kernel_dtypes(plan, typed)
     for device in sorted(set(devices)):
         for dtype in sorted(kernels):
             if not runtime.executable(dtype, device):
                 raise CannotRun(cannot_run(what, dtype, device))
-    return outputs_as_fed(plan, typed, dtypes)
+    if simulated and "bfloat16" in kernels:  # a simulated native host: its bfloat16 kernels emulated
+        return emulated(plan, typed, shapes, fed=dtypes)
+    return outputs_as_fed(plan, typed, dtypes, plan_heads) if policy is not None and policy.enabled else plan
 
 
 #: Suffix of the cast that gives a natively run plan's low-precision output in the fed dtype.
 OUTPUT_SUFFIX = "_amp_output"
 
 
-def outputs_as_fed(plan: Symbol, typed: Mapping[Key, Optional[str]], fed: Mapping[str, Any]) -> Symbol:
+def outputs_as_fed(plan: Symbol, typed: Mapping[Key, Optional[str]], fed: Mapping[str, Any],
+                   plan_heads: Optional[Sequence[Optional[str]]] = None) -> Symbol:
     """``plan`` run natively, its outputs in the dtype the caller works in, as its emulated
     copy gives them (:func:`gluon_amp_core.emulate.emulate_graph`): an output the plan holds in
     a low dtype comes back float32 to a caller that fed no low-precision input, and in the low
@@ -80,16 +89,20 @@ def outputs_as_fed(plan: Symbol, typed: Mapping[Key, Optional[str]], fed: Mappin
 
     NumPy has no bfloat16: a bfloat16 array handed to float32 code reads as raw 16-bit words
     (``asnumpy()`` gives a structured ``uint16`` array, ``tolist()`` a ``(..., 1)`` shape).
-    Only the executor's graph changes; the plan (what ``export`` writes) is left as it is."""
+    Only the executor's graph changes; the plan (what ``export`` writes) is left as it is.
+    ``plan_heads`` (see :func:`graph_to_run`) count as the plan's own output dtypes."""
     fed_low = {dtype_name(t) if not isinstance(t, str) else t for t in fed.values()} & set(LOW_PRECISION_DTYPES)
     if len(fed_low) > 1:
         return plan  # several low dtypes fed: the plan's own outputs
     want = fed_low.pop() if fed_low else "float32"
     graph = json.loads(plan.tojson(remove_amp_cast=False))
     nodes, heads, made = graph["nodes"], [], {}
-    for j, k, v in graph["heads"]:
+    for i, (j, k, v) in enumerate(graph["heads"]):
         name = nodes[j]["name"]
-        if typed.get((name, k)) in LOW_PRECISION_DTYPES and typed.get((name, k)) != want:
+        held = plan_heads[i] if plan_heads is not None and i < len(plan_heads) else None
+        if held not in LOW_PRECISION_DTYPES:
+            held = typed.get((name, k))
+        if held in LOW_PRECISION_DTYPES and typed.get((name, k)) != want:
             if (j, k) not in made:
                 nodes.append({"op": "amp_cast", "name": f"{name}{OUTPUT_SUFFIX}{k}", "attrs": {"dtype": want},
                               "inputs": [[j, k, 0]]})
@@ -274,6 +287,8 @@ def _forget() -> None:
 
 
 state.register_extension(state.Extension(_on_init, _on_disable, _forget))
+# a simulated native host (tests): graphs bound without a policy hold bfloat16 kernels too
+runtime.on_simulation(lambda: hold("simulated"), lambda: release("simulated"))
 
 
 def executed_graph(block: HybridBlock) -> Optional[Symbol]:
@@ -296,12 +311,13 @@ def runs_emulated(obj: Any) -> bool:
 
 def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Symbol:
     policy = policy_for(block)
-    if policy is None:
+    if policy is None and not runtime.simulated():
         return plan
     known, shapes = mxi.call_inputs(block, args, inputs)
+    plan_notes.record_fed(block, known)  # report types the plan as it runs (gluon_amp.reporting)
     devices = {a.context.device_type for a in mxi.call_arrays(args) if isinstance(a, NDArray)}
-    run = graph_to_run(plan, known, shapes, devices, policy, f"block {block.name!r}")
-    if run is not plan and policy.emulate:  # the report says which nodes real AMP runs low
+    run = graph_to_run(plan, known, shapes, devices, policy, f"block {block.name!r}", plan_notes.plan_heads(block))
+    if run is not plan and policy is not None and policy.emulate:  # the report says which nodes real AMP runs low
         typed = infer_dtypes(plan, known, partial=True) or {}
         plan_notes.record_emulated(block, {name: t for (name, i), t in typed.items()
                                            if i == 0 and t in LOW_PRECISION_DTYPES})
@@ -311,7 +327,7 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
 def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mapping[str, Tuple[int, ...]],
                 group2ctx: Optional[Mapping[str, Any]]) -> Union[Symbol, "mxi.RefusedRun"]:
     policy = policy_for(sym)
-    if policy is None:
+    if policy is None and not runtime.simulated():
         return sym
     devices = {ctx.device_type, *(c.device_type for c in (group2ctx or {}).values())}
     declared = sym.attr_dict()
@@ -320,7 +336,8 @@ def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mappin
     known = {n: CODE_DTYPE.get(int(declared[n]["__dtype__"]), "float32") if "__dtype__" in declared.get(n, {})
              else "float32" for n in inputs}
     known.update({k: mxi.FLOAT_NAMES.get(v) or dtype_name(v) for k, v in dtypes.items() if k in set(inputs)})
-    sym = without_identity_casts(sym, infer_dtypes(sym, known, partial=True) or {})
+    if policy is not None:  # else a simulated host's plain graph (graph_to_run), run as MXNet has it
+        sym = without_identity_casts(sym, infer_dtypes(sym, known, partial=True) or {})
     try:
         return graph_to_run(sym, known, shapes, devices, policy, "the bound symbol")
     except CannotRun as refused:

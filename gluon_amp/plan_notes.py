@@ -16,7 +16,7 @@ Converted results keep theirs in their ``amp_result`` (:class:`gluon_amp_core.gr
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from gluon_amp_core.walk import Note
 
@@ -71,3 +71,32 @@ def traced_graph(block: object, kept: Any) -> Optional[Any]:
     kept_by = state.process.blocks.get(block)
     traced = kept_by.traced if kept_by is not None else None
     return traced[0] if traced is not None and traced[1] is kept else None
+
+
+def record_fed(block: object, dtypes: Mapping[str, str]) -> None:
+    """``block``'s executor was built for inputs of ``dtypes`` (graph input name -> dtype): data
+    an O2 boundary or GPU-style code feeds low, parameters as stored."""
+    state.block_record(block).fed = dict(dtypes)
+
+
+def fed_dtypes(block: object) -> Dict[str, str]:
+    """The input dtypes ``block``'s executor was last built for (:func:`record_fed`), else ``{}``."""
+    kept = state.process.blocks.get(block)
+    return dict(kept.fed or {}) if kept is not None else {}
+
+
+def record_plan_heads(block: object, heads: Optional[Sequence[Optional[str]]]) -> None:
+    """The dtypes of ``block``'s plan outputs before measured choices retyped its graph
+    (the tuner), where they did; ``None``: the graph is the plan as decided without timings."""
+    if heads is None:
+        kept = state.process.blocks.get(block)
+        if kept is not None:
+            kept.plan_heads = None
+    else:
+        state.block_record(block).plan_heads = list(heads)
+
+
+def plan_heads(block: object) -> Optional[List[Optional[str]]]:
+    """What :func:`record_plan_heads` kept for ``block``, else ``None``."""
+    kept = state.process.blocks.get(block)
+    return kept.plan_heads if kept is not None else None

@@ -228,11 +228,17 @@ class BlockRecord:
         Node name -> the dtype real AMP gives it, where the block runs its plan emulated.
     traced : tuple or None
         ``(graph traced under init, graph the block was given to keep)``.
+    fed : dict or None
+        Graph input name -> the dtype the call that built the block's executor fed it.
+    plan_heads : list or None
+        The dtypes of the plan's outputs before the tuner retyped the block's graph, where it did.
     """
 
     notes: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     real_dtypes: Optional[Dict[str, str]] = None
     traced: Optional[Tuple[Any, Any]] = None
+    fed: Optional[Dict[str, str]] = None
+    plan_heads: Optional[List[Optional[str]]] = None
 
 
 @dataclass

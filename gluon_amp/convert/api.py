@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import mxnet as mx
+from mxnet import autograd
 from mxnet.gluon import HybridBlock, SymbolBlock
 from mxnet.symbol import Symbol
 
@@ -334,9 +335,13 @@ class MixedPrecisionBlock(SymbolBlock):
     """
 
     fuse_backend: Optional[str] = None
+    #: the fusion was asked for (``fuse=True``), not the default
+    fuse_asked: bool = False
     amp_result: Optional[PassResult] = None
 
     def __call__(self, *args: Any) -> Any:
+        if autograd.is_recording() and mxi.block_backend(self)[0] is not None:
+            self._unfuse_to_train()
         # Called as the block it converts is (its inputs nested: an RNN's state list), or
         # with its inputs flat, as a SymbolBlock of the graph's inputs is.
         try:
@@ -344,6 +349,22 @@ class MixedPrecisionBlock(SymbolBlock):
         except ValueError:
             return super().__call__(*args)  # SymbolBlock says what is wrong
         return super().__call__(*(grouped if isinstance(grouped, list) else [grouped]))
+
+    def _unfuse_to_train(self) -> None:
+        """Run unfused from now on: MXNet's fused ops (``_sg_mkldnn_conv``, ...) are inference
+        kernels with no gradient, so a fused block trains with zero gradients for every
+        parameter they read, silently (float32 as well). A fusion asked for raises instead."""
+        backend = mxi.block_backend(self)[0]
+        if self.fuse_asked or backend != self.fuse_backend:
+            raise RuntimeError(
+                f"gluon_amp: this converted block runs MXNet's {backend!r} subgraph fusion, whose fused ops "
+                "have no gradient: trained so, every parameter they read gets a zero gradient. To train it, "
+                "convert with fuse=False (or leave fuse unset: the default fusion is dropped when training starts).")
+        warnings.warn(f"gluon_amp: converted block {self.name!r} is being trained (called under autograd.record), "
+                      f"so it runs unfused from now on: MXNet's {backend} fused ops have no gradient. Convert "
+                      "with fuse=False to train it from the start.", RuntimeWarning, stacklevel=3)
+        self.fuse_backend = None
+        mxi.drop_backend(self)
 
     def hybridize(self, active: bool = True, backend: Optional[str] = None, **kwargs: Any) -> None:
         if active and backend is None and self.fuse_backend:
@@ -509,7 +530,7 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     data_vars = [mx.sym.var(i.name, dtype="float32") for i in inputs]
     outputs, grouped = _as_called(block, new_sym, data_vars)
     out = MixedPrecisionBlock(_like_frontend(frontend, outputs), grouped)
-    out.amp_result, out.fuse_backend = result, backend
+    out.amp_result, out.fuse_backend, out.fuse_asked = result, backend, fuse is True
     loaded = {**{f"arg:{k}": v for k, v in new_args.items()}, **{f"aux:{k}": v for k, v in new_aux.items()}}
     with mxi.own_casts():  # the plan's parameter dtypes: never a script's GPU-only cast (patching/low_cast.py)
         out.collect_params().load_dict(loaded, ctx=ctx, cast_dtype=True, dtype_source="saved")

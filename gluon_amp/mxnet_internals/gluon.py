@@ -89,10 +89,18 @@ def call_inputs(block: HybridBlock, args: tuple, inputs: Sequence[Symbol]
         if isinstance(a, mx.nd.NDArray):
             dtypes[var.name] = FLOAT_NAMES.get(a.dtype) or dtype_name(a.dtype)
             shapes[var.name] = a.shape
-    for p in block.collect_params().values():
-        if p.dtype is not None:
-            dtypes.setdefault(p.name, dtype_name(p.dtype))
+    for name, dtype in param_dtypes(block).items():
+        dtypes.setdefault(name, dtype)
     return dtypes, shapes
+
+
+def param_dtypes(block: HybridBlock) -> Dict[str, str]:
+    """Graph input name -> dtype of ``block``'s parameters as stored (what its CachedOp binds,
+    whatever ``__dtype__`` its graph declares: ``cast``, O2 and the converters change it)."""
+    from gluon_amp_core.dtypes import dtype_name
+    from .arrays import FLOAT_NAMES
+    return {p.name: FLOAT_NAMES.get(p.dtype) or dtype_name(p.dtype)
+            for p in block.collect_params().values() if p.dtype is not None}
 
 
 # -- symbols -------------------------------------------------------------------------
@@ -160,6 +168,13 @@ def block_backend(block: HybridBlock) -> Tuple[Optional[str], Dict[str, Any]]:
     ``_backend_opts``, read by ``_build_cache``). If renamed, exporting a converted block
     fails here (test_export fails)."""
     return block._backend, dict(block._backend_opts)
+
+
+def drop_backend(block: HybridBlock) -> None:
+    """Build ``block``'s next graph without a subgraph backend, its other ``hybridize``
+    flags kept (1.9.1: ``_backend``, ``_backend_opts``; the cached op rebuilt)."""
+    block._backend, block._backend_opts = None, {}
+    block._clear_cached_op()
 
 
 def bucketing_module_options(mod: Any) -> Dict[str, Any]:

@@ -1,11 +1,14 @@
 """Precision report: every op of a graph with its dtype and why."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from mxnet.base import MXNetError
 from mxnet.gluon import HybridBlock
 from mxnet.symbol import Symbol
 
@@ -127,6 +130,13 @@ def _label(policy: Optional[Policy], dtypes: Dict[Tuple[str, int], Optional[str]
     return next((d for d in LOW_PRECISION_DTYPES if d in present), "float32")
 
 
+def _untyped(inputs: List[str], fed: Dict[str, Any], why: str) -> str:
+    given = ", ".join(f"{n}={fed[n]}" for n in inputs[:8] if n in fed)
+    return (f"gluon_amp.report: could not infer the graph's dtypes with its inputs as {{{given}}} ({why}); "
+            "pass the dtype of every data input, e.g. report(sym, data='float32'); "
+            f"inputs: {inputs[:8]}")
+
+
 def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -> Report:
     """List every op of a graph with its dtype and the reason for it.
 
@@ -142,11 +152,21 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
     beside = _beside(symbol_or_block)
     nodes = json.loads(sym.tojson(remove_amp_cast=False))["nodes"]
     attrs = sym.attr_dict()
-    known = {n: "float32" for n in sym.list_inputs() if "__dtype__" not in attrs.get(n, {})}
-    by_name = infer_dtypes(sym, {**known, **input_types})
+    inputs = sym.list_inputs()
+    known = {n: "float32" for n in inputs if "__dtype__" not in attrs.get(n, {})}
+    if isinstance(symbol_or_block, HybridBlock):
+        # as its executor was fed (O2's boundary casts the data, GPU-style code feeds float16) and its
+        # parameters are stored (O2 and a GPU-style cast store them low; the graph may declare float32)
+        given = {**plan_notes.fed_dtypes(symbol_or_block), **mxi.param_dtypes(symbol_or_block)}
+        known.update({n: t for n, t in given.items() if n in set(inputs)})
+    fed = {**known, **input_types}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # 1.9.1 prints the arguments it rejects
+            by_name = infer_dtypes(sym, fed)
+    except MXNetError as error:
+        raise ValueError(_untyped(inputs, fed, str(error).strip().splitlines()[0])) from None
     if by_name is None:
-        raise ValueError("could not infer the graph's dtypes; pass the dtype of every data input, "
-                         f"e.g. report(sym, data='float32'); inputs: {sym.list_inputs()[:8]}")
+        raise ValueError(_untyped(inputs, fed, "MXNet left some dtypes unknown"))
     label = _label(policy, {(n, 0): t for n, t in beside.real.items()} if beside.real else by_name)
     table = policy.table if policy is not None and policy.enabled else \
         default_table(label if label in LOW_PRECISION_DTYPES else runtime.emulated_target(None))

@@ -115,6 +115,7 @@ class Tuner:
     def rewrite(self, block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> Symbol:
         """The block's traced training graph with its structure's choices (none yet: the plan)."""
         plan_notes.record(block, "tuner", {})
+        plan_notes.record_plan_heads(block, None)
         if getattr(block, "amp_result", None) is not None:
             return out  # converted by gluon_amp: its plan (tuned or not) was fixed then
         arrays = [a for a in mxi.call_arrays(args) if isinstance(a, NDArray)]
@@ -148,6 +149,7 @@ class Tuner:
                           f"({wrong[:3]}); it runs the untuned plan. Please report this with the model.",
                           RuntimeWarning, stacklevel=5)
             return out
+        plan_notes.record_plan_heads(block, target.head_dtypes())  # its outputs as the plan's (execution.py)
         everywhere = set(choices) == set(target.low_ops()) and all(c.dtype == "float32" for c in choices.values())
         plan_notes.record(block, "tuner", {n: Note(Reason.MEASURED.value, f"float32: the whole graph {why}")
                                            if everywhere else measured_note(c) for n, c in choices.items()})

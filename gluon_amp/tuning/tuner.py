@@ -245,6 +245,11 @@ class Target:
             self._dtypes = infer_dtypes(self.sym, self.known, partial=True) or {}
         return self._dtypes
 
+    def head_dtypes(self) -> List[Optional[str]]:
+        """The dtypes of the plan's outputs, in order."""
+        typed, nodes = self.plan_dtypes(), self.graph["nodes"]
+        return [typed.get((nodes[j]["name"], k)) for j, k, _ in self.graph["heads"]]
+
     def low_ops(self) -> List[str]:
         """The op nodes the plan runs in the low dtype."""
         return low_op_nodes(self.graph["nodes"], self.plan_dtypes(), self.policy.target_dtype)

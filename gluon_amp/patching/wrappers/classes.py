@@ -106,6 +106,8 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
             for i, a in enumerate(args if variadic or len(args) <= n_pos else args[:n_pos]):
                 if isinstance(a, NDArray):
                     dt = CASTABLE.get(a.dtype)
+                    if dt in LOW_PRECISION_DTYPES:
+                        fed = fed or dt
                     if dt is not None and dt != want and not (
                             keep and i < len(input_names) and input_names[i] in keep):
                         if new_args is None:
@@ -115,6 +117,8 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
                 for k, v in kwargs.items():
                     if k != "out" and k not in keep and isinstance(v, NDArray):
                         dt = CASTABLE.get(v.dtype)
+                        if dt in LOW_PRECISION_DTYPES:
+                            fed = fed or dt
                         if dt is not None and dt != want:
                             kwargs[k] = cast_nd(v, want)
         if given is not None:
@@ -127,6 +131,10 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
         if emulate and want == low:
             out = _round_outputs(out, low)
             return out if fed is None else _cast_outputs(out, fed)
+        if want == low and fed is not None and fed != low:
+            # GPU-style code fed float16 to a bfloat16 op: its outputs in the dtype the code works
+            # in, as the op's emulated run and a hybridized graph give them (execution.outputs_as_fed)
+            return _cast_outputs(out, fed, low)
         return out
 
     if fixed is not None:
@@ -280,14 +288,14 @@ def _emulated(x: NDArray, to: str, given: str, low: str) -> NDArray:
     return cast_nd(x, "float32") if given in LOW_PRECISION_DTYPES else x
 
 
-def _cast_outputs(out: Any, dtype: str) -> Any:
-    """An emulated low-precision op's float32 outputs, for a caller that fed it ``dtype``
-    (GPU-only code working in float16): in that dtype, as a graph fed so gives them
-    (:func:`gluon_amp_core.emulate.emulate_graph`)."""
+def _cast_outputs(out: Any, dtype: str, computed: str = "float32") -> Any:
+    """A low-precision op's outputs computed in ``computed`` (float32 emulated, the target
+    natively), for a caller that fed it ``dtype`` (GPU-only code working in float16): in that
+    dtype, as a graph fed so gives them (:func:`gluon_amp_core.emulate.emulate_graph`)."""
     if isinstance(out, NDArray):
-        return cast_nd(out, dtype) if mxi.FLOAT_NAMES.get(out.dtype) == "float32" else out
+        return cast_nd(out, dtype) if mxi.FLOAT_NAMES.get(out.dtype) == computed else out
     if isinstance(out, (list, tuple)):
-        return type(out)(_cast_outputs(o, dtype) for o in out)
+        return type(out)(_cast_outputs(o, dtype, computed) for o in out)
     return out
 
 

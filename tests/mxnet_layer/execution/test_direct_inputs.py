@@ -105,14 +105,25 @@ def test_conv_then_transposed_conv_trains_in_every_mode_and_api(mode, fp32_losse
         assert all(abs(g - w) <= bound * max(abs(w), 1e-3) for g, w in zip(got, want)), (api, got, want)
 
 
-@pytest.mark.bf16_kernels
-def test_conv_then_transposed_conv_trains_in_native_bfloat16(fp32_losses):
+@pytest.fixture(scope="module")
+def emulated_bfloat16_losses():
+    """The same plans run emulated: the reference a native bfloat16 run is held to (issue 46)."""
+    r = _run("train", "emulate_bfloat16")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_conv_then_transposed_conv_trains_in_native_bfloat16(emulated_bfloat16_losses, native_host):
+    """Each API's losses natively are the same plan's emulated ones, up to the kernels' own
+    accumulation order (measured on Zen 4: 1e-5 apart; the converted block trained fused, its
+    convolution's gradient zero: 6% apart after 3 steps). The worker inherits the simulation."""
     r = _run("train", "native_bfloat16")
     assert r.returncode == 0, r.stderr[-3000:]
     losses = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(losses) == set(emulated_bfloat16_losses) - {"float16_parameters"}
     for api, got in losses.items():
-        want = fp32_losses[api]
-        assert all(abs(g - w) <= 5e-2 * max(abs(w), 1e-3) for g, w in zip(got, want)), (api, got, want)
+        want = emulated_bfloat16_losses[api]
+        assert all(abs(g - w) <= 1e-2 * max(abs(w), 1e-3) for g, w in zip(got, want)), (api, got, want)
 
 
 def _layers():

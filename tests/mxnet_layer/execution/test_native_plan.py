@@ -1,7 +1,8 @@
 """Which graph runs where bfloat16 runs natively (issue 41, items 6 and 7), decided in-process:
 ``runtime.capability`` is replaced by a native-bfloat16 one (the seam ``speed/test_probe.py``
 uses), so :func:`gluon_amp.execution.graph_to_run` decides as on a bfloat16 host; nothing runs
-a bfloat16 kernel. The runs themselves are checked under the hardware marker.
+a bfloat16 kernel. The runs themselves take the ``native_host`` fixture: simulated on every CPU,
+and real where the CPU has bfloat16 kernels (tests/README.md).
 
 - GPU-style float16 code (``net.cast('float16')``, ``net(x.astype('float16'))``) under native
   bfloat16: the float16 data is only cast to bfloat16, so the plan runs, hybridized as it does
@@ -29,7 +30,7 @@ NATIVE = Capability(0, Bf16.NATIVE, "AVX512_CORE_BF16", "oneDNN runs bfloat16 na
 
 
 @pytest.fixture
-def native_host(monkeypatch):
+def native_capability(monkeypatch):
     """This process decides as a CPU with native bfloat16 does (the speed probe off)."""
     monkeypatch.setattr(runtime, "capability", lambda: NATIVE)
     monkeypatch.setattr(gluon_amp.state.process, "said", set())
@@ -69,7 +70,7 @@ def _head_dtype(sym, fed):
 SHAPES = {"data": (2, 3, 8, 8)}
 
 
-def test_gpu_style_float16_code_runs_the_bfloat16_plan_natively(native_host):
+def test_gpu_style_float16_code_runs_the_bfloat16_plan_natively(native_capability):
     policy = _init(target_dtype="bfloat16")
     assert not policy.emulate and runtime.executable("bfloat16", "cpu")
     net = _cnn()
@@ -83,7 +84,7 @@ def test_gpu_style_float16_code_runs_the_bfloat16_plan_natively(native_host):
     assert _head_dtype(plan, fed) == "bfloat16" and _head_dtype(run, fed) == "float16"
 
 
-def test_a_plan_computing_in_float16_is_still_refused_on_a_cpu(native_host):
+def test_a_plan_computing_in_float16_is_still_refused_on_a_cpu(native_capability):
     policy = _init(target_dtype="float16")
     plan, params = _plan(_cnn())
     with pytest.raises(execution.CannotRun, match="float16 kernels.*emulate=True"):
@@ -91,7 +92,7 @@ def test_a_plan_computing_in_float16_is_still_refused_on_a_cpu(native_host):
 
 
 @pytest.mark.parametrize("entry", ["block", "symbol"])
-def test_bfloat16_outputs_come_back_float32_to_float32_code_and_the_plan_keeps_them(native_host, entry):
+def test_bfloat16_outputs_come_back_float32_to_float32_code_and_the_plan_keeps_them(native_capability, entry):
     policy = _init(target_dtype="bfloat16")
     net = gluon.nn.Dense(4, in_units=3)
     net.initialize()
@@ -106,10 +107,9 @@ def test_bfloat16_outputs_come_back_float32_to_float32_code_and_the_plan_keeps_t
     assert not execution.runs_emulated(plan)
 
 
-# -- on a CPU with bfloat16 kernels ---------------------------------------------------------
+# -- run on a native host (simulated everywhere, real with bfloat16 kernels) ---------------
 
-@pytest.mark.bf16_kernels
-def test_gpu_style_float16_training_step_runs_hybridized_as_unhybridized():
+def test_gpu_style_float16_training_step_runs_hybridized_as_unhybridized(native_host):
     _init(target_dtype="bfloat16")
     x = mx.nd.array(np.random.RandomState(0).uniform(-1, 1, (2, 3, 8, 8)))
     outs = []
@@ -127,11 +127,23 @@ def test_gpu_style_float16_training_step_runs_hybridized_as_unhybridized():
     assert np.abs(outs[0] - outs[1]).max() <= 2e-2 * np.abs(outs[0]).max()
 
 
-@pytest.mark.bf16_kernels
-def test_a_hybridized_block_s_output_is_float32_not_raw_bfloat16_words():
+def test_a_hybridized_block_s_output_is_float32_not_raw_bfloat16_words(native_host):
     _init(target_dtype="bfloat16")
     net = gluon.nn.Dense(4, in_units=3)
     net.initialize()
     net.hybridize()
     y = net(mx.nd.ones((2, 3)))
     assert y.dtype == np.float32 and y.asnumpy().shape == (2, 4)
+
+
+def test_gpu_style_float16_code_gets_float16_outputs_when_tuning_runs_the_graph_float32(native_host):
+    """The tuner's whole-graph rule runs a graph this small float32 until measured: the output
+    dtype must not follow timings. GPU-style code fed float16 gets float16, as the untuned plan
+    and its emulated copy give it (only float32 kernels run here: any CPU)."""
+    _init(target_dtype="bfloat16", tune=True)
+    net = _cnn()
+    net.cast("float16")
+    net.hybridize()
+    y = net(mx.nd.ones((2, 3, 8, 8), dtype="float16"))
+    assert set(gluon_amp.report(net, data="float16").totals_by_dtype) == {"float32"}  # the tuner's verdict
+    assert y.dtype == np.float16

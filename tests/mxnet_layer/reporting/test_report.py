@@ -58,3 +58,32 @@ def test_report_takes_a_bfloat16_data_input():
     rep = gluon_amp.report(sym, target_dtype="float16", data="bfloat16", fc_weight="bfloat16",
                            fc_bias="bfloat16")
     assert {r.name: r.dtype for r in rep.rows}["r"] == "bfloat16"
+
+
+class _Scale(mx.gluon.HybridBlock):
+    """``x * scale``: a parameter op that runs in float16 on every CPU."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.scale = self.params.get("scale", shape=(1, 4), init=mx.init.One())
+
+    def hybrid_forward(self, F, x, scale):
+        return F.broadcast_mul(x, scale)
+
+
+def test_report_types_a_block_with_its_parameters_as_stored(capsys):
+    """A cast after the first call (``net.cast``, O2's weights) leaves the graph declaring
+    float32 parameters: the report reads the dtypes the block binds, never MXNet's raw error."""
+    net = _Scale()
+    net.initialize()
+    net.hybridize()
+    net(mx.nd.ones((2, 4)))
+    net.cast("float16")
+    net(mx.nd.ones((2, 4), dtype="float16"))
+    rows = gluon_amp.report(net, data="float16").rows
+    assert [(r.op, r.dtype) for r in rows] == [("broadcast_mul", "float16")]
+    capsys.readouterr()
+    with pytest.raises(ValueError, match=r"inputs as \{data=float32, .*scale=float16\}.*report\(sym, data="):
+        gluon_amp.report(net)  # data taken as float32: MXNet rejects the pair, said as gluon_amp's error
+    assert "infer_type error" not in capsys.readouterr().out

@@ -150,8 +150,9 @@ def test_narrow_convolutions_run_float32_in_the_plan(emulate):
     assert [dtype for dtype, _ in conv_plan(net)] == ["bfloat16", "bfloat16", "float32"]
 
 
-@pytest.mark.bf16_kernels
-def test_o2_training_on_a_narrow_map_loses_no_step():
+def test_o2_training_on_a_narrow_map_loses_no_step(native_host):
+    """Natively, the narrow-map kernel (module docstring); simulated as well, the O2 plan and
+    ``report()`` of the O2 network, whose graph declares float32 parameters stored bfloat16."""
     net = narrow_net(4)
     net(X)  # O2 needs the parameter shapes
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.05, "momentum": 0.9},
