@@ -23,7 +23,7 @@ from ... import mxnet_internals as mxi
 from ...emulation import round_nd, unpatched
 from ...execution import CannotRun, cannot_run
 from ..low_cast import _caller_level
-from .casts import CASTABLE, cast_into, cast_nd, cast_sym, multicast_sym
+from .casts import CASTABLE, cast_into, cast_nd, cast_sym, either_frontend, multicast_sym
 
 
 def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
@@ -269,7 +269,8 @@ def _into(out: Any, result: Any, rounded: Optional[str]) -> Any:
     return out
 
 
-_SUB, _ADD, _ZEROS_LIKE = unpatched("elemwise_sub"), unpatched("elemwise_add"), unpatched("zeros_like")
+# legacy ops: the emulated op's own arrays may be numpy-mode ones (npx.deconvolution's)
+_SUB, _ADD, _ZEROS_LIKE = (either_frontend(unpatched(op)) for op in ("elemwise_sub", "elemwise_add", "zeros_like"))
 
 
 def _emulated(x: NDArray, to: str, given: str, low: str) -> NDArray:
@@ -350,10 +351,13 @@ def sym_wrapper(fn: Callable, op: str, table: OpTable, info: mxi.OpInfo, sig: mx
     return amp_op
 
 
-def _recompose(sym: Symbol, d: Decision, info: mxi.OpInfo, given: set) -> Symbol:
+def _recompose(built: Any, d: Decision, info: mxi.OpInfo, given: set) -> Any:
+    """``built`` (an op function's result, a list of outputs in numpy mode) rebuilt with
+    casts in front of its inputs; same API form (:func:`gluon_amp.mxnet_internals.rebuild_op`)."""
+    sym = mxi.op_head(built)
     children = sym.get_children()
     if children is None:
-        return sym
+        return built
     aux = set(sym.list_auxiliary_states())
     inputs = []
     for i in range(len(children)):
@@ -366,4 +370,4 @@ def _recompose(sym: Symbol, d: Decision, info: mxi.OpInfo, given: set) -> Symbol
         name = info.inputs[i] if i < len(info.inputs) else ""
         keep = d.dtype is None or child.name in aux or name in d.keep_fp32
         inputs.append(child if keep else cast_sym(child, d.dtype))
-    return mxi.rebuild_op(sym, inputs)
+    return mxi.rebuild_op(built, inputs)
