@@ -8,9 +8,10 @@ shapes of everything the block returns (first call under ``autograd.record()``, 
 call outside it), and its parameters' shapes after deferred initialization; where plain MXNet
 raises, the same exception class.
 
-Modes: emulated bfloat16 and emulated float16 on any CPU; native bfloat16 where oneDNN has the
-kernels (the hardware marker). A layer class appearing in a new MXNet without a recipe here
-fails ``test_every_gluon_layer_class_has_a_recipe``.
+Modes: emulated bfloat16, emulated float16, and native bfloat16 on a simulated native host, on
+any CPU; native bfloat16 for real where oneDNN has the kernels (the hardware marker). A layer
+class appearing in a new MXNet without a recipe here fails
+``test_every_gluon_layer_class_has_a_recipe``.
 """
 import functools
 import inspect
@@ -254,17 +255,34 @@ def _same(plain: Any, got: Any) -> bool:
     return got == plain
 
 
-MODES = [pytest.param({"target_dtype": "bfloat16", "emulate": True}, id="emulated-bfloat16"),
-         pytest.param({"target_dtype": "float16", "emulate": True}, id="emulated-float16"),
-         pytest.param({"target_dtype": "bfloat16"}, id="native-bfloat16", marks=pytest.mark.bf16_kernels)]
+KWARGS = {"emulated-bfloat16": {"target_dtype": "bfloat16", "emulate": True},
+          "emulated-float16": {"target_dtype": "float16", "emulate": True},
+          "native-simulated": {"target_dtype": "bfloat16"}, "native-real": {"target_dtype": "bfloat16"}}
 
 
-@pytest.mark.parametrize("kwargs", MODES)
-def test_every_layer_variant_gives_what_plain_mxnet_gives_in_numpy_mode(kwargs):
-    plain = plain_results()
+@pytest.fixture(params=["emulated-bfloat16", "emulated-float16", "native-simulated",
+                        pytest.param("native-real", marks=pytest.mark.bf16_kernels)])
+def amp_mode(request):
+    """The ``init`` arguments of an AMP mode, on any CPU: native bfloat16 runs on a simulated
+    native host (``gluon_amp.runtime.simulate_native_bf16``, tests/README.md), and for real
+    where this CPU has bfloat16 kernels (the hardware marker skips it elsewhere)."""
+    if request.param == "native-simulated":
+        with gluon_amp.runtime.simulate_native_bf16():
+            yield KWARGS[request.param]
+    else:
+        yield KWARGS[request.param]
+
+
+@pytest.fixture(scope="module")
+def plain() -> Dict[Case, Any]:
+    """Plain MXNet's results, taken before any test's mode (or simulated host) is set up."""
+    return plain_results()
+
+
+def test_every_layer_variant_gives_what_plain_mxnet_gives_in_numpy_mode(plain, amp_mode):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        gluon_amp.init(**kwargs)
+        gluon_amp.init(**amp_mode)
     npx.set_np()
     try:
         got = {c: _run(c) for c in plain}
@@ -280,10 +298,9 @@ def test_every_gluon_layer_class_has_a_recipe():
     assert set(layer_classes()) - NOT_LAYERS == set(RECIPES)
 
 
-def test_the_sweep_covers_each_optional_input_and_deferred_shape():
+def test_the_sweep_covers_each_optional_input_and_deferred_shape(plain):
     """Both sides of each axis run in plain MXNet, hybridized and not; the classes plain MXNet
     refuses in numpy mode are the ones 1.9.1 leaves legacy (a recipe mistake would add one)."""
-    plain = plain_results()
     for axis, values in [("use_bias", (True, False)), ("in_units", ("given", "deferred")),
                          ("in_channels", ("given", "deferred")), ("input_size", ("given", "deferred")),
                          ("state", ("given", "none"))]:
@@ -308,12 +325,11 @@ def _amp(kwargs: Dict[str, Any]) -> None:
         gluon_amp.init(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs", MODES)
 @pytest.mark.parametrize("layer", ["dense", "conv2d"])
-def test_a_hybridized_layer_without_bias_gives_numpy_arrays(numpy_mode, kwargs, layer):
+def test_a_hybridized_layer_without_bias_gives_numpy_arrays(numpy_mode, amp_mode, layer):
     """d2l's Transformer: an op built with fewer inputs than it declares is rebuilt with
     casts wired in; the rebuilt op was a legacy Symbol, so the block returned NDArray."""
-    _amp(kwargs)
+    _amp(amp_mode)
     net = (nn.Dense(4, flatten=False, use_bias=False) if layer == "dense"
            else nn.Conv2D(4, 3, use_bias=False))
     net.initialize()
@@ -323,11 +339,20 @@ def test_a_hybridized_layer_without_bias_gives_numpy_arrays(numpy_mode, kwargs, 
     assert isinstance(y, mx.np.ndarray) and y.shape == ((2, 3, 4) if layer == "dense" else (2, 4, 4, 4))
 
 
-@pytest.mark.parametrize("kwargs", [pytest.param({}, id="init()"), *MODES])
 @pytest.mark.parametrize("cls", [rnn.GRU, rnn.LSTM, rnn.RNN], ids=lambda c: c.__name__)
-def test_a_recurrent_layer_runs_deferred_and_hybridized_in_numpy_mode(numpy_mode, kwargs, cls):
+def test_a_recurrent_layer_runs_deferred_and_hybridized_in_numpy_mode(numpy_mode, amp_mode, cls):
     """d2l's RNNLM: numpy mode's ``npx.rnn`` returns a list of outputs, which the op rebuild
     took for one Symbol ('list' object has no attribute 'get_children')."""
+    _recurrent_layers_run(amp_mode, cls)
+
+
+@pytest.mark.parametrize("cls", [rnn.GRU, rnn.LSTM, rnn.RNN], ids=lambda c: c.__name__)
+def test_a_recurrent_layer_runs_in_numpy_mode_under_default_init(numpy_mode, cls):
+    """``init()`` with no arguments (the machine's default mode) too."""
+    _recurrent_layers_run({}, cls)
+
+
+def _recurrent_layers_run(kwargs: Dict[str, Any], cls: type) -> None:
     _amp(kwargs)
     deferred = cls(HIDDEN)
     deferred.initialize()
