@@ -103,20 +103,24 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
             new_args, fed = emulated_inputs(args, kwargs, want, keep)
         else:
             new_args = None
+            # a widest float64 (numpy mode promotes mixed dtypes): amp_cast makes no float64
+            # (oneDNN: "unknown type for MKLDNN"), so the others come in float32, exactly, and
+            # MXNet promotes them as it does in FP32
+            to = "float32" if want == "float64" else want
             for i, a in enumerate(args if variadic or len(args) <= n_pos else args[:n_pos]):
                 if isinstance(a, NDArray):
                     dt = CASTABLE.get(a.dtype)
-                    if dt is not None and dt != want and not (
+                    if dt is not None and dt != to and not (
                             keep and i < len(input_names) and input_names[i] in keep):
                         if new_args is None:
                             new_args = list(args)
-                        new_args[i] = cast_nd(a, want)
+                        new_args[i] = cast_nd(a, to)
             if kwargs:
                 for k, v in kwargs.items():
                     if k != "out" and k not in keep and isinstance(v, NDArray):
                         dt = CASTABLE.get(v.dtype)
-                        if dt is not None and dt != want:
-                            kwargs[k] = cast_nd(v, want)
+                        if dt is not None and dt != to:
+                            kwargs[k] = cast_nd(v, to)
         if given is not None:
             return _call_with_out(fn, sig, new_args or list(args), kwargs, given, want,
                                   low if emulate and want == low else None)

@@ -396,3 +396,23 @@ def test_an_op_rebuilt_with_casts_keeps_its_frontend_and_its_list_of_outputs(num
     legacy = mx.sym.FullyConnected(mx.sym.var("x"), num_hidden=3, no_bias=True)
     again = mxi.rebuild_op(legacy, legacy.get_children())
     assert not isinstance(again, mxi.NP_SYMBOL) and again.list_arguments() == legacy.list_arguments()
+
+
+def test_a_float64_operand_is_promoted_as_plain_mxnet_promotes_it(numpy_mode, amp_mode):
+    """Found with d2l's BERT fed float64 weights: numpy mode's binary ops promote mixed dtypes
+    (float32 with float64 gives float64); a widest-type op cast its other inputs to float64
+    with amp_cast, which oneDNN refuses ("unknown type for MKLDNN :1") under native init."""
+    import numpy as onp
+    net = nn.Dense(3, flatten=False)
+    net.initialize()
+    x = mx.np.ones((2, 4, 5))
+    w = mx.np.array(onp.full((2, 4, 3), 0.5))
+    assert w.dtype == onp.float64
+    plain = [(net(x) * w).asnumpy(), (x.sum(axis=-1) + w[..., 0]).asnumpy()]
+    _amp(amp_mode)
+    with autograd.record():
+        got = [net(x) * w, x.sum(axis=-1) + w[..., 0]]
+    got[0].backward()
+    for g, p in zip(got, plain):
+        assert isinstance(g, mx.np.ndarray) and g.dtype == onp.float64 and g.shape == p.shape
+        assert abs(g.asnumpy() - p).max() <= 2e-2 * abs(p).max()
