@@ -45,8 +45,11 @@ install-dist: install
 # versions of its own: --no-deps keeps the venv's (its imports work with them).
 # GluonTS 0.11 (the last with gluonts.mx for MXNet 1.9) asks for pandas~=1.0: --no-deps keeps
 # the venv's pandas 2 (gluoncv's), which runs it; pydantic 1 and toolz are what it imports besides.
+# d2l 1.0.3 pins mxnet/numpy/pandas of its own: --no-deps keeps the venv's; what d2l.mxnet
+# imports besides: requests and matplotlib (gluoncv brings them), IPython and matplotlib-inline
+# (the notebook extra's ipykernel brings them).
 CLIENTS := sockeye==2.3.24 sacrebleu==1.4.14 portalocker \
-	gluonts==0.11.12 "pydantic>=1.7,<2" "toolz>=0.10"
+	gluonts==0.11.12 "pydantic>=1.7,<2" "toolz>=0.10" d2l==1.0.3
 
 # ruff.toml: pyflakes and pycodestyle (E, W, F), lines up to 120 characters.
 lint: install

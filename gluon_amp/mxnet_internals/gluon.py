@@ -146,13 +146,29 @@ def symbol_of_class(cls: type, sym: Symbol) -> Symbol:
     return out
 
 
-def rebuild_op(sym: Symbol, inputs: List[Symbol]) -> Symbol:
-    """The op node ``sym`` applied to new ``inputs`` under the same name and attributes.
+def rebuild_op(built: Any, inputs: List[Symbol]) -> Any:
+    """The op node ``built`` (what an op function returned) applied to new ``inputs`` under
+    the same name and attributes, in the same API form: a numpy-frontend Symbol where
+    ``built`` is one, and a list of outputs where it is a list.
 
-    1.9.1: ``Symbol._gen_atomic_symbol`` makes an unbound copy of the head op. Used when
-    MXNet created an op's weights itself and casts must be wired in after the fact.
+    1.9.1: ``Symbol._gen_atomic_symbol`` makes an unbound copy of the head op, always a legacy
+    Symbol; a numpy-mode op function (``npx.rnn``, mxnet/_ctypes/symbol.py ``_symbol_creator``)
+    returns the numpy class, and a list of its outputs where the op has more than one. Used
+    when MXNet created an op's weights itself and casts must be wired in after the fact.
     """
-    return sym._gen_atomic_symbol()(*inputs, name=sym.name)
+    head = op_head(built)
+    out = head._gen_atomic_symbol()(*inputs, name=head.name)
+    if isinstance(head, NP_SYMBOL):
+        out = out.as_np_ndarray()
+    if isinstance(built, (list, tuple)):
+        return [out[i] for i in range(out.num_outputs)] if out.num_outputs > 1 else [out]
+    return out
+
+
+def op_head(built: Any) -> Symbol:
+    """The Symbol whose head node is the op that made ``built`` (an op function's result: a
+    Symbol, or in numpy mode a list of one op's outputs)."""
+    return built[0] if isinstance(built, (list, tuple)) else built
 
 
 def drop_cached_graph(block: Any) -> None:

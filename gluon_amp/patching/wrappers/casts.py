@@ -2,7 +2,7 @@
 legacy and numpy frontends alike."""
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Any, Callable, List, Sequence
 
 import mxnet as mx
 from mxnet.ndarray import NDArray
@@ -34,6 +34,18 @@ def cast_into(x: NDArray, out: NDArray) -> NDArray:
         _nd_amp_cast(x.as_nd_ndarray(), dtype=out.dtype, out=out.as_nd_ndarray())
         return out
     return _nd_amp_cast(x.as_nd_ndarray() if isinstance(x, _np_ndarray) else x, dtype=out.dtype, out=out)
+
+
+def either_frontend(op: Callable[..., NDArray]) -> Callable[..., NDArray]:
+    """``op``, a legacy imperative op, taking numpy-frontend arrays too: they go through
+    zero-copy views, and the result is in the frontend of the first array given (numpy mode
+    refuses ``mx.np`` arrays to legacy ops, 1.9.1 ``_verify_all_legacy_ndarrays``)."""
+    def run(*args: Any, **kwargs: Any) -> NDArray:
+        first = next((a for a in args if isinstance(a, NDArray)), None)
+        out = op(*[a.as_nd_ndarray() if isinstance(a, _np_ndarray) else a for a in args], **kwargs)
+        return out.as_np_ndarray() if isinstance(first, _np_ndarray) else out
+
+    return run
 
 
 def cast_sym(x: Symbol, dtype: str) -> Symbol:

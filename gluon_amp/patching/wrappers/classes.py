@@ -23,7 +23,7 @@ from ... import mxnet_internals as mxi
 from ...emulation import round_nd, unpatched
 from ...execution import CannotRun, cannot_run
 from ..low_cast import _caller_level
-from .casts import CASTABLE, cast_into, cast_nd, cast_sym, multicast_sym
+from .casts import CASTABLE, cast_into, cast_nd, cast_sym, either_frontend, multicast_sym
 
 
 def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
@@ -103,24 +103,28 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
             new_args, fed = emulated_inputs(args, kwargs, want, keep)
         else:
             new_args = None
+            # a widest float64 (numpy mode promotes mixed dtypes): amp_cast makes no float64
+            # (oneDNN: "unknown type for MKLDNN"), so the others come in float32, exactly, and
+            # MXNet promotes them as it does in FP32
+            to = "float32" if want == "float64" else want
             for i, a in enumerate(args if variadic or len(args) <= n_pos else args[:n_pos]):
                 if isinstance(a, NDArray):
                     dt = CASTABLE.get(a.dtype)
                     if dt in LOW_PRECISION_DTYPES:
                         fed = fed or dt
-                    if dt is not None and dt != want and not (
+                    if dt is not None and dt != to and not (
                             keep and i < len(input_names) and input_names[i] in keep):
                         if new_args is None:
                             new_args = list(args)
-                        new_args[i] = cast_nd(a, want)
+                        new_args[i] = cast_nd(a, to)
             if kwargs:
                 for k, v in kwargs.items():
                     if k != "out" and k not in keep and isinstance(v, NDArray):
                         dt = CASTABLE.get(v.dtype)
                         if dt in LOW_PRECISION_DTYPES:
                             fed = fed or dt
-                        if dt is not None and dt != want:
-                            kwargs[k] = cast_nd(v, want)
+                        if dt is not None and dt != to:
+                            kwargs[k] = cast_nd(v, to)
         if given is not None:
             return _call_with_out(fn, sig, new_args or list(args), kwargs, given, want,
                                   low if emulate and want == low else None)
@@ -277,7 +281,8 @@ def _into(out: Any, result: Any, rounded: Optional[str]) -> Any:
     return out
 
 
-_SUB, _ADD, _ZEROS_LIKE = unpatched("elemwise_sub"), unpatched("elemwise_add"), unpatched("zeros_like")
+# legacy ops: the emulated op's own arrays may be numpy-mode ones (npx.deconvolution's)
+_SUB, _ADD, _ZEROS_LIKE = (either_frontend(unpatched(op)) for op in ("elemwise_sub", "elemwise_add", "zeros_like"))
 
 
 def _emulated(x: NDArray, to: str, given: str, low: str) -> NDArray:
@@ -358,10 +363,13 @@ def sym_wrapper(fn: Callable, op: str, table: OpTable, info: mxi.OpInfo, sig: mx
     return amp_op
 
 
-def _recompose(sym: Symbol, d: Decision, info: mxi.OpInfo, given: set) -> Symbol:
+def _recompose(built: Any, d: Decision, info: mxi.OpInfo, given: set) -> Any:
+    """``built`` (an op function's result, a list of outputs in numpy mode) rebuilt with
+    casts in front of its inputs; same API form (:func:`gluon_amp.mxnet_internals.rebuild_op`)."""
+    sym = mxi.op_head(built)
     children = sym.get_children()
     if children is None:
-        return sym
+        return built
     aux = set(sym.list_auxiliary_states())
     inputs = []
     for i in range(len(children)):
@@ -374,4 +382,4 @@ def _recompose(sym: Symbol, d: Decision, info: mxi.OpInfo, given: set) -> Symbol
         name = info.inputs[i] if i < len(info.inputs) else ""
         keep = d.dtype is None or child.name in aux or name in d.keep_fp32
         inputs.append(child if keep else cast_sym(child, d.dtype))
-    return mxi.rebuild_op(sym, inputs)
+    return mxi.rebuild_op(built, inputs)
