@@ -44,7 +44,9 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
 
     Returns ``plan`` itself when it holds nothing in low precision or when no policy applies;
     where every device runs the dtypes its kernels compute in, the plan with its outputs in the
-    dtype the caller feeds (:func:`outputs_as_fed`); a new emulated Symbol when ``policy.emulate``.
+    dtype the caller feeds (:func:`outputs_as_fed`); a new emulated Symbol when ``policy.emulate``,
+    and on a simulated native host (:func:`gluon_amp.runtime.simulated`) where the plan runs
+    bfloat16 kernels, with or without a policy: that host's only change to what runs.
 
     Raises
     ------
@@ -52,20 +54,23 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
         gluon_amp's, naming ``emulate=True``, when a device cannot run a low dtype the plan's
         kernels compute in (:func:`kernel_dtypes`), before MXNet fails on it with its own error.
     """
-    if policy is None or not policy.enabled:
+    simulated = runtime.simulated()
+    if (policy is None or not policy.enabled) and not simulated:
         return plan
     typed = infer_dtypes(plan, dtypes, partial=True) or {}
     low = {t for t in typed.values() if t in LOW_PRECISION_DTYPES}
     if not low:
         return plan
-    if policy.emulate:
+    if policy is not None and policy.enabled and policy.emulate:
         return emulated(plan, typed, shapes, fed=dtypes)
     kernels = kernel_dtypes(plan, typed)
     for device in sorted(set(devices)):
         for dtype in sorted(kernels):
             if not runtime.executable(dtype, device):
                 raise CannotRun(cannot_run(what, dtype, device))
-    return outputs_as_fed(plan, typed, dtypes)
+    if simulated and "bfloat16" in kernels:  # a simulated native host: its bfloat16 kernels emulated
+        return emulated(plan, typed, shapes, fed=dtypes)
+    return outputs_as_fed(plan, typed, dtypes) if policy is not None and policy.enabled else plan
 
 
 #: Suffix of the cast that gives a natively run plan's low-precision output in the fed dtype.
@@ -274,6 +279,8 @@ def _forget() -> None:
 
 
 state.register_extension(state.Extension(_on_init, _on_disable, _forget))
+# a simulated native host (tests): graphs bound without a policy hold bfloat16 kernels too
+runtime.on_simulation(lambda: hold("simulated"), lambda: release("simulated"))
 
 
 def executed_graph(block: HybridBlock) -> Optional[Symbol]:
@@ -296,12 +303,12 @@ def runs_emulated(obj: Any) -> bool:
 
 def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Symbol:
     policy = policy_for(block)
-    if policy is None:
+    if policy is None and not runtime.simulated():
         return plan
     known, shapes = mxi.call_inputs(block, args, inputs)
     devices = {a.context.device_type for a in mxi.call_arrays(args) if isinstance(a, NDArray)}
     run = graph_to_run(plan, known, shapes, devices, policy, f"block {block.name!r}")
-    if run is not plan and policy.emulate:  # the report says which nodes real AMP runs low
+    if run is not plan and policy is not None and policy.emulate:  # the report says which nodes real AMP runs low
         typed = infer_dtypes(plan, known, partial=True) or {}
         plan_notes.record_emulated(block, {name: t for (name, i), t in typed.items()
                                            if i == 0 and t in LOW_PRECISION_DTYPES})
@@ -311,7 +318,7 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
 def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mapping[str, Tuple[int, ...]],
                 group2ctx: Optional[Mapping[str, Any]]) -> Union[Symbol, "mxi.RefusedRun"]:
     policy = policy_for(sym)
-    if policy is None:
+    if policy is None and not runtime.simulated():
         return sym
     devices = {ctx.device_type, *(c.device_type for c in (group2ctx or {}).values())}
     declared = sym.attr_dict()
@@ -320,7 +327,8 @@ def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mappin
     known = {n: CODE_DTYPE.get(int(declared[n]["__dtype__"]), "float32") if "__dtype__" in declared.get(n, {})
              else "float32" for n in inputs}
     known.update({k: mxi.FLOAT_NAMES.get(v) or dtype_name(v) for k, v in dtypes.items() if k in set(inputs)})
-    sym = without_identity_casts(sym, infer_dtypes(sym, known, partial=True) or {})
+    if policy is not None:  # else a simulated host's plain graph (graph_to_run), run as MXNet has it
+        sym = without_identity_casts(sym, infer_dtypes(sym, known, partial=True) or {})
     try:
         return graph_to_run(sym, known, shapes, devices, policy, "the bound symbol")
     except CannotRun as refused:

@@ -8,16 +8,17 @@ primitive is created (it reads ``DNNL_MAX_CPU_ISA`` once).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
 import platform
-from typing import Any, Dict, FrozenSet, Optional
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 from gluon_amp_core.capability import Bf16, Capability, classify
 from gluon_amp_core.resolve import Resolution, resolve_target
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, parse_target_dtype
-from gluon_amp_core.speed.probe import SpeedVerdict
+from gluon_amp_core.speed.probe import OpTiming, SpeedVerdict, timings_to_records
 from gluon_amp_core.timing_cache import TimingCache
 
 from . import state
@@ -118,12 +119,88 @@ def _run_probe() -> Optional[str]:
         return str(exc).strip().splitlines()[0].replace("MXNetError: ", "")
 
 
+# -- a simulated native-bfloat16 host (tests only) --------------------------------------
+
+#: ``1``: this process is a simulated native-bfloat16 host, for tests (tests/README.md).
+SIMULATE_ENV = "GLUON_AMP_SIMULATE_NATIVE_BF16"
+
+#: The probe's figures a simulated host reads where its timing cache holds none: the ratios
+#: this project's probe measured on an AMD Zen 4 (tests/core/data/probe_hosts.json, amd_zen4).
+SIMULATED_PROBE = (OpTiming("ResNet basic block, 64 channels at 56x56, batch 2", "basic_block", 29.8, 16.2),
+                   OpTiming("ResNet bottleneck block, 256 channels at 28x28, batch 2", "bottleneck_block", 11.7, 8.3),
+                   OpTiming("FullyConnected 2048->1000, batch 16", "dense", 3.7, 4.1))
+
+
+def simulated() -> bool:
+    """True in a simulated native-bfloat16 host (``GLUON_AMP_SIMULATE_NATIVE_BF16=1``): the
+    capability says native, the speed probe reads planted figures, and what runs bfloat16
+    kernels runs float32 ones whose bfloat16 outputs are rounded (imperative ops:
+    :mod:`gluon_amp.mxnet_internals.simulated`; bound graphs: their emulated copy,
+    :func:`gluon_amp.execution.graph_to_run`). Dtypes, casts, graphs and reports are the
+    native ones. For tests of every decision a bf16 host takes, on any CPU; not for users."""
+    return os.environ.get(SIMULATE_ENV) == "1"
+
+
+#: (start, stop) of what a simulated host needs beyond this module (the execution hooks:
+#: :mod:`gluon_amp.execution` registers them, importing this module, not the other way)
+_simulation_parts: List[Tuple[Callable[[], None], Callable[[], None]]] = []
+
+
+def on_simulation(start: Callable[[], None], stop: Callable[[], None]) -> None:
+    """Run ``start`` when this process becomes a simulated native host, ``stop`` when it stops."""
+    _simulation_parts.append((start, stop))
+
+
+def _start_simulation() -> None:
+    from . import mxnet_internals as mxi
+    from .type_inference import op_types
+    mxi.install_simulated_kernels(op_types)
+    for start, _ in _simulation_parts:
+        start()
+
+
+def _forget_machine() -> None:
+    from .speed import probe
+    capability.cache_clear()
+    timing_cache.cache_clear()
+    probe.forget()
+
+
+@contextlib.contextmanager
+def simulate_native_bf16() -> Iterator[Capability]:
+    """This process as a simulated native-bfloat16 host (:func:`simulated`) inside the block,
+    the machine as it is again after it: the environment variable, the cached capability,
+    timing cache and probe figures, the simulated kernels and the hooks they hold. Tests only
+    (the ``native_host`` fixture); subprocesses inherit it through the environment."""
+    from . import mxnet_internals as mxi
+    before = os.environ.get(SIMULATE_ENV)
+    os.environ[SIMULATE_ENV] = "1"
+    _forget_machine()
+    try:
+        yield capability()
+    finally:
+        if before is None:
+            os.environ.pop(SIMULATE_ENV, None)
+        else:
+            os.environ[SIMULATE_ENV] = before
+        mxi.remove_simulated_kernels()
+        for _, stop in _simulation_parts:
+            stop()
+        _forget_machine()
+
+
 @functools.lru_cache(maxsize=None)
 def capability() -> Capability:
     """What this process can execute: GPUs, and bfloat16 from the CPU flags, the
     ``DNNL_MAX_CPU_ISA`` cap and a probe that runs one tiny bf16 op. Cached: the ISA
-    oneDNN uses is fixed for the life of the process."""
+    oneDNN uses is fixed for the life of the process. Native bfloat16 where
+    :func:`simulated`."""
     import mxnet as mx
+    if simulated():
+        _start_simulation()
+        return Capability(mx.context.num_gpus(), Bf16.NATIVE, "AVX512_CORE_BF16",
+                          f"simulated native bfloat16 ({SIMULATE_ENV}=1, tests only): float32 kernels, "
+                          "bfloat16 outputs rounded")
     return classify(cpu_flags(), bool(_state["amx_permission"]), os.environ.get("DNNL_MAX_CPU_ISA"),
                     gpus=mx.context.num_gpus(), probe_error=_probe_bf16())
 
@@ -137,7 +214,10 @@ def timing_cache() -> TimingCache:
     """This machine's timing cache (probe figures and the tuner's per-op times)."""
     from .speed import probe  # imports MXNet: this module must not, before enable_amx
     cap = capability()
-    return probe.open_cache(probe.machine_key(cpu_flags(), amx_active(), cap.isa))
+    key = probe.machine_key(cpu_flags(), amx_active(), cap.isa)
+    if simulated():  # planted figures must never reach this machine's own cache
+        key["simulated_native_bf16"] = True
+    return probe.open_cache(key)
 
 
 def speed(target: Optional[str], warn: bool = True) -> Optional[SpeedVerdict]:
@@ -152,6 +232,10 @@ def speed(target: Optional[str], warn: bool = True) -> Optional[SpeedVerdict]:
         _say_once(f"gluon_amp: {probe.ENV}=0: the speed probe is off, so bfloat16 is chosen from the CPU "
                   "flags alone (on with native bfloat16), whatever its speed here. Unset it to measure.", warn)
         return None
+    if simulated():  # a simulated host's figures are planted, never measured on emulated kernels
+        cache = timing_cache()
+        if probe._entry("bfloat16") not in cache.load().entries:
+            cache.store({probe._entry("bfloat16"): timings_to_records(SIMULATED_PROBE)})
     return probe.verdict("bfloat16", timing_cache())
 
 

@@ -4,7 +4,8 @@ breaks if MXNet changes it. Import it as ``from . import mxnet_internals as mxi`
 
 ``arrays`` dtypes, host views, executors | ``registry`` op functions and their infos |
 ``code_swap`` the in-place swap init uses | ``gluon`` blocks, symbols, hooks | ``trainer``
-trainer, parameter and updater internals | ``custom_ops`` loading gluon_amp's compiled ops.
+trainer, parameter and updater internals | ``custom_ops`` loading gluon_amp's compiled ops |
+``simulated`` bfloat16 kernels of a simulated native host (tests).
 """
 from .arrays import *  # noqa: F401,F403
 from .code_swap import *  # noqa: F401,F403
@@ -15,4 +16,5 @@ from .arrays import BFLOAT16, FLOAT_NAMES, host_view, quiet_stderr, to_mx_dtype,
 from .code_swap import (SavedFunction, copy_function, is_redirected_to, original_function,  # noqa: F401
                         redirect, restore, retarget)
 from .custom_ops import *  # noqa: F401,F403
+from .simulated import *  # noqa: F401,F403
 from . import module  # noqa: F401,E402  (Module internals: mxi.module.*, imported where used)

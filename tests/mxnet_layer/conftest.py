@@ -55,6 +55,21 @@ def _isolated():
         gluon_amp.state.reset()  # also forgets converted results and releases their hooks
 
 
+@pytest.fixture(params=["simulated", pytest.param("real", marks=pytest.mark.bf16_kernels)])
+def native_host(request):
+    """A host that runs bfloat16 natively, twice: ``simulated`` on every CPU (a planted native
+    capability and probe figures, bfloat16 kernels run as float32 ones with rounded outputs:
+    ``gluon_amp.runtime.simulate_native_bf16``, tests/README.md), and ``real`` where this
+    CPU has bfloat16 kernels (the ``bf16_kernels`` marker skips it elsewhere, naming the
+    missing feature). Gives the capability in force; ``native_host.why`` says which it is.
+    Subprocesses the test starts inherit the simulation (its environment variable)."""
+    if request.param == "simulated":
+        with gluon_amp.runtime.simulate_native_bf16() as cap:
+            yield cap
+    else:
+        yield gluon_amp.runtime.capability()
+
+
 @pytest.fixture(scope="session")
 def no_bf16_why() -> str:
     """Why a no-bf16 process (``no_bf16_env``) has no bfloat16, as gluon_amp says it there.

@@ -101,8 +101,10 @@ def import_gluoncv():
 
 def no_bf16_env() -> dict:
     """Environment for a subprocess that behaves like an AVX2-only host on any CPU."""
-    return {**os.environ, "DNNL_MAX_CPU_ISA": "AVX2",
-            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "DNNL_MAX_CPU_ISA": "AVX2",
+           "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("GLUON_AMP_SIMULATE_NATIVE_BF16", None)  # never a simulated native host
+    return env
 
 def check_graph(sym, policy, excluded=(), **input_types):
     """Return ``(violations, counts by reason)``; no violations when every op runs as decided.
