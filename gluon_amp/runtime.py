@@ -161,8 +161,8 @@ def _start_simulation() -> None:
 
 def _forget_machine() -> None:
     from .speed import probe
-    capability.cache_clear()
-    timing_cache.cache_clear()
+    for cached in _MACHINE_CACHES:  # the functions themselves, whatever a test monkeypatched over them
+        cached.cache_clear()
     probe.forget()
 
 
@@ -218,6 +218,9 @@ def timing_cache() -> TimingCache:
     if simulated():  # planted figures must never reach this machine's own cache
         key["simulated_native_bf16"] = True
     return probe.open_cache(key)
+
+
+_MACHINE_CACHES = (capability, timing_cache)
 
 
 def speed(target: Optional[str], warn: bool = True) -> Optional[SpeedVerdict]:

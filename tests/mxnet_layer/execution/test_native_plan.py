@@ -127,8 +127,7 @@ def test_gpu_style_float16_training_step_runs_hybridized_as_unhybridized():
     assert np.abs(outs[0] - outs[1]).max() <= 2e-2 * np.abs(outs[0]).max()
 
 
-@pytest.mark.bf16_kernels
-def test_a_hybridized_block_s_output_is_float32_not_raw_bfloat16_words():
+def test_a_hybridized_block_s_output_is_float32_not_raw_bfloat16_words(native_host):
     _init(target_dtype="bfloat16")
     net = gluon.nn.Dense(4, in_units=3)
     net.initialize()

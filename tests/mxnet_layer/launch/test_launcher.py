@@ -313,8 +313,7 @@ def test_a_float16_cast_under_emulation_keeps_float32_holding_float16_values():
     assert iou.asnumpy().ravel().tolist() == [1.0, pytest.approx(16 / 112)]
 
 
-@pytest.mark.bf16_kernels
-def test_a_float16_cast_with_native_amp_is_left_to_the_plan():
+def test_a_float16_cast_with_native_amp_is_left_to_the_plan(native_host):
     gluon_amp.init(target_dtype="bfloat16", tune=False)
     net = _small_net()
     before = {p.name: p.data().asnumpy() for p in net.collect_params().values()}

@@ -18,8 +18,7 @@ def _run(net, x):
     return out.asnumpy(), grads
 
 
-@pytest.mark.bf16_kernels
-def test_mixed_net_forward_backward_within_bf16_tolerance():
+def test_mixed_net_forward_backward_within_bf16_tolerance(native_host):
     x = mx.nd.random.uniform(-1, 1, shape=(4, 3, 8, 8))
     ref_out, ref_grads = _run(make_net(seed=1), x)
     with gluon_amp.autocast("bfloat16"):
