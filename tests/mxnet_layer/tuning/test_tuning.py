@@ -105,7 +105,8 @@ def test_tune_needs_input_shapes_and_rejects_emulation_with_clear_errors():
     assert not gluon_amp.is_enabled()
 
 
-def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph_from_the_call_a_shape_repeats(native_host, monkeypatch):
+def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph_from_the_call_a_shape_repeats(
+        native_host, monkeypatch):
     """Real training steps at changing shapes: the first call runs the plan, the second (its
     shape repeats) tunes and rebuilds the graph; later shapes keep the choice (decided by a
     wide margin) without timing anything again; no step is lost."""
