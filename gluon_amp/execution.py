@@ -27,7 +27,7 @@ from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import drop_identity_casts
 
-from . import emulation_kernel, mxnet_internals as mxi, plan_notes, runtime, state
+from . import mxnet_internals as mxi, plan_notes, runtime, state
 from .emulation import emulate_symbol
 from .type_inference import infer_dtypes
 
@@ -281,15 +281,8 @@ def _forget() -> None:
 state.register_extension(state.Extension(_on_init, _on_disable, _forget))
 
 
-def _simulation_started() -> None:
-    """A simulated native host (tests): graphs bound without a policy hold bfloat16 kernels too;
-    the emulation's rounding kernel is loaded now (its first build takes seconds), not inside
-    the first graph a test builds, whose time the tuner reads."""
-    hold("simulated")
-    emulation_kernel.active()
-
-
-runtime.on_simulation(_simulation_started, lambda: release("simulated"))
+# a simulated native host (tests): graphs bound without a policy hold bfloat16 kernels too
+runtime.on_simulation(lambda: hold("simulated"), lambda: release("simulated"))
 
 
 def executed_graph(block: HybridBlock) -> Optional[Symbol]:

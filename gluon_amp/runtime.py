@@ -172,10 +172,11 @@ def simulate_native_bf16() -> Iterator[Capability]:
     the machine as it is again after it: the environment variable, the cached capability,
     timing cache and probe figures, the simulated kernels and the hooks they hold. Tests only
     (the ``native_host`` fixture); subprocesses inherit it through the environment."""
-    from . import mxnet_internals as mxi
+    from . import emulation_kernel, mxnet_internals as mxi
     before = os.environ.get(SIMULATE_ENV)
     os.environ[SIMULATE_ENV] = "1"
     _forget_machine()
+    emulation_kernel.active()  # built now (seconds, once), not in the first graph a test's tuner times
     try:
         yield capability()
     finally:
