@@ -32,8 +32,7 @@ def test_mixed_net_forward_backward_within_bf16_tolerance(native_host):
         assert np.linalg.norm(g - r) <= 0.05 * np.linalg.norm(r) + 1e-4, i
 
 
-@pytest.mark.bf16_kernels
-def test_ssd512_hybridized_train_and_predict_bf16():
+def test_ssd512_hybridized_train_and_predict_bf16(native_host):
     import_gluoncv()
     from gluoncv.model_zoo import get_model
     x = mx.nd.random.uniform(-1, 1, shape=(1, 3, 512, 512))
