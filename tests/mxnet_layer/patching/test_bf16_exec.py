@@ -1,5 +1,4 @@
-"""bfloat16 executes on this CPU (oneDNN): compare numerics against float32."""
-import pytest
+"""bfloat16 executes (on a native host: simulated on every CPU, and real where oneDNN has bf16 kernels): numerics against float32."""
 import numpy as np
 import mxnet as mx
 from mxnet import autograd
