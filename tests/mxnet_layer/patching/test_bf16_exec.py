@@ -1,4 +1,5 @@
-"""bfloat16 executes (on a native host: simulated on every CPU, and real where oneDNN has bf16 kernels): numerics against float32."""
+"""bfloat16 executes on a native host (simulated on every CPU; real where oneDNN has bf16 kernels):
+numerics against float32."""
 import numpy as np
 import mxnet as mx
 from mxnet import autograd
