@@ -25,6 +25,9 @@ def pytest_configure(config):
         "markers", "bf16_kernels: executes bfloat16 kernels; skipped, naming the missing CPU "
         "feature, where oneDNN has none (below AVX-512, or DNNL_MAX_CPU_ISA caps it there)")
     config.addinivalue_line(
+        "markers", "simulated_native: runs on a simulated native-bfloat16 host, on every CPU (a "
+        "parameter's twin of one marked bf16_kernels; tests/README.md)")
+    config.addinivalue_line(
         "markers", "slow: runs a benchmark, the notebook or a real client, or takes over 20 s on 2 cores; "
         "`make test-quick` (pytest -m 'not slow') leaves it out, `make test` runs it")
 
@@ -53,6 +56,16 @@ def _isolated():
     finally:
         gluon_amp.disable()
         gluon_amp.state.reset()  # also forgets converted results and releases their hooks
+
+
+@pytest.fixture(autouse=True)
+def _simulated_native(request):
+    """A test (parameter) marked ``simulated_native`` runs on a simulated native host."""
+    if request.node.get_closest_marker("simulated_native") is None:
+        yield None
+        return
+    with gluon_amp.runtime.simulate_native_bf16() as cap:
+        yield cap
 
 
 @pytest.fixture(params=["simulated", pytest.param("real", marks=pytest.mark.bf16_kernels)])

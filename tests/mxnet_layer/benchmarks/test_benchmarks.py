@@ -91,8 +91,8 @@ def test_ssd_synthetic_without_bf16_kernels_runs_fp32_and_says_why(tmp_path, no_
     assert math.isfinite(doc["modes"][0]["final_ce"])
 
 
-@pytest.mark.bf16_kernels
-def test_ssd_synthetic_where_bfloat16_was_measured_slower_runs_fp32_and_gives_the_figures(tmp_path, monkeypatch):
+def test_ssd_synthetic_where_bfloat16_was_measured_slower_runs_fp32_and_gives_the_figures(native_host, tmp_path,
+                                                                                          monkeypatch):
     """`make bench`'s command on a host whose probe measured bfloat16 slower (issue 26's Intel
     figures, planted in this machine's cache): AMP stays off, and the table says why."""
     from gluon_amp import runtime

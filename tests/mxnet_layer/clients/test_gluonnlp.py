@@ -41,6 +41,7 @@ MODES = {
     "emulated-float16": dict(target_dtype="float16", emulate=True),
     "emulated-bfloat16": dict(target_dtype="bfloat16", emulate=True),
     "native-bfloat16": dict(target_dtype="bfloat16", tune=False),
+    "simulated-bfloat16": dict(target_dtype="bfloat16", tune=False),  # native, simulated: every CPU
 }
 LOSS_TOL = {"float16": 0.01, "bfloat16": 0.03}
 LOGIT_TOL = {"float16": 2e-2, "bfloat16": 8e-2}
@@ -49,7 +50,8 @@ LOGIT_TOL = {"float16": 2e-2, "bfloat16": 8e-2}
 def _mode_params() -> List:
     out = []
     for name in MODES:
-        marks = [pytest.mark.bf16_kernels] if name.startswith("native") else []
+        marks = ([pytest.mark.bf16_kernels] if name.startswith("native") else
+                 [pytest.mark.simulated_native] if name.startswith("simulated") else [])
         out.append(pytest.param(name, marks=marks, id=name))
     return out
 

@@ -28,6 +28,7 @@ MODES = {
     "emulated-float16": ["--emulate", "--target-dtype", "float16"],
     "emulated-bfloat16": ["--emulate", "--target-dtype", "bfloat16"],
     "native-bfloat16": ["--target-dtype", "bfloat16"],
+    "simulated-bfloat16": ["--target-dtype", "bfloat16"],  # native, simulated: every CPU
 }
 
 DRIVER = '''
@@ -83,7 +84,8 @@ def fp32(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("fp32"), None)
 
 
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=[pytest.mark.bf16_kernels] if m.startswith("native") else [])
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=[pytest.mark.bf16_kernels] if m.startswith("native") else
+                                                 [pytest.mark.simulated_native] if m.startswith("simulated") else [])
                                   for m in MODES])
 def test_gluonts_trains_and_forecasts_under_the_launcher(mode, fp32, tmp_path):
     got = _run(tmp_path, MODES[mode])

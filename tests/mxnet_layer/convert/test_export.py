@@ -87,8 +87,7 @@ def test_float16_export_on_a_cpu_writes_every_parameter_in_the_plans_dtype(tmp_p
     _check_file(str(tmp_path / "cm"), 0, converted, plan)
 
 
-@pytest.mark.bf16_kernels
-def test_bfloat16_export_without_a_forward_pass_equals_mxnets_after_one(tmp_path):
+def test_bfloat16_export_without_a_forward_pass_equals_mxnets_after_one(native_host, tmp_path):
     """Where bfloat16 runs, the files equal MXNet's own forward-then-export (fused graph
     included), and the loaded pair computes the same outputs."""
     net = _net()
@@ -100,14 +99,18 @@ def test_bfloat16_export_without_a_forward_pass_equals_mxnets_after_one(tmp_path
     mx.gluon.HybridBlock.export(ref, str(tmp_path / "ref"), 0, remove_amp_cast=False)  # MXNet's own
     with open(tmp_path / "mine-symbol.json") as a, open(tmp_path / "ref-symbol.json") as b:
         graph = json.load(a)
-        assert graph == json.load(b)
+        if not gluon_amp.runtime.simulated():  # MXNet writes back the partition of what ran: there, the
+            assert graph == json.load(b)       # simulation's float32 copy, which the block does not keep
     assert "_sg_mkldnn_conv" in {n["op"] for n in graph["nodes"]}
     theirs = mx.nd.load(str(tmp_path / "ref-0000.params"))
     assert "bfloat16" in {dtype_name(v.dtype) for v in theirs.values()}
     _check_file(str(tmp_path / "mine"), 0, theirs, mine.amp_result.param_dtypes)
     _check_file(str(tmp_path / "mine"), 0, _block_params(mine), mine.amp_result.param_dtypes)
     loaded = _loads_like(str(tmp_path / "mine"), 0, mine)
-    assert np.array_equal(loaded(X).asnumpy(), out)
+    if gluon_amp.runtime.simulated():  # the fused export's oneDNN ops run float32, rounded around only
+        assert np.linalg.norm(loaded(X).asnumpy() - out) <= 2 ** -8 * np.linalg.norm(out)
+    else:
+        assert np.array_equal(loaded(X).asnumpy(), out)
     assert np.array_equal(mine(X).asnumpy(), out)  # exporting first changed nothing the block runs
 
 

@@ -1,8 +1,8 @@
 """Which graph runs where bfloat16 runs natively (issue 41, items 6 and 7), decided in-process:
 ``runtime.capability`` is replaced by a native-bfloat16 one (the seam ``speed/test_probe.py``
 uses), so :func:`gluon_amp.execution.graph_to_run` decides as on a bfloat16 host; nothing runs
-a bfloat16 kernel. The runs themselves take the ``native_host`` fixture: simulated on every CPU,
-and real where the CPU has bfloat16 kernels (tests/README.md).
+a bfloat16 kernel. The runs themselves are checked on a native host (``native_host``: the
+simulated one on every CPU, and the real one where the CPU has bfloat16 kernels).
 
 - GPU-style float16 code (``net.cast('float16')``, ``net(x.astype('float16'))``) under native
   bfloat16: the float16 data is only cast to bfloat16, so the plan runs, hybridized as it does
@@ -30,8 +30,9 @@ NATIVE = Capability(0, Bf16.NATIVE, "AVX512_CORE_BF16", "oneDNN runs bfloat16 na
 
 
 @pytest.fixture
-def native_capability(monkeypatch):
-    """This process decides as a CPU with native bfloat16 does (the speed probe off)."""
+def decides_as_native(monkeypatch):
+    """This process decides as a CPU with native bfloat16 does (the speed probe off); nothing
+    runs (the ``native_host`` fixture's simulated host would run the emulated copy)."""
     monkeypatch.setattr(runtime, "capability", lambda: NATIVE)
     monkeypatch.setattr(gluon_amp.state.process, "said", set())
     monkeypatch.setenv(probe.ENV, "0")
@@ -70,7 +71,7 @@ def _head_dtype(sym, fed):
 SHAPES = {"data": (2, 3, 8, 8)}
 
 
-def test_gpu_style_float16_code_runs_the_bfloat16_plan_natively(native_capability):
+def test_gpu_style_float16_code_runs_the_bfloat16_plan_natively(decides_as_native):
     policy = _init(target_dtype="bfloat16")
     assert not policy.emulate and runtime.executable("bfloat16", "cpu")
     net = _cnn()
@@ -84,7 +85,7 @@ def test_gpu_style_float16_code_runs_the_bfloat16_plan_natively(native_capabilit
     assert _head_dtype(plan, fed) == "bfloat16" and _head_dtype(run, fed) == "float16"
 
 
-def test_a_plan_computing_in_float16_is_still_refused_on_a_cpu(native_capability):
+def test_a_plan_computing_in_float16_is_still_refused_on_a_cpu(decides_as_native):
     policy = _init(target_dtype="float16")
     plan, params = _plan(_cnn())
     with pytest.raises(execution.CannotRun, match="float16 kernels.*emulate=True"):
@@ -92,7 +93,7 @@ def test_a_plan_computing_in_float16_is_still_refused_on_a_cpu(native_capability
 
 
 @pytest.mark.parametrize("entry", ["block", "symbol"])
-def test_bfloat16_outputs_come_back_float32_to_float32_code_and_the_plan_keeps_them(native_capability, entry):
+def test_bfloat16_outputs_come_back_float32_to_float32_code_and_the_plan_keeps_them(decides_as_native, entry):
     policy = _init(target_dtype="bfloat16")
     net = gluon.nn.Dense(4, in_units=3)
     net.initialize()

@@ -313,8 +313,7 @@ def test_a_float16_cast_under_emulation_keeps_float32_holding_float16_values():
     assert iou.asnumpy().ravel().tolist() == [1.0, pytest.approx(16 / 112)]
 
 
-@pytest.mark.bf16_kernels
-def test_a_float16_cast_with_native_amp_is_left_to_the_plan():
+def test_a_float16_cast_with_native_amp_is_left_to_the_plan(native_host):
     gluon_amp.init(target_dtype="bfloat16", tune=False)
     net = _small_net()
     before = {p.name: p.data().asnumpy() for p in net.collect_params().values()}
@@ -410,7 +409,10 @@ RCNN_RTOL = 0.03
 MODES = {"emulated float16": {"target_dtype": "float16", "emulate": True},
          "emulated bfloat16": {"target_dtype": "bfloat16", "emulate": True},
          "native bfloat16": {"target_dtype": "bfloat16"},
-         "default": {}}
+         "default": {},
+         # on the simulated native host (every CPU): native bfloat16, and the default there
+         "simulated native bfloat16": {"target_dtype": "bfloat16"},
+         "simulated default": {}}
 
 
 @pytest.fixture(scope="module")
@@ -418,10 +420,13 @@ def fp32_rcnn_losses():
     return _rcnn_losses(False)
 
 
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.bf16_kernels) if m == "native bfloat16" else m
-                                  for m in MODES])
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.bf16_kernels) if m == "native bfloat16" else
+                                  pytest.param(m, marks=pytest.mark.simulated_native) if m.startswith("simulated")
+                                  else m for m in MODES])
 def test_gluoncvs_rcnn_training_task_runs_under_the_install(contrib_amp, fp32_rcnn_losses, mode):
     policy = gluon_amp.install_as_contrib_amp(**MODES[mode])
+    if mode == "simulated default":
+        assert policy.enabled and policy.target_dtype == "bfloat16"  # the probe's planted figures: faster
     if not policy.enabled:  # the default on a CPU without bfloat16 kernels: float32, AMP off
         with pytest.raises(RuntimeError, match="--emulate"):
             _rcnn_losses(True)

@@ -35,9 +35,12 @@ from gluon_amp_core.dtypes import dtype_name
 from gluon_amp_core.table import OpClass
 
 MODES = {"bfloat16": dict(target_dtype="bfloat16"),
+         "bfloat16-simulated": dict(target_dtype="bfloat16"),
          "float16-emulated": dict(target_dtype="float16", emulate=True),
          "bfloat16-emulated": dict(target_dtype="bfloat16", emulate=True)}
-MODE_PARAMS = [pytest.param("bfloat16", marks=pytest.mark.bf16_kernels), "float16-emulated", "bfloat16-emulated"]
+MODE_PARAMS = [pytest.param("bfloat16", marks=pytest.mark.bf16_kernels),
+               pytest.param("bfloat16-simulated", marks=pytest.mark.simulated_native),  # on every CPU
+               "float16-emulated", "bfloat16-emulated"]
 
 
 # -- 1. what MXNet's functions pass to the op ------------------------------------------

@@ -116,8 +116,7 @@ def test_references_taken_before_init_get_amp_and_keep_identity():
     assert cap_conv.__code__ is code
 
 
-@pytest.mark.bf16_kernels
-def test_captured_imperative_reference_runs_in_bfloat16():
+def test_captured_imperative_reference_runs_in_bfloat16(native_host):
     from mxnet.ndarray import Convolution as cap_nd
     x = mx.nd.random.uniform(shape=(1, 2, 4, 4))
     w = mx.nd.random.uniform(shape=(2, 2, 1, 1))
@@ -203,8 +202,7 @@ def test_autocast_restores_on_error():
     assert mx.sym.FullyConnected.__code__ is code
 
 
-@pytest.mark.bf16_kernels
-def test_imperative_casts():
+def test_imperative_casts(native_host):
     x = mx.nd.random.uniform(shape=(2, 3, 6, 6))
     w = mx.nd.random.uniform(shape=(4, 3, 3, 3))
     with gluon_amp.autocast("bfloat16"):
@@ -219,8 +217,7 @@ def test_imperative_casts():
     assert mx.nd.Convolution(x, w, kernel=(3, 3), num_filter=4, no_bias=True).dtype == np.float32
 
 
-@pytest.mark.bf16_kernels
-def test_numpy_front_end_casts():
+def test_numpy_front_end_casts(native_host):
     x = mx.np.random.uniform(size=(2, 8))
     w = mx.np.random.uniform(size=(4, 8))
     with gluon_amp.autocast("bfloat16"):
@@ -270,8 +267,7 @@ def test_warns_once_when_a_graph_cached_before_init_runs():
     assert gluon_amp.report(net).emulated
 
 
-@pytest.mark.bf16_kernels
-def test_keep_batchnorm_fp32_graph_runs():
+def test_keep_batchnorm_fp32_graph_runs(native_host):
     with gluon_amp.autocast("bfloat16", keep_batchnorm_fp32=True):
         net = make_net()
         out = net(mx.nd.ones((2, 3, 8, 8)))
@@ -300,8 +296,7 @@ def test_prelu_after_low_precision_conv_types_in_a_training_graph():
     assert "amp_multicast" in sym.tojson(remove_amp_cast=False)
 
 
-@pytest.mark.bf16_kernels
-def test_prelu_after_conv_runs_imperatively_in_bf16():
+def test_prelu_after_conv_runs_imperatively_in_bf16(native_host):
     x = mx.nd.random.uniform(shape=(2, 3, 8, 8))
     ref = _conv_prelu_net()(x).asnumpy()
     with gluon_amp.autocast("bfloat16"):

@@ -299,9 +299,8 @@ def _bf16_run(level, seed=0, hybridize=True, steps=60, **kw):
     return net, tr
 
 
-@pytest.mark.bf16_kernels
 @pytest.mark.parametrize("hybridize", [True, False])
-def test_bfloat16_o2_trains_like_o0_with_float32_master_weights(hybridize):
+def test_bfloat16_o2_trains_like_o0_with_float32_master_weights(native_host, hybridize):
     x, y = _blobs()
     xt, yt = _blobs(seed=1)
     ref, ref_tr = _bf16_run("O0")
@@ -326,8 +325,7 @@ def test_bfloat16_o2_trains_like_o0_with_float32_master_weights(hybridize):
     assert gluon_amp.get_scaler(tr).skipped_steps == 0
 
 
-@pytest.mark.bf16_kernels
-def test_bfloat16_o2_resume_is_bitwise_exact(tmp_path):
+def test_bfloat16_o2_resume_is_bitwise_exact(native_host, tmp_path):
     x, y = _blobs(n=256)
     straight, tr = _bf16_run("O2", seed=3)
     _fit(straight, tr, x, y, 8)
@@ -352,8 +350,7 @@ def test_bfloat16_o2_resume_is_bitwise_exact(tmp_path):
     assert gluon_amp.get_scaler(tr2).state_dict() == gluon_amp.get_scaler(tr).state_dict()
 
 
-@pytest.mark.bf16_kernels
-def test_bfloat16_o3_updates_without_master_copies():
+def test_bfloat16_o3_updates_without_master_copies(native_host):
     x, y = _blobs(n=64)
     net, tr = _bf16_run("O3")
     before = net.collect_params()["conv0_weight"].data().asnumpy().copy()
@@ -472,8 +469,7 @@ def test_o2_carries_symbol_blocks_along():
     assert types[fc] == "float16" and types[out.list_outputs()[0]] == "float32"
 
 
-@pytest.mark.bf16_kernels
-def test_bfloat16_o2_clip_global_norm():
+def test_bfloat16_o2_clip_global_norm(native_host):
     x, y = _blobs(n=64)
     net, tr = _bf16_run("O2")
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()

@@ -19,7 +19,7 @@ NATIVE = Capability(0, Bf16.NATIVE, "AVX512_CORE_BF16", "oneDNN runs bfloat16 na
 
 
 @pytest.fixture
-def native_host(monkeypatch):
+def believes_native(monkeypatch):
     """This process believes it has native bfloat16, whatever the CPU; probe state isolated."""
     monkeypatch.setattr(runtime, "capability", lambda: NATIVE)
     monkeypatch.setattr(gluon_amp.state.process, "said", set())
@@ -29,7 +29,7 @@ def native_host(monkeypatch):
     probe.forget()
 
 
-def test_measured_slower_keeps_float32_with_one_warning_and_an_explicit_target_is_obeyed(native_host, monkeypatch):
+def test_measured_slower_keeps_float32_with_one_warning_and_an_explicit_target_is_obeyed(believes_native, monkeypatch):
     monkeypatch.setattr(probe, "verdict", lambda dtype, cache: SLOW)
     with pytest.warns(RuntimeWarning) as caught:
         policy = gluon_amp.init()
@@ -43,7 +43,7 @@ def test_measured_slower_keeps_float32_with_one_warning_and_an_explicit_target_i
         assert gluon_amp.init("bfloat16").target_dtype == "bfloat16"
 
 
-def test_the_override_variable_keeps_the_flag_rule_and_says_so(native_host, monkeypatch):
+def test_the_override_variable_keeps_the_flag_rule_and_says_so(believes_native, monkeypatch):
     monkeypatch.setenv(probe.ENV, "0")
     monkeypatch.setattr(probe, "verdict", lambda *a: pytest.fail("the probe ran although turned off"))
     with pytest.warns(RuntimeWarning, match="GLUON_AMP_SPEED_PROBE=0"):

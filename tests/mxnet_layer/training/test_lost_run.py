@@ -81,8 +81,7 @@ def padding_only_taps(weight_grad):
     return g
 
 
-@pytest.mark.bf16_kernels
-def test_deploy_then_fp32_then_bf16_finetune_loses_no_step():
+def test_deploy_then_fp32_then_bf16_finetune_loses_no_step(native_host):
     with dirty_heap():
         # 1. deploy: a bfloat16 conversion of a small trained-shaped net, run once
         fp32 = narrow_net(0)
@@ -110,8 +109,7 @@ def conv_plan(net):
     return [(r.dtype, r.reason) for r in gluon_amp.report(net).rows if r.op == "Convolution"]
 
 
-@pytest.mark.bf16_kernels
-def test_imperative_narrow_convolution_gets_a_clean_weight_gradient():
+def test_imperative_narrow_convolution_gets_a_clean_weight_gradient(native_host):
     with dirty_heap():
         gluon_amp.init(target_dtype="bfloat16")
         mx.random.seed(2)
@@ -128,8 +126,7 @@ def test_imperative_narrow_convolution_gets_a_clean_weight_gradient():
     np.testing.assert_allclose(grad[0, :, 1, 1], x.asnumpy().sum(axis=(0, 2, 3)), rtol=1e-5)
 
 
-@pytest.mark.bf16_kernels
-def test_a_block_called_narrower_later_is_rebuilt_and_loses_no_step():
+def test_a_block_called_narrower_later_is_rebuilt_and_loses_no_step(native_host):
     gluon_amp.init(target_dtype="bfloat16")
     net = narrow_net(1)
     net(mx.nd.ones((2, 3, 8, 8)))  # 8 -> 4 -> 2 -> 1: no map narrower than a stride

@@ -28,14 +28,23 @@ MODES = {
     "bfloat16-emulated": {"target_dtype": "bfloat16", "emulate": True},
     "float16-emulated": {"target_dtype": "float16", "emulate": True},
     "bfloat16-native": {"target_dtype": "bfloat16"},
+    "bfloat16-simulated": {"target_dtype": "bfloat16"},  # native, on the simulated host (every CPU)
 }
 #: the scale the default scaler multiplies the loss by, per mode
-DEFAULT_SCALE = {"off": 1.0, "bfloat16-emulated": 1.0, "float16-emulated": 2.0 ** 16, "bfloat16-native": 1.0}
+DEFAULT_SCALE = {"off": 1.0, "bfloat16-emulated": 1.0, "float16-emulated": 2.0 ** 16, "bfloat16-native": 1.0,
+                 "bfloat16-simulated": 1.0}
 
 
 def _modes(*names):
-    return [pytest.param(n, marks=pytest.mark.bf16_kernels) if n == "bfloat16-native" else n
-            for n in names]
+    """``bfloat16-native`` where bfloat16 kernels run, and its simulated twin everywhere."""
+    out = []
+    for n in names:
+        if n == "bfloat16-native":
+            out += [pytest.param(n, marks=pytest.mark.bf16_kernels),
+                    pytest.param("bfloat16-simulated", marks=pytest.mark.simulated_native)]
+        else:
+            out.append(n)
+    return out
 
 
 def _start(mode):

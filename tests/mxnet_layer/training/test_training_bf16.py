@@ -1,5 +1,4 @@
 """bfloat16 AMP training executes on this CPU: quality and bitwise-exact resume."""
-import pytest
 import numpy as np
 from mxnet import autograd, gluon
 
@@ -31,8 +30,7 @@ def _accuracy(net, x, y):
     return float((net(x).argmax(axis=1) == y).mean().asscalar())
 
 
-@pytest.mark.bf16_kernels
-def test_bf16_training_reaches_fp32_accuracy():
+def test_bf16_training_reaches_fp32_accuracy(native_host):
     x, y = _data()
     xt, yt = _data(seed=1)
     ref = cnn(0)
@@ -46,8 +44,7 @@ def test_bf16_training_reaches_fp32_accuracy():
     assert acc >= ref_acc - 0.01, (acc, ref_acc)
 
 
-@pytest.mark.bf16_kernels
-def test_resume_is_bitwise_exact(tmp_path):
+def test_resume_is_bitwise_exact(native_host, tmp_path):
     x, y = _data(n=256)
     n = 8
     with gluon_amp.autocast("bfloat16"):

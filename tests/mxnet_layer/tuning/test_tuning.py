@@ -105,8 +105,8 @@ def test_tune_needs_input_shapes_and_rejects_emulation_with_clear_errors():
     assert not gluon_amp.is_enabled()
 
 
-@pytest.mark.bf16_kernels
-def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph_from_the_call_a_shape_repeats(monkeypatch):
+def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph_from_the_call_a_shape_repeats(
+        native_host, monkeypatch):
     """Real training steps at changing shapes: the first call runs the plan, the second (its
     shape repeats) tunes and rebuilds the graph; later shapes keep the choice (decided by a
     wide margin) without timing anything again; no step is lost."""
@@ -143,8 +143,7 @@ def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph_from_th
     assert "tuned at input shapes" in gluon_amp.report(net).tuning
 
 
-@pytest.mark.bf16_kernels
-def test_a_symbolblock_built_under_init_tunes_from_its_second_call_too(monkeypatch):
+def test_a_symbolblock_built_under_init_tunes_from_its_second_call_too(native_host, monkeypatch):
     """GluonCV builds feature extractors as SymbolBlocks from symbols: the hooks rewrite the
     graph they were given; tuning rebuilds it from that graph, not on its first call."""
     from mxnet import gluon
