@@ -645,3 +645,67 @@ def test_without_a_measurement_the_rule_runs_a_plan_of_tiny_ops_in_float32(monke
     assert (per_op < UNMEASURED_MIN_ELEMENTS_PER_LOW_OP) == runs_fp32
     assert _all_float32(run.graph) == runs_fp32
     assert f"{per_op:,.0f} input elements per op" in run.net.amp_tuning.verdict
+
+
+# -- a float32 verdict gives a float32 graph: no casts (issue 46) -------------------------
+
+def _casts(sym):
+    """The cast nodes a graph holds (``amp_cast``, ``amp_multicast``), by name."""
+    return [n["name"] for n in json.loads(sym.tojson(remove_amp_cast=False))["nodes"]
+            if n["op"] in ("amp_cast", "amp_multicast")]
+
+
+@pytest.mark.parametrize("path", ["unmeasured rule", "whole-graph check"])
+def test_a_graph_that_runs_float32_by_its_verdict_keeps_no_cast(monkeypatch, clock, path):
+    """Planted timings, no kernels run: the recurrent plan (float32 gates, a widest-type
+    product, casts on every edge) runs float32 by the rule at its first call (budget 0) or by
+    a planted whole-graph check (float32 650 ms, the plan 1000 ms). Every cast of the plan
+    converts nothing then, and each would cost a copy per step: none is left (at 4057852 the
+    graph kept the float32 ops' and the products' casts, as GluonTS DeepAR kept 75)."""
+    _plant(monkeypatch, clock, graph=lambda kept: 1000.0, fp32_ms=650.0)
+    run = _Training(clock, budget=0 if path == "unmeasured rule" else "inf")
+    run.net = _Recurrent()
+    run.net.initialize()
+    run.plan = _traced(run.net, run.data)
+    assert len(_casts(run.plan)) > 4
+    for _ in range(1 if path == "unmeasured rule" else 3):
+        run.call((2, 3, 8))
+    said = "runs float32 until measured" if path == "unmeasured rule" else "runs float32: the whole graph"
+    assert run.net.amp_tuning.verdict.startswith(said)
+    assert _all_float32(run.graph) and _casts(run.graph) == []
+
+
+def test_the_float32_graph_a_whole_graph_check_times_against_the_plan_keeps_no_cast(monkeypatch, clock):
+    """The check's float32 side is the program without AMP: timed with idle casts, it would
+    measure float32 slower than it runs, and favour the plan."""
+    timed_fp32 = []
+    _plant(monkeypatch, clock)
+    plant = tuner.time_graphs
+
+    def time_graphs(syms, *a, **k):
+        timed_fp32.append(syms[1])
+        return plant(syms, *a, **k)
+    monkeypatch.setattr(tuner, "time_graphs", time_graphs)
+    run = _Training(clock, budget="inf")
+    for _ in range(2):
+        run.call((2, 3, 8, 8))
+    assert len(timed_fp32) == 1 and _all_float32(timed_fp32[0]) and _casts(timed_fp32[0]) == []
+
+
+def test_a_block_built_under_autocast_enabled_false_runs_without_casts():
+    """``enabled=False`` inside ``init``: the block's graph is the program without AMP (float32
+    everywhere, no cast), and its output is FP32's bit for bit."""
+    net = MixedNet()
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    x = mx.nd.ones((2, 3, 8, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a host without bfloat16 kernels warns: nothing low runs here
+        gluon_amp.init("bfloat16")
+    with gluon_amp.autocast(enabled=False):
+        got = net(x).asnumpy()
+    graph = gluon_amp.mxnet_internals.cached_graph(net, "gluon_amp")[1]
+    assert _casts(graph) == [] and _all_float32(graph)
+    gluon_amp.disable()
+    net.hybridize()  # drops the graph cached under init: the program without AMP
+    assert np.array_equal(got, net(x).asnumpy())
