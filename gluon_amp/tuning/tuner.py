@@ -611,12 +611,14 @@ def new_job(target: Target, shapes: Mapping[str, Tuple[int, ...]], cache: Timing
 
 
 def run(job: Job, ledger: Ledger, clock: Callable[[], float] = time.perf_counter, cap_only: bool = False,
-        before: Optional[Callable[[Step], None]] = None) -> bool:
+        before: Optional[Callable[[Step], None]] = None, extra: Optional[Callable[[Step], float]] = None) -> bool:
     """Do ``job``'s steps while ``ledger`` allows them (``cap_only``: its seconds cap alone,
-    not its share of a run), calling ``before(step)`` first; True when the job is done."""
+    not its share of a run), calling ``before(step)`` first; True when the job is done.
+    ``extra(step)``: what the step costs later, booked then (a graph built again), that must
+    fit in the budget with it."""
     while job.next is not None:
         now = clock()
-        if not ledger.allows(job.next.estimate, now, cap_only):
+        if not ledger.allows(job.next.estimate + (extra(job.next) if extra is not None else 0.0), now, cap_only):
             return False
         what, estimate = job.next.what, job.next.estimate
         if before is not None:

@@ -305,7 +305,7 @@ class _Training:
     whenever ``called`` asks for a rebuild; the graph itself is never run (no bfloat16
     kernels needed), each call costs ``step_s`` on the clock."""
 
-    def __init__(self, clock, budget, step_s=0.5, classes=10):
+    def __init__(self, clock, budget, step_s=0.5, classes=10, rebuild_s=0.0):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a host without bfloat16 kernels warns: nothing runs here
             with gluon_amp.autocast("bfloat16", tune=False):
@@ -315,7 +315,7 @@ class _Training:
                 self.plan = self.net(self.data)
             self.policy = gluon_amp.make_policy("bfloat16", tune=True, tune_budget=budget)
         self.tuner = schedule.Tuner(self.policy, runtime.timing_cache)
-        self.clock, self.step_s = clock, step_s
+        self.clock, self.step_s, self.rebuild_s = clock, step_s, rebuild_s
         self.graph, self.rebuilds = None, 0
         self.ledger_ok = True
 
@@ -323,9 +323,11 @@ class _Training:
         x = mx.nd.zeros(shape)
         if self.graph is None:
             self.graph = self.tuner.rewrite(self.net, (x,), [self.data], self.plan)
+            self.clock.now += self.rebuild_s  # the first call builds the graph too
         elif self.tuner.called(self.net, (x,)):
             self.graph = self.tuner.rewrite(self.net, (x,), [self.data], self.plan)
             self.rebuilds += 1
+            self.clock.now += self.rebuild_s  # tracing, binding and warming the graph up again
         ledger = self.tuner.ledger
         self.ledger_ok &= ledger.spent <= ledger.allowance(self.clock()) + ledger.overrun + 1e-9
         self.clock.now += self.step_s
@@ -564,7 +566,7 @@ def test_the_verdict_comes_first_and_serves_while_the_per_op_tuning_waits_for_th
     timed, graphs = _plant(monkeypatch, clock, graph=lambda kept: 1000.0, fp32_ms=650.0, op_s_per_element=2e-3,
                            graph_s=0.5)
     kinds = _spy_jobs(monkeypatch)
-    run = _Training(clock, budget="1.5", step_s=0.05)
+    run = _Training(clock, budget="2", step_s=0.05)  # the check, 2 x 0.5 s, and the rebuild it causes
     for _ in range(4):
         run.call((2, 3, 8, 8))
     assert [g[1] for g in graphs] == [[], "float32"] and _all_float32(run.graph) and run.rebuilds >= 1
@@ -709,3 +711,56 @@ def test_a_block_built_under_autocast_enabled_false_runs_without_casts():
     gluon_amp.disable()
     net.hybridize()  # drops the graph cached under init: the program without AMP
     assert np.array_equal(got, net(x).asnumpy())
+
+
+def test_with_shapes_changing_every_3_calls_tuning_stays_within_its_budget_from_the_first_call_rebuilds_included(
+        monkeypatch, clock):
+    """Planted costs (no kernels run): a step of 0.5 s, each whole-graph timing 2 s, and the
+    block's own graph, built at the first call and again after it was released for them or for
+    new choices, 3 s to build and warm up. Shapes change every 3 calls, cycling through three sizes (as
+    benchmarks/variable_shape.py). At every call, from the first, what tuning spent (the whole-graph
+    check, the trials and the rebuilds they cause included) stays within 1% of the run so far,
+    and the run is done tuning within the calls given (at 4057852 a rebuild was booked only after
+    it happened, overdrawing the budget by it)."""
+    def conv(shape):  # 10% slower in bfloat16 at batch 2; 10% faster at batch 8: re-checked there
+        return (1.1, 1.0) if shape[0] <= 4 else (0.9, 1.0)
+
+    def graph(kept):  # the float32 convolution pays at batch 2 (900 ms), not at batch 8 (995 ms)
+        return 1000.0 if not kept else 900.0 if len(graphs) <= 3 else 995.0
+    timed, graphs = _plant(monkeypatch, clock, conv=conv, graph=graph, op_s_per_element=2e-5, graph_s=2.0)
+    kinds = _spy_jobs(monkeypatch)
+    run = _Training(clock, budget=None, step_s=0.5, rebuild_s=3.0)
+    sizes = (2, 4, 8)
+    over = []
+    done = None
+    for k in range(9000):
+        run.call((sizes[(k // 3) % 3], 3, 8, 8))
+        if done is None and len(graphs) == 5 and all(g.job is None for g in run.tuner.graphs.values()):
+            done = k
+        if done is not None and k == done + 3:  # the calls after the last rebuild booked it
+            break
+        ledger = run.tuner.ledger
+        allowed = ledger.allowance(clock())
+        if ledger.spent > allowed + 0.05:  # an op's timing may cost a little more than its estimate
+            over.append((k, round(ledger.spent, 2), round(allowed, 2)))
+    info = run.tuner.info()
+    assert over == [], (over[:5], info)
+    # the check, a trial, and the re-check at batch 8 ran (within the budget), and withdrew the choice
+    assert [(g[0][0], g[1]) for g in graphs][:2] == [(2, []), (2, "float32")], info["graphs"]
+    assert [g[0][0] for g in graphs] == [2, 2, 2, 8, 8] and kinds[0] == "full" and len(kinds) <= 3
+    # every rebuild booked, the first call's build not (the run's own), whatever shape came next
+    assert run.rebuilds >= 2 and info["spent_on"]["rebuilding graphs"] == pytest.approx(3.0 * run.rebuilds)
+    assert info["spent_on"]["whole-graph re-check"] == pytest.approx(4.0)
+    assert run.float32_ops() == [] and run.tuner.info()["graphs"][0]["withdrawn"]
+
+
+def test_a_rebuild_is_booked_when_the_next_call_comes_at_another_shape(monkeypatch, clock):
+    """The block's graph, released for the whole-graph check at the second call, is built again
+    at the third, which comes at a new shape (as every third call of variable_shape.py does):
+    the ledger books its 3 s all the same (at 4057852 it booked nothing, and tuning's cost to a
+    run whose shapes change was what the budget saw, minus its rebuilds)."""
+    _plant(monkeypatch, clock)
+    run = _Training(clock, budget="inf", step_s=0.5, rebuild_s=3.0)
+    for batch in (2, 2, 4, 4):
+        run.call((batch, 3, 8, 8))
+    assert run.rebuilds == 1 and run.tuner.info()["spent_on"]["rebuilding graphs"] == pytest.approx(3.0)
