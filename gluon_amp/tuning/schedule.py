@@ -357,7 +357,8 @@ class Tuner:
                            "dynamic_dims": sorted(f"input {i} dim {d}" for i, d in g.history.dynamic),
                            "tuned_at": g.tuning.tuned_at, "rechecked": list(g.tuning.rechecked),
                            "float32_choices": sorted(n for n, c in g.tuning.choices.items() if c.dtype == "float32"),
-                           "withdrawn": list(g.tuning.withdrawn), "measured": g.tuning.timed + busy.timed,
+                           "withdrawn": list(g.tuning.withdrawn), "trials": list(busy.trials or g.tuning.trials),
+                           "measured": g.tuning.timed + busy.timed,
                            "read": g.tuning.cached + busy.cached, "seconds": round(g.tuning.seconds + busy.seconds, 3)})
         return {**self.ledger.to_dict(at), "graphs": graphs}
 
