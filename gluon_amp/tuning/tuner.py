@@ -29,7 +29,8 @@ from gluon_amp_core.retype import Change, drop_identity_casts, retype
 from gluon_amp_core.timing_cache import TimingCache
 from gluon_amp_core.tuning.problem import Problem, Timed, choose, groups, problem
 from gluon_amp_core.tuning.schedule import SIZE_STEP, Ledger, elements, still_float32, to_retime
-from gluon_amp_core.tuning.verdict import (Verdict, activation_casts, describe_unmeasured, low_op_nodes,
+from gluon_amp_core.decide import CAST_OPS
+from gluon_amp_core.tuning.verdict import (Verdict, activation_casts, describe_unmeasured, low_op_nodes, op_macs,
                                           unmeasured_runs_fp32)
 
 from .. import mxnet_internals as mxi
@@ -215,6 +216,7 @@ class Target:
     fused: bool = False
     graph: dict = field(init=False)
     _dtypes: Optional[Dict[Tuple[str, int], Optional[str]]] = field(init=False, default=None, repr=False)
+    _figures: Dict[Any, Tuple[Optional[int], Optional[float]]] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.graph = json.loads(self.sym.tojson(remove_amp_cast=False))
@@ -256,28 +258,48 @@ class Target:
     def low_elements(self, shapes: Optional[Mapping[str, Tuple[int, ...]]]) -> Optional[int]:
         """The elements the plan's low-precision ops read at these input shapes, in all
         (None: shapes not given, or not all known)."""
+        return self.figures(shapes)[0]
+
+    def figures(self, shapes: Optional[Mapping[str, Tuple[int, ...]]]) -> Tuple[Optional[int], Optional[float]]:
+        """The plan's own figures at these input shapes: the elements its low-precision ops read
+        in all, and their multiply-adds per element its activation casts convert (``inf``: no
+        activation cast); None where shapes are not given or not all known. Once per shapes."""
         if not shapes:
-            return None
+            return None, None
+        key = tuple(sorted((k, tuple(v)) for k, v in shapes.items()))
+        if key not in self._figures:
+            self._figures = {key: self._measure_figures(shapes)}  # the last shapes asked: one entry
+        return self._figures[key]
+
+    def _measure_figures(self, shapes: Mapping[str, Tuple[int, ...]]) -> Tuple[Optional[int], Optional[float]]:
         entry = infer_shapes(self.sym, shapes)
         nodes = self.graph["nodes"]
         low = set(self.low_ops())
-        total = 0
+        total, macs, cast = 0, 0, 0
         for n in nodes:
             if n["name"] in low:
+                ins = [entry.get((nodes[e[0]]["name"], e[1])) for e in n["inputs"]]
+                if any(s is None for s in ins):
+                    return None, None
+                total += elements(ins)
+                macs += op_macs(self.policy.table.canonical(n["op"]), n.get("attrs", {}), ins,
+                                entry.get((n["name"], 0)))
+            elif n["op"] in CAST_OPS:
                 for e in n["inputs"]:
-                    shape = entry.get((nodes[e[0]]["name"], e[1]))
-                    if shape is None:
-                        return None
-                    total += elements([shape])
-        return total
+                    if nodes[e[0]]["op"] != "null":  # an activation's cast (a parameter's is master weights')
+                        shape = entry.get((nodes[e[0]]["name"], e[1]))
+                        if shape is None:
+                            return total, None
+                        cast += elements([shape])
+        return total, (macs / cast if cast else float("inf"))
 
     def unmeasured_fp32(self, shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> bool:
         """The rule without a whole-graph measurement (:func:`unmeasured_runs_fp32`)."""
-        return unmeasured_runs_fp32(self.casts(), len(self.low_ops()), self.low_elements(shapes))
+        return unmeasured_runs_fp32(self.casts(), len(self.low_ops()), *self.figures(shapes))
 
     def describe_unmeasured(self, why: str, shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> str:
         return describe_unmeasured(self.casts(), len(self.low_ops()), self.policy.target_dtype, why,
-                                   self.low_elements(shapes))
+                                   *self.figures(shapes))
 
     def fp32_choices(self, verdict: Optional[Verdict]) -> Dict[str, MeasuredChoice]:
         """A float32 choice for every op the plan runs low: the same graph in float32

@@ -764,3 +764,68 @@ def test_a_rebuild_is_booked_when_the_next_call_comes_at_another_shape(monkeypat
     for batch in (2, 2, 4, 4):
         run.call((batch, 3, 8, 8))
     assert run.rebuilds == 1 and run.tuner.info()["spent_on"]["rebuilding graphs"] == pytest.approx(3.0)
+
+
+# -- a transformer's GEMMs: the graph's own figures decide, not the probe's blocks (issue 48) --
+
+class _Encoder(mx.gluon.HybridBlock):
+    """A transformer's sublayers at BERT-base's width: products between float32 layer norms,
+    so each product casts its input and its output (more than one cast per low-precision op)."""
+
+    def __init__(self, units=768, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.a = mx.gluon.nn.Dense(units, flatten=False)
+            self.b = mx.gluon.nn.Dense(units, flatten=False)
+            self.na = mx.gluon.nn.LayerNorm()
+            self.nb = mx.gluon.nn.LayerNorm()
+
+    def hybrid_forward(self, F, x):
+        return self.nb(self.b(self.na(self.a(x))))
+
+
+@pytest.mark.parametrize("net, shape, runs_fp32", [("encoder", (8, 128, 768), False), ("recurrent", (32, 3, 8), True)])
+def test_without_a_measurement_the_graphs_own_gemm_work_per_cast_element_decides(monkeypatch, clock, net, shape,
+                                                                             runs_fp32):
+    """A BERT-sized encoder (Dense(768) on (8, 128, 768), 604 million multiply-adds a product, 1.5
+    activation casts per product) runs its GEMMs in bfloat16 from the first call; the small
+    recurrent products (a cast per edge, a few multiply-adds per cast element) run float32. At
+    4057852 the casts per op alone decided, from the speed probe's blocks: the encoder ran float32."""
+    _plant(monkeypatch, clock, small_ops_rule=True)
+    run = _Training(clock, budget=0)
+    run.net = _Encoder() if net == "encoder" else _Recurrent()
+    run.net.initialize()
+    run.plan = _traced(run.net, run.data)
+    run.call(shape)
+    if net == "encoder":
+        assert activation_casts_per_low_op(run.plan) > 1  # what the probe's blocks' limit sent to float32
+    assert _all_float32(run.graph) == runs_fp32
+    gemms = [n for n in json.loads(run.graph.tojson(remove_amp_cast=False))["nodes"] if n["op"] == "FullyConnected"]
+    low = set(k[0] for k in _low_entries(run.graph))
+    assert len(gemms) == (2 if net == "encoder" else 4) and all((g["name"] in low) != runs_fp32 for g in gemms)
+    from gluon_amp_core.tuning.verdict import UNMEASURED_MIN_MACS_PER_CAST_ELEMENT
+    intensity = run.tuner.graphs[next(iter(run.tuner.graphs))].target.figures({"data": shape})[1]
+    assert (intensity < UNMEASURED_MIN_MACS_PER_CAST_ELEMENT) == runs_fp32
+    assert f"{intensity:,.0f} multiply-adds per cast element" in run.net.amp_tuning.verdict
+
+
+def activation_casts_per_low_op(sym):
+    """The plan's activation casts per product (its low-precision ops)."""
+    from gluon_amp_core.tuning.verdict import activation_casts
+    nodes = json.loads(sym.tojson(remove_amp_cast=False))["nodes"]
+    return activation_casts(nodes) / len([n for n in nodes if n["op"] == "FullyConnected"])
+
+
+@pytest.mark.parametrize("plan_ms, fp32_ms", [(600.0, 1000.0), (1000.0, 600.0)])
+def test_once_measured_the_encoders_gemms_run_on_the_faster_side(monkeypatch, clock, plan_ms, fp32_ms):
+    """Planted whole-graph timings of the same encoder: the side that measured faster runs."""
+    _plant(monkeypatch, clock, conv=lambda shape: (1.0, 2.0), graph=lambda kept: plan_ms, fp32_ms=fp32_ms)
+    run = _Training(clock, budget="inf")
+    run.net = _Encoder()
+    run.net.initialize()
+    run.plan = _traced(run.net, run.data)
+    for _ in range(3):
+        run.call((8, 128, 768))
+    assert _all_float32(run.graph) == (fp32_ms < plan_ms)
+    if fp32_ms < plan_ms:
+        assert _casts(run.graph) == []
