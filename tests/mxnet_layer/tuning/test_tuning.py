@@ -114,6 +114,7 @@ def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph_from_th
     from helpers import sgd_trainer
     from gluon_amp_core.tuning import verdict
     monkeypatch.setattr(verdict, "UNMEASURED_MIN_ELEMENTS_PER_LOW_OP", 0)  # tiny ops: see _plant
+    monkeypatch.setattr(verdict, "UNMEASURED_MIN_MACS_PER_CAST_ELEMENT", 0)
     monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
     _check(monkeypatch)
     graph_ms = iter([700.0])
@@ -150,6 +151,7 @@ def test_a_symbolblock_built_under_init_tunes_from_its_second_call_too(monkeypat
     from mxnet import gluon
     from gluon_amp_core.tuning import verdict
     monkeypatch.setattr(verdict, "UNMEASURED_MIN_ELEMENTS_PER_LOW_OP", 0)  # tiny ops: see _plant
+    monkeypatch.setattr(verdict, "UNMEASURED_MIN_MACS_PER_CAST_ELEMENT", 0)
     monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
     _check(monkeypatch)
     graph_ms = iter([700.0])
@@ -269,6 +271,7 @@ def _plant(monkeypatch, clock, conv=lambda shape: (409.0, 205.0), graph=None, op
     from gluon_amp_core.tuning import verdict
     if not small_ops_rule:
         monkeypatch.setattr(verdict, "UNMEASURED_MIN_ELEMENTS_PER_LOW_OP", 0)
+        monkeypatch.setattr(verdict, "UNMEASURED_MIN_MACS_PER_CAST_ELEMENT", 0)
     timed, graphs = [], []
 
     def time_one(t):
@@ -603,10 +606,12 @@ def _traced(net, data):
 @pytest.mark.parametrize("recurrent", [False, True])
 def test_without_a_measurement_the_rule_runs_a_plan_that_casts_more_than_once_per_low_op_in_float32(
         monkeypatch, clock, recurrent):
-    """The rule where no whole-graph timing decides (budget 0, first call): the activation
-    casts per low-precision op of the plan, against the limit in docs/speed.md."""
+    """The rule where no whole-graph timing decides (budget 0, first call) and the graph's
+    figures are unknown (a shape MXNet could not infer): the activation casts per
+    low-precision op of the plan, against the limit in docs/speed.md."""
     from gluon_amp_core.tuning.verdict import UNMEASURED_MAX_CASTS_PER_LOW_OP, activation_casts
     _plant(monkeypatch, clock)
+    monkeypatch.setattr(tuner.Target, "figures", lambda self, shapes: (None, None))
     run = _Training(clock, budget=0)
     if recurrent:
         run.net = _Recurrent()
@@ -638,8 +643,10 @@ def test_converting_a_graph_whose_plan_is_slower_than_float32_gives_the_float32_
 def test_without_a_measurement_the_rule_runs_a_plan_of_tiny_ops_in_float32(monkeypatch, clock, batch, side,
                                                                           runs_fp32):
     """The rule's other half: the elements a low-precision op reads on average, at the first call's shapes."""
+    from gluon_amp_core.tuning import verdict
     from gluon_amp_core.tuning.verdict import UNMEASURED_MIN_ELEMENTS_PER_LOW_OP
     _plant(monkeypatch, clock, small_ops_rule=True)
+    monkeypatch.setattr(verdict, "UNMEASURED_MIN_MACS_PER_CAST_ELEMENT", 0)  # this size alone
     run = _Training(clock, budget=0)
     run.call((batch, 3, side, side))
     target = run.tuner.graphs[next(iter(run.tuner.graphs))].target
