@@ -633,8 +633,10 @@ def test_converting_a_graph_whose_plan_is_slower_than_float32_gives_the_float32_
     x = mx.nd.ones((2, 3, 8, 8))
     ref = net(x).asnumpy()
     block = gluon_amp.convert_hybrid_block(net, "bfloat16", fuse=False, tune=True, input_shapes={"data": x.shape})
-    rows = gluon_amp.report(block).rows
+    rep = gluon_amp.report(block)
+    rows = rep.rows
     assert {r.dtype for r in rows} == {"float32"} and {r.reason for r in rows if r.op == "Convolution"} == {"measured"}
+    assert rep.casts == 0  # the float32 graph: no cast left
     assert "whole graph 1000 -> 650 ms" in next(r.detail for r in rows if r.op == "Convolution")
     assert np.abs(block(x).asnumpy() - ref).max() < 1e-5  # runs on any host: float32
 
