@@ -673,7 +673,7 @@ def test_a_graph_that_runs_float32_by_its_verdict_keeps_no_cast(monkeypatch, clo
     a planted whole-graph check (float32 650 ms, the plan 1000 ms). Every cast of the plan
     converts nothing then, and each would cost a copy per step: none is left (at 4057852 the
     graph kept the float32 ops' and the products' casts, as GluonTS DeepAR kept 75)."""
-    _plant(monkeypatch, clock, graph=lambda kept: 1000.0, fp32_ms=650.0)
+    _plant(monkeypatch, clock, graph=lambda kept: 1000.0, fp32_ms=650.0, small_ops_rule=path == "unmeasured rule")
     run = _Training(clock, budget=0 if path == "unmeasured rule" else "inf")
     run.net = _Recurrent()
     run.net.initialize()
