@@ -227,8 +227,16 @@ def table(rows: List[Dict[str, Any]], args: argparse.Namespace,
                     lines.append(f"{mode} vs {base}, {label}, each round: "
                                  + ", ".join(f"{g:.3f}x" for g in got))
     for r in rows:
-        for g in r["tune"].get("graphs", []):
+        tune = r["tune"]
+        if tune.get("spent_on"):  # what the budget paid for, and what it allowed by the end
+            lines.append(f"{r['mode']}: budget {tune['budget']}: spent {tune['spent_s']:.2f} s of "
+                         f"{tune['allowance_s']:.2f} s allowed ("
+                         + ", ".join(f"{k} {v:.2f} s" for k, v in tune["spent_on"].items()) + ")")
+        for g in tune.get("graphs", []):
             lines.append(f"{r['mode']}: {', '.join(g['blocks'])}: {g['status']}")
+            if g.get("trials"):
+                lines.append(f"{r['mode']}: whole-graph trials (ms): "
+                             + ", ".join(f"{what} {ms}" for what, ms in g["trials"]))
     return "\n".join(lines)
 
 

@@ -35,8 +35,8 @@ from gluon_amp_core.walk import Note, measured_note
 from .. import mxnet_internals as mxi, plan_notes
 from ..speed.timing import release_memory
 from ..type_inference import infer_dtypes
-from .tuner import (Job, Outcome, Target, Tuning, applier, check_applied, choices_to_run, graph_key, load_outcome,
-                    new_job, run)
+from .tuner import (GRAPH_BUILD_S, GRAPH_BUILD_S_PER_NODE, Job, Outcome, Target, Tuning, applier, check_applied,
+                    choices_to_run, graph_key, load_outcome, new_job, run)
 
 _log = logging.getLogger(__name__)
 #: The clock tuning is charged by (tests plant one of their own).
@@ -75,11 +75,24 @@ class _Graph:
     blocks: "weakref.WeakSet[HybridBlock]" = field(default_factory=weakref.WeakSet)
     #: the dtype of each chosen node in the graph its blocks were last built with
     running: Dict[str, str] = field(default_factory=dict)
+    #: what building one of its blocks' graphs again took beyond a step (s), the most seen
+    #: (0: none seen yet); and the longest first interval of a block (a step and a build)
+    build_s: float = 0.0
+    first_s: float = 0.0
+    #: intervals that held a rebuild, with their shapes: booked once a step is known
+    unbooked: List[Tuple[Shapes, float]] = field(default_factory=list)
 
     def step_s(self, key: Shapes) -> Optional[float]:
-        """The median call-to-call time at ``key`` (the training step, as the user runs it)."""
+        """The median call-to-call time at ``key`` (the training step, as the user runs it);
+        before one is seen there, the first interval (a step and a build: estimates start
+        high, never low)."""
         got = self.intervals.get(key)
-        return statistics.median(got) if got else None
+        return statistics.median(got) if got else (self.first_s or None)
+
+    def any_step_s(self) -> Optional[float]:
+        """The smallest median call-to-call time seen at any shape (None: none yet)."""
+        got = [statistics.median(v) for v in self.intervals.values() if v]
+        return min(got) if got else None
 
     def note(self, key: Shapes, seconds: float) -> None:
         """Record one call-to-call time at ``key`` (the last few per key, for a few keys)."""
@@ -98,6 +111,8 @@ class _Block:
     last: Optional[float] = None
     last_key: Optional[Shapes] = None
     rebuilt: bool = False
+    #: no call since its first: the next interval holds the graph's first build
+    fresh: bool = True
 
 
 class Tuner:
@@ -184,13 +199,15 @@ class Tuner:
         at = clock()
         self.ledger.start(at)
         key = g.history.see(_shapes(a for a in mxi.call_arrays(args) if isinstance(a, NDArray)))
-        if b.last is not None and b.last_key == key:
-            if b.rebuilt:  # the call after a rebuild paid for it: what it took beyond a step
-                typical = g.step_s(key)
-                if typical is not None:
-                    self.ledger.charge(at - b.last - typical, "rebuilding graphs")
-            else:
+        if b.last is not None:
+            if b.rebuilt:  # the call after a rebuild paid for it, whatever its shape: booked below
+                g.unbooked.append((b.last_key, at - b.last))
+            elif b.fresh:  # the block's first interval: a step and the graph's first build
+                g.first_s = max(g.first_s, at - b.last)
+            elif b.last_key == key:
                 g.note(key, at - b.last)
+        b.fresh = False
+        self._book_rebuilds(g)
         released = False
         if b.version == g.version and not g.broken and self.ledger.budget.seconds > 0:
             released = self._work(g, block, key)
@@ -206,10 +223,17 @@ class Tuner:
             if g.job is None:
                 return False
         job = g.job
-        if job.next is not None and not self.ledger.allows(job.next.estimate, clock()):
+        rebuild = self._rebuild_estimate(g, key)
+        if job.next is not None and not self.ledger.allows(job.next.estimate + (
+                rebuild if job.next.whole_graph else 0.0), clock()):
             self._waiting(g, job)
             return False
         released = False
+
+        def extra(step: Any) -> float:
+            # the block's own graph, released for whole-graph timings, is built again at the next
+            # call: booked then, it must fit now with the step that causes it
+            return rebuild if step.whole_graph and not released else 0.0
 
         def before(step: Any) -> None:
             nonlocal released
@@ -223,7 +247,7 @@ class Tuner:
                 g.tuning.status = "tuning waits: another process is measuring on this machine"
                 return False
             mx.nd.waitall()  # the step the user queued is not tuning's to pay for
-            done = run(job, self.ledger, now, before=before)
+            done = run(job, self.ledger, now, before=before, extra=extra)
             if not done:
                 t0 = clock()
                 job.flush()
@@ -235,6 +259,25 @@ class Tuner:
                 self._adopt(g, job.provisional)
             self._waiting(g, job)
         return released
+
+    def _book_rebuilds(self, g: _Graph) -> None:
+        """Book what each rebuild took beyond a step, once a step (at its shape, else the fastest
+        at any) is known."""
+        for key, interval in list(g.unbooked):
+            typical = g.intervals.get(key) and g.step_s(key) or g.any_step_s()
+            if typical is None:
+                return
+            self.ledger.charge(interval - typical, "rebuilding graphs")
+            g.build_s = max(g.build_s, interval - typical)
+            g.unbooked.remove((key, interval))
+
+    @staticmethod
+    def _rebuild_estimate(g: _Graph, key: Shapes) -> float:
+        """What building a block's graph again will cost beyond a step (s): the most seen, and
+        at least a build (:data:`~.tuner.GRAPH_BUILD_S` and per node) and a warm-up of two steps."""
+        step = g.step_s(key) or g.any_step_s() or 0.0
+        guess = GRAPH_BUILD_S + GRAPH_BUILD_S_PER_NODE * len(g.target.graph["nodes"]) + 2 * step
+        return max(g.build_s, g.first_s - step, guess)
 
     def _adopt(self, g: _Graph, outcome: Optional[Outcome]) -> None:
         """Run ``outcome`` from the next call on (a new version where what runs changes)."""
@@ -316,7 +359,8 @@ class Tuner:
                            "dynamic_dims": sorted(f"input {i} dim {d}" for i, d in g.history.dynamic),
                            "tuned_at": g.tuning.tuned_at, "rechecked": list(g.tuning.rechecked),
                            "float32_choices": sorted(n for n, c in g.tuning.choices.items() if c.dtype == "float32"),
-                           "withdrawn": list(g.tuning.withdrawn), "measured": g.tuning.timed + busy.timed,
+                           "withdrawn": list(g.tuning.withdrawn), "trials": list(busy.trials or g.tuning.trials),
+                           "measured": g.tuning.timed + busy.timed,
                            "read": g.tuning.cached + busy.cached, "seconds": round(g.tuning.seconds + busy.seconds, 3)})
         return {**self.ledger.to_dict(at), "graphs": graphs}
 

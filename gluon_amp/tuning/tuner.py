@@ -21,15 +21,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import mxnet as mx
+from mxnet.base import MXNetError
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import MeasuredChoice, decide
 from gluon_amp_core.policy import Policy
-from gluon_amp_core.retype import Change, retype
+from gluon_amp_core.retype import Change, drop_identity_casts, retype
 from gluon_amp_core.timing_cache import TimingCache
 from gluon_amp_core.tuning.problem import Problem, Timed, choose, groups, problem
 from gluon_amp_core.tuning.schedule import SIZE_STEP, Ledger, elements, still_float32, to_retime
-from gluon_amp_core.tuning.verdict import (Verdict, activation_casts, describe_unmeasured, low_op_nodes,
+from gluon_amp_core.decide import CAST_OPS
+from gluon_amp_core.tuning.verdict import (Verdict, activation_casts, describe_unmeasured, low_op_nodes, op_macs,
                                           unmeasured_runs_fp32)
 
 from .. import mxnet_internals as mxi
@@ -215,6 +217,7 @@ class Target:
     fused: bool = False
     graph: dict = field(init=False)
     _dtypes: Optional[Dict[Tuple[str, int], Optional[str]]] = field(init=False, default=None, repr=False)
+    _figures: Dict[Any, Tuple[Optional[int], Optional[float]]] = field(init=False, default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.graph = json.loads(self.sym.tojson(remove_amp_cast=False))
@@ -261,28 +264,48 @@ class Target:
     def low_elements(self, shapes: Optional[Mapping[str, Tuple[int, ...]]]) -> Optional[int]:
         """The elements the plan's low-precision ops read at these input shapes, in all
         (None: shapes not given, or not all known)."""
+        return self.figures(shapes)[0]
+
+    def figures(self, shapes: Optional[Mapping[str, Tuple[int, ...]]]) -> Tuple[Optional[int], Optional[float]]:
+        """The plan's own figures at these input shapes: the elements its low-precision ops read
+        in all, and their multiply-adds per element its activation casts convert (``inf``: no
+        activation cast); None where shapes are not given or not all known. Once per shapes."""
         if not shapes:
-            return None
+            return None, None
+        key = tuple(sorted((k, tuple(v)) for k, v in shapes.items()))
+        if key not in self._figures:
+            self._figures = {key: self._measure_figures(shapes)}  # the last shapes asked: one entry
+        return self._figures[key]
+
+    def _measure_figures(self, shapes: Mapping[str, Tuple[int, ...]]) -> Tuple[Optional[int], Optional[float]]:
         entry = infer_shapes(self.sym, shapes)
         nodes = self.graph["nodes"]
         low = set(self.low_ops())
-        total = 0
+        total, macs, cast = 0, 0, 0
         for n in nodes:
             if n["name"] in low:
+                ins = [entry.get((nodes[e[0]]["name"], e[1])) for e in n["inputs"]]
+                if any(s is None for s in ins):
+                    return None, None
+                total += elements(ins)
+                macs += op_macs(self.policy.table.canonical(n["op"]), n.get("attrs", {}), ins,
+                                entry.get((n["name"], 0)))
+            elif n["op"] in CAST_OPS:
                 for e in n["inputs"]:
-                    shape = entry.get((nodes[e[0]]["name"], e[1]))
-                    if shape is None:
-                        return None
-                    total += elements([shape])
-        return total
+                    if nodes[e[0]]["op"] != "null":  # an activation's cast (a parameter's is master weights')
+                        shape = entry.get((nodes[e[0]]["name"], e[1]))
+                        if shape is None:
+                            return total, None
+                        cast += elements([shape])
+        return total, (macs / cast if cast else float("inf"))
 
     def unmeasured_fp32(self, shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> bool:
         """The rule without a whole-graph measurement (:func:`unmeasured_runs_fp32`)."""
-        return unmeasured_runs_fp32(self.casts(), len(self.low_ops()), self.low_elements(shapes))
+        return unmeasured_runs_fp32(self.casts(), len(self.low_ops()), *self.figures(shapes))
 
     def describe_unmeasured(self, why: str, shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> str:
         return describe_unmeasured(self.casts(), len(self.low_ops()), self.policy.target_dtype, why,
-                                   self.low_elements(shapes))
+                                   *self.figures(shapes))
 
     def fp32_choices(self, verdict: Optional[Verdict]) -> Dict[str, MeasuredChoice]:
         """A float32 choice for every op the plan runs low: the same graph in float32
@@ -318,9 +341,25 @@ def applier(out: Symbol, known: Mapping[str, str], policy: Policy) -> Callable[[
             traced.update(json.loads(out.tojson(remove_amp_cast=False)))
             typed.update(infer_dtypes(out, known, partial=True) or {})
         op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
-        return mx.sym.load_json(json.dumps(retype(traced, _changes(traced, choices, typed, policy), typed, op_inputs)))
+        graph = retype(traced, _changes(traced, choices, typed, policy), typed, op_inputs)
+        return without_idle_casts(mx.sym.load_json(json.dumps(graph)), known)
 
     return apply
+
+
+def without_idle_casts(sym: Symbol, known: Mapping[str, str]) -> Symbol:
+    """``sym`` without the casts that, once some ops run float32, convert nothing: the plan's
+    casts of the ops it keeps in float32 and of its widest-type ops read float32 values then.
+    A graph all float32 (a float32 verdict) keeps no cast: it runs as the program without AMP,
+    where each of those casts cost a copy (GluonTS DeepAR kept 75, at 0.71x float32's speed)."""
+    try:
+        retyped = infer_dtypes(sym, known, partial=True)
+    except MXNetError:  # a trial MXNet cannot type: timed as it is, its timing fails and says so
+        return sym
+    if not retyped:
+        return sym
+    graph, dropped = drop_identity_casts(json.loads(sym.tojson(remove_amp_cast=False)), retyped)
+    return mx.sym.load_json(json.dumps(graph)) if dropped else sym
 
 
 def _changes(graph: dict, choices: Mapping[str, MeasuredChoice], dtypes: Mapping[Tuple[str, int], Optional[str]],
@@ -603,12 +642,14 @@ def new_job(target: Target, shapes: Mapping[str, Tuple[int, ...]], cache: Timing
 
 
 def run(job: Job, ledger: Ledger, clock: Callable[[], float] = time.perf_counter, cap_only: bool = False,
-        before: Optional[Callable[[Step], None]] = None) -> bool:
+        before: Optional[Callable[[Step], None]] = None, extra: Optional[Callable[[Step], float]] = None) -> bool:
     """Do ``job``'s steps while ``ledger`` allows them (``cap_only``: its seconds cap alone,
-    not its share of a run), calling ``before(step)`` first; True when the job is done."""
+    not its share of a run), calling ``before(step)`` first; True when the job is done.
+    ``extra(step)``: what the step costs later, booked then (a graph built again), that must
+    fit in the budget with it."""
     while job.next is not None:
         now = clock()
-        if not ledger.allows(job.next.estimate, now, cap_only):
+        if not ledger.allows(job.next.estimate + (extra(job.next) if extra is not None else 0.0), now, cap_only):
             return False
         what, estimate = job.next.what, job.next.estimate
         if before is not None:

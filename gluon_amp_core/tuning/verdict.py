@@ -20,6 +20,14 @@ this is that rule for one graph:
   :data:`UNMEASURED_MIN_ELEMENTS_PER_LOW_OP` elements each on average (the probe's blocks read
   hundreds of thousands: on a tiny product, the low dtype saves less than its casts and
   reorders cost).
+
+  Where the first call's shapes are known, the graph's own figures replace the cast count:
+  what the low dtype saves grows with the multiply-adds of its low-precision ops (a GEMM's or
+  a convolution's), what its casts cost with the elements they convert. A plan whose
+  low-precision ops do fewer than :data:`UNMEASURED_MIN_MACS_PER_CAST_ELEMENT` multiply-adds
+  per element its activation casts convert runs float32. A transformer's GEMMs (a cast or
+  two per product, thousands of multiply-adds per cast element) keep the plan; an LSTM
+  cell's small products (tens) do not.
 """
 from __future__ import annotations
 
@@ -41,6 +49,38 @@ UNMEASURED_MAX_CASTS_PER_LOW_OP = 1.0
 #: 2048 -> 1000 dense layer at batch 16, reads 2.1 million; SSD-512's and ResNet-50's convolutions
 #: read tens of thousands to millions; a DeepAR LSTM cell's products (batch 32, 40 units) about 8,000.
 UNMEASURED_MIN_ELEMENTS_PER_LOW_OP = 16384
+#: Without a measurement, where shapes are known: a plan whose low-precision ops do fewer
+#: multiply-adds than this per element its activation casts convert runs float32. A bfloat16
+#: GEMM saves about half of float32's time per multiply-add (0.04 ns on one Zen 4 core); a cast
+#: costs about 1 ns per element, forward and backward: break-even near 100. BERT-base's
+#: training graph: about 2,000; a DeepAR-like LSTM (batch 32, 40 cells): about 30.
+UNMEASURED_MIN_MACS_PER_CAST_ELEMENT = 128
+
+#: Ops whose multiply-adds are more than one per input element: (data input, weight input).
+_GEMMS = ("FullyConnected", "Convolution", "Deconvolution", "batch_dot", "dot", "_linalg_gemm2", "linalg_gemm2")
+
+
+def op_macs(op: str, attrs: Mapping[str, object], in_shapes: Sequence[Sequence[int]],
+            out_shape: Optional[Sequence[int]]) -> int:
+    """An op's multiply-adds (forward), from its input shapes (and output shape): a GEMM's or
+    a convolution's products; any other op, one per input element."""
+    def n(shape: Sequence[int]) -> int:
+        total = 1
+        for d in shape:
+            total *= int(d)
+        return total
+    if op in _GEMMS and len(in_shapes) >= 2 and in_shapes[1]:
+        data, weight = in_shapes[0], in_shapes[1]
+        if op == "FullyConnected":
+            return n(data) * int(weight[0])
+        if op == "Convolution" and out_shape is not None:
+            return n(out_shape) * n(weight[1:])
+        if op == "Deconvolution":
+            return n(data) * n(weight[1:])
+        if op not in ("Convolution",):  # products: a (..., M, K) by b (..., K, N)
+            transpose_b = str(attrs.get("transpose_b", False)).lower() in ("true", "1")
+            return n(data) * int(weight[-2] if transpose_b else weight[-1])
+    return sum(n(s) for s in in_shapes)
 
 
 @dataclass(frozen=True)
@@ -90,27 +130,37 @@ def casts_per_low_op(casts: int, low_ops: int) -> Optional[float]:
     return casts / low_ops if low_ops else None
 
 
-def unmeasured_runs_fp32(casts: int, low_ops: int, elements: Optional[int] = None) -> bool:
-    """The rule where no whole-graph measurement decides: True (run float32) when the plan
-    has more than :data:`UNMEASURED_MAX_CASTS_PER_LOW_OP` activation casts (``casts``) per
-    low-precision op, or its low-precision ops read fewer than
-    :data:`UNMEASURED_MIN_ELEMENTS_PER_LOW_OP` elements each on average (``elements``: their
-    inputs' elements in all; ``None``: shapes unknown, not counted)."""
+def unmeasured_runs_fp32(casts: int, low_ops: int, elements: Optional[int] = None,
+                         intensity: Optional[float] = None) -> bool:
+    """The rule where no whole-graph measurement decides: True (run float32) when the plan's
+    low-precision ops read fewer than :data:`UNMEASURED_MIN_ELEMENTS_PER_LOW_OP` elements each
+    on average (``elements``: their inputs' elements in all; ``None``: shapes unknown, not
+    counted); else, with ``intensity`` (their multiply-adds per element the activation casts
+    convert, from the graph's shapes; ``None``: unknown), when it is below
+    :data:`UNMEASURED_MIN_MACS_PER_CAST_ELEMENT`; without it, when the plan has more than
+    :data:`UNMEASURED_MAX_CASTS_PER_LOW_OP` activation casts (``casts``) per low-precision op."""
     ratio = casts_per_low_op(casts, low_ops)
     if ratio is None:
         return False
-    small = elements is not None and elements / low_ops < UNMEASURED_MIN_ELEMENTS_PER_LOW_OP
-    return ratio > UNMEASURED_MAX_CASTS_PER_LOW_OP or small
+    if elements is not None and elements / low_ops < UNMEASURED_MIN_ELEMENTS_PER_LOW_OP:
+        return True
+    if intensity is not None:
+        return intensity < UNMEASURED_MIN_MACS_PER_CAST_ELEMENT
+    return ratio > UNMEASURED_MAX_CASTS_PER_LOW_OP
 
 
-def describe_unmeasured(casts: int, low_ops: int, target: str, why: str, elements: Optional[int] = None) -> str:
+def describe_unmeasured(casts: int, low_ops: int, target: str, why: str, elements: Optional[int] = None,
+                        intensity: Optional[float] = None) -> str:
     """What the rule did with a graph not measured yet, and why it was not."""
     ratio = casts_per_low_op(casts, low_ops)
     shown = f"{casts} activation casts for {low_ops} {target} ops" + (f" ({ratio:.2f} per op)" if ratio else "")
     if elements is not None and low_ops:
         shown += f", {elements / low_ops:,.0f} input elements per op"
-    if unmeasured_runs_fp32(casts, low_ops, elements):
-        return (f"runs float32 until measured ({why}): its plan has {shown}; the speed probe's blocks have at "
-                f"most {UNMEASURED_MAX_CASTS_PER_LOW_OP:g} cast and at least "
-                f"{UNMEASURED_MIN_ELEMENTS_PER_LOW_OP:,} elements per op")
+    if intensity is not None and low_ops:
+        shown += f", {intensity:,.0f} multiply-adds per cast element"
+    if unmeasured_runs_fp32(casts, low_ops, elements, intensity):
+        limits = (f"at least {UNMEASURED_MIN_MACS_PER_CAST_ELEMENT:g} multiply-adds per cast element"
+                  if intensity is not None else f"at most {UNMEASURED_MAX_CASTS_PER_LOW_OP:g} cast per op")
+        return (f"runs float32 until measured ({why}): its plan has {shown}; a plan runs low unmeasured with "
+                f"{limits} and at least {UNMEASURED_MIN_ELEMENTS_PER_LOW_OP:,} elements per op")
     return f"runs the plan until measured against float32 ({why}): {shown}"

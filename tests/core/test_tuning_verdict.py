@@ -54,3 +54,25 @@ def test_counts_of_a_random_graph():
                 want_act += any(nodes[e[0]]["op"] != "null" for e in inputs)
         assert low_op_nodes(nodes, dtypes, "bfloat16") == want_low
         assert cast_nodes(nodes) == want_casts and activation_casts(nodes) == want_act
+
+
+def test_multiply_adds_of_gemms_and_convolutions_come_from_their_shapes():
+    from gluon_amp_core.tuning.verdict import op_macs
+    assert op_macs("FullyConnected", {}, [(8, 128, 768), (768, 768), (768,)], (8, 128, 768)) == 8 * 128 * 768 * 768
+    assert op_macs("Convolution", {}, [(2, 16, 8, 8), (32, 16, 3, 3)], (2, 32, 8, 8)) == 2 * 32 * 64 * 16 * 9
+    assert op_macs("batch_dot", {"transpose_b": "True"}, [(96, 128, 64), (96, 128, 64)], None) == 96 * 128 * 64 * 128
+    assert op_macs("batch_dot", {}, [(96, 128, 128), (96, 128, 64)], None) == 96 * 128 * 128 * 64
+    assert op_macs("Activation", {}, [(4, 5)], (4, 5)) == 20  # one per input element
+
+
+@pytest.mark.parametrize("intensity, casts, runs_fp32", [(2000.0, 30, False), (30.0, 1, True), (None, 30, True),
+                                                         (None, 10, False), (float("inf"), 30, False)])
+def test_the_graphs_own_figures_decide_where_its_shapes_are_known(intensity, casts, runs_fp32):
+    """Multiply-adds per cast element, where known, replace the casts per op (20 low ops here)."""
+    from gluon_amp_core.tuning.verdict import UNMEASURED_MIN_MACS_PER_CAST_ELEMENT
+    assert unmeasured_runs_fp32(casts, 20, 10 ** 7, intensity) == runs_fp32
+    text = describe_unmeasured(casts, 20, "bfloat16", "no whole-graph timing yet", 10 ** 7, intensity)
+    assert text.startswith("runs float32" if runs_fp32 else "runs the plan")
+    if intensity is not None and runs_fp32:
+        assert f"at least {UNMEASURED_MIN_MACS_PER_CAST_ELEMENT:g} multiply-adds per cast element" in text
+    assert unmeasured_runs_fp32(casts, 20, 20 * 100, intensity)  # tiny ops: float32 whatever the figures
