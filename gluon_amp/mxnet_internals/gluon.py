@@ -162,6 +162,18 @@ def block_backend(block: HybridBlock) -> Tuple[Optional[str], Dict[str, Any]]:
     return block._backend, dict(block._backend_opts)
 
 
+def run_unpartitioned(block: HybridBlock, graph: Symbol, backend: Optional[str] = None) -> None:
+    """Make a SymbolBlock run ``graph`` at its next call, partitioned by ``backend`` (None:
+    not at all), with the ``hybridize`` flags it has (``static_alloc``, ...).
+
+    1.9.1: ``_build_cache`` replaces ``_cached_graph`` with the partitioned graph, and
+    ``SymbolBlock._clear_cached_op`` keeps it; ``hybridize`` without flags resets ``_flags``.
+    """
+    flags = dict(block._flags)
+    HybridBlock.hybridize(block, True, backend=backend, **flags)
+    block._cached_graph = (block._cached_graph[0], graph)
+
+
 def bucketing_module_options(mod: Any) -> Dict[str, Any]:
     """Constructor options a ``BucketingModule`` keeps only privately (1.9.1: ``_sym_gen``,
     ``_default_bucket_key``, ``_context``, ...), to build an equivalent module. If renamed,
