@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence, Tuple
+from typing import FrozenSet, Mapping, Optional, Sequence, Tuple
 
 from .dtypes import FLOAT_DTYPES, widest
 from .table import NarrowRule, OpClass, OpTable
@@ -37,6 +38,37 @@ class Reason(str, enum.Enum):
 
 #: The cast ops AMP inserts (and users may write): they decide nothing themselves.
 CAST_OPS = frozenset({"amp_cast", "amp_multicast"})
+
+#: The names gluon_amp gives the cast nodes it puts in a graph: the symbolic wrappers'
+#: (:func:`plan_cast_name`; MXNet prefixes the block's scope), the converter's
+#: (``fc1_amp_cast_bfloat16``), the retyping's, the fewer-casts pass's, execution's and
+#: emulation's. A cast node named otherwise (``amp_cast3``, MXNet's auto name, or the user's
+#: own) is the user's: every pass keeps it, with the dtype it asks for.
+PLAN_CAST_NAME = re.compile(r"(?:amp_plan_(?:multi)?cast\d+|_amp_(?:cast|retyped|moved)_(?:b?float(?:16|32))(?:_\d+)?"
+                            r"|_amp_output\d+|_amp_widened|_amp_emulated.*)$")
+_plan_casts = itertools.count()
+
+
+def plan_cast_name(op: str) -> str:
+    """A fresh name for a cast node the op wrappers insert (``op``: ``amp_cast``/``amp_multicast``),
+    unique in the process: a block entered twice in one trace repeats its scope's auto names."""
+    return f"amp_plan_{op[len('amp_'):]}{next(_plan_casts)}"
+
+
+def users_casts(graph: dict) -> FrozenSet[str]:
+    """Names of the ``amp_cast``/``amp_multicast`` nodes of ``graph`` (MXNet's JSON form) that
+    are the user's, not gluon_amp's (:data:`PLAN_CAST_NAME`)."""
+    return frozenset(n["name"] for n in graph["nodes"]
+                     if n["op"] in CAST_OPS and not PLAN_CAST_NAME.search(n["name"]))
+
+
+def users_cast_readers(graph: dict) -> FrozenSet[str]:
+    """Names of the op nodes that read a user's cast (:func:`users_casts`): their dtype is the
+    one the user cast to, not a choice of gluon_amp's (the tuner leaves them as they are)."""
+    users = users_casts(graph)
+    nodes = graph["nodes"]
+    return frozenset(n["name"] for n in nodes
+                     if n["op"] != "null" and any(nodes[e[0]]["name"] in users for e in n["inputs"]))
 
 
 @dataclass(frozen=True)

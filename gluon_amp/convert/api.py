@@ -13,7 +13,8 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import MeasuredChoice
 from gluon_amp_core.dtypes import CODE_DTYPE, dtype_name
-from gluon_amp_core.graph_pass import PassResult, convert_graph, is_kept, parameter_only_inputs, without_amp_casts
+from gluon_amp_core.graph_pass import (PassResult, convert_graph, is_kept, parameter_only_inputs, users_casts,
+                                      without_amp_casts)
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec, check_name_list
 
@@ -110,7 +111,7 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
     _verify(converted, result, {n: "float32" for n in data_names} | dict(data_dtypes or {}))
     # no value cast back and forth between neighbours that can share a dtype
     fewer = pass_result_with_fewer_casts(result, policy.table, {n: "float32" for n in data_names}
-                                         | dict(data_dtypes or {}))
+                                         | dict(data_dtypes or {}), keep=users_casts(graph))
     return (converted if fewer is None else fewer), result
 
 
@@ -547,7 +548,8 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     frontend = sym  # a numpy-mode block's graph: the result returns mx.np arrays too
     traced = plan_notes.traced_graph(block, sym)
     if traced is not None:  # traced under init: its FP32 graph, without the plan's casts (any policy's)
-        sym = mx.sym.load_json(json.dumps(without_amp_casts(json.loads(traced.tojson(remove_amp_cast=False)))))
+        traced_graph = json.loads(traced.tojson(remove_amp_cast=False))
+        sym = mx.sym.load_json(json.dumps(without_amp_casts(traced_graph, keep=users_casts(traced_graph))))
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
                      widest_type_ops, keep_batchnorm_fp32, emulate, tune)
     params = {p.name: p for p in block.collect_params().values()}

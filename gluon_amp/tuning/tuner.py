@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import mxnet as mx
 from mxnet.symbol import Symbol
 
-from gluon_amp_core.decide import MeasuredChoice, decide
+from gluon_amp_core.decide import MeasuredChoice, decide, users_cast_readers
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import Change, retype
 from gluon_amp_core.timing_cache import TimingCache
@@ -246,8 +246,10 @@ class Target:
         return self._dtypes
 
     def low_ops(self) -> List[str]:
-        """The op nodes the plan runs in the low dtype."""
-        return low_op_nodes(self.graph["nodes"], self.plan_dtypes(), self.policy.target_dtype)
+        """The op nodes the plan runs in the low dtype (but those reading a user's cast: theirs)."""
+        users = users_cast_readers(self.graph)
+        return [n for n in low_op_nodes(self.graph["nodes"], self.plan_dtypes(), self.policy.target_dtype)
+                if n not in users]
 
     def casts(self) -> int:
         """The plan's activation casts (the rule's measure)."""
@@ -298,7 +300,7 @@ class Target:
         entry_shapes = infer_shapes(self.sym, shapes)
         op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
         return problem(self.graph["nodes"], self.graph["heads"], dtypes, entry_shapes, self.policy.table, op_inputs,
-                       self.train, self.policy.excluded)
+                       self.train, self.policy.excluded | users_cast_readers(self.graph))
 
 
 def applier(out: Symbol, known: Mapping[str, str], policy: Policy) -> Callable[[Mapping[str, MeasuredChoice]], Symbol]:
