@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import itertools
 import re
 from dataclasses import dataclass
 from typing import FrozenSet, Mapping, Optional, Sequence, Tuple
@@ -40,19 +39,17 @@ class Reason(str, enum.Enum):
 CAST_OPS = frozenset({"amp_cast", "amp_multicast"})
 
 #: The names gluon_amp gives the cast nodes it puts in a graph: the symbolic wrappers'
-#: (:func:`plan_cast_name`; MXNet prefixes the block's scope), the converter's
-#: (``fc1_amp_cast_bfloat16``), the retyping's, the fewer-casts pass's, execution's and
-#: emulation's. A cast node named otherwise (``amp_cast3``, MXNet's auto name, or the user's
-#: own) is the user's: every pass keeps it, with the dtype it asks for.
-PLAN_CAST_NAME = re.compile(r"(?:amp_plan_(?:multi)?cast\d+|_amp_(?:cast|retyped|moved)_(?:b?float(?:16|32))(?:_\d+)?"
+#: (``amp_plan_cast<N>``, ``amp_plan_multicast<N>``, numbered as MXNet numbers auto names and
+#: prefixed by the block's scope), the converter's (``fc1_amp_cast_bfloat16``), the retyping's,
+#: the fewer-casts pass's, execution's and emulation's. A cast node named otherwise
+#: (``amp_cast3``, MXNet's auto name, or the user's own) is the user's: every pass keeps it,
+#: with the dtype it asks for. (A name given twice in a graph, by a block entered twice in one
+#: trace, gets ``_<index>`` appended: gluon_amp.tuning.casts.)
+PLAN_CAST_NAME = re.compile(r"(?:amp_plan_(?:multi)?cast\d+(?:_\d+_*)?"
+                            r"|_amp_(?:cast|retyped|moved)_(?:b?float(?:16|32))(?:_\d+)?"
                             r"|_amp_output\d+|_amp_widened|_amp_emulated.*)$")
-_plan_casts = itertools.count()
-
-
-def plan_cast_name(op: str) -> str:
-    """A fresh name for a cast node the op wrappers insert (``op``: ``amp_cast``/``amp_multicast``),
-    unique in the process: a block entered twice in one trace repeats its scope's auto names."""
-    return f"amp_plan_{op[len('amp_'):]}{next(_plan_casts)}"
+#: The name hints of the wrappers' casts (MXNet appends its count)
+PLAN_CAST_HINTS = {"amp_cast": "amp_plan_cast", "amp_multicast": "amp_plan_multicast"}
 
 
 def users_casts(graph: dict) -> FrozenSet[str]:

@@ -162,6 +162,13 @@ def block_backend(block: HybridBlock) -> Tuple[Optional[str], Dict[str, Any]]:
     return block._backend, dict(block._backend_opts)
 
 
+def auto_name(hint: str) -> str:
+    """The next name MXNet's current name manager gives a node with ``hint`` (``hint0``,
+    ``hint1``, ... per manager), without the scope's prefix, which MXNet adds when the node is
+    created. 1.9.1: ``NameManager.get`` counts per hint; ``Prefix.get`` adds the prefix."""
+    return mx.name.NameManager.get(mx.name.NameManager.current, None, hint)
+
+
 def run_unpartitioned(block: HybridBlock, graph: Symbol, backend: Optional[str] = None) -> None:
     """Make a SymbolBlock run ``graph`` at its next call, partitioned by ``backend`` (None:
     not at all), with the ``hybridize`` flags it has (``static_alloc``, ...).

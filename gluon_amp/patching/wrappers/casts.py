@@ -8,7 +8,7 @@ import mxnet as mx
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
-from gluon_amp_core.decide import plan_cast_name
+from gluon_amp_core.decide import PLAN_CAST_HINTS
 
 from ... import mxnet_internals as mxi
 
@@ -38,9 +38,9 @@ def cast_into(x: NDArray, out: NDArray) -> NDArray:
     return _nd_amp_cast(x.as_nd_ndarray() if isinstance(x, _np_ndarray) else x, dtype=out.dtype, out=out)
 
 
-# The plan's casts carry names of their own (plan_cast_name), told from a user's amp_cast.
+# The plan's casts carry names of their own (PLAN_CAST_HINTS), told from a user's amp_cast.
 def cast_sym(x: Symbol, dtype: str) -> Symbol:
-    name = plan_cast_name("amp_cast")
+    name = mxi.auto_name(PLAN_CAST_HINTS["amp_cast"])
     if isinstance(x, _np_symbol):
         return _sym_amp_cast(x.as_nd_ndarray(), dtype=mxi.to_mx_dtype(dtype), name=name).as_np_ndarray()
     return _sym_amp_cast(x, dtype=mxi.to_mx_dtype(dtype), name=name)
@@ -49,5 +49,6 @@ def cast_sym(x: Symbol, dtype: str) -> Symbol:
 def multicast_sym(xs: Sequence[Symbol], narrow: bool = False) -> List[Symbol]:
     is_np = [isinstance(x, _np_symbol) for x in xs]
     legacy = [x.as_nd_ndarray() if n else x for x, n in zip(xs, is_np)]
-    out = _sym_amp_multicast(*legacy, num_outputs=len(xs), cast_narrow=narrow, name=plan_cast_name("amp_multicast"))
+    out = _sym_amp_multicast(*legacy, num_outputs=len(xs), cast_narrow=narrow,
+                             name=mxi.auto_name(PLAN_CAST_HINTS["amp_multicast"]))
     return [out[i].as_np_ndarray() if n else out[i] for i, n in enumerate(is_np)]
