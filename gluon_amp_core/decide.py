@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence, Tuple
+from typing import FrozenSet, Mapping, Optional, Sequence, Tuple
 
 from .dtypes import FLOAT_DTYPES, widest
 from .table import NarrowRule, OpClass, OpTable
@@ -37,6 +37,35 @@ class Reason(str, enum.Enum):
 
 #: The cast ops AMP inserts (and users may write): they decide nothing themselves.
 CAST_OPS = frozenset({"amp_cast", "amp_multicast"})
+
+#: The names gluon_amp gives the cast nodes it puts in a graph: the symbolic wrappers'
+#: (``amp_plan_cast<N>``, ``amp_plan_multicast<N>``, numbered as MXNet numbers auto names and
+#: prefixed by the block's scope), the converter's (``fc1_amp_cast_bfloat16``), the retyping's,
+#: the fewer-casts pass's, execution's and emulation's. A cast node named otherwise
+#: (``amp_cast3``, MXNet's auto name, or the user's own) is the user's: every pass keeps it,
+#: with the dtype it asks for. (A name given twice in a graph, by a block entered twice in one
+#: trace, gets ``_<index>`` appended: gluon_amp.tuning.casts.)
+PLAN_CAST_NAME = re.compile(r"(?:amp_plan_(?:multi)?cast\d+(?:_\d+_*)?"
+                            r"|_amp_(?:cast|retyped|moved)_(?:b?float(?:16|32))(?:_\d+)?"
+                            r"|_amp_output\d+|_amp_widened|_amp_emulated.*)$")
+#: The name hints of the wrappers' casts (MXNet appends its count)
+PLAN_CAST_HINTS = {"amp_cast": "amp_plan_cast", "amp_multicast": "amp_plan_multicast"}
+
+
+def users_casts(graph: dict) -> FrozenSet[str]:
+    """Names of the ``amp_cast``/``amp_multicast`` nodes of ``graph`` (MXNet's JSON form) that
+    are the user's, not gluon_amp's (:data:`PLAN_CAST_NAME`)."""
+    return frozenset(n["name"] for n in graph["nodes"]
+                     if n["op"] in CAST_OPS and not PLAN_CAST_NAME.search(n["name"]))
+
+
+def users_cast_readers(graph: dict) -> FrozenSet[str]:
+    """Names of the op nodes that read a user's cast (:func:`users_casts`): their dtype is the
+    one the user cast to, not a choice of gluon_amp's (the tuner leaves them as they are)."""
+    users = users_casts(graph)
+    nodes = graph["nodes"]
+    return frozenset(n["name"] for n in nodes
+                     if n["op"] != "null" and any(nodes[e[0]]["name"] in users for e in n["inputs"]))
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ The caller checks the result with the framework's type inference, as for every p
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Collection, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .decide import CAST_OPS
 from .dtypes import FLOAT_DTYPES
@@ -42,14 +42,16 @@ MOVES_DATA = frozenset({
 })
 
 
-def fewer_casts(graph: dict, dtypes: Mapping[Key, Optional[str]], table: OpTable
-                ) -> Tuple[dict, Dict[Key, Optional[str]], int]:
+def fewer_casts(graph: dict, dtypes: Mapping[Key, Optional[str]], table: OpTable,
+                keep: Collection[str] = ()) -> Tuple[dict, Dict[Key, Optional[str]], int]:
     """``graph`` (MXNet's JSON form, with its casts) with casts moved up across neutral ops
     where that removes some; the entries' dtypes after the move; and how many casts went.
 
     ``dtypes`` types every entry of ``graph`` (as the framework infers it); a node whose
     inputs or outputs are not all known is left alone. Every float input of a moved op is
-    read in the new dtype (from where its value comes, seen through casts).
+    read in the new dtype (from where its value comes, seen through casts). The casts named
+    in ``keep`` (the user's) stay where they are, with their dtype: none is removed, read
+    around, or has an op moved across it.
     """
     nodes = [dict(n, inputs=[list(e[:3]) for e in n["inputs"]]) for n in graph["nodes"]]
     heads = [list(h[:3]) for h in graph["heads"]]
@@ -57,19 +59,20 @@ def fewer_casts(graph: dict, dtypes: Mapping[Key, Optional[str]], table: OpTable
     # a name given twice (Gluon's scopes can repeat one) types neither node here: left alone
     twice = {n for n in names if names.count(n) > 1} if len(set(names)) < len(names) else set()
     now: Dict[Key, Optional[str]] = {k: v for k, v in dtypes.items() if k[0] not in twice}
-    nodes, heads, removed = _simplify(nodes, heads, now)
+    keep = frozenset(keep)
+    nodes, heads, removed = _simplify(nodes, heads, now, keep)
     changed = True
     while changed:
         changed = False
         readers = _readers(nodes)
         head_nodes = {h[0] for h in heads}
         for i, node in enumerate(nodes):
-            got = _move(i, node, nodes, readers, head_nodes, now, table)
+            got = _move(i, node, nodes, readers, head_nodes, now, table, keep)
             if got is None:
                 continue
             want, new_inputs, dead = got
-            nodes, heads, net = _apply(nodes, heads, i, want, new_inputs, dead, now)
-            nodes, heads, unread = _prune(nodes, heads, now)
+            nodes, heads, net = _apply(nodes, heads, i, want, new_inputs, dead, now, keep)
+            nodes, heads, unread = _prune(nodes, heads, now, keep)
             removed += net + unread
             changed = True
             break
@@ -84,8 +87,8 @@ def fewer_casts(graph: dict, dtypes: Mapping[Key, Optional[str]], table: OpTable
     return result, {k: v for k, v in now.items() if k[0] in left}, removed
 
 
-def _simplify(nodes: List[dict], heads: List[list], dtypes: Dict[Key, Optional[str]]
-              ) -> Tuple[List[dict], List[list], int]:
+def _simplify(nodes: List[dict], heads: List[list], dtypes: Dict[Key, Optional[str]],
+              keep: FrozenSet[str] = frozenset()) -> Tuple[List[dict], List[list], int]:
     """Without the casts that change nothing (an ``amp_cast`` to the dtype its input has; an
     ``amp_multicast`` whose float inputs share one dtype), and one cast where several cast
     the same value to the same dtype (the op wrappers cast a parameter at every call: an
@@ -104,7 +107,7 @@ def _simplify(nodes: List[dict], heads: List[list], dtypes: Dict[Key, Optional[s
 
     for i, node in enumerate(nodes):
         inputs = [entry(e) for e in node["inputs"]]
-        if node["op"] in CAST_OPS:
+        if node["op"] in CAST_OPS and node["name"] not in keep:
             if converts_nothing(node["op"], node.get("attrs", {}), [dtype_of(e) for e in node["inputs"]]):
                 moved.update({(i, k): e for k, e in enumerate(inputs)})
                 removed += 1
@@ -143,21 +146,24 @@ def _outputs(name: str, dtypes: Mapping[Key, Optional[str]]) -> List[Key]:
     return out
 
 
-def _source(nodes: Sequence[dict], e: Sequence[int]) -> Entry:
-    """Where a value comes from, seen through casts."""
-    while nodes[e[0]]["op"] in CAST_OPS:
+def _source(nodes: Sequence[dict], e: Sequence[int], keep: FrozenSet[str] = frozenset()) -> Entry:
+    """Where a value comes from, seen through casts (not through the user's, in ``keep``)."""
+    while nodes[e[0]]["op"] in CAST_OPS and nodes[e[0]]["name"] not in keep:
         node = nodes[e[0]]
         e = node["inputs"][0 if node["op"] == "amp_cast" else e[1]]
     return e[0], e[1]
 
 
 def _move(i: int, node: dict, nodes: Sequence[dict], readers: Mapping[int, List[Tuple[int, int]]],
-          head_nodes: Set[int], dtypes: Mapping[Key, Optional[str]], table: OpTable
-          ) -> Optional[Tuple[str, List[Optional[Entry]], List[int]]]:
+          head_nodes: Set[int], dtypes: Mapping[Key, Optional[str]], table: OpTable,
+          keep: FrozenSet[str] = frozenset()) -> Optional[Tuple[str, List[Optional[Entry]], List[int]]]:
     """Whether node ``i`` moves: (the dtype, per input the entry to read or None to cast, the
-    output casts that go), or None."""
+    output casts that go), or None. An op reading a user's cast (in ``keep``), or read by
+    one, stays: its dtype is the user's."""
     op = node["op"]
-    if op == "null" or op in CAST_OPS or i in head_nodes or not node["inputs"]:
+    if op == "null" or op in CAST_OPS or i in head_nodes or not node["inputs"] or op in ("Cast", "cast"):
+        return None
+    if any(nodes[e[0]]["name"] in keep for e in node["inputs"]):
         return None
     if table.classes.get(table.canonical(op)) is not OpClass.NEUTRAL:
         return None
@@ -166,6 +172,8 @@ def _move(i: int, node: dict, nodes: Sequence[dict], readers: Mapping[int, List[
     if not outs or not reads or any(dtypes.get(o) not in FLOAT_DTYPES for o in outs):
         return None
     casts = {j for j, _ in reads}
+    if any(nodes[j]["name"] in keep for j in casts):
+        return None
     wants = {nodes[j].get("attrs", {}).get("dtype") for j in casts}
     if any(nodes[j]["op"] != "amp_cast" for j in casts) or len(wants) != 1:
         return None
@@ -183,7 +191,7 @@ def _move(i: int, node: dict, nodes: Sequence[dict], readers: Mapping[int, List[
         if have not in FLOAT_DTYPES:
             plan.append((e[0], e[1]))
             continue
-        src = _source(nodes, e)
+        src = _source(nodes, e, keep)
         if dtypes.get((nodes[src[0]]["name"], src[1])) == want:
             plan.append(src)
             continue
@@ -209,13 +217,13 @@ def _existing_cast(nodes: Sequence[dict], readers: Mapping[int, List[Tuple[int, 
     return None
 
 
-def _prune(nodes: List[dict], heads: List[list], dtypes: Dict[Key, Optional[str]]
-           ) -> Tuple[List[dict], List[list], int]:
+def _prune(nodes: List[dict], heads: List[list], dtypes: Dict[Key, Optional[str]],
+           keep: FrozenSet[str] = frozenset()) -> Tuple[List[dict], List[list], int]:
     """Without the casts nothing reads any more (a moved op reads their source directly)."""
     read = {h[0] for h in heads}
     for n in nodes:
         read.update(e[0] for e in n["inputs"])
-    dead = {j for j, n in enumerate(nodes) if n["op"] in CAST_OPS and j not in read}
+    dead = {j for j, n in enumerate(nodes) if n["op"] in CAST_OPS and j not in read and n["name"] not in keep}
     if not dead:
         return nodes, heads, 0
     keep = [j for j in range(len(nodes)) if j not in dead]
@@ -228,7 +236,7 @@ def _prune(nodes: List[dict], heads: List[list], dtypes: Dict[Key, Optional[str]
 
 
 def _apply(nodes: List[dict], heads: List[list], i: int, want: str, plan: List[Optional[Entry]], dead: List[int],
-           dtypes: Dict[Key, Optional[str]]) -> Tuple[List[dict], List[list], int]:
+           dtypes: Dict[Key, Optional[str]], keep: FrozenSet[str] = frozenset()) -> Tuple[List[dict], List[list], int]:
     """Node ``i`` in ``want``: its inputs as ``plan`` says (new casts inserted before it), the
     casts in ``dead`` gone (their readers read node ``i``). Returns the new nodes and heads,
     and the net number of casts removed."""
@@ -240,7 +248,7 @@ def _apply(nodes: List[dict], heads: List[list], i: int, want: str, plan: List[O
         if how is not None:
             inputs.append([how[0], how[1], 0])
             continue
-        src = _source(nodes, e)
+        src = _source(nodes, e, keep)
         if src not in made:
             base = nodes[src[0]]["name"] + (f"_{src[1]}" if src[1] else "")
             added.append({"op": "amp_cast", "name": f"{base}_amp_moved_{want}", "attrs": {"dtype": want},

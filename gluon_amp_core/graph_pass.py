@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .decide import CAST_OPS, Decision, MeasuredChoice, Reason
+from .decide import CAST_OPS, Decision, MeasuredChoice, Reason, users_casts  # noqa: F401  (users_casts: here too)
 from .dtypes import CODE_DTYPE, DTYPE_CODE, FLOAT_DTYPES, LOW_PRECISION_DTYPES, widest
 from .policy import Policy
 from .walk import Entry, NodeDecision, walk
@@ -392,10 +392,11 @@ def _drop_param_casts(nodes: List[dict], heads: List[list], param_dtypes: Dict[s
     return out, [remap(h) for h in heads], len(drop)
 
 
-def without_amp_casts(graph: dict) -> dict:
-    """``graph`` without its ``amp_cast``/``amp_multicast`` nodes, each read through (a
-    multicast's output ``k`` is its input ``k``): the FP32 graph of a plan traced under
-    ``init``, whose casts the symbolic wrappers put in for that plan's policy."""
+def without_amp_casts(graph: dict, keep: Collection[str] = ()) -> dict:
+    """``graph`` without its ``amp_cast``/``amp_multicast`` nodes but those named in ``keep``
+    (the user's), each read through (a multicast's output ``k`` is its input ``k``): the FP32
+    graph of a plan traced under ``init``, whose casts the symbolic wrappers put in for that
+    plan's policy."""
     nodes = graph["nodes"]
     moved: Dict[Entry, list] = {}
     at: Dict[int, int] = {}
@@ -406,7 +407,7 @@ def without_amp_casts(graph: dict) -> dict:
 
     for i, node in enumerate(nodes):
         inputs = [entry(e) for e in node["inputs"]]
-        if node["op"] in ("amp_cast", "amp_multicast"):
+        if node["op"] in CAST_OPS and node["name"] not in keep:
             moved.update({(i, k): e for k, e in enumerate(inputs)})
             continue
         out.append({**node, "inputs": inputs})

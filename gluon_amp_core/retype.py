@@ -10,7 +10,7 @@ of this: it types an FP32 graph with those decisions directly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Collection, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .decide import CAST_OPS, Decision
 from .dtypes import FLOAT_DTYPES
@@ -28,7 +28,7 @@ class Change:
 
 
 def retype(graph: dict, changes: Mapping[str, Change], dtypes: Mapping[Key, Optional[str]],
-           op_inputs: Mapping[str, Sequence[str]]) -> dict:
+           op_inputs: Mapping[str, Sequence[str]], keep: Collection[str] = ()) -> dict:
     """``graph`` (MXNet's JSON form, with its casts) with each changed node run in its
     decision's dtype.
 
@@ -39,17 +39,19 @@ def retype(graph: dict, changes: Mapping[str, Change], dtypes: Mapping[Key, Opti
     is the graph's typing before the change, where known; a value of unknown dtype is cast
     (``amp_cast`` leaves non-float tensors as they are). Other nodes keep their casts, and
     follow their inputs as MXNet types them; casts nobody reads any more are dropped. The
-    caller checks the result with MXNet's type inference.
+    casts named in ``keep`` (the user's, :func:`~gluon_amp_core.decide.users_casts`) are read
+    from, never around. The caller checks the result with MXNet's type inference.
     """
     nodes = graph["nodes"]
     name_of = [n["name"] for n in nodes]
     now: Dict[Entry, Optional[str]] = {}  # an entry's dtype after the change; None: unknown
+    users = frozenset(keep)  # read from, never around: the user's rounding stays
 
     def before(e: Entry) -> Optional[str]:
         return dtypes.get((name_of[e[0]], e[1]))
 
     def source(e: Entry) -> Entry:
-        while nodes[e[0]]["op"] in CAST_OPS:
+        while nodes[e[0]]["op"] in CAST_OPS and name_of[e[0]] not in users:
             node = nodes[e[0]]
             e = tuple(node["inputs"][0 if node["op"] == "amp_cast" else e[1]][:2])
         return e

@@ -14,7 +14,8 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import MeasuredChoice
 from gluon_amp_core.dtypes import CODE_DTYPE, dtype_name
-from gluon_amp_core.graph_pass import PassResult, convert_graph, is_kept, parameter_only_inputs, without_amp_casts
+from gluon_amp_core.graph_pass import (PassResult, convert_graph, is_kept, parameter_only_inputs, users_casts,
+                                      without_amp_casts)
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec, check_name_list
 
@@ -111,7 +112,7 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
     _verify(converted, result, {n: "float32" for n in data_names} | dict(data_dtypes or {}))
     # no value cast back and forth between neighbours that can share a dtype
     fewer = pass_result_with_fewer_casts(result, policy.table, {n: "float32" for n in data_names}
-                                         | dict(data_dtypes or {}))
+                                         | dict(data_dtypes or {}), keep=users_casts(graph))
     return (converted if fewer is None else fewer), result
 
 
@@ -199,6 +200,8 @@ class MixedPrecisionSymbol(Symbol):
     bit for bit as FP32). ``remove_amp_cast=True`` still does what MXNet does."""
 
     amp_result: Optional[PassResult] = None
+    #: what the converter did not do, and why (an optional step that failed on this graph)
+    amp_fallbacks: Tuple[str, ...] = ()
 
     def save(self, fname: str, remove_amp_cast: bool = False) -> None:
         super().save(fname, remove_amp_cast=remove_amp_cast)
@@ -260,15 +263,22 @@ def convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params:
     """
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
                      widest_type_ops, keep_batchnorm_fp32, emulate, tune)
+    fallbacks: List[str] = []
     new_sym, new_args, new_aux, result = _convert_model(sym, arg_params, aux_params, policy, excluded_sym_names,
-                                                        cast_optional_params, input_shapes, require_shapes=tune is True)
-    return _run_as_planned(_with_result(new_sym, result), policy), new_args, new_aux
+                                                        cast_optional_params, input_shapes, require_shapes=tune is True,
+                                                        fallbacks=fallbacks)
+    out = _with_result(new_sym, result)
+    out.amp_fallbacks = tuple(fallbacks)
+    for why in fallbacks:
+        warnings.warn(f"convert_model: {why}", UserWarning, stacklevel=2)
+    return _run_as_planned(out, policy), new_args, new_aux
 
 
 def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params: Dict[str, mx.nd.NDArray],
                    policy: Policy, excluded_sym_names: Any, cast_optional_params: bool,
                    input_shapes: Optional[Mapping[str, Sequence[int]]] = None, fused: bool = False,
-                   require_shapes: bool = False, data_dtypes: Optional[Mapping[str, str]] = None):
+                   require_shapes: bool = False, data_dtypes: Optional[Mapping[str, str]] = None,
+                   fallbacks: Optional[List[str]] = None):
     _check_params("arg_params", arg_params)
     _check_params("aux_params", aux_params)
     names = set(arg_params) | set(aux_params)
@@ -283,12 +293,28 @@ def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params
 
         plan = convert()
         known = {**{n: "float32" for n in data_names}, **(data_dtypes or {}), **_stored_dtypes(plan)}
-        measured = tune_graph(plan, known, shapes, policy, False, convert, runtime.timing_cache(), fused)[0].choices
+        try:
+            measured = tune_graph(plan, known, shapes, policy, False, convert, runtime.timing_cache(),
+                                  fused)[0].choices
+        except Exception as error:  # noqa: BLE001  tuning is optional: the plan stands untuned
+            if require_shapes:  # tune=True: asked for, so its failure is the caller's to see
+                raise RuntimeError(f"tune=True: timing this model's ops fails ({_first_line(error)}); "
+                                   "convert with tune=False (or leave tune unset) to keep the plan "
+                                   "untuned") from error
+            why = f"untuned: timing this model's ops fails ({_first_line(error)}); the plan is not tuned (tune=False)"
+            if fallbacks is None:
+                warnings.warn(f"convert_model: {why}", UserWarning, stacklevel=3)
+            else:
+                fallbacks.append(why)
     new_sym, result = convert_with_policy(sym, policy, excluded_sym_names, data_names, cast_optional_params,
                                           param_dtypes=types, measured=measured, data_dtypes=data_dtypes)
     new_args = {k: _cast_array(v, result.param_dtypes.get(k, types[k])) for k, v in arg_params.items()}
     new_aux = {k: _cast_array(v, result.param_dtypes.get(k, types[k])) for k, v in aux_params.items()}
     return new_sym, new_args, new_aux, result
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
 
 
 def _check_input_shapes(input_shapes: Any, data_names: Sequence[str], required: bool) -> Dict[str, Tuple[int, ...]]:
@@ -338,6 +364,8 @@ class MixedPrecisionBlock(SymbolBlock):
     #: the fusion was asked for (``fuse=True``), not the default
     fuse_asked: bool = False
     amp_result: Optional[PassResult] = None
+    #: what the converter did not do, and why (an optional step that failed on this graph)
+    amp_fallbacks: Tuple[str, ...] = ()
 
     def __call__(self, *args: Any) -> Any:
         if autograd.is_recording() and mxi.block_backend(self)[0] is not None:
@@ -348,7 +376,36 @@ class MixedPrecisionBlock(SymbolBlock):
             grouped = mxi.regroup(mxi.call_arrays(args), mxi.call_formats(self)[0])
         except ValueError:
             return super().__call__(*args)  # SymbolBlock says what is wrong
-        return super().__call__(*(grouped if isinstance(grouped, list) else [grouped]))
+        flat = grouped if isinstance(grouped, list) else [grouped]
+        backend = mxi.block_backend(self)[0]
+        if not backend or backend != self.fuse_backend:
+            return super().__call__(*flat)
+        try:
+            return super().__call__(*flat)
+        except mx.base.MXNetError as error:
+            return self._unfused_after(error, backend, flat)
+
+    def _unfused_after(self, error: Exception, backend: str, args: List[Any]) -> Any:
+        """The call run unfused, where MXNet's ``backend`` fusion failed on this graph (it
+        breaks on some graphs in float32 too: GluonCV's NASNet). Unfused failing as well,
+        the error is not fusion's: raise that one. With ``fuse=True``, raise saying so."""
+        first = _first_line(error)
+        mxi.run_unpartitioned(self, self._converted)
+        try:
+            out = super().__call__(*args)
+        except Exception:
+            mxi.run_unpartitioned(self, self._converted, backend)
+            raise
+        if self.fuse_asked:
+            mxi.run_unpartitioned(self, self._converted, backend)
+            raise RuntimeError(f"MXNet's {backend} fusion (fuse=True) fails on this graph, which runs "
+                               f"unfused: {first}. Convert with fuse=False, or leave fuse unset: the "
+                               "default then runs the unfused graph.") from error
+        self.fuse_backend = None  # a later hybridize() stays unfused too
+        self.amp_fallbacks += (f"unfused: MXNet's {backend} fusion fails on this graph ({first}); "
+                               "it runs unfused (fuse=False)",)
+        warnings.warn(f"convert_hybrid_block: {self.amp_fallbacks[-1]}", UserWarning, stacklevel=3)
+        return out
 
     def _unfuse_to_train(self) -> None:
         """Run unfused from now on: MXNet's fused ops (``_sg_mkldnn_conv``, ...) are inference
@@ -364,7 +421,7 @@ class MixedPrecisionBlock(SymbolBlock):
                       f"so it runs unfused from now on: MXNet's {backend} fused ops have no gradient. Convert "
                       "with fuse=False to train it from the start.", RuntimeWarning, stacklevel=3)
         self.fuse_backend = None
-        mxi.drop_backend(self)
+        mxi.run_unpartitioned(self, self._converted)  # also where an inference call built the fused graph
 
     def hybridize(self, active: bool = True, backend: Optional[str] = None, **kwargs: Any) -> None:
         if active and backend is None and self.fuse_backend:
@@ -510,7 +567,8 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     frontend = sym  # a numpy-mode block's graph: the result returns mx.np arrays too
     traced = plan_notes.traced_graph(block, sym)
     if traced is not None:  # traced under init: its FP32 graph, without the plan's casts (any policy's)
-        sym = mx.sym.load_json(json.dumps(without_amp_casts(json.loads(traced.tojson(remove_amp_cast=False)))))
+        traced_graph = json.loads(traced.tojson(remove_amp_cast=False))
+        sym = mx.sym.load_json(json.dumps(without_amp_casts(traced_graph, keep=users_casts(traced_graph))))
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
                      widest_type_ops, keep_batchnorm_fp32, emulate, tune)
     params = {p.name: p for p in block.collect_params().values()}
@@ -522,15 +580,27 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     arg_names, aux_names = set(sym.list_arguments()), set(sym.list_auxiliary_states())
     arg_params = {n: params[n].data(params[n].list_ctx()[0]) for n in arg_names if n in params}
     aux_params = {n: params[n].data(params[n].list_ctx()[0]) for n in aux_names if n in params}
+    fallbacks: List[str] = []
     if plan.fold:
-        arg_params, aux_params, _ = fold_batch_norm(sym, arg_params, aux_params)
+        try:
+            arg_params, aux_params, _ = fold_batch_norm(sym, arg_params, aux_params)
+        except Exception as error:  # noqa: BLE001  an optional step: the plan runs without it
+            if fuse:
+                raise RuntimeError(f"fuse=True folds batch norm first, which fails on this graph: {_first_line(error)}."
+                                   " Convert with fuse=False, or leave fuse unset to run unfused.") from error
+            backend = None
+            fallbacks.append(f"unfused: folding batch norm for the fusion fails on this graph "
+                             f"({_first_line(error)}); it runs unfused (fuse=False)")
     new_sym, new_args, new_aux, result = _convert_model(sym, arg_params, aux_params, policy, excluded_sym_names,
                                                         cast_optional_params, input_shapes, backend is not None,
-                                                        require_shapes=tune is True)
+                                                        require_shapes=tune is True, fallbacks=fallbacks)
     data_vars = [mx.sym.var(i.name, dtype="float32") for i in inputs]
     outputs, grouped = _as_called(block, new_sym, data_vars)
     out = MixedPrecisionBlock(_like_frontend(frontend, outputs), grouped)
     out.amp_result, out.fuse_backend, out.fuse_asked = result, backend, fuse is True
+    out.amp_fallbacks = tuple(fallbacks)
+    for why in fallbacks:
+        warnings.warn(f"convert_hybrid_block: {why}", UserWarning, stacklevel=2)
     loaded = {**{f"arg:{k}": v for k, v in new_args.items()}, **{f"aux:{k}": v for k, v in new_aux.items()}}
     with mxi.own_casts():  # the plan's parameter dtypes: never a script's GPU-only cast (patching/low_cast.py)
         out.collect_params().load_dict(loaded, ctx=ctx, cast_dtype=True, dtype_source="saved")

@@ -186,11 +186,23 @@ def block_backend(block: HybridBlock) -> Tuple[Optional[str], Dict[str, Any]]:
     return block._backend, dict(block._backend_opts)
 
 
-def drop_backend(block: HybridBlock) -> None:
-    """Build ``block``'s next graph without a subgraph backend, its other ``hybridize``
-    flags kept (1.9.1: ``_backend``, ``_backend_opts``; the cached op rebuilt)."""
-    block._backend, block._backend_opts = None, {}
-    block._clear_cached_op()
+def auto_name(hint: str) -> str:
+    """The next name MXNet's current name manager gives a node with ``hint`` (``hint0``,
+    ``hint1``, ... per manager), without the scope's prefix, which MXNet adds when the node is
+    created. 1.9.1: ``NameManager.get`` counts per hint; ``Prefix.get`` adds the prefix."""
+    return mx.name.NameManager.get(mx.name.NameManager.current, None, hint)
+
+
+def run_unpartitioned(block: HybridBlock, graph: Symbol, backend: Optional[str] = None) -> None:
+    """Make a SymbolBlock run ``graph`` at its next call, partitioned by ``backend`` (None:
+    not at all), with the ``hybridize`` flags it has (``static_alloc``, ...).
+
+    1.9.1: ``_build_cache`` replaces ``_cached_graph`` with the partitioned graph, and
+    ``SymbolBlock._clear_cached_op`` keeps it; ``hybridize`` without flags resets ``_flags``.
+    """
+    flags = dict(block._flags)
+    HybridBlock.hybridize(block, True, backend=backend, **flags)
+    block._cached_graph = (block._cached_graph[0], graph)
 
 
 def bucketing_module_options(mod: Any) -> Dict[str, Any]:

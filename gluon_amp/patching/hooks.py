@@ -16,6 +16,7 @@ from mxnet.gluon import HybridBlock
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.emulate import ROUND_SUFFIX
+from gluon_amp_core.decide import users_casts
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import drop_identity_casts
 
@@ -46,6 +47,7 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
             return out  # converted by gluon_amp: its plan was fixed then
         plan_notes.record_emulated(block, None)
         known, shapes = mxi.call_inputs(block, args, inputs)
+        users = users_casts(json.loads(out.tojson(remove_amp_cast=False)))  # the block's own casts stay
         out = rules.apply(block, out, shapes)
         dtypes = infer_dtypes(out, known, partial=True) or {}
         if dtypes:
@@ -56,7 +58,8 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
             if dropped:
                 out = mx.sym.load_json(json.dumps(graph))
                 dtypes = infer_dtypes(out, known, partial=True) or {}
-        return with_fewer_casts(out, known, policy.table, dtypes)[0]  # none back and forth between neighbours
+        # none back and forth between neighbours
+        return with_fewer_casts(out, known, policy.table, dtypes, keep=users)[0]
 
     def reshaped(block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> bool:
         return rules.keeps_more(block, out, mxi.call_inputs(block, args, inputs)[1])

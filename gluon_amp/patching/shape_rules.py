@@ -16,7 +16,7 @@ import mxnet as mx
 from mxnet.gluon import HybridBlock
 from mxnet.symbol import Symbol
 
-from gluon_amp_core.decide import Decision, Reason
+from gluon_amp_core.decide import Decision, Reason, users_casts
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import Change, retype
 from gluon_amp_core.walk import Note, walk
@@ -66,7 +66,7 @@ class ShapeRules:
                    for n in graph["nodes"] if n["name"] in kept and n["op"] != "null"}
         op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
         plan_notes.record(block, "shape_rules", {n: Note(Reason.NARROW_INPUT.value) for n in changes})
-        return mx.sym.load_json(json.dumps(retype(graph, changes, {}, op_inputs)))
+        return mx.sym.load_json(json.dumps(retype(graph, changes, {}, op_inputs, keep=users_casts(graph))))
 
     def keeps_more(self, block: HybridBlock, out: Symbol, shapes: Shapes) -> bool:
         """True when ``shapes`` keep an op of ``block``'s graph ``out`` in float32 that its

@@ -50,6 +50,8 @@ class Report:
     emulated: bool = False
     #: where tuning stands for this block's graph ("" when it was not tuned)
     tuning: str = ""
+    #: optional steps a converter left out on this graph, and why (its fusion failing)
+    fallbacks: Tuple[str, ...] = ()
 
     @property
     def low_ops(self) -> int:
@@ -64,7 +66,7 @@ class Report:
 
     def to_dict(self) -> Dict[str, Any]:
         return {"target_dtype": self.target_dtype, "casts": self.casts, "emulated": self.emulated,
-                "casts_per_low_op": self.casts_per_low_op, "tuning": self.tuning,
+                "casts_per_low_op": self.casts_per_low_op, "tuning": self.tuning, "fallbacks": list(self.fallbacks),
                 "totals_by_dtype": self.totals_by_dtype, "totals_by_reason": self.totals_by_reason,
                 "ops": [r.__dict__ for r in self.rows]}
 
@@ -80,6 +82,7 @@ class Report:
                   + f"  (target dtype {self.target_dtype}"
                   + (", emulated in float32: dtypes are the plan's, values rounded to them)" if self.emulated else ")")]
         lines += [f"tuning: {self.tuning}"] if self.tuning else []
+        lines += [f"fallback: {why}" for why in self.fallbacks]
         return "\n".join(lines)
 
 
@@ -191,4 +194,5 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
     tuning = getattr(symbol_or_block, "amp_tuning", None)
     return Report(label, rows, casts, dict(Counter(r.dtype for r in rows)),
                   dict(Counter(r.reason.split(" ")[0] for r in rows)), any(r.emulated for r in rows),
-                  getattr(tuning, "summary", getattr(tuning, "status", "")))
+                  getattr(tuning, "summary", getattr(tuning, "status", "")),
+                  tuple(getattr(symbol_or_block, "amp_fallbacks", ())))

@@ -6,7 +6,7 @@ inferred dtypes differ from the pass's anywhere (or that does not type-check) is
 from __future__ import annotations
 
 import json
-from typing import Mapping, Optional, Tuple
+from typing import Collection, Mapping, Optional, Tuple
 
 import mxnet as mx
 from mxnet.symbol import Symbol
@@ -20,15 +20,17 @@ from ..type_inference import infer_dtypes
 
 
 def with_fewer_casts(sym: Symbol, known: Mapping[str, str], table: OpTable,
-                     dtypes: Optional[Mapping[Tuple[str, int], Optional[str]]] = None) -> Tuple[Symbol, int]:
+                     dtypes: Optional[Mapping[Tuple[str, int], Optional[str]]] = None,
+                     keep: Collection[str] = ()) -> Tuple[Symbol, int]:
     """``sym`` with casts moved across neutral ops where that removes some, and how many went
     (``sym`` itself and 0 where none could go or MXNet disagrees with the result).
-    ``known``: the input dtypes MXNet types it from; ``dtypes``: its typing, where known."""
+    ``known``: the input dtypes MXNet types it from; ``dtypes``: its typing, where known;
+    ``keep``: the names of the user's casts, which stay."""
     graph = json.loads(sym.tojson(remove_amp_cast=False))
     if _unique_cast_names(graph):  # typed by name: the renamed casts typed again
         dtypes = infer_dtypes(mx.sym.load_json(json.dumps(graph)), known, partial=True) or {}
     typed = dict(dtypes) if dtypes is not None else (infer_dtypes(sym, known, partial=True) or {})
-    new_graph, new_types, removed = fewer_casts(graph, typed, table)
+    new_graph, new_types, removed = fewer_casts(graph, typed, table, keep)
     if not removed:
         return sym, 0
     new = mx.sym.load_json(json.dumps(new_graph))
@@ -69,11 +71,12 @@ def _agrees(sym: Symbol, graph: dict, dtypes: Mapping[Tuple[str, int], Optional[
     return all(inferred.get(k) == t for k, t in dtypes.items() if t is not None and k in inferred and k[0] not in twice)
 
 
-def pass_result_with_fewer_casts(result: PassResult, table: OpTable, known: Mapping[str, str]) -> Optional[Symbol]:
+def pass_result_with_fewer_casts(result: PassResult, table: OpTable, known: Mapping[str, str],
+                                 keep: Collection[str] = ()) -> Optional[Symbol]:
     """A converter's result with fewer casts, updated in place (graph, dtypes, casts
     inserted), and its symbol; None (``result`` as it was) where none could go or MXNet
-    disagrees."""
-    new_graph, new_types, removed = fewer_casts(result.graph, result.dtypes, table)
+    disagrees. ``keep``: the names of the user's casts, which stay."""
+    new_graph, new_types, removed = fewer_casts(result.graph, result.dtypes, table, keep)
     if not removed:
         return None
     new = mx.sym.load_json(json.dumps(new_graph))

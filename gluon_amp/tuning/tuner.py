@@ -24,7 +24,7 @@ import mxnet as mx
 from mxnet.base import MXNetError
 from mxnet.symbol import Symbol
 
-from gluon_amp_core.decide import MeasuredChoice, decide
+from gluon_amp_core.decide import MeasuredChoice, decide, users_cast_readers
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import Change, drop_identity_casts, retype
 from gluon_amp_core.timing_cache import TimingCache
@@ -254,8 +254,10 @@ class Target:
         return [typed.get((nodes[j]["name"], k)) for j, k, _ in self.graph["heads"]]
 
     def low_ops(self) -> List[str]:
-        """The op nodes the plan runs in the low dtype."""
-        return low_op_nodes(self.graph["nodes"], self.plan_dtypes(), self.policy.target_dtype)
+        """The op nodes the plan runs in the low dtype (but those reading a user's cast: theirs)."""
+        users = users_cast_readers(self.graph)
+        return [n for n in low_op_nodes(self.graph["nodes"], self.plan_dtypes(), self.policy.target_dtype)
+                if n not in users]
 
     def casts(self) -> int:
         """The plan's activation casts (the rule's measure)."""
@@ -326,7 +328,7 @@ class Target:
         entry_shapes = infer_shapes(self.sym, shapes)
         op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
         return problem(self.graph["nodes"], self.graph["heads"], dtypes, entry_shapes, self.policy.table, op_inputs,
-                       self.train, self.policy.excluded)
+                       self.train, self.policy.excluded | users_cast_readers(self.graph))
 
 
 def applier(out: Symbol, known: Mapping[str, str], policy: Policy) -> Callable[[Mapping[str, MeasuredChoice]], Symbol]:

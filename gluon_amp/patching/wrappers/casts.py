@@ -8,6 +8,8 @@ import mxnet as mx
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
+from gluon_amp_core.decide import PLAN_CAST_HINTS
+
 from ... import mxnet_internals as mxi
 
 # Copies of MXNet's cast functions: the wrappers call these, never the patched names
@@ -48,14 +50,17 @@ def either_frontend(op: Callable[..., NDArray]) -> Callable[..., NDArray]:
     return run
 
 
+# The plan's casts carry names of their own (PLAN_CAST_HINTS), told from a user's amp_cast.
 def cast_sym(x: Symbol, dtype: str) -> Symbol:
+    name = mxi.auto_name(PLAN_CAST_HINTS["amp_cast"])
     if isinstance(x, _np_symbol):
-        return _sym_amp_cast(x.as_nd_ndarray(), dtype=mxi.to_mx_dtype(dtype)).as_np_ndarray()
-    return _sym_amp_cast(x, dtype=mxi.to_mx_dtype(dtype))
+        return _sym_amp_cast(x.as_nd_ndarray(), dtype=mxi.to_mx_dtype(dtype), name=name).as_np_ndarray()
+    return _sym_amp_cast(x, dtype=mxi.to_mx_dtype(dtype), name=name)
 
 
 def multicast_sym(xs: Sequence[Symbol], narrow: bool = False) -> List[Symbol]:
     is_np = [isinstance(x, _np_symbol) for x in xs]
     legacy = [x.as_nd_ndarray() if n else x for x, n in zip(xs, is_np)]
-    out = _sym_amp_multicast(*legacy, num_outputs=len(xs), cast_narrow=narrow)
+    out = _sym_amp_multicast(*legacy, num_outputs=len(xs), cast_narrow=narrow,
+                             name=mxi.auto_name(PLAN_CAST_HINTS["amp_multicast"]))
     return [out[i].as_np_ndarray() if n else out[i] for i, n in enumerate(is_np)]
