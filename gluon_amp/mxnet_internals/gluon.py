@@ -162,6 +162,13 @@ def block_backend(block: HybridBlock) -> Tuple[Optional[str], Dict[str, Any]]:
     return block._backend, dict(block._backend_opts)
 
 
+def cached_op_flags(block: HybridBlock) -> Dict[str, Any]:
+    """The CachedOp flags the block's next graph build uses (``static_alloc``, ``static_shape``, ...):
+    what its last ``hybridize(**flags)`` set (1.9.1: ``_flags``, a list of pairs, read by
+    ``_build_cache``). If renamed, the converter's fusion tests fail here."""
+    return dict(block._flags)
+
+
 def bucketing_module_options(mod: Any) -> Dict[str, Any]:
     """Constructor options a ``BucketingModule`` keeps only privately (1.9.1: ``_sym_gen``,
     ``_default_bucket_key``, ``_context``, ...), to build an equivalent module. If renamed,
