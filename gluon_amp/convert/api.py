@@ -484,10 +484,11 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     weights in float32 (the result's parameters hold the folded values and an identity
     batch norm), because MXNet's own fold rounds bfloat16 weights towards zero.
     ``cast_optional_params`` (default: on where the block is fused, as the deployment CLI's
-    default) stores the parameters that only low-precision ops read in the target dtype: a
-    fused op caches its weights only when they are stored so; a cast of a weight in the graph
-    runs on every call and makes the fused op rebuild them (a fused ResNet-50 with ``False``
-    runs at FP32's speed: docs/speed.md). Other arguments as for :func:`convert_symbol`.
+    default, except for a numpy-mode block: MXNet 1.9.1's ``mx.np`` has no bfloat16) stores
+    the parameters that only low-precision ops read in the target dtype: a fused op caches
+    its weights only when they are stored so; a cast of a weight in the graph runs on every
+    call and makes the fused op rebuild them (a fused ResNet-50 with ``False`` runs at FP32's
+    speed: docs/speed.md). Other arguments as for :func:`convert_symbol`.
     The result's ``export`` keeps the cast nodes, and its ``amp_result`` holds the pass's
     per-node decisions (read by ``report``).
     ``emulate=True`` runs the plan emulated in float32 (never fused) when the block runs: on
@@ -512,8 +513,8 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     ctx = _contexts(ctx)
     plan = fusion_plan(fuse, ctx[0].device_type, policy)
     backend = plan.backend
-    if cast_optional_params is None:
-        cast_optional_params = backend is not None
+    if cast_optional_params is None:  # not a numpy-mode block's: 1.9.1's mx.np holds no bfloat16 arrays
+        cast_optional_params = backend is not None and not isinstance(frontend, mxi.NP_SYMBOL)
     arg_names, aux_names = set(sym.list_arguments()), set(sym.list_auxiliary_states())
     arg_params = {n: params[n].data(params[n].list_ctx()[0]) for n in arg_names if n in params}
     aux_params = {n: params[n].data(params[n].list_ctx()[0]) for n in aux_names if n in params}
