@@ -356,7 +356,9 @@ class MixedPrecisionBlock(SymbolBlock):
     where the target cannot run here) and keeps the cast nodes by default (MXNet's own
     default, ``remove_amp_cast=True``, writes a graph that no longer type-checks); when
     ``fuse_backend`` is set (``'MKLDNN'`` on CPU), every :meth:`hybridize` without an
-    explicit ``backend`` uses MXNet's oneDNN subgraph fusion. ``amp_result`` holds the
+    explicit ``backend`` uses MXNet's oneDNN subgraph fusion, and a fused ``hybridize``
+    defaults to ``static_alloc=True, static_shape=True`` (pass ``False`` to opt out): the
+    fused ops' state is then built once, not on every call. ``amp_result`` holds the
     pass's per-node decisions.
     """
 
@@ -426,6 +428,13 @@ class MixedPrecisionBlock(SymbolBlock):
     def hybridize(self, active: bool = True, backend: Optional[str] = None, **kwargs: Any) -> None:
         if active and backend is None and self.fuse_backend:
             backend = self.fuse_backend
+        if active and backend is not None:
+            # A fused op builds its state once (batch norm folded in, weights reordered to
+            # oneDNN's blocked layout), but without static_alloc and static_shape MXNet's
+            # CachedOp builds every op state again on each call: ResNet-50 bfloat16 ran at
+            # FP32's speed instead of 2x it (docs/speed.md). A new input shape still works.
+            kwargs.setdefault("static_alloc", True)
+            kwargs.setdefault("static_shape", True)
         super().hybridize(active, backend=backend, **kwargs)
 
     def __init__(self, outputs: Any, inputs: Any, params: Any = None) -> None:
@@ -536,7 +545,7 @@ def _contexts(ctx: Any) -> List[mx.Context]:
 def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dtype_ops=None,
                          fp32_ops=None, conditional_fp32_ops=None, excluded_sym_names=None,
                          ctx: Union[None, mx.Context, Sequence[mx.Context]] = None,
-                         cast_optional_params: bool = False, *, widest_type_ops=None,
+                         cast_optional_params: Optional[bool] = None, *, widest_type_ops=None,
                          keep_batchnorm_fp32: Optional[bool] = None,
                          fuse: Optional[bool] = None, emulate: Optional[bool] = None,
                          tune: Optional[bool] = None,
@@ -551,9 +560,15 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     ``hybridize(backend='MKLDNN')`` does, also after a later ``hybridize``; ``fuse=False``
     opts out. Fusing for bfloat16 first folds each convolution's batch norm into its
     weights in float32 (the result's parameters hold the folded values and an identity
-    batch norm), because MXNet's own fold rounds bfloat16 weights towards zero. Other
-    arguments as for :func:`convert_symbol`. The result's ``export`` keeps the cast
-    nodes, and its ``amp_result`` holds the pass's per-node decisions (read by ``report``).
+    batch norm), because MXNet's own fold rounds bfloat16 weights towards zero.
+    ``cast_optional_params`` (default: on where the block is fused, as the deployment CLI's
+    default, except for a numpy-mode block: MXNet 1.9.1's ``mx.np`` has no bfloat16) stores
+    the parameters that only low-precision ops read in the target dtype: a fused op caches
+    its weights only when they are stored so; a cast of a weight in the graph runs on every
+    call and makes the fused op rebuild them (a fused ResNet-50 with ``False`` runs at FP32's
+    speed: docs/speed.md). Other arguments as for :func:`convert_symbol`.
+    The result's ``export`` keeps the cast nodes, and its ``amp_result`` holds the pass's
+    per-node decisions (read by ``report``).
     ``emulate=True`` runs the plan emulated in float32 (never fused) when the block runs: on
     any CPU; its graph and parameters (what ``export`` writes) are the plan's.
     With ``input_shapes`` (e.g. ``{'data': (16, 3, 224, 224)}``) it also keeps in float32 the
@@ -577,6 +592,8 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     ctx = _contexts(ctx)
     plan = fusion_plan(fuse, ctx[0].device_type, policy)
     backend = plan.backend
+    if cast_optional_params is None:  # not a numpy-mode block's: 1.9.1's mx.np holds no bfloat16 arrays
+        cast_optional_params = backend is not None and not isinstance(frontend, mxi.NP_SYMBOL)
     arg_names, aux_names = set(sym.list_arguments()), set(sym.list_auxiliary_states())
     arg_params = {n: params[n].data(params[n].list_ctx()[0]) for n in arg_names if n in params}
     aux_params = {n: params[n].data(params[n].list_ctx()[0]) for n in aux_names if n in params}

@@ -205,6 +205,13 @@ def run_unpartitioned(block: HybridBlock, graph: Symbol, backend: Optional[str] 
     block._cached_graph = (block._cached_graph[0], graph)
 
 
+def cached_op_flags(block: HybridBlock) -> Dict[str, Any]:
+    """The CachedOp flags the block's next graph build uses (``static_alloc``, ``static_shape``, ...):
+    what its last ``hybridize(**flags)`` set (1.9.1: ``_flags``, a list of pairs, read by
+    ``_build_cache``). If renamed, the converter's fusion tests fail here."""
+    return dict(block._flags)
+
+
 def bucketing_module_options(mod: Any) -> Dict[str, Any]:
     """Constructor options a ``BucketingModule`` keeps only privately (1.9.1: ``_sym_gen``,
     ``_default_bucket_key``, ``_context``, ...), to build an equivalent module. If renamed,

@@ -175,3 +175,22 @@ def test_profile_step_profiles_fp32_op_by_op(tmp_path):
         assert len(doc["results"]) == 1 and doc["runtime"]["bf16_why"] in doc["skipped"]
     else:
         assert all(c["ceiling_ms"] > 0 for c in doc["ceilings"].values())
+
+
+@pytest.mark.bf16_kernels
+def test_vs_peer_quick_runs_each_variant_in_its_own_process_and_reports_ratios(tmp_path):
+    out = tmp_path / "vs.json"
+    r = _run("vs_peer.py", "--quick", "--rounds", "1", "--rows", "infer:resnet50,launcher:wavenet",
+             "--iters", "1", "--train-iters", "1", "--warmup", "0", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert list(doc["rows"]) == ["infer:resnet50", "launcher:wavenet"]
+    for row in doc["rows"].values():
+        for v in ("fp32", "ours", "peer"):
+            assert row["variants"][v]["ms"] > 0 and row["variants"][v]["peak_rss_mb"] > 0, row
+        assert row["ratios"]["ours_vs_peer"] > 0 and row["ratios"]["ours_vs_fp32"] > 0
+    conv = doc["rows"]["infer:resnet50"]["variants"]
+    # host-independent: the default (fused) conversion casts only the input and the output
+    assert conv["ours"]["casts"] == 2 and conv["ours"]["ops_by_dtype"]["bfloat16"] > 20
+    assert conv["peer"]["casts"] > 20  # the peer keeps float32 weights and casts each one
+    assert "ours/peer" in r.stdout and "avx512_bf16" in r.stdout

@@ -225,7 +225,9 @@ def test_convert_model_matches_peer(peer, graph, dtype, cast_optional_params):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["cbrfs", "prelu"])
 def test_convert_hybrid_block_matches_peer(peer, kind, dtype):
-    out = gluon_amp.convert_hybrid_block(run_gluon_net(kind), target_dtype=dtype, ctx=mx.cpu())
+    # the peer's default keeps float32 weights; ours stores them low where it fuses (docs/speed.md)
+    out = gluon_amp.convert_hybrid_block(run_gluon_net(kind), target_dtype=dtype, ctx=mx.cpu(),
+                                         cast_optional_params=False)
     ours, theirs = block_summary(out), peer["convert"]["block"][f"{dtype}/{kind}"]
     _compare(ours["graph"], theirs["graph"], dtype, peer)
     _check_params(ours["params"], theirs["params"], False, dtype)
