@@ -392,6 +392,31 @@ def _drop_param_casts(nodes: List[dict], heads: List[list], param_dtypes: Dict[s
     return out, [remap(h) for h in heads], len(drop)
 
 
+def params_read_through_casts(graph: dict, names: Collection[str]) -> dict:
+    """``graph`` with each parameter in ``names`` that it stores low (``__dtype__``) stored in
+    float32 and read through a cast to its low dtype (``<name>_amp_cast_<dtype>``): the
+    inverse of ``cast_optional_params``, for training the parameters in float32."""
+    nodes = graph["nodes"]
+    low = {j: CODE_DTYPE[int(n["attrs"]["__dtype__"])] for j, n in enumerate(nodes)
+           if n["op"] == "null" and n["name"] in names
+           and CODE_DTYPE.get(int(n.get("attrs", {}).get("__dtype__", "-1")), "") in LOW_PRECISION_DTYPES}
+    if not low:
+        return graph
+    new_index: Dict[int, int] = {}
+    out: List[dict] = []
+    for j, n in enumerate(nodes):
+        n = dict(n, inputs=[[new_index[e[0]], e[1], 0] for e in n["inputs"]])
+        if j in low:
+            n["attrs"] = {**n["attrs"], "__dtype__": str(DTYPE_CODE["float32"])}
+            out.append(n)
+            n = {"op": "amp_cast", "name": f"{n['name']}_amp_cast_{low[j]}", "attrs": {"dtype": low[j]},
+                 "inputs": [[len(out) - 1, 0, 0]]}
+        new_index[j] = len(out)
+        out.append(n)
+    heads = [[new_index[h[0]], h[1], 0] for h in graph["heads"]]
+    return _finish(graph, out, heads)
+
+
 def without_amp_casts(graph: dict, keep: Collection[str] = ()) -> dict:
     """``graph`` without its ``amp_cast``/``amp_multicast`` nodes but those named in ``keep``
     (the user's), each read through (a multicast's output ``k`` is its input ``k``): the FP32

@@ -14,8 +14,8 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import MeasuredChoice
 from gluon_amp_core.dtypes import CODE_DTYPE, dtype_name
-from gluon_amp_core.graph_pass import (PassResult, convert_graph, is_kept, parameter_only_inputs, users_casts,
-                                      without_amp_casts)
+from gluon_amp_core.graph_pass import (PassResult, convert_graph, is_kept, parameter_only_inputs,
+                                      params_read_through_casts, users_casts, without_amp_casts)
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec, check_name_list
 
@@ -366,6 +366,8 @@ class MixedPrecisionBlock(SymbolBlock):
     #: the fusion was asked for (``fuse=True``), not the default
     fuse_asked: bool = False
     amp_result: Optional[PassResult] = None
+    #: parameters stored low only by ``cast_optional_params``' default: float32 again for training
+    stored_low_by_default: Tuple[str, ...] = ()
     #: what the converter did not do, and why (an optional step that failed on this graph)
     amp_fallbacks: Tuple[str, ...] = ()
 
@@ -423,7 +425,22 @@ class MixedPrecisionBlock(SymbolBlock):
                       f"so it runs unfused from now on: MXNet's {backend} fused ops have no gradient. Convert "
                       "with fuse=False to train it from the start.", RuntimeWarning, stacklevel=3)
         self.fuse_backend = None
+        if self.stored_low_by_default:
+            self._train_float32_params()
         mxi.run_unpartitioned(self, self._converted)  # also where an inference call built the fused graph
+
+    def _train_float32_params(self) -> None:
+        """Store the parameters the default stored low in float32 again, read through casts:
+        an optimizer updating bfloat16 weights loses every update below their rounding (the
+        stored values, already rounded, are what training starts from)."""
+        names = set(self.stored_low_by_default)
+        graph = params_read_through_casts(json.loads(self._converted.tojson(remove_amp_cast=False)), names)
+        self._converted = mx.sym.load_json(json.dumps(graph))
+        with mxi.own_casts():
+            for p in self.collect_params().values():
+                if p.name in names:
+                    p.cast("float32")
+        self.stored_low_by_default = ()
 
     def hybridize(self, active: bool = True, backend: Optional[str] = None, **kwargs: Any) -> None:
         if active and backend is None and self.fuse_backend:
@@ -592,7 +609,8 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     ctx = _contexts(ctx)
     plan = fusion_plan(fuse, ctx[0].device_type, policy)
     backend = plan.backend
-    if cast_optional_params is None:  # not a numpy-mode block's: 1.9.1's mx.np holds no bfloat16 arrays
+    defaulted = cast_optional_params is None
+    if defaulted:  # not a numpy-mode block's: 1.9.1's mx.np holds no bfloat16 arrays
         cast_optional_params = backend is not None and not isinstance(frontend, mxi.NP_SYMBOL)
     arg_names, aux_names = set(sym.list_arguments()), set(sym.list_auxiliary_states())
     arg_params = {n: params[n].data(params[n].list_ctx()[0]) for n in arg_names if n in params}
@@ -616,6 +634,10 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     out = MixedPrecisionBlock(_like_frontend(frontend, outputs), grouped)
     out.amp_result, out.fuse_backend, out.fuse_asked = result, backend, fuse is True
     out.amp_fallbacks = tuple(fallbacks)
+    if defaulted and cast_optional_params:
+        out.stored_low_by_default = tuple(sorted(n for n, t in result.param_dtypes.items() if t != "float32"))
+    if defaulted and cast_optional_params:
+        out.stored_low_by_default = tuple(sorted(n for n, t in result.param_dtypes.items() if t != "float32"))
     for why in fallbacks:
         warnings.warn(f"convert_hybrid_block: {why}", UserWarning, stacklevel=2)
     loaded = {**{f"arg:{k}": v for k, v in new_args.items()}, **{f"aux:{k}": v for k, v in new_aux.items()}}

@@ -5,7 +5,7 @@ take the dtype of the float inputs, which must agree; BatchNorm keeps float32 pa
 casts produce their ``dtype``; a multicast, with every input known, gives the widest.
 """
 from gluon_amp_core.dtypes import FLOAT_DTYPES, widest
-from gluon_amp_core.graph_pass import convert_graph
+from gluon_amp_core.graph_pass import convert_graph, params_read_through_casts
 from gluon_amp_core.policy import Policy
 
 POLICY = Policy.create("bfloat16")
@@ -91,6 +91,25 @@ def test_cast_optional_params_folds_weight_casts():
     assert w["attrs"]["__dtype__"] == "12" and r.param_dtypes["w"] == "bfloat16"
     assert r.casts_inserted == 3  # x, fc1->fp32, fc2->fp32
     assert all(n["name"] != "w_amp_cast_bfloat16" for n in r.graph["nodes"])
+
+
+def test_params_read_through_casts_undoes_cast_optional_params():
+    """The graph a fused conversion trains on: what the pass stored low, stored in float32 and
+    cast where read; every op reads the dtype it read before (the pass without the option)."""
+    stored = run(two_fc(), cast_optional_params=True)
+    back = params_read_through_casts(stored.graph, {"w"})
+    plain = run(two_fc()).graph
+    by_name = {n["name"]: n for n in back["nodes"]}
+    assert by_name["w"]["attrs"]["__dtype__"] == "0"
+    assert by_name["w_amp_cast_bfloat16"]["attrs"] == {"dtype": "bfloat16"}
+
+    def readers(g):  # op -> the names of the nodes it reads
+        return {n["name"]: [g["nodes"][e[0]]["name"] for e in n["inputs"]] for n in g["nodes"]}
+    assert readers(back) == readers(plain)
+    def heads(g):
+        return [g["nodes"][h[0]]["name"] for h in g["heads"]]
+    assert heads(back) == heads(plain)
+    assert params_read_through_casts(stored.graph, {"x"}) is stored.graph  # nothing stored low: unchanged
 
 
 def test_low_precision_outputs_come_back_float32():

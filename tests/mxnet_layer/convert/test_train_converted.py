@@ -71,3 +71,26 @@ def test_a_fusion_asked_for_refuses_to_train_with_zero_gradients():
         _grads(converted)
     _, unfused = _converted(fuse=False)  # what the message says
     assert all(np.abs(g).max() > 0 for g in _grads(unfused).values())
+
+
+def test_weights_the_default_stored_low_train_in_float32(native_host):
+    """A fused conversion stores the weights only low ops read in bfloat16 by default; trained,
+    they are float32 again (read through casts), so an update below bfloat16's rounding lands
+    instead of being rounded away. Inference runs first, so the fused graph was built."""
+    _, converted = _converted(target_dtype="bfloat16")
+    stored_low = set(converted.stored_low_by_default)
+    params = {p.name: p for p in converted.collect_params().values()}
+    assert stored_low and all(params[n].data().dtype != np.float32 for n in stored_low)
+    converted(X)
+    before = {n: params[n].data().astype("float32").asnumpy() for n in stored_low}
+    trainer = gluon.Trainer(converted.collect_params(), "sgd", {"learning_rate": 1e-6})
+    with pytest.warns(RuntimeWarning, match="runs unfused from now on"):
+        _grads(converted)
+    trainer.step(1)
+    for name in stored_low:
+        after = params[name].data()
+        assert after.dtype == np.float32 and params[name].grad().dtype == np.float32, name
+        moved = np.abs(after.asnumpy() - before[name])
+        scale = np.abs(before[name]).max()  # the biases start at zero
+        assert 0 < moved.max() < (1e-3 * scale if scale else 1e-6), name  # below bfloat16's step
+    assert not converted.stored_low_by_default
