@@ -1,0 +1,79 @@
+"""A converted block runs float32 where its plan would be slower (issue 48): converted without
+``input_shapes``, it decides at its first call, from the plan's multiply-adds per element its
+casts convert at that call's shapes, with the rule ``init`` applies to a graph not measured yet.
+
+MobileNetV3's hard-swish (``x * clip(x + 3, 0, 6) / 6``) runs in float32 in a bfloat16 plan
+(MXNet 1.9.1's element-wise bfloat16 loops are slower than float32), so every 1x1 convolution
+between two is cast both ways: the default conversion ran at 0.94x FP32's speed on Zen 4, where
+its fused float32 graph runs at 1.14x. Decided on a native host: simulated on every CPU, real
+where the CPU has bfloat16 kernels.
+"""
+import warnings
+
+import numpy as np
+import pytest
+
+import gluon_amp
+import mxnet as mx
+from mxnet import gluon
+
+
+class HardSwishNet(gluon.HybridBlock):
+    """1x1 convolutions with a hard-swish between: few multiply-adds per cast element."""
+
+    def __init__(self):
+        super().__init__(prefix="hs_")
+        with self.name_scope():
+            self.a = gluon.nn.Conv2D(8, 1, in_channels=8)
+            self.b = gluon.nn.Conv2D(8, 1, in_channels=8)
+
+    def hybrid_forward(self, F, x):
+        h = self.a(x)
+        return self.b(h * F.clip(h + 3, 0, 6) / 6)
+
+
+def _conv_net():
+    """3x3 convolutions on 64 channels: hundreds of multiply-adds per cast element."""
+    net = gluon.nn.HybridSequential(prefix="cv_")
+    with net.name_scope():
+        net.add(gluon.nn.Conv2D(64, 3, padding=1, in_channels=3), gluon.nn.Activation("relu"),
+                gluon.nn.Conv2D(64, 3, padding=1, in_channels=64))
+    return net
+
+
+def _converted(net, x, **kwargs):
+    mx.random.seed(0)
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    want = net(x).asnumpy()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        converted = gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16", **kwargs)
+        got = converted(x).asnumpy()
+    return converted, want, got, [str(w.message) for w in caught]
+
+
+def test_a_plan_slower_than_float32_by_the_rule_runs_float32_without_a_cast(native_host):
+    converted, want, got, said = _converted(HardSwishNet(), mx.nd.random.uniform(-4, 4, shape=(2, 8, 16, 16)))
+    rep = gluon_amp.report(converted)
+    assert rep.low_ops == 0 and rep.casts == 0, rep
+    assert [f for f in rep.fallbacks if f.startswith("float32: runs float32 until measured")], rep.fallbacks
+    assert any("multiply-adds per cast element" in s for s in said), said
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()  # the FP32 block's values
+    assert all(p.data().dtype == np.float32 for p in converted.collect_params().values())
+    converted(mx.nd.ones((2, 8, 16, 16)))  # decided once: later calls run the float32 graph
+    assert gluon_amp.report(converted).casts == 0
+
+
+def test_a_plan_the_rule_finds_fast_keeps_its_low_precision_ops(native_host):
+    converted, want, got, _ = _converted(_conv_net(), mx.nd.random.uniform(shape=(2, 3, 16, 16)))
+    rep = gluon_amp.report(converted)
+    assert rep.low_ops > 0 and not rep.fallbacks, rep
+    assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("kwargs", [dict(tune=False), dict(emulate=True)])
+def test_tune_false_or_emulation_runs_the_plan_as_converted(native_host, kwargs):
+    converted, _, _, _ = _converted(HardSwishNet(), mx.nd.random.uniform(-4, 4, shape=(2, 8, 16, 16)), **kwargs)
+    rep = gluon_amp.report(converted)
+    assert rep.low_ops > 0 and rep.casts > 0 and not rep.fallbacks, rep
