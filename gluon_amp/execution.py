@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import warnings
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import mxnet as mx
@@ -317,11 +318,37 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
     plan_notes.record_fed(block, known)  # report types the plan as it runs (gluon_amp.reporting)
     devices = {a.context.device_type for a in mxi.call_arrays(args) if isinstance(a, NDArray)}
     run = graph_to_run(plan, known, shapes, devices, policy, f"block {block.name!r}", plan_notes.plan_heads(block))
+    if getattr(block, "amp_speed_rule", False) and policy is not None and not policy.emulate:
+        faster = _float32_where_slower(block, plan, known, shapes, policy)
+        run = run if faster is None else faster
     if run is not plan and policy is not None and policy.emulate:  # the report says which nodes real AMP runs low
         typed = infer_dtypes(plan, known, partial=True) or {}
         plan_notes.record_emulated(block, {name: t for (name, i), t in typed.items()
                                            if i == 0 and t in LOW_PRECISION_DTYPES})
     return run
+
+
+def _float32_where_slower(block: HybridBlock, plan: Symbol, known: Mapping[str, str],
+                          shapes: Mapping[str, Tuple[int, ...]], policy: Policy) -> Optional[Symbol]:
+    """For a converted block nothing measured: the same graph in float32 where the rule for a
+    graph not measured yet (``init``'s: the plan's multiply-adds per element its casts
+    convert, at these shapes) says its plan is slower, else None. The block keeps its plan;
+    its report's fallbacks say what ran. Fed data in a low dtype runs the plan as fed."""
+    from .tuning.tuner import Target, applier
+    data = [n for n in shapes]
+    if not policy.enabled or not data or any(known.get(n, "float32") != "float32" for n in data):
+        return None
+    target = Target(plan, known, applier(plan, known, policy), policy, train=False)
+    if not target.low_ops() or not target.unmeasured_fp32(shapes):
+        return None
+    why = "float32: the block " + target.describe_unmeasured(
+        "converted without input_shapes", shapes) + "; convert with input_shapes to measure it, or tune=False to " \
+        "run the plan as it is"
+    said = tuple(getattr(block, "amp_fallbacks", ()))
+    if why not in said:
+        block.amp_fallbacks = said + (why,)  # what the report says ran; the plan stays as converted
+        warnings.warn(f"gluon_amp: {why}", UserWarning, stacklevel=2)
+    return target.fp32()
 
 
 def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mapping[str, Tuple[int, ...]],

@@ -5,27 +5,25 @@ import difflib
 import json
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import mxnet as mx
 from mxnet import autograd
 from mxnet.gluon import HybridBlock, SymbolBlock
 from mxnet.symbol import Symbol
 
-from gluon_amp_core.decide import MeasuredChoice, users_cast_readers
+from gluon_amp_core.decide import MeasuredChoice
 from gluon_amp_core.dtypes import CODE_DTYPE, dtype_name
 from gluon_amp_core.graph_pass import (PassResult, convert_graph, is_kept, parameter_only_inputs,
                                       params_read_through_casts, users_casts, without_amp_casts)
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec, check_name_list
-from gluon_amp_core.tuning.verdict import activation_casts, describe_unmeasured, low_op_nodes, unmeasured_runs_fp32
 
 from .. import execution, mxnet_internals as mxi, plan_notes, runtime
 from ..state import current_policy
 from ..policy_builder import as_policy, make_policy
 from ..tuning.casts import pass_result_with_fewer_casts
 from ..tuning.schedule import tune_graph
-from ..tuning.tuner import plan_figures
 from ..type_inference import infer_dtypes, op_types
 from .fold import fold_batch_norm
 
@@ -315,53 +313,6 @@ def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params
     return new_sym, new_args, new_aux, result
 
 
-@dataclass(frozen=True)
-class _Float32Plan:
-    """What a converted block runs instead of its plan where the speed rule says float32."""
-
-    graph: Symbol
-    params: Dict[str, mx.nd.NDArray]
-    result: PassResult
-    why: str
-
-
-def _speed_rule(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params: Dict[str, mx.nd.NDArray],
-                policy: Policy, excluded_sym_names: Any, plan: Symbol, result: PassResult,
-                frontend: Symbol) -> Callable[[Mapping[str, Tuple[int, ...]]], Optional[_Float32Plan]]:
-    """The decision a converted block takes at its first call, when converted without
-    ``input_shapes`` (nothing measured): the rule ``init`` applies to a graph not measured yet
-    (:func:`gluon_amp_core.tuning.verdict.unmeasured_runs_fp32`), on the plan's multiply-adds
-    per element its casts convert at the call's shapes. Where it says float32, the same
-    graph converted with every low-precision op in float32 (no cast), its parameters in
-    float32. Holds the FP32 parameters until that call."""
-    graph, target = result.graph, policy.target_dtype
-    readers = users_cast_readers(graph)
-    low = [n for n in low_op_nodes(graph["nodes"], result.dtypes, target) if n not in readers]
-
-    def decide(shapes: Mapping[str, Tuple[int, ...]]) -> Optional[_Float32Plan]:
-        casts = activation_casts(graph["nodes"])
-        try:
-            elements, intensity = plan_figures(plan, graph, low, policy, shapes)
-        except Exception:  # noqa: BLE001  shapes MXNet cannot infer: the call itself will say so
-            return None
-        if intensity is None or not unmeasured_runs_fp32(casts, len(low), elements, intensity):
-            return None
-        why = ("float32: " + describe_unmeasured(casts, len(low), target, "converted without input_shapes",
-                                                 elements, intensity)
-               + "; convert with input_shapes to measure it, or tune=False to run the plan as it is")
-        names = set(arg_params) | set(aux_params)
-        types = {k: dtype_name(v.dtype) for k, v in {**arg_params, **aux_params}.items()}
-        choices = {n: MeasuredChoice("float32", 0.0, 0.0, 0.0, target) for n in low}
-        new_sym, new_result = convert_with_policy(sym, policy, excluded_sym_names,
-                                                  [n for n in sym.list_inputs() if n not in names], False,
-                                                  param_dtypes=types, measured=choices)
-        values = {k: _cast_array(v, new_result.param_dtypes.get(k, types[k]))
-                  for k, v in {**arg_params, **aux_params}.items()}
-        return _Float32Plan(mxi.like_frontend(frontend, new_sym), values, new_result, why)
-
-    return decide if low else (lambda shapes: None)
-
-
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
 
@@ -415,16 +366,15 @@ class MixedPrecisionBlock(SymbolBlock):
     #: the fusion was asked for (``fuse=True``), not the default
     fuse_asked: bool = False
     amp_result: Optional[PassResult] = None
+    #: converted without ``input_shapes`` (nothing measured): where it is bound, the speed rule
+    #: decides whether its plan or the same graph in float32 runs (gluon_amp.execution)
+    amp_speed_rule: bool = False
     #: parameters stored low only by ``cast_optional_params``' default: float32 again for training
     stored_low_by_default: Tuple[str, ...] = ()
     #: what the converter did not do, and why (an optional step that failed on this graph)
     amp_fallbacks: Tuple[str, ...] = ()
-    #: the speed rule, decided at the first call's shapes (see :func:`_speed_rule`)
-    _speed_rule: Optional[Callable[[Mapping[str, Tuple[int, ...]]], Optional["_Float32Plan"]]] = None
 
     def __call__(self, *args: Any) -> Any:
-        if self._speed_rule is not None:
-            self._decide_speed(args)
         if autograd.is_recording() and mxi.block_backend(self)[0] is not None:
             self._unfuse_to_train()
         # Called as the block it converts is (its inputs nested: an RNN's state list), or
@@ -441,30 +391,6 @@ class MixedPrecisionBlock(SymbolBlock):
             return super().__call__(*flat)
         except mx.base.MXNetError as error:
             return self._unfused_after(error, backend, flat)
-
-    def _decide_speed(self, args: Any) -> None:
-        """At the first call: where the plan's own figures at these shapes say it is slower
-        than float32 (the rule ``init`` applies to a graph not measured yet), run the same
-        graph in float32, without a cast, and say so in ``report(...).fallbacks``."""
-        rule, self._speed_rule = self._speed_rule, None
-        arrays = mxi.call_arrays(args)
-        shapes = {n: tuple(a.shape) for n, a in zip(self._data_names, arrays) if hasattr(a, "shape")}
-        if len(shapes) != len(self._data_names):
-            return
-        plan = rule(shapes)
-        if plan is None:
-            return
-        params = {p.name: p for p in self.collect_params().values()}
-        with mxi.own_casts():
-            for name, value in plan.params.items():
-                if name in params:
-                    if dtype_name(params[name].dtype) != dtype_name(value.dtype):
-                        params[name].cast(value.dtype)
-                    params[name].set_data(value)
-        self._converted, self.amp_result, self.stored_low_by_default = plan.graph, plan.result, ()
-        mxi.run_unpartitioned(self, plan.graph, mxi.block_backend(self)[0])
-        self.amp_fallbacks += (plan.why,)
-        warnings.warn(f"convert_hybrid_block: {plan.why}", UserWarning, stacklevel=3)
 
     def _unfused_after(self, error: Exception, backend: str, args: List[Any]) -> Any:
         """The call run unfused, where MXNet's ``backend`` fusion failed on this graph (it
@@ -668,11 +594,11 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     With ``input_shapes`` (e.g. ``{'data': (16, 3, 224, 224)}``) it also keeps in float32 the
     ops that do not make the model faster in the target dtype on this machine, measured
     (``tune``, on by default then: see :func:`convert_model`); ``report(result)`` names them
-    with their figures. Without them (and unless ``tune=False`` or emulated), the result
-    decides at its first call, from the plan's multiply-adds per element its casts convert at
-    that call's shapes, as ``init`` does for a graph not measured yet: a plan the rule finds
-    slower than float32 (MobileNetV3's hard-swish casts) runs the same graph in float32,
-    fused, without a cast, and ``report(result).fallbacks`` says so.
+    with their figures. Without them (unless ``tune=False`` or emulated), where the result is
+    bound, at its first call's shapes, the rule ``init`` applies to a graph not measured yet
+    decides: a plan it finds slower than float32 (MobileNetV3's hard-swish casts) runs as the
+    same graph in float32, still fused, and ``report(result).fallbacks`` says so; the plan
+    (what ``export`` writes, the parameters) stays as converted.
     """
     if not isinstance(block, HybridBlock):
         raise TypeError(f"convert_hybrid_block expects a gluon HybridBlock, got {type(block).__name__}")
@@ -715,9 +641,7 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     out = MixedPrecisionBlock(_like_frontend(frontend, outputs), grouped)
     out.amp_result, out.fuse_backend, out.fuse_asked = result, backend, fuse is True
     out.amp_fallbacks = tuple(fallbacks)
-    if tune is not False and input_shapes is None and not policy.emulate and policy.enabled:
-        out._speed_rule = _speed_rule(sym, arg_params, aux_params, policy, excluded_sym_names, new_sym,
-                                      result, frontend)
+    out.amp_speed_rule = tune is not False and input_shapes is None and not policy.emulate
     if defaulted and cast_optional_params:
         out.stored_low_by_default = tuple(sorted(n for n, t in result.param_dtypes.items() if t != "float32"))
     if defaulted and cast_optional_params:

@@ -280,7 +280,26 @@ class Target:
         return self._figures[key]
 
     def _measure_figures(self, shapes: Mapping[str, Tuple[int, ...]]) -> Tuple[Optional[int], Optional[float]]:
-        return plan_figures(self.sym, self.graph, self.low_ops(), self.policy, shapes)
+        entry = infer_shapes(self.sym, shapes)
+        nodes = self.graph["nodes"]
+        low = set(self.low_ops())
+        total, macs, cast = 0, 0, 0
+        for n in nodes:
+            if n["name"] in low:
+                ins = [entry.get((nodes[e[0]]["name"], e[1])) for e in n["inputs"]]
+                if any(s is None for s in ins):
+                    return None, None
+                total += elements(ins)
+                macs += op_macs(self.policy.table.canonical(n["op"]), n.get("attrs", {}), ins,
+                                entry.get((n["name"], 0)))
+            elif n["op"] in CAST_OPS:
+                for e in n["inputs"]:
+                    if nodes[e[0]]["op"] != "null":  # an activation's cast (a parameter's is master weights')
+                        shape = entry.get((nodes[e[0]]["name"], e[1]))
+                        if shape is None:
+                            return total, None
+                        cast += elements([shape])
+        return total, (macs / cast if cast else float("inf"))
 
     def unmeasured_fp32(self, shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> bool:
         """The rule without a whole-graph measurement (:func:`unmeasured_runs_fp32`)."""
@@ -642,29 +661,3 @@ def run(job: Job, ledger: Ledger, clock: Callable[[], float] = time.perf_counter
         ledger.charge(cost, what, estimate)
         job.tuning.seconds += cost
     return True
-
-
-def plan_figures(sym: Symbol, graph: Mapping[str, Any], low_ops: Sequence[str], policy: Policy,
-                 shapes: Mapping[str, Tuple[int, ...]]) -> Tuple[Optional[int], Optional[float]]:
-    """A plan's own figures at these input shapes (what the rule without a measurement reads):
-    the elements its low-precision ops ``low_ops`` read in all, and their multiply-adds per
-    element its activation casts convert (``inf``: none); None where a shape is unknown."""
-    entry = infer_shapes(sym, shapes)
-    nodes = graph["nodes"]
-    low = set(low_ops)
-    total, macs, cast = 0, 0, 0
-    for n in nodes:
-        if n["name"] in low:
-            ins = [entry.get((nodes[e[0]]["name"], e[1])) for e in n["inputs"]]
-            if any(s is None for s in ins):
-                return None, None
-            total += elements(ins)
-            macs += op_macs(policy.table.canonical(n["op"]), n.get("attrs", {}), ins, entry.get((n["name"], 0)))
-        elif n["op"] in CAST_OPS:
-            for e in n["inputs"]:
-                if nodes[e[0]]["op"] != "null":  # an activation's cast (a parameter's is master weights')
-                    shape = entry.get((nodes[e[0]]["name"], e[1]))
-                    if shape is None:
-                        return total, None
-                    cast += elements([shape])
-    return total, (macs / cast if cast else float("inf"))

@@ -329,7 +329,9 @@ def _convert(entry, custom, prefix, numpy=False):
         net = _net(custom, True, numpy)
         # the block ran under this mode (its outputs as a float32 caller reads them: no raw bfloat16 words)
         out["before"] = _attempt(lambda: _frontend(net(_x0(numpy)), numpy).asnumpy().tolist())
-        conv = gluon_amp.convert_hybrid_block(net)
+        # tune=False: the plan as converted runs (the speed rule would run this small net in float32:
+        # convert/test_conversion_speed_rule.py)
+        conv = gluon_amp.convert_hybrid_block(net, tune=False)
         conv.export(prefix, 0)
         out["run"] = _attempt(lambda: _frontend(conv(_x0(numpy)), numpy).asnumpy().astype("float32").tolist())
         sym = mx.sym.load(prefix + "-symbol.json")
