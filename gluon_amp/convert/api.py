@@ -594,7 +594,7 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     With ``input_shapes`` (e.g. ``{'data': (16, 3, 224, 224)}``) it also keeps in float32 the
     ops that do not make the model faster in the target dtype on this machine, measured
     (``tune``, on by default then: see :func:`convert_model`); ``report(result)`` names them
-    with their figures. Without them (unless ``tune=False`` or emulated), where the result is
+    with their figures. Without them (unless tuning is off, or emulated), where the result is
     bound, at its first call's shapes, the rule ``init`` applies to a graph not measured yet
     decides: a plan it finds slower than float32 (MobileNetV3's hard-swish casts) runs as the
     same graph in float32, still fused, and ``report(result).fallbacks`` says so; the plan
@@ -641,7 +641,7 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     out = MixedPrecisionBlock(_like_frontend(frontend, outputs), grouped)
     out.amp_result, out.fuse_backend, out.fuse_asked = result, backend, fuse is True
     out.amp_fallbacks = tuple(fallbacks)
-    out.amp_speed_rule = tune is not False and input_shapes is None and not policy.emulate
+    out.amp_speed_rule = policy.tune and input_shapes is None and not policy.emulate  # tune=None: $GLUON_AMP_TUNE
     if defaulted and cast_optional_params:
         out.stored_low_by_default = tuple(sorted(n for n, t in result.param_dtypes.items() if t != "float32"))
     if defaulted and cast_optional_params:

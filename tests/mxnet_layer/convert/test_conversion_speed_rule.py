@@ -44,6 +44,12 @@ def _conv_net():
     return net
 
 
+@pytest.fixture(autouse=True)
+def _tuning_default(monkeypatch):
+    """The suite turns ``tune=None`` off (``GLUON_AMP_TUNE=0``); here, a user's default."""
+    monkeypatch.delenv("GLUON_AMP_TUNE", raising=False)
+
+
 def _converted(net, x, _call=True, **kwargs):
     mx.random.seed(0)
     net.initialize(mx.init.Xavier())
@@ -90,8 +96,11 @@ def test_a_plan_the_rule_finds_fast_keeps_its_low_precision_ops(native_host):
     assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("kwargs", [dict(tune=False), dict(emulate=True)])
-def test_tune_false_or_emulation_runs_the_plan_as_converted(native_host, kwargs):
+@pytest.mark.parametrize("kwargs", [dict(tune=False), dict(emulate=True), None])
+def test_tune_false_or_emulation_runs_the_plan_as_converted(native_host, kwargs, monkeypatch):
+    if kwargs is None:  # tuning off by the environment, as tune=False everywhere
+        monkeypatch.setenv("GLUON_AMP_TUNE", "0")
+    kwargs = kwargs or {}
     converted, _, _, _ = _converted(HardSwishNet(), mx.nd.random.uniform(-4, 4, shape=(2, 8, 16, 16)), **kwargs)
     rep = gluon_amp.report(converted)
     assert rep.low_ops > 0 and rep.casts > 0 and not rep.fallbacks, rep
