@@ -335,8 +335,7 @@ def _float32_where_slower(block: HybridBlock, plan: Symbol, known: Mapping[str, 
     convert, at these shapes) says its plan is slower, else None. The block keeps its plan;
     its report's fallbacks say what ran. Fed data in a low dtype runs the plan as fed."""
     from .tuning.tuner import Target, applier
-    data = [n for n in shapes]
-    if not policy.enabled or not data or any(known.get(n, "float32") != "float32" for n in data):
+    if not policy.enabled or not shapes or any(known.get(n, "float32") != "float32" for n in shapes):
         return None
     target = Target(plan, known, applier(plan, known, policy), policy, train=False)
     if not target.low_ops() or not target.unmeasured_fp32(shapes):

@@ -42,15 +42,18 @@ def notes(block: object) -> Dict[str, Note]:
     return out
 
 
+def _keep(block: object, field: str, value: Any) -> None:
+    """Set ``field`` of ``block``'s record; ``None`` clears it without creating a record."""
+    if value is not None:
+        setattr(state.block_record(block), field, value)
+    elif (kept := state.process.blocks.get(block)) is not None:
+        setattr(kept, field, None)
+
+
 def record_emulated(block: object, real_dtypes: Optional[Mapping[str, str]]) -> None:
     """``block`` runs its plan emulated, and ``real_dtypes`` (node name -> dtype) are the
     plan's; ``None``: it runs its graph as it is."""
-    if real_dtypes is None:
-        kept = state.process.blocks.get(block)
-        if kept is not None:
-            kept.real_dtypes = None
-    else:
-        state.block_record(block).real_dtypes = dict(real_dtypes)
+    _keep(block, "real_dtypes", None if real_dtypes is None else dict(real_dtypes))
 
 
 def emulated_dtypes(block: object) -> Optional[Dict[str, str]]:
@@ -88,12 +91,7 @@ def fed_dtypes(block: object) -> Dict[str, str]:
 def record_plan_heads(block: object, heads: Optional[Sequence[Optional[str]]]) -> None:
     """The dtypes of ``block``'s plan outputs before measured choices retyped its graph
     (the tuner), where they did; ``None``: the graph is the plan as decided without timings."""
-    if heads is None:
-        kept = state.process.blocks.get(block)
-        if kept is not None:
-            kept.plan_heads = None
-    else:
-        state.block_record(block).plan_heads = list(heads)
+    _keep(block, "plan_heads", None if heads is None else list(heads))
 
 
 def plan_heads(block: object) -> Optional[List[Optional[str]]]:
