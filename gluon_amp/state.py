@@ -80,7 +80,8 @@ class _ThreadState(threading.local):
     (:func:`dtypes_since`), and the scaler hook of a ``BucketingModule.bind`` under way in it."""
 
     def __init__(self) -> None:
-        #: target dtype (None: float32) -> the serial at which it last came in force here
+        #: target dtype (None: float32) -> the serial at which it last came in force here or
+        #: last stopped being in force here (entering or leaving a region)
         self.began: Dict[Optional[str], int] = {}
         #: the serial since which the thread is outside every region (it follows the process)
         self.follow_from: int = 0
@@ -125,9 +126,13 @@ def enter(new: Frame) -> None:
     if regions.get(ident) is new:
         return
     now = next(_clock)
-    if new.parent is None and process.began:  # init's policies turned on while the thread followed it
-        since = thread.follow_from
-        _began({d: k for d, k in list(process.began.items()) if k > since})
+    if new.parent is None:
+        if process.began:  # init's policies turned on (or off) while the thread followed it
+            since = thread.follow_from
+            _began({d: k for d, k in list(process.began.items()) if k > since})
+        _began_now(_dtype(process.policy), now)  # in force here until now
+    else:
+        _began_now(_dtype(new.parent.region.policy), now)
     _began_now(_dtype(new.region.policy), now)
     regions[ident] = new
 
@@ -140,6 +145,7 @@ def leave(old: Frame) -> None:
     if regions.get(ident) is not old:
         return
     now = next(_clock)
+    _began_now(_dtype(old.region.policy), now)  # in force here until now
     if old.parent is None:
         _began_now(_dtype(process.policy), now)
         thread.follow_from = now
@@ -266,8 +272,8 @@ class _Process:
 
     #: the policy ``init`` put in force (threads without a region follow it)
     policy: Optional[Any] = None
-    #: target dtype -> the serial at which an ``init`` policy of it last came in force: threads
-    #: outside regions ran it from then (one entry per dtype: nothing grows)
+    #: target dtype -> the serial at which an ``init`` policy of it last came in force or last
+    #: stopped (``disable``): threads outside regions ran it then (one entry per dtype: nothing grows)
     began: Dict[Optional[str], int] = field(default_factory=dict)
     #: every trainer step hook attached so far (weakly): loss-output ops read their scale
     scalers: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
@@ -294,10 +300,14 @@ process = _Process()
 
 def set_process_policy(policy: Optional[Any]) -> None:
     """Put ``policy`` in force for the threads outside regions (``init``; ``None``: ``disable``).
-    When it comes in force is noted before (:func:`dtypes_since` of a thread that reads in
-    between sees it either way)."""
-    if policy is not None and policy is not process.policy:
-        process.began[_dtype(policy)] = next(_clock)
+    When it comes in force, and when the one it replaces stops, is noted before
+    (:func:`dtypes_since` of a thread that reads in between sees it either way)."""
+    if policy is not process.policy:
+        now = next(_clock)
+        if process.policy is not None:  # in force until now: a step since counts it
+            process.began[_dtype(process.policy)] = now
+        if policy is not None:
+            process.began[_dtype(policy)] = now
     process.policy = policy
 
 
@@ -308,11 +318,12 @@ def policy_serial() -> int:
 
 
 def dtypes_since(serial: int) -> FrozenSet[str]:
-    """The target dtypes of the calling thread's policy now and of every one that came in force
-    on it since :func:`policy_serial` gave ``serial``: its regions, and ``init``'s while it was
-    outside regions. Another thread's regions never count: a step's forward pass runs on the
-    thread that scales its loss, under ``autocast`` or after the scope (PyTorch's pattern).
-    Nothing here grows: one serial per dtype."""
+    """The target dtypes of the calling thread's policy now and of every one that was in force
+    on it at any time since :func:`policy_serial` gave ``serial`` (came in force then, or was in
+    force then and ended later): its regions, and ``init``'s while it was outside regions.
+    Another thread's regions never count: a step's forward pass runs on the thread that scales
+    its loss, under ``autocast`` or after the scope (PyTorch's pattern). Nothing here grows: one
+    serial per dtype."""
     f = regions.get(get_ident())
     dtypes = {_dtype(process.policy if f is None else f.region.policy)}
     dtypes.update(d for d, k in list(thread.began.items()) if k > serial)

@@ -193,3 +193,45 @@ def test_each_step_is_scaled_as_its_own_threads_forward_ran_while_another_thread
         assert all(s > 1 for s in used), used
     else:
         assert used == [1.0] * 3
+
+
+# how float16 is in force on this thread across a step: init's policy, or a region left open
+_F16_SOURCES = ["init", "region"]
+# what ends float16 between the next forward and its scale_loss
+_F16_ENDS = {"init": ["disable", "enter bfloat16", "enter off"],
+             "region": ["leave", "enter bfloat16", "enter off"]}
+
+
+@pytest.mark.parametrize("source,end", [(s, e) for s in _F16_SOURCES for e in _F16_ENDS[s]])
+def test_a_float16_forward_stays_scaled_when_float16_ends_before_its_scale_loss(source, end):
+    """float16 was in force on the thread before the trainer's last step and still is when the
+    next forward runs; the policy then changes before ``scale_loss`` (CI's state machine: init
+    float16, a step, a forward, ``disable``, a step scaled by 1). The rule counts every policy in
+    force since the last step, so that step is scaled."""
+    import contextlib
+    with contextlib.ExitStack() as stack:
+        region = None
+        if source == "init":
+            gluon_amp.init("float16", emulate=True, tune=False)
+        else:
+            region = stack.enter_context(contextlib.ExitStack())
+            region.enter_context(gluon_amp.autocast("float16", emulate=True, tune=False))
+        net, tr = _trainer()
+        used = []
+        for i in range(2):
+            with autograd.record():
+                loss = net(X).mean()
+            if i == 1:
+                if end == "disable":
+                    gluon_amp.disable()
+                elif end == "leave":
+                    region.close()
+                else:
+                    stack.enter_context(gluon_amp.autocast("bfloat16", emulate=True, tune=False)
+                                        if end == "enter bfloat16" else gluon_amp.autocast(enabled=False))
+            with autograd.record(), gluon_amp.scale_loss(loss, tr) as scaled:
+                used.append(tr._amp_loss_scaler.loss_scale)
+                autograd.backward(scaled)
+            tr.step(4)
+    gluon_amp.disable()
+    assert all(s > 1 for s in used), f"float16 forwards' loss scales {used}"
