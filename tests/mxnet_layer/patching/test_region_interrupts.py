@@ -122,17 +122,30 @@ class _Deliver:
         return self._local
 
 
-LOAD_CONST, PRECALL = dis.opmap["LOAD_CONST"], dis.opmap["PRECALL"]
+LOAD_CONST, PRECALL, CALL = dis.opmap["LOAD_CONST"], dis.opmap["PRECALL"], dis.opmap["CALL"]
 _WITH_EXIT = (LOAD_CONST, LOAD_CONST, LOAD_CONST, PRECALL)
+
+
+_EXIT_CALLS: dict = {}
+
+
+def _with_exit_offsets(code) -> frozenset:
+    """The offsets of the instructions (3.11) that call a with-statement's ``__exit__`` on
+    leaving it: three ``LOAD_CONST``, ``PRECALL`` and the ``CALL`` after it (``CALL`` sits past
+    ``PRECALL``'s inline cache: the offsets are read through ``dis``, which skips caches)."""
+    found = _EXIT_CALLS.get(code)
+    if found is None:
+        ins = [(i.opcode, i.offset) for i in dis.get_instructions(code)]
+        found = frozenset(off for j in range(len(ins) - 4)
+                          if tuple(op for op, _ in ins[j:j + 4]) == _WITH_EXIT and ins[j + 4][0] == CALL
+                          for _, off in ins[j:j + 5])
+        _EXIT_CALLS[code] = found
+    return found
 
 
 def _before_a_with_exit(frame) -> bool:
     """True at the instructions (3.11) that call a with-statement's ``__exit__`` on leaving it."""
-    code, i = frame.f_code.co_code, frame.f_lasti
-    for start in (i, i - 2, i - 4, i - 6):
-        if start >= 0 and tuple(code[start + 2 * k] for k in range(4) if start + 2 * k < len(code)) == _WITH_EXIT:
-            return True
-    return False
+    return frame.f_lasti in _with_exit_offsets(frame.f_code)
 
 
 def _run(transition, tracer) -> None:
