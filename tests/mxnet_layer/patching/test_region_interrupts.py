@@ -122,7 +122,7 @@ class _Deliver:
         return self._local
 
 
-LOAD_CONST, PRECALL, CALL = dis.opmap["LOAD_CONST"], dis.opmap["PRECALL"], dis.opmap["CALL"]
+LOAD_CONST, PRECALL, CALL, SWAP = (dis.opmap[n] for n in ("LOAD_CONST", "PRECALL", "CALL", "SWAP"))
 _WITH_EXIT = (LOAD_CONST, LOAD_CONST, LOAD_CONST, PRECALL)
 
 
@@ -132,13 +132,19 @@ _EXIT_CALLS: dict = {}
 def _with_exit_offsets(code) -> frozenset:
     """The offsets of the instructions (3.11) that call a with-statement's ``__exit__`` on
     leaving it: three ``LOAD_CONST``, ``PRECALL`` and the ``CALL`` after it (``CALL`` sits past
-    ``PRECALL``'s inline cache: the offsets are read through ``dis``, which skips caches)."""
+    ``PRECALL``'s inline cache: the offsets are read through ``dis``, which skips caches), and
+    the ``SWAP`` before them where a ``return`` inside the block leaves it (outside the block's
+    exception range, as the call is)."""
     found = _EXIT_CALLS.get(code)
     if found is None:
         ins = [(i.opcode, i.offset) for i in dis.get_instructions(code)]
-        found = frozenset(off for j in range(len(ins) - 4)
-                          if tuple(op for op, _ in ins[j:j + 4]) == _WITH_EXIT and ins[j + 4][0] == CALL
-                          for _, off in ins[j:j + 5])
+        found = set()
+        for j in range(len(ins) - 4):
+            if tuple(op for op, _ in ins[j:j + 4]) == _WITH_EXIT and ins[j + 4][0] == CALL:
+                found.update(off for _, off in ins[j:j + 5])
+                if j and ins[j - 1][0] == SWAP:
+                    found.add(ins[j - 1][1])
+        found = frozenset(found)
         _EXIT_CALLS[code] = found
     return found
 
