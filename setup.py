@@ -72,7 +72,8 @@ setup(
         # wheel: a test builds gluon-amp's wheel, and setuptools before 70.1 has no bdist_wheel.
         # ruff: the linter `make lint` / `make test` run (ruff.toml).
         # hypothesis: the stateful property test (tests/mxnet_layer/state/test_stateful.py).
-        "test": ["pytest>=7", "gluonnlp==0.10.0", "wheel", "ruff>=0.2", "hypothesis>=6.100"],
+        # pytest-xdist: `make test` runs the suite in a process per core (Makefile, TEST_WORKERS).
+        "test": ["pytest>=7", "pytest-xdist>=3.2", "gluonnlp==0.10.0", "wheel", "ruff>=0.2", "hypothesis>=6.100"],
         # Build horovod against the installed MXNet first (see README / `make install-dist`):
         # a plain pip build of it has no MXNet support.
         "dist": ["horovod==0.28.1", "psutil"],
