@@ -283,8 +283,10 @@ def _low_cast(rw: _Rewriter, graph: dict, dtypes: Mapping[Key, Optional[str]], n
               inputs: List[Tuple[int, int]]) -> Tuple[int, int]:
     """The entry holding the value of the plan's cast (``node``) of ``inputs[0]`` to a low dtype.
 
-    The cast node stays, as a float32 identity where it only carries a value (readers find
-    the plan's casts by name):
+    Where the result is the cast's input itself (or that input cast to float32), the cast node
+    stays, as a float32 identity or a cast to float32 under the plan's name; a rounding node
+    is named after the cast (:func:`rounding_node`), and :attr:`EmulatedGraph.entries` maps the
+    cast to whichever holds its value:
 
     - a cast of a value that has the dtype already (init's symbols cast every input of a
       low-precision op) is an identity: every low entry holds the target's values here;
