@@ -116,6 +116,11 @@ def _began_now(dtype: Optional[str], now: int) -> None:
     thread.began[dtype] = now  # the clock only grows: now is the latest
 
 
+def _outer_policy(frame: Frame) -> Optional[Any]:
+    """The policy in force on the thread outside ``frame``: its parent region's, else init's."""
+    return process.policy if frame.parent is None else frame.parent.region.policy
+
+
 def enter(new: Frame) -> None:
     """Make ``new`` (whose ``parent`` is the calling thread's frame now) its innermost region.
 
@@ -126,13 +131,10 @@ def enter(new: Frame) -> None:
     if regions.get(ident) is new:
         return
     now = next(_clock)
-    if new.parent is None:
-        if process.began:  # init's policies turned on (or off) while the thread followed it
-            since = thread.follow_from
-            _began({d: k for d, k in list(process.began.items()) if k > since})
-        _began_now(_dtype(process.policy), now)  # in force here until now
-    else:
-        _began_now(_dtype(new.parent.region.policy), now)
+    if new.parent is None and process.began:  # init's policies turned on (or off) while the thread followed it
+        since = thread.follow_from
+        _began({d: k for d, k in list(process.began.items()) if k > since})
+    _began_now(_dtype(_outer_policy(new)), now)  # in force here until now
     _began_now(_dtype(new.region.policy), now)
     regions[ident] = new
 
@@ -146,12 +148,11 @@ def leave(old: Frame) -> None:
         return
     now = next(_clock)
     _began_now(_dtype(old.region.policy), now)  # in force here until now
+    _began_now(_dtype(_outer_policy(old)), now)
     if old.parent is None:
-        _began_now(_dtype(process.policy), now)
         thread.follow_from = now
         regions.pop(ident, None)
     else:
-        _began_now(_dtype(old.parent.region.policy), now)
         regions[ident] = old.parent
 
 
