@@ -22,8 +22,12 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
+from gluon_amp_core.emulate import PAIR_SUFFIX
+
 #: The operator's name in MXNet's registry (``rounding.cc``).
 OP_NAME = "_gluon_amp_round"
+#: Its pair, ``(data, weight) -> (data, weight rounded)`` (:data:`gluon_amp_core.emulate.PAIR_SUFFIX`).
+PAIR_OP_NAME = OP_NAME + PAIR_SUFFIX
 #: Environment variable that turns the kernel off (``0``, ``off``, ``false``, ``no``).
 ENV = "GLUON_AMP_EMULATION_KERNEL"
 
@@ -120,7 +124,7 @@ def _decide() -> Tuple[KernelStatus, Optional[Callable[..., Any]]]:
             return KernelStatus("fallback", made.why), None
         lib = mxi.load_op_library(made.library)
         version = lib.gluon_amp_kernel_version()
-        if version != build.source_version() or not mxi.op_registered(OP_NAME):
+        if version != build.source_version() or not (mxi.op_registered(OP_NAME) and mxi.op_registered(PAIR_OP_NAME)):
             return KernelStatus("fallback", f"{made.library} is not this gluon-amp's kernel "
                                             f"(version {version}, expected {build.source_version()})"), None
         return KernelStatus("kernel", made.why, made.library), mxi.ndarray_function(OP_NAME)

@@ -9,6 +9,15 @@
 //     scaler must meet its overflows); bfloat16 passes the gradient through. Nothing of the
 //     forward pass is kept for it.
 //
+// _gluon_amp_round_weight(data, weight, dtype=...) gives (data, weight rounded): the same
+// rounding of an op's parameter, placed on the op's data input. Its backward gives (the data's
+// gradient, the weight's gradient rounded) in one node, which the data's gradient passes
+// through on its way to the ops before: MXNet runs it as the backward pass reaches the op,
+// and the weight's gradient (a buffer of the op's backward) is freed then. A rounding of the
+// weight alone is reached only from the parameter's gradient, which MXNet's order visits after
+// the whole backward chain, so every op's weight gradient waited in a buffer until the end.
+// The data passes through in place (FInplaceIdentity: even where other ops read it too).
+//
 // It is built against the headers MXNet's wheel ships, and loaded into a libmxnet.so built by
 // another compiler (the 1.9.1 pip wheel: GCC 4.8, the old std::string ABI). Two rules follow:
 //   1. std::function objects that libmxnet calls are made with invokers of the convention GCC
@@ -20,6 +29,8 @@
 // gluon_amp loads a build only after a fresh process has checked it (selftest.py).
 
 #include <algorithm>
+#include <cpuid.h>
+#include <immintrin.h>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -39,8 +50,10 @@
 
 #define GA_OP_NAME "_gluon_amp_round"
 #define GA_BACKWARD_OP_NAME "_backward_gluon_amp_round"
+#define GA_PAIR_OP_NAME "_gluon_amp_round_weight"
+#define GA_BACKWARD_PAIR_OP_NAME "_backward_gluon_amp_round_weight"
 // Bump with any change of behaviour; gluon_amp checks it on load.
-#define GA_KERNEL_VERSION 1
+#define GA_KERNEL_VERSION 2
 
 namespace gaabi {
 
@@ -103,6 +116,7 @@ GA_SET_ATTR(mxnet::FInferShape)
 GA_SET_ATTR(nnvm::FInferType)
 GA_SET_ATTR(mxnet::FInferStorageType)
 GA_SET_ATTR(nnvm::FInplaceOption)
+GA_SET_ATTR(nnvm::FInplaceIdentity)
 GA_SET_ATTR(mxnet::FComputeEx)
 GA_SET_ATTR(nnvm::FGradient)
 GA_SET_ATTR(bool)  // TIsBackward, TIsMKLDNN
@@ -169,16 +183,46 @@ void round_range(const uint32_t* in, uint32_t* out, int64_t n) {
   }
 }
 
+// float16 by the CPU's own conversions (F16C: every CPU with AVX2 has them), 8 values at a
+// time: round_fp16's definition exactly (nearest even by the instruction's immediate, not
+// MXCSR; subnormals kept and never flushed, as DAZ/FTZ do not apply to them; inf from 65520;
+// a NaN quieted, its payload cut to float16's 10 bits). round_fp16's float32 step keeps GCC
+// from vectorising it: 1 value per ns, where this is bound by memory.
+template <bool kAdd>
+__attribute__((target("avx2,f16c")))
+void round_range_f16c(const uint32_t* in, uint32_t* out, int64_t n) {
+  const float* i = reinterpret_cast<const float*>(in);
+  float* o = reinterpret_cast<float*>(out);
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    __m256 r = _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(i + k), _MM_FROUND_TO_NEAREST_INT));
+    if (kAdd) r = _mm256_add_ps(r, _mm256_loadu_ps(o + k));
+    _mm256_storeu_ps(o + k, r);
+  }
+  round_range<true, kAdd>(in + k, out + k, n - k);
+}
+
+bool has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  static const bool yes = __builtin_cpu_supports("avx2") && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+  return yes;
+}
+
 template <bool kHalf, bool kAdd>
 void round_span(const float* in, float* out, int64_t n) {
   const uint32_t* i = reinterpret_cast<const uint32_t*>(in);
   uint32_t* o = reinterpret_cast<uint32_t*>(out);
   const int64_t chunk = 1 << 16;  // values per task: memory-bound, small arrays stay serial
   const int64_t tasks = (n + chunk - 1) / chunk;
+  const bool f16c = kHalf && has_f16c();
 #pragma omp parallel for schedule(static) if (tasks > 1)
   for (int64_t t = 0; t < tasks; ++t) {
     int64_t begin = t * chunk, len = std::min(chunk, n - begin);
-    round_range<kHalf, kAdd>(i + begin, o + begin, len);
+    if (f16c) {
+      round_range_f16c<kAdd>(i + begin, o + begin, len);
+    } else {
+      round_range<kHalf, kAdd>(i + begin, o + begin, len);
+    }
   }
 }
 
@@ -245,23 +289,20 @@ bool round_mkldnn_in_place(bool half, const NDArray& in, const NDArray& out, OpR
 }
 #endif
 
-void compute(const nnvm::NodeAttrs& attrs, const OpContext& ctx, const std::vector<NDArray>& inputs,
-             const std::vector<OpReqType>& req, const std::vector<NDArray>& outputs) {
-  if (req[0] == mxnet::kNullOp) return;
-  const bool half = is_half(attrs);
-  const NDArray& in = inputs[0];
-  const NDArray& out = outputs[0];
+// out (req) <- in rounded.
+void round_array(bool half, const NDArray& in, const NDArray& out, OpReqType req) {
+  if (req == mxnet::kNullOp) return;
   const int64_t n = static_cast<int64_t>(in.shape().Size());
 #if MXNET_USE_MKLDNN == 1
   if (in.IsMKLDNNData()) {
-    if (round_mkldnn_in_place(half, in, out, req[0])) return;
+    if (round_mkldnn_in_place(half, in, out, req)) return;
     NDArray plain = in.Reorder2Default();
     if (out.IsMKLDNNData()) const_cast<NDArray&>(out).InvalidateMKLDNNData();
-    round_values(half, req[0], plain.data().dptr<float>(), out.data().dptr<float>(), n);
+    round_values(half, req, plain.data().dptr<float>(), out.data().dptr<float>(), n);
     return;
   }
   if (out.IsMKLDNNData()) {
-    if (req[0] == mxnet::kAddTo) {  // out += round(in), out in oneDNN's layout: sum on a plain copy
+    if (req == mxnet::kAddTo) {  // out += round(in), out in oneDNN's layout: sum on a plain copy
       NDArray sum = out.Reorder2Default();
       round_values(half, mxnet::kAddTo, in.data().dptr<float>(), sum.data().dptr<float>(), n);
       const_cast<NDArray&>(out).InvalidateMKLDNNData();
@@ -271,43 +312,95 @@ void compute(const nnvm::NodeAttrs& attrs, const OpContext& ctx, const std::vect
     const_cast<NDArray&>(out).InvalidateMKLDNNData();
   }
 #endif
-  round_values(half, req[0], in.data().dptr<float>(), out.data().dptr<float>(), n);
+  round_values(half, req, in.data().dptr<float>(), out.data().dptr<float>(), n);
 }
 
+// out (req) <- in as it is: nothing where MXNet placed the output on the input (kWriteInplace).
+void pass_array(const NDArray& in, const NDArray& out, OpReqType req) {
+  if (req == mxnet::kNullOp || req == mxnet::kWriteInplace) return;
+  const int64_t n = static_cast<int64_t>(in.shape().Size());
+  NDArray plain = in;
+#if MXNET_USE_MKLDNN == 1
+  if (in.IsMKLDNNData()) plain = in.Reorder2Default();
+  if (out.IsMKLDNNData()) {
+    if (req == mxnet::kAddTo) {
+      NDArray sum = out.Reorder2Default();
+      const float* a = plain.data().dptr<float>();
+      float* b = sum.data().dptr<float>();
+      for (int64_t k = 0; k < n; ++k) b[k] += a[k];
+      const_cast<NDArray&>(out).InvalidateMKLDNNData();
+      std::memcpy(out.data().dptr<float>(), b, n * sizeof(float));
+      return;
+    }
+    const_cast<NDArray&>(out).InvalidateMKLDNNData();
+  }
+#endif
+  const float* a = plain.data().dptr<float>();
+  float* b = out.data().dptr<float>();
+  if (req == mxnet::kAddTo) {
+    for (int64_t k = 0; k < n; ++k) b[k] += a[k];
+  } else if (a != b) {
+    std::memcpy(b, a, n * sizeof(float));
+  }
+}
+
+void compute(const nnvm::NodeAttrs& attrs, const OpContext& ctx, const std::vector<NDArray>& inputs,
+             const std::vector<OpReqType>& req, const std::vector<NDArray>& outputs) {
+  round_array(is_half(attrs), inputs[0], outputs[0], req[0]);
+}
+
+// The pair (forward and float16's backward alike): (a, b) -> (a, b rounded).
+void compute_pair(const nnvm::NodeAttrs& attrs, const OpContext& ctx, const std::vector<NDArray>& inputs,
+                  const std::vector<OpReqType>& req, const std::vector<NDArray>& outputs) {
+  const bool half = is_half(attrs);
+  pass_array(inputs[0], outputs[0], req[0]);
+  round_array(half, inputs[1], outputs[1], req[1]);
+}
+
+// Every op here gives output k from input k: dense, float32, of its shape.
 bool infer_storage(const nnvm::NodeAttrs& attrs, const int dev_mask, mxnet::DispatchMode* mode,
                    std::vector<int>* in, std::vector<int>* out) {
   for (int s : *in) {
     if (s != mxnet::kDefaultStorage && s != -1) {
-      LOG(FATAL) << GA_OP_NAME << " takes dense arrays only";
+      LOG(FATAL) << attrs.op->name << " takes dense arrays only";
     }
   }
-  (*in)[0] = mxnet::kDefaultStorage;
-  (*out)[0] = mxnet::kDefaultStorage;
+  for (int& s : *in) s = mxnet::kDefaultStorage;
+  for (int& s : *out) s = mxnet::kDefaultStorage;
   *mode = mxnet::DispatchMode::kFComputeEx;
   return true;
 }
 
 bool infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in, mxnet::ShapeVector* out) {
-  if (mxnet::shape_is_known((*in)[0])) {
-    (*out)[0] = (*in)[0];
-  } else if (mxnet::shape_is_known((*out)[0])) {
-    (*in)[0] = (*out)[0];
+  bool known = true;
+  for (size_t k = 0; k < out->size(); ++k) {
+    if (mxnet::shape_is_known((*in)[k])) {
+      (*out)[k] = (*in)[k];
+    } else if (mxnet::shape_is_known((*out)[k])) {
+      (*in)[k] = (*out)[k];
+    }
+    known = known && mxnet::shape_is_known((*out)[k]);
   }
-  return mxnet::shape_is_known((*out)[0]);
+  return known;
 }
 
 bool infer_type(const nnvm::NodeAttrs& attrs, std::vector<int>* in, std::vector<int>* out) {
   is_half(attrs);  // a bad dtype fails here, when the graph is typed
-  for (int* t : {&(*in)[0], &(*out)[0]}) {
-    if (*t != -1 && *t != mshadow::kFloat32) {
-      LOG(FATAL) << GA_OP_NAME << " takes and gives float32, got type flag " << *t;
+  for (std::vector<int>* side : {in, out}) {
+    for (int& t : *side) {
+      if (t != -1 && t != mshadow::kFloat32) {
+        LOG(FATAL) << attrs.op->name << " takes and gives float32, got type flag " << t;
+      }
+      t = mshadow::kFloat32;
     }
-    *t = mshadow::kFloat32;
   }
   return true;
 }
 
 std::vector<std::pair<int, int> > inplace(const nnvm::NodeAttrs& attrs) { return {{0, 0}}; }
+std::vector<std::pair<int, int> > inplace_pair(const nnvm::NodeAttrs& attrs) { return {{0, 0}, {1, 1}}; }
+// The pair's data is its output unchanged: in place even where other ops read it.
+std::vector<bool> identity_pair(const nnvm::NodeAttrs& attrs) { return {true, false}; }
 
 std::vector<nnvm::NodeEntry> gradient(const nnvm::ObjectPtr& n, const std::vector<nnvm::NodeEntry>& ograds) {
   if (!is_half(n->attrs)) return {ograds[0]};
@@ -316,19 +409,26 @@ std::vector<nnvm::NodeEntry> gradient(const nnvm::ObjectPtr& n, const std::vecto
   return mxnet::op::MakeGradNode(GA_BACKWARD_OP_NAME, n, {ograds[0]}, n->attrs.dict);
 }
 
+std::vector<nnvm::NodeEntry> gradient_pair(const nnvm::ObjectPtr& n, const std::vector<nnvm::NodeEntry>& ograds) {
+  if (!is_half(n->attrs)) return {ograds[0], ograds[1]};
+  return mxnet::op::MakeGradNode(GA_BACKWARD_PAIR_OP_NAME, n, {ograds[0], ograds[1]}, n->attrs.dict);
+}
+
 template <typename Sig>
 gaabi::Attr<std::function<Sig> > fn(Sig* p) {
   return {gaabi::OldAbi<Sig>::make(p)};
 }
 
-void define(nnvm::Op& op, uint32_t num_inputs) {
-  op.set_num_inputs(num_inputs);
-  op.set_num_outputs(1);
+// One array (the rounding) or two (the pair), in and out.
+void define(nnvm::Op& op, bool pair) {
+  op.set_num_inputs(pair ? 2 : 1);
+  op.set_num_outputs(pair ? 2 : 1);
   op.set_attr<gaabi::Attr<mxnet::FInferShape> >("FInferShape", fn(&infer_shape), 10);
   op.set_attr<gaabi::Attr<nnvm::FInferType> >("FInferType", fn(&infer_type), 10);
   op.set_attr<gaabi::Attr<mxnet::FInferStorageType> >("FInferStorageType", fn(&infer_storage), 10);
-  op.set_attr<gaabi::Attr<nnvm::FInplaceOption> >("FInplaceOption", fn(&inplace), 10);
-  op.set_attr<gaabi::Attr<mxnet::FComputeEx> >("FComputeEx<cpu>", fn(&compute), 10);
+  op.set_attr<gaabi::Attr<nnvm::FInplaceOption> >("FInplaceOption", fn(pair ? &inplace_pair : &inplace), 10);
+  if (pair) op.set_attr<gaabi::Attr<nnvm::FInplaceIdentity> >("FInplaceIdentity", fn(&identity_pair), 10);
+  op.set_attr<gaabi::Attr<mxnet::FComputeEx> >("FComputeEx<cpu>", fn(pair ? &compute_pair : &compute), 10);
 #if MXNET_USE_MKLDNN == 1
   // oneDNN arrays reach compute() as they are (MXNet would otherwise copy them to a plain one)
   op.set_attr<gaabi::Attr<bool> >("TIsMKLDNN", {true}, 10);
@@ -338,13 +438,22 @@ void define(nnvm::Op& op, uint32_t num_inputs) {
 struct Registration {
   Registration() {
     nnvm::Op& forward = ::dmlc::Registry<nnvm::Op>::Get()->__REGISTER_OR_GET__(GA_OP_NAME);
-    define(forward, 1);
+    define(forward, false);
     forward.describe("float32 values rounded to float16 or bfloat16 (gluon_amp's emulation)");
     forward.add_argument("data", "NDArray-or-Symbol", "float32 values");
     forward.set_attr<gaabi::Attr<nnvm::FGradient> >("FGradient", fn(&gradient), 10);
     nnvm::Op& backward = ::dmlc::Registry<nnvm::Op>::Get()->__REGISTER_OR_GET__(GA_BACKWARD_OP_NAME);
-    define(backward, 1);
+    define(backward, false);
     backward.set_attr<gaabi::Attr<bool> >("TIsBackward", {true}, 10);
+    nnvm::Op& pair = ::dmlc::Registry<nnvm::Op>::Get()->__REGISTER_OR_GET__(GA_PAIR_OP_NAME);
+    define(pair, true);
+    pair.describe("(data, weight) -> (data, weight rounded to float16 or bfloat16): gluon_amp's emulation");
+    pair.add_argument("data", "NDArray-or-Symbol", "float32 values, passed through");
+    pair.add_argument("weight", "NDArray-or-Symbol", "float32 values, rounded");
+    pair.set_attr<gaabi::Attr<nnvm::FGradient> >("FGradient", fn(&gradient_pair), 10);
+    nnvm::Op& pair_backward = ::dmlc::Registry<nnvm::Op>::Get()->__REGISTER_OR_GET__(GA_BACKWARD_PAIR_OP_NAME);
+    define(pair_backward, true);
+    pair_backward.set_attr<gaabi::Attr<bool> >("TIsBackward", {true}, 10);
   }
 };
 

@@ -6,6 +6,9 @@ Loads ``LIBRARY`` into MXNet's process and checks, for float16 and bfloat16:
 
 - values, to the bit, against :func:`gluon_amp_core.emulate.round_bits` (edge values and
   random bit patterns), imperatively;
+- the pair ``(data, weight) -> (data, weight rounded)``, forward and backward, to the bit: the
+  data and its gradient pass as they are, the weight's gradient is float16's rounding (or
+  passes, for bfloat16);
 - a small training graph (convolution, batch norm, the rounding in place on oneDNN's layout,
   ``static_alloc``) forward and backward against the same graph rounded by MXNet's ops;
 - that float16 rounds the gradient and bfloat16 passes it through.
@@ -26,7 +29,7 @@ import numpy as np
 from gluon_amp_core.emulate import emulate_graph, round_bits
 
 from .. import mxnet_internals as mxi
-from . import OP_NAME
+from . import OP_NAME, PAIR_OP_NAME
 
 DTYPES = ("float16", "bfloat16")
 
@@ -79,25 +82,53 @@ def check_values(fn, bits: np.ndarray) -> List[str]:
     return errors
 
 
+def check_pair(fn, bits: np.ndarray) -> List[str]:
+    errors = []
+    values = bits.view(np.float32)
+    finite = values[np.isfinite(values)]
+    for dtype in DTYPES:
+        data, weight = mx.nd.array(finite[::-1].copy()), mx.nd.array(values)
+        out = fn(data, weight, dtype=dtype)
+        if not (same_bits(out[0].asnumpy(), finite[::-1].view(np.uint32)).all()
+                and same_bits(out[1].asnumpy(), reference(bits, dtype)).all()):
+            errors.append(f"{dtype}: the pair's outputs are not its data and its weight rounded")
+        data, weight = mx.nd.zeros(finite.shape), mx.nd.zeros(finite.shape)
+        data.attach_grad()
+        weight.attach_grad()
+        with mx.autograd.record():
+            out = fn(data, weight, dtype=dtype)
+        mx.autograd.backward(list(out), [mx.nd.array(finite[::-1].copy()), mx.nd.array(finite)])
+        want = reference(finite.view(np.uint32), dtype) if dtype == "float16" else finite.view(np.uint32)
+        if not (same_bits(data.grad.asnumpy(), finite[::-1].view(np.uint32)).all()
+                and same_bits(weight.grad.asnumpy(), want).all()):
+            errors.append(f"{dtype}: the pair's gradients are not the data's as it is and the weight's "
+                          + ("rounded" if dtype == "float16" else "as it is"))
+    return errors
+
+
 def _training_graph(dtype: str, rounding: str) -> mx.sym.Symbol:
-    """conv -> rounding -> batch norm -> relu -> conv -> rounding, as the emulation rewrite
-    builds it (``rounding``: ``'kernel'``, ``'fallback'`` (MXNet's ops) or ``'none'``)."""
+    """conv -> rounding -> batch norm -> relu -> conv (its weight rounded: float16's pair) ->
+    rounding, as the emulation rewrite builds it (``rounding``: ``'kernel'``, ``'fallback'``
+    (MXNet's ops) or ``'none'``)."""
     data = mx.sym.var("data")
     c1 = mx.sym.Convolution(data, num_filter=16, kernel=(3, 3), pad=(1, 1), no_bias=True, name="c1")
     b1 = mx.sym.BatchNorm(c1, name="b1")
-    c2 = mx.sym.Convolution(mx.sym.relu(b1, name="r1"), num_filter=8, kernel=(3, 3), pad=(1, 1),
+    w2 = mx.sym.var("c2_weight")
+    if rounding != "none":
+        w2 = mx.sym.amp_cast(w2, dtype=mxi.to_mx_dtype(dtype), name="w2")
+    c2 = mx.sym.Convolution(mx.sym.relu(b1, name="r1"), w2, num_filter=8, kernel=(3, 3), pad=(1, 1),
                             no_bias=True, name="c2")
     out = mx.sym.identity(c2, name="out")
     if rounding == "none":
         return out
-    dtypes = {("c1", 0): dtype, ("c2", 0): dtype}
+    dtypes = {("c1", 0): dtype, ("c2", 0): dtype, ("w2", 0): dtype}
     graph = emulate_graph(json.loads(out.tojson()), dtypes, kernel=OP_NAME if rounding == "kernel" else None)
     return mx.sym.load_json(json.dumps(graph.graph))
 
 
-def training_runs(dtype: str, build: Any) -> Dict[str, Tuple[np.ndarray, np.ndarray]]:
-    """``{rounding: (output, input gradient)}`` after two steps of ``build(rounding)`` (a block),
-    under ``static_alloc``, from the same weights and data."""
+def training_runs(dtype: str, build: Any) -> Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """``{rounding: (output, input gradient, the parameters' gradients)}`` after two steps of
+    ``build(rounding)`` (a block), under ``static_alloc``, from the same weights and data."""
     x = mx.nd.random.normal(shape=(2, 8, 12, 12), dtype="float32")
     runs = {}
     for rounding in ("kernel", "fallback", "none"):
@@ -110,7 +141,8 @@ def training_runs(dtype: str, build: Any) -> Dict[str, Tuple[np.ndarray, np.ndar
             with mx.autograd.record():
                 y = net(xg)
             y.backward(mx.nd.ones_like(y) * 1.00012)  # float16 rounds it to 1; bfloat16 passes it
-        runs[rounding] = (y.asnumpy(), xg.grad.asnumpy())
+        grads = [p.grad().asnumpy().ravel() for p in net.collect_params().values() if p.grad_req != "null"]
+        runs[rounding] = (y.asnumpy(), xg.grad.asnumpy(), np.concatenate(grads))
     return runs
 
 
@@ -122,7 +154,7 @@ def check_training(dtype: str) -> List[str]:
 
     runs = training_runs(dtype, build)
     errors = []
-    for k, what in enumerate(("output", "input gradient")):
+    for k, what in enumerate(("output", "input gradient", "parameters' gradients")):
         if not same_numerics(runs["kernel"][k], runs["fallback"][k], runs["none"][k]):
             errors.append(f"{dtype}: the training graph's {what} is not the one MXNet's ops give")
     return errors
@@ -135,12 +167,13 @@ def main(argv: List[str]) -> int:
     try:
         lib = mxi.load_op_library(argv[0])
         version = int(lib.gluon_amp_kernel_version())
-        if not mxi.op_registered(OP_NAME):
-            raise RuntimeError(f"{OP_NAME} is not registered after loading the library")
+        for name in (OP_NAME, PAIR_OP_NAME):
+            if not mxi.op_registered(name):
+                raise RuntimeError(f"{name} is not registered after loading the library")
         fn = mxi.ndarray_function(OP_NAME)
         rng = np.random.default_rng(0)
         bits = np.concatenate([edge_bits(), rng.integers(0, 2 ** 32, 20_000, dtype=np.uint64).astype(np.uint32)])
-        errors = check_values(fn, bits)
+        errors = check_values(fn, bits) + check_pair(mxi.ndarray_function(PAIR_OP_NAME), bits)
         for dtype in DTYPES:
             errors += check_training(dtype)
         mx.nd.waitall()

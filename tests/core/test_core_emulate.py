@@ -5,10 +5,11 @@ import struct
 
 import pytest
 
-from gluon_amp_core.emulate import (BF16_ROUNDING, ROUND_SUFFIX, emulate_graph, preserves_values,
+from gluon_amp_core.emulate import (BF16_ROUNDING, PAIR_SUFFIX, ROUND_SUFFIX, emulate_graph, preserves_values,
                                     round_bits, rounding_node)
 
 KERNEL = "_gluon_amp_round"
+PAIR = KERNEL + PAIR_SUFFIX
 
 
 def _graph(nodes, heads):
@@ -144,30 +145,97 @@ def test_a_cast_to_the_dtype_its_input_has_already_is_no_rounding():
         assert emu.entries[("c", 0)] == ("c", 0)
 
 
-def test_with_the_kernel_each_rounding_is_one_node_and_is_the_plan_casts_value():
-    g = _graph([_var("data"), _var("w"), _op("amp_cast", "c", [(0, 0)], dtype="float16"),
-                _op("amp_cast", "cw", [(1, 0)], dtype="float16"),
+def _fc_graph(weight_dtype):
+    """data -> cast -> FullyConnected (its weight cast to ``weight_dtype``) -> cast again -> out."""
+    g = _graph([_var("data"), _var("w"), _op("amp_cast", "c", [(0, 0)], dtype=weight_dtype),
+                _op("amp_cast", "cw", [(1, 0)], dtype=weight_dtype),
                 _op("FullyConnected", "fc", [(2, 0), (3, 0)], num_hidden="2", no_bias="True"),
-                _op("amp_cast", "again", [(4, 0)], dtype="float16"),
+                _op("amp_cast", "again", [(4, 0)], dtype=weight_dtype),
                 _op("amp_cast", "out", [(5, 0)], dtype="float32")], [[6, 0, 0]])
-    types = {("data", 0): "float32", ("w", 0): "float32", ("c", 0): "float16", ("cw", 0): "float16",
-             ("fc", 0): "float16", ("again", 0): "float16", ("out", 0): "float32"}
-    emu = emulate_graph(g, types, kernel=KERNEL)
+    types = {("data", 0): "float32", ("w", 0): "float32", ("c", 0): weight_dtype, ("cw", 0): weight_dtype,
+             ("fc", 0): weight_dtype, ("again", 0): weight_dtype, ("out", 0): "float32"}
+    return g, types
+
+
+def _topological(graph):
+    return all(e[0] < j for j, n in enumerate(graph["nodes"]) for e in n["inputs"])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_with_the_kernel_each_rounding_is_one_node_and_is_the_plan_casts_value(dtype):
+    emu = emulate_graph(*_fc_graph(dtype), kernel=KERNEL)
     nodes = _by_name(emu.graph)
     names = [n["name"] for n in emu.graph["nodes"]]
-    kernels = [n for n in emu.graph["nodes"] if n["op"] == KERNEL]
+    kernels = [n for n in emu.graph["nodes"] if n["op"] in (KERNEL, PAIR)]
     assert {n["name"] for n in kernels} == {rounding_node(b) for b in ("c", "cw", "fc")}
-    assert all(n["attrs"] == {"dtype": "float16"} for n in kernels) and emu.rounds == 3
+    assert all(n["attrs"] == {"dtype": dtype} for n in kernels) and emu.rounds == 3
     # the op reads the parameter's rounding itself: no cast node stands between the op's
     # gradient and the parameter's (MXNet held a gradient buffer per parameter for one)
-    fc_inputs = [names[e[0]] for e in nodes["fc"]["inputs"]]
-    assert fc_inputs == [rounding_node("c"), rounding_node("cw")]
-    assert names[nodes[rounding_node("cw")]["inputs"][0][0]] == "w" and "cw" not in nodes and "c" not in nodes
-    assert emu.entries[("cw", 0)] == (rounding_node("cw"), 0) and emu.entries[("c", 0)] == (rounding_node("c"), 0)
+    fc_inputs = [(names[e[0]], e[1]) for e in nodes["fc"]["inputs"]]
+    weight = 1 if dtype == "float16" else 0  # float16: the pair's second output (the next test)
+    assert fc_inputs[1] == (rounding_node("cw"), weight)
+    assert names[nodes[rounding_node("cw")]["inputs"][-1][0]] == "w" and "cw" not in nodes and "c" not in nodes
+    assert emu.entries[("cw", 0)] == (rounding_node("cw"), weight) and emu.entries[("c", 0)] == (rounding_node("c"), 0)
     assert emu.entries[("fc", 0)] == (rounding_node("fc"), 0)
-    # a cast of a value the plan holds in float16 already is an identity, as without the kernel
+    # a cast of a value the plan holds in the dtype already is an identity, as without the kernel
     assert names[nodes["again"]["inputs"][0][0]] == rounding_node("fc") and rounding_node("again") not in nodes
     assert not [n for n in emu.graph["nodes"] if n["name"].startswith(rounding_node("fc") + "_")]
+    assert _topological(emu.graph)
+
+
+def test_a_float16_parameters_rounding_rides_on_the_data_input_of_the_op_that_reads_it():
+    """The pair (data, w) -> (data, w rounded) sits between the data's rounding and the op: its
+    backward, which rounds the weight's gradient, is on the data gradient's way back, so MXNet
+    runs it as the backward pass reaches the op (alone, at the end of the backward pass)."""
+    emu = emulate_graph(*_fc_graph("float16"), kernel=KERNEL)
+    nodes = _by_name(emu.graph)
+    names = [n["name"] for n in emu.graph["nodes"]]
+    pair = nodes[rounding_node("cw")]
+    assert pair["op"] == PAIR and pair["attrs"] == {"dtype": "float16"}
+    assert [(names[e[0]], e[1]) for e in pair["inputs"]] == [(rounding_node("c"), 0), ("w", 0)]
+    assert [(names[e[0]], e[1]) for e in nodes["fc"]["inputs"]] == [(rounding_node("cw"), 0), (rounding_node("cw"), 1)]
+    assert names.index(rounding_node("c")) < names.index(rounding_node("cw")) == names.index("fc") - 1
+    assert [n["op"] for n in emu.graph["nodes"]].count(KERNEL) == 2  # the data's and the output's
+
+
+def _shared_weight():
+    g = _graph([_var("data"), _var("w"), _op("amp_cast", "c", [(0, 0)], dtype="float16"),
+                _op("amp_cast", "cw", [(1, 0)], dtype="float16"),
+                _op("FullyConnected", "fc1", [(2, 0), (3, 0)], num_hidden="4", no_bias="True"),
+                _op("FullyConnected", "fc2", [(4, 0), (3, 0)], num_hidden="4", no_bias="True")], [[5, 0, 0]])
+    return g, {("data", 0): "float32", ("w", 0): "float32", ("c", 0): "float16", ("cw", 0): "float16",
+               ("fc1", 0): "float16", ("fc2", 0): "float16"}
+
+
+def _data_is_a_graph_input():
+    g = _graph([_var("data"), _var("w"), _op("amp_cast", "cw", [(1, 0)], dtype="float16"),
+                _op("FullyConnected", "fc", [(0, 0), (2, 0)], num_hidden="4", no_bias="True")], [[3, 0, 0]])
+    return g, {("data", 0): "float32", ("w", 0): "float32", ("cw", 0): "float16", ("fc", 0): "float16"}
+
+
+def _ids_as_data():
+    g = _graph([_var("ids"), _var("w"), _op("Cast", "i", [(0, 0)], dtype="int32"),
+                _op("amp_cast", "cw", [(1, 0)], dtype="float16"),
+                _op("Embedding", "emb", [(2, 0), (3, 0)], input_dim="8", output_dim="4")], [[4, 0, 0]])
+    return g, {("ids", 0): "float32", ("w", 0): "float32", ("i", 0): "int32", ("cw", 0): "float16",
+               ("emb", 0): "float16"}
+
+
+def _rounding_is_an_output():
+    g, types = _fc_graph("float16")
+    g["heads"].append([3, 0, 0])  # the rounded weight is also an output of the graph
+    return g, types
+
+
+@pytest.mark.parametrize("case", [_shared_weight, _data_is_a_graph_input, _ids_as_data, _rounding_is_an_output],
+                         ids=lambda c: c.__name__.strip("_"))
+def test_a_parameters_rounding_stays_alone_where_no_one_op_reads_it_beside_a_float32_value(case):
+    """Read by two ops (shared weights), beside a graph input (kept out of the planner's place),
+    beside int32 ids, or an output of the graph itself: the rounding stays one node."""
+    emu = emulate_graph(*case(), kernel=KERNEL)
+    ops = [n["op"] for n in emu.graph["nodes"]]
+    assert PAIR not in ops and _by_name(emu.graph)[rounding_node("cw")]["op"] == KERNEL
+    assert _topological(emu.graph)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -177,7 +245,8 @@ def test_with_the_kernel_stored_low_parameters_and_multicasts_are_rounded_by_it(
     types = {("a", 0): "float32", ("b", 0): dtype, ("m", 0): dtype, ("m", 1): dtype, ("add", 0): dtype}
     emu = emulate_graph(g, types, kernel=KERNEL)
     ops = {n["name"]: n["op"] for n in emu.graph["nodes"]}
-    assert ops[rounding_node("b")] == ops[rounding_node("m_0")] == ops[rounding_node("add")] == KERNEL
+    assert ops[rounding_node("m_0")] == ops[rounding_node("add")] == KERNEL
+    assert ops[rounding_node("b")] == (PAIR if dtype == "float16" else KERNEL)  # add reads it beside m_0
     assert rounding_node("m_1") not in ops  # b holds the dtype's values already
 
 
@@ -321,3 +390,86 @@ def test_a_cast_of_a_non_float32_value_to_a_low_dtype_rounds_float32(kernel, sou
             assert src["op"] == "Cast" and src["attrs"]["dtype"] == "float32", n
     head = nodes[emu["heads"][0][0]]
     assert head["op"] in (KERNEL, "amp_cast", "Cast") and any(n["op"] in (KERNEL, "amp_cast") for n in nodes)
+
+
+def _random_plan(rng):
+    """A random plan: a chain of ops on a float32 input, each reading the one before (through a
+    cast to the layer's dtype or not), some a parameter (cast to a random dtype, some shared with
+    a later op), some an output of the graph."""
+    nodes, types, heads = [_var("data")], {("data", 0): "float32"}, []
+    x, params = (0, 0), []
+    for k in range(rng.randint(1, 6)):
+        dtype = rng.choice(["float16", "bfloat16", "float32"])
+        if dtype != "float32" and rng.random() < 0.7:
+            nodes.append(_op("amp_cast", f"x{k}", [x], dtype=dtype))
+            types[(f"x{k}", 0)] = dtype
+            x = (len(nodes) - 1, 0)
+        op_inputs = [x]
+        if rng.random() < 0.8:
+            if params and rng.random() < 0.3:
+                op_inputs.append(rng.choice(params))  # shared with an earlier op
+            else:
+                nodes.append(_var(f"w{k}"))
+                types[(f"w{k}", 0)] = "float32"
+                low = rng.choice(["float16", "bfloat16"])
+                nodes.append(_op("amp_cast", f"cw{k}", [(len(nodes) - 1, 0)], dtype=low))
+                types[(f"cw{k}", 0)] = nodes[-1]["attrs"]["dtype"]
+                op_inputs.append((len(nodes) - 1, 0))
+                params.append(op_inputs[-1])
+        name = f"op{k}"
+        nodes.append(_op("FullyConnected" if len(op_inputs) == 2 else "tanh", name, op_inputs, num_hidden="3"))
+        types[(name, 0)] = dtype
+        x = (len(nodes) - 1, 0)
+        if rng.random() < 0.2:
+            heads.append([*x, 0])
+    if params and rng.random() < 0.2:
+        heads.append([*params[-1], 0])
+    heads.append([*x, 0])
+    return _graph(nodes, heads), types
+
+
+def _value(graph, entry, memo):
+    """What ``entry`` of an emulated graph computes, as a nested tuple: the pair's first output
+    is its data, its second the rounding of its weight, as a kernel rounding."""
+    key = (entry[0], entry[1])
+    if key not in memo:
+        node = graph["nodes"][entry[0]]
+        inputs = node.get("inputs", [])
+        if node["op"] == PAIR:
+            memo[key] = (_value(graph, inputs[0], memo) if entry[1] == 0 else
+                         (KERNEL, node["attrs"]["dtype"], _value(graph, inputs[1], memo)))
+        elif node["op"] == KERNEL:
+            memo[key] = (KERNEL, node["attrs"]["dtype"], _value(graph, inputs[0], memo))
+        else:
+            memo[key] = (node["op"], node["name"], entry[1], tuple(_value(graph, e, memo) for e in inputs))
+    return memo[key]
+
+
+def test_pairing_changes_where_roundings_run_never_what_the_graph_computes(monkeypatch):
+    """300 random plans: with and without the pairs, every output and every real entry holds the
+    same computation; the pairs' graph is in order; each pair's op reads its two outputs."""
+    import gluon_amp_core.emulate as emulate
+    rng = random.Random(20261125)
+    paired = 0
+    for _ in range(300):
+        g, types = _random_plan(rng)
+        with_pairs = emulate_graph(g, types, kernel=KERNEL)
+        with monkeypatch.context() as m:
+            m.setattr(emulate, "_pair_weight_roundings", lambda rw, heads, dtypes: (lambda j, k: (j, k)))
+            alone = emulate_graph(g, types, kernel=KERNEL)
+        a, b = with_pairs.graph, alone.graph
+        assert _topological(a)
+        memo_a, memo_b = {}, {}
+        assert [_value(a, h, memo_a) for h in a["heads"]] == [_value(b, h, memo_b) for h in b["heads"]]
+        index_a = {n["name"]: j for j, n in enumerate(a["nodes"])}
+        index_b = {n["name"]: j for j, n in enumerate(b["nodes"])}
+        for key in with_pairs.entries:
+            (na, ka), (nb, kb) = with_pairs.entries[key], alone.entries[key]
+            assert _value(a, (index_a[na], ka), memo_a) == _value(b, (index_b[nb], kb), memo_b), key
+        for j, node in enumerate(a["nodes"]):
+            if node["op"] == PAIR:
+                paired += 1
+                readers = [(c, e) for c, n in enumerate(a["nodes"]) for e in n["inputs"] if e[0] == j]
+                assert [e[1] for _, e in readers] == [0, 1] and len({c for c, _ in readers}) == 1
+                assert node["attrs"]["dtype"] == "float16"
+    assert paired > 50  # the plans hold pairs to check
