@@ -28,7 +28,9 @@ Each round runs every row's variants in fresh processes, the variant order rotat
 rounds, so that load on a shared machine hits them alike; ratios are taken within a round,
 then the median over rounds. Per variant: median milliseconds per call, the process's peak RSS
 (``VmHWM``), and for the low-precision variants ``gluon_amp.report``'s ops per dtype and casts per
-low-precision op of the graph that ran. A variant that fails says why; the others carry on.
+low-precision op of the graph that ran. A variant that fails says why; the others carry on. On
+a host without bfloat16 kernels (AVX2 and below) the variants that need them say "not measurable
+here" and why, instead of failing: there, the rows that run are FP32 and the launcher's default.
 The targets (issue 48): ours at least 1.0x the peer on every row, at least 0.97x FP32.
 """
 from __future__ import annotations
@@ -236,11 +238,24 @@ def launcher_command(variant: str, args: argparse.Namespace) -> List[str]:
     return [sys.executable, "-c", peer]
 
 
+#: How a run that needs bfloat16 kernels fails where there are none: gluon_amp's refusal (it
+#: names emulate=True) and oneDNN's, through the peer.
+NO_KERNEL_ERRORS = ("CannotRun", "could not create a primitive descriptor iterator")
+
+
 def worker(row: str, variant: str, args: argparse.Namespace) -> None:
-    if row in INFER:
-        res = run_infer(row, variant, args)
-    else:
-        res = run_train(row, variant, args)
+    try:
+        res = run_infer(row, variant, args) if row in INFER else run_train(row, variant, args)
+    except Exception as exc:  # noqa: BLE001  classified below, else raised as it was
+        from gluon_amp import runtime
+        from gluon_amp_core.capability import Bf16
+        cap = runtime.capability()
+        text = f"{type(exc).__name__}: {exc}"
+        if cap.bf16 is not Bf16.NONE or not any(e in text for e in NO_KERNEL_ERRORS):
+            raise
+        print(MARK + json.dumps({"not_here": f"needs bfloat16 kernels, which this host lacks ({cap.why})"}),
+              flush=True)
+        return
     res["peak_rss_mb"] = round(_peak_mb(), 1)
     print(MARK + json.dumps(res), flush=True)
 
@@ -273,6 +288,8 @@ def run_variant(row: str, variant: str, args: argparse.Namespace) -> Dict[str, A
                 + (f" (at {where[-1][:200]})" if where else ""), "wall_s": wall}
     res = json.loads(lines[-1][len(MARK):])
     res["wall_s"] = wall
+    if "not_here" in res:
+        return {"error": res["not_here"], "not_here": True, "wall_s": wall}
     return res
 
 
@@ -339,7 +356,8 @@ def format_table(doc: Dict[str, Any]) -> str:
         lines.append(f"{row:<19}{ms}{speed}{mem}{casts}")
         for name in VARIANTS:
             for e in v[name].get("errors", []):
-                lines.append(f"{'':<19}{name} FAILED: {e}")
+                said = "not measurable here" if e.startswith("needs bfloat16 kernels") else "FAILED"
+                lines.append(f"{'':<19}{name} {said}: {e}")
     h = doc["host"]
     lines.append(f"host: flags {' '.join(h['flags'])}, {h['cpus']} CPUs, load average {doc['load_before']} "
                  f"before, {doc['load_after']} after; {doc['total_s']:.0f} s")

@@ -177,6 +177,22 @@ def test_profile_step_profiles_fp32_op_by_op(tmp_path):
         assert all(c["ceiling_ms"] > 0 for c in doc["ceilings"].values())
 
 
+def test_vs_peer_on_a_host_without_bfloat16_kernels_says_which_variants_it_cannot_measure(tmp_path):
+    """DNNL_MAX_CPU_ISA=AVX2 (any host: an AVX2 one's kernels): FP32 is timed, ours and the peer
+    say they need bfloat16 kernels and why, instead of failing with a traceback's last line."""
+    out = tmp_path / "vs.json"
+    env = {**os.environ, "PYTHONPATH": ROOT, "DNNL_MAX_CPU_ISA": "AVX2"}
+    r = _run("vs_peer.py", "--quick", "--rounds", "1", "--rows", "infer:resnet50", "--iters", "1",
+             "--warmup", "0", "--json", str(out), env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = json.loads(out.read_text())["rows"]["infer:resnet50"]
+    assert row["variants"]["fp32"]["ms"] > 0 and row["ratios"]["ours_vs_fp32"] is None
+    for v in ("ours", "peer"):
+        (why,) = row["variants"][v]["errors"]
+        assert why.startswith("needs bfloat16 kernels, which this host lacks") and "avx2" in why.lower(), why
+    assert r.stdout.count("not measurable here: needs bfloat16 kernels") == 2 and "FAILED" not in r.stdout
+
+
 @pytest.mark.bf16_kernels
 def test_vs_peer_quick_runs_each_variant_in_its_own_process_and_reports_ratios(tmp_path):
     out = tmp_path / "vs.json"
