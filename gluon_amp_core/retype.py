@@ -149,7 +149,10 @@ def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tup
     them (1.9.1 with oneDNN: int64, float64). So an ``amp_cast`` of such an entry (typed
     by ``dtypes``) is dropped, and such an input of an ``amp_multicast`` goes around it (the
     multicast keeps its other inputs, or goes when one or none is left: a multicast of one
-    value is that value).
+    value is that value). A multicast with a float64 input (numpy mode promotes mixed dtypes)
+    goes: float64 and float32 inputs go around it, float16/bfloat16 ones are cast to float32,
+    and the op promotes them as in FP32 (the multicast would convert them to float64, which
+    oneDNN's arrays refuse).
 
     An ``amp_cast`` of an entry that has the cast's dtype already is dropped too, and so is an
     ``amp_multicast`` whose inputs all have one float dtype (unless the node is an output of
@@ -188,6 +191,20 @@ def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tup
             continue
         if node["op"] == "amp_multicast" and identity(i, node):
             moved.update({(i, k): e for k, e in enumerate(inputs)})
+            dropped += len(inputs)
+            continue
+        if node["op"] == "amp_multicast" and any(
+                dtypes.get((nodes[e[0]]["name"], e[1])) == "float64" for e in node["inputs"]):
+            # a float64 among them (numpy mode promotes mixed dtypes): the multicast would convert
+            # the others to float64, which oneDNN's arrays refuse; as imperatively, they come in
+            # float32 and the op promotes them as in FP32
+            for k, e in enumerate(node["inputs"]):
+                if dtypes.get((nodes[e[0]]["name"], e[1])) in ("float16", "bfloat16"):
+                    out.append({"op": "amp_cast", "name": f"{node['name']}_{k}_float32",
+                                "attrs": {"dtype": "float32"}, "inputs": [inputs[k]]})
+                    moved[(i, k)] = [len(out) - 1, 0, 0]
+                else:
+                    moved[(i, k)] = inputs[k]
             dropped += len(inputs)
             continue
         if node["op"] == "amp_multicast" and any(integer(e) for e in node["inputs"]):

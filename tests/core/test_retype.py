@@ -1,4 +1,6 @@
 """retype: a traced graph's nodes rewired for new decisions (shape rules, the tuner)."""
+import pytest
+
 from gluon_amp_core.decide import Decision, MeasuredChoice, Reason
 from gluon_amp_core.retype import Change, drop_identity_casts, retype
 from gluon_amp_core.table import default_table
@@ -110,6 +112,35 @@ def test_casts_of_integers_and_float64_are_dropped_and_multicasts_keep_their_flo
     assert all(e[0] < j for j, n in enumerate(graph["nodes"]) for e in n["inputs"])
     float64 = {**dtypes, ("ids", 0): "float64", ("ids_cast", 0): "float64"}
     assert drop_identity_casts(_ids_graph(), float64)[1] == 3  # amp_cast passes float64 too
+
+
+@pytest.mark.parametrize("low", [BF16, "float16", FP32])
+def test_a_multicast_with_a_float64_input_goes_and_low_inputs_come_in_float32(low):
+    """Numpy mode promotes float32 with float64 to float64: the multicast to float64 (which
+    oneDNN's arrays refuse) goes, low inputs are cast to float32, the op promotes as in FP32."""
+    nodes = [
+        {"op": "null", "name": "x", "inputs": []},
+        {"op": "null", "name": "w", "inputs": []},
+        {"op": "FullyConnected", "name": "fc", "inputs": [[0, 0, 0], [1, 0, 0]]},
+        {"op": "null", "name": "v", "inputs": []},
+        {"op": "amp_multicast", "name": "mc", "attrs": {"num_outputs": "3"},
+         "inputs": [[2, 0, 0], [3, 0, 0], [0, 0, 0]]},
+        {"op": "_npi_multiply", "name": "mul", "inputs": [[4, 0, 0], [4, 1, 0]]},
+        {"op": "_npi_add", "name": "add", "inputs": [[5, 0, 0], [4, 2, 0]]},
+    ]
+    graph = {"nodes": nodes, "arg_nodes": [0, 1, 3], "heads": [[6, 0, 0]], "attrs": {}}
+    dtypes = {("x", 0): FP32, ("w", 0): FP32, ("fc", 0): low, ("v", 0): "float64", ("mc", 0): "float64",
+              ("mc", 1): "float64", ("mc", 2): "float64", ("mul", 0): "float64", ("add", 0): "float64"}
+    out, dropped = drop_identity_casts(graph, dtypes)
+    by = _by_name(out)
+    assert "mc" not in by and dropped == 3
+    if low == FP32:
+        assert by["mul"][1] == ["fc", "v"] and by["add"][1] == ["mul", "x"]
+    else:
+        cast, cast_in = by["mc_0_float32"]
+        assert cast["op"] == "amp_cast" and cast["attrs"]["dtype"] == FP32 and cast_in == ["fc"]
+        assert by["mul"][1] == ["mc_0_float32", "v"] and by["add"][1] == ["mul", "x"]
+    assert all(e[0] < j for j, n in enumerate(out["nodes"]) for e in n["inputs"])
 
 
 def test_a_graph_of_float_entries_is_left_as_it_is():

@@ -398,6 +398,38 @@ def test_an_op_rebuilt_with_casts_keeps_its_frontend_and_its_list_of_outputs(num
     assert not isinstance(again, mxi.NP_SYMBOL) and again.list_arguments() == legacy.list_arguments()
 
 
+class _Float64Operand(nn.HybridBlock):
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Dense(64, flatten=False, in_units=64)
+
+    def hybrid_forward(self, F, x, w):
+        return self.dense(x) * w, x.sum(axis=-1) + w[:, :, 0]
+
+
+def test_a_hybridized_block_promotes_a_float64_operand_as_plain_mxnet(numpy_mode, amp_mode):
+    """The graph form of the test below: the block's plan held an amp_multicast converting the
+    dense output to float64, which oneDNN's arrays refuse ("unknown type for MKLDNN :1", at the
+    first read); now the other inputs come in float32 and the op promotes. The dense layer is
+    excluded (float32, as the speed rule decides a small one natively): a plan with no low op
+    runs as it is in every mode, where an emulated copy would resolve the multicast itself."""
+    import numpy as onp
+    net = _Float64Operand()
+    net.initialize(mx.init.Xavier())
+    x = mx.np.array(onp.random.default_rng(3).normal(size=(2, 4, 64)).astype(onp.float32))
+    w = mx.np.array(onp.full((2, 4, 64), 0.5))
+    plain = [o.asnumpy() for o in net(x, w)]
+    _amp({**amp_mode, "excluded_sym_names": [net.dense.name + "_fwd"]})
+    net.hybridize()
+    with autograd.record():
+        got = net(x, w)
+    got[0].backward()
+    for g, p in zip(got, plain):
+        assert isinstance(g, mx.np.ndarray) and g.dtype == onp.float64 and g.shape == p.shape
+        assert abs(g.asnumpy() - p).max() <= 2e-2 * abs(p).max()
+    assert onp.isfinite(net.dense.weight.grad().asnumpy()).all()
+
+
 def test_a_float64_operand_is_promoted_as_plain_mxnet_promotes_it(numpy_mode, amp_mode):
     """Found with d2l's BERT fed float64 weights: numpy mode's binary ops promote mixed dtypes
     (float32 with float64 gives float64); a widest-type op cast its other inputs to float64
