@@ -164,12 +164,15 @@ def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tup
 
     heads = {h[0] for h in graph["heads"]}  # an output keeps its node (and its name)
 
+    def dtype_of(e: list) -> Optional[str]:
+        return dtypes.get((nodes[e[0]]["name"], e[1]))
+
     def identity(i: int, node: dict) -> bool:
         return i not in heads and converts_nothing(
-            node["op"], node.get("attrs", {}), [dtypes.get((nodes[e[0]]["name"], e[1])) for e in node["inputs"]])
+            node["op"], node.get("attrs", {}), [dtype_of(e) for e in node["inputs"]])
 
     def passed(e: list, kept: frozenset) -> bool:
-        t = dtypes.get((nodes[e[0]]["name"], e[1]))
+        t = dtype_of(e)
         return t is not None and t not in kept
 
     def integer(e: list) -> bool:
@@ -193,13 +196,12 @@ def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tup
             moved.update({(i, k): e for k, e in enumerate(inputs)})
             dropped += len(inputs)
             continue
-        if node["op"] == "amp_multicast" and any(
-                dtypes.get((nodes[e[0]]["name"], e[1])) == "float64" for e in node["inputs"]):
+        if node["op"] == "amp_multicast" and any(dtype_of(e) == "float64" for e in node["inputs"]):
             # a float64 among them (numpy mode promotes mixed dtypes): the multicast would convert
             # the others to float64, which oneDNN's arrays refuse; as imperatively, they come in
             # float32 and the op promotes them as in FP32
             for k, e in enumerate(node["inputs"]):
-                if dtypes.get((nodes[e[0]]["name"], e[1])) in ("float16", "bfloat16"):
+                if dtype_of(e) in ("float16", "bfloat16"):
                     out.append({"op": "amp_cast", "name": f"{node['name']}_{k}_float32",
                                 "attrs": {"dtype": "float32"}, "inputs": [inputs[k]]})
                     moved[(i, k)] = [len(out) - 1, 0, 0]
