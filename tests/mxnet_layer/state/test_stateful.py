@@ -45,6 +45,7 @@ import functools
 import linecache
 import os
 import queue
+import shutil
 import sys
 import tempfile
 import threading
@@ -492,6 +493,12 @@ class AmpStateMachine(RuleBasedStateMachine):
                                  f"{len(w.regions)} region(s) and init say {want}")
 
     def teardown(self) -> None:
+        try:
+            self._teardown()
+        finally:  # each example's checkpoint folder, whatever the example did
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _teardown(self) -> None:
         if POISONED:  # a thread is stuck: nothing more can be checked in this process
             return
         try:
