@@ -6,10 +6,14 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helpers
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
-# The speed probe's cache: one per test session, never the user's (the probe runs once here).
+# The speed probe's cache: one per test process, never the user's (the probe runs once here),
+# gone when the process ends.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="gluon-amp-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 # init()'s default tunes each new graph by timing it (seconds to minutes): the many small
 # init tests run the op table's plan; tests/mxnet_layer/tuning/test_tuning.py tunes on purpose.
 os.environ["GLUON_AMP_TUNE"] = "0"

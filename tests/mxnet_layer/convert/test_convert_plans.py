@@ -53,13 +53,14 @@ def _run(code, *args, launcher=None, timeout=300):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "GLUON_AMP_TUNE": "0"}
     script = "import gluon_amp\n" + _TWICE + textwrap.dedent(code)
     if launcher is None:
-        cmd = [sys.executable, "-c", script, *args]
-    else:
-        path = os.path.join(tempfile.mkdtemp(prefix="plan-seams-"), "script.py")
+        return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
+                              timeout=timeout, cwd=ROOT)
+    with tempfile.TemporaryDirectory(prefix="plan-seams-") as folder:
+        path = os.path.join(folder, "script.py")
         with open(path, "w") as f:
             f.write(script)
         cmd = [sys.executable, "-m", "gluon_amp.run", *launcher, path, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
 
 
 def _ok(r):
