@@ -22,7 +22,9 @@ def infer_dtypes(sym: Symbol, input_types: Mapping[str, Any],
 
     ``input_types`` maps input names to dtypes (names or NumPy/MXNet dtypes); names that are
     not inputs of ``sym`` are ignored. Returns ``None`` when the graph does not type-check,
-    or with ``partial=True`` leaves untyped outputs as ``None``.
+    or with ``partial=True`` leaves untyped outputs as ``None``; where partial inference
+    stops at an op whose type rule refuses an unknown input (``Embedding`` of an untyped
+    index), ``None`` too.
     """
     args = set(sym.list_inputs())
     names = {k: dtype_name(v) for k, v in input_types.items() if k in args}
@@ -31,8 +33,13 @@ def infer_dtypes(sym: Symbol, input_types: Mapping[str, Any],
     else:
         given = {k: to_mx_dtype(v) for k, v in names.items()}
     internals = sym.get_internals()
-    infer = internals.infer_type_partial if partial else internals.infer_type
-    _, out_types, _ = infer(**given)
+    if partial:
+        try:
+            _, out_types, _ = internals.infer_type_partial(**given)
+        except MXNetError:
+            return None
+    else:
+        _, out_types, _ = internals.infer_type(**given)
     if out_types is None:
         return None
     return {key: dtype_name(t) if t is not None else None

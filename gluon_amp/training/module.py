@@ -144,6 +144,22 @@ def _safe_dtype(dtype: Any) -> Optional[str]:
         return None
 
 
+def _descs(shapes: List[Any]) -> List[mx.io.DataDesc]:
+    """``bind``'s data and label shapes as the ``DataDesc`` MXNet makes of them: a
+    ``(name, shape)`` pair is float32, as Module binds it (toy_nce.py's label iterator gives
+    pairs; left out, an Embedding reading that label cannot be typed). An entry MXNet would
+    refuse is left to its own bind to refuse."""
+    out = []
+    for d in shapes:
+        if not isinstance(d, mx.io.DataDesc):
+            try:
+                d = mx.io.DataDesc(*d)
+            except (TypeError, ValueError):
+                continue
+        out.append(d)
+    return out
+
+
 def _scaled_symbol(symbol: mx.sym.Symbol, descs: Any) -> Tuple[mx.sym.Symbol, List[str], str]:
     """``symbol`` with its loss heads reachable by the scale argument; the heads; the dtype."""
     graph = json.loads(symbol.tojson(remove_amp_cast=False))
@@ -178,8 +194,7 @@ def _wrap_bind(original: Callable) -> Callable:
             if a["force_rebind"] or not self.binded:
                 record.bound_scaled, record.scale_arg = False, None
             return original(self, *args, **kwargs)
-        descs = list(a["data_shapes"] or []) + list(a["label_shapes"] or [])
-        descs = [d for d in descs if hasattr(d, "name")]
+        descs = _descs(list(a["data_shapes"] or []) + list(a["label_shapes"] or []))
         symbol, heads, dtype = _scaled_symbol(mxm.module_symbol(self), descs)
         with mxm.binding_symbol(self, symbol):
             result = original(self, *args, **kwargs)

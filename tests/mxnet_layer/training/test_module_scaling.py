@@ -506,3 +506,57 @@ def test_a_method_patch_that_fails_part_way_leaves_the_class_as_it_was():
     patches = mxi.module.patch_methods(Target, {"first": lambda f: (lambda self: 10 + f(self))})
     assert Target().first() == 11
     assert mxi.module.restore_methods(patches) == [] and Target.__dict__["first"] is before["first"]
+
+
+def _nce_symbol():
+    """MXNet 1.9.1's example/nce-loss/nce.py graph: an Embedding reads the label."""
+    pred = mx.sym.Reshape(mx.sym.FullyConnected(mx.sym.Variable("data"), num_hidden=8, name="fc"), shape=(-1, 1, 8))
+    embed = mx.sym.Embedding(mx.sym.Variable("label"), input_dim=20, output_dim=8,
+                             weight=mx.sym.Variable("embed_weight"), name="label_embed")
+    score = mx.sym.sum(mx.sym.broadcast_mul(pred, embed), axis=2)
+    return mx.sym.LogisticRegressionOutput(score, label=mx.sym.Variable("label_weight"), name="nce")
+
+
+@pytest.mark.parametrize("init", [None, {"target_dtype": "float16", "emulate": True},
+                                  {"target_dtype": "bfloat16", "emulate": True}], ids=["fp32", "fp16-emu", "bf16-emu"])
+def test_a_label_read_by_an_embedding_binds_from_name_shape_pairs(init):
+    """toy_nce.py's iterator gives ``(name, shape)`` pairs, which Module binds as float32: the
+    loss-head scaling types the graph from them as MXNet does (it raised MXNet's 'First input
+    must have specified type' from the Embedding under emulation before), and the gradients
+    carry the scale."""
+    rng = np.random.RandomState(0)
+    batch = mx.io.DataBatch([mx.nd.array(rng.randn(BATCH, 10))],
+                            [mx.nd.array(rng.randint(0, 20, (BATCH, 3))),
+                             mx.nd.array(np.eye(3)[rng.randint(0, 3, BATCH)])])
+    shapes = ([("data", (BATCH, 10))], [("label", (BATCH, 3)), ("label_weight", (BATCH, 3))])
+    grads = []
+    for scaler in (None, LossScaler.static(256.0)):
+        if init is not None:
+            amp.init(**init)
+        mod = mx.mod.Module(_nce_symbol(), label_names=("label", "label_weight"), context=mx.cpu())
+        if scaler is not None:
+            amp.init_trainer(mod, scaler)
+        mod.bind(*shapes)
+        mx.random.seed(1)
+        mod.init_params(mx.init.Xavier())
+        mod.forward_backward(batch)
+        grads.append({n: g[0].asnumpy() for n, g in zip(mod._exec_group.param_names, mod._exec_group.grad_arrays)})
+        amp.disable()
+    plain, scaled = grads
+    assert set(plain) == {"fc_weight", "fc_bias", "embed_weight"}
+    for name in plain:
+        assert np.abs(plain[name]).max() > 0, name
+        np.testing.assert_allclose(scaled[name] / 256.0, plain[name], rtol=0, atol=1e-6 * 256, err_msg=name)
+
+
+def test_a_graph_mxnet_cannot_type_in_part_still_gets_its_loss_heads_scaled():
+    """With no dtype for the Embedding's input (an argument the descriptions leave out), MXNet's
+    partial type inference raises rather than leaving it untyped: the heads are scaled with
+    their inputs taken as float32, as for a graph that does not type-check."""
+    from gluon_amp.training.module import _scaled_symbol
+    amp.init(target_dtype="float16", emulate=True)
+    try:
+        _, heads, dtype = _scaled_symbol(_nce_symbol(), [mx.io.DataDesc("data", (BATCH, 10))])
+    finally:
+        amp.disable()
+    assert heads == ["nce"] and dtype == "float16"
