@@ -8,7 +8,8 @@ What gluon_amp relies on, and what breaks if MXNet changes it:
   (:func:`binding_symbol`). If ``bind`` read it elsewhere, the module tests' checkpoint and
   bind checks fail.
 - The executor group's ``execs`` (one executor per context, ``arg_dict`` by name) and
-  ``grad_arrays`` (per parameter, per context; ``None`` for a fixed parameter).
+  ``grad_arrays`` (per parameter, per context; ``None`` for a fixed parameter), and
+  ``input_grad_arrays`` likewise for the data inputs (``None`` unless ``inputs_need_grad``).
 - ``_optimizer`` / ``_updater`` / ``_kvstore`` / ``_update_on_kvstore`` as
   ``init_optimizer`` sets them; with ``update_on_kvstore`` the updater is the kvstore's
   ``_updater`` (a local kvstore calls the module's own optimizer object).
@@ -115,6 +116,14 @@ def module_grad_arrays(module: Module) -> List[mx.nd.NDArray]:
     if group is None or not getattr(group, "grad_arrays", None):
         return []
     return [g for per_ctx in group.grad_arrays for g in per_ctx if g is not None]
+
+
+def module_input_grads(module: Module) -> List[mx.nd.NDArray]:
+    """The gradients of the data inputs a backward pass writes (``inputs_need_grad=True``)."""
+    group = module._exec_group
+    if group is None or not module.inputs_need_grad:
+        return []
+    return [g for per_ctx in (group.input_grad_arrays or []) for g in per_ctx if g is not None]
 
 
 def module_optimizer(module: Module) -> Any:

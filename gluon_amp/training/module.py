@@ -5,10 +5,10 @@ backward from their own ``grad_scale``, so a loss scale cannot be multiplied int
 ``scale_loss`` does for Gluon. Instead, the graph the executors run (never the module's own
 symbol, which ``save_checkpoint`` writes) feeds each head's data input through an exact
 identity whose gradient is multiplied by a float32 ``(1,)`` argument
-(:mod:`gluon_amp_core.loss_heads`). Each ``backward`` writes the step's scale into it (no
-rebind when the scale moves), and multiplies ``out_grads`` given for outputs that are not
-loss heads. Each ``update`` checks every gradient in one read pass
-(:func:`gluon_amp.training.overflow.arrays_finite`), skips the step on inf/NaN (weights,
+(:mod:`gluon_amp_core.loss_heads`), where a step can be scaled (:func:`_in_graph`). Each
+``backward`` writes the step's scale into it (no rebind when the scale moves), and multiplies
+``out_grads`` given for outputs that are not loss heads. Each ``update`` checks every
+gradient in one read pass (:func:`gluon_amp.training.overflow.arrays_finite`), skips the step on inf/NaN (weights,
 optimizer state and update counts untouched), and otherwise divides the scale out through
 the optimizer's ``rescale_grad`` for that update (no extra pass over the gradients). The
 scale moves by the same :class:`~gluon_amp_core.loss_scale.LossScaler` a Gluon trainer uses.
@@ -27,10 +27,11 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import mxnet as mx
+from mxnet import autograd
 
 from gluon_amp_core.dtypes import dtype_name
 from gluon_amp_core.lists.loss_outputs import GRAPH_LOSS_HEADS
-from gluon_amp_core.loss_heads import scale_loss_heads
+from gluon_amp_core.loss_heads import loss_heads, scale_loss_heads
 from gluon_amp_core.loss_scale import LossScaler, loss_scaler_from
 
 from .. import mxnet_internals as mxi, state
@@ -160,10 +161,31 @@ def _descs(shapes: List[Any]) -> List[mx.io.DataDesc]:
     return out
 
 
-def _scaled_symbol(symbol: mx.sym.Symbol, descs: Any) -> Tuple[mx.sym.Symbol, List[str], str]:
-    """``symbol`` with its loss heads reachable by the scale argument; the heads; the dtype."""
+def _in_graph(scaler: Optional[LossScaler], dtype: str, grad_req: Any) -> bool:
+    """Whether a bound graph computing in ``dtype`` takes the scale inside it (the scaled
+    identity before each loss head). A float16 graph does: its gradients need the scale on
+    their way through it. So does one whose gradients accumulate (``grad_req='add'``), or whose
+    scaler, known at bind, scales ``dtype``. Elsewhere (the default scaler on a bfloat16 or
+    float32 graph) the identity would only cost time: on a CPU MXNet's backward of its
+    ``broadcast_mul`` runs as a generic reduction, 20 ms a step on a 128 x 10,000 softmax head,
+    doubling toy_softmax.py's step. Should such a step be scaled after all (a scaler attached
+    or changed after bind), its gradients are multiplied after the backward pass
+    (:func:`_scale_after`): a power of two, exact in the float32 range those graphs have."""
+    reqs = grad_req.values() if isinstance(grad_req, dict) else [grad_req] if isinstance(grad_req, str) else grad_req
+    return (dtype == "float16" or "add" in list(reqs or ())
+            or (scaler if scaler is not None else LossScaler.where_needed()).scales(dtype))
+
+
+def _scaled_symbol(symbol: mx.sym.Symbol, descs: Any, scaler: Optional[LossScaler] = None,
+                   grad_req: Any = "write") -> Tuple[mx.sym.Symbol, List[str], str, bool]:
+    """``symbol`` with its loss heads reachable by the scale argument where :func:`_in_graph`
+    says so; the heads; the dtype; whether the identity is in it."""
     graph = json.loads(symbol.tojson(remove_amp_cast=False))
     dtype = _graph_dtype(graph, descs)
+    if not _in_graph(scaler, dtype, grad_req):
+        nodes = graph["nodes"]
+        heads = [nodes[i]["name"] for i in loss_heads(graph, GRAPH_LOSS_HEADS) if nodes[i]["inputs"]]
+        return symbol, heads, dtype, False
     input_dtype = None
     if dtype != "float32":  # a head's input may be low precision: the scaled identity casts around it
         known = {d.name: _safe_dtype(d.dtype) for d in descs or () if _safe_dtype(getattr(d, "dtype", None))}
@@ -174,8 +196,8 @@ def _scaled_symbol(symbol: mx.sym.Symbol, descs: Any) -> Tuple[mx.sym.Symbol, Li
             return typed.get((names[node], output))
     new, heads = scale_loss_heads(graph, GRAPH_LOSS_HEADS, SCALE_ARG, input_dtype)
     if not heads:
-        return symbol, [], dtype
-    return mx.sym.load_json(json.dumps(new)), heads, dtype
+        return symbol, [], dtype, False
+    return mx.sym.load_json(json.dumps(new)), heads, dtype, True
 
 
 # -- the wrapped Module methods -----------------------------------------------------------
@@ -195,11 +217,13 @@ def _wrap_bind(original: Callable) -> Callable:
                 record.bound_scaled, record.scale_arg = False, None
             return original(self, *args, **kwargs)
         descs = _descs(list(a["data_shapes"] or []) + list(a["label_shapes"] or []))
-        symbol, heads, dtype = _scaled_symbol(mxm.module_symbol(self), descs)
+        hook = record.hook
+        symbol, heads, dtype, inside = _scaled_symbol(mxm.module_symbol(self), descs,
+                                                      hook.scaler if hook is not None else None, a["grad_req"])
         with mxm.binding_symbol(self, symbol):
             result = original(self, *args, **kwargs)
         record.bound_scaled, record.heads, record.dtype = True, heads, dtype
-        record.scale_arg = SCALE_ARG if heads else None
+        record.scale_arg = SCALE_ARG if inside else None
         if record.scale_arg is not None:
             _write_scale(self, record.scale_arg, 1.0)  # MXNet leaves a new argument uninitialised
         return result
@@ -213,6 +237,15 @@ def _write_scale(module: Module, name: str, value: float) -> None:
             arr[:] = value
 
 
+def _scale_after(module: Module, scale: float) -> None:
+    """Multiply the gradients one backward pass wrote (parameters' and inputs') by ``scale``,
+    as if the loss heads had carried it (a graph bound without the scaled identity, whose
+    gradients do not accumulate: :func:`_in_graph`)."""
+    with autograd.pause():
+        for g in mxm.module_grad_arrays(module) + mxm.module_input_grads(module):
+            g *= scale
+
+
 def _wrap_backward(original: Callable) -> Callable:
     def backward(self: Module, out_grads: Any = None) -> Any:
         record = _record(self)
@@ -222,6 +255,11 @@ def _wrap_backward(original: Callable) -> Callable:
         scale = hook.decide(record.dtype) if hook is not None else 1.0
         if record.scale_arg is not None:
             _write_scale(self, record.scale_arg, scale)  # also where no hook: the argument must hold 1
+        elif scale != 1.0 and record.heads:  # scaled after all, without the identity: after the pass
+            result = original(self, out_grads)
+            _scale_after(self, scale)
+            hook._carried = True
+            return result
         if out_grads is not None and scale != 1.0:
             out_grads = [g * scale for g in (out_grads if isinstance(out_grads, (list, tuple)) else [out_grads])]
         if hook is not None:

@@ -556,7 +556,65 @@ def test_a_graph_mxnet_cannot_type_in_part_still_gets_its_loss_heads_scaled():
     from gluon_amp.training.module import _scaled_symbol
     amp.init(target_dtype="float16", emulate=True)
     try:
-        _, heads, dtype = _scaled_symbol(_nce_symbol(), [mx.io.DataDesc("data", (BATCH, 10))])
+        _, heads, dtype, inside = _scaled_symbol(_nce_symbol(), [mx.io.DataDesc("data", (BATCH, 10))])
     finally:
         amp.disable()
-    assert heads == ["nce"] and dtype == "float16"
+    assert heads == ["nce"] and dtype == "float16" and inside
+
+
+def _bound_args(mod):
+    return set(mod._exec_group.execs[0].arg_dict)
+
+
+@pytest.mark.parametrize("dtype,inside", [("bfloat16", False), ("float16", True)])
+def test_the_scaled_identity_is_bound_only_where_a_step_can_be_scaled(dtype, inside):
+    """Under init's default scaler (float16 steps only), a bfloat16 graph is bound as the
+    user's (the identity's broadcast backward doubled toy_softmax.py's step); float16 takes it."""
+    amp.init(target_dtype=dtype, emulate=True)
+    try:
+        mod = module(mlp())
+        assert amp.get_scaler(mod).scales(dtype) is inside
+        assert ("gluon_amp_loss_scale" in _bound_args(mod)) is inside
+        x, y = data(2)
+        for b in batches(x, y):
+            mod.forward_backward(b)
+            mod.update()
+        assert amp.get_scaler(mod).total_steps == 2
+    finally:
+        amp.disable()
+
+
+def test_a_step_scaled_after_bind_without_the_identity_scales_every_gradient():
+    """A scaler attached after a bfloat16 graph was bound without the identity, which scales
+    bfloat16 steps: the backward pass's gradients (parameters' and inputs') are multiplied after
+    it, exactly, and the update divides them out: weights and gradients / 256 as an unscaled twin's."""
+    x, y = data(3)
+    runs = []
+    for scaler in (None, LossScaler.static(256.0)):
+        amp.init(target_dtype="bfloat16", emulate=True)
+        try:
+            mod = mx.mod.Module(mlp(), context=mx.cpu())
+            mod.bind([("data", (BATCH, 10))], [("softmax_label", (BATCH,))], inputs_need_grad=True)
+            mx.random.seed(1)
+            mod.init_params(mx.init.Xavier())
+            mod.init_optimizer(optimizer="sgd", optimizer_params={"learning_rate": 0.05, "momentum": 0.9})
+            assert "gluon_amp_loss_scale" not in _bound_args(mod)
+            if scaler is not None:
+                amp.init_trainer(mod, scaler)
+                assert "gluon_amp_loss_scale" not in _bound_args(mod)  # not bound again
+            grads = []
+            for b in batches(x, y):
+                mod.forward_backward(b)
+                grads.append([g[0].asnumpy() for g in mod._exec_group.grad_arrays]
+                             + [mod.get_input_grads()[0].asnumpy()])
+                mod.update()
+            runs.append((grads, params(mod)))
+        finally:
+            amp.disable()
+    (plain, plain_w), (scaled, scaled_w) = runs
+    for step_plain, step_scaled in zip(plain, scaled):
+        for a, b in zip(step_plain, step_scaled):
+            assert np.abs(a).max() > 0
+            np.testing.assert_array_equal(a * 256.0, b)
+    for k in plain_w:
+        np.testing.assert_array_equal(plain_w[k], scaled_w[k], err_msg=k)
