@@ -6,15 +6,17 @@ backward from their own ``grad_scale``, so a loss scale cannot be multiplied int
 symbol, which ``save_checkpoint`` writes) feeds each head's data input through an exact
 identity whose gradient is multiplied by a float32 ``(1,)`` argument
 (:mod:`gluon_amp_core.loss_heads`), where a step can be scaled (:func:`_in_graph`). Each
-``backward`` writes the step's scale into it (no rebind when the scale moves), and multiplies
+training ``forward`` writes the step's scale into it (no rebind when the scale moves: the
+identity broadcasts it in the forward pass), each ``backward`` again, and multiplies
 ``out_grads`` given for outputs that are not loss heads. Each ``update`` checks every
-gradient in one read pass (:func:`gluon_amp.training.overflow.arrays_finite`), skips the step on inf/NaN (weights,
-optimizer state and update counts untouched), and otherwise divides the scale out through
-the optimizer's ``rescale_grad`` for that update (no extra pass over the gradients). The
-scale moves by the same :class:`~gluon_amp_core.loss_scale.LossScaler` a Gluon trainer uses.
+gradient in one read pass (:func:`gluon_amp.training.overflow.arrays_finite`), skips the step
+on inf/NaN (weights, optimizer state and update counts untouched), and otherwise divides the
+scale out through the optimizer's ``rescale_grad`` for that update (no extra pass over the
+gradients). The scale moves by the same :class:`~gluon_amp_core.loss_scale.LossScaler` a
+Gluon trainer uses.
 
-The methods of ``Module`` this needs (``bind``, ``backward``, ``update``, ``init_optimizer``,
-``borrow_optimizer``) and ``BucketingModule.bind`` are wrapped while someone needs them:
+The methods of ``Module`` this needs (``bind``, ``forward``, ``backward``, ``update``,
+``init_optimizer``, ``borrow_optimizer``) and ``BucketingModule.bind`` are wrapped while someone needs them:
 ``init`` (which then attaches the default scaler to every Module that initialises its
 optimizer: scripts run under ``gluon_amp.run`` get scaling unchanged), or an explicit
 :func:`init_module`. ``disable`` removes what ``init`` installed; modules given a scaler
@@ -35,7 +37,7 @@ from gluon_amp_core.loss_heads import loss_heads, scale_loss_heads
 from gluon_amp_core.loss_scale import LossScaler, loss_scaler_from
 
 from .. import mxnet_internals as mxi, state
-from ..type_inference import infer_dtypes
+from ..type_inference import infer_dtypes, infer_shapes
 from . import checkpoint, distributed, overflow
 
 mxm = mxi.module
@@ -186,15 +188,21 @@ def _scaled_symbol(symbol: mx.sym.Symbol, descs: Any, scaler: Optional[LossScale
         nodes = graph["nodes"]
         heads = [nodes[i]["name"] for i in loss_heads(graph, GRAPH_LOSS_HEADS) if nodes[i]["inputs"]]
         return symbol, heads, dtype, False
+    names = [n["name"] for n in graph["nodes"]]
+    shapes = infer_shapes(symbol, {d.name: tuple(d.shape) for d in descs or ()})
+
+    def input_rank(node: int, output: int) -> Optional[int]:
+        shape = shapes.get((names[node], output))
+        return len(shape) if shape else None
+
     input_dtype = None
     if dtype != "float32":  # a head's input may be low precision: the scaled identity casts around it
         known = {d.name: _safe_dtype(d.dtype) for d in descs or () if _safe_dtype(getattr(d, "dtype", None))}
         typed = infer_dtypes(symbol, known, partial=True) or {}
-        names = [n["name"] for n in graph["nodes"]]
 
         def input_dtype(node: int, output: int) -> Optional[str]:
             return typed.get((names[node], output))
-    new, heads = scale_loss_heads(graph, GRAPH_LOSS_HEADS, SCALE_ARG, input_dtype)
+    new, heads = scale_loss_heads(graph, GRAPH_LOSS_HEADS, SCALE_ARG, input_dtype, input_rank)
     if not heads:
         return symbol, [], dtype, False
     return mx.sym.load_json(json.dumps(new)), heads, dtype, True
@@ -244,6 +252,17 @@ def _scale_after(module: Module, scale: float) -> None:
     with autograd.pause():
         for g in mxm.module_grad_arrays(module) + mxm.module_input_grads(module):
             g *= scale
+
+
+def _wrap_forward(original: Callable) -> Callable:
+    def forward(self: Module, data_batch: Any, is_train: Optional[bool] = None) -> Any:
+        record = _record(self)
+        if (record is not None and record.scale_arg is not None and record.hook is not None
+                and (is_train if is_train is not None else self.for_training)):
+            # the identity broadcasts the scale in the forward pass: it holds the step's now
+            _write_scale(self, record.scale_arg, record.hook.decide(record.dtype))
+        return original(self, data_batch, is_train)
+    return forward
 
 
 def _wrap_backward(original: Callable) -> Callable:
@@ -356,7 +375,8 @@ def _refuse_dist(module: Module, auto: bool) -> bool:
 
 
 def _patch() -> List[mxm.MethodPatch]:
-    module = mxm.patch_methods(Module, {"bind": _wrap_bind, "backward": _wrap_backward, "update": _wrap_update,
+    module = mxm.patch_methods(Module, {"bind": _wrap_bind, "forward": _wrap_forward, "backward": _wrap_backward,
+                                        "update": _wrap_update,
                                         "init_optimizer": _wrap_init_optimizer,
                                         "borrow_optimizer": _wrap_borrow_optimizer})
     try:

@@ -55,3 +55,23 @@ def test_graph_without_heads_is_unchanged_and_names_are_checked():
     assert scale_loss_heads(g, GRAPH_LOSS_HEADS, "s") == (g, [])
     with pytest.raises(ValueError, match="'w'"):
         scale_loss_heads(_graph(), GRAPH_LOSS_HEADS, "w")
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_a_known_rank_multiplies_elementwise_by_the_scale_broadcast_to_the_input(rank):
+    """With the input's rank known, ``s`` is reshaped to that rank, broadcast like the input and
+    multiplied elementwise (MXNet's broadcast_mul backward is a slow generic reduction on CPUs)."""
+    new, reached = scale_loss_heads(_graph(), GRAPH_LOSS_HEADS, "s", None, lambda node, out: rank)
+    nodes = new["nodes"]
+    by_name = {n["name"]: i for i, n in enumerate(nodes)}
+    add = nodes[nodes[by_name["out"]]["inputs"][0][0]]
+    mul = nodes[add["inputs"][1][0]]
+    assert reached == ["out"] and mul["op"] == "elemwise_mul"
+    zero, like = (nodes[e[0]] for e in mul["inputs"])
+    assert zero["op"] == "elemwise_sub" and like["op"] == "broadcast_like"
+    assert like["inputs"][1] == mul["inputs"][0]
+    shaped = nodes[like["inputs"][0][0]]
+    assert shaped["op"] == "Reshape" and shaped["inputs"] == [[0, 0, 0]]
+    assert tuple(int(d) for d in shaped["attrs"]["shape"].strip("()").split(",") if d.strip()) == (1,) * rank
+    for i, n in enumerate(nodes):
+        assert all(e[0] < i for e in n["inputs"])
