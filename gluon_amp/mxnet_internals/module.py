@@ -191,6 +191,11 @@ def module_param_specs(module: Module) -> List[Tuple[str, Tuple[int, ...], str]]
             for name, arrays in zip(group.param_names, group.param_arrays)]
 
 
+def module_contexts(module: Module) -> List[mx.Context]:
+    """The devices a module binds its executors on (``context=`` at construction)."""
+    return list(module._context)
+
+
 def module_devices(module: Module) -> int:
     """How many updater indices each parameter has (one per device)."""
     return len(module._context)

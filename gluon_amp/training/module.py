@@ -16,11 +16,11 @@ gradients). The scale moves by the same :class:`~gluon_amp_core.loss_scale.LossS
 Gluon trainer uses.
 
 The methods of ``Module`` this needs (``bind``, ``forward``, ``backward``, ``update``,
-``init_optimizer``, ``borrow_optimizer``) and ``BucketingModule.bind`` are wrapped while someone needs them:
-``init`` (which then attaches the default scaler to every Module that initialises its
-optimizer: scripts run under ``gluon_amp.run`` get scaling unchanged), or an explicit
-:func:`init_module`. ``disable`` removes what ``init`` installed; modules given a scaler
-explicitly keep it, as Gluon trainers do.
+``init_optimizer``, ``borrow_optimizer``) and ``BucketingModule.bind`` are wrapped while
+someone needs them: ``init`` (which then attaches the default scaler to every Module that
+initialises its optimizer: scripts run under ``gluon_amp.run`` get scaling unchanged), or an
+explicit :func:`init_module`. ``disable`` removes what ``init`` installed; modules given a
+scaler explicitly keep it, as Gluon trainers do.
 """
 from __future__ import annotations
 
@@ -179,9 +179,11 @@ def _in_graph(scaler: Optional[LossScaler], dtype: str, grad_req: Any) -> bool:
 
 
 def _scaled_symbol(symbol: mx.sym.Symbol, descs: Any, scaler: Optional[LossScaler] = None,
-                   grad_req: Any = "write") -> Tuple[mx.sym.Symbol, List[str], str, bool]:
+                   grad_req: Any = "write", cpu: bool = True) -> Tuple[mx.sym.Symbol, List[str], str, bool]:
     """``symbol`` with its loss heads reachable by the scale argument where :func:`_in_graph`
-    says so; the heads; the dtype; whether the identity is in it."""
+    says so; the heads; the dtype; whether the identity is in it. On CPUs (``cpu``) the
+    identity multiplies elementwise where it can (:mod:`gluon_amp_core.loss_heads`: faster
+    there, for a buffer of the head input's size); elsewhere by ``broadcast_mul``."""
     graph = json.loads(symbol.tojson(remove_amp_cast=False))
     dtype = _graph_dtype(graph, descs)
     if not _in_graph(scaler, dtype, grad_req):
@@ -193,7 +195,7 @@ def _scaled_symbol(symbol: mx.sym.Symbol, descs: Any, scaler: Optional[LossScale
 
     def input_rank(node: int, output: int) -> Optional[int]:
         shape = shapes.get((names[node], output))
-        return len(shape) if shape else None
+        return len(shape) if shape and cpu else None
 
     input_dtype = None
     if dtype != "float32":  # a head's input may be low precision: the scaled identity casts around it
@@ -226,8 +228,9 @@ def _wrap_bind(original: Callable) -> Callable:
             return original(self, *args, **kwargs)
         descs = _descs(list(a["data_shapes"] or []) + list(a["label_shapes"] or []))
         hook = record.hook
-        symbol, heads, dtype, inside = _scaled_symbol(mxm.module_symbol(self), descs,
-                                                      hook.scaler if hook is not None else None, a["grad_req"])
+        symbol, heads, dtype, inside = _scaled_symbol(
+            mxm.module_symbol(self), descs, hook.scaler if hook is not None else None, a["grad_req"],
+            cpu=all(c.device_type == "cpu" for c in mxm.module_contexts(self)))
         with mxm.binding_symbol(self, symbol):
             result = original(self, *args, **kwargs)
         record.bound_scaled, record.heads, record.dtype = True, heads, dtype

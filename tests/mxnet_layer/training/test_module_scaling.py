@@ -618,3 +618,16 @@ def test_a_step_scaled_after_bind_without_the_identity_scales_every_gradient():
             np.testing.assert_array_equal(a * 256.0, b)
     for k in plain_w:
         np.testing.assert_array_equal(plain_w[k], scaled_w[k], err_msg=k)
+
+
+@pytest.mark.parametrize("cpu,op", [(True, "elemwise_mul"), (False, "broadcast_mul")])
+def test_the_identity_multiplies_elementwise_on_cpus_only(cpu, op):
+    """On CPUs the scale is broadcast in the forward pass and multiplied elementwise (MXNet's
+    broadcast_mul backward is a generic reduction there); elsewhere broadcast_mul, which needs
+    no buffer of the head input's size."""
+    from gluon_amp.training.module import _scaled_symbol
+    sym, heads, _, inside = _scaled_symbol(mlp(), [mx.io.DataDesc("data", (BATCH, 10)),
+                                                   mx.io.DataDesc("softmax_label", (BATCH,))],
+                                           LossScaler.static(8.0), cpu=cpu)
+    ops = {n["name"]: n["op"] for n in json.loads(sym.tojson())["nodes"]}
+    assert inside and heads == ["softmax"] and ops["softmax_amp_scale_mul"] == op
