@@ -53,7 +53,7 @@
 #define GA_PAIR_OP_NAME "_gluon_amp_round_weight"
 #define GA_BACKWARD_PAIR_OP_NAME "_backward_gluon_amp_round_weight"
 // Bump with any change of behaviour; gluon_amp checks it on load.
-#define GA_KERNEL_VERSION 2
+#define GA_KERNEL_VERSION 3
 
 namespace gaabi {
 
@@ -371,15 +371,34 @@ bool infer_storage(const nnvm::NodeAttrs& attrs, const int dev_mask, mxnet::Disp
   return true;
 }
 
+// Input k and output k have one shape, known in part on either side: what one side knows (its
+// rank, any dimension) goes to the other, as MXNet's elementwise ops do. A shape known only in
+// part must pass too: an LSTM's zero begin state is (batch unknown, hidden), and the
+// FullyConnected after the rounding learns the batch only once it sees its data's rank.
 bool infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in, mxnet::ShapeVector* out) {
   bool known = true;
   for (size_t k = 0; k < out->size(); ++k) {
-    if (mxnet::shape_is_known((*in)[k])) {
-      (*out)[k] = (*in)[k];
-    } else if (mxnet::shape_is_known((*out)[k])) {
-      (*in)[k] = (*out)[k];
+    mxnet::TShape& a = (*in)[k];
+    mxnet::TShape& b = (*out)[k];
+    if (!mxnet::ndim_is_known(a) && mxnet::ndim_is_known(b)) {
+      a = b;
+    } else if (mxnet::ndim_is_known(a) && !mxnet::ndim_is_known(b)) {
+      b = a;
+    } else if (mxnet::ndim_is_known(a) && mxnet::ndim_is_known(b)) {
+      if (a.ndim() != b.ndim()) {
+        LOG(FATAL) << attrs.op->name << ": input " << k << " has shape " << a << ", output " << b;
+      }
+      for (int d = 0; d < a.ndim(); ++d) {
+        if (!mxnet::dim_size_is_known(a[d])) {
+          a[d] = b[d];
+        } else if (!mxnet::dim_size_is_known(b[d])) {
+          b[d] = a[d];
+        } else if (a[d] != b[d]) {
+          LOG(FATAL) << attrs.op->name << ": input " << k << " has shape " << a << ", output " << b;
+        }
+      }
     }
-    known = known && mxnet::shape_is_known((*out)[k]);
+    known = known && mxnet::shape_is_known(b);
   }
   return known;
 }
