@@ -210,3 +210,24 @@ def test_vs_peer_quick_runs_each_variant_in_its_own_process_and_reports_ratios(t
     assert conv["ours"]["casts"] == 2 and conv["ours"]["ops_by_dtype"]["bfloat16"] > 20
     assert conv["peer"]["casts"] > 20  # the peer keeps float32 weights and casts each one
     assert "ours/peer" in r.stdout and "avx512_bf16" in r.stdout
+
+
+def test_module_head_times_each_mode_and_names_the_identity_it_bound(tmp_path):
+    """Each mode in its own process: FP32 and the emulated modes timed; float16 binds the scaled
+    identity elementwise (a CPU), bfloat16 none (the default scaler does not scale it); native,
+    under DNNL_MAX_CPU_ISA=AVX2 (any host), says it needs bfloat16 kernels."""
+    out = tmp_path / "head.json"
+    env = {**os.environ, "PYTHONPATH": ROOT, "DNNL_MAX_CPU_ISA": "AVX2"}
+    r = _run("module_head.py", "--rounds", "1", "--warmup", "0", "--steps", "1", "--json", str(out), env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {row["mode"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows["fp32"]["ms"] > 0 and rows["fp32"]["vs_fp32"] == 1.0 and rows["fp32"]["identity"] is None
+    assert rows["float16"]["identity"] == "elemwise_mul" and rows["bfloat16"]["identity"] is None
+    assert all(rows[m]["vs_fp32"] > 0 for m in ("float16", "bfloat16"))
+    assert rows["native"]["skipped"].startswith("not measurable here: needs bfloat16 kernels")
+    assert "| native | not measurable here" in r.stdout
+
+
+def test_module_head_bad_flags():
+    r = _run("module_head.py", "--modes", "fp32,fp8")
+    assert r.returncode == 2 and "fp8 not among fp32, float16, bfloat16, native" in r.stderr
