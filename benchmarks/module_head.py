@@ -10,8 +10,10 @@ an identity in the bound graph (docs/training.md); what it costs shows on a head
 Modes: ``fp32`` (plain MXNet), ``float16``/``bfloat16`` (``init(dtype, emulate=True)``: the
 scaler's default), ``native`` (``init('bfloat16')``: needs bfloat16 kernels, else reported as not
 measurable here). Each (mode, round) runs in a process of its own, the modes back to back each
-round; the median step time over rounds and its ratio to FP32's are reported, with whether the
-bound graph holds the scaled identity and the op it multiplies by.
+round; each process times 5 blocks of ``--steps`` steps queued as a training loop queues them
+(``waitall`` at a block's ends only) and gives its median block's time per step; the median over
+rounds and its ratio to FP32's are reported, with whether the bound graph holds the scaled
+identity and the op it multiplies by.
 """
 from __future__ import annotations
 
@@ -27,10 +29,12 @@ from typing import Any, Dict, List, Optional
 
 MODES = ("fp32", "float16", "bfloat16", "native")
 BATCH, HIDDEN, CLASSES = 128, 100, 10000
+BLOCKS = 5  # timed blocks of --steps steps per process: the median block is the process's figure
 
 
 def child(mode: str, warmup: int, steps: int) -> Dict[str, Any]:
-    """One process: build, bind, train ``warmup`` + ``steps`` steps; the timed steps' median."""
+    """One process: build, bind, train ``warmup`` steps, then :data:`BLOCKS` blocks of ``steps``
+    steps; the median block's time per step."""
     warnings.simplefilter("ignore")
     import numpy as np
     import mxnet as mx
@@ -48,15 +52,18 @@ def child(mode: str, warmup: int, steps: int) -> Dict[str, Any]:
     mod.init_optimizer(optimizer="sgd", optimizer_params={"learning_rate": 0.03, "momentum": 0.9})
     rng = np.random.RandomState(0)
     batch = mx.io.DataBatch([mx.nd.array(rng.rand(BATCH, HIDDEN))], [mx.nd.array(rng.randint(0, CLASSES, BATCH))])
-    times = []
-    for k in range(warmup + steps):
-        mx.nd.waitall()
-        start = time.perf_counter()
+    for _ in range(warmup):
         mod.forward_backward(batch)
         mod.update()
+    times = []
+    for _ in range(BLOCKS):  # steps queued as a training loop queues them; a block's mean per step
         mx.nd.waitall()
-        if k >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
+        start = time.perf_counter()
+        for _ in range(steps):
+            mod.forward_backward(batch)
+            mod.update()
+        mx.nd.waitall()
+        times.append((time.perf_counter() - start) * 1e3 / steps)
     nodes = json.loads(mod._exec_group.execs[0]._symbol.tojson())["nodes"]
     scale = [n["op"] for n in nodes if n["name"] == "softmax_amp_scale_mul"]
     return {"mode": mode, "ms": statistics.median(times), "identity": scale[0] if scale else None}
@@ -112,7 +119,7 @@ def main(argv: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma separated, from {', '.join(MODES)}")
     p.add_argument("--rounds", type=int, default=3, help="processes per mode, modes back to back")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps")
-    p.add_argument("--steps", type=int, default=30, help="timed steps")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per block (5 blocks a process)")
     p.add_argument("--json", metavar="PATH", help="also write the JSON document here")
     p.add_argument("--child", metavar="MODE", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

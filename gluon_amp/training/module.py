@@ -168,11 +168,11 @@ def _in_graph(scaler: Optional[LossScaler], dtype: str, grad_req: Any) -> bool:
     identity before each loss head). A float16 graph does: its gradients need the scale on
     their way through it. So does one whose gradients accumulate (``grad_req='add'``), or whose
     scaler, known at bind, scales ``dtype``. Elsewhere (the default scaler on a bfloat16 or
-    float32 graph) the identity would only cost time: on a CPU MXNet's backward of its
-    ``broadcast_mul`` runs as a generic reduction, 20 ms a step on a 128 x 10,000 softmax head,
-    doubling toy_softmax.py's step. Should such a step be scaled after all (a scaler attached
-    or changed after bind), its gradients are multiplied after the backward pass
-    (:func:`_scale_after`): a power of two, exact in the float32 range those graphs have."""
+    float32 graph) the identity would only cost time (toy_softmax.py's emulated bfloat16 step:
+    1.8x FP32's with it, 1.1-1.3x without; benchmarks/module_head.py). Should such a step be
+    scaled after all (a scaler attached or changed after bind), its gradients are multiplied
+    after the backward pass (:func:`_scale_after`): a power of two, exact in the float32 range
+    those graphs have."""
     reqs = grad_req.values() if isinstance(grad_req, dict) else [grad_req] if isinstance(grad_req, str) else grad_req
     return (dtype == "float16" or "add" in list(reqs or ())
             or (scaler if scaler is not None else LossScaler.where_needed()).scales(dtype))
