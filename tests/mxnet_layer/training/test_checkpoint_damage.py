@@ -244,6 +244,7 @@ with autograd.record():
     loss = net(mx.nd.ones((2, 512))).mean()
 loss.backward()
 tr.step(2)
+gluon_amp.save_states(tr, sys.argv[1])  # one whole save first: a kill in the next must leave it
 print("ready", flush=True)
 while True:
     gluon_amp.save_states(tr, sys.argv[1])
