@@ -566,11 +566,14 @@ def _bound_args(mod):
     return set(mod._exec_group.execs[0].arg_dict)
 
 
-@pytest.mark.parametrize("dtype,inside", [("bfloat16", False), ("float16", True)])
-def test_the_scaled_identity_is_bound_only_where_a_step_can_be_scaled(dtype, inside):
-    """Under init's default scaler (float16 steps only), a bfloat16 graph is bound as the
-    user's (the identity's broadcast backward doubled toy_softmax.py's step); float16 takes it."""
-    amp.init(target_dtype=dtype, emulate=True)
+@pytest.mark.parametrize("dtype,inside,emulate", [
+    ("bfloat16", False, True), ("float16", True, True),
+    pytest.param("bfloat16", False, False, marks=pytest.mark.simulated_native, id="bfloat16-native-simulated")])
+def test_the_scaled_identity_is_bound_only_where_a_step_can_be_scaled(dtype, inside, emulate):
+    """Under init's default scaler (float16 steps only), a bfloat16 graph, emulated or native,
+    is bound as the user's (the identity's broadcast backward doubled toy_softmax.py's step);
+    float16 takes it."""
+    amp.init(target_dtype=dtype, emulate=emulate)
     try:
         mod = module(mlp())
         assert amp.get_scaler(mod).scales(dtype) is inside
