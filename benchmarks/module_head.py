@@ -99,7 +99,9 @@ def run(modes: List[str], rounds: int, warmup: int, steps: int, timeout: float =
         ms = statistics.median(r["ms"] for r in got)
         rows.append({"mode": m, "ms": ms, "vs_fp32": (ms / base) if base else None,
                      "identity": got[0]["identity"], "rounds": [r["ms"] for r in got]})
-    return {"batch": BATCH, "classes": CLASSES, "rounds": rounds, "warmup": warmup, "steps": steps, "rows": rows}
+    from _report import host_info  # benchmarks/ is on sys.path when run as a script
+    return {"host": host_info(), "batch": BATCH, "classes": CLASSES, "rounds": rounds, "warmup": warmup,
+            "steps": steps, "rows": rows}
 
 
 def format_table(doc: Dict[str, Any]) -> str:
@@ -110,6 +112,8 @@ def format_table(doc: Dict[str, Any]) -> str:
             continue
         ratio = f"{r['vs_fp32']:.2f}x" if r["vs_fp32"] is not None else "-"
         lines.append(f"| {r['mode']} | {r['ms']:.1f} | {ratio} | {r['identity'] or 'none'} |")
+    h = doc["host"]
+    lines.append(f"host flags {' '.join(h['flags'])}, DNNL_MAX_CPU_ISA={h['DNNL_MAX_CPU_ISA']}, {h['cpus']} cpus")
     return "\n".join(lines)
 
 
@@ -135,11 +139,9 @@ def main(argv: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 0:
         p.error(f"--warmup must be 0 or more, got {args.warmup}")
+    from _report import emit
     doc = run(modes, args.rounds, args.warmup, args.steps)
-    print(format_table(doc))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+    emit(doc, format_table(doc), args.json)
     return doc
 
 

@@ -226,6 +226,7 @@ def test_module_head_times_each_mode_and_names_the_identity_it_bound(tmp_path):
     assert all(rows[m]["vs_fp32"] > 0 for m in ("float16", "bfloat16"))
     assert rows["native"]["skipped"].startswith("not measurable here: needs bfloat16 kernels")
     assert "| native | not measurable here" in r.stdout
+    assert "host flags" in r.stdout and "DNNL_MAX_CPU_ISA=AVX2" in r.stdout
 
 
 def test_module_head_bad_flags():
