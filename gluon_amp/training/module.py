@@ -235,17 +235,27 @@ def _wrap_bind(original: Callable) -> Callable:
             result = original(self, *args, **kwargs)
         record.bound_scaled, record.heads, record.dtype = True, heads, dtype
         record.scale_arg = SCALE_ARG if inside else None
+        record.scale_in_forward = inside and _reads_scale_in_forward(symbol)
+        record.forward_scale = None
         if record.scale_arg is not None:
-            _write_scale(self, record.scale_arg, 1.0)  # MXNet leaves a new argument uninitialised
+            _write_scale(self, record, 1.0)  # MXNet leaves a new argument uninitialised
         return result
     return bind
 
 
-def _write_scale(module: Module, name: str, value: float) -> None:
+def _reads_scale_in_forward(symbol: mx.sym.Symbol) -> bool:
+    """Whether a loss head's identity in ``symbol`` broadcasts the scale in the forward pass
+    (:func:`gluon_amp_core.loss_heads.scale_loss_heads`' elementwise form)."""
+    return any(n["op"] == "broadcast_like" and n["name"].endswith("_amp_scale_like")
+               for n in json.loads(symbol.tojson())["nodes"])
+
+
+def _write_scale(module: Module, record: state.ModuleRecord, value: float) -> None:
     for ex in mxm.module_executors(module):
-        arr = ex.arg_dict.get(name)
+        arr = ex.arg_dict.get(record.scale_arg)
         if arr is not None:
             arr[:] = value
+    record.arg_value = value
 
 
 def _scale_after(module: Module, scale: float) -> None:
@@ -263,7 +273,10 @@ def _wrap_forward(original: Callable) -> Callable:
         if (record is not None and record.scale_arg is not None and record.hook is not None
                 and (is_train if is_train is not None else self.for_training)):
             # the identity broadcasts the scale in the forward pass: it holds the step's now
-            _write_scale(self, record.scale_arg, record.hook.decide(record.dtype))
+            _write_scale(self, record, record.hook.decide(record.dtype))
+        if record is not None and record.scale_arg is not None and (
+                is_train if is_train is not None else self.for_training):
+            record.forward_scale = record.arg_value
         return original(self, data_batch, is_train)
     return forward
 
@@ -274,9 +287,13 @@ def _wrap_backward(original: Callable) -> Callable:
         if record is None or not record.bound_scaled:
             return original(self, out_grads)
         hook = record.hook
+        if (hook is not None and hook._step is None and record.scale_in_forward
+                and record.forward_scale is not None):
+            # attached after this step's forward pass: its gradients carry what that pass read
+            hook._step = (record.dtype, record.forward_scale)
         scale = hook.decide(record.dtype) if hook is not None else 1.0
         if record.scale_arg is not None:
-            _write_scale(self, record.scale_arg, scale)  # also where no hook: the argument must hold 1
+            _write_scale(self, record, scale)  # also where no hook: the argument must hold 1
         elif scale != 1.0 and record.heads:  # scaled after all, without the identity: after the pass
             result = original(self, out_grads)
             _scale_after(self, scale)
@@ -414,7 +431,7 @@ def _on_disable() -> None:
             if record.hook is not None and record.hook.auto:
                 record.hook = None  # init's default scaler goes with init; explicit ones stay
             if record.hook is None and record.scale_arg is not None:
-                _write_scale(module, record.scale_arg, 1.0)  # unpatched backward: gradients as MXNet's
+                _write_scale(module, record, 1.0)  # unpatched backward: gradients as MXNet's
     _release("init")
 
 

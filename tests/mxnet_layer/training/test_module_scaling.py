@@ -634,3 +634,39 @@ def test_the_identity_multiplies_elementwise_on_cpus_only(cpu, op):
                                            LossScaler.static(8.0), cpu=cpu)
     ops = {n["name"]: n["op"] for n in json.loads(sym.tojson())["nodes"]}
     assert inside and heads == ["softmax"] and ops["softmax_amp_scale_mul"] == op
+
+
+@pytest.mark.parametrize("attach", ["before_forward", "between_forward_and_backward"])
+def test_a_scaler_attached_after_the_forward_pass_scales_the_step_by_what_it_carries(attach):
+    """On CPUs the identity broadcasts the scale in the forward pass. A scaler attached after a
+    step's forward and before its backward (``init_trainer`` there) must not divide that step's
+    gradients by a scale they never carried: the step counts as carrying what its forward pass
+    read, and its update equals an unscaled twin's. Static 256 on an emulated bfloat16 graph
+    that accumulates (``grad_req='add'``, so the identity is bound): powers of two are exact."""
+    x, y = data(1)
+    (b,) = batches(x, y)
+    runs = []
+    for scaler in (None, LossScaler.static(256.0)):
+        amp.init(target_dtype="bfloat16", emulate=True)
+        try:
+            mod = mx.mod.Module(mlp(), context=mx.cpu())
+            mod.bind([("data", (BATCH, 10))], [("softmax_label", (BATCH,))], grad_req="add")
+            mx.random.seed(1)
+            mod.init_params(mx.init.Xavier())
+            mod.init_optimizer(optimizer="sgd", optimizer_params={"learning_rate": 0.05, "momentum": 0.9})
+            assert "gluon_amp_loss_scale" in _bound_args(mod)
+            if scaler is not None and attach == "before_forward":
+                amp.init_trainer(mod, scaler)
+            mod.forward(b, is_train=True)
+            if scaler is not None and attach != "before_forward":
+                amp.init_trainer(mod, scaler)
+            mod.backward()
+            mod.update()
+            runs.append(params(mod))
+            if scaler is not None:
+                assert amp.get_scaler(mod).total_steps == 1 and not amp.get_scaler(mod).last_step_skipped
+        finally:
+            amp.disable()
+    plain, scaled = runs
+    for k in plain:
+        np.testing.assert_array_equal(plain[k], scaled[k], err_msg=k)
