@@ -220,6 +220,9 @@ class ModuleRecord:
     forward_scale : float or None
         What it held at the last training forward pass (what that step's gradients carry
         where ``scale_in_forward``).
+    mixed : bool
+        Its gradients are mixed with another module's (an SVRGModule or its auxiliary module):
+        never loss-scaled, since one scale cannot be divided out of the mix.
     """
 
     hook: Optional[Any] = None
@@ -230,6 +233,7 @@ class ModuleRecord:
     scale_in_forward: bool = False
     arg_value: float = 1.0
     forward_scale: Optional[float] = None
+    mixed: bool = False
 
 
 @dataclass

@@ -126,6 +126,21 @@ def module_input_grads(module: Module) -> List[mx.nd.NDArray]:
     return [g for per_ctx in (group.input_grad_arrays or []) for g in per_ctx if g is not None]
 
 
+# 1.9.1 ``mxnet.contrib.svrg_optimization.svrg_module.SVRGModule`` (a Module) keeps a second
+# Module in ``_mod_aux``, binds it with itself, and mixes its gradients (per batch, and averaged
+# over the data at the epoch's start) into its own before each update.
+
+def auxiliary_modules(module: Any) -> List[Module]:
+    """The modules whose gradients ``module``'s update mixes into its own (an SVRGModule's
+    ``_mod_aux``); ``[]`` for any other module."""
+    try:
+        from mxnet.contrib.svrg_optimization.svrg_module import SVRGModule
+    except ImportError:  # pragma: no cover - part of every 1.9.1 wheel
+        return []
+    aux = getattr(module, "_mod_aux", None) if isinstance(module, SVRGModule) else None
+    return [aux] if isinstance(aux, Module) else []
+
+
 def module_optimizer(module: Module) -> Any:
     return module._optimizer
 

@@ -179,14 +179,16 @@ def _in_graph(scaler: Optional[LossScaler], dtype: str, grad_req: Any) -> bool:
 
 
 def _scaled_symbol(symbol: mx.sym.Symbol, descs: Any, scaler: Optional[LossScaler] = None,
-                   grad_req: Any = "write", cpu: bool = True) -> Tuple[mx.sym.Symbol, List[str], str, bool]:
+                   grad_req: Any = "write", cpu: bool = True,
+                   unscaled: bool = False) -> Tuple[mx.sym.Symbol, List[str], str, bool]:
     """``symbol`` with its loss heads reachable by the scale argument where :func:`_in_graph`
-    says so; the heads; the dtype; whether the identity is in it. On CPUs (``cpu``) the
-    identity multiplies elementwise where it can (:mod:`gluon_amp_core.loss_heads`: faster
-    there, for a buffer of the head input's size); elsewhere by ``broadcast_mul``."""
+    says so (never where ``unscaled``); the heads; the dtype; whether the identity is in it.
+    On CPUs (``cpu``) the identity multiplies elementwise where it can
+    (:mod:`gluon_amp_core.loss_heads`: faster there, for a buffer of the head input's size);
+    elsewhere by ``broadcast_mul``."""
     graph = json.loads(symbol.tojson(remove_amp_cast=False))
     dtype = _graph_dtype(graph, descs)
-    if not _in_graph(scaler, dtype, grad_req):
+    if unscaled or not _in_graph(scaler, dtype, grad_req):
         nodes = graph["nodes"]
         heads = [nodes[i]["name"] for i in loss_heads(graph, GRAPH_LOSS_HEADS) if nodes[i]["inputs"]]
         return symbol, heads, dtype, False
@@ -228,9 +230,11 @@ def _wrap_bind(original: Callable) -> Callable:
             return original(self, *args, **kwargs)
         descs = _descs(list(a["data_shapes"] or []) + list(a["label_shapes"] or []))
         hook = record.hook
+        for aux in mxm.auxiliary_modules(self):  # bound by this module's own bind, after it
+            record.mixed = state.module_record(aux).mixed = True
         symbol, heads, dtype, inside = _scaled_symbol(
             mxm.module_symbol(self), descs, hook.scaler if hook is not None else None, a["grad_req"],
-            cpu=all(c.device_type == "cpu" for c in mxm.module_contexts(self)))
+            cpu=all(c.device_type == "cpu" for c in mxm.module_contexts(self)), unscaled=record.mixed)
         with mxm.binding_symbol(self, symbol):
             result = original(self, *args, **kwargs)
         record.bound_scaled, record.heads, record.dtype = True, heads, dtype
@@ -340,7 +344,8 @@ def _wrap_init_optimizer(original: Callable) -> Callable:
             _refuse_dist(self, record.hook.auto)
         elif state.process.modules_auto and self.optimizer_initialized and self.binded and self.for_training:
             if _refuse_dist(self, auto=True):
-                _attach(self, ModuleHook(LossScaler.where_needed(), auto=True))
+                _attach(self, ModuleHook(_checking_only(self) if mxm.auxiliary_modules(self)
+                                         else LossScaler.where_needed(), auto=True))
         return result
     return init_optimizer
 
@@ -473,6 +478,14 @@ def init_module(module: Union[Module, BucketingModule],
     if existing is not None and not _hook_of(module).auto:
         raise RuntimeError("this Module already has a loss scaler; use gluon_amp.get_scaler(module) to read it")
     scaler = loss_scaler_from(loss_scale)
+    if mxm.auxiliary_modules(module):
+        if isinstance(loss_scale, str) and loss_scale == "dynamic":
+            scaler = _checking_only(module)
+        elif scaler.enabled and scaler.scaled_dtypes != frozenset():
+            raise ValueError(
+                f"init_trainer: {type(module).__name__} mixes the gradients of its auxiliary module (taken at "
+                f"other steps) into its own, so a loss scale cannot be divided out of them; got loss_scale="
+                f"{loss_scale!r}. Pass 'dynamic' (checks and skips inf/NaN steps, scales none) or None.")
     for mod in _modules_of(module):  # before anything is attached: a refused module is left as it was
         if mxm.module_kvstore(mod) is not None:
             _refuse_dist(mod, auto=False)
@@ -492,6 +505,18 @@ def init_module(module: Union[Module, BucketingModule],
     else:
         _attach(module, hook)
     return scaler
+
+
+def _checking_only(module: Module) -> LossScaler:
+    """The default scaler of a module that mixes another module's gradients into its own (an
+    SVRGModule): checks and skips inf/NaN steps, scales none (one scale cannot be divided out
+    of gradients taken at other steps, at other scales). Said once where it costs range."""
+    if state.module_record(module).dtype == "float16":
+        warnings.warn(
+            f"gluon_amp: {type(module).__name__} mixes the gradients of its auxiliary module into its own, "
+            "so its float16 steps are not loss-scaled (small gradients may flush to zero); they are still "
+            "checked, and skipped on inf/NaN.", RuntimeWarning, stacklevel=4)
+    return LossScaler(scaled_dtypes=())
 
 
 def _modules_of(module: Union[Module, BucketingModule]) -> List[Module]:

@@ -670,3 +670,68 @@ def test_a_scaler_attached_after_the_forward_pass_scales_the_step_by_what_it_car
     plain, scaled = runs
     for k in plain:
         np.testing.assert_array_equal(plain[k], scaled[k], err_msg=k)
+
+
+def _svrg_run(emulate, scaler=None, epochs=6, inf_batch=None):
+    """MXNet's contrib SVRGModule on a least-squares problem (its own loop: full gradients each
+    other epoch, forward_backward, update); the per-epoch MSE before each epoch's updates."""
+    from mxnet.contrib.svrg_optimization.svrg_module import SVRGModule
+    rng = np.random.RandomState(3)
+    x = rng.rand(256, 4).astype("float32")
+    y = (x @ np.array([1.5, -2.0, 0.5, 3.0], "float32") + 0.25).astype("float32")
+    if inf_batch is not None:
+        x[inf_batch * 32, 0] = np.inf
+    it = mx.io.NDArrayIter(x, y, batch_size=32, label_name="lr_label")
+    if emulate:
+        amp.init(target_dtype="float16", emulate=True)
+    try:
+        sym = mx.sym.LinearRegressionOutput(  # under init: the float16 plan
+            mx.sym.FullyConnected(mx.sym.Variable("data"), num_hidden=1, name="fc"), mx.sym.Variable("lr_label"),
+            name="lro")
+        mod = SVRGModule(sym, data_names=["data"], label_names=["lr_label"], update_freq=2)
+        mod.bind(it.provide_data, it.provide_label)
+        mx.random.seed(1)
+        mod.init_params(mx.init.Uniform(0.1))
+        mod.init_optimizer(kvstore="local", optimizer="sgd", optimizer_params={"learning_rate": 0.5})
+        if scaler is not None:
+            amp.init_trainer(mod, scaler)
+        bound = _bound_args(mod) | set(mod._mod_aux._exec_group.execs[0].arg_dict)
+        metric, costs = mx.metric.create("mse"), []
+        for epoch in range(epochs):
+            if epoch % 2 == 0:
+                mod.update_full_grads(it)
+            it.reset()
+            metric.reset()
+            for b in it:
+                mod.forward_backward(b)
+                mod.update()
+                mod.update_metric(metric, b.label)
+            costs.append(metric.get()[1])
+        scaler_now = amp.get_scaler(mod) if emulate or scaler is not None else None
+        return costs, bound, scaler_now, params(mod)
+    finally:
+        amp.disable()
+
+
+def test_an_svrg_module_mixing_its_auxiliary_gradients_is_checked_but_never_scaled():
+    """SVRGModule's update mixes its auxiliary module's gradients (per batch, and averaged over
+    the data at the epoch's start) into its own: a loss scale on one of them cannot be divided
+    out. Under emulated float16 neither module is bound with the identity, init's scaler scales
+    nothing and still checks, and training tracks FP32's (it was 1,200x FP32's MSE at the first
+    epoch when only the module's own gradients carried the scale)."""
+    fp32, _, _, _ = _svrg_run(emulate=False)
+    with pytest.warns(RuntimeWarning, match="SVRGModule mixes the gradients"):
+        costs, bound, scaler, _ = _svrg_run(emulate=True)
+    assert "gluon_amp_loss_scale" not in bound
+    assert scaler.scaled_dtypes == frozenset() and scaler.total_steps == 6 * 8
+    np.testing.assert_allclose(costs, fp32, rtol=0.05)
+    assert costs[-1] < 0.2 * costs[0]
+
+
+def test_an_svrg_module_skips_a_non_finite_step_and_refuses_a_scale():
+    """The check still runs: a batch holding inf is skipped (counted, weights finite). An
+    explicit scaler that scales is refused with the reason and what to pass."""
+    _, _, scaler, weights = _svrg_run(emulate=True, epochs=1, inf_batch=3)
+    assert scaler.skipped_steps >= 1 and all(np.isfinite(v).all() for v in weights.values())
+    with pytest.raises(ValueError, match="cannot be divided out.*'dynamic'"):
+        _svrg_run(emulate=True, scaler=LossScaler.static(8.0), epochs=1)
