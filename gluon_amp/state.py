@@ -223,6 +223,10 @@ class ModuleRecord:
     mixed : bool
         Its gradients are mixed with another module's (an SVRGModule or its auxiliary module):
         never loss-scaled, since one scale cannot be divided out of the mix.
+    input_grads : list of (NDArray, float)
+        The input gradients its last backward pass wrote (and those ``get_input_grads``
+        merged from them), with the scale they carry: given as another module's ``out_grads``
+        (a SequentialModule's stages), they are not multiplied again.
     """
 
     hook: Optional[Any] = None
@@ -234,6 +238,7 @@ class ModuleRecord:
     arg_value: float = 1.0
     forward_scale: Optional[float] = None
     mixed: bool = False
+    input_grads: List[Tuple[Any, float]] = field(default_factory=list)
 
 
 @dataclass

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import mxnet as mx
-from mxnet.module import BucketingModule, Module
+from mxnet.module import BucketingModule, Module, SequentialModule
 
 __all__ = [
     "Module", "BucketingModule", "MethodPatch", "patch_methods", "restore_methods", "binding_symbol",
@@ -188,6 +188,12 @@ def rebind(module: Module, shared_module: Optional[Module] = None) -> None:
     if module.params_initialized and module._params_dirty:
         module._sync_params_from_devices()
     module.bind(force_rebind=True, shared_module=shared_module, **bind_arguments(module))
+
+
+def sequential_modules(module: SequentialModule) -> List[Module]:
+    """The ``Module`` stages of a SequentialModule (1.9.1 ``_modules``; other BaseModules, such
+    as a ``PythonLossModule``, left out)."""
+    return [m for m in module._modules if isinstance(m, Module)]
 
 
 def bucket_modules(module: BucketingModule) -> Tuple[Any, Dict[Any, Module]]:

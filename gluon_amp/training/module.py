@@ -285,35 +285,94 @@ def _wrap_forward(original: Callable) -> Callable:
     return forward
 
 
+def _carried_by(out_grads: Any) -> Optional[float]:
+    """The scale ``out_grads`` carry where every one of them is an input gradient a scaled
+    module's backward pass wrote (a SequentialModule hands each stage the next one's); else None."""
+    grads = out_grads if isinstance(out_grads, (list, tuple)) else [out_grads]
+    scales = set()
+    for g in grads:
+        found = next((s for record in list(state.process.modules.values())
+                      for a, s in record.input_grads if a is g), None)
+        if found is None:
+            return None
+        scales.add(found)
+    return scales.pop() if len(scales) == 1 else None
+
+
+def _times(out_grads: Any, factor: float) -> Any:
+    if factor == 1.0:
+        return out_grads
+    return [g * factor for g in (out_grads if isinstance(out_grads, (list, tuple)) else [out_grads])]
+
+
 def _wrap_backward(original: Callable) -> Callable:
     def backward(self: Module, out_grads: Any = None) -> Any:
         record = _record(self)
         if record is None or not record.bound_scaled:
             return original(self, out_grads)
         hook = record.hook
-        if (hook is not None and hook._step is None and record.scale_in_forward
-                and record.forward_scale is not None):
-            # attached after this step's forward pass: its gradients carry what that pass read
-            hook._step = (record.dtype, record.forward_scale)
+        carried_in = _carried_by(out_grads) if out_grads is not None else None
+        if hook is not None and hook._step is None:
+            if record.scale_in_forward and record.forward_scale is not None:
+                # attached after this step's forward pass: its gradients carry what that pass read
+                hook._step = (record.dtype, record.forward_scale)
+            elif carried_in is not None and not record.heads:
+                # out_grads from the next stage carry its scale already: this step carries the same
+                hook._step = (record.dtype, carried_in)
         scale = hook.decide(record.dtype) if hook is not None else 1.0
         if record.scale_arg is not None:
             _write_scale(self, record, scale)  # also where no hook: the argument must hold 1
         elif scale != 1.0 and record.heads:  # scaled after all, without the identity: after the pass
-            result = original(self, out_grads)
+            result = original(self, _times(out_grads, 1.0 / carried_in) if carried_in else out_grads)
             _scale_after(self, scale)
             hook._carried = True
+            _note_input_grads(self, record, scale)
             return result
-        if out_grads is not None and scale != 1.0:
-            out_grads = [g * scale for g in (out_grads if isinstance(out_grads, (list, tuple)) else [out_grads])]
+        if out_grads is not None:
+            out_grads = _times(out_grads, scale / carried_in if carried_in else scale)
+        carried = record.scale_arg is not None or out_grads is not None
         if hook is not None:
-            carried = record.scale_arg is not None or out_grads is not None
             hook._carried = hook._carried or carried
             if not carried and scale != 1.0:
                 hook.warn_once("heads", f"gluon_amp: this Module's graph has no loss head gluon_amp can scale "
                                f"(outputs of {', '.join(GRAPH_LOSS_HEADS)}) and backward got no out_grads: its "
                                "steps are checked for inf/NaN but not scaled.")
-        return original(self, out_grads)
+        result = original(self, out_grads)
+        _note_input_grads(self, record, scale if carried else 1.0)
+        return result
     return backward
+
+
+def _note_input_grads(module: Module, record: state.ModuleRecord, scale: float) -> None:
+    record.input_grads = [(g, scale) for g in mxm.module_input_grads(module)]
+
+
+def _wrap_get_input_grads(original: Callable) -> Callable:
+    def get_input_grads(self: Module, merge_multi_context: bool = True) -> Any:
+        result = original(self, merge_multi_context)
+        record = _record(self)
+        if record is not None and record.input_grads and merge_multi_context:
+            scale = record.input_grads[0][1]  # merged copies carry what the arrays carry
+            known = {id(a) for a, _ in record.input_grads}
+            record.input_grads = record.input_grads + [(g, scale) for g in result if id(g) not in known]
+        return result
+    return get_input_grads
+
+
+def _wrap_sequential_init_optimizer(original: Callable) -> Callable:
+    def init_optimizer(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        # init's default scaler, one per stage, becomes one shared by the stages: the scale a
+        # stage's input gradients carry is the one the stage before it steps with, and an
+        # overflow anywhere moves it for all (one round per update of every stage)
+        stages = [m for m in mxm.sequential_modules(self)
+                  if (r := _record(m)) is not None and r.hook is not None and r.hook.auto]
+        if len(stages) > 1:
+            shared = LossScaler.where_needed()
+            for m in stages:
+                _attach(m, ModuleHook(shared, auto=True))
+        return result
+    return init_optimizer
 
 
 def _wrap_update(original: Callable) -> Callable:
@@ -403,11 +462,15 @@ def _patch() -> List[mxm.MethodPatch]:
     module = mxm.patch_methods(Module, {"bind": _wrap_bind, "forward": _wrap_forward, "backward": _wrap_backward,
                                         "update": _wrap_update,
                                         "init_optimizer": _wrap_init_optimizer,
-                                        "borrow_optimizer": _wrap_borrow_optimizer})
+                                        "borrow_optimizer": _wrap_borrow_optimizer,
+                                        "get_input_grads": _wrap_get_input_grads})
+    done = list(module)
     try:
-        return module + mxm.patch_methods(BucketingModule, {"bind": _wrap_bucketing_bind})
+        done += mxm.patch_methods(BucketingModule, {"bind": _wrap_bucketing_bind})
+        done += mxm.patch_methods(mxm.SequentialModule, {"init_optimizer": _wrap_sequential_init_optimizer})
+        return done
     except BaseException:  # all or nothing, as each class's patch is
-        mxm.restore_methods(module)
+        mxm.restore_methods(done)
         raise
 
 
