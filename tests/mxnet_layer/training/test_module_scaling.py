@@ -772,8 +772,9 @@ def test_a_sequential_module_stage_fed_the_next_stages_input_gradients_is_not_sc
     """The head stage's input gradients carry its scale; handed to the stage before as
     ``out_grads`` they must not be multiplied again (its update divided by one scale only: a
     first stage 65,536x off). Under init the stages share one scaler: a step skipped (the
-    first ones, at 65,536) is skipped by both (else the weights below differ). Emulated float16 weights after 20 steps within
-    2% of FP32's trained without the skipped batches (relative L2)."""
+    first ones, at 65,536) is skipped by both (else the weights below differ). Emulated
+    float16 weights after 20 steps within 2% of FP32's trained without the skipped batches
+    (relative L2)."""
     emulated, (s1, s2), skips = _sequential(emulate=True)
     assert s1 is s2 and s1.total_steps == 20 and 0 < sum(skips) < 10  # one count per round of both stages
     fp32, _, _ = _sequential(emulate=False, drop=[i for i, k in enumerate(skips) if k])
