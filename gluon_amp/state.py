@@ -213,13 +213,11 @@ class ModuleRecord:
         The loss heads scaled.
     dtype : str
         The compute dtype of its bound graph.
-    scale_in_forward : bool
-        Some loss head's identity reads the scale in the forward pass (CPUs: broadcast there).
     arg_value : float
         What the scale argument holds now.
     forward_scale : float or None
-        What it held at the last training forward pass (what that step's gradients carry
-        where ``scale_in_forward``).
+        What it held at the last training forward pass: what a step whose scaler came after
+        that pass carries.
     mixed : bool
         Its gradients are mixed with another module's (an SVRGModule or its auxiliary module):
         never loss-scaled, since one scale cannot be divided out of the mix.
@@ -234,7 +232,6 @@ class ModuleRecord:
     scale_arg: Optional[str] = None
     heads: List[str] = field(default_factory=list)
     dtype: str = "float32"
-    scale_in_forward: bool = False
     arg_value: float = 1.0
     forward_scale: Optional[float] = None
     mixed: bool = False

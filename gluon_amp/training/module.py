@@ -239,19 +239,11 @@ def _wrap_bind(original: Callable) -> Callable:
             result = original(self, *args, **kwargs)
         record.bound_scaled, record.heads, record.dtype = True, heads, dtype
         record.scale_arg = SCALE_ARG if inside else None
-        record.scale_in_forward = inside and _reads_scale_in_forward(symbol)
         record.forward_scale = None
         if record.scale_arg is not None:
             _write_scale(self, record, 1.0)  # MXNet leaves a new argument uninitialised
         return result
     return bind
-
-
-def _reads_scale_in_forward(symbol: mx.sym.Symbol) -> bool:
-    """Whether a loss head's identity in ``symbol`` broadcasts the scale in the forward pass
-    (:func:`gluon_amp_core.loss_heads.scale_loss_heads`' elementwise form)."""
-    return any(n["op"] == "broadcast_like" and n["name"].endswith("_amp_scale_like")
-               for n in json.loads(symbol.tojson())["nodes"])
 
 
 def _write_scale(module: Module, record: state.ModuleRecord, value: float) -> None:
@@ -274,12 +266,11 @@ def _scale_after(module: Module, scale: float) -> None:
 def _wrap_forward(original: Callable) -> Callable:
     def forward(self: Module, data_batch: Any, is_train: Optional[bool] = None) -> Any:
         record = _record(self)
-        if (record is not None and record.scale_arg is not None and record.hook is not None
-                and (is_train if is_train is not None else self.for_training)):
-            # the identity broadcasts the scale in the forward pass: it holds the step's now
-            _write_scale(self, record, record.hook.decide(record.dtype))
         if record is not None and record.scale_arg is not None and (
                 is_train if is_train is not None else self.for_training):
+            if record.hook is not None:
+                # on CPUs the identity broadcasts the scale in the forward pass: it holds the step's now
+                _write_scale(self, record, record.hook.decide(record.dtype))
             record.forward_scale = record.arg_value
         return original(self, data_batch, is_train)
     return forward
@@ -313,8 +304,9 @@ def _wrap_backward(original: Callable) -> Callable:
         hook = record.hook
         carried_in = _carried_by(out_grads) if out_grads is not None else None
         if hook is not None and hook._step is None:
-            if record.scale_in_forward and record.forward_scale is not None:
+            if record.scale_arg is not None and record.forward_scale is not None:
                 # attached after this step's forward pass: its gradients carry what that pass read
+                # (on CPUs the identity broadcast it then; elsewhere the backward reads the same)
                 hook._step = (record.dtype, record.forward_scale)
             elif carried_in is not None and not record.heads:
                 # out_grads from the next stage carry its scale already: this step carries the same
