@@ -177,3 +177,63 @@ def updaters_snapshot(trainer: Trainer) -> List[Any]:
 def restore_updaters(trainer: Trainer, snapshot: List[Any]) -> None:
     for u, states, synced in snapshot:
         vars(u).update(states=states, states_synced=synced)
+
+
+# -- a step that updates before its verdict (training/early_update.py) --------------------
+# 1.9.1 ``Optimizer._update_count`` raises ``num_update`` and the per-device dicts of
+# ``_all_index_update_counts`` (``_index_update_count`` points at the current device's one);
+# the optimizers in UNDOABLE keep no other Python-side state between updates (Nadam's
+# ``m_schedule``, SGLD's random draws and LBSGD's/DCASGD's extra state do). ``Updater``
+# creates a state on an index's first update and moves it to the weight's context where
+# ``states_synced`` is False; ``Trainer._update`` clears ``_fresh_grad`` of each array it
+# updates. If any of this changes, the early-update tests fail.
+
+#: MXNet's optimizer classes (exact types) whose update an early step can undo
+UNDOABLE = ("SGD", "Signum", "FTML", "NAG", "Adam", "AdaGrad", "RMSProp", "AdaDelta", "Ftrl", "Adamax",
+            "LAMB")
+
+
+def undoable_optimizer(opt: Any) -> bool:
+    return type(opt).__module__ == mx.optimizer.optimizer.__name__ and type(opt).__name__ in UNDOABLE
+
+
+def plain_updaters(trainer: Trainer) -> bool:
+    """Every updater of ``trainer`` is MXNet's own ``Updater`` (not a subclass or a stand-in)."""
+    return all(type(u) is mx.optimizer.Updater for u in trainer._updaters)
+
+
+def ready_states(updater: Any, indices: Sequence[int]) -> Optional[List[Any]]:
+    """The states of ``indices``, each already on its weight's context; None if any index
+    has none yet or will be moved by its next update (that update would replace it)."""
+    states, synced = updater.states, updater.states_synced
+    if any(i not in states or not synced.get(i, False) for i in indices):
+        return None
+    return [states[i] for i in indices]
+
+
+def optimizer_counters(opt: Any) -> Any:
+    """The optimizer's update counts, to put back with :func:`set_optimizer_counters`."""
+    return opt.num_update, {dev: dict(counts) for dev, counts in opt._all_index_update_counts.items()}
+
+
+def set_optimizer_counters(opt: Any, counters: Any) -> None:
+    num_update, per_device = counters
+    for dev, counts in per_device.items():
+        live = opt._all_index_update_counts.setdefault(dev, {})
+        live.clear()  # in place: _index_update_count points at one of them
+        live.update(counts)
+    opt.num_update = num_update
+
+
+def fresh_grad(array: mx.nd.NDArray) -> bool:
+    """Whether a backward wrote ``array``'s gradient since its last update (1.9.1 ``_fresh_grad``)."""
+    return bool(array._fresh_grad)
+
+
+def set_fresh_grad(array: mx.nd.NDArray, value: bool) -> None:
+    array._fresh_grad = value
+
+
+def trainer_update_method() -> Callable[..., None]:
+    """``Trainer._update`` as the class has it now (MXNet's own unless patched)."""
+    return Trainer.__dict__["_update"]

@@ -29,7 +29,7 @@ from gluon_amp_core.dtypes import dtype_name
 from gluon_amp_core.loss_scale import LossScaler, Stage, loss_scaler_from
 
 from .. import state
-from . import checkpoint, distributed, overflow
+from . import checkpoint, distributed, early_update, overflow
 from . import module as module_scaling
 from .. import mxnet_internals as mxi
 
@@ -53,6 +53,11 @@ class _Hook:
         self._decided: Optional[Tuple[str, float, int]] = None
         #: state.policy_serial() when the last step ended: the policies since are this step's
         self._since = state.policy_serial()
+        #: set by the patched ``Trainer._update`` around MXNet's: the step may update before its verdict
+        self._armed = False
+        #: a step updated before its verdict: (its undo, dtype, scaled, the count before it, params)
+        self._early: Optional[Tuple[early_update.Early, str, bool, int, Sequence[Any]]] = None
+        self._plans: Dict[str, Any] = {}
         scaler.attach(self)
 
     @property
@@ -178,7 +183,11 @@ class _Hook:
             trainer = self._trainer()
             step = self._step
             dtype = step[0] if step is not None else self._compute_dtype()
-            finite = True if not self.scaler.enabled else overflow.all_finite(params)
+            armed, self._armed = self._armed, False
+            early = None
+            if self.scaler.enabled and armed and trainer is not None:
+                early = early_update.begin(trainer, params, self._plans)
+            finite = True if not self.scaler.enabled or early is not None else overflow.all_finite(params)
             if trainer is not None:
                 finite = distributed.agree_finite(trainer, self.scaler, finite)
                 divisor = step[1] if step is not None and self.scaler.stage(self) is not Stage.UNSCALED else 1.0
@@ -187,12 +196,44 @@ class _Hook:
                 mxi.set_grad_scale(trainer, self.original_scale)  # unscaled unless scale_loss runs again
             self._since = state.policy_serial()
             scaled = self.scaler.scales(dtype)
+            if early is not None:  # the verdict comes after the update (finish_early)
+                self._early = (early, dtype, scaled, steps, params)
+                return False
             return self.scaler.record_step(self, finite, scaled=scaled) and self._skipped(dtype, params)
         except BaseException:
             # a shared round does not wait for a step that never counted (steps unset: it stopped
             # at the first line)
             self.scaler.abandon(self, locals().get("steps"))
             raise
+
+    def finish_early(self) -> None:
+        """After MXNet's updates of a step that did not wait for its verdict: read it, undo a
+        skipped step's update, and record the step (:mod:`.early_update`)."""
+        pending = self._early
+        if pending is None:
+            return
+        early, dtype, scaled, _, params = pending
+        finite = early.finite()
+        if not finite:
+            early.undo()
+        skip = self.scaler.record_step(self, finite, scaled=scaled)  # the commit
+        self._early = None
+        if skip:
+            self._skipped(dtype, params)
+
+    def abort_step(self, steps: Optional[int]) -> None:
+        """The step raised (a Ctrl-C included) in ``Trainer._update``, its count ``steps``
+        when it began (None: before it read it). If it was not recorded, it did not happen: an
+        update dispatched before its verdict is undone, and the round does not wait for it.
+        A recorded step stays as recorded."""
+        self._armed = False
+        pending = self._early
+        if pending is not None:
+            early, _, _, steps, _ = pending
+            if self.scaler.steps_of(self) == steps:
+                early.undo()
+            self._early = None
+        self.scaler.abandon(self, steps)
 
     def _skipped(self, dtype: str, params: Sequence[mx.gluon.Parameter]) -> bool:
         """A step was skipped (and recorded): say why once, stop a collapsed run; True."""
@@ -284,9 +325,43 @@ def init_trainer(trainer: Union[Trainer, "mx.mod.BaseModule", None] = None,
     if on_kvstore is None:
         mxi.force_update_on_worker(trainer)
     hook = _Hook(trainer, scaler)
+    _update_patch.hold("trainers")
     mxi.set_step_hook(trainer, hook)
     state.register_scaler(hook)  # loss-output ops read the scale the step will use from it
     return scaler
+
+
+def _wrap_update(original: Any) -> Any:
+    def _update(self: Trainer, ignore_stale_grad: bool = False) -> None:
+        try:  # first: a Ctrl-C at any line after it is answered by _abort_update
+            hook = mxi.get_step_hook(self)
+            if not isinstance(hook, _Hook):
+                return original(self, ignore_stale_grad)
+            steps = hook.scaler.steps_of(hook)
+            hook._armed = True
+            original(self, ignore_stale_grad)
+            hook._armed = False
+            hook.finish_early()
+        except BaseException:
+            _abort_update(self, locals().get("steps"))
+            raise
+
+    _update.__wrapped__ = original
+    return _update
+
+
+def _abort_update(trainer: Trainer, steps: Optional[int]) -> None:
+    hook = mxi.get_step_hook(trainer)
+    if isinstance(hook, _Hook):
+        hook.abort_step(steps)
+
+
+#: ``Trainer._update`` wrapped while a trainer has a scaler (released by ``state.reset``): it
+#: arms the step hook to update before its verdict, and reads that verdict after the update
+_update_patch = state.Held(lambda: mxi.module.patch_methods(Trainer, {"_update": _wrap_update}),
+                           mxi.module.restore_methods)
+state.register_extension(state.Extension(lambda policy: None, lambda: None,
+                                         lambda: _update_patch.release("trainers")))
 
 
 def _hook_of(trainer: Trainer, caller: str) -> _Hook:

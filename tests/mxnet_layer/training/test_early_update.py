@@ -1,0 +1,319 @@
+"""A step that dispatches its update before its overflow verdict (training/early_update.py).
+
+Generated over MXNet's optimizers, dtypes and the steps a run meets (finite, inf, NaN,
+huge finite values, a first step that makes the states): a run whose steps update early
+ends bit for bit where the same run ends when every step waits for its verdict: weights,
+optimizer states, update counts, fresh-gradient flags and the scaler. Where the undo
+would not be exact (an optimizer with other Python-side state, a kvstore, sparse
+gradients, too much to copy) the step waits; a step that raises anywhere in MXNet's
+update leaves nothing behind.
+"""
+import warnings
+
+import numpy as np
+import mxnet as mx
+import pytest
+from mxnet import autograd, gluon
+from mxnet.gluon import nn
+
+import gluon_amp
+from gluon_amp import LossScaler
+from gluon_amp import mxnet_internals as mxi
+from gluon_amp.training import early_update
+
+pytestmark = pytest.mark.filterwarnings("ignore:gluon_amp. a training step was skipped:RuntimeWarning")
+
+#: what each generated run's batches hold: finite values, an inf, a NaN, values whose sum
+#: of squares overflows float32 while every gradient stays finite
+BATCHES = ("finite", "finite", "inf", "finite", "nan", "huge", "finite", "inf", "finite")
+OPTIMIZERS = {
+    "sgd": {"learning_rate": 0.05, "momentum": 0.9, "wd": 1e-3},
+    "sgd-plain": {"learning_rate": 0.05},
+    "nag": {"learning_rate": 0.05, "momentum": 0.9},
+    "adam": {"learning_rate": 0.01},
+    "adagrad": {"learning_rate": 0.05},
+    "rmsprop": {"learning_rate": 0.01, "centered": True},
+    "adadelta": {},
+    "ftrl": {"learning_rate": 0.05},
+    "adamax": {"learning_rate": 0.01},
+    "ftml": {"learning_rate": 0.01},
+    "signum": {"learning_rate": 0.01, "momentum": 0.9},
+    "lamb": {"learning_rate": 0.01},
+}
+
+
+class _Spy:
+    """Counts the steps that updated early and those that waited."""
+
+    def __init__(self, monkeypatch):
+        self.early = self.waited = 0
+        real = early_update.begin
+
+        def begin(*args):
+            out = real(*args)
+            if out is None:
+                self.waited += 1
+            else:
+                self.early += 1
+            return out
+
+        monkeypatch.setattr(early_update, "begin", begin)
+
+
+class _Elementwise(nn.HybridBlock):
+    """float16 weights on a CPU, whose float16 GEMMs do not exist: elementwise ops only."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = self.params.get("w", shape=(6,))
+        self.b = self.params.get("b", shape=(6,))
+
+    def hybrid_forward(self, F, x, w, b):
+        return F.tanh(F.broadcast_add(F.broadcast_mul(x, w), b))
+
+
+def _batch(kind, rng, dtype):
+    x = rng.randn(4, 6).astype("float32")
+    if kind == "inf":
+        x[1, 2] = np.inf
+    elif kind == "nan":
+        x[0, 0] = np.nan
+    elif kind == "huge":
+        x *= 1e18  # squares overflow float32; the values and gradients do not
+    return mx.nd.array(x, dtype=dtype)
+
+
+def _run(optimizer, early, dtype="float32", batches=BATCHES, scaler="dynamic", monkeypatch=None):
+    """Train on ``batches``; early updates allowed or not. Everything a step may change."""
+    if not early:
+        monkeypatch.setattr(early_update, "MAX_BYTES", -1)
+    mx.random.seed(0)
+    rng = np.random.RandomState(0)
+    net = _Elementwise() if dtype == "float16" else nn.HybridSequential()
+    if dtype != "float16":
+        net.add(nn.Dense(5, in_units=6, activation="tanh"), nn.Dense(2, in_units=5))
+    net.initialize(mx.init.Xavier() if dtype != "float16" else mx.init.Uniform(1.0))
+    net.cast(dtype)
+    params = dict(OPTIMIZERS[optimizer])
+    name = optimizer.split("-")[0]
+    if dtype == "float16":
+        params["multi_precision"] = True
+    trainer = gluon.Trainer(net.collect_params(), name, params, update_on_kvstore=False)
+    scaler = gluon_amp.init_trainer(trainer, scaler)
+    for kind in batches:
+        x = _batch(kind, rng, dtype)
+        with autograd.record():
+            loss = (net(x).astype("float32") ** 2).mean()
+            with gluon_amp.scale_loss(loss, trainer) as scaled:
+                scaled.backward()
+        trainer.step(4)
+    monkeypatch.undo()
+    states = []
+    for index, state in sorted(trainer._updaters[0].states.items()):
+        leaves = []
+        early_update._leaves(state, leaves)
+        states += [a.asnumpy() for a in leaves]
+    opt = trainer._optimizer
+    return {
+        "weights": [p.data().asnumpy() for p in net.collect_params().values()],
+        "states": states,
+        "counts": mxi.optimizer_counters(opt),
+        "fresh": [mxi.fresh_grad(p.data()) for p in net.collect_params().values()],
+        "scaler": scaler.state_dict(),
+    }
+
+
+def _same(a, b):
+    assert a["scaler"] == b["scaler"]
+    assert a["counts"] == b["counts"]
+    assert a["fresh"] == b["fresh"]
+    assert len(a["weights"]) == len(b["weights"]) and len(a["states"]) == len(b["states"])
+    for x, y in zip(a["weights"] + a["states"], b["weights"] + b["states"]):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_an_early_run_ends_bit_for_bit_where_a_waiting_run_ends(optimizer, monkeypatch):
+    spy = _Spy(monkeypatch)
+    early = _run(optimizer, True, monkeypatch=monkeypatch)
+    assert spy.early == len(BATCHES) - 1 and spy.waited == 1  # the first step makes the states
+    spy = _Spy(monkeypatch)
+    waiting = _run(optimizer, False, monkeypatch=monkeypatch)
+    assert spy.early == 0
+    _same(early, waiting)
+    assert early["scaler"]["skipped_steps"] == 3  # inf, nan, inf; the huge batch updates
+    assert all(np.isfinite(w).all() for w in early["weights"] + early["states"])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("scaler", ["dynamic", "static"])
+def test_float16_weights_with_master_copies_and_a_scaled_loss_update_early_alike(optimizer, scaler, monkeypatch):
+    """float16 gradients are not summed: they take the value-by-value check."""
+    chosen = LossScaler(init_scale=2.0 ** 12, growth_interval=2) if scaler == "dynamic" else 128.0
+    spy = _Spy(monkeypatch)
+    early = _run(optimizer, True, dtype="float16", scaler=chosen, monkeypatch=monkeypatch)
+    assert spy.early == len(BATCHES) - 1
+    chosen = LossScaler(init_scale=2.0 ** 12, growth_interval=2) if scaler == "dynamic" else 128.0
+    waiting = _run(optimizer, False, dtype="float16", scaler=chosen, monkeypatch=monkeypatch)
+    _same(early, waiting)
+
+
+@pytest.mark.parametrize("case", ["nadam", "too-big", "kvstore", "sparse", "first-step"])
+def test_where_an_update_cannot_be_undone_exactly_the_step_waits_for_its_verdict(case, monkeypatch):
+    spy = _Spy(monkeypatch)
+    if case == "too-big":
+        monkeypatch.setattr(early_update, "MAX_BYTES", 100)
+    mx.random.seed(0)
+    if case == "sparse":
+        net = nn.Embedding(10, 4, sparse_grad=True)
+        x = mx.nd.array([[1, 2], [3, 4]])
+    else:
+        net = nn.Dense(3, in_units=4)
+        x = mx.nd.ones((2, 4))
+    net.initialize()
+    ctx = [mx.cpu(0), mx.cpu(1)] if case == "kvstore" else [mx.cpu(0)]
+    if case == "kvstore":
+        net.collect_params().reset_ctx(ctx)
+    trainer = gluon.Trainer(net.collect_params(), "nadam" if case == "nadam" else "sgd",
+                            {"learning_rate": 0.1, "momentum": 0.9} if case != "nadam" else {"learning_rate": 0.1},
+                            kvstore="device" if case == "kvstore" else None, update_on_kvstore=False)
+    gluon_amp.init_trainer(trainer)
+    steps = 1 if case == "first-step" else 3
+    for i in range(steps):
+        losses = []
+        with autograd.record():
+            for c in ctx:
+                out = net(x.as_in_context(c))
+                losses.append((out * (np.inf if i == steps - 1 else 1)).sum())
+        with gluon_amp.scale_loss(losses, trainer) as scaled:
+            autograd.backward(scaled)
+        before = [p.data().asnumpy() for p in net.collect_params().values()]
+        trainer.step(2)
+    assert spy.early == 0 and spy.waited == steps
+    assert gluon_amp.get_scaler(trainer).skipped_steps == 1
+    for a, p in zip(before, net.collect_params().values()):
+        np.testing.assert_array_equal(a, p.data().asnumpy())  # the last, inf, step was skipped
+
+
+@pytest.mark.parametrize("fault", [KeyboardInterrupt, ValueError])
+@pytest.mark.parametrize("at_update", [1, 2])
+def test_a_step_that_raises_inside_mxnets_update_leaves_nothing_behind(fault, at_update, monkeypatch):
+    """MXNet's own code is not gluon_amp's: a fault there, after the early dispatch (in the
+    second of two aggregated updates, or the first), undoes the updates already made."""
+    monkeypatch.setenv("MXNET_OPTIMIZER_AGGREGATION_SIZE", "1")  # one update call per parameter
+    mx.random.seed(0)
+    net = nn.HybridSequential()
+    net.add(nn.Dense(4, in_units=3), nn.Dense(2, in_units=4))
+    net.initialize(mx.init.Xavier())
+    trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 0.1}, update_on_kvstore=False)
+    scaler = gluon_amp.init_trainer(trainer)
+    x = mx.nd.ones((2, 3))
+
+    def step():
+        with autograd.record():
+            loss = net(x).sum()
+            with gluon_amp.scale_loss(loss, trainer) as s:
+                s.backward()
+        trainer.step(2)
+
+    step()
+    step()
+    opt = trainer._optimizer
+    real, calls = type(opt).update_multi_precision, []
+
+    def failing(self, index, weight, grad, state):
+        calls.append(index)
+        if len(calls) == at_update:
+            raise fault("injected in MXNet's update")
+        return real(self, index, weight, grad, state)
+
+    before = [p.data().asnumpy() for p in net.collect_params().values()]
+    states = [s.asnumpy() for st in trainer._updaters[0].states.values() for s in st]
+    counts, total = mxi.optimizer_counters(opt), scaler.total_steps
+    spy = _Spy(monkeypatch)
+    monkeypatch.setattr(type(opt), "update_multi_precision", failing)
+    with pytest.raises(fault):
+        step()
+    monkeypatch.setattr(type(opt), "update_multi_precision", real)
+    assert spy.early == 1
+    for a, p in zip(before, net.collect_params().values()):
+        np.testing.assert_array_equal(a, p.data().asnumpy())
+    for a, b in zip(states, [s.asnumpy() for st in trainer._updaters[0].states.values() for s in st]):
+        np.testing.assert_array_equal(a, b)
+    assert mxi.optimizer_counters(opt) == counts and scaler.total_steps == total
+    step()  # the run goes on
+    assert scaler.total_steps == total + 1
+
+
+def test_a_hook_called_outside_a_step_never_leaves_an_early_update_pending(monkeypatch):
+    """Code that calls the peer's ``has_overflow`` itself (not through ``Trainer._update``)
+    gets the waiting check: nothing is dispatched that no one would finish."""
+    net = nn.Dense(2, in_units=3)
+    net.initialize()
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                            update_on_kvstore=False)
+    gluon_amp.init_trainer(trainer)
+    for _ in range(2):
+        with autograd.record():
+            loss = net(mx.nd.ones((1, 3))).sum()
+        loss.backward()
+        trainer.step(1)
+    spy = _Spy(monkeypatch)
+    with autograd.record():
+        loss = (net(mx.nd.ones((1, 3))) * np.inf).sum()
+    loss.backward()
+    hook = trainer._amp_loss_scaler
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert hook.has_overflow(trainer._params) is True
+    assert spy.early == 0 and hook._early is None
+
+
+def test_a_skipped_early_step_leaves_its_gradients_fresh_as_a_waiting_one_does(monkeypatch):
+    """MXNet marks a gradient used once its update runs; a skipped step never ran one, so
+    ``step(ignore_stale_grad=False)`` after it still finds the gradients fresh."""
+    ends_skipped = BATCHES[:3]
+    assert ends_skipped[-1] == "inf"
+    early = _run("sgd", True, batches=ends_skipped, monkeypatch=monkeypatch)
+    waiting = _run("sgd", False, batches=ends_skipped, monkeypatch=monkeypatch)
+    _same(early, waiting)
+    assert early["fresh"] == [True] * len(early["fresh"])
+
+
+def _conv_run(early, monkeypatch):
+    """A convolutional net evaluated between its training steps: oneDNN reorders weights
+    for inference in place, the arrays the copies must follow."""
+    if not early:
+        monkeypatch.setattr(early_update, "MAX_BYTES", -1)
+    mx.random.seed(0)
+    rng = np.random.RandomState(0)
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(4, 3, in_channels=2, activation="relu"), nn.Conv2D(3, 3, in_channels=4), nn.Dense(2))
+    net.initialize(mx.init.Xavier())
+    net.hybridize(static_alloc=True)
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
+                            update_on_kvstore=False)
+    scaler = gluon_amp.init_trainer(trainer)
+    evaluated = []
+    for kind in ("finite", "finite", "inf", "finite", "inf", "finite"):
+        x = mx.nd.array(rng.randn(2, 2, 8, 8))
+        if kind == "inf":
+            x[0, 0, 0, 0] = np.inf
+        with autograd.record():
+            loss = (net(x) ** 2).mean()
+            with gluon_amp.scale_loss(loss, trainer) as scaled:
+                scaled.backward()
+        trainer.step(2)
+        evaluated.append(net(mx.nd.ones((1, 2, 8, 8))).asnumpy())  # inference: not recorded
+    monkeypatch.undo()
+    return [p.data().asnumpy() for p in net.collect_params().values()], evaluated, scaler.state_dict()
+
+
+def test_weights_that_inference_reordered_in_place_are_copied_and_put_back_exactly(monkeypatch):
+    spy = _Spy(monkeypatch)
+    early = _conv_run(True, monkeypatch)
+    assert spy.early == 5
+    waiting = _conv_run(False, monkeypatch)
+    assert early[2] == waiting[2] and early[2]["skipped_steps"] == 2
+    for a, b in zip(early[0] + early[1], waiting[0] + waiting[1]):
+        np.testing.assert_array_equal(a, b)
