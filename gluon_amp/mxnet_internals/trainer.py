@@ -13,7 +13,8 @@ from gluon_amp_core.dtypes import dtype_name
 
 # -- trainer -------------------------------------------------------------------------
 # 1.9.1 mxnet/gluon/trainer.py: ``_update`` calls ``self._amp_loss_scaler.has_overflow(params)``
-# when that attribute exists and skips the update if it returns True; ``_scale`` is the
+# when that attribute exists and skips the update if it returns True (``step`` and ``update``
+# both go through ``_update``, which training/trainer.py wraps to read an early verdict); ``_scale`` is the
 # factor ``rescale_grad`` is built from on each step; ``_kvstore_params`` holds the
 # constructor's ``update_on_kvstore`` until the kvstore is initialised, after which
 # ``_update_on_kvstore`` holds the decision. If any of this changes, the trainer tests fail.
@@ -233,7 +234,3 @@ def fresh_grad(array: mx.nd.NDArray) -> bool:
 def set_fresh_grad(array: mx.nd.NDArray, value: bool) -> None:
     array._fresh_grad = value
 
-
-def trainer_update_method() -> Callable[..., None]:
-    """``Trainer._update`` as the class has it now (MXNet's own unless patched)."""
-    return Trainer.__dict__["_update"]
