@@ -39,6 +39,7 @@ OPTIMIZERS = {
     "ftml": {"learning_rate": 0.01},
     "signum": {"learning_rate": 0.01, "momentum": 0.9},
     "lamb": {"learning_rate": 0.01},
+    "sgd-scheduled": {"learning_rate": 0.05, "momentum": 0.9},  # with a FactorScheduler (stateful)
 }
 
 
@@ -98,6 +99,8 @@ def _run(optimizer, early, dtype="float32", batches=BATCHES, scaler="dynamic", m
     name = optimizer.split("-")[0]
     if dtype == "float16":
         params["multi_precision"] = True
+    if optimizer == "sgd-scheduled":
+        params["lr_scheduler"] = mx.lr_scheduler.FactorScheduler(step=2, factor=0.5)
     trainer = gluon.Trainer(net.collect_params(), name, params, update_on_kvstore=False)
     scaler = gluon_amp.init_trainer(trainer, scaler)
     for kind in batches:
@@ -315,5 +318,38 @@ def test_weights_that_inference_reordered_in_place_are_copied_and_put_back_exact
     assert spy.early == 5
     waiting = _conv_run(False, monkeypatch)
     assert early[2] == waiting[2] and early[2]["skipped_steps"] == 2
+    for a, b in zip(early[0] + early[1], waiting[0] + waiting[1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_trainer_without_kvstore_on_two_contexts_undoes_each_contexts_update(monkeypatch):
+    """``kvstore=None`` on two contexts: an updater, states and weights per context."""
+    def run(early):
+        if not early:
+            monkeypatch.setattr(early_update, "MAX_BYTES", -1)
+        mx.random.seed(0)
+        ctx = [mx.cpu(0), mx.cpu(1)]
+        net = nn.Dense(3, in_units=4)
+        net.initialize(mx.init.Xavier(), ctx=ctx)
+        trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 0.1}, kvstore=None,
+                                update_on_kvstore=False)
+        scaler = gluon_amp.init_trainer(trainer)
+        for i in range(5):
+            with autograd.record():
+                losses = [(net(mx.nd.ones((2, 4), ctx=c) * (k + 1)) * (np.inf if i == 2 and k == 1 else 1)).sum()
+                          for k, c in enumerate(ctx)]
+            with gluon_amp.scale_loss(losses, trainer) as scaled:
+                autograd.backward(scaled)
+            trainer.step(4)
+        monkeypatch.undo()
+        return ([a.asnumpy() for p in net.collect_params().values() for a in p.list_data()],
+                [s.asnumpy() for u in trainer._updaters for st in u.states.values() for s in st],
+                scaler.state_dict())
+
+    spy = _Spy(monkeypatch)
+    early = run(True)
+    assert spy.early == 4
+    waiting = run(False)
+    assert early[2] == waiting[2] and early[2]["skipped_steps"] == 1
     for a, b in zip(early[0] + early[1], waiting[0] + waiting[1]):
         np.testing.assert_array_equal(a, b)
