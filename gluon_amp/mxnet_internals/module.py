@@ -32,7 +32,7 @@ __all__ = [
     "module_symbol", "module_executors", "module_grad_arrays", "module_optimizer", "module_updater",
     "optimizer_on_server", "module_compression", "module_kvstore", "bind_arguments", "rebind", "bucket_modules",
     "call_arguments",
-    "set_module_updater_states", "module_param_specs", "module_devices",
+    "set_module_updater_states", "module_param_specs", "module_devices", "module_update_arrays",
 ]
 
 
@@ -139,6 +139,27 @@ def auxiliary_modules(module: Any) -> List[Module]:
         return []
     aux = getattr(module, "_mod_aux", None) if isinstance(module, SVRGModule) else None
     return [aux] if isinstance(aux, Module) else []
+
+
+def module_update_arrays(module: Module) -> Optional[Tuple[List[mx.nd.NDArray], List[mx.nd.NDArray], List[int]]]:
+    """(weights, gradients, updater indices) of what the next ``update`` writes and reads, or
+    None where it goes through a kvstore. 1.9.1 ``model._update_params`` updates parameter
+    ``i``'s copy on device ``k`` under index ``i * num_device + k``, and skips parameters
+    without a gradient."""
+    if module._kvstore is not None or module._update_on_kvstore or module._exec_group is None:
+        return None
+    group, n = module._exec_group, len(module._context)
+    weights: List[mx.nd.NDArray] = []
+    grads: List[mx.nd.NDArray] = []
+    indices: List[int] = []
+    for i, (ws, gs) in enumerate(zip(group.param_arrays, group.grad_arrays)):
+        if gs[0] is None:
+            continue
+        for k, (w, g) in enumerate(zip(ws, gs)):
+            weights.append(w)
+            grads.append(g)
+            indices.append(i * n + k)
+    return weights, grads, indices
 
 
 def module_optimizer(module: Module) -> Any:

@@ -148,14 +148,47 @@ def begin(trainer: Trainer, params: Sequence[Parameter], plans: Dict[str, Any]) 
     if arrays is None:
         plans.clear()
         return None
-    plan = plans.get("plan")
-    if plan is None or not plan.holds(*arrays):
+    early = _dispatch(*arrays, mxi.trainer_optimizer(trainer), plans)
+    if early is None and "plan" not in plans and plans.get("size") is not None:
+        plans["too big"] = (id(params), len(params), MAX_BYTES)
+    return early
+
+
+def begin_module(module: Any, plans: Dict[str, Any]) -> Optional[Early]:
+    """:func:`begin` for a ``mx.mod.Module``'s ``update``: the same conditions (no kvstore;
+    MXNet's optimizer and ``Updater``; states made; dense; small), and not an SVRGModule,
+    whose update mixes in another module's gradients."""
+    mxm = mxi.module
+    found = mxm.module_update_arrays(module)
+    opt = mxm.module_optimizer(module)
+    updater = mxm.module_updater(module) if found is not None else None
+    if (found is None or mxm.auxiliary_modules(module) or not mxi.undoable_optimizer(opt)
+            or type(updater) is not mx.optimizer.Updater):
         plans.clear()
-        plan = Plan(*arrays)
+        return None
+    weights, grads, indices = found
+    ready = mxi.ready_states(updater, indices)
+    if ready is None:
+        plans.clear()
+        return None
+    states: List[mx.nd.NDArray] = []
+    _leaves(ready, states)
+    return _dispatch(weights, grads, states, opt, plans, fresh=False)
+
+
+def _dispatch(weights: List[mx.nd.NDArray], grads: List[mx.nd.NDArray], states: List[mx.nd.NDArray],
+              opt: Any, plans: Dict[str, Any], fresh: bool = True) -> Optional[Early]:
+    """The sums and copies of ``plans``' plan for these arrays (made if they changed); None
+    where it cannot run early (``plans["size"]`` then says whether size was the reason)."""
+    plans.pop("size", None)
+    plan = plans.get("plan")
+    if plan is None or not plan.holds(weights, grads, states):
+        plans.clear()
+        plan = Plan(weights, grads, states)
         if not plan.usable:
             return None
         if plan.nbytes > MAX_BYTES:
-            plans["too big"] = (id(params), len(params), MAX_BYTES)
+            plans["size"] = plan.nbytes
             return None
         plans["plan"] = plan
     if plan.nbytes > MAX_BYTES:
@@ -165,9 +198,8 @@ def begin(trainer: Trainer, params: Sequence[Parameter], plans: Dict[str, Any]) 
         sums = [_SUM_SQ(*chunk, num_arrays=len(chunk)) for chunk in plan.sums]
         for saved in plan.saved:
             saved.save()
-    opt = mxi.trainer_optimizer(trainer)
-    fresh = [w for w in arrays[0] if mxi.fresh_grad(w)]
-    return Early(sums, plan.sums, plan.others, plan.saved, opt, mxi.optimizer_counters(opt), fresh)
+    flags = [w for w in weights if mxi.fresh_grad(w)] if fresh else []
+    return Early(sums, plan.sums, plan.others, plan.saved, opt, mxi.optimizer_counters(opt), flags)
 
 
 def _arrays(trainer: Trainer, params: Sequence[Parameter]) -> Optional[Tuple[List[mx.nd.NDArray], ...]]:

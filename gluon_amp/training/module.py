@@ -38,7 +38,7 @@ from gluon_amp_core.loss_scale import LossScaler, loss_scaler_from
 
 from .. import mxnet_internals as mxi, state
 from ..type_inference import infer_dtypes, infer_shapes
-from . import checkpoint, distributed, overflow
+from . import checkpoint, distributed, early_update, overflow
 
 mxm = mxi.module
 Module, BucketingModule = mxm.Module, mxm.BucketingModule
@@ -62,6 +62,10 @@ class ModuleHook:
         #: what the last checked step's gradients are divided by in its update
         self._unscale = 1.0
         self._warned: Set[str] = set()
+        #: the early update's plan (:mod:`.early_update`), and the step in flight: (dtype,
+        #: whether scaled, the scaler's count of this member before it)
+        self._plans: Dict[str, Any] = {}
+        self._pending: Optional[Tuple[str, bool, int]] = None
         scaler.attach(self)
 
     def decide(self, dtype: str) -> float:
@@ -82,9 +86,7 @@ class ModuleHook:
 
     def end_step(self, module: Module) -> bool:
         """Check ``module``'s gradients, record the step; True when it must be skipped."""
-        dtype, scale = self._step if self._step is not None else ("float32", 1.0)
-        carried = self._carried and scale != 1.0
-        self._step, self._carried = None, False
+        dtype, scale, carried = self._close_step()
         finite = True
         if self.scaler.enabled:
             groups: Dict[mx.Context, List[mx.nd.NDArray]] = {}
@@ -96,6 +98,49 @@ class ModuleHook:
             if kv is not None and "dist" in kv.type:  # before the push: every worker skips, or none
                 finite = distributed.agree_module_finite(kv, scale, finite)
         skip = self.scaler.record_step(self, finite, scaled=carried and self.scaler.scales(dtype))
+        return self._after_record(skip, dtype)
+
+    def begin_early(self, module: Module) -> Optional[early_update.Early]:
+        """Start a step whose update runs before its verdict (:mod:`.early_update`), or None
+        (nothing started) where it must wait: :meth:`end_step` then."""
+        if not self.scaler.enabled:
+            return None
+        early = early_update.begin_module(module, self._plans)
+        if early is not None:
+            steps = self.scaler.steps_of(self)
+            dtype, _, carried = self._close_step()
+            self._pending = (dtype, carried, steps)
+        return early
+
+    def finish_early(self, early: early_update.Early) -> bool:
+        """After the update of a step begun by :meth:`begin_early`: read its verdict, undo a
+        skipped step's update, record it; True when it was skipped."""
+        dtype, carried, _ = self._pending
+        finite = early.finite()
+        if not finite:
+            early.undo()
+        skip = self.scaler.record_step(self, finite, scaled=carried and self.scaler.scales(dtype))  # the commit
+        self._pending = None
+        return self._after_record(skip, dtype)
+
+    def abort_early(self, early: early_update.Early) -> None:
+        """The step begun early raised (a Ctrl-C included): if it was not recorded, it did not
+        happen (its update is undone; a shared round does not wait for it)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and self.scaler.steps_of(self) == pending[2]:
+            early.undo()
+            self.scaler.abandon(self, pending[2])
+
+    def _close_step(self) -> Tuple[str, float, bool]:
+        """The ending step's compute dtype, scale, and whether its gradients carry it; sets
+        what its update divides them by."""
+        dtype, scale = self._step if self._step is not None else ("float32", 1.0)
+        carried = self._carried and scale != 1.0
+        self._step, self._carried = None, False
+        self._unscale = scale if carried else 1.0
+        return dtype, scale, carried
+
+    def _after_record(self, skip: bool, dtype: str) -> bool:
         if skip and dtype != "float16":
             self.warn_once("skip", f"gluon_amp: a Module training step was skipped for inf/NaN gradients while "
                            f"its graph computes in {dtype}, whose exponent range is float32's: the loss scale "
@@ -105,7 +150,6 @@ class ModuleHook:
                 f"{self.scaler.state.consecutive_skips} Module steps in a row had non-finite gradients "
                 f"(loss scale now {self.scaler.scale_for(dtype):g}); this is not an fp16 range problem. "
                 "Check the learning rate, the data and the loss, or raise max_consecutive_skips.")
-        self._unscale = scale if carried else 1.0
         return skip
 
 
@@ -373,18 +417,32 @@ def _wrap_update(original: Callable) -> Callable:
         hook = record.hook if record is not None else None
         if hook is None:
             return original(self)
-        if hook.end_step(self):
-            return None  # skipped: nothing of the optimizer runs
-        if hook._unscale == 1.0:
-            return original(self)
-        opt = mxm.module_optimizer(self)
-        before = opt.rescale_grad
-        opt.rescale_grad = before / hook._unscale
+        early = hook.begin_early(self)
+        if early is None:
+            if hook.end_step(self):
+                return None  # skipped: nothing of the optimizer runs
+            return _unscaled(original, self, hook._unscale)
         try:
-            return original(self)
-        finally:
-            opt.rescale_grad = before
+            _unscaled(original, self, hook._unscale)
+            hook.finish_early(early)
+        except BaseException:
+            hook.abort_early(early)
+            raise
+        return None
     return update
+
+
+def _unscaled(update: Callable, module: Module, unscale: float) -> Any:
+    """Run MXNet's ``update`` dividing this step's gradients by ``unscale`` as well."""
+    if unscale == 1.0:
+        return update(module)
+    opt = mxm.module_optimizer(module)
+    before = opt.rescale_grad
+    opt.rescale_grad = before / unscale
+    try:
+        return update(module)
+    finally:
+        opt.rescale_grad = before
 
 
 def _wrap_init_optimizer(original: Callable) -> Callable:

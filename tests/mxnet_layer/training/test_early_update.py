@@ -353,3 +353,104 @@ def test_a_trainer_without_kvstore_on_two_contexts_undoes_each_contexts_update(m
     assert early[2] == waiting[2] and early[2]["skipped_steps"] == 1
     for a, b in zip(early[0] + early[1], waiting[0] + waiting[1]):
         np.testing.assert_array_equal(a, b)
+
+
+# -- mx.mod.Module: the same undo, keyed by _update_params' indices -------------------------
+
+def _module_run(optimizer, early, monkeypatch, contexts=1, batches=BATCHES, fault_at=None):
+    if not early:
+        monkeypatch.setattr(early_update, "MAX_BYTES", -1)
+    mx.random.seed(0)
+    rng = np.random.RandomState(0)
+    data = mx.sym.var("data")
+    h = mx.sym.Activation(mx.sym.FullyConnected(data, num_hidden=5, name="fc1"), act_type="tanh")
+    out = mx.sym.LinearRegressionOutput(mx.sym.FullyConnected(h, num_hidden=2, name="fc2"), name="lro")
+    ctx = [mx.cpu(k) for k in range(contexts)]
+    mod = mx.mod.Module(out, data_names=["data"], label_names=["lro_label"], context=ctx)
+    mod.bind(data_shapes=[("data", (4, 6))], label_shapes=[("lro_label", (4, 2))])
+    mod.init_params(mx.init.Xavier())
+    mod.init_optimizer(optimizer=optimizer.split("-")[0], optimizer_params=dict(OPTIMIZERS[optimizer]))
+    scaler = gluon_amp.init_trainer(mod)
+    for n, kind in enumerate(batches):
+        batch = mx.io.DataBatch([_batch(kind, rng, "float32")], [mx.nd.array(rng.randn(4, 2))])
+        mod.forward_backward(batch)
+        if fault_at is not None and n == len(batches) - 1:
+            fault_at(mod)
+        mod.update()
+    monkeypatch.undo()
+    args, _ = mod.get_params()
+    states = []
+    for index, state in sorted(mxi.module.module_updater(mod).states.items()):
+        early_update._leaves(state, states)
+    return {"weights": [args[k].asnumpy() for k in sorted(args)], "states": [s.asnumpy() for s in states],
+            "counts": mxi.optimizer_counters(mod._optimizer), "scaler": scaler.state_dict(), "fresh": []}
+
+
+class _ModuleSpy:
+    def __init__(self, monkeypatch):
+        self.early = self.waited = 0
+        real = early_update.begin_module
+
+        def begin_module(*args):
+            out = real(*args)
+            if out is None:
+                self.waited += 1
+            else:
+                self.early += 1
+            return out
+
+        monkeypatch.setattr(early_update, "begin_module", begin_module)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "rmsprop", "sgd-scheduled"])
+def test_a_modules_early_run_ends_bit_for_bit_where_a_waiting_run_ends(optimizer, monkeypatch):
+    spy = _ModuleSpy(monkeypatch)
+    early = _module_run(optimizer, True, monkeypatch)
+    assert spy.early == len(BATCHES) - 1 and spy.waited == 1
+    waiting = _module_run(optimizer, False, monkeypatch)
+    _same(early, waiting)
+    assert early["scaler"]["skipped_steps"] == 3
+
+
+def test_a_module_on_a_kvstore_waits_for_its_verdict(monkeypatch):
+    """Two contexts: the Module makes a local kvstore, through which the update goes."""
+    spy = _ModuleSpy(monkeypatch)
+    early = _module_run("sgd", True, monkeypatch, contexts=2)
+    assert spy.early == 0
+    waiting = _module_run("sgd", False, monkeypatch, contexts=2)
+    _same(early, waiting)
+
+
+@pytest.mark.parametrize("fault", [KeyboardInterrupt, ValueError])
+def test_a_module_step_that_raises_inside_mxnets_update_leaves_nothing_behind(fault, monkeypatch):
+    monkeypatch.setenv("MXNET_OPTIMIZER_AGGREGATION_SIZE", "1")  # one update call per parameter
+    seen = {}
+
+    def plant(mod):
+        opt = mod._optimizer
+        real, calls = type(opt).update_multi_precision, []
+
+        def failing(self, index, weight, grad, state):
+            calls.append(index)
+            if len(calls) == 2:
+                raise fault("injected in MXNet's update")
+            return real(self, index, weight, grad, state)
+
+        seen["before"] = [a.asnumpy() for a in mxi.module.module_update_arrays(mod)[0]]
+        seen["counts"], seen["steps"] = mxi.optimizer_counters(opt), gluon_amp.get_scaler(mod).total_steps
+        monkeypatch.setattr(type(opt), "update_multi_precision", failing)
+        try:
+            mod.update()
+        except fault:
+            seen["after"] = [a.asnumpy() for a in mxi.module.module_update_arrays(mod)[0]]
+            seen["after_counts"] = mxi.optimizer_counters(opt)
+            seen["after_steps"] = gluon_amp.get_scaler(mod).total_steps
+            seen["calls"] = len(calls)
+        monkeypatch.setattr(type(opt), "update_multi_precision", real)
+
+    spy = _ModuleSpy(monkeypatch)
+    _module_run("adam", True, monkeypatch, batches=("finite", "finite", "finite"), fault_at=plant)
+    assert spy.early == 3 and seen["calls"] == 2  # the planted step went early, and failed in MXNet's loop
+    for a, b in zip(seen["before"], seen["after"]):
+        np.testing.assert_array_equal(a, b)
+    assert seen["after_counts"] == seen["counts"] and seen["after_steps"] == seen["steps"]
