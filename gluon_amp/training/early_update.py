@@ -136,8 +136,8 @@ class Early:
 
 def begin(trainer: Trainer, params: Sequence[Parameter], plans: Dict[str, Any]) -> Optional[Early]:
     """Dispatch the sums and the copies of a step that updates before its verdict, and return
-    it; None (nothing dispatched) where the step must wait for its verdict instead: a kvstore
-    or Horovod (the verdict is every worker's), an optimizer or updater whose update cannot
+    it; None (nothing dispatched) where the step must wait for its verdict instead: a dist
+    kvstore or Horovod (the verdict is every worker's), an optimizer or updater whose update cannot
     be undone exactly, states not made or not yet on their context, sparse arrays, or more
     than :data:`MAX_BYTES` to copy. ``plans`` keeps, between steps, the trainer's :class:`Plan`
     (``"plan"``; dropped, with its copies, where there is none) or that it is too big."""
@@ -205,7 +205,11 @@ def _dispatch(weights: List[mx.nd.NDArray], grads: List[mx.nd.NDArray], states: 
 def _arrays(trainer: Trainer, params: Sequence[Parameter]) -> Optional[Tuple[List[mx.nd.NDArray], ...]]:
     """(weights, gradients, optimizer states) an update reads or writes, or None where an
     early step cannot undo it exactly."""
-    if (mxi.trainer_kvstore(trainer) is not None or mxi.horovod_process_set(trainer) is not None
+    kv = mxi.trainer_kvstore(trainer)
+    # a local kvstore only sums the devices' gradients before the update (the trainer updates on
+    # the worker: init_trainer sees to it); a dist one's verdict is every worker's
+    if ((kv is not None and (not isinstance(kv, mx.kvstore.KVStore) or "dist" in kv.type))
+            or mxi.horovod_process_set(trainer) is not None
             or not mxi.undoable_optimizer(mxi.trainer_optimizer(trainer)) or not mxi.plain_updaters(trainer)):
         return None
     indices = [i for i, p in enumerate(params) if mxi.has_grad(p)]
