@@ -44,13 +44,14 @@ OPTIMIZERS = {
 
 
 class _Spy:
-    """Counts the steps that updated early and those that waited."""
+    """Counts the steps that updated early and those that waited (``entry``: the trainer's
+    ``begin`` or the Module's ``begin_module``)."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, entry="begin"):
         self.early = self.waited = 0
-        real = early_update.begin
+        real = getattr(early_update, entry)
 
-        def begin(*args):
+        def spied(*args):
             out = real(*args)
             if out is None:
                 self.waited += 1
@@ -58,7 +59,7 @@ class _Spy:
                 self.early += 1
             return out
 
-        monkeypatch.setattr(early_update, "begin", begin)
+        monkeypatch.setattr(early_update, entry, spied)
 
 
 class _Elementwise(nn.HybridBlock):
@@ -322,39 +323,6 @@ def test_weights_that_inference_reordered_in_place_are_copied_and_put_back_exact
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_trainer_without_kvstore_on_two_contexts_undoes_each_contexts_update(monkeypatch):
-    """``kvstore=None`` on two contexts: an updater, states and weights per context."""
-    def run(early):
-        if not early:
-            monkeypatch.setattr(early_update, "MAX_BYTES", -1)
-        mx.random.seed(0)
-        ctx = [mx.cpu(0), mx.cpu(1)]
-        net = nn.Dense(3, in_units=4)
-        net.initialize(mx.init.Xavier(), ctx=ctx)
-        trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 0.1}, kvstore=None,
-                                update_on_kvstore=False)
-        scaler = gluon_amp.init_trainer(trainer)
-        for i in range(5):
-            with autograd.record():
-                losses = [(net(mx.nd.ones((2, 4), ctx=c) * (k + 1)) * (np.inf if i == 2 and k == 1 else 1)).sum()
-                          for k, c in enumerate(ctx)]
-            with gluon_amp.scale_loss(losses, trainer) as scaled:
-                autograd.backward(scaled)
-            trainer.step(4)
-        monkeypatch.undo()
-        return ([a.asnumpy() for p in net.collect_params().values() for a in p.list_data()],
-                [s.asnumpy() for u in trainer._updaters for st in u.states.values() for s in st],
-                scaler.state_dict())
-
-    spy = _Spy(monkeypatch)
-    early = run(True)
-    assert spy.early == 4
-    waiting = run(False)
-    assert early[2] == waiting[2] and early[2]["skipped_steps"] == 1
-    for a, b in zip(early[0] + early[1], waiting[0] + waiting[1]):
-        np.testing.assert_array_equal(a, b)
-
-
 # -- mx.mod.Module: the same undo, keyed by _update_params' indices -------------------------
 
 def _module_run(optimizer, early, monkeypatch, contexts=1, batches=BATCHES, fault_at=None):
@@ -386,25 +354,9 @@ def _module_run(optimizer, early, monkeypatch, contexts=1, batches=BATCHES, faul
             "counts": mxi.optimizer_counters(mod._optimizer), "scaler": scaler.state_dict(), "fresh": []}
 
 
-class _ModuleSpy:
-    def __init__(self, monkeypatch):
-        self.early = self.waited = 0
-        real = early_update.begin_module
-
-        def begin_module(*args):
-            out = real(*args)
-            if out is None:
-                self.waited += 1
-            else:
-                self.early += 1
-            return out
-
-        monkeypatch.setattr(early_update, "begin_module", begin_module)
-
-
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "rmsprop", "sgd-scheduled"])
 def test_a_modules_early_run_ends_bit_for_bit_where_a_waiting_run_ends(optimizer, monkeypatch):
-    spy = _ModuleSpy(monkeypatch)
+    spy = _Spy(monkeypatch, "begin_module")
     early = _module_run(optimizer, True, monkeypatch)
     assert spy.early == len(BATCHES) - 1 and spy.waited == 1
     waiting = _module_run(optimizer, False, monkeypatch)
@@ -414,7 +366,7 @@ def test_a_modules_early_run_ends_bit_for_bit_where_a_waiting_run_ends(optimizer
 
 def test_a_module_on_a_kvstore_waits_for_its_verdict(monkeypatch):
     """Two contexts: the Module makes a local kvstore, through which the update goes."""
-    spy = _ModuleSpy(monkeypatch)
+    spy = _Spy(monkeypatch, "begin_module")
     early = _module_run("sgd", True, monkeypatch, contexts=2)
     assert spy.early == 0
     waiting = _module_run("sgd", False, monkeypatch, contexts=2)
@@ -448,7 +400,7 @@ def test_a_module_step_that_raises_inside_mxnets_update_leaves_nothing_behind(fa
             seen["calls"] = len(calls)
         monkeypatch.setattr(type(opt), "update_multi_precision", real)
 
-    spy = _ModuleSpy(monkeypatch)
+    spy = _Spy(monkeypatch, "begin_module")
     _module_run("adam", True, monkeypatch, batches=("finite", "finite", "finite"), fault_at=plant)
     assert spy.early == 3 and seen["calls"] == 2  # the planted step went early, and failed in MXNet's loop
     for a, b in zip(seen["before"], seen["after"]):
@@ -456,9 +408,11 @@ def test_a_module_step_that_raises_inside_mxnets_update_leaves_nothing_behind(fa
     assert seen["after_counts"] == seen["counts"] and seen["after_steps"] == seen["steps"]
 
 
-def test_a_local_kvstore_on_two_contexts_updates_early_and_ends_where_waiting_ends(monkeypatch):
-    """A ``device`` kvstore sums the two contexts' gradients before the update (Sockeye's
-    trainer passes one even on a single device): the verdict is still this process's."""
+@pytest.mark.parametrize("kvstore", [None, "device"])
+def test_two_contexts_without_a_dist_kvstore_update_early_and_end_where_waiting_ends(kvstore, monkeypatch):
+    """``kvstore=None``: an updater, states and weights per context. A ``device`` kvstore sums
+    the contexts' gradients before the update (Sockeye's trainer passes one even on a single
+    device): the verdict is still this process's."""
     def run(early):
         if not early:
             monkeypatch.setattr(early_update, "MAX_BYTES", -1)
@@ -467,7 +421,7 @@ def test_a_local_kvstore_on_two_contexts_updates_early_and_ends_where_waiting_en
         net = nn.Dense(3, in_units=4)
         net.initialize(mx.init.Xavier(), ctx=ctx)
         trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
-                                kvstore="device", update_on_kvstore=False)
+                                kvstore=kvstore, update_on_kvstore=False)
         scaler = gluon_amp.init_trainer(trainer)
         for i in range(5):
             with autograd.record():
@@ -476,7 +430,7 @@ def test_a_local_kvstore_on_two_contexts_updates_early_and_ends_where_waiting_en
             with gluon_amp.scale_loss(losses, trainer) as scaled:
                 autograd.backward(scaled)
             trainer.step(4)
-        assert trainer._kvstore is not None and "dist" not in trainer._kvstore.type
+        assert (trainer._kvstore is None) == (kvstore is None)
         monkeypatch.undo()
         return ([a.asnumpy() for p in net.collect_params().values() for a in p.list_data()],
                 [s.asnumpy() for u in trainer._updaters for s in u.states.values()],
