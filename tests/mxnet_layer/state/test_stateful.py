@@ -67,6 +67,10 @@ from gluon_amp import emulation_kernel, state  # noqa: E402
 WATCHDOG_S = 20.0
 #: Set at the first hang: the process's state is stuck, every later call fails at once.
 POISONED: List[str] = []
+#: Where a call left ``state.lock`` held (released again, so the run goes on to say so).
+LEAKS: List[str] = []
+#: ``where``: the line the calling thread's last injected fault was raised at.
+_injection = threading.local()
 _OURS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(m.__file__))), m.__name__) + os.sep
               for m in (gluon_amp, __import__("gluon_amp_core")))
 REGION_KINDS = ("float16", "bfloat16", "off", "on")
@@ -120,10 +124,12 @@ def _ours(filename: str) -> bool:
 def injected(fn: Callable[[], Any], inject: Optional[Tuple[type, int]]) -> Any:
     """``fn()``, with ``inject = (exception type, n)`` raised at the n-th line gluon_amp's own code
     runs on this thread (not at all when it runs fewer)."""
+    _injection.where = "no injection"
     if inject is None:
         return fn()
     kind, n = inject
     count = [0]
+    where: List[str] = []
     entries = set()
 
     def local(frame, event, arg):
@@ -137,7 +143,8 @@ def injected(fn: Callable[[], Any], inject: Optional[Tuple[type, int]]) -> Any:
                 return local  # a with-statement's exit runs there: no handler runs, a raise skips __exit__
             count[0] += 1
             if count[0] == n:
-                raise kind(f"injected at line {n} of gluon_amp ({frame.f_code.co_filename}:{frame.f_lineno})")
+                where.append(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+                raise kind(f"injected at line {n} of gluon_amp ({where[0]})")
         return local
 
     def tracer(frame, event, arg):
@@ -152,6 +159,7 @@ def injected(fn: Callable[[], Any], inject: Optional[Tuple[type, int]]) -> Any:
         return fn()
     finally:
         sys.settrace(None)
+        _injection.where = f"{kind.__name__} injected at {where[0] if where else 'no line (not reached)'}"
 
 
 class Worker:
@@ -182,9 +190,15 @@ class Worker:
                 return
             fn, done = job
             try:
-                done.put((True, fn()))
+                result = (True, fn())
             except BaseException as exc:  # noqa: BLE001  handed to the caller, KeyboardInterrupt included
-                done.put((False, exc))
+                result = (False, exc)
+            if state.lock._is_owned():  # every later call would hang: say where, and let go
+                LEAKS.append(f"invariant C: thread {self.index}'s call returned holding state.lock "
+                             f"({getattr(_injection, 'where', 'no injection')})")
+                while state.lock._is_owned():
+                    state.lock.release()
+            done.put(result)
 
     def call(self, fn: Callable[[], Any], inject: Optional[Tuple[type, int]] = None) -> Tuple[bool, Any]:
         if POISONED:
@@ -192,11 +206,13 @@ class Worker:
         done: "queue.Queue[Any]" = queue.Queue()
         self.jobs.put((lambda: injected(fn, inject), done))
         try:
-            return done.get(timeout=WATCHDOG_S)
+            result = done.get(timeout=WATCHDOG_S)
         except queue.Empty:
             POISONED.append(f"issue 42 item 3 (invariant C): thread {self.index} did not return in {WATCHDOG_S} s; "
                             f"where the threads are:\n{_stacks()}")
             raise Hang(POISONED[0]) from None
+        assert not LEAKS, LEAKS[0]
+        return result
 
     def stop(self) -> None:
         self.jobs.put(None)
@@ -204,13 +220,39 @@ class Worker:
 
 
 def _stacks() -> str:
+    """Where every thread is, and which one holds ``state.lock`` (its repr names the owner)."""
     frames = sys._current_frames()
-    out = []
+    out = [f"state.lock: {state.lock!r}"]
     for t in threading.enumerate():
-        if t.name.startswith("stateful-") and t.ident in frames:
-            stack = traceback.extract_stack(frames[t.ident])[-6:]
-            out.append(f"{t.name}:\n" + "".join(traceback.format_list(stack)))
+        if t.ident in frames:
+            stack = traceback.extract_stack(frames[t.ident])[-8:]
+            out.append(f"{t.name} (ident {t.ident}):\n" + "".join(traceback.format_list(stack)))
     return "\n".join(out)
+
+
+def _on_main(fn: Callable[[], Any], what: str) -> Any:
+    """``fn()`` for the main thread's own calls, under the watchdog: a call that cannot return
+    (a lock left held) fails the test with every thread's stack instead of hanging the suite."""
+    if POISONED:
+        raise Hang(POISONED[0])
+    done: "queue.Queue[Any]" = queue.Queue()
+
+    def run() -> None:
+        try:
+            done.put((True, fn()))
+        except BaseException as exc:  # noqa: BLE001  re-raised below
+            done.put((False, exc))
+
+    threading.Thread(target=run, name=f"main-call-{what}", daemon=True).start()
+    try:
+        ok, res = done.get(timeout=WATCHDOG_S)
+    except queue.Empty:
+        POISONED.append(f"invariant C: the main thread's {what} did not return in {WATCHDOG_S} s; "
+                        f"where the threads are:\n{_stacks()}")
+        raise Hang(POISONED[0]) from None
+    if not ok:
+        raise res
+    return res
 
 
 def _net_and_trainer() -> Tuple[gluon.nn.Dense, gluon.Trainer]:
@@ -274,7 +316,7 @@ class AmpStateMachine(RuleBasedStateMachine):
     @initialize(n=st.integers(2, 4))
     @recorded
     def start(self, n: int) -> None:
-        gluon_amp.disable()
+        _on_main(gluon_amp.disable, "disable at the start")
         self.workers = [Worker(i) for i in range(n)]
         for w in self.workers:
             ok, made = w.call(_net_and_trainer)
@@ -508,7 +550,7 @@ class AmpStateMachine(RuleBasedStateMachine):
                     w.call(lambda cm=cm: cm.__exit__(None, None, None))
             for w in self.workers:
                 w.call(gluon_amp.disable)  # another thread's disable: a worker's, as a user's would be
-            gluon_amp.disable()
+            _on_main(gluon_amp.disable, "disable at the end")
             assert gluon_amp.patched_functions() == (), "issue 42 items 1/2 (invariant E): still redirected"
             now = _functions()
             changed = sorted(k for k, (fn, code) in _PRISTINE.items()
@@ -517,8 +559,9 @@ class AmpStateMachine(RuleBasedStateMachine):
         finally:
             for w in self.workers:
                 w.stop()
-            gluon_amp.disable()
-            state.reset()
+            if not POISONED:  # else a thread holds the state stuck: the failure says where
+                _on_main(gluon_amp.disable, "disable after the example")
+                state.reset()  # here: it also clears the main thread's own records
 
 
 # no shrinking: threads make a replay differ, and the first failure is the one to read
@@ -529,6 +572,7 @@ _COMMON = dict(deadline=None, suppress_health_check=list(HealthCheck), database=
 def _run(**options: Any) -> None:
     FIRST.clear()
     POISONED.clear()
+    LEAKS.clear()
     emulation_kernel.load()  # built once per machine (seconds to a minute): not inside a watched call
     AmpStateMachine.TestCase.settings = settings(**options, **_COMMON)
     try:
