@@ -55,11 +55,29 @@ def _isolated():
     gluon_amp.disable()
     mx.nd.waitall()
     yield
+    held = _lock_left_held()  # before disable(), which would wait on it for good
     try:
         mx.nd.waitall()
     finally:
         gluon_amp.disable()
         gluon_amp.state.reset()  # also forgets converted results and releases their hooks
+    if held:
+        pytest.fail(f"gluon_amp.state.lock was left held by {held} (a `with state.lock:` whose exit "
+                    "did not run): every later call from another thread would hang on it")
+
+
+def _lock_left_held() -> str:
+    """Who still holds ``gluon_amp.state.lock`` after a test ('' if nobody); this thread's
+    hold is released, so the next tests run."""
+    lock = gluon_amp.state.lock
+    if lock._is_owned():
+        while lock._is_owned():
+            lock.release()
+        return "the test's own thread"
+    if not lock.acquire(timeout=10):  # a thread the test started may still be finishing
+        return f"another thread, for 10 s ({lock!r})"
+    lock.release()
+    return ""
 
 
 @pytest.fixture(autouse=True)
