@@ -66,7 +66,7 @@ class _Elementwise(nn.HybridBlock):
     """float16 weights on a CPU, whose float16 GEMMs do not exist: elementwise ops only."""
 
     def __init__(self):
-        super().__init__()
+        super().__init__(prefix="elementwise_")
         self.w = self.params.get("w", shape=(6,))
         self.b = self.params.get("b", shape=(6,))
 
@@ -85,16 +85,69 @@ def _batch(kind, rng, dtype):
     return mx.nd.array(x, dtype=dtype)
 
 
-def _run(optimizer, early, dtype="float32", batches=BATCHES, scaler="dynamic", monkeypatch=None):
-    """Train on ``batches``; early updates allowed or not. Everything a step may change."""
+class _Branch(nn.Block):
+    """A second head used on some steps only: on the others its parameters get no gradient
+    (``ignore_stale_grad=True`` leaves them out of the update)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Dense(5, in_units=6, activation="tanh", prefix="body_")
+        self.head = nn.Dense(2, in_units=5, prefix="head_")
+        self.side = nn.Dense(2, in_units=5, prefix="side_")
+
+    def forward(self, x, use_side=False):
+        h = self.body(x)
+        return self.head(h) + self.side(h) if use_side else self.head(h)
+
+
+#: how a step is called, as clients write it
+HOW = ("step", "unscale-clip-step", "allreduce-update", "stale-branch", "accumulate-2")
+
+
+def _train_step(how, trainer, net, x, i):
+    """One step of ``how``: forward, scaled backward and the update calls."""
+    with autograd.record():
+        out = net(x, i % 2 == 0) if how == "stale-branch" else net(x)
+        loss = (out.astype("float32") ** 2).mean()
+        with gluon_amp.scale_loss(loss, trainer) as scaled:
+            scaled.backward()
+    if how == "step":
+        trainer.step(4)
+    elif how == "unscale-clip-step":  # GluonNLP's: unscale, clip the global norm, update
+        gluon_amp.unscale(trainer)
+        grads = [p.grad() for p in net.collect_params().values() if p.grad_req != "null"]
+        gluon.utils.clip_global_norm(grads, 1.0, check_isfinite=False)
+        trainer.step(4)
+    elif how == "allreduce-update":
+        trainer.allreduce_grads()
+        trainer.update(4)
+    elif how == "stale-branch":
+        trainer.step(4, ignore_stale_grad=True)
+    elif how == "accumulate-2":  # grad_req 'add': two batches' gradients, one update
+        if i % 2 == 1:
+            trainer.step(8)
+            for p in net.collect_params().values():
+                p.zero_grad()
+
+
+def _run(optimizer, early, dtype="float32", batches=BATCHES, scaler="dynamic", monkeypatch=None, how="step"):
+    """Train on ``batches``; early updates allowed or not. Everything a step may change.
+    Every run's parameters have the same names: MXNet's Trainer orders them by name, and
+    the update counts and states compared are by that order."""
     if not early:
         monkeypatch.setattr(early_update, "MAX_BYTES", -1)
     mx.random.seed(0)
     rng = np.random.RandomState(0)
-    net = _Elementwise() if dtype == "float16" else nn.HybridSequential()
-    if dtype != "float16":
-        net.add(nn.Dense(5, in_units=6, activation="tanh"), nn.Dense(2, in_units=5))
+    if how == "stale-branch":
+        net = _Branch()
+    else:
+        net = _Elementwise() if dtype == "float16" else nn.HybridSequential()
+    if dtype != "float16" and how != "stale-branch":
+        net.add(nn.Dense(5, in_units=6, activation="tanh", prefix="d1_"), nn.Dense(2, in_units=5, prefix="d2_"))
     net.initialize(mx.init.Xavier() if dtype != "float16" else mx.init.Uniform(1.0))
+    if how == "accumulate-2":
+        for p in net.collect_params().values():
+            p.grad_req = "add"
     net.cast(dtype)
     params = dict(OPTIMIZERS[optimizer])
     name = optimizer.split("-")[0]
@@ -104,13 +157,8 @@ def _run(optimizer, early, dtype="float32", batches=BATCHES, scaler="dynamic", m
         params["lr_scheduler"] = mx.lr_scheduler.FactorScheduler(step=2, factor=0.5)
     trainer = gluon.Trainer(net.collect_params(), name, params, update_on_kvstore=False)
     scaler = gluon_amp.init_trainer(trainer, scaler)
-    for kind in batches:
-        x = _batch(kind, rng, dtype)
-        with autograd.record():
-            loss = (net(x).astype("float32") ** 2).mean()
-            with gluon_amp.scale_loss(loss, trainer) as scaled:
-                scaled.backward()
-        trainer.step(4)
+    for i, kind in enumerate(batches):
+        _train_step(how, trainer, net, _batch(kind, rng, dtype), i)
     monkeypatch.undo()
     states = []
     for index, state in sorted(trainer._updaters[0].states.items()):
@@ -146,6 +194,22 @@ def test_an_early_run_ends_bit_for_bit_where_a_waiting_run_ends(optimizer, monke
     assert spy.early == 0
     _same(early, waiting)
     assert early["scaler"]["skipped_steps"] == 3  # inf, nan, inf; the huge batch updates
+    assert all(np.isfinite(w).all() for w in early["weights"] + early["states"])
+
+
+@pytest.mark.parametrize("how", HOW[1:])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "lamb"])
+def test_each_way_of_calling_a_step_updates_early_and_ends_where_waiting_ends(optimizer, how, monkeypatch):
+    """Unscale and clip before the step (GluonNLP's), ``allreduce_grads`` + ``update``,
+    ``ignore_stale_grad`` with a head used on alternate steps, and accumulated gradients."""
+    spy = _Spy(monkeypatch)
+    early = _run(optimizer, True, monkeypatch=monkeypatch, how=how)
+    assert spy.early >= 2, (spy.early, spy.waited)
+    spy = _Spy(monkeypatch)
+    waiting = _run(optimizer, False, monkeypatch=monkeypatch, how=how)
+    assert spy.early == 0
+    _same(early, waiting)
+    assert early["scaler"]["skipped_steps"] >= 1
     assert all(np.isfinite(w).all() for w in early["weights"] + early["states"])
 
 
