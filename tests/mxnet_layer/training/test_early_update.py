@@ -428,6 +428,52 @@ def test_a_modules_early_run_ends_bit_for_bit_where_a_waiting_run_ends(optimizer
     assert early["scaler"]["skipped_steps"] == 3
 
 
+def _bucketing_run(early, monkeypatch):
+    """A BucketingModule whose buckets (sequence lengths 3 and 5) share their parameters,
+    switching bucket at every batch, as MXNet's lstm_bucketing example does."""
+    if not early:
+        monkeypatch.setattr(early_update, "MAX_BYTES", -1)
+    mx.random.seed(0)
+    rng = np.random.RandomState(0)
+
+    def sym_gen(length):
+        data = mx.sym.var("data")
+        pooled = mx.sym.sum(data, axis=1)  # (batch, length, 6) -> (batch, 6)
+        h = mx.sym.Activation(mx.sym.FullyConnected(pooled, num_hidden=5, name="fc1"), act_type="tanh")
+        out = mx.sym.LinearRegressionOutput(mx.sym.FullyConnected(h, num_hidden=2, name="fc2"), name="lro")
+        return out, ("data",), ("lro_label",)
+
+    mod = mx.mod.BucketingModule(sym_gen, default_bucket_key=5, context=mx.cpu())
+    mod.bind(data_shapes=[("data", (4, 5, 6))], label_shapes=[("lro_label", (4, 2))])
+    mod.init_params(mx.init.Xavier())
+    mod.init_optimizer(optimizer="sgd", optimizer_params=dict(OPTIMIZERS["sgd"]))
+    scaler = gluon_amp.init_trainer(mod)
+    for n, kind in enumerate(BATCHES):
+        length = 3 if n % 2 else 5
+        x = np.concatenate([_batch(kind, rng, "float32").asnumpy()[:, None, :]] * length, axis=1)
+        batch = mx.io.DataBatch([mx.nd.array(x)], [mx.nd.array(rng.randn(4, 2))], bucket_key=length,
+                                provide_data=[("data", (4, length, 6))], provide_label=[("lro_label", (4, 2))])
+        mod.forward_backward(batch)
+        mod.update()
+    monkeypatch.undo()
+    args, _ = mod.get_params()
+    states = []
+    for index, state in sorted(mxi.module.module_updater(mod._curr_module).states.items()):
+        early_update._leaves(state, states)
+    return {"weights": [args[k].asnumpy() for k in sorted(args)], "states": [s.asnumpy() for s in states],
+            "counts": mxi.optimizer_counters(mod._curr_module._optimizer), "scaler": scaler.state_dict(),
+            "fresh": []}
+
+
+def test_a_bucketing_module_switching_buckets_updates_early_and_ends_where_waiting_ends(monkeypatch):
+    spy = _Spy(monkeypatch, "begin_module")
+    early = _bucketing_run(True, monkeypatch)
+    assert spy.early >= len(BATCHES) - 2, (spy.early, spy.waited)
+    waiting = _bucketing_run(False, monkeypatch)
+    _same(early, waiting)
+    assert early["scaler"]["skipped_steps"] == 3
+
+
 def test_a_module_on_a_kvstore_waits_for_its_verdict(monkeypatch):
     """Two contexts: the Module makes a local kvstore, through which the update goes."""
     spy = _Spy(monkeypatch, "begin_module")
