@@ -34,6 +34,10 @@ from . import overflow
 MAX_BYTES = 1 << 20
 #: arrays per ``multi_sum_sq`` call
 _CHUNK = 256
+#: plans kept per trainer or module: a BucketingModule's buckets share their weights' memory
+#: but each holds its own NDArrays, so switching bucket would otherwise build a plan and its
+#: copies again (about 1 ms for 36 arrays, as much as the wait it saves)
+PLANS_KEPT = 8
 #: MXNet's own ops, not AMP's patched ones (bookkeeping, not the model's compute)
 _SUM_SQ = mxi.original_function(mx.nd.multi_sum_sq)
 _MULTICAST = mxi.original_function(mx.nd.amp_multicast)
@@ -71,7 +75,7 @@ class Plan:
 
     def __init__(self, weights: Sequence[mx.nd.NDArray], grads: Sequence[mx.nd.NDArray],
                  states: Sequence[mx.nd.NDArray]) -> None:
-        self.key = (tuple(weights), tuple(grads), tuple(states))
+        self.arrays = (tuple(weights), tuple(grads), tuple(states))  # alive while kept: their ids key it
         live = list(weights) + list(states)
         self.usable = all(a.stype == "default" for a in live + list(grads))
         self.nbytes = sum(a.size * np.dtype(a.dtype).itemsize for a in live) if self.usable else 0
@@ -98,10 +102,11 @@ class Plan:
             self._saved = [Saved(arrays) for arrays in self._groups.values()]
         return self._saved
 
-    def holds(self, weights: Sequence[mx.nd.NDArray], grads: Sequence[mx.nd.NDArray],
-              states: Sequence[mx.nd.NDArray]) -> bool:
-        return all(len(x) == len(y) and all(a is b for a, b in zip(x, y))
-                   for x, y in zip(self.key, (weights, grads, states)))
+
+def _key(weights: Sequence[mx.nd.NDArray], grads: Sequence[mx.nd.NDArray],
+         states: Sequence[mx.nd.NDArray]) -> Tuple[Tuple[int, ...], ...]:
+    """The arrays' identities: a kept plan holds its arrays, so no other array takes their ids."""
+    return tuple(map(id, weights)), tuple(map(id, grads)), tuple(map(id, states))
 
 
 @dataclass
@@ -139,8 +144,8 @@ def begin(trainer: Trainer, params: Sequence[Parameter], plans: Dict[str, Any]) 
     it; None (nothing dispatched) where the step must wait for its verdict instead: a dist
     kvstore or Horovod (the verdict is every worker's), an optimizer or updater whose update cannot
     be undone exactly, states not made or not yet on their context, sparse arrays, or more
-    than :data:`MAX_BYTES` to copy. ``plans`` keeps, between steps, the trainer's :class:`Plan`
-    (``"plan"``; dropped, with its copies, where there is none) or that it is too big."""
+    than :data:`MAX_BYTES` to copy. ``plans`` keeps, between steps, the trainer's plans
+    (``"plans"``; dropped, with their copies, where there is none) or that it is too big."""
     known = plans.get("too big")
     if known is not None and known == (id(params), len(params), MAX_BYTES):
         return None  # a trainer too big for its copies stays so (checked again if that changes)
@@ -149,7 +154,7 @@ def begin(trainer: Trainer, params: Sequence[Parameter], plans: Dict[str, Any]) 
         plans.clear()
         return None
     early = _dispatch(*arrays, mxi.trainer_optimizer(trainer), plans)
-    if early is None and "plan" not in plans and plans.get("size") is not None:
+    if early is None and not plans.get("plans") and plans.get("size") is not None:
         plans["too big"] = (id(params), len(params), MAX_BYTES)
     return early
 
@@ -178,22 +183,26 @@ def begin_module(module: Any, plans: Dict[str, Any]) -> Optional[Early]:
 
 def _dispatch(weights: List[mx.nd.NDArray], grads: List[mx.nd.NDArray], states: List[mx.nd.NDArray],
               opt: Any, plans: Dict[str, Any], fresh: bool = True) -> Optional[Early]:
-    """The sums and copies of ``plans``' plan for these arrays (made if they changed); None
-    where it cannot run early (``plans["size"]`` then says whether size was the reason)."""
+    """The sums and copies of the plan for these arrays (``plans["plans"]``: the last
+    :data:`PLANS_KEPT` used, by their arrays' identities; made if new); None where it cannot
+    run early (``plans["size"]`` then says whether size was the reason)."""
     plans.pop("size", None)
-    plan = plans.get("plan")
-    if plan is None or not plan.holds(weights, grads, states):
-        plans.clear()
+    kept: Dict[Tuple[Tuple[int, ...], ...], Plan] = plans.setdefault("plans", {})
+    key = _key(weights, grads, states)
+    plan = kept.pop(key, None)
+    if plan is None:
         plan = Plan(weights, grads, states)
         if not plan.usable:
             return None
         if plan.nbytes > MAX_BYTES:
             plans["size"] = plan.nbytes
             return None
-        plans["plan"] = plan
+        while len(kept) >= PLANS_KEPT:
+            del kept[next(iter(kept))]  # the least recently used, with its copies
     if plan.nbytes > MAX_BYTES:
         plans.clear()
         return None
+    kept[key] = plan  # the most recently used last
     with autograd.pause():
         sums = [_SUM_SQ(*chunk, num_arrays=len(chunk)) for chunk in plan.sums]
         for saved in plan.saved:

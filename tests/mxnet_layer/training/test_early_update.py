@@ -465,10 +465,23 @@ def _bucketing_run(early, monkeypatch):
             "fresh": []}
 
 
-def test_a_bucketing_module_switching_buckets_updates_early_and_ends_where_waiting_ends(monkeypatch):
+@pytest.mark.parametrize("kept", [early_update.PLANS_KEPT, 1])
+def test_a_bucketing_module_switching_buckets_updates_early_and_ends_where_waiting_ends(kept, monkeypatch):
+    """Each bucket's plan (and copies) is built once while kept; with one kept, at every
+    switch, and the run still ends where waiting ends."""
+    built = []
+    real = early_update.Plan.__init__
+
+    def counting(self, *args):
+        built.append(1)
+        real(self, *args)
+
+    monkeypatch.setattr(early_update.Plan, "__init__", counting)
+    monkeypatch.setattr(early_update, "PLANS_KEPT", kept)
     spy = _Spy(monkeypatch, "begin_module")
     early = _bucketing_run(True, monkeypatch)
     assert spy.early >= len(BATCHES) - 2, (spy.early, spy.waited)
+    assert len(built) == (2 if kept > 1 else len(BATCHES) - 1)  # two buckets; the first step makes the states
     waiting = _bucketing_run(False, monkeypatch)
     _same(early, waiting)
     assert early["scaler"]["skipped_steps"] == 3
