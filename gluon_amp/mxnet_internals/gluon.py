@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mxnet as mx
-from mxnet.gluon import HybridBlock, Parameter
+from mxnet.gluon import Block, HybridBlock, Parameter
 from mxnet.symbol import Symbol
 
 
@@ -262,17 +262,27 @@ def hooks_paused() -> ContextManager[None]:
 
 @dataclass(frozen=True)
 class BlockHooks:
-    """The two methods :func:`install_block_hooks` put on HybridBlock."""
+    """The methods :func:`install_block_hooks` put on HybridBlock (and on Block: ``call``,
+    None where no ``returned`` was given)."""
 
     get_graph: Callable
     call_cached_op: Callable
+    call: Optional[Callable] = None
+
+
+#: 1.9.1 mxnet/gluon/block.py: ``Block.__call__(self, *args)`` runs the forward hooks and
+#: ``forward``; HybridBlock and the recurrent cells reach it (the cells through ``super()``).
+_BLOCK_CALL = Block.__call__
+#: how deep the current thread is in Block calls (0: a call from outside any block)
+_calls = _ThreadDepth()
 
 
 def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], Symbol],
                         stale: Callable[[HybridBlock], None],
                         reshaped: Optional[Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], bool]] = None,
                         watch: Optional[Callable[[HybridBlock], bool]] = None,
-                        called: Optional[Callable[[HybridBlock, tuple], bool]] = None) -> BlockHooks:
+                        called: Optional[Callable[[HybridBlock, tuple], bool]] = None,
+                        returned: Optional[Callable[[Block, tuple, Any], Any]] = None) -> BlockHooks:
     """Until :func:`remove_block_hooks`: every HybridBlock's freshly built graph passes
     through ``rewrite(block, args, inputs, out)``, as does, before its first run, a graph
     a block was given (a SymbolBlock's: the block runs the result and keeps its own, see
@@ -284,7 +294,9 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
     block whose graph the hooks built passes to ``called(block, args)`` before it runs
     (the tuner's turn); True drops the graph and builds it again the same way. Blocks built
     and run inside :func:`hooks_paused` pass untouched. Costs a set lookup per call, and the
-    input shapes for watched blocks (a few microseconds), whatever the size of the heap."""
+    input shapes for watched blocks (a few microseconds), whatever the size of the heap.
+    What a block called from outside any block (hybridized or not) returns passes through
+    ``returned(block, args, out)``, whose result the caller gets."""
     built: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
     given: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()  # blocks whose graph was given, rewritten
     seen: "weakref.WeakKeyDictionary[HybridBlock, tuple]" = weakref.WeakKeyDictionary()
@@ -337,8 +349,21 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
         else:
             _RUN_GRAPHS.pop(self, None)
 
+    call = None
+    if returned is not None:
+        def __call__(self: Block, *args: Any) -> Any:
+            outermost = not _calls.depth
+            _calls.depth += 1
+            try:
+                out = _BLOCK_CALL(self, *args)
+            finally:
+                _calls.depth -= 1
+            return returned(self, args, out) if outermost and not _paused.depth else out
+
+        __call__.__doc__, __call__.__wrapped__ = _BLOCK_CALL.__doc__, _BLOCK_CALL  # type: ignore[attr-defined]
+        Block.__call__ = call = __call__
     HybridBlock._get_graph, HybridBlock._call_cached_op = _get_graph, _call_cached_op
-    return BlockHooks(_get_graph, _call_cached_op)
+    return BlockHooks(_get_graph, _call_cached_op, call)
 
 
 def _shapes(args: Any) -> Any:
@@ -354,6 +379,8 @@ def remove_block_hooks(hooks: BlockHooks) -> None:
         HybridBlock._get_graph = _GET_GRAPH
     if HybridBlock.__dict__.get("_call_cached_op") is hooks.call_cached_op:
         HybridBlock._call_cached_op = _CALL_CACHED_OP
+    if hooks.call is not None and Block.__dict__.get("__call__") is hooks.call:
+        Block.__call__ = _BLOCK_CALL
 
 
 # -- shape inference without the hooks -------------------------------------------------

@@ -19,7 +19,7 @@ from gluon_amp_core.table import ConditionalSpec
 from .. import execution, mxnet_internals as mxi, plan_notes, runtime, state
 from ..policy_builder import as_policy
 from ..tuning.schedule import Tuner
-from . import low_cast
+from . import low_cast, outputs
 from .hooks import graph_rewriter, holds_amp_plan
 from .wrappers import ScalerRegistry, wrapper_for
 
@@ -206,7 +206,7 @@ def _patch() -> _Patched:
         return _patched
     undo: List[Callable[[], Any]] = []
     try:
-        hooks = mxi.install_block_hooks(_rewrite, _warn_stale, _reshaped, _watch, _called)
+        hooks = mxi.install_block_hooks(_rewrite, _warn_stale, _reshaped, _watch, _called, outputs.returned)
         undo.append(lambda: mxi.remove_block_hooks(hooks))
         undo.append(lambda: execution.release("init"))  # releasing what is not held changes nothing
         execution.hold("init")  # where MXNet binds a graph: the plan runs native, emulated or refused

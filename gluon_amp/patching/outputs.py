@@ -1,0 +1,51 @@
+"""What a block called from outside any block returns, in the dtype its caller works in.
+
+A hybridized block's graph already gives float32 code float32 (:mod:`gluon_amp.execution`).
+An un-hybridized one runs op by op, and its last low-precision op's output would reach the
+caller as it is: a bfloat16 array, whose ``asnumpy()`` gives raw 16-bit words (NumPy has no
+bfloat16), so ``mx.metric.Accuracy`` read 0 and printed predictions were garbage. Here its
+outputs of the policy's low dtype are cast to float32 unless the caller fed that dtype
+(GPU-style code, ``net.cast('float16')``, gets what it asks for). Only the outermost call:
+the blocks inside it pass low-precision values to each other as before.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from mxnet.ndarray import NDArray  # mx.np.ndarray is a subclass
+
+from .. import mxnet_internals as mxi, state
+
+_LOW = ("bfloat16", "float16")
+
+
+def returned(block: Any, args: tuple, out: Any) -> Any:
+    """``out`` of ``block(*args)`` as its caller gets it (the block hooks' ``returned``)."""
+    policy = state.current_policy()
+    if policy is None or not policy.enabled or policy.emulate or policy.target_dtype not in _LOW:
+        return out  # emulation computes in float32 already
+    if _holds(args, policy.target_dtype):
+        return out
+    return _to_float32(out, policy.target_dtype)
+
+
+def _holds(args: Any, dtype: str) -> bool:
+    """Whether an array of ``dtype`` is among ``args`` (nested lists and tuples)."""
+    if isinstance(args, (list, tuple)):
+        return any(_holds(a, dtype) for a in args)
+    return _dtype_name(args) == dtype
+
+
+def _to_float32(out: Any, dtype: str) -> Any:
+    if isinstance(out, (list, tuple)):
+        items = [_to_float32(o, dtype) for o in out]
+        if all(a is b for a, b in zip(items, out)):
+            return out
+        if isinstance(out, list):
+            return items
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+    return out.astype("float32") if _dtype_name(out) == dtype else out
+
+
+def _dtype_name(value: Any) -> Any:
+    return mxi.FLOAT_NAMES.get(value.dtype) if isinstance(value, NDArray) else None

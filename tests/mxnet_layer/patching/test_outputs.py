@@ -1,0 +1,149 @@
+"""What a block called from outside any block returns (gluon_amp/patching/outputs.py).
+
+Generated over block shapes (a Dense stack, a conv net with batch norm, blocks returning a
+tuple, a list and a namedtuple), hybridized or not, legacy and numpy mode, on a native
+bfloat16 host (simulated everywhere; real where the kernels are). Found by a GluonCV script run
+un-hybridized: its network's bfloat16 output reached ``mx.metric.Accuracy``, whose
+``asnumpy()`` read raw 16-bit words, and the accuracy was 0 at every epoch. Float32 code gets
+float32: the values the block's low-precision output holds, the same gradients, the metric
+FP32's argmax gives; code that feeds bfloat16 gets bfloat16; leaving AMP puts
+``Block.__call__`` back by identity.
+"""
+import collections
+import warnings
+
+import numpy as np
+import mxnet as mx
+import pytest
+from mxnet import autograd, npx
+from mxnet.gluon import nn
+
+import gluon_amp
+from gluon_amp import mxnet_internals as mxi
+from gluon_amp.mxnet_internals import gluon as mxi_gluon
+
+Pair = collections.namedtuple("Pair", ["scores", "features"])
+
+
+class _Many(nn.HybridBlock):
+    """Returns its scores and features in a container of ``kind``."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.body = nn.Dense(8, activation="relu")
+        self.head = nn.Dense(5)
+
+    def hybrid_forward(self, F, x):
+        features = self.body(x)
+        scores = self.head(features)
+        if self.kind == "tuple":
+            return scores, features
+        if self.kind == "list":
+            return [scores, features]
+        return Pair(scores, features)
+
+
+def _net(kind):
+    mx.random.seed(0)
+    if kind == "dense":
+        net = nn.HybridSequential()
+        net.add(nn.Dense(16, activation="relu"), nn.Dense(5))
+    elif kind == "conv":
+        net = nn.HybridSequential()
+        net.add(nn.Conv2D(4, 3, padding=1), nn.BatchNorm(), nn.Activation("relu"), nn.GlobalAvgPool2D(),
+                nn.Dense(5))
+    else:
+        net = _Many(kind)
+    net.initialize(mx.init.Xavier())
+    return net
+
+
+def _x(kind, frontend):
+    rng = np.random.RandomState(1)
+    x = rng.randn(8, 3, 6, 6) if kind == "conv" else rng.randn(8, 12)
+    return (mx.np if frontend == "numpy" else mx.nd).array(x.astype("float32"))
+
+
+def _arrays(out):
+    return [out] if isinstance(out, mx.nd.NDArray) else list(out)
+
+
+def _raw(net, x):
+    """What the block gives inside another block's call: its outputs as its ops left them."""
+    with mxi_gluon._calls.inside():
+        return net(x)
+
+
+@pytest.fixture(params=["legacy", "numpy"])
+def frontend(request):
+    if request.param == "numpy":
+        npx.set_np()
+    yield request.param
+    if request.param == "numpy":
+        npx.reset_np()
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+@pytest.mark.parametrize("kind", ["dense", "conv", "tuple", "list", "namedtuple"])
+def test_float32_code_gets_float32_outputs_with_the_values_gradients_and_metric_of_the_blocks_own(
+        native_host, frontend, kind, hybridize):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gluon_amp.init("bfloat16", tune=False)
+    net = _net(kind)
+    if hybridize:
+        net.hybridize()
+    x = _x(kind, frontend)
+    out = net(x)
+    raw = _raw(net, x)
+    assert type(out) is type(raw)
+    if hasattr(raw, "_fields"):  # a hybridized block's CachedOp regroups outputs as MXNet does
+        assert out._fields == raw._fields
+    for got, inner in zip(_arrays(out), _arrays(raw)):
+        assert mxi.FLOAT_NAMES[got.dtype] == "float32"
+        assert isinstance(got, mx.np.ndarray) == (frontend == "numpy")
+        np.testing.assert_array_equal(got.asnumpy(), inner.astype("float32").asnumpy())
+    if not hybridize:  # the case the outer cast exists for: the last op left bfloat16
+        assert mxi.FLOAT_NAMES[_arrays(raw)[0].dtype] == "bfloat16"
+
+    labels = mx.nd.array(np.arange(8) % 5)
+    metric = mx.metric.Accuracy()
+    metric.update([labels], [_arrays(out)[0].as_nd_ndarray() if frontend == "numpy" else _arrays(out)[0]])
+    want = (_arrays(raw)[0].astype("float32").asnumpy().argmax(axis=1) == labels.asnumpy()).mean()
+    assert metric.get()[1] == pytest.approx(want)
+
+    grads = []
+    for run in (lambda: net(x), lambda: _raw(net, x)):
+        with autograd.record():
+            scores = _arrays(run())[0]
+            loss = (scores.astype("float32") ** 2).sum()
+        loss.backward()
+        grads.append([p.grad().asnumpy() for p in net.collect_params().values() if p.grad_req != "null"])
+    for a, b in zip(*grads):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_code_that_feeds_bfloat16_gets_bfloat16(native_host):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gluon_amp.init("bfloat16", tune=False)
+    net = _net("dense")
+    net.cast(mxi.to_mx_dtype("bfloat16"))
+    out = net(_x("dense", "legacy").astype(mxi.to_mx_dtype("bfloat16")))
+    assert mxi.FLOAT_NAMES[out.dtype] == "bfloat16"
+
+
+def test_emulation_and_amp_off_return_what_the_block_gives():
+    net = _net("dense")
+    x = _x("dense", "legacy")
+    assert net(x) is not None and mxi_gluon.Block.__call__ is mxi_gluon._BLOCK_CALL  # AMP never on
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gluon_amp.init("bfloat16", emulate=True, tune=False)
+    assert mxi_gluon.Block.__call__ is not mxi_gluon._BLOCK_CALL
+    out, raw = net(x), _raw(net, x)
+    assert mxi.FLOAT_NAMES[out.dtype] == "float32"
+    np.testing.assert_array_equal(out.asnumpy(), raw.asnumpy())
+    gluon_amp.disable()
+    assert mxi_gluon.Block.__call__ is mxi_gluon._BLOCK_CALL  # put back by identity
