@@ -12,7 +12,7 @@ from mxnet import autograd, gluon
 
 import gluon_amp
 from gluon_amp import execution, mxnet_internals as mxi, runtime
-from gluon_amp.mxnet_internals import BFLOAT16
+from gluon_amp.mxnet_internals import BFLOAT16, gluon as mxi_gluon
 from gluon_amp_core.capability import Bf16
 from helpers import ROOT, no_bf16_env
 
@@ -80,7 +80,10 @@ def test_a_simulated_native_init_gives_native_dtypes_report_and_runs_the_graph_e
                 gluon.nn.MaxPool2D(), gluon.nn.Dense(3))
         net.initialize()
         imperative = net(x)
-        assert imperative.dtype == BFLOAT16  # as natively: the last op's bfloat16 output
+        with mxi_gluon._calls.inside():  # as a block inside another one gets it
+            inner = net(x)
+        assert inner.dtype == BFLOAT16  # as natively: the last op's bfloat16 output
+        assert imperative.dtype == np.float32  # to the caller's float32 code (patching/outputs.py)
         net.hybridize()
         with autograd.record():
             out = net(x)
