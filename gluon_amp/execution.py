@@ -27,6 +27,8 @@ from mxnet.symbol import Symbol
 from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import drop_identity_casts
+from gluon_amp_core.table import kernel_verdicts
+from gluon_amp_core.verdicts import Verdict
 
 from . import mxnet_internals as mxi, plan_notes, runtime, state
 from .emulation import emulate_symbol
@@ -68,10 +70,16 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
     if policy is not None and policy.enabled and policy.emulate:
         return emulated(plan, typed, shapes, fed=dtypes)
     kernels = kernel_dtypes(plan, typed)
+    target = policy.target_dtype if policy is not None and policy.enabled else None
     for device in sorted(set(devices)):
         for dtype in sorted(kernels):
-            if not runtime.executable(dtype, device):
+            if runtime.executable(dtype, device):
+                continue
+            if dtype == target:
                 raise CannotRun(cannot_run(what, dtype, device))
+            missing = kernels_missing(plan, typed, dtype, device)  # the script's own dtype: op by op
+            if missing:
+                raise CannotRun(cannot_run(what, dtype, device, missing))
     if simulated and "bfloat16" in kernels:  # a simulated native host: its bfloat16 kernels emulated
         return emulated(plan, typed, shapes, fed=dtypes)
     return outputs_as_fed(plan, typed, dtypes, plan_heads) if policy is not None and policy.enabled else plan
@@ -130,6 +138,26 @@ def kernel_dtypes(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> set:
     nodes = json.loads(plan.tojson(remove_amp_cast=False))["nodes"]
     exempt = {n["name"] for n in nodes if n["op"] == "null" or n["op"] in _CASTS}
     return {t for (name, _), t in typed.items() if t in LOW_PRECISION_DTYPES and name not in exempt}
+
+
+def kernels_missing(plan: Symbol, typed: Mapping[Key, Optional[str]], dtype: str, device: str) -> list:
+    """The ops of ``plan`` computing in ``dtype`` that have no kernel for it on ``device``, by
+    the recorded facts (:func:`gluon_amp_core.table.kernel_verdicts`: ``no_kernel``). MXNet's
+    CPU build runs most elementwise ops in float16, and has no float16 GEMM or convolution.
+    An op the facts do not know runs as plain MXNet runs it: the script computes in that dtype
+    itself, so AMP adds no failure there."""
+    verdicts = kernel_verdicts(dtype, device)
+    nodes = json.loads(plan.tojson(remove_amp_cast=False))["nodes"]
+    computing = {name for (name, _), t in typed.items() if t == dtype}
+    missing = []
+    for node in nodes:
+        op = node["op"]
+        if op == "null" or op in _CASTS or node["name"] not in computing:
+            continue
+        keys = [op] + [f"{op}:{k}={v}" for k, v in sorted(node.get("attrs", {}).items())]
+        if any(verdicts.get(k) is Verdict.NO_KERNEL for k in keys):
+            missing.append(op)
+    return sorted(set(missing))
 
 
 def without_identity_casts(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> Symbol:
@@ -372,11 +400,13 @@ def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mappin
         return mxi.RefusedRun(sym, refused)
 
 
-def cannot_run(what: str, dtype: str, device: str) -> str:
-    """The message for a low-precision op this machine cannot execute."""
+def cannot_run(what: str, dtype: str, device: str, ops: Sequence[str] = ()) -> str:
+    """The message for a low-precision op this machine cannot execute (``ops``: those, where
+    only some of the graph's ops in ``dtype`` lack a kernel)."""
     why = ("MXNet's CPU build has no float16 convolution or GEMM" if dtype == "float16"
            else runtime.capability().why)
-    return (f"gluon_amp: {what} would run {dtype} kernels on the {device}, which this machine cannot "
-            f"execute ({why}). Call gluon_amp.init(target_dtype={dtype!r}, emulate=True) to run the "
-            "same plan emulated in float32 on this CPU (for numerics), or run on hardware with "
-            f"{dtype} kernels.")
+    which = f"{', '.join(ops)} in {dtype}" if ops else f"{dtype} kernels"
+    return (f"gluon_amp: {what} would run {which} on the {device}, which this machine cannot "
+            f"execute ({why}). Call gluon_amp.init(target_dtype={dtype!r}, emulate=True) (under "
+            f"python -m gluon_amp.run: --emulate --target-dtype {dtype}) to run the same plan emulated "
+            f"in float32 on this CPU (for numerics), or run on hardware with {dtype} kernels.")

@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 from .dtypes import LOW_PRECISION_DTYPES
-from .verdicts import Verdict, fact_from_row, plan_verdicts
+from .verdicts import Verdict, device_verdicts, fact_from_row, plan_verdicts
 
 
 class OpListError(ValueError, AssertionError):
@@ -110,6 +110,14 @@ def default_verdicts(target_dtype: str) -> Mapping[str, Verdict]:
     """The verdicts a ``target_dtype`` plan follows, from the recorded facts (``lists/verdicts.py``)."""
     data = importlib.import_module(f"{__package__}.lists.verdicts")
     return plan_verdicts((fact_from_row(r) for r in data.FACTS), target_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_verdicts(dtype: str, device: str) -> Mapping[str, Verdict]:
+    """Every op's verdict in ``dtype`` on ``device`` from the recorded facts (see
+    :func:`gluon_amp_core.verdicts.device_verdicts`)."""
+    data = importlib.import_module(f"{__package__}.lists.verdicts")
+    return device_verdicts((fact_from_row(r) for r in data.FACTS), dtype, device)
 
 
 def split_key(key: str) -> Tuple[str, Optional[Tuple[str, str]]]:

@@ -147,6 +147,18 @@ def plan_verdicts(facts: Iterable[Fact], target_dtype: str) -> Mapping[str, Verd
     return MappingProxyType({op: v for op, v in sorted(found.items()) if v not in NO_RULE})
 
 
+def device_verdicts(facts: Iterable[Fact], dtype: str, device: str) -> Mapping[str, Verdict]:
+    """Op key -> the worst verdict of its facts for ``dtype`` on ``device`` (that device's facts
+    and those that hold on every device), every verdict kept: an op absent here was never run
+    in ``dtype`` there. What a graph computing in a dtype that is not the plan's target (a
+    script's own float16 mask on a bfloat16 CPU) can run, op by op."""
+    found: Dict[str, Verdict] = {}
+    for f in facts:
+        if f.dtype == dtype and f.device in (DEVICE_ANY, device):
+            found[f.op] = worst((found.get(f.op, Verdict.OK), f.verdict))
+    return MappingProxyType(dict(sorted(found.items())))
+
+
 @dataclass(frozen=True)
 class Part:
     """One compared part of one run of an op in a low dtype: its outputs (``forward``) or its

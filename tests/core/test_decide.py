@@ -70,7 +70,8 @@ def test_is_narrower_reads_attributes_as_mxnet_and_python_write_them():
 
 from gluon_amp_core.lists import verdicts as verdict_data  # noqa: E402
 from gluon_amp_core.table import default_verdicts  # noqa: E402
-from gluon_amp_core.verdicts import BOUNDS, Fact, Verdict, fact_from_row, plan_verdicts  # noqa: E402
+from gluon_amp_core.verdicts import (BOUNDS, Fact, Verdict, device_verdicts, fact_from_row,  # noqa: E402
+                                     plan_verdicts)
 
 
 def test_every_ruled_out_op_runs_float32_or_uniform_from_low_inputs():
@@ -126,6 +127,18 @@ def test_plan_verdicts_take_the_worst_fact_on_the_target_devices():
              Fact("d", "bfloat16", Verdict.OK, "cpu", "h1")]
     assert dict(plan_verdicts(facts, "bfloat16")) == {"a": Verdict.WRONG}
     assert dict(plan_verdicts(facts, "float16")) == {"c": Verdict.NEEDS_UNIFORM_INPUTS}
+
+
+def test_device_verdicts_keep_every_op_run_there_with_its_worst_fact():
+    """What a script's own float16 graph can run on a CPU, op by op (execution.kernels_missing)."""
+    facts = [Fact("a", "float16", Verdict.OK, "cpu", "h1"), Fact("a", "float16", Verdict.NO_KERNEL, "cpu", "h2"),
+             Fact("b", "float16", Verdict.OK, "cpu", "h1"),
+             Fact("c", "float16", Verdict.NEEDS_UNIFORM_INPUTS, "any", "h1"),
+             Fact("d", "bfloat16", Verdict.NO_KERNEL, "cpu", "h1"),
+             Fact("e", "float16", Verdict.NO_KERNEL, "gpu", "h1")]
+    assert dict(device_verdicts(facts, "float16", "cpu")) == {
+        "a": Verdict.NO_KERNEL, "b": Verdict.OK, "c": Verdict.NEEDS_UNIFORM_INPUTS}
+    assert dict(device_verdicts(facts, "bfloat16", "cpu")) == {"d": Verdict.NO_KERNEL}
 
 
 def test_recorded_facts_are_well_formed_and_name_their_host():

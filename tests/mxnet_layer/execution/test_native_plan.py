@@ -23,7 +23,9 @@ from mxnet import autograd, gluon
 from gluon_amp import execution, runtime
 from gluon_amp.speed import probe
 from gluon_amp.type_inference import infer_dtypes
+from gluon_amp_core import table as gluon_amp_core_table
 from gluon_amp_core.capability import Bf16, Capability
+from gluon_amp_core.verdicts import Verdict
 
 NATIVE = Capability(0, Bf16.NATIVE, "AVX512_CORE_BF16", "oneDNN runs bfloat16 natively (in-process stand-in)",
                     amx_hint="")
@@ -90,6 +92,71 @@ def test_a_plan_computing_in_float16_is_still_refused_on_a_cpu(decides_as_native
     plan, params = _plan(_cnn())
     with pytest.raises(execution.CannotRun, match="float16 kernels.*emulate=True"):
         execution.graph_to_run(plan, {"data": "float32", **params}, SHAPES, {"cpu"}, policy, "the block")
+
+
+#: ops a script may compute in float16 itself, each built on float16 inputs (a mask, a sum,
+#: a GEMM); whether each is refused comes from the recorded facts, not from this list
+SCRIPT_FLOAT16_OPS = {
+    "broadcast_lesser": lambda a, b: mx.sym.broadcast_lesser(a, b),
+    "elemwise_add": lambda a, b: mx.sym.elemwise_add(a, b),
+    "Activation:act_type=relu": lambda a, b: mx.sym.Activation(a, act_type="relu"),
+    "SequenceMask": lambda a, b: mx.sym.SequenceMask(a),
+    "FullyConnected": lambda a, b: mx.sym.FullyConnected(a, num_hidden=3, no_bias=True, name="fc16"),
+    "dot": lambda a, b: mx.sym.dot(a, b, transpose_b=True),
+    "batch_dot": lambda a, b: mx.sym.batch_dot(mx.sym.expand_dims(a, 0), mx.sym.expand_dims(b, 0),
+                                               transpose_b=True),
+}
+
+
+@pytest.mark.parametrize("op", sorted(SCRIPT_FLOAT16_OPS))
+def test_a_bfloat16_plan_refuses_a_scripts_own_float16_op_only_where_the_cpu_has_no_kernel(decides_as_native, op):
+    """GluonNLP's run_pretraining.py --dtype float16 feeds ``valid_length.astype('float16')``
+    into a mask: elementwise float16 ops, which MXNet's CPU build runs. Refused before, as if
+    every float16 op were a GEMM; now only what the facts say has no float16 kernel here."""
+    a16, b16 = mx.sym.cast(mx.sym.var("a"), "float16"), mx.sym.cast(mx.sym.var("b"), "float16")
+    # built before init: under it, the patched GEMMs would cast the float16 inputs to bfloat16
+    plan = mx.sym.cast(SCRIPT_FLOAT16_OPS[op](a16, b16), "float32")
+    policy = _init(target_dtype="bfloat16")
+    fed, shapes = {"a": "float32", "b": "float32"}, {"a": (4, 3), "b": (4, 3)}
+    no_kernel = gluon_amp_core_table.kernel_verdicts("float16", "cpu").get(op) is Verdict.NO_KERNEL
+    if no_kernel:
+        name = op.split(":")[0]
+        with pytest.raises(execution.CannotRun, match=f"{name} in float16.*--emulate --target-dtype float16"):
+            execution.graph_to_run(plan, fed, shapes, {"cpu"}, policy, "the block")
+    else:
+        assert execution.graph_to_run(plan, fed, shapes, {"cpu"}, policy, "the block") is plan
+
+
+def test_a_scripts_float16_mask_beside_a_bfloat16_dense_trains_as_plain_mxnet_computes_it(native_host):
+    """The pretraining script's pattern end to end: a hybridized block, float32 data, a float16
+    ``valid_length`` that only feeds a mask; the mask is the one plain MXNet computes."""
+    class Masked(gluon.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.dense = gluon.nn.Dense(8, flatten=False)
+
+        def hybrid_forward(self, F, x, valid_length):
+            steps = F.cast(F.contrib.arange_like(x, axis=1), "float16")
+            mask = F.broadcast_lesser(steps.reshape((1, -1)), valid_length.reshape((-1, 1)))
+            return F.broadcast_mul(self.dense(x), F.expand_dims(mask.astype("float32"), axis=2)), mask
+
+    x = mx.nd.random.normal(shape=(2, 5, 4))
+    valid = mx.nd.array([3, 5]).astype("float16")
+    plain = Masked()
+    plain.initialize()
+    plain.hybridize()
+    want = plain(x, valid)[1].asnumpy()
+    _init(target_dtype="bfloat16")
+    net = Masked()
+    net.initialize()
+    net.hybridize()
+    with autograd.record():
+        out, mask = net(x, valid)
+        loss = out.sum()
+    loss.backward()
+    assert mask.dtype == np.float16
+    np.testing.assert_array_equal(mask.asnumpy(), want)
+    assert np.isfinite(net.dense.weight.grad().asnumpy()).all()
 
 
 @pytest.mark.parametrize("entry", ["block", "symbol"])
