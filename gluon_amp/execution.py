@@ -26,7 +26,7 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.policy import Policy
-from gluon_amp_core.retype import drop_identity_casts
+from gluon_amp_core.retype import cast_each_input, drop_identity_casts
 from gluon_amp_core.table import kernel_verdicts
 from gluon_amp_core.verdicts import Verdict
 
@@ -82,7 +82,16 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
                 raise CannotRun(cannot_run(what, dtype, device, missing))
     if simulated and "bfloat16" in kernels:  # a simulated native host: its bfloat16 kernels emulated
         return emulated(plan, typed, shapes, fed=dtypes)
-    return outputs_as_fed(plan, typed, dtypes, plan_heads) if policy is not None and policy.enabled else plan
+    run = outputs_as_fed(plan, typed, dtypes, plan_heads) if policy is not None and policy.enabled else plan
+    return without_float16_multicasts(run, typed) if "cpu" in devices and "float16" in low else run
+
+
+def without_float16_multicasts(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> Symbol:
+    """``plan`` as a CPU runs it: a multicast with a float16 input becomes one cast per input
+    (oneDNN runs the CPU's ``amp_multicast`` and has no float16;
+    :func:`gluon_amp_core.retype.cast_each_input`). ``plan`` itself where it has none."""
+    graph, split = cast_each_input(json.loads(plan.tojson(remove_amp_cast=False)), typed, "float16")
+    return mx.sym.load_json(json.dumps(graph)) if split else plan
 
 
 #: Suffix of the cast that gives a natively run plan's low-precision output in the fed dtype.

@@ -223,3 +223,56 @@ def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tup
     if not dropped:
         return graph, 0
     return _reachable(graph, out, [entry(h) for h in graph["heads"]]), dropped
+
+
+#: dtypes ordered by width, as ``amp_multicast`` picks the widest (or, ``cast_narrow``, the narrowest)
+_WIDTH = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def cast_each_input(graph: dict, dtypes: Mapping[Key, Optional[str]], dtype: str) -> Tuple[dict, int]:
+    """``graph`` with each ``amp_multicast`` that has an input of ``dtype`` replaced by one
+    ``amp_cast`` per input, to the dtype the multicast would give them all; and how many
+    multicasts went.
+
+    1.9.1's CPU ``amp_multicast`` runs in oneDNN, which has no float16 ("unknown type for
+    MKLDNN :2"), while ``amp_cast`` converts float16 on a CPU: a script's own float16 mask
+    meeting a float32 score in ``where`` (GluonNLP's attention under ``--dtype float16``) made
+    the plan's multicast fail where plain MXNet runs the op. Only where the target dtype is
+    decided by a wider input (float32 or float64 among them); the plan itself keeps its
+    multicasts (a GPU runs them): this is for the graph a CPU executes."""
+    nodes = graph["nodes"]
+
+    def dtype_of(e: list) -> Optional[str]:
+        return dtypes.get((nodes[e[0]]["name"], e[1]))
+
+    out: List[dict] = []
+    moved: Dict[Entry, List[int]] = {}
+    at: Dict[int, int] = {}
+
+    def entry(e: list) -> List[int]:
+        return moved.get((e[0], e[1])) or [at[e[0]], e[1], 0]
+
+    split = 0
+    for i, node in enumerate(nodes):
+        inputs = [entry(e) for e in node["inputs"]]
+        have = [dtype_of(e) for e in node["inputs"]]
+        if node["op"] == "amp_multicast" and dtype in have and None not in have:
+            narrow = str(node.get("attrs", {}).get("cast_narrow", "False")).lower() in ("true", "1")
+            floats = [t for t in have if t in _WIDTH]
+            wider = [t for t in floats if _WIDTH[t] > _WIDTH[dtype]]
+            if wider:
+                want = min(floats, key=_WIDTH.__getitem__) if narrow else max(wider, key=_WIDTH.__getitem__)
+                for k, (e, t) in enumerate(zip(inputs, have)):
+                    if t == want or t not in _WIDTH:
+                        moved[(i, k)] = e
+                        continue
+                    out.append({"op": "amp_cast", "name": f"{node['name']}_{k}_{want}",
+                                "attrs": {"dtype": want}, "inputs": [e]})
+                    moved[(i, k)] = [len(out) - 1, 0, 0]
+                split += 1
+                continue
+        out.append({**node, "inputs": inputs})
+        at[i] = len(out) - 1
+    if not split:
+        return graph, 0
+    return _reachable(graph, out, [entry(h) for h in graph["heads"]]), split

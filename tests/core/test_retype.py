@@ -2,7 +2,7 @@
 import pytest
 
 from gluon_amp_core.decide import Decision, MeasuredChoice, Reason
-from gluon_amp_core.retype import Change, drop_identity_casts, retype
+from gluon_amp_core.retype import Change, cast_each_input, drop_identity_casts, retype
 from gluon_amp_core.table import default_table
 from gluon_amp_core.walk import measured_note
 
@@ -147,3 +147,34 @@ def test_a_graph_of_float_entries_is_left_as_it_is():
     dtypes = {(n["name"], 0): FP32 for n in _traced()["nodes"]}
     graph = _traced()
     assert drop_identity_casts(graph, dtypes) == (graph, 0)
+
+
+@pytest.mark.parametrize("narrow", [False, True])
+def test_a_multicast_with_a_float16_input_becomes_one_cast_per_input_as_a_cpu_runs_it(narrow):
+    """A CPU's amp_multicast runs in oneDNN, which has no float16: a float16 mask meeting
+    float32 scores in ``where`` gets each input cast to what the multicast gives them."""
+    nodes = [
+        {"op": "null", "name": "mask", "inputs": []},
+        {"op": "null", "name": "s", "inputs": []},
+        {"op": "null", "name": "y", "inputs": []},
+        {"op": "amp_multicast", "name": "mc", "attrs": {"num_outputs": "3", "cast_narrow": str(narrow)},
+         "inputs": [[0, 0, 0], [1, 0, 0], [2, 0, 0]]},
+        {"op": "where", "name": "where", "inputs": [[3, 0, 0], [3, 1, 0], [3, 2, 0]]},
+    ]
+    graph = {"nodes": nodes, "arg_nodes": [0, 1, 2], "heads": [[4, 0, 0]], "attrs": {}}
+    dtypes = {("mask", 0): "float16", ("s", 0): FP32, ("y", 0): BF16}
+    out, split = cast_each_input(graph, dtypes, "float16")
+    by = _by_name(out)
+    assert split == 1 and "mc" not in by
+    want = "float16" if narrow else FP32
+    reads = by["where"][1]
+    for name, source, dtype in zip(reads, ("mask", "s", "y"), ("float16", FP32, BF16)):
+        if dtype == want:
+            assert name == source  # already the dtype: read as it is
+        else:
+            cast, cast_in = by[name]
+            assert cast["op"] == "amp_cast" and cast["attrs"]["dtype"] == want and cast_in == [source]
+    assert all(e[0] < j for j, n in enumerate(out["nodes"]) for e in n["inputs"])
+    # without a float16 input, or with only low inputs (no wider one decides), nothing changes
+    assert cast_each_input(graph, {**dtypes, ("mask", 0): FP32}, "float16") == (graph, 0)
+    assert cast_each_input(graph, {**dtypes, ("s", 0): BF16}, "float16") == (graph, 0)
