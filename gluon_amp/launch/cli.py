@@ -125,7 +125,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         _say(f"{w.category.__name__}: {w.message}")
     sys.excepthook = runner.trimming_excepthook(sys.excepthook)
     threads.end_process_on_thread_failure(_say)
-    _say(f"{policy.describe()}; gluon_amp answers {facade.PEER}; running {name}")
+    described = policy.describe()
+    if not policy.enabled and policy.reason and any(policy.reason in str(w.message) for w in said):
+        described = "float32 (mixed precision off: why is said above)"  # its reason once, not twice
+    _say(f"{described}; gluon_amp answers {facade.PEER}; running {name}")
     try:
         (runner.run_module if kind == "module" else runner.run_script)(name, args)
     except SystemExit as exc:

@@ -107,6 +107,8 @@ def test_what_installing_warns_is_the_launchers_own_line(tmp_path):
     warned = [line for line in r.stderr.splitlines() if "Warning" in line]
     assert len(warned) == 1 and warned[0].startswith("gluon_amp.run: RuntimeWarning: gluon_amp: mixed precision is off")
     assert ".py:" not in r.stderr and "float32" in r.stderr
+    why = warned[0].split("stay in float32: ", 1)[1][:60]  # the reason, said once (not again in the run line)
+    assert r.stderr.count(why) == 1, r.stderr
 
 
 @pytest.mark.parametrize("where", ["worker", "main"])
