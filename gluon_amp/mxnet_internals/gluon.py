@@ -352,13 +352,13 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
     call = None
     if returned is not None:
         def __call__(self: Block, *args: Any) -> Any:
-            outermost = not _calls.depth
-            _calls.depth += 1
-            try:
+            depth = _calls.depth
+            try:  # set inside the try: a Ctrl-C anywhere leaves the thread's depth as it was
+                _calls.depth = depth + 1
                 out = _BLOCK_CALL(self, *args)
             finally:
-                _calls.depth -= 1
-            return returned(self, args, out) if outermost and not _paused.depth else out
+                _calls.depth = depth
+            return returned(self, args, out) if not depth and not _paused.depth else out
 
         __call__.__doc__, __call__.__wrapped__ = _BLOCK_CALL.__doc__, _BLOCK_CALL  # type: ignore[attr-defined]
         Block.__call__ = call = __call__

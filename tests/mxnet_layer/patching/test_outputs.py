@@ -147,3 +147,23 @@ def test_emulation_and_amp_off_return_what_the_block_gives():
     np.testing.assert_array_equal(out.asnumpy(), raw.asnumpy())
     gluon_amp.disable()
     assert mxi_gluon.Block.__call__ is mxi_gluon._BLOCK_CALL  # put back by identity
+
+
+def test_a_block_that_raises_leaves_the_next_call_outermost(native_host):
+    """A fault (a Ctrl-C included) inside a block's forward: the thread is outside every block
+    again, so the next call's outputs still come back float32."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gluon_amp.init("bfloat16", tune=False)
+    net = _net("dense")
+    x = _x("dense", "legacy")
+
+    class Failing(nn.Block):
+        def forward(self, x):
+            net(x)
+            raise KeyboardInterrupt("inside a block")
+
+    with pytest.raises(KeyboardInterrupt):
+        Failing()(x)
+    assert mxi_gluon._calls.depth == 0
+    assert mxi.FLOAT_NAMES[net(x).dtype] == "float32"
