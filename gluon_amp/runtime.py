@@ -66,7 +66,7 @@ def enable_amx() -> bool:
                 and platform.machine() in ("x86_64", "AMD64")
                 and {"amx_bf16", "amx_tile"} <= cpu_flags()):
             ok = _request_amx_permission()
-            if ok and "DNNL_MAX_CPU_ISA" not in os.environ:
+            if ok and not os.environ.get("DNNL_MAX_CPU_ISA"):  # an empty value chooses nothing either
                 os.environ["DNNL_MAX_CPU_ISA"] = _AMX_ISA
                 _state["isa_set_by"] = "gluon_amp"
             elif "DNNL_MAX_CPU_ISA" in os.environ:
@@ -80,7 +80,7 @@ def enable_amx() -> bool:
 
 def amx_active() -> bool:
     """True when oneDNN may use AMX in this process (permission granted, ISA cap allows it)."""
-    return enable_amx() and os.environ.get("DNNL_MAX_CPU_ISA", "").upper() == _AMX_ISA
+    return enable_amx() and os.environ.get("DNNL_MAX_CPU_ISA") == _AMX_ISA  # oneDNN matches it exactly
 
 
 def _probe_bf16() -> Optional[str]:

@@ -10,6 +10,8 @@ from gluon_amp_core.capability import Bf16, Capability
 import gluon_amp
 from gluon_amp import runtime
 
+import helpers
+
 
 def test_runtime_info_reports_choice():
     info = gluon_amp.runtime_info()
@@ -54,6 +56,46 @@ def test_user_isa_choice_is_respected(fresh_state, monkeypatch):
     monkeypatch.setattr(runtime, "_request_amx_permission", lambda: True)
     runtime.enable_amx()
     assert os.environ["DNNL_MAX_CPU_ISA"] == "AVX2"
+
+
+def test_an_empty_isa_choice_chooses_nothing_and_amx_is_enabled(fresh_state, monkeypatch):
+    # oneDNN 2.4 reads DNNL_MAX_CPU_ISA= as no cap, whose default leaves AMX out (measured)
+    import os
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "")
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile"}))
+    monkeypatch.setattr(runtime, "_request_amx_permission", lambda: True)
+    assert runtime.enable_amx() is True and runtime.amx_active()
+    assert os.environ["DNNL_MAX_CPU_ISA"] == "AVX512_CORE_AMX" and runtime._state["isa_set_by"] == "gluon_amp"
+
+
+def test_a_lowercase_amx_choice_is_not_amx(fresh_state, monkeypatch):
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "avx512_core_amx")  # oneDNN 2.4 ignores it: case-sensitive
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile"}))
+    monkeypatch.setattr(runtime, "_request_amx_permission", lambda: True)
+    assert runtime.enable_amx() is True and not runtime.amx_active()
+
+
+_KERNEL = ("import gluon_amp, mxnet as mx; from gluon_amp.mxnet_internals import BFLOAT16; "
+           "from gluon_amp import runtime; c = runtime.capability(); "
+           "x = mx.nd.amp_cast(mx.nd.ones((2, 16, 8, 8)), dtype=BFLOAT16); "
+           "w = mx.nd.amp_cast(mx.nd.ones((16, 16, 3, 3)), dtype=BFLOAT16); "
+           "mx.nd.Convolution(x, w, kernel=(3, 3), num_filter=16, no_bias=True).wait_to_read(); "
+           "print('ISA', c.isa.lower(), runtime.amx_active())")
+
+
+@pytest.mark.bf16_kernels
+@pytest.mark.parametrize("value", [None, "", "ALL", "AVX512_CORE_AMX", "avx512_core_amx", "avx2"])
+def test_the_isa_reported_is_the_kernel_onednn_runs(value):
+    # runtime_info's ISA against DNNL_VERBOSE's kernel, in a fresh process per DNNL_MAX_CPU_ISA value
+    env = {k: v for k, v in helpers.no_bf16_env().items() if k != "DNNL_MAX_CPU_ISA"}
+    env.update({"DNNL_VERBOSE": "1", **({} if value is None else {"DNNL_MAX_CPU_ISA": value})})
+    r = subprocess.run([sys.executable, "-c", _KERNEL], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ran = {line.split(",")[4].split(":")[1] for line in r.stdout.splitlines()
+           if line.startswith("dnnl_verbose,exec,cpu,convolution") and "mb2_ic16oc16" in line}
+    _, isa, amx = r.stdout.strip().splitlines()[-1].split()
+    assert ran in ({isa}, {isa + "_bf16"}), (value, ran, isa)  # oneDNN names AMX's kernel avx512_core_amx_bf16
+    assert (amx == "True") == (isa == "avx512_core_amx")
 
 
 def test_no_amx_cpu_is_a_quiet_no_op(fresh_state, monkeypatch):
