@@ -123,6 +123,30 @@ def _reachable(graph: dict, nodes: List[dict], heads: List[list]) -> dict:
     return result
 
 
+class _Rebuilt:
+    """A graph's nodes copied in order, some replaced: each old entry maps to its new one."""
+
+    def __init__(self, graph: dict) -> None:
+        self.graph = graph
+        self.out: List[dict] = []
+        self.moved: Dict[Entry, List[int]] = {}  # old entry -> new entry, where not the node's own
+        self.at: Dict[int, int] = {}  # old node -> new node
+
+    def entry(self, e: list) -> List[int]:
+        return self.moved.get((e[0], e[1])) or [self.at[e[0]], e[1], 0]
+
+    def add(self, node: dict) -> int:
+        """Append ``node`` (its inputs already new entries); its new index."""
+        self.out.append(node)
+        return len(self.out) - 1
+
+    def keep(self, i: int, node: dict, inputs: List[List[int]]) -> None:
+        self.at[i] = self.add({**node, "inputs": inputs})
+
+    def result(self) -> dict:
+        return _reachable(self.graph, self.out, [self.entry(h) for h in self.graph["heads"]])
+
+
 #: The dtypes ``amp_cast`` converts; it passes any other through (MXNet's type rule).
 AMP_CAST_DTYPES = frozenset({"float16", "bfloat16", "float32"})
 
@@ -178,16 +202,11 @@ def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tup
     def integer(e: list) -> bool:
         return passed(e, FLOAT_DTYPES)
 
-    out: List[dict] = []
-    moved: Dict[Entry, List[int]] = {}  # old entry -> new entry, where not the node's own
-    at: Dict[int, int] = {}  # old node -> new node
-
-    def entry(e: list) -> List[int]:
-        return moved.get((e[0], e[1])) or [at[e[0]], e[1], 0]
-
+    g = _Rebuilt(graph)
+    moved = g.moved
     dropped = 0
     for i, node in enumerate(nodes):
-        inputs = [entry(e) for e in node["inputs"]]
+        inputs = [g.entry(e) for e in node["inputs"]]
         if node["op"] == "amp_cast" and (passed(node["inputs"][0], AMP_CAST_DTYPES) or identity(i, node)):
             moved[(i, 0)] = inputs[0]
             dropped += 1
@@ -202,9 +221,8 @@ def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tup
             # float32 and the op promotes them as in FP32
             for k, e in enumerate(node["inputs"]):
                 if dtype_of(e) in ("float16", "bfloat16"):
-                    out.append({"op": "amp_cast", "name": f"{node['name']}_{k}_float32",
-                                "attrs": {"dtype": "float32"}, "inputs": [inputs[k]]})
-                    moved[(i, k)] = [len(out) - 1, 0, 0]
+                    moved[(i, k)] = [g.add({"op": "amp_cast", "name": f"{node['name']}_{k}_float32",
+                                            "attrs": {"dtype": "float32"}, "inputs": [inputs[k]]}), 0, 0]
                 else:
                     moved[(i, k)] = inputs[k]
             dropped += len(inputs)
@@ -213,16 +231,15 @@ def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tup
             floats = [k for k, e in enumerate(node["inputs"]) if not integer(e)]
             dropped += len(inputs) - len(floats)
             if len(floats) > 1:
-                out.append({**node, "attrs": {**node.get("attrs", {}), "num_outputs": str(len(floats))},
-                            "inputs": [inputs[k] for k in floats]})
-                moved.update({(i, k): [len(out) - 1, j, 0] for j, k in enumerate(floats)})
+                j = g.add({**node, "attrs": {**node.get("attrs", {}), "num_outputs": str(len(floats))},
+                           "inputs": [inputs[k] for k in floats]})
+                moved.update({(i, k): [j, n, 0] for n, k in enumerate(floats)})
             moved.update({(i, k): e for k, e in enumerate(inputs) if (i, k) not in moved})
             continue
-        out.append({**node, "inputs": inputs})
-        at[i] = len(out) - 1
+        g.keep(i, node, inputs)
     if not dropped:
         return graph, 0
-    return _reachable(graph, out, [entry(h) for h in graph["heads"]]), dropped
+    return g.result(), dropped
 
 
 #: dtypes ordered by width, as ``amp_multicast`` picks the widest (or, ``cast_narrow``, the narrowest)
@@ -245,16 +262,10 @@ def cast_each_input(graph: dict, dtypes: Mapping[Key, Optional[str]], dtype: str
     def dtype_of(e: list) -> Optional[str]:
         return dtypes.get((nodes[e[0]]["name"], e[1]))
 
-    out: List[dict] = []
-    moved: Dict[Entry, List[int]] = {}
-    at: Dict[int, int] = {}
-
-    def entry(e: list) -> List[int]:
-        return moved.get((e[0], e[1])) or [at[e[0]], e[1], 0]
-
+    g = _Rebuilt(graph)
     split = 0
     for i, node in enumerate(nodes):
-        inputs = [entry(e) for e in node["inputs"]]
+        inputs = [g.entry(e) for e in node["inputs"]]
         have = [dtype_of(e) for e in node["inputs"]]
         if node["op"] == "amp_multicast" and dtype in have and None not in have:
             narrow = str(node.get("attrs", {}).get("cast_narrow", "False")).lower() in ("true", "1")
@@ -263,16 +274,10 @@ def cast_each_input(graph: dict, dtypes: Mapping[Key, Optional[str]], dtype: str
             if wider:
                 want = min(floats, key=_WIDTH.__getitem__) if narrow else max(wider, key=_WIDTH.__getitem__)
                 for k, (e, t) in enumerate(zip(inputs, have)):
-                    if t == want or t not in _WIDTH:
-                        moved[(i, k)] = e
-                        continue
-                    out.append({"op": "amp_cast", "name": f"{node['name']}_{k}_{want}",
-                                "attrs": {"dtype": want}, "inputs": [e]})
-                    moved[(i, k)] = [len(out) - 1, 0, 0]
+                    g.moved[(i, k)] = e if t == want or t not in _WIDTH else [
+                        g.add({"op": "amp_cast", "name": f"{node['name']}_{k}_{want}",
+                               "attrs": {"dtype": want}, "inputs": [e]}), 0, 0]
                 split += 1
                 continue
-        out.append({**node, "inputs": inputs})
-        at[i] = len(out) - 1
-    if not split:
-        return graph, 0
-    return _reachable(graph, out, [entry(h) for h in graph["heads"]]), split
+        g.keep(i, node, inputs)
+    return (g.result(), split) if split else (graph, 0)

@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 from .dtypes import LOW_PRECISION_DTYPES
-from .verdicts import Verdict, device_verdicts, fact_from_row, plan_verdicts
+from .verdicts import Fact, Verdict, device_verdicts, fact_from_row, plan_verdicts
 
 
 class OpListError(ValueError, AssertionError):
@@ -106,18 +106,22 @@ def _load_lists(target_dtype: str):
 
 
 @functools.lru_cache(maxsize=None)
+def _recorded_facts() -> Tuple[Fact, ...]:
+    """The facts of ``lists/verdicts.py``, read once."""
+    return tuple(fact_from_row(r) for r in importlib.import_module(f"{__package__}.lists.verdicts").FACTS)
+
+
+@functools.lru_cache(maxsize=None)
 def default_verdicts(target_dtype: str) -> Mapping[str, Verdict]:
     """The verdicts a ``target_dtype`` plan follows, from the recorded facts (``lists/verdicts.py``)."""
-    data = importlib.import_module(f"{__package__}.lists.verdicts")
-    return plan_verdicts((fact_from_row(r) for r in data.FACTS), target_dtype)
+    return plan_verdicts(_recorded_facts(), target_dtype)
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_verdicts(dtype: str, device: str) -> Mapping[str, Verdict]:
     """Every op's verdict in ``dtype`` on ``device`` from the recorded facts (see
     :func:`gluon_amp_core.verdicts.device_verdicts`)."""
-    data = importlib.import_module(f"{__package__}.lists.verdicts")
-    return device_verdicts((fact_from_row(r) for r in data.FACTS), dtype, device)
+    return device_verdicts(_recorded_facts(), dtype, device)
 
 
 def split_key(key: str) -> Tuple[str, Optional[Tuple[str, str]]]:

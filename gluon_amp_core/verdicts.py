@@ -139,12 +139,18 @@ def plan_verdicts(facts: Iterable[Fact], target_dtype: str) -> Mapping[str, Verd
     The worst, because a kernel right on one host and wrong on another is wrong somewhere a
     plan may run.
     """
-    devices = PLAN_DEVICES.get(target_dtype, ())
+    found = _worst_per_op(facts, target_dtype, PLAN_DEVICES.get(target_dtype, ()))
+    return MappingProxyType({op: v for op, v in found.items() if v not in NO_RULE})
+
+
+def _worst_per_op(facts: Iterable[Fact], dtype: str, devices: Iterable[str]) -> Dict[str, Verdict]:
+    """Op -> the worst of its facts for ``dtype`` on ``devices``, by op name."""
+    kinds = frozenset(devices)
     found: Dict[str, Verdict] = {}
     for f in facts:
-        if f.dtype == target_dtype and f.device in devices:
+        if f.dtype == dtype and f.device in kinds:
             found[f.op] = worst((found.get(f.op, Verdict.OK), f.verdict))
-    return MappingProxyType({op: v for op, v in sorted(found.items()) if v not in NO_RULE})
+    return dict(sorted(found.items()))
 
 
 def device_verdicts(facts: Iterable[Fact], dtype: str, device: str) -> Mapping[str, Verdict]:
@@ -152,11 +158,7 @@ def device_verdicts(facts: Iterable[Fact], dtype: str, device: str) -> Mapping[s
     and those that hold on every device), every verdict kept: an op absent here was never run
     in ``dtype`` there. What a graph computing in a dtype that is not the plan's target (a
     script's own float16 mask on a bfloat16 CPU) can run, op by op."""
-    found: Dict[str, Verdict] = {}
-    for f in facts:
-        if f.dtype == dtype and f.device in (DEVICE_ANY, device):
-            found[f.op] = worst((found.get(f.op, Verdict.OK), f.verdict))
-    return MappingProxyType(dict(sorted(found.items())))
+    return MappingProxyType(_worst_per_op(facts, dtype, (DEVICE_ANY, device)))
 
 
 @dataclass(frozen=True)

@@ -165,8 +165,9 @@ def injected(fn: Callable[[], Any], inject: Optional[Tuple[type, int]]) -> Any:
 class Worker:
     """A thread that runs what it is given, one call at a time; ``call`` waits with a watchdog."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, label: Optional[str] = None) -> None:
         self.index = index
+        self.label = label or f"thread {index}"  # what the failures call it
         self.jobs: "queue.Queue[Any]" = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name=f"stateful-{index}", daemon=True)
         self.thread.start()
@@ -194,7 +195,7 @@ class Worker:
             except BaseException as exc:  # noqa: BLE001  handed to the caller, KeyboardInterrupt included
                 result = (False, exc)
             if state.lock._is_owned():  # every later call would hang: say where, and let go
-                LEAKS.append(f"invariant C: thread {self.index}'s call returned holding state.lock "
+                LEAKS.append(f"invariant C: {self.label}'s call returned holding state.lock "
                              f"({getattr(_injection, 'where', 'no injection')})")
                 while state.lock._is_owned():
                     state.lock.release()
@@ -208,7 +209,7 @@ class Worker:
         try:
             result = done.get(timeout=WATCHDOG_S)
         except queue.Empty:
-            POISONED.append(f"issue 42 item 3 (invariant C): thread {self.index} did not return in {WATCHDOG_S} s; "
+            POISONED.append(f"issue 42 item 3 (invariant C): {self.label} did not return in {WATCHDOG_S} s; "
                             f"where the threads are:\n{_stacks()}")
             raise Hang(POISONED[0]) from None
         assert not LEAKS, LEAKS[0]
@@ -231,25 +232,14 @@ def _stacks() -> str:
 
 
 def _on_main(fn: Callable[[], Any], what: str) -> Any:
-    """``fn()`` for the main thread's own calls, under the watchdog: a call that cannot return
-    (a lock left held) fails the test with every thread's stack instead of hanging the suite."""
-    if POISONED:
-        raise Hang(POISONED[0])
-    done: "queue.Queue[Any]" = queue.Queue()
-
-    def run() -> None:
-        try:
-            done.put((True, fn()))
-        except BaseException as exc:  # noqa: BLE001  re-raised below
-            done.put((False, exc))
-
-    threading.Thread(target=run, name=f"main-call-{what}", daemon=True).start()
+    """``fn()`` for the main thread's own calls, on a worker of its own under the watchdog: a
+    call that cannot return (a lock left held) fails the test with every thread's stack
+    instead of hanging the suite."""
+    w = Worker(-1, label=f"the main thread's {what}")
     try:
-        ok, res = done.get(timeout=WATCHDOG_S)
-    except queue.Empty:
-        POISONED.append(f"invariant C: the main thread's {what} did not return in {WATCHDOG_S} s; "
-                        f"where the threads are:\n{_stacks()}")
-        raise Hang(POISONED[0]) from None
+        ok, res = w.call(fn)
+    finally:
+        w.stop()
     if not ok:
         raise res
     return res
