@@ -28,6 +28,7 @@ _runtime.enable_amx()  # before MXNet creates its first oneDNN primitive
 from ._compat import import_mxnet as _import_mxnet  # noqa: E402
 
 _import_mxnet()
+_runtime.settle_isa()  # oneDNN has read the AMX cap: child processes must not inherit it
 
 from .convert import convert_hybrid_block, convert_model, convert_symbol  # noqa: E402
 from .convert.bucketing import convert_bucketing_module  # noqa: E402

@@ -28,7 +28,7 @@ _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
 _AMX_ISA = "AVX512_CORE_AMX"
 
-_state: Dict[str, Any] = {"amx_permission": None, "isa_set_by": None, "error": None}
+_state: Dict[str, Any] = {"amx_permission": None, "isa_set_by": None, "error": None, "isa_cap": None}
 
 
 def cpu_flags() -> FrozenSet[str]:
@@ -75,12 +75,35 @@ def enable_amx() -> bool:
         _state["error"] = repr(exc)
         ok = False
     _state["amx_permission"] = ok
+    _state["isa_cap"] = os.environ.get("DNNL_MAX_CPU_ISA")
     return ok
+
+
+def isa_cap() -> Optional[str]:
+    """The ``DNNL_MAX_CPU_ISA`` value oneDNN runs under in this process (``None``: none set)."""
+    enable_amx()
+    return _state["isa_cap"]
 
 
 def amx_active() -> bool:
     """True when oneDNN may use AMX in this process (permission granted, ISA cap allows it)."""
-    return enable_amx() and os.environ.get("DNNL_MAX_CPU_ISA") == _AMX_ISA  # oneDNN matches it exactly
+    return enable_amx() and isa_cap() == _AMX_ISA  # oneDNN matches the name exactly
+
+
+def settle_isa() -> None:
+    """Have oneDNN read the ISA cap :func:`enable_amx` set, then take it back out of the
+    environment. oneDNN reads ``DNNL_MAX_CPU_ISA`` once, at its first primitive. The tile
+    permission is not passed on by ``exec``: a program this process starts that runs MXNet
+    without gluon_amp (a serving script, a worker) would inherit ``AVX512_CORE_AMX`` without
+    the permission, and die of SIGILL at its first AMX kernel. Called once MXNet is imported."""
+    if _state["isa_set_by"] != "gluon_amp" or os.environ.get("DNNL_MAX_CPU_ISA") != _AMX_ISA:
+        return
+    import mxnet as mx
+    from .mxnet_internals import legacy_arrays, original_function
+    conv, ones = original_function(mx.nd.Convolution), original_function(mx.nd.ones)
+    with legacy_arrays():
+        conv(ones((1, 1, 1, 1)), ones((1, 1, 1, 1)), kernel=(1, 1), num_filter=1, no_bias=True).wait_to_read()
+    del os.environ["DNNL_MAX_CPU_ISA"]
 
 
 def _probe_bf16() -> Optional[str]:
@@ -202,7 +225,7 @@ def capability() -> Capability:
         return Capability(mx.context.num_gpus(), Bf16.NATIVE, "AVX512_CORE_BF16",
                           f"simulated native bfloat16 ({SIMULATE_ENV}=1, tests only): float32 kernels, "
                           "bfloat16 outputs rounded")
-    return classify(cpu_flags(), bool(_state["amx_permission"]), os.environ.get("DNNL_MAX_CPU_ISA"),
+    return classify(cpu_flags(), bool(_state["amx_permission"]), isa_cap(),
                     gpus=mx.context.num_gpus(), probe_error=_probe_bf16())
 
 
@@ -215,7 +238,7 @@ def timing_cache() -> TimingCache:
     """This machine's timing cache (probe figures and the tuner's per-op times)."""
     from .speed import probe  # imports MXNet: this module must not, before enable_amx
     cap = capability()
-    key = probe.machine_key(cpu_flags(), amx_active(), cap.isa)
+    key = probe.machine_key(cpu_flags(), amx_active(), cap.isa, isa_cap())
     if simulated():  # planted figures must never reach this machine's own cache
         key["simulated_native_bf16"] = True
     return probe.open_cache(key)

@@ -1,7 +1,6 @@
 """``runtime_info()``: what gluon_amp found on this machine, and how AMP runs now."""
 from __future__ import annotations
 
-import os
 from typing import Any, Dict
 
 from gluon_amp_core.capability import Bf16
@@ -35,7 +34,7 @@ def runtime_info() -> Dict[str, Any]:
         "cpu_avx512_bf16": "avx512_bf16" in flags,
         "cpu_amx_bf16": "amx_bf16" in flags,
         "amx_permission": bool(runtime._state["amx_permission"]),
-        "DNNL_MAX_CPU_ISA": os.environ.get("DNNL_MAX_CPU_ISA"),
+        "DNNL_MAX_CPU_ISA": runtime.isa_cap(),
         "isa_set_by": runtime._state["isa_set_by"],
         "bf16_isa": cap.isa.lower() if cap.bf16 is Bf16.NATIVE else f"no native bfloat16 ({cap.bf16.value})",
         "error": runtime._state["error"],

@@ -51,13 +51,13 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def machine_key(flags: FrozenSet[str], amx_granted: bool, isa: str) -> Dict[str, Any]:
+def machine_key(flags: FrozenSet[str], amx_granted: bool, isa: str, isa_cap: Optional[str]) -> Dict[str, Any]:
     """Everything that changes a measured time on this CPU, as JSON-able values: the CPU
     model and flags, whether AMX was granted, the MXNet version, the oneDNN ISA in effect
-    (``isa``), ``DNNL_MAX_CPU_ISA`` and the thread count."""
+    (``isa``), the ``DNNL_MAX_CPU_ISA`` oneDNN read (``isa_cap``) and the thread count."""
     cpus = _cpus()
     return {"cpu": _cpu_model(), "flags": sorted(flags), "amx_granted": amx_granted,
-            "mxnet": mx.__version__, "onednn_isa": isa, "DNNL_MAX_CPU_ISA": os.environ.get("DNNL_MAX_CPU_ISA"),
+            "mxnet": mx.__version__, "onednn_isa": isa, "DNNL_MAX_CPU_ISA": isa_cap,
             "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "cpus": cpus}}
 
 

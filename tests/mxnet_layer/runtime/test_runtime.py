@@ -26,7 +26,8 @@ def test_runtime_info_reports_choice():
 
 @pytest.fixture
 def fresh_state(monkeypatch):
-    monkeypatch.setattr(runtime, "_state", {"amx_permission": None, "isa_set_by": None, "error": None})
+    monkeypatch.setattr(runtime, "_state", {"amx_permission": None, "isa_set_by": None, "error": None,
+                                            "isa_cap": None})
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     monkeypatch.delenv("GLUON_AMP_DISABLE_AMX", raising=False)
     monkeypatch.setattr(runtime.platform, "system", lambda: "Linux")
@@ -96,6 +97,33 @@ def test_the_isa_reported_is_the_kernel_onednn_runs(value):
     _, isa, amx = r.stdout.strip().splitlines()[-1].split()
     assert ran in ({isa}, {isa + "_bf16"}), (value, ran, isa)  # oneDNN names AMX's kernel avx512_core_amx_bf16
     assert (amx == "True") == (isa == "avx512_core_amx")
+
+
+_PARENT = ("import os, subprocess, sys, gluon_amp, mxnet as mx; from gluon_amp import runtime; "
+           "from gluon_amp.mxnet_internals import BFLOAT16; "
+           "x = mx.nd.amp_cast(mx.nd.ones((2, 16, 8, 8)), dtype=BFLOAT16); "
+           "w = mx.nd.amp_cast(mx.nd.ones((16, 16, 3, 3)), dtype=BFLOAT16); "
+           "mx.nd.Convolution(x, w, kernel=(3, 3), num_filter=16, no_bias=True).wait_to_read(); "
+           "print('PARENT', runtime.amx_active(), os.environ.get('DNNL_MAX_CPU_ISA')); sys.stdout.flush(); "
+           "sys.exit(subprocess.run([sys.executable, '-c', sys.argv[1]]).returncode)")
+#: a program without gluon_amp, started by one that has it: plain MXNet's bfloat16 convolution
+_CHILD = ("import os, numpy as np, mxnet as mx; bf = np.dtype([('bfloat16', np.uint16)]); "
+          "x, w = (mx.nd.amp_cast(mx.nd.ones(s), dtype=bf) for s in ((2, 16, 8, 8), (16, 16, 3, 3))); "
+          "e = mx.nd.Convolution(x, w, kernel=(3, 3), num_filter=16, no_bias=True); "
+          "print('CHILD', mx.nd.amp_cast(e, dtype='float32').asnumpy().sum(), os.environ.get('DNNL_MAX_CPU_ISA'))")
+
+
+@pytest.mark.bf16_kernels
+def test_a_program_started_by_a_gluon_amp_process_runs_mxnet_alone():
+    # oneDNN keeps the cap it read; the environment passed on is the user's, so a child that runs
+    # MXNet without gluon_amp is not sent to AMX without the tile permission (SIGILL on an AMX host)
+    env = {k: v for k, v in helpers.no_bf16_env().items() if k != "DNNL_MAX_CPU_ISA"}
+    r = subprocess.run([sys.executable, "-c", _PARENT, _CHILD], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
+    parent = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line.startswith(("PARENT", "CHILD")))
+    _, left = parent["PARENT"].split()
+    assert left == "None"  # nothing inherited
+    assert parent["CHILD"].split()[0] == str(float(2 * 16 * 6 * 6 * 16 * 9)) and parent["CHILD"].endswith("None")
 
 
 def test_no_amx_cpu_is_a_quiet_no_op(fresh_state, monkeypatch):
