@@ -85,6 +85,11 @@ def isa_cap() -> Optional[str]:
     return _state["isa_cap"]
 
 
+def user_isa_cap() -> Optional[str]:
+    """The ``DNNL_MAX_CPU_ISA`` the user chose: :func:`isa_cap`, less the one gluon_amp set."""
+    return None if _state["isa_set_by"] == "gluon_amp" else isa_cap()
+
+
 def amx_active() -> bool:
     """True when oneDNN may use AMX in this process (permission granted, ISA cap allows it)."""
     return enable_amx() and isa_cap() == _AMX_ISA  # oneDNN matches the name exactly
@@ -101,8 +106,12 @@ def settle_isa() -> None:
     import mxnet as mx
     from .mxnet_internals import legacy_arrays, original_function
     conv, ones = original_function(mx.nd.Convolution), original_function(mx.nd.ones)
-    with legacy_arrays():
-        conv(ones((1, 1, 1, 1)), ones((1, 1, 1, 1)), kernel=(1, 1), num_filter=1, no_bias=True).wait_to_read()
+    try:
+        with legacy_arrays():
+            conv(ones((1, 1, 1, 1)), ones((1, 1, 1, 1)), kernel=(1, 1), num_filter=1, no_bias=True).wait_to_read()
+    except Exception as exc:  # noqa: BLE001  never fail the import: the variable then stays, as before
+        _state["error"] = f"oneDNN did not read DNNL_MAX_CPU_ISA at import: {exc!r}"
+        return
     del os.environ["DNNL_MAX_CPU_ISA"]
 
 

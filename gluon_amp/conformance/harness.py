@@ -64,7 +64,8 @@ def host() -> Tuple[str, str, str, str, str]:
     have = runtime.cpu_flags()
     cpu_flags = " ".join(f for f in _FLAGS if f in have) + ("" if "amx_bf16" in have else " (no AMX)")
     flags = f"{cpu_flags.strip()}; bfloat16 kernels: {isa}" + (f" ({why})" if why else "")
-    key = host_key(cpu, isa, runtime.isa_cap())
+    # AMX that gluon_amp switched on is the host's own kernels, not a cap: "-amx", not "-dnnl-..."
+    key = host_key(cpu, isa + "-amx" * runtime.amx_active(), runtime.user_isa_cap())
     return key, cpu, flags, mx.__version__, COMMAND
 
 

@@ -109,6 +109,8 @@ def test_a_host_writes_its_own_facts_module_beside_the_others(tmp_path):
     assert harness.data_path(root, "amd-epyc-no-bf16").endswith("gluon_amp_core/lists/verdicts_measured.py")
     assert harness.data_path(root, "amd-epyc-native").endswith("lists/verdicts_measured_amd_epyc_native.py")
     assert harness.data_path(root, "intel-xeon-native").endswith("lists/verdicts_measured_intel_xeon_native.py")
+    # AMX kernels are a host of their own; gluon_amp's own AVX512_CORE_AMX is not a user's cap
+    assert harness.host_key("Intel(R) Xeon(R) Processor", "native-amx", None) == "intel-xeon-native-amx"
     res = harness.DtypeResult("wrong", error=math.inf, note="n", backward=[["train", "wrong", math.inf]])
     text = harness.data_module([harness.OpResult("x", cases=1, results={"bfloat16": res})], ("h", "c", "f", "m", "x"))
     ns: dict = {}
