@@ -54,6 +54,7 @@ def _isolated():
     """
     gluon_amp.disable()
     mx.nd.waitall()
+    env = dict(os.environ)
     yield
     held = _lock_left_held()  # before disable(), which would wait on it for good
     try:
@@ -61,9 +62,28 @@ def _isolated():
     finally:
         gluon_amp.disable()
         gluon_amp.state.reset()  # also forgets converted results and releases their hooks
+    changed = _restore_environ(env)
     if held:
         pytest.fail(f"gluon_amp.state.lock was left held by {held} (a `with state.lock:` whose exit "
                     "did not run): every later call from another thread would hang on it")
+    if changed:
+        pytest.fail(f"the test left os.environ changed ({changed}); restored. Every program a later "
+                    "test starts would inherit it (a leaked DNNL_MAX_CPU_ISA=AVX512_CORE_AMX kills "
+                    "them with SIGILL)")
+
+
+def _restore_environ(before: dict) -> str:
+    """Put ``os.environ`` back as it was; name what differed ('' if nothing). pytest's own
+    ``PYTEST_CURRENT_TEST`` changes with every phase."""
+    now = dict(os.environ)
+    changed = sorted(k for k in before.keys() | now.keys()
+                     if before.get(k) != now.get(k) and k != "PYTEST_CURRENT_TEST")
+    for k in changed:
+        if k in before:
+            os.environ[k] = before[k]
+        else:
+            del os.environ[k]
+    return ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in changed)
 
 
 def _lock_left_held() -> str:

@@ -28,8 +28,10 @@ def test_runtime_info_reports_choice():
 def fresh_state(monkeypatch):
     monkeypatch.setattr(runtime, "_state", {"amx_permission": None, "isa_set_by": None, "error": None,
                                             "isa_cap": None})
-    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
-    monkeypatch.delenv("GLUON_AMP_DISABLE_AMX", raising=False)
+    # setenv first: monkeypatch restores only what it saw, and enable_amx() may set the cap
+    for name in ("DNNL_MAX_CPU_ISA", "GLUON_AMP_DISABLE_AMX"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setattr(runtime.platform, "system", lambda: "Linux")
     monkeypatch.setattr(runtime.platform, "machine", lambda: "x86_64")
 
