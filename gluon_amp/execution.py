@@ -26,6 +26,7 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.policy import Policy
+from gluon_amp_core.paired_casts import pair_param_casts
 from gluon_amp_core.retype import cast_each_input, drop_identity_casts
 from gluon_amp_core.table import kernel_verdicts
 from gluon_amp_core.verdicts import Verdict
@@ -82,8 +83,18 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
                 raise CannotRun(cannot_run(what, dtype, device, missing))
     if simulated and "bfloat16" in kernels:  # a simulated native host: its bfloat16 kernels emulated
         return emulated(plan, typed, shapes, fed=dtypes)
-    run = outputs_as_fed(plan, typed, dtypes, plan_heads) if policy is not None and policy.enabled else plan
+    run = with_paired_casts(plan, typed) if "bfloat16" in low else plan
+    run = outputs_as_fed(run, typed, dtypes, plan_heads) if policy is not None and policy.enabled else run
     return without_float16_multicasts(run, typed) if "cpu" in devices and "float16" in low else run
+
+
+def with_paired_casts(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> Symbol:
+    """``plan`` with its bfloat16 casts of parameters paired with their op's data input, so
+    that each weight's gradient is cast back to float32, and its bfloat16 buffer freed, as the
+    backward pass reaches the op (:func:`gluon_amp_core.paired_casts.pair_param_casts`).
+    ``plan`` itself where there is nothing to pair."""
+    graph, paired = pair_param_casts(json.loads(plan.tojson(remove_amp_cast=False)), typed, "bfloat16")
+    return mx.sym.load_json(json.dumps(graph)) if paired else plan
 
 
 def without_float16_multicasts(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> Symbol:
