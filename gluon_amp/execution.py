@@ -43,7 +43,7 @@ WIDEN_SUFFIX = "_amp_widened"
 
 def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, Tuple[int, ...]],
                  devices: Iterable[str], policy: Optional[Policy], what: str,
-                 plan_heads: Optional[Sequence[Optional[str]]] = None) -> Symbol:
+                 plan_heads: Optional[Sequence[Optional[str]]] = None, pair: bool = True) -> Symbol:
     """The graph MXNet runs for ``plan`` bound with inputs of ``dtypes`` (input name -> dtype,
     those known) and ``shapes`` on ``devices`` under ``policy``.
 
@@ -54,6 +54,9 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
     bfloat16 kernels, with or without a policy: that host's only change to what runs.
     ``plan_heads``: the dtypes of the plan's outputs before measured choices (the tuner) moved
     some to float32, whose outputs then still come back as fed (timings never change them).
+    ``pair``: a plan run natively in bfloat16 casts each weight together with its op's data
+    (:func:`with_paired_casts`); False for a converter's result, an inference graph, where
+    that saves nothing and costs an op per layer (MobileNetV3: 2% of its time).
 
     Raises
     ------
@@ -83,7 +86,7 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
                 raise CannotRun(cannot_run(what, dtype, device, missing))
     if simulated and "bfloat16" in kernels:  # a simulated native host: its bfloat16 kernels emulated
         return emulated(plan, typed, shapes, fed=dtypes)
-    run = with_paired_casts(plan, typed) if "bfloat16" in low else plan
+    run = with_paired_casts(plan, typed) if pair and "bfloat16" in low else plan
     run = outputs_as_fed(run, typed, dtypes, plan_heads) if policy is not None and policy.enabled else run
     return without_float16_multicasts(run, typed) if "cpu" in devices and "float16" in low else run
 
@@ -365,7 +368,8 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
     known, shapes = mxi.call_inputs(block, args, inputs)
     plan_notes.record_fed(block, known)  # report types the plan as it runs (gluon_amp.reporting)
     devices = {a.context.device_type for a in mxi.call_arrays(args) if isinstance(a, NDArray)}
-    run = graph_to_run(plan, known, shapes, devices, policy, f"block {block.name!r}", plan_notes.plan_heads(block))
+    run = graph_to_run(plan, known, shapes, devices, policy, f"block {block.name!r}", plan_notes.plan_heads(block),
+                       pair=_remembered(block) is None)
     if getattr(block, "amp_speed_rule", False) and policy is not None and not policy.emulate:
         faster = _float32_where_slower(block, plan, known, shapes, policy)
         run = run if faster is None else faster
@@ -403,6 +407,7 @@ def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mappin
     policy = policy_for(sym)
     if policy is None and not runtime.simulated():
         return sym
+    converted = _remembered(sym) is not None
     devices = {ctx.device_type, *(c.device_type for c in (group2ctx or {}).values())}
     declared = sym.attr_dict()
     inputs = sym.list_inputs()
@@ -413,7 +418,7 @@ def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mappin
     if policy is not None:  # else a simulated host's plain graph (graph_to_run), run as MXNet has it
         sym = without_identity_casts(sym, infer_dtypes(sym, known, partial=True) or {})
     try:
-        return graph_to_run(sym, known, shapes, devices, policy, "the bound symbol")
+        return graph_to_run(sym, known, shapes, devices, policy, "the bound symbol", pair=not converted)
     except CannotRun as refused:
         # Binding is also how users infer a graph's shapes and types (and Module binds before it
         # runs): the executor binds, and its first forward raises this before MXNet's kernels would.

@@ -99,3 +99,32 @@ def test_training_with_paired_casts_gives_the_plans_values_bit_for_bit(monkeypat
     for k in grads0:
         np.testing.assert_array_equal(grads[k], grads0[k], err_msg=k)
         np.testing.assert_array_equal(weights[k], weights0[k], err_msg=k)
+
+
+@pytest.mark.bf16_kernels
+def test_a_converters_result_runs_its_plan_unpaired_and_an_init_block_paired(monkeypatch):
+    """A converter's result is an inference graph: pairing would save nothing there."""
+    flags = []
+    real = execution.graph_to_run
+    monkeypatch.setattr(execution, "graph_to_run", lambda *a, **k: flags.append(k.get("pair")) or real(*a, **k))
+    x = mx.nd.ones((2, 3, 8, 8))
+    net = Residual()
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    net(x)
+    block = gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16")
+    block(x).wait_to_read()
+    assert flags and set(flags) == {False}
+    del flags[:]
+    sym = net(mx.sym.var("data"))
+    params = {k: v.data() for k, v in net.collect_params().items()}
+    converted, args, _ = gluon_amp.convert_model(sym, params, {}, target_dtype="bfloat16")
+    converted.bind(mx.cpu(), {"data": x, **args}).forward()[0].wait_to_read()
+    assert flags == [False]
+    del flags[:]
+    with gluon_amp.autocast("bfloat16"):
+        fresh = Residual()
+        fresh.initialize(mx.init.Xavier())
+        fresh.hybridize()
+        fresh(x).wait_to_read()
+    assert flags and set(flags) == {True}
