@@ -25,8 +25,8 @@ from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
-from gluon_amp_core.policy import Policy
 from gluon_amp_core.paired_casts import pair_param_casts
+from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import cast_each_input, drop_identity_casts
 from gluon_amp_core.table import kernel_verdicts
 from gluon_amp_core.verdicts import Verdict
