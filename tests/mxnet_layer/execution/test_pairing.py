@@ -60,7 +60,7 @@ def test_a_plan_run_natively_pairs_each_weight_cast_and_mxnet_types_it_as_the_pl
     assert plan.tojson() == before  # the plan itself is left as it is
 
 
-def _train(paired: bool, monkeypatch):
+def _train(paired: bool, monkeypatch, grad_req: str = "write"):
     counted = []
     real = execution.pair_param_casts
 
@@ -73,6 +73,9 @@ def _train(paired: bool, monkeypatch):
     mx.random.seed(0)
     net = Residual()
     net.initialize(mx.init.Xavier())
+    for name, p in net.collect_params().items():
+        # "add": the paired multicast's backward adds into the gradient; "frozen stem": none for the stem
+        p.grad_req = ("null" if "conv0" in name else "write") if grad_req == "frozen stem" else grad_req
     net.hybridize(static_alloc=True, static_shape=True)
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
                             update_on_kvstore=False)
@@ -85,19 +88,23 @@ def _train(paired: bool, monkeypatch):
                 with gluon_amp.scale_loss(loss, trainer) as scaled:
                     autograd.backward(scaled)
             trainer.step(1)
-        grads = {k.split("_", 1)[1]: v.grad().asnumpy() for k, v in net.collect_params().items()}
+        grads = {k.split("_", 1)[1]: v.grad().asnumpy() for k, v in net.collect_params().items()
+                 if v.grad_req != "null"}
         weights = {k.split("_", 1)[1]: v.data().asnumpy() for k, v in net.collect_params().items()}
     return loss.asnumpy(), grads, weights, sum(counted)
 
 
 @pytest.mark.bf16_kernels
-def test_training_with_paired_casts_gives_the_plans_values_bit_for_bit(monkeypatch):
-    loss, grads, weights, n = _train(True, monkeypatch)
-    loss0, grads0, weights0, n0 = _train(False, monkeypatch)
+@pytest.mark.parametrize("grad_req", ["write", "add", "frozen stem"])
+def test_training_with_paired_casts_gives_the_plans_values_bit_for_bit(monkeypatch, grad_req):
+    loss, grads, weights, n = _train(True, monkeypatch, grad_req)
+    loss0, grads0, weights0, n0 = _train(False, monkeypatch, grad_req)
     assert n >= 4 and n0 == 0, (n, n0)
     np.testing.assert_array_equal(loss, loss0)
+    assert grads.keys() == grads0.keys() and weights.keys() == weights0.keys()
     for k in grads0:
         np.testing.assert_array_equal(grads[k], grads0[k], err_msg=k)
+    for k in weights0:
         np.testing.assert_array_equal(weights[k], weights0[k], err_msg=k)
 
 
