@@ -17,13 +17,14 @@ import dataclasses
 import json
 import threading
 import warnings
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Collection, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import mxnet as mx
 from mxnet.gluon import HybridBlock
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
+from gluon_amp_core.accumulating_casts import cast_accumulating_inputs
 from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.paired_casts import pair_param_casts
 from gluon_amp_core.policy import Policy
@@ -43,7 +44,8 @@ WIDEN_SUFFIX = "_amp_widened"
 
 def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, Tuple[int, ...]],
                  devices: Iterable[str], policy: Optional[Policy], what: str,
-                 plan_heads: Optional[Sequence[Optional[str]]] = None, pair: bool = True) -> Symbol:
+                 plan_heads: Optional[Sequence[Optional[str]]] = None, pair: bool = True,
+                 accumulating: Optional[Collection[str]] = None) -> Symbol:
     """The graph MXNet runs for ``plan`` bound with inputs of ``dtypes`` (input name -> dtype,
     those known) and ``shapes`` on ``devices`` under ``policy``.
 
@@ -57,6 +59,9 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
     ``pair``: a plan run natively in bfloat16 casts each weight together with its op's data
     (:func:`with_paired_casts`); False for a converter's result, an inference graph, where
     that saves nothing and costs an op per layer (MobileNetV3: 2% of its time).
+
+    ``accumulating``: the inputs whose gradients accumulate (``grad_req='add'``; ``None``: any
+    may), whose bfloat16 casts a CPU feeds through an identity (:func:`with_accumulating_casts`).
 
     Raises
     ------
@@ -86,7 +91,11 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
                 raise CannotRun(cannot_run(what, dtype, device, missing))
     if simulated and "bfloat16" in kernels:  # a simulated native host: its bfloat16 kernels emulated
         return emulated(plan, typed, shapes, fed=dtypes)
-    run = with_paired_casts(plan, typed) if pair and "bfloat16" in low else plan
+    run = plan
+    if "bfloat16" in low and "cpu" in devices:
+        run = with_accumulating_casts(run, typed, accumulating)
+    if pair and "bfloat16" in low:
+        run = with_paired_casts(run, typed)
     run = outputs_as_fed(run, typed, dtypes, plan_heads) if policy is not None and policy.enabled else run
     return without_float16_multicasts(run, typed) if "cpu" in devices and "float16" in low else run
 
@@ -98,6 +107,19 @@ def with_paired_casts(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> Symbo
     ``plan`` itself where there is nothing to pair."""
     graph, paired = pair_param_casts(json.loads(plan.tojson(remove_amp_cast=False)), typed, "bfloat16")
     return mx.sym.load_json(json.dumps(graph)) if paired else plan
+
+
+def with_accumulating_casts(plan: Symbol, typed: Mapping[Key, Optional[str]],
+                            accumulating: Optional[Collection[str]]) -> Symbol:
+    """``plan`` with the bfloat16 casts of the float32 inputs in ``accumulating`` (``None``:
+    all) reading them through an identity: MXNet 1.9.1's CPU ``amp_cast``/``amp_multicast``
+    drop a gradient they add to (:mod:`gluon_amp_core.accumulating_casts`). ``plan`` itself
+    where no such input is cast."""
+    if accumulating is not None and not accumulating:
+        return plan
+    graph, changed = cast_accumulating_inputs(json.loads(plan.tojson(remove_amp_cast=False)), typed, "bfloat16",
+                                              accumulating)
+    return mx.sym.load_json(json.dumps(graph)) if changed else plan
 
 
 def without_float16_multicasts(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> Symbol:
@@ -369,7 +391,7 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
     plan_notes.record_fed(block, known)  # report types the plan as it runs (gluon_amp.reporting)
     devices = {a.context.device_type for a in mxi.call_arrays(args) if isinstance(a, NDArray)}
     run = graph_to_run(plan, known, shapes, devices, policy, f"block {block.name!r}", plan_notes.plan_heads(block),
-                       pair=_remembered(block) is None)
+                       pair=_remembered(block) is None, accumulating=mxi.accumulating_params(block))
     if getattr(block, "amp_speed_rule", False) and policy is not None and not policy.emulate:
         faster = _float32_where_slower(block, plan, known, shapes, policy)
         run = run if faster is None else faster
@@ -403,7 +425,8 @@ def _float32_where_slower(block: HybridBlock, plan: Symbol, known: Mapping[str, 
 
 
 def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mapping[str, Tuple[int, ...]],
-                group2ctx: Optional[Mapping[str, Any]]) -> Union[Symbol, "mxi.RefusedRun"]:
+                group2ctx: Optional[Mapping[str, Any]], accumulating: Collection[str] = frozenset()
+                ) -> Union[Symbol, "mxi.RefusedRun"]:
     policy = policy_for(sym)
     if policy is None and not runtime.simulated():
         return sym
@@ -418,7 +441,8 @@ def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mappin
     if policy is not None:  # else a simulated host's plain graph (graph_to_run), run as MXNet has it
         sym = without_identity_casts(sym, infer_dtypes(sym, known, partial=True) or {})
     try:
-        return graph_to_run(sym, known, shapes, devices, policy, "the bound symbol", pair=not converted)
+        return graph_to_run(sym, known, shapes, devices, policy, "the bound symbol", pair=not converted,
+                            accumulating=accumulating)
     except CannotRun as refused:
         # Binding is also how users infer a graph's shapes and types (and Module binds before it
         # runs): the executor binds, and its first forward raises this before MXNet's kernels would.

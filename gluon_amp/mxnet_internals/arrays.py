@@ -93,3 +93,17 @@ def host_view(array: mx.nd.NDArray) -> Optional[np.ndarray]:
     address = ctypes.c_void_p()
     mx.base.check_call(mx.base._LIB.MXNDArrayGetData(array.handle, ctypes.byref(address)))
     return np.asarray(_Memory(array, address.value, "<f4" if name == "float32" else "<f2"))
+
+
+# -- gradients a cast would drop -----------------------------------------------------------
+# MXNet 1.9.1: the CPU ``amp_cast`` between float32 and bfloat16 (oneDNN's reorder,
+# ``AMPCastExCPU``) never commits a result written with ``req=kAddTo``, so the gradient of a
+# leaf whose ``grad_req`` is ``'add'`` stays zero when that cast's backward writes it.
+# ``NDArray.grad`` is None for an array with no gradient attached; the C API does not say
+# which ``grad_req`` it was attached with.
+
+def leaf_with_grad(array: mx.nd.NDArray) -> bool:
+    """True for a CPU float32 array with a gradient attached, while autograd records: a cast's
+    backward would write its gradient directly (``'add'`` possibly)."""
+    return (array.dtype == np.float32 and mx.autograd.is_recording() and array.context.device_type == "cpu"
+            and array.grad is not None)

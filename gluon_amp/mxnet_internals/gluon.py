@@ -5,7 +5,7 @@ import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mxnet as mx
 from mxnet.gluon import Block, HybridBlock, Parameter
@@ -517,11 +517,12 @@ _EXECUTED: "weakref.WeakKeyDictionary[HybridBlock, Symbol]" = weakref.WeakKeyDic
 
 @dataclass(frozen=True)
 class ExecutionHooks:
-    """The three methods :func:`install_execution_hooks` put in place."""
+    """The three methods and the ``Parameter.grad_req`` property :func:`install_execution_hooks` put in place."""
 
     build_cache: Callable
     simple_bind: Callable
     bind: Callable
+    grad_req: property
 
 
 @dataclass(frozen=True)
@@ -567,21 +568,58 @@ def _names_of(given: Any, names: Sequence[str]) -> Any:
     return given
 
 
+def _accumulating(grad_req: Any, names: Sequence[str]) -> FrozenSet[str]:
+    """The names among ``names`` whose gradients ``grad_req`` (a bind's: one string, a list in
+    the order of ``names`` or a dict) accumulates (``'add'``)."""
+    given = _names_of(grad_req, names)
+    if isinstance(given, str):
+        return frozenset(names) if given == "add" else frozenset()
+    if isinstance(given, dict):
+        return frozenset(n for n, r in given.items() if r == "add")
+    return frozenset()
+
+
+#: block -> (its parameters' names, those whose gradients accumulated when its CachedOp was
+#: built): a parameter's ``grad_req`` changed to or from ``'add'`` later rebuilds it
+_ACCUMULATION: "weakref.WeakKeyDictionary[HybridBlock, Tuple[FrozenSet[str], FrozenSet[str]]]" = \
+    weakref.WeakKeyDictionary()
+_GRAD_REQ = Parameter.__dict__["grad_req"]
+
+
+def accumulating_params(block: HybridBlock) -> FrozenSet[str]:
+    """The names of ``block``'s parameters whose gradients accumulate (``grad_req='add'``)."""
+    return frozenset(name for name, p in block.collect_params().items() if p.grad_req == "add")
+
+
+def _set_grad_req(self: Parameter, req: Any) -> None:
+    before = self.grad_req
+    _GRAD_REQ.fset(self, req)
+    if before != self.grad_req and "add" in (before, self.grad_req):
+        # the CachedOps built for the other grad_req cast this parameter for it: build again
+        for block, (names, _) in list(_ACCUMULATION.items()):
+            if self.name in names:
+                block._clear_cached_op()
+                _ACCUMULATION.pop(block, None)
+
+
 def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Sequence[Symbol]], Symbol],
-                            for_symbol: Callable[[Symbol, Any, Dict[str, Any], Dict[str, tuple], Any],
+                            for_symbol: Callable[[Symbol, Any, Dict[str, Any], Dict[str, tuple], Any, FrozenSet[str]],
                                                  Union[Symbol, RefusedRun]]
                             ) -> ExecutionHooks:
     """Until :func:`remove_execution_hooks`: a hybridized block's CachedOp is built from
     ``for_block(block, args, graph, inputs)`` (the block's cached graph stays its own), and
-    ``Symbol.bind``/``simple_bind`` bind ``for_symbol(sym, ctx, dtypes, shapes, group2ctx)``
+    ``Symbol.bind``/``simple_bind`` bind ``for_symbol(sym, ctx, dtypes, shapes, group2ctx, accumulating)``
     (the Symbol itself is left as it is; a :class:`RefusedRun` binds it and refuses its
-    forward). Either returns its graph to run it unchanged.
+    forward), ``accumulating`` being the arguments whose ``grad_req`` is ``'add'``. Either
+    returns its graph to run it unchanged. A parameter's ``grad_req`` set to or from ``'add'``
+    rebuilds the CachedOps of the blocks that hold it.
     Blocks built inside :func:`hooks_paused` pass untouched."""
 
     def _build_cache(self: HybridBlock, *args: Any) -> Any:
         if _paused.depth:
             return _BUILD_CACHE(self, *args)
         inputs, graph = self._get_graph(*args)
+        _ACCUMULATION[self] = (frozenset(self.collect_params().keys()), accumulating_params(self))
         run = for_block(self, args, graph, inputs)
         if run is graph:
             _EXECUTED.pop(self, None)
@@ -605,7 +643,8 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
                     stype_dict: Any = None, group2ctx: Any = None, shared_arg_names: Any = None,
                     shared_exec: Any = None, shared_buffer: Any = None, **kwargs: Any) -> Any:
         shapes = {k: tuple(v) for k, v in kwargs.items() if isinstance(v, tuple)}
-        run = for_symbol(self, ctx, dict(type_dict or {}), shapes, group2ctx)
+        run = for_symbol(self, ctx, dict(type_dict or {}), shapes, group2ctx,
+                         _accumulating(grad_req, self.list_arguments()))
         if isinstance(run, RefusedRun):
             return _refusing(_SIMPLE_BIND(self, ctx, grad_req, type_dict, stype_dict, group2ctx, shared_arg_names,
                                           shared_exec, shared_buffer, **kwargs), run.error)
@@ -621,7 +660,7 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
         if not isinstance(arrays, dict) or not all(isinstance(a, mx.nd.NDArray) for a in arrays.values()):
             return _BIND(self, ctx, args, args_grad, grad_req, aux_states, group2ctx, shared_exec)
         run = for_symbol(self, ctx, {k: a.dtype for k, a in arrays.items()},
-                         {k: a.shape for k, a in arrays.items()}, group2ctx)
+                         {k: a.shape for k, a in arrays.items()}, group2ctx, _accumulating(grad_req, arg_names))
         if isinstance(run, RefusedRun):
             return _refusing(_BIND(self, ctx, args, args_grad, grad_req, aux_states, group2ctx, shared_exec),
                              run.error)
@@ -634,7 +673,9 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
     simple_bind.__doc__, bind.__doc__ = _SIMPLE_BIND.__doc__, _BIND.__doc__
     HybridBlock._build_cache = _build_cache
     Symbol.simple_bind, Symbol.bind = simple_bind, bind
-    return ExecutionHooks(_build_cache, simple_bind, bind)
+    grad_req = property(_GRAD_REQ.fget, _set_grad_req, doc=_GRAD_REQ.__doc__)
+    Parameter.grad_req = grad_req
+    return ExecutionHooks(_build_cache, simple_bind, bind, grad_req)
 
 
 def remove_execution_hooks(hooks: ExecutionHooks) -> None:
@@ -645,3 +686,5 @@ def remove_execution_hooks(hooks: ExecutionHooks) -> None:
         Symbol.simple_bind = _SIMPLE_BIND
     if Symbol.__dict__.get("bind") is hooks.bind:
         Symbol.bind = _BIND
+    if Parameter.__dict__.get("grad_req") is hooks.grad_req:
+        Parameter.grad_req = _GRAD_REQ

@@ -15,6 +15,7 @@ from ... import mxnet_internals as mxi
 # Copies of MXNet's cast functions: the wrappers call these, never the patched names
 # (a cast op is never wrapped, but these stay valid whatever is patched).
 _nd_amp_cast = mxi.copy_function(mx.nd.amp_cast)
+_nd_identity = mxi.copy_function(mx.nd.identity)
 _sym_amp_cast = mxi.copy_function(mx.sym.amp_cast)
 _sym_amp_multicast = mxi.copy_function(mx.sym.amp_multicast)
 _np_ndarray = mx.np.ndarray
@@ -25,9 +26,13 @@ _np_symbol = mxi.NP_SYMBOL
 
 
 def cast_nd(x: NDArray, dtype: str) -> NDArray:
-    if isinstance(x, _np_ndarray):  # amp_cast is a legacy op: go through a zero-copy view
-        return _nd_amp_cast(x.as_nd_ndarray(), dtype=mxi.to_mx_dtype(dtype)).as_np_ndarray()
-    return _nd_amp_cast(x, dtype=mxi.to_mx_dtype(dtype))
+    legacy = x.as_nd_ndarray() if isinstance(x, _np_ndarray) else x  # amp_cast is a legacy op: a zero-copy view
+    if dtype == "bfloat16" and mxi.leaf_with_grad(legacy):
+        # the cast's backward would drop a gradient added to the leaf's: an identity takes it
+        # (gluon_amp_core.accumulating_casts, where graphs do the same)
+        legacy = _nd_identity(legacy)
+    out = _nd_amp_cast(legacy, dtype=mxi.to_mx_dtype(dtype))
+    return out.as_np_ndarray() if isinstance(x, _np_ndarray) else out
 
 
 def cast_into(x: NDArray, out: NDArray) -> NDArray:

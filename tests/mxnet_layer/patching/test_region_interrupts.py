@@ -42,7 +42,8 @@ _fc, _references = _FC.probe, _FC.kinds
 ALL_SITES = [(fn, fn.__code__, fn.__defaults__, fn.__kwdefaults__, fn.__dict__.get("__wrapped__"))
              for _, _, fn, _, _ in mxi.op_function_sites()]
 METHODS = [(HybridBlock, "_get_graph"), (HybridBlock, "_call_cached_op"), (HybridBlock, "_infer_attrs"),
-           (HybridBlock, "_build_cache"), (Symbol, "bind"), (Symbol, "simple_bind"), (Parameter, "cast")]
+           (HybridBlock, "_build_cache"), (Symbol, "bind"), (Symbol, "simple_bind"), (Parameter, "cast"),
+           (Parameter, "grad_req")]
 ORIGINAL_METHODS = [(cls, name, cls.__dict__.get(name)) for cls, name in METHODS]
 assert mxg._GET_GRAPH is HybridBlock.__dict__["_get_graph"]  # nothing patched at import
 
