@@ -26,6 +26,7 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.accumulating_casts import cast_accumulating_inputs
 from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
+from gluon_amp_core.layout_guards import BATCHNORM_OPS, guard_batchnorm_layouts
 from gluon_amp_core.paired_casts import pair_param_casts
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import cast_each_input, drop_identity_casts
@@ -34,7 +35,7 @@ from gluon_amp_core.verdicts import Verdict
 
 from . import mxnet_internals as mxi, plan_notes, runtime, state
 from .emulation import emulate_symbol
-from .type_inference import infer_dtypes
+from .type_inference import infer_dtypes, infer_shapes
 
 Key = Tuple[str, int]
 
@@ -57,8 +58,10 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
     ``plan_heads``: the dtypes of the plan's outputs before measured choices (the tuner) moved
     some to float32, whose outputs then still come back as fed (timings never change them).
     ``pair``: a plan run natively in bfloat16 casts each weight together with its op's data
-    (:func:`with_paired_casts`); False for a converter's result, an inference graph, where
-    that saves nothing and costs an op per layer (MobileNetV3: 2% of its time).
+    (:func:`with_paired_casts`), and where oneDNN runs AMX, gives the batch norms its mixed
+    layouts would slow down a plain input (:func:`with_layout_guards`); False for a converter's
+    result, an inference graph, where the pairs save nothing and cost an op per layer
+    (MobileNetV3: 2% of its time) and no backward pass meets the layouts.
 
     ``accumulating``: the inputs whose gradients accumulate (``grad_req='add'``; ``None``: any
     may), whose bfloat16 casts a CPU feeds through an identity (:func:`with_accumulating_casts`).
@@ -95,7 +98,7 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
     if "bfloat16" in low and "cpu" in devices:
         run = with_accumulating_casts(run, typed, accumulating)
     if pair and "bfloat16" in low:
-        run = with_paired_casts(run, typed)
+        run = with_paired_casts(with_layout_guards(run, typed, shapes) if runtime.amx_active() else run, typed)
     run = outputs_as_fed(run, typed, dtypes, plan_heads) if policy is not None and policy.enabled else run
     return without_float16_multicasts(run, typed) if "cpu" in devices and "float16" in low else run
 
@@ -120,6 +123,19 @@ def with_accumulating_casts(plan: Symbol, typed: Mapping[Key, Optional[str]],
     graph, changed = cast_accumulating_inputs(json.loads(plan.tojson(remove_amp_cast=False)), typed, "bfloat16",
                                               accumulating)
     return mx.sym.load_json(json.dumps(graph)) if changed else plan
+
+
+def with_layout_guards(plan: Symbol, typed: Mapping[Key, Optional[str]],
+                       shapes: Mapping[str, Tuple[int, ...]]) -> Symbol:
+    """``plan`` with a plain-making ``Reshape`` before each bfloat16 batch norm whose backward
+    pass would meet two oneDNN layouts on an AMX host, and run oneDNN's reference kernel
+    (:func:`gluon_amp_core.layout_guards.guard_batchnorm_layouts`). ``plan`` itself where
+    there is none; the plan is never changed (what ``export`` writes)."""
+    graph = json.loads(plan.tojson(remove_amp_cast=False))
+    if not any(n["op"] in BATCHNORM_OPS for n in graph["nodes"]):
+        return plan
+    graph, guarded = guard_batchnorm_layouts(graph, typed, infer_shapes(plan, shapes), "bfloat16")
+    return mx.sym.load_json(json.dumps(graph)) if guarded else plan
 
 
 def without_float16_multicasts(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> Symbol:

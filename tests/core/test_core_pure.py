@@ -13,7 +13,7 @@ for blocked in ("mxnet", "numpy"):
 env_before = dict(os.environ)
 import gluon_amp_core
 from gluon_amp_core import capability, decide, dtypes, fold, graph_pass, loss_scale, policy, resolve, table
-from gluon_amp_core import paired_casts, timing_cache, walk
+from gluon_amp_core import accumulating_casts, layout_guards, paired_casts, timing_cache, walk
 from gluon_amp_core.speed import probe
 from gluon_amp_core.tuning import problem, schedule
 from gluon_amp_core.op_reference import render
