@@ -69,6 +69,13 @@ class SavedFunction:
 
 def copy_function(fn: types.FunctionType) -> types.FunctionType:
     """A new function object running ``fn``'s current code: its original implementation."""
+    if fn.__closure__ and "_wrap_symbol_functions" in fn.__qualname__:
+        # MXNet 1.9.1's own AMP: its init() replaces each op function with a closure of that name
+        raise RuntimeError(
+            f"gluon_amp cannot patch MXNet's op functions: MXNet's own AMP was initialized in this process "
+            f"first (its amp.init() wrapped them, e.g. {fn.__qualname__}). Use one of the two per process: "
+            "import gluon_amp before MXNet's AMP initializes, or run the program under "
+            "`python -m gluon_amp.run [options] SCRIPT`, which answers the program's own AMP calls.")
     if fn.__closure__ or fn.__kwdefaults__ or fn.__code__ is _TRAMPOLINE_CODE:
         raise RuntimeError(f"gluon_amp cannot patch {fn.__module__}.{fn.__qualname__} in place: it has a "
                            "closure or keyword-only defaults, or is patched already (MXNet changed how it "

@@ -437,3 +437,16 @@ def test_gluoncvs_rcnn_training_task_runs_under_the_install(contrib_amp, fp32_rc
     assert np.isfinite(losses).all()
     compared = 1 if policy.target_dtype == "float16" else len(losses)
     np.testing.assert_allclose(losses[:compared], fp32_rcnn_losses[:compared], rtol=RCNN_RTOL)
+
+
+def test_importing_gluon_amp_after_mxnets_own_amp_initialized_says_what_to_do():
+    """A process where MXNet's own AMP wrapped the op functions first: a clear RuntimeError."""
+    code = ("from mxnet.contrib import amp\n"
+            "amp.init()\n"
+            "import gluon_amp\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: gluon_amp cannot patch MXNet's op functions: MXNet's own AMP was "
+                           "initialized in this process first"), last
+    assert "python -m gluon_amp.run" in last and "import gluon_amp before" in last
