@@ -4,17 +4,9 @@ import random
 import pytest
 
 from gluon_amp_core.accumulating_casts import IDENTITY_SUFFIX, cast_accumulating_inputs
+from graph_json import graph as _graph, var as _var
 
 BF16, FP16, FP32 = "bfloat16", "float16", "float32"
-
-
-def _graph(nodes, heads):
-    return {"nodes": nodes, "arg_nodes": [i for i, n in enumerate(nodes) if n["op"] == "null"],
-            "heads": [[h, 0, 0] for h in heads], "attrs": {"mxnet_version": ["int", 10901]}}
-
-
-def _var(name):
-    return {"op": "null", "name": name, "inputs": []}
 
 
 def _dtypes(graph, var_dtype=FP32):

@@ -4,13 +4,9 @@ import itertools
 import pytest
 
 from gluon_amp_core.layout_guards import GUARD_SUFFIX, guard_batchnorm_layouts
+from graph_json import graph as _graph
 
 BF16, FP32 = "bfloat16", "float32"
-
-
-def _graph(nodes, heads):
-    return {"nodes": nodes, "arg_nodes": [i for i, n in enumerate(nodes) if n["op"] == "null"],
-            "heads": [[h, 0, 0] for h in heads], "attrs": {"mxnet_version": ["int", 10901]}}
 
 
 def _block(c_in, c_mid, c_out, reader="relu", dtype=BF16, bn_attrs=None, ndim=4):
