@@ -17,7 +17,10 @@ every batch prepared before timing):
 - ``lstm_lm``: GluonNLP 0.10's ``standard_lstm_lm_200`` (2 layers of 200, dropout 0), 2,000
   words, 35 steps x batch 20, softmax cross-entropy;
 - ``transformer``: GluonNLP 0.10's BERT encoder at a small size (2 layers, 128 units, 4 heads,
-  feed-forward 512, dropout 0) with its classifier, sequences of 64 x batch 16.
+  feed-forward 512, dropout 0) with its classifier, sequences of 64 x batch 16;
+- ``cifar_resnet`` (only with ``--nets``): GluonCV 0.10's ``cifar_resnet20_v1``, 32x32 images x
+  batch 32, softmax cross-entropy: a small CNN whose stages of 16, 32 and 64
+  channels meet both of oneDNN's bfloat16 layouts on an AMX host (docs/speed.md).
 
 Each (net, mode) runs in a process of its own: ``--warmup`` untimed steps (graph build, the
 emulation kernel, tuning within its budget), then ``--steps`` timed ones; a step is forward,
@@ -52,7 +55,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-NETS = ("deepar", "lstm_forecaster", "lstm_lm", "transformer")
+NETS = ("deepar", "lstm_forecaster", "lstm_lm", "transformer", "cifar_resnet")
 DEFAULT_NETS = ("deepar", "lstm_lm", "transformer")
 #: mode -> init's arguments (None: FP32, no init)
 MODES: Dict[str, Optional[Dict[str, Any]]] = {
@@ -72,6 +75,7 @@ SIZES = {
     "lstm_lm": {"full": dict(vocab=2000, seq=35, batch=20), "tiny": dict(vocab=50, seq=6, batch=4)},
     "transformer": {"full": dict(layers=2, units=128, heads=4, hidden=512, seq=64, batch=16, vocab=2000),
                     "tiny": dict(layers=1, units=16, heads=2, hidden=32, seq=8, batch=4, vocab=50)},
+    "cifar_resnet": {"full": dict(batch=32), "tiny": dict(batch=2)},
 }
 
 
@@ -186,8 +190,21 @@ def _transformer(size: Dict[str, int], n_batches: int) -> Workload:
     return net, batches, lambda n, x: ce(n(*x[:3]), x[3])
 
 
+def _cifar_resnet(size: Dict[str, int], n_batches: int) -> Workload:
+    import mxnet as mx
+    from gluoncv.model_zoo import get_model
+    from mxnet import gluon
+    net = get_model("cifar_resnet20_v1", classes=10)
+    net.initialize(mx.init.Xavier())
+    b = size["batch"]
+    batches = [[mx.nd.random.normal(shape=(b, 3, 32, 32)), mx.nd.random.randint(0, 10, shape=(b,)).astype("float32")]
+               for _ in range(n_batches)]
+    ce = gluon.loss.SoftmaxCrossEntropyLoss()
+    return net, batches, lambda n, x: ce(n(x[0]), x[1])
+
+
 BUILDERS = {"deepar": _deepar, "lstm_forecaster": _lstm_forecaster, "lstm_lm": _lstm_lm,
-            "transformer": _transformer}
+            "transformer": _transformer, "cifar_resnet": _cifar_resnet}
 
 
 def _plan_figures(net: Any) -> Dict[str, Any]:

@@ -70,3 +70,14 @@ def test_without_bf16_kernels_the_default_is_fp32_and_native_bfloat16_says_why(t
 def test_bad_flags_name_the_value_and_what_is_allowed(args, message):
     r = _run(*args, timeout=120)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+@pytest.mark.slow  # two processes importing GluonCV
+def test_the_small_cnn_family_runs_when_named(tmp_path):
+    out = tmp_path / "mf.json"
+    r = _run(*TINY, "--nets", "cifar_resnet", "--mode", "emulated-bfloat16", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["summary"]
+    assert list(rows) == ["cifar_resnet"]
+    _check_timed(rows["cifar_resnet"]["emulated-bfloat16"])
+    assert rows["cifar_resnet"]["emulated-bfloat16"]["low_ops"] >= 22  # 21 convolutions and the dense layer, at least
