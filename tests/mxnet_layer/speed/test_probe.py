@@ -98,3 +98,33 @@ def test_a_probe_on_a_busy_machine_is_not_trusted_nor_kept(tmp_path, monkeypatch
     finally:
         runtime.timing_cache.cache_clear()
         probe.forget()
+
+
+def test_the_cache_key_changes_with_gluon_amps_code(tmp_path, monkeypatch):
+    """A whole-graph verdict holds for the graph the measuring version ran: a new gluon_amp
+    (any source of it or of its core) measures again."""
+    import importlib
+    import types
+
+    key = probe.machine_key(frozenset({"avx2"}), False, "AVX2", None)
+    assert key["gluon_amp"] == probe.code_digest() and len(key["gluon_amp"]) == 16
+    for pkg in ("gluon_amp", "gluon_amp_core"):
+        (tmp_path / pkg / "sub").mkdir(parents=True)
+        (tmp_path / pkg / "__init__.py").write_text("x = 1\n")
+        (tmp_path / pkg / "sub" / "m.py").write_text("y = 2\n")
+        (tmp_path / pkg / "sub" / "built.so").write_text("not a source")
+    fakes = {p: types.SimpleNamespace(__file__=str(tmp_path / p / "__init__.py")) for p in ("gluon_amp", "gluon_amp_core")}
+    monkeypatch.setattr(importlib, "import_module", lambda name: fakes[name])
+    probe.code_digest.cache_clear()
+    try:
+        first = probe.code_digest()
+        (tmp_path / "gluon_amp" / "sub" / "built.so").write_text("rebuilt")  # not a source: same
+        probe.code_digest.cache_clear()
+        assert probe.code_digest() == first
+        (tmp_path / "gluon_amp_core" / "sub" / "m.py").write_text("y = 3\n")
+        probe.code_digest.cache_clear()
+        assert probe.code_digest() != first
+    finally:
+        monkeypatch.undo()
+        probe.code_digest.cache_clear()
+    assert probe.code_digest() == key["gluon_amp"]
