@@ -113,7 +113,8 @@ def test_the_cache_key_changes_with_gluon_amps_code(tmp_path, monkeypatch):
         (tmp_path / pkg / "__init__.py").write_text("x = 1\n")
         (tmp_path / pkg / "sub" / "m.py").write_text("y = 2\n")
         (tmp_path / pkg / "sub" / "built.so").write_text("not a source")
-    fakes = {p: types.SimpleNamespace(__file__=str(tmp_path / p / "__init__.py")) for p in ("gluon_amp", "gluon_amp_core")}
+    fakes = {p: types.SimpleNamespace(__file__=str(tmp_path / p / "__init__.py"))
+             for p in ("gluon_amp", "gluon_amp_core")}
     monkeypatch.setattr(importlib, "import_module", lambda name: fakes[name])
     probe.code_digest.cache_clear()
     try:
