@@ -94,13 +94,25 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
                 raise CannotRun(cannot_run(what, dtype, device, missing))
     if simulated and "bfloat16" in kernels:  # a simulated native host: its bfloat16 kernels emulated
         return emulated(plan, typed, shapes, fed=dtypes)
+    run = native_passes(plan, typed, shapes, devices, pair, accumulating)
+    run = outputs_as_fed(run, typed, dtypes, plan_heads) if policy is not None and policy.enabled else run
+    return without_float16_multicasts(run, typed) if "cpu" in devices and "float16" in low else run
+
+
+def native_passes(plan: Symbol, typed: Mapping[Key, Optional[str]], shapes: Mapping[str, Tuple[int, ...]],
+                  devices: Iterable[str], pair: bool, accumulating: Optional[Collection[str]]) -> Symbol:
+    """What a plan typed ``typed`` runs natively in bfloat16, past its plan: the casts of inputs
+    that accumulate through an identity (a CPU), then, for a training graph (``pair``), on AMX
+    the batch norms' layout guards and the weight casts paired with their ops' data. The tuner
+    times its graphs through this too, so a verdict is the graph's that will run. ``plan``
+    itself where nothing applies."""
+    low = set(typed.values())
     run = plan
     if "bfloat16" in low and "cpu" in devices:
         run = with_accumulating_casts(run, typed, accumulating)
     if pair and "bfloat16" in low:
         run = with_paired_casts(with_layout_guards(run, typed, shapes) if runtime.amx_active() else run, typed)
-    run = outputs_as_fed(run, typed, dtypes, plan_heads) if policy is not None and policy.enabled else run
-    return without_float16_multicasts(run, typed) if "cpu" in devices and "float16" in low else run
+    return run
 
 
 def with_paired_casts(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> Symbol:

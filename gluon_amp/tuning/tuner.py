@@ -222,6 +222,17 @@ class Target:
     def __post_init__(self) -> None:
         self.graph = json.loads(self.sym.tojson(remove_amp_cast=False))
 
+    def as_run(self, sym: Symbol, shapes: Mapping[str, Tuple[int, ...]]) -> Symbol:
+        """``sym`` (the plan, or it with choices applied) as MXNet runs it natively
+        (:func:`gluon_amp.execution.native_passes`: the AMX batch-norm guards and paired casts
+        of a training graph), so each whole-graph time is the one of the graph that will run.
+        The timing blocks' parameters are written, not accumulated."""
+        if self.policy.emulate:
+            return sym
+        from .. import execution  # it imports this module's users
+        typed = infer_dtypes(sym, self.known, partial=True) or {}
+        return execution.native_passes(sym, typed, shapes, ("cpu",), self.train and not self.fused, frozenset())
+
     @property
     def names(self) -> List[str]:
         return [n["name"] for n in self.graph["nodes"]]
@@ -499,7 +510,8 @@ class Job:
         # (a plan slower than float32 runs float32 from the next call on).
         yield Step(self._graph_estimate(2, prob, times), "whole-graph check against float32", whole_graph=True)
         t0 = self.clock()
-        got = time_graphs([target.sym, target.fp32()], shapes, target.train, target.fused, runs=GRAPH_RUNS)
+        got = time_graphs([target.as_run(target.sym, shapes), target.fp32()], shapes, target.train, target.fused,
+                          runs=GRAPH_RUNS)
         one = (self.clock() - t0) / 2
         plan_ms, fp32_ms = got if got else (None, None)
         self.tuning.trials = [("plan", _round(plan_ms)), ("float32", _round(fp32_ms))]
@@ -521,8 +533,8 @@ class Job:
             tried = groups(prob, proposals)[:MAX_TRIALS]
             if tried:
                 yield Step(len(tried) * one * TRIAL_COST, "whole-graph trials", whole_graph=True)
-                kept, best = _trials(plan_ms, tried, target.apply, shapes, target.train, target.fused,
-                                     self.tuning.trials)
+                kept, best = _trials(plan_ms, tried, lambda c: target.as_run(target.apply(c), shapes), shapes,
+                                     target.train, target.fused, self.tuning.trials)
         check = (best, fp32_ms) if best is not None and fp32_ms is not None else None
         self.outcome = Outcome(target.by_position(kept), here, check=check)
         self.tuning.choices = kept
@@ -567,8 +579,10 @@ class Job:
             yield Step(self._graph_estimate(2, here, times), "whole-graph re-check", whole_graph=True)
             keep = target.by_name(outcome.choices)
             without = target.by_name({p: c for p, c in outcome.choices.items() if p not in flipped})
-            with_ms = time_graph(target.apply(keep), shapes, target.train, target.fused, runs=GRAPH_RUNS)
-            without_ms = time_graph(target.apply(without), shapes, target.train, target.fused, runs=GRAPH_RUNS,
+            with_ms = time_graph(target.as_run(target.apply(keep), shapes), shapes, target.train, target.fused,
+                                 runs=GRAPH_RUNS)
+            without_ms = time_graph(target.as_run(target.apply(without), shapes), shapes, target.train, target.fused,
+                                    runs=GRAPH_RUNS,
                                     give_up_ms=GIVE_UP * with_ms if with_ms else None)
             self.tuning.trials = [("as tuned", _round(with_ms)), ("withdrawn", _round(without_ms))]
             if with_ms is not None and without_ms is not None and not with_ms < without_ms * (1 - MIN_GAIN):
