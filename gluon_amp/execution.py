@@ -24,10 +24,7 @@ from mxnet.gluon import HybridBlock
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
-from gluon_amp_core.accumulating_casts import cast_accumulating_inputs
 from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
-from gluon_amp_core.layout_guards import BATCHNORM_OPS, guard_batchnorm_layouts
-from gluon_amp_core.paired_casts import pair_param_casts
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import cast_each_input, drop_identity_casts
 from gluon_amp_core.table import kernel_verdicts
@@ -35,7 +32,8 @@ from gluon_amp_core.verdicts import Verdict
 
 from . import mxnet_internals as mxi, plan_notes, runtime, state
 from .emulation import emulate_symbol
-from .type_inference import infer_dtypes, infer_shapes
+from .native_run import native_passes
+from .type_inference import infer_dtypes
 
 Key = Tuple[str, int]
 
@@ -58,13 +56,13 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
     ``plan_heads``: the dtypes of the plan's outputs before measured choices (the tuner) moved
     some to float32, whose outputs then still come back as fed (timings never change them).
     ``pair``: a plan run natively in bfloat16 casts each weight together with its op's data
-    (:func:`with_paired_casts`), and where oneDNN runs AMX, gives the batch norms its mixed
-    layouts would slow down a plain input (:func:`with_layout_guards`); False for a converter's
+    (:func:`gluon_amp.native_run.with_paired_casts`), and where oneDNN runs AMX, gives the batch norms its mixed
+    layouts would slow down a plain input (:func:`gluon_amp.native_run.with_layout_guards`); False for a converter's
     result, an inference graph, where the pairs save nothing and cost an op per layer
     (MobileNetV3: 2% of its time) and no backward pass meets the layouts.
 
     ``accumulating``: the inputs whose gradients accumulate (``grad_req='add'``; ``None``: any
-    may), whose bfloat16 casts a CPU feeds through an identity (:func:`with_accumulating_casts`).
+    may), whose bfloat16 casts a CPU feeds through an identity (:func:`gluon_amp.native_run.with_accumulating_casts`).
 
     Raises
     ------
@@ -97,57 +95,6 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
     run = native_passes(plan, typed, shapes, devices, pair, accumulating)
     run = outputs_as_fed(run, typed, dtypes, plan_heads) if policy is not None and policy.enabled else run
     return without_float16_multicasts(run, typed) if "cpu" in devices and "float16" in low else run
-
-
-def native_passes(plan: Symbol, typed: Mapping[Key, Optional[str]], shapes: Mapping[str, Tuple[int, ...]],
-                  devices: Iterable[str], pair: bool, accumulating: Optional[Collection[str]]) -> Symbol:
-    """What a plan typed ``typed`` runs natively in bfloat16, past its plan: the casts of inputs
-    that accumulate through an identity (a CPU), then, for a training graph (``pair``), on AMX
-    the batch norms' layout guards and the weight casts paired with their ops' data. The tuner
-    times its graphs through this too, so a verdict is the graph's that will run. ``plan``
-    itself where nothing applies."""
-    low = set(typed.values())
-    run = plan
-    if "bfloat16" in low and "cpu" in devices:
-        run = with_accumulating_casts(run, typed, accumulating)
-    if pair and "bfloat16" in low:
-        run = with_paired_casts(with_layout_guards(run, typed, shapes) if runtime.amx_active() else run, typed)
-    return run
-
-
-def with_paired_casts(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> Symbol:
-    """``plan`` with its bfloat16 casts of parameters paired with their op's data input, so
-    that each weight's gradient is cast back to float32, and its bfloat16 buffer freed, as the
-    backward pass reaches the op (:func:`gluon_amp_core.paired_casts.pair_param_casts`).
-    ``plan`` itself where there is nothing to pair."""
-    graph, paired = pair_param_casts(json.loads(plan.tojson(remove_amp_cast=False)), typed, "bfloat16")
-    return mx.sym.load_json(json.dumps(graph)) if paired else plan
-
-
-def with_accumulating_casts(plan: Symbol, typed: Mapping[Key, Optional[str]],
-                            accumulating: Optional[Collection[str]]) -> Symbol:
-    """``plan`` with the bfloat16 casts of the float32 inputs in ``accumulating`` (``None``:
-    all) reading them through an identity: MXNet 1.9.1's CPU ``amp_cast``/``amp_multicast``
-    drop a gradient they add to (:mod:`gluon_amp_core.accumulating_casts`). ``plan`` itself
-    where no such input is cast."""
-    if accumulating is not None and not accumulating:
-        return plan
-    graph, changed = cast_accumulating_inputs(json.loads(plan.tojson(remove_amp_cast=False)), typed, "bfloat16",
-                                              accumulating)
-    return mx.sym.load_json(json.dumps(graph)) if changed else plan
-
-
-def with_layout_guards(plan: Symbol, typed: Mapping[Key, Optional[str]],
-                       shapes: Mapping[str, Tuple[int, ...]]) -> Symbol:
-    """``plan`` with a plain-making ``Reshape`` before each bfloat16 batch norm whose backward
-    pass would meet two oneDNN layouts on an AMX host, and run oneDNN's reference kernel
-    (:func:`gluon_amp_core.layout_guards.guard_batchnorm_layouts`). ``plan`` itself where
-    there is none; the plan is never changed (what ``export`` writes)."""
-    graph = json.loads(plan.tojson(remove_amp_cast=False))
-    if not any(n["op"] in BATCHNORM_OPS for n in graph["nodes"]):
-        return plan
-    graph, guarded = guard_batchnorm_layouts(graph, typed, infer_shapes(plan, shapes), "bfloat16")
-    return mx.sym.load_json(json.dumps(graph)) if guarded else plan
 
 
 def without_float16_multicasts(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> Symbol:

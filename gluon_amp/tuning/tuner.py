@@ -35,6 +35,7 @@ from gluon_amp_core.tuning.verdict import (Verdict, activation_casts, describe_u
                                           unmeasured_runs_fp32)
 
 from .. import mxnet_internals as mxi
+from ..native_run import native_passes
 from ..type_inference import infer_dtypes, infer_shapes
 from ..speed.timing import time_graph, time_graphs, time_op
 
@@ -224,14 +225,13 @@ class Target:
 
     def as_run(self, sym: Symbol, shapes: Mapping[str, Tuple[int, ...]]) -> Symbol:
         """``sym`` (the plan, or it with choices applied) as MXNet runs it natively
-        (:func:`gluon_amp.execution.native_passes`: the AMX batch-norm guards and paired casts
+        (:func:`gluon_amp.native_run.native_passes`: the AMX batch-norm guards and paired casts
         of a training graph), so each whole-graph time is the one of the graph that will run.
         The timing blocks' parameters are written, not accumulated."""
         if self.policy.emulate:
             return sym
-        from .. import execution  # it imports this module's users
         typed = infer_dtypes(sym, self.known, partial=True) or {}
-        return execution.native_passes(sym, typed, shapes, ("cpu",), self.train and not self.fused, frozenset())
+        return native_passes(sym, typed, shapes, ("cpu",), self.train and not self.fused, frozenset())
 
     @property
     def names(self) -> List[str]:

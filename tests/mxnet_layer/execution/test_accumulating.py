@@ -1,6 +1,6 @@
 """Gradients that accumulate (``grad_req='add'``) under native bfloat16: MXNet 1.9.1's CPU
 ``amp_cast``/``amp_multicast`` drop what they add, so a cast of such a leaf reads it through
-an identity (gluon_amp_core.accumulating_casts, execution.with_accumulating_casts, and the
+an identity (gluon_amp_core.accumulating_casts, native_run.with_accumulating_casts, and the
 imperative wrappers' casts)."""
 import json
 

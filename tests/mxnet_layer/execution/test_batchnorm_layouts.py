@@ -1,6 +1,6 @@
 """On an AMX host a bfloat16 batch norm next to a convolution with 16-channel blocks gets a plain
 input, so that its backward pass meets one oneDNN layout, not two (gluon_amp_core.layout_guards,
-execution.with_layout_guards)."""
+native_run.with_layout_guards)."""
 import contextlib
 import json
 

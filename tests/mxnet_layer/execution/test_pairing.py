@@ -1,5 +1,5 @@
 """A natively run bfloat16 graph casts each weight together with its op's data
-(gluon_amp_core.paired_casts, gluon_amp.execution.with_paired_casts)."""
+(gluon_amp_core.paired_casts, gluon_amp.native_run.with_paired_casts)."""
 import json
 
 import numpy as np
@@ -9,7 +9,7 @@ import gluon_amp
 import mxnet as mx
 from mxnet import autograd, gluon
 
-from gluon_amp import execution, runtime
+from gluon_amp import execution, native_run, runtime
 from gluon_amp.policy_builder import make_policy
 from gluon_amp.type_inference import infer_dtypes
 from gluon_amp_core.paired_casts import PAIRED_SUFFIX
@@ -62,14 +62,14 @@ def test_a_plan_run_natively_pairs_each_weight_cast_and_mxnet_types_it_as_the_pl
 
 def _train(paired: bool, monkeypatch, grad_req: str = "write"):
     counted = []
-    real = execution.pair_param_casts
+    real = native_run.pair_param_casts
 
     def spy(graph, dtypes, low):
         out, n = real(graph, dtypes, low) if paired else (graph, 0)
         counted.append(n)
         return out, n
 
-    monkeypatch.setattr(execution, "pair_param_casts", spy)
+    monkeypatch.setattr(native_run, "pair_param_casts", spy)
     mx.random.seed(0)
     net = Residual()
     net.initialize(mx.init.Xavier())

@@ -849,7 +849,7 @@ def test_a_trial_graph_mxnet_cannot_type_is_left_as_it_is_for_its_timing_to_fail
 
 
 def test_the_whole_graph_check_times_the_graph_that_will_run(native_host, monkeypatch):
-    """A training graph's plan is timed as MXNet runs it natively (execution.native_passes):
+    """A training graph's plan is timed as MXNet runs it natively (native_run.native_passes):
     on a planted AMX host, with its batch norms' layout guards and paired casts. Timing the bare
     plan kept GluonCV's CIFAR ResNet-20 in float32 ("0.52x") where what runs is 1.9x faster."""
     from mxnet import autograd, gluon

@@ -1,0 +1,71 @@
+"""What a plan runs natively in bfloat16, past the plan itself: the passes MXNet's executor gets
+and the plan (what ``export`` and the converters write) never holds. One place, so the graph a
+block trains and the graph the tuner times are the same graph.
+"""
+from __future__ import annotations
+
+import json
+from typing import Collection, Iterable, Mapping, Optional, Tuple
+
+import mxnet as mx
+from mxnet.symbol import Symbol
+
+from gluon_amp_core.accumulating_casts import cast_accumulating_inputs
+from gluon_amp_core.layout_guards import BATCHNORM_OPS, guard_batchnorm_layouts
+from gluon_amp_core.paired_casts import pair_param_casts
+
+from . import runtime
+from .type_inference import infer_shapes
+
+Key = Tuple[str, int]
+
+
+def native_passes(plan: Symbol, typed: Mapping[Key, Optional[str]], shapes: Mapping[str, Tuple[int, ...]],
+                  devices: Iterable[str], pair: bool, accumulating: Optional[Collection[str]]) -> Symbol:
+    """What a plan typed ``typed`` runs natively in bfloat16, past its plan: the casts of inputs
+    that accumulate through an identity (a CPU), then, for a training graph (``pair``), on AMX
+    the batch norms' layout guards and the weight casts paired with their ops' data. The tuner
+    times its graphs through this too, so a verdict is the graph's that will run. ``plan``
+    itself where nothing applies."""
+    low = set(typed.values())
+    run = plan
+    if "bfloat16" in low and "cpu" in devices:
+        run = with_accumulating_casts(run, typed, accumulating)
+    if pair and "bfloat16" in low:
+        run = with_paired_casts(with_layout_guards(run, typed, shapes) if runtime.amx_active() else run, typed)
+    return run
+
+
+def with_paired_casts(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> Symbol:
+    """``plan`` with its bfloat16 casts of parameters paired with their op's data input, so
+    that each weight's gradient is cast back to float32, and its bfloat16 buffer freed, as the
+    backward pass reaches the op (:func:`gluon_amp_core.paired_casts.pair_param_casts`).
+    ``plan`` itself where there is nothing to pair."""
+    graph, paired = pair_param_casts(json.loads(plan.tojson(remove_amp_cast=False)), typed, "bfloat16")
+    return mx.sym.load_json(json.dumps(graph)) if paired else plan
+
+
+def with_accumulating_casts(plan: Symbol, typed: Mapping[Key, Optional[str]],
+                            accumulating: Optional[Collection[str]]) -> Symbol:
+    """``plan`` with the bfloat16 casts of the float32 inputs in ``accumulating`` (``None``:
+    all) reading them through an identity: MXNet 1.9.1's CPU ``amp_cast``/``amp_multicast``
+    drop a gradient they add to (:mod:`gluon_amp_core.accumulating_casts`). ``plan`` itself
+    where no such input is cast."""
+    if accumulating is not None and not accumulating:
+        return plan
+    graph, changed = cast_accumulating_inputs(json.loads(plan.tojson(remove_amp_cast=False)), typed, "bfloat16",
+                                              accumulating)
+    return mx.sym.load_json(json.dumps(graph)) if changed else plan
+
+
+def with_layout_guards(plan: Symbol, typed: Mapping[Key, Optional[str]],
+                       shapes: Mapping[str, Tuple[int, ...]]) -> Symbol:
+    """``plan`` with a plain-making ``Reshape`` before each bfloat16 batch norm whose backward
+    pass would meet two oneDNN layouts on an AMX host, and run oneDNN's reference kernel
+    (:func:`gluon_amp_core.layout_guards.guard_batchnorm_layouts`). ``plan`` itself where
+    there is none; the plan is never changed (what ``export`` writes)."""
+    graph = json.loads(plan.tojson(remove_amp_cast=False))
+    if not any(n["op"] in BATCHNORM_OPS for n in graph["nodes"]):
+        return plan
+    graph, guarded = guard_batchnorm_layouts(graph, typed, infer_shapes(plan, shapes), "bfloat16")
+    return mx.sym.load_json(json.dumps(graph)) if guarded else plan
