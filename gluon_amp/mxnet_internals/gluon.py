@@ -579,10 +579,9 @@ def _accumulating(grad_req: Any, names: Sequence[str]) -> FrozenSet[str]:
     return frozenset()
 
 
-#: block -> (its parameters' names, those whose gradients accumulated when its CachedOp was
-#: built): a parameter's ``grad_req`` changed to or from ``'add'`` later rebuilds it
-_ACCUMULATION: "weakref.WeakKeyDictionary[HybridBlock, Tuple[FrozenSet[str], FrozenSet[str]]]" = \
-    weakref.WeakKeyDictionary()
+#: block -> its parameters' names, recorded when its CachedOp is built: a parameter's
+#: ``grad_req`` changed to or from ``'add'`` later rebuilds it
+_ACCUMULATION: "weakref.WeakKeyDictionary[HybridBlock, FrozenSet[str]]" = weakref.WeakKeyDictionary()
 _GRAD_REQ = Parameter.__dict__["grad_req"]
 
 
@@ -596,7 +595,7 @@ def _set_grad_req(self: Parameter, req: Any) -> None:
     _GRAD_REQ.fset(self, req)
     if before != self.grad_req and "add" in (before, self.grad_req):
         # the CachedOps built for the other grad_req cast this parameter for it: build again
-        for block, (names, _) in list(_ACCUMULATION.items()):
+        for block, names in list(_ACCUMULATION.items()):
             if self.name in names:
                 block._clear_cached_op()
                 _ACCUMULATION.pop(block, None)
@@ -619,7 +618,7 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
         if _paused.depth:
             return _BUILD_CACHE(self, *args)
         inputs, graph = self._get_graph(*args)
-        _ACCUMULATION[self] = (frozenset(self.collect_params().keys()), accumulating_params(self))
+        _ACCUMULATION[self] = frozenset(self.collect_params().keys())
         run = for_block(self, args, graph, inputs)
         if run is graph:
             _EXECUTED.pop(self, None)
