@@ -233,7 +233,8 @@ def launcher_command(variant: str, args: argparse.Namespace) -> List[str]:
         return [sys.executable] + script
     if variant == "ours":
         return [sys.executable, "-m", "gluon_amp.run"] + script
-    peer = ("import runpy, sys; from mxnet.contrib import amp; amp.init(target_dtype='bfloat16'); "
+    # _numpy_shim first, as the script itself does: MXNet 1.9.1 reads numpy aliases gone since 1.24
+    peer = ("import _numpy_shim, runpy, sys; from mxnet.contrib import amp; amp.init(target_dtype='bfloat16'); "
             f"sys.argv = {script!r}; runpy.run_path(sys.argv[0], run_name='__main__')")
     return [sys.executable, "-c", peer]
 
