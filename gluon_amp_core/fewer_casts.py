@@ -21,6 +21,7 @@ The caller checks the result with the framework's type inference, as for every p
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import Collection, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .decide import CAST_OPS
@@ -61,9 +62,8 @@ def fewer_casts(graph: dict, dtypes: Mapping[Key, Optional[str]], table: OpTable
     """
     nodes = [dict(n, inputs=[list(e[:3]) for e in n["inputs"]]) for n in graph["nodes"]]
     heads = [list(h[:3]) for h in graph["heads"]]
-    names = [n["name"] for n in nodes]
     # a name given twice (Gluon's scopes can repeat one) types neither node here: left alone
-    twice = {n for n in names if names.count(n) > 1} if len(set(names)) < len(names) else set()
+    twice = names_given_twice(nodes)
     now: Dict[Key, Optional[str]] = {k: v for k, v in dtypes.items() if k[0] not in twice}
     keep = frozenset(keep)
     nodes, heads, removed = _simplify(nodes, heads, now, keep)
@@ -92,6 +92,12 @@ def fewer_casts(graph: dict, dtypes: Mapping[Key, Optional[str]], table: OpTable
     left = {n["name"] for n in nodes}
     now.update({k: v for k, v in dtypes.items() if k[0] in twice})
     return result, {k: v for k, v in now.items() if k[0] in left}, removed
+
+
+def names_given_twice(nodes: Sequence[dict]) -> FrozenSet[str]:
+    """The node names more than one node of ``nodes`` has."""
+    counts = Counter(n["name"] for n in nodes)
+    return frozenset(name for name, k in counts.items() if k > 1)
 
 
 def _simplify(nodes: List[dict], heads: List[list], dtypes: Dict[Key, Optional[str]],

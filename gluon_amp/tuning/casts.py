@@ -12,7 +12,7 @@ import mxnet as mx
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import CAST_OPS
-from gluon_amp_core.fewer_casts import fewer_casts
+from gluon_amp_core.fewer_casts import fewer_casts, names_given_twice
 from gluon_amp_core.graph_pass import PassResult
 from gluon_amp_core.table import OpTable
 
@@ -66,8 +66,7 @@ def _agrees(sym: Symbol, graph: dict, dtypes: Mapping[Tuple[str, int], Optional[
     inferred = infer_dtypes(sym, known, partial=partial)
     if inferred is None:
         return False
-    names = [n["name"] for n in graph["nodes"]]
-    twice = {n for n in names if names.count(n) > 1} if len(set(names)) < len(names) else set()
+    twice = names_given_twice(graph["nodes"])
     return all(inferred.get(k) == t for k, t in dtypes.items() if t is not None and k in inferred and k[0] not in twice)
 
 

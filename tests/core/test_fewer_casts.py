@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from gluon_amp_core.fewer_casts import MOVES_DATA, fewer_casts
+from gluon_amp_core.fewer_casts import MOVES_DATA, fewer_casts, names_given_twice
 from gluon_amp_core.table import OpClass, default_table
 
 BF16, FP32 = "bfloat16", "float32"
@@ -181,3 +181,11 @@ def test_the_pass_looks_at_each_node_a_bounded_number_of_times_not_once_per_move
     reads = _reads(new, new_types)
     assert all(reads[f"fc{t}"] == [BF16] and reads[f"g{t}"] == [FP32] for t in range(steps))
     assert len(looked) <= 4 * len(graph["nodes"]), (len(looked), len(graph["nodes"]))
+
+
+def test_names_given_twice_are_the_names_of_more_than_one_node():
+    rng = random.Random(3)
+    for _ in range(50):
+        names = [f"n{rng.randint(0, 30)}" for _ in range(rng.randint(0, 40))]
+        nodes = [{"name": n} for n in names]
+        assert names_given_twice(nodes) == {n for n in names if names.count(n) > 1}
