@@ -9,12 +9,13 @@ from graph_json import graph as _graph
 BF16, FP32 = "bfloat16", "float32"
 
 
-def _block(c_in, c_mid, c_out, reader="relu", dtype=BF16, bn_attrs=None, ndim=4):
+def _block(c_in, c_mid, c_out, reader="relu", dtype=BF16, bn_attrs=None, ndim=4, groups=(1, 1)):
     """x (c_in) -> conv1 (c_mid) -> bn -> reader -> conv2 (c_out); the dtypes and shapes MXNet
     would give (batch 2, 8x8)."""
     nodes = [{"op": "null", "name": "x", "inputs": []},
              {"op": "null", "name": "w1", "inputs": []},
-             {"op": "Convolution", "name": "conv1", "attrs": {"num_filter": str(c_mid), "kernel": "(3, 3)"},
+             {"op": "Convolution", "name": "conv1", "attrs": {"num_filter": str(c_mid), "kernel": "(3, 3)",
+                                                              **_grouped(groups[0])},
               "inputs": [[0, 0, 0], [1, 0, 0]]},
              {"op": "null", "name": "gamma", "inputs": []},
              {"op": "BatchNorm", "name": "bn", "attrs": dict(bn_attrs or {}), "inputs": [[2, 0, 0], [3, 0, 0]]}]
@@ -25,7 +26,8 @@ def _block(c_in, c_mid, c_out, reader="relu", dtype=BF16, bn_attrs=None, ndim=4)
     else:
         nodes.append({"op": "Pooling", "name": "act", "attrs": {"kernel": "(2, 2)"}, "inputs": [[4, 0, 0]]})
     nodes += [{"op": "null", "name": "w2", "inputs": []},
-              {"op": "Convolution", "name": "conv2", "attrs": {"num_filter": str(c_out), "kernel": "(1, 1)"},
+              {"op": "Convolution", "name": "conv2", "attrs": {"num_filter": str(c_out), "kernel": "(1, 1)",
+                                                               **_grouped(groups[1])},
                "inputs": [[5, 0, 0], [6, 0, 0]]}]
     graph = _graph(nodes, [7])
     shape = lambda c: (2, c, 8, 8) if ndim == 4 else (2, c, 8)  # noqa: E731
@@ -33,6 +35,10 @@ def _block(c_in, c_mid, c_out, reader="relu", dtype=BF16, bn_attrs=None, ndim=4)
               ("act", 0): shape(c_mid), ("conv2", 0): shape(c_out)}
     dtypes = {(n["name"], 0): (FP32 if n["op"] == "null" else dtype) for n in nodes}
     return graph, dtypes, shapes
+
+
+def _grouped(groups):
+    return {"num_group": str(groups)} if groups != 1 else {}
 
 
 def _odd(c):
@@ -64,6 +70,19 @@ def test_a_batch_norm_gets_a_plain_input_where_a_convolution_next_to_it_has_odd_
     assert {k: v for k, v in after.items() if k not in ("bn", "bn" + GUARD_SUFFIX)} == \
         {k: v for k, v in before.items() if k != "bn"}
     assert after["bn"][1:] == before["bn"][1:]
+
+
+@pytest.mark.parametrize("g1,g2,reader", list(itertools.product((1, 2, 32, 64), (1, 4, 64), ("relu", "add"))))
+def test_a_batch_norm_next_to_a_grouped_convolution_gets_a_plain_input(g1, g2, reader):
+    """Grouped and depthwise convolutions run oneDNN's non-AMX kernels whatever their channel
+    counts: GluonCV's mobilenet1.0 (batch 4, 112x112) spent 594 ms a step in the reference
+    batch-norm backward between them and AMX's 1x1 convolutions, against FP32's 58 ms step."""
+    graph, dtypes, shapes = _block(64, 64, 64, reader, groups=(g1, g2))
+    out, n = guard_batchnorm_layouts(graph, dtypes, shapes, BF16)
+    assert n == int(g1 > 1 or (reader == "relu" and g2 > 1))
+    if n:
+        names = {x["name"]: x for x in out["nodes"]}
+        assert out["nodes"][names["bn"]["inputs"][0][0]]["name"] == "bn" + GUARD_SUFFIX
 
 
 @pytest.mark.parametrize("case", ["float32", "channels last", "3-D", "graph input"])
