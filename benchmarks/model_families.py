@@ -20,7 +20,10 @@ every batch prepared before timing):
   feed-forward 512, dropout 0) with its classifier, sequences of 64 x batch 16;
 - ``cifar_resnet`` (only with ``--nets``): GluonCV 0.10's ``cifar_resnet20_v1``, 32x32 images x
   batch 32, softmax cross-entropy: a small CNN whose stages of 16, 32 and 64
-  channels meet both of oneDNN's bfloat16 layouts on an AMX host (docs/speed.md).
+  channels meet both of oneDNN's bfloat16 layouts on an AMX host (docs/speed.md);
+- ``mobilenet``, ``resnext``, ``alexnet`` (only with ``--nets``): GluonCV 0.10's ``mobilenet1.0``
+  (depthwise convolutions), ``resnext50_32x4d`` (grouped ones) and ``alexnet`` (4096-wide dense
+  layers), 112x112 images x batch 4: each met a bfloat16 kernel slower than FP32's on an AMX host.
 
 Each (net, mode) runs in a process of its own: ``--warmup`` untimed steps (graph build, the
 emulation kernel, tuning within its budget), then ``--steps`` timed ones; a step is forward,
@@ -55,7 +58,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-NETS = ("deepar", "lstm_forecaster", "lstm_lm", "transformer", "cifar_resnet")
+NETS = ("deepar", "lstm_forecaster", "lstm_lm", "transformer", "cifar_resnet", "mobilenet", "resnext", "alexnet")
 DEFAULT_NETS = ("deepar", "lstm_lm", "transformer")
 #: mode -> init's arguments (None: FP32, no init)
 MODES: Dict[str, Optional[Dict[str, Any]]] = {
@@ -76,7 +79,12 @@ SIZES = {
     "transformer": {"full": dict(layers=2, units=128, heads=4, hidden=512, seq=64, batch=16, vocab=2000),
                     "tiny": dict(layers=1, units=16, heads=2, hidden=32, seq=8, batch=4, vocab=50)},
     "cifar_resnet": {"full": dict(batch=32), "tiny": dict(batch=2)},
+    "mobilenet": {"full": dict(batch=4, size=112), "tiny": dict(batch=2, size=64)},
+    "resnext": {"full": dict(batch=4, size=112), "tiny": dict(batch=2, size=64)},
+    "alexnet": {"full": dict(batch=4, size=112), "tiny": dict(batch=2, size=64)},
 }
+#: GluonCV's model of each ImageNet-style family
+ZOO = {"mobilenet": "mobilenet1.0", "resnext": "resnext50_32x4d", "alexnet": "alexnet"}
 
 
 def gluonts_available() -> bool:
@@ -203,8 +211,24 @@ def _cifar_resnet(size: Dict[str, int], n_batches: int) -> Workload:
     return net, batches, lambda n, x: ce(n(x[0]), x[1])
 
 
+def _zoo(family: str) -> Callable[[Dict[str, int], int], Workload]:
+    """The builder of a GluonCV ImageNet classifier (:data:`ZOO`), 10 classes, random weights."""
+    def build(size: Dict[str, int], n_batches: int) -> Workload:
+        import mxnet as mx
+        from gluoncv.model_zoo import get_model
+        from mxnet import gluon
+        net = get_model(ZOO[family], pretrained=False, classes=10)
+        net.initialize(mx.init.Xavier())
+        b, px = size["batch"], size["size"]
+        batches = [[mx.nd.random.normal(shape=(b, 3, px, px)),
+                    mx.nd.random.randint(0, 10, shape=(b,)).astype("float32")] for _ in range(n_batches)]
+        ce = gluon.loss.SoftmaxCrossEntropyLoss()
+        return net, batches, lambda n, x: ce(n(x[0]), x[1])
+    return build
+
+
 BUILDERS = {"deepar": _deepar, "lstm_forecaster": _lstm_forecaster, "lstm_lm": _lstm_lm,
-            "transformer": _transformer, "cifar_resnet": _cifar_resnet}
+            "transformer": _transformer, "cifar_resnet": _cifar_resnet, **{f: _zoo(f) for f in ZOO}}
 
 
 def _plan_figures(net: Any) -> Dict[str, Any]:

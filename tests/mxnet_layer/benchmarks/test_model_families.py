@@ -72,12 +72,18 @@ def test_bad_flags_name_the_value_and_what_is_allowed(args, message):
     assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
-@pytest.mark.slow  # two processes importing GluonCV
-def test_the_small_cnn_family_runs_when_named(tmp_path):
+@pytest.mark.slow  # eight processes importing GluonCV
+def test_the_cnn_families_run_when_named(tmp_path):
     out = tmp_path / "mf.json"
-    r = _run(*TINY, "--nets", "cifar_resnet", "--mode", "emulated-bfloat16", "--json", str(out))
+    nets = ["cifar_resnet", "mobilenet", "resnext", "alexnet"]
+    r = _run(*TINY, "--nets", ",".join(nets), "--mode", "emulated-bfloat16", "--json", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["summary"]
-    assert list(rows) == ["cifar_resnet"]
-    _check_timed(rows["cifar_resnet"]["emulated-bfloat16"])
+    assert list(rows) == nets
+    for net in nets:
+        _check_timed(rows[net]["emulated-bfloat16"])
     assert rows["cifar_resnet"]["emulated-bfloat16"]["low_ops"] >= 22  # 21 convolutions and the dense layer, at least
+    # every convolution and dense layer low: 27 + 1 (mobilenet1.0), 53 + 1 (resnext50_32x4d), 5 + 3 (alexnet)
+    assert rows["mobilenet"]["emulated-bfloat16"]["low_ops"] >= 28
+    assert rows["resnext"]["emulated-bfloat16"]["low_ops"] >= 54
+    assert rows["alexnet"]["emulated-bfloat16"]["low_ops"] >= 8
