@@ -228,21 +228,19 @@ class _Graph:
     def dtype(self, e: Sequence[int], dtypes: Mapping[Key, Optional[str]]) -> Optional[str]:
         return dtypes.get((self.store[e[0]]["name"], e[1]))
 
+    def chain(self, e: Sequence[int], keep: FrozenSet[str] = frozenset()) -> List[Entry]:
+        """The entries from ``e`` back through casts (not the user's, in ``keep``) to where its
+        value comes from, both ends included."""
+        out = [(e[0], e[1])]
+        while self.store[e[0]]["op"] in CAST_OPS and self.store[e[0]]["name"] not in keep:
+            node = self.store[e[0]]
+            e = node["inputs"][0 if node["op"] == "amp_cast" else e[1]]
+            out.append((e[0], e[1]))
+        return out
+
     def source(self, e: Sequence[int], keep: FrozenSet[str] = frozenset()) -> Entry:
         """Where a value comes from, seen through casts (not through the user's, in ``keep``)."""
-        while self.store[e[0]]["op"] in CAST_OPS and self.store[e[0]]["name"] not in keep:
-            node = self.store[e[0]]
-            e = node["inputs"][0 if node["op"] == "amp_cast" else e[1]]
-        return e[0], e[1]
-
-    def chain(self, e: Sequence[int], keep: FrozenSet[str]) -> List[int]:
-        """The nodes from ``e`` to its :meth:`source`, both ends included."""
-        out = [e[0]]
-        while self.store[e[0]]["op"] in CAST_OPS and self.store[e[0]]["name"] not in keep:
-            node = self.store[e[0]]
-            e = node["inputs"][0 if node["op"] == "amp_cast" else e[1]]
-            out.append(e[0])
-        return out
+        return self.chain(e, keep)[-1]
 
     def existing_cast(self, src: Entry, dtype: str, before: int) -> Optional[int]:
         """The first cast of ``src`` to ``dtype`` ahead of node ``before``, if the graph has one."""
@@ -269,7 +267,7 @@ class _Graph:
         made: Dict[Entry, int] = {}
         inputs = []
         for slot, (e, how) in enumerate(zip(node["inputs"], plan)):
-            touched.update(self.chain(e, keep))
+            touched.update(n for n, _ in self.chain(e, keep))
             self._unread(e[0], i, slot)
             if how is None:
                 src = self.source(e, keep)
