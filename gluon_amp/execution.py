@@ -17,6 +17,7 @@ import dataclasses
 import json
 import threading
 import warnings
+import weakref
 from typing import Any, Collection, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 import mxnet as mx
@@ -44,7 +45,8 @@ WIDEN_SUFFIX = "_amp_widened"
 def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, Tuple[int, ...]],
                  devices: Iterable[str], policy: Optional[Policy], what: str,
                  plan_heads: Optional[Sequence[Optional[str]]] = None, pair: bool = True,
-                 accumulating: Optional[Collection[str]] = None) -> Symbol:
+                 accumulating: Optional[Collection[str]] = None,
+                 typed: Optional[Mapping[Key, Optional[str]]] = None) -> Symbol:
     """The graph MXNet runs for ``plan`` bound with inputs of ``dtypes`` (input name -> dtype,
     those known) and ``shapes`` on ``devices`` under ``policy``.
 
@@ -63,6 +65,8 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
 
     ``accumulating``: the inputs whose gradients accumulate (``grad_req='add'``; ``None``: any
     may), whose bfloat16 casts a CPU feeds through an identity (:func:`gluon_amp.native_run.with_accumulating_casts`).
+    ``typed``: ``plan``'s dtypes as :func:`plan_dtypes` gives them for ``dtypes``, where the
+    caller has them already.
 
     Raises
     ------
@@ -73,7 +77,7 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
     simulated = runtime.simulated()
     if (policy is None or not policy.enabled) and not simulated:
         return plan
-    typed = infer_dtypes(plan, dtypes, partial=True) or {}
+    typed = plan_dtypes(plan, dtypes) if typed is None else typed
     low = {t for t in typed.values() if t in LOW_PRECISION_DTYPES}
     if not low:
         return outputs_as_fed(plan, typed, dtypes, plan_heads) if plan_heads and policy is not None else plan
@@ -95,6 +99,12 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
     run = native_passes(plan, typed, shapes, devices, pair, accumulating)
     run = outputs_as_fed(run, typed, dtypes, plan_heads) if policy is not None and policy.enabled else run
     return without_float16_multicasts(run, typed) if "cpu" in devices and "float16" in low else run
+
+
+def plan_dtypes(plan: Symbol, dtypes: Mapping[str, Any]) -> Dict[Key, Optional[str]]:
+    """``plan``'s dtypes (node name, output) -> dtype, as MXNet infers them for inputs of ``dtypes``
+    (those it cannot infer left out; empty where it infers nothing)."""
+    return dict(infer_dtypes(plan, dtypes, partial=True) or {})
 
 
 def without_float16_multicasts(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> Symbol:
@@ -331,13 +341,28 @@ def _on_disable() -> None:
 
 
 def _forget() -> None:
-    """After :func:`gluon_amp.state.reset` forgot the converted results: release the hooks they held."""
+    """After :func:`gluon_amp.state.reset` forgot the converted results: release the hooks they
+    held, and forget which blocks were bound float32-only."""
+    _FLOAT32_RUNS.clear()
     release("converted")
 
 
 state.register_extension(state.Extension(_on_init, _on_disable, _forget))
 # a simulated native host (tests): graphs bound without a policy hold bfloat16 kernels too
 runtime.on_simulation(lambda: hold("simulated"), lambda: release("simulated"))
+
+
+#: blocks whose CachedOp, as last bound here, computes nothing in a low precision: every input
+#: (data and parameters) and every value of its graph float32 (or wider, or not a float), by
+#: MXNet's type inference. A block not known to be (bound without a policy, not inferred) is not.
+_FLOAT32_RUNS: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
+
+
+def note_block_ran(block: HybridBlock) -> None:
+    """After a hybridized ``block`` ran: note a low-precision computation
+    (:func:`gluon_amp.state.note_low_ran`) unless its graph is known to compute none."""
+    if block not in _FLOAT32_RUNS:
+        state.note_low_ran()
 
 
 def executed_graph(block: HybridBlock) -> Optional[Symbol]:
@@ -359,17 +384,23 @@ def runs_emulated(obj: Any) -> bool:
 # -- the two binding sites --------------------------------------------------------------
 
 def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Symbol:
+    _FLOAT32_RUNS.discard(block)  # until this binding is known to compute nothing in low precision
     policy = policy_for(block)
     if policy is None and not runtime.simulated():
         return plan
     known, shapes = mxi.call_inputs(block, args, inputs)
     plan_notes.record_fed(block, known)  # report types the plan as it runs (gluon_amp.reporting)
     devices = {a.context.device_type for a in mxi.call_arrays(args) if isinstance(a, NDArray)}
+    typed = plan_dtypes(plan, known)
     run = graph_to_run(plan, known, shapes, devices, policy, f"block {block.name!r}", plan_notes.plan_heads(block),
-                       pair=_remembered(block) is None, accumulating=mxi.accumulating_params(block))
+                       pair=_remembered(block) is None, accumulating=mxi.accumulating_params(block),
+                       typed=typed)
+    float32 = bool(typed) and not any(t in LOW_PRECISION_DTYPES for t in typed.values())
     if getattr(block, "amp_speed_rule", False) and policy is not None and not policy.emulate:
         faster = _float32_where_slower(block, plan, known, shapes, policy)
-        run = run if faster is None else faster
+        run, float32 = (run, float32) if faster is None else (faster, True)
+    if float32:
+        _FLOAT32_RUNS.add(block)
     if run is not plan and policy is not None and policy.emulate:  # the report says which nodes real AMP runs low
         typed = infer_dtypes(plan, known, partial=True) or {}
         plan_notes.record_emulated(block, {name: t for (name, i), t in typed.items()

@@ -25,7 +25,7 @@ import mxnet as mx
 from mxnet import autograd
 from mxnet.gluon import Trainer
 
-from gluon_amp_core.dtypes import dtype_name
+from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.loss_scale import LossScaler, Stage, loss_scaler_from
 
 from .. import state
@@ -53,6 +53,9 @@ class _Hook:
         self._decided: Optional[Tuple[str, float, int]] = None
         #: state.policy_serial() when the last step ended: the policies since are this step's
         self._since = state.policy_serial()
+        #: the serial after which a low-precision computation makes this step checked: 0 until
+        #: the first step (a forward pass that ran before the scaler was attached counts)
+        self._low_since = 0
         #: set by the patched ``Trainer._update`` around MXNet's: the step may update before its verdict
         self._armed = False
         #: a step updated before its verdict: (its undo, dtype, scaled, the count before it, params)
@@ -184,18 +187,19 @@ class _Hook:
             step = self._step
             dtype = step[0] if step is not None else self._compute_dtype()
             armed, self._armed = self._armed, False
+            scaled = self.scaler.scales(dtype)
+            checked = self.scaler.enabled and (scaled or self._ran_low(dtype, params))
             early = None
-            if self.scaler.enabled and armed and trainer is not None:
+            if checked and armed and trainer is not None:
                 early = early_update.begin(trainer, params, self._plans)
-            finite = True if not self.scaler.enabled or early is not None else overflow.all_finite(params)
+            finite = True if not checked or early is not None else overflow.all_finite(params)
             if trainer is not None:
                 finite = distributed.agree_finite(trainer, self.scaler, finite)
                 divisor = step[1] if step is not None and self.scaler.stage(self) is not Stage.UNSCALED else 1.0
                 # the update divides by this step's own scale, whatever a fault left in trainer._scale
                 mxi.correct_rescale_grad(trainer, self.original_scale / divisor)
                 mxi.set_grad_scale(trainer, self.original_scale)  # unscaled unless scale_loss runs again
-            self._since = state.policy_serial()
-            scaled = self.scaler.scales(dtype)
+            self._since = self._low_since = state.policy_serial()
             if early is not None:  # the verdict comes after the update (finish_early)
                 self._early = (early, dtype, scaled, steps, params)
                 return False
@@ -205,6 +209,15 @@ class _Hook:
             # at the first line)
             self.scaler.abandon(self, locals().get("steps"))
             raise
+
+    def _ran_low(self, dtype: str, params: Sequence[mx.gluon.Parameter]) -> bool:
+        """Whether a step that is not scaled is checked for inf/NaN: unless AMP was in force and
+        kept all of it in float32 (no op ran in a low precision since the last step, no
+        parameter is low precision), where the step is FP32's and is updated as FP32's is. With
+        AMP off (``dtype`` float32) a scaler's steps are checked, as documented."""
+        if dtype == "float32" or state.low_ran_since(self._low_since):
+            return True
+        return any(dtype_name(p.dtype) in LOW_PRECISION_DTYPES for p in params)
 
     def finish_early(self) -> None:
         """After MXNet's updates of a step that did not wait for its verdict: read it, undo a

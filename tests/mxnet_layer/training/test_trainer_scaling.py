@@ -21,6 +21,7 @@ from mxnet.gluon import nn
 
 import gluon_amp
 from gluon_amp import LossScaler
+from gluon_amp.training import early_update, overflow
 from helpers import ROOT, no_bf16_env
 
 MODES = {
@@ -247,6 +248,51 @@ def test_a_planted_inf_step_is_skipped_in_every_mode(mode):
     assert all(np.array_equal(a, b) for a, b in zip(before, _weights(net)))
     # float16 backs its scale off; elsewhere the loss was not scaled, so there is nothing to back off
     assert trainer._amp_loss_scaler.loss_scale == DEFAULT_SCALE[mode] / (2 if mode == "float16-emulated" else 1)
+
+
+def _poisoned_step(net, trainer):
+    """One step whose loss, and so every gradient, is inf; True when the scaler skipped it."""
+    with autograd.record():
+        loss = LOSS(net(BATCHES[0][0]), BATCHES[0][1]).mean() * float("inf")
+        with gluon_amp.scale_loss(loss, trainer) as scaled:
+            autograd.backward(scaled)
+    trainer.step(1)
+    return gluon_amp.get_scaler(trainer).last_step_skipped
+
+
+@pytest.mark.parametrize("mode", _modes("bfloat16-native"))
+@pytest.mark.parametrize("case", ["float32 graph", "low imperative ops", "AMP off", "explicit scaler"])
+def test_the_default_scaler_checks_what_a_low_precision_computed(mode, case, monkeypatch):
+    """A step under a bfloat16 policy whose every op AMP kept in float32 (this MLP's products
+    are too small for the rule that decides a graph not measured yet) is FP32's step: the
+    default scaler does not check it (the check made a float32 LSTM train at 0.89x FP32) and
+    its inf reaches the weights as it does in FP32. A step that computed anything in a low
+    precision is checked and skipped; so is one with AMP off, and one whose scaler scales."""
+    checks = []
+    for name in ("all_finite", "arrays_finite"):
+        real = getattr(overflow, name)
+        monkeypatch.setattr(overflow, name, lambda *a, _real=real, **k: checks.append(1) or _real(*a, **k))
+    monkeypatch.setattr(early_update, "begin", lambda *a, **k: checks.append(1) or None)
+    if case != "AMP off":
+        gluon_amp.init(target_dtype="bfloat16", tune=True, tune_budget=0)  # the rule, no timing
+    net = _mlp()
+    if case == "low imperative ops":
+        net = nn.Sequential()  # not hybridized: each Dense runs bfloat16, op by op
+        with net.name_scope():
+            net.add(nn.Dense(16, activation="relu", in_units=8), nn.Dense(3, in_units=16))
+        net.initialize(mx.init.Xavier())
+    trainer = _trainer(net)
+    gluon_amp.init_trainer(trainer, LossScaler(init_scale=8.0) if case == "explicit scaler" else "dynamic")
+    _classifier_pattern(net, trainer, amp=True)
+    if case in ("float32 graph", "explicit scaler"):
+        assert {r.dtype for r in gluon_amp.report(net).rows} == {"float32"}  # what AMP kept
+    checks.clear()
+    skipped = _poisoned_step(net, trainer)
+    weights_finite = all(np.isfinite(w).all() for w in _weights(net))
+    if case == "float32 graph":
+        assert not skipped and not checks and not weights_finite  # as FP32 does with an inf loss
+    else:
+        assert skipped and checks and weights_finite
 
 
 def test_the_scale_follows_the_policy_where_it_is_used_and_explicit_scalers_are_obeyed():
