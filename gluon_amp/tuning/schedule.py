@@ -44,6 +44,8 @@ clock: Callable[[], float] = time.perf_counter
 _LEDGER = Ledger()
 #: Call-to-call times kept per shape key (the median is the graph's step there), and keys kept.
 _INTERVALS = 8
+#: a job waiting for the budget is looked at again within this (s), whatever it needs
+_RECHECK_WAIT_S = 1.0
 _KEYS = 64
 
 
@@ -81,6 +83,8 @@ class _Graph:
     first_s: float = 0.0
     #: intervals that held a rebuild, with their shapes: booked once a step is known
     unbooked: List[Tuple[Shapes, float]] = field(default_factory=list)
+    #: (the job, its shapes, until when) a job waits for the budget: calls before skip the look
+    wait: Tuple[Optional[Job], Optional[Shapes], float] = (None, None, 0.0)
 
     def step_s(self, key: Shapes) -> Optional[float]:
         """The median call-to-call time at ``key`` (the training step, as the user runs it);
@@ -93,6 +97,12 @@ class _Graph:
         """The smallest median call-to-call time seen at any shape (None: none yet)."""
         got = [statistics.median(v) for v in self.intervals.values() if v]
         return min(got) if got else None
+
+    def waits(self, key: Shapes, at: float) -> bool:
+        """Whether a call at ``key`` and time ``at`` finds its job still waiting for the budget
+        (:meth:`Tuner._waiting`): nothing to look at before then."""
+        job, job_key, until = self.wait
+        return job is not None and job is self.job and key == job_key and at < until
 
     def note(self, key: Shapes, seconds: float) -> None:
         """Record one call-to-call time at ``key`` (the last few per key, for a few keys)."""
@@ -209,7 +219,7 @@ class Tuner:
         b.fresh = False
         self._book_rebuilds(g)
         released = False
-        if b.version == g.version and not g.broken and self.ledger.budget.seconds > 0:
+        if b.version == g.version and not g.broken and self.ledger.budget.seconds > 0 and not g.waits(key, at):
             released = self._work(g, block, key)
         rebuild = released or b.version != g.version
         b.version = g.version
@@ -224,9 +234,9 @@ class Tuner:
                 return False
         job = g.job
         rebuild = self._rebuild_estimate(g, key)
-        if job.next is not None and not self.ledger.allows(job.next.estimate + (
-                rebuild if job.next.whole_graph else 0.0), clock()):
-            self._waiting(g, job)
+        need = job.next.estimate + (rebuild if job.next.whole_graph else 0.0) if job.next is not None else 0.0
+        if job.next is not None and not self.ledger.allows(need, clock()):
+            self._waiting(g, job, need)
             return False
         released = False
 
@@ -313,13 +323,18 @@ class Tuner:
         by_name = g.target.shapes_by_name(shapes)
         return tuple(by_name.get(n, ()) for n in g.data_names)
 
-    def _waiting(self, g: _Graph, job: Job) -> None:
+    def _waiting(self, g: _Graph, job: Job, need: Optional[float] = None) -> None:
+        """``job`` waits for the budget. Where its next step needs ``need`` seconds (with its
+        rebuild), the calls until the share allows it skip :meth:`_work` (a second at most:
+        the estimates move with the step times): a training step pays for no look here."""
         at = clock()
         step = job.next
         what = "a full tuning" if job.kind == "full" else "a re-check"
         g.tuning.status = (f"{what} at input shapes {_shown(job.shapes)} waits for the budget: next {step.what} "
                            f"~{step.estimate:.2f} s; spent {self.ledger.spent:.2f} s of "
                            f"{self.ledger.allowance(at):.2f} s allowed so far ({self.ledger.budget.describe()})")
+        if need is not None:
+            g.wait = (job, g.job_key, min(at + _RECHECK_WAIT_S, self.ledger.allowed_at(need)))
 
     def _finish(self, g: _Graph, job: Job) -> None:
         t = g.tuning

@@ -140,6 +140,17 @@ class Ledger:
         allowed = float(self.budget.seconds) if cap_only else self.allowance(now)
         return self.spent + max(0.0, estimate) <= allowed
 
+    def allowed_at(self, estimate: float) -> float:
+        """The earliest time (on the clock :meth:`start` was given) at which :meth:`allows`
+        says True for ``estimate``, spending nothing meanwhile (``inf``: never)."""
+        need = self.spent + max(0.0, estimate)
+        share = self.budget.share
+        if need > float(self.budget.seconds):
+            return math.inf  # over the cap (or a fixed allowance): spending only grows
+        if share is None or self.started is None:
+            return 0.0  # a fixed allowance it fits; or the run's start not known yet: no wait to skip
+        return self.started + need / share
+
     def charge(self, seconds: float, what: str, estimate: Optional[float] = None) -> None:
         """Book ``seconds`` spent on ``what`` (a step estimated at ``estimate``)."""
         seconds = max(0.0, seconds)
@@ -202,8 +213,16 @@ class ShapeHistory:
 
     def see(self, shapes: Shapes) -> Shapes:
         """Record one call; return its key."""
-        shapes = tuple(tuple(int(n) for n in s) for s in shapes)
         last = self._last
+        if not self._changes and shapes == last:
+            # a training loop's usual call (no dimension ever changed): what the general
+            # path below would do, without rebuilding the shapes and the dynamic set
+            self.calls += 1
+            if last in self._seen:
+                self._seen[last] += 1
+            self._by_key[last] = self._by_key.get(last, 0) + 1
+            return last
+        shapes = tuple(tuple(int(n) for n in s) for s in shapes)
         if last is not None and len(last) == len(shapes) and all(len(a) == len(b) for a, b in zip(last, shapes)):
             for i, (a, b) in enumerate(zip(last, shapes)):
                 for d, (x, y) in enumerate(zip(a, b)):

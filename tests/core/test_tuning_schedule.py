@@ -54,6 +54,50 @@ def test_a_shape_repeats_only_when_seen_again_and_a_dimension_changing_at_most_c
     assert h.calls == 5 and h.distinct == 4
 
 
+def test_a_repeated_shape_is_recorded_as_the_general_path_records_it():
+    """``see``'s shortcut for a shape equal to the last one (a training loop's usual call) keeps
+    every count and key the general path keeps. Generated sequences of repeats, changes and
+    dynamic dimensions; the twin is fed lists, which never take the shortcut."""
+    import random
+    rng = random.Random(7)
+    for _ in range(300):
+        fast, slow = ShapeHistory(), ShapeHistory()
+        shape = ((rng.choice([1, 2, 4]), 3, 8), (rng.choice([2, 5]), 4))
+        for _ in range(rng.randint(1, 40)):
+            r = rng.random()
+            if r < 0.25:  # one dimension moves
+                i = rng.randrange(len(shape))
+                dims = list(shape[i])
+                dims[rng.randrange(len(dims))] = rng.choice([1, 2, 3, 5, 8])
+                shape = tuple(tuple(dims) if k == i else s for k, s in enumerate(shape))
+            elif r < 0.3:  # a call with one input fewer
+                shape = shape[:1]
+            elif r < 0.35 and len(shape) == 1:
+                shape = shape + ((2, 4),)
+            key = fast.see(shape)
+            assert key == slow.see([list(s) for s in shape])
+            assert fast.count(key) == slow.count(key) and fast.dynamic == slow.dynamic
+        assert (fast.calls, fast.distinct, fast.last) == (slow.calls, slow.distinct, slow.last)
+
+
+@pytest.mark.parametrize("share, cap, spent", [(0.01, 600.0, 0.0), (0.05, 20.0, 3.0), (0.5, 2.0, 1.0),
+                                               (None, 5.0, 1.0)])
+def test_the_time_a_waiting_step_fits_is_the_first_the_ledger_allows_it(share, cap, spent):
+    budget = TuneBudget(share, cap)
+    ledger = Ledger(budget)
+    assert ledger.allowed_at(0.5) == 0.0 and ledger.allowed_at(cap + 1.0) == math.inf  # not started
+    ledger.start(100.0)
+    ledger.charge(spent, "per-op timing")
+    for estimate in (0.0, 0.25, 1.0, 4.0, 50.0):
+        at = ledger.allowed_at(estimate)
+        if at == math.inf:  # never: the cap, or a fixed allowance it does not fit now
+            assert not ledger.allows(estimate, now=1e12)
+        elif ledger.allows(estimate, now=100.0):
+            assert at <= 100.0 + 1e-9
+        else:
+            assert ledger.allows(estimate, now=at + 1e-6) and not ledger.allows(estimate, now=at - 1e-3)
+
+
 def _fp32(low, fp32, cast=0.0):
     return MeasuredChoice("float32", low, fp32, cast, "bfloat16")
 

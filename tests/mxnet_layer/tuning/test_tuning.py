@@ -476,6 +476,46 @@ def test_tuning_spends_within_its_budget_and_the_untuned_plan_runs_meanwhile(mon
     assert info["largest_overrun_s"] < 0.5  # an estimate is at most one op's timing off
 
 
+def test_a_step_waiting_for_the_budget_is_looked_at_once_a_second_until_it_fits(monkeypatch, clock, tmp_path):
+    """The default budget (1% of the run) and steps of 50 ms: each tuning step waits for
+    thousands of calls. Those calls skip the look at the job (it cost a GluonTS-style LSTM 40 us
+    of its 6 ms step) but once a second of the clock, and each tuning step starts at the call
+    it starts at with a look at every call."""
+    def tune(skip):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(runtime, "timing_cache", lambda: TimingCache(str(tmp_path / str(skip)), {"k": 1}))
+            timed, graphs = _plant(mp, clock, op_s_per_element=2e-4, graph_s=2.0)
+            looks = []
+            real = schedule.Tuner._work
+
+            def look(self, *a):
+                start = clock()
+                try:
+                    return real(self, *a)
+                finally:
+                    looks.append((start, clock()))
+            mp.setattr(schedule.Tuner, "_work", look)
+            if not skip:
+                mp.setattr(schedule._Graph, "waits", lambda self, key, at: False)
+            mp.setattr(schedule, "_LEDGER", Ledger())  # as a new process would
+            clock.now = 0.0
+            run = _Training(clock, budget=None, step_s=0.05)
+            started, calls = [], 0
+            while len(timed) < 3 and calls < 40000:
+                seen = (len(graphs), len(timed))
+                run.call((2, 3, 8, 8))
+                calls += 1
+                if (len(graphs), len(timed)) != seen:
+                    started.append(calls)
+            return started, looks, calls
+
+    started, looks, calls = tune(skip=True)
+    every_call, _, _ = tune(skip=False)
+    assert started and started == every_call
+    assert len(looks) < calls / 10  # about one a second: 20 calls
+    assert all(b[0] - a[1] <= 1.0 + 0.05 + 1e-9 for a, b in zip(looks, looks[1:]))
+
+
 def test_whole_graph_trials_release_the_blocks_own_graph_first(monkeypatch, clock):
     """Memory: a hybridized block holds its graph's memory; trials build the graph again."""
     released = []
