@@ -305,7 +305,9 @@ class Target:
                                 entry.get((n["name"], 0)))
             elif n["op"] in CAST_OPS:
                 for e in n["inputs"]:
-                    if nodes[e[0]]["op"] != "null":  # an activation's cast (a parameter's is master weights')
+                    # an activation's cast; in training a parameter's too (its master weight is cast
+                    # every step, and its gradient back), where a converted graph's is paid once
+                    if self.train or nodes[e[0]]["op"] != "null":
                         shape = entry.get((nodes[e[0]]["name"], e[1]))
                         if shape is None:
                             return total, None

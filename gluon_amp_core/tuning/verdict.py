@@ -25,9 +25,11 @@ this is that rule for one graph:
   what the low dtype saves grows with the multiply-adds of its low-precision ops (a GEMM's or
   a convolution's), what its casts cost with the elements they convert. A plan whose
   low-precision ops do fewer than :data:`UNMEASURED_MIN_MACS_PER_CAST_ELEMENT` multiply-adds
-  per element its activation casts convert runs float32. A transformer's GEMMs (a cast or
-  two per product, thousands of multiply-adds per cast element) keep the plan; an LSTM
-  cell's small products (tens) do not.
+  per element its casts convert runs float32: its activations' casts, and in a training graph
+  its weights' too (each master weight is cast every step, and its gradient back). A
+  transformer's GEMMs (a cast or two per product, hundreds of multiply-adds per cast element)
+  keep the plan; an LSTM cell's small products (tens) do not, nor do dense layers on a few
+  rows (AlexNet's at batch 4: 4 multiply-adds per weight element).
 """
 from __future__ import annotations
 
@@ -50,10 +52,12 @@ UNMEASURED_MAX_CASTS_PER_LOW_OP = 1.0
 #: read tens of thousands to millions; a DeepAR LSTM cell's products (batch 32, 40 units) about 8,000.
 UNMEASURED_MIN_ELEMENTS_PER_LOW_OP = 16384
 #: Without a measurement, where shapes are known: a plan whose low-precision ops do fewer
-#: multiply-adds than this per element its activation casts convert runs float32. A bfloat16
+#: multiply-adds than this per element its casts convert (activations; in training, weights
+#: too) runs float32. A bfloat16
 #: GEMM saves about half of float32's time per multiply-add (0.04 ns on one Zen 4 core); a cast
 #: costs about 1 ns per element, forward and backward: break-even near 100. BERT-base's
-#: training graph: about 2,000; a DeepAR-like LSTM (batch 32, 40 cells): about 30.
+#: training graph (8 x 128 tokens): 485 with its weights' casts; a DeepAR-like LSTM (batch 32,
+#: 40 cells): about 50; AlexNet at batch 4: 28 (docs/speed.md).
 UNMEASURED_MIN_MACS_PER_CAST_ELEMENT = 128
 
 #: Ops whose multiply-adds are more than one per input element: (data input, weight input).
