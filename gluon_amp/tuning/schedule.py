@@ -35,7 +35,7 @@ from gluon_amp_core.walk import Note, measured_note
 from .. import mxnet_internals as mxi, plan_notes
 from ..speed.timing import release_memory
 from ..type_inference import infer_dtypes
-from .tuner import (GRAPH_BUILD_S, GRAPH_BUILD_S_PER_NODE, Job, Outcome, Target, Tuning, applier, check_applied,
+from .tuner import (Job, build_estimate, Outcome, Target, Tuning, applier, check_applied,
                     choices_to_run, graph_key, load_outcome, new_job, run)
 
 _log = logging.getLogger(__name__)
@@ -97,6 +97,14 @@ class _Graph:
         """The smallest median call-to-call time seen at any shape (None: none yet)."""
         got = [statistics.median(v) for v in self.intervals.values() if v]
         return min(got) if got else None
+
+    def first_build_s(self, key: Shapes) -> Optional[float]:
+        """What its blocks' first build took beyond a step (s): the longest first interval less
+        a step at ``key``; None before a step there is seen (the first interval alone is not one)."""
+        got = self.intervals.get(key)
+        if not self.first_s or not got:
+            return None
+        return max(0.0, self.first_s - statistics.median(got))
 
     def waits(self, key: Shapes, at: float) -> bool:
         """Whether a call at ``key`` and time ``at`` finds its job still waiting for the budget
@@ -233,6 +241,7 @@ class Tuner:
             if g.job is None:
                 return False
         job = g.job
+        job.measured(g.step_s(key) if g.intervals.get(key) else None, g.first_build_s(key))
         rebuild = self._rebuild_estimate(g, key)
         need = job.next.estimate + (rebuild if job.next.whole_graph else 0.0) if job.next is not None else 0.0
         if job.next is not None and not self.ledger.allows(need, clock()):
@@ -284,9 +293,10 @@ class Tuner:
     @staticmethod
     def _rebuild_estimate(g: _Graph, key: Shapes) -> float:
         """What building a block's graph again will cost beyond a step (s): the most seen, and
-        at least a build (:data:`~.tuner.GRAPH_BUILD_S` and per node) and a warm-up of two steps."""
+        at least a build (:func:`~.tuner.build_estimate`: the block's first, measured where
+        known) and a warm-up of two steps."""
         step = g.step_s(key) or g.any_step_s() or 0.0
-        guess = GRAPH_BUILD_S + GRAPH_BUILD_S_PER_NODE * len(g.target.graph["nodes"]) + 2 * step
+        guess = build_estimate(len(g.target.graph["nodes"]), g.first_build_s(key)) + 2 * step
         return max(g.build_s, g.first_s - step, guess)
 
     def _adopt(self, g: _Graph, outcome: Optional[Outcome]) -> None:
@@ -309,7 +319,7 @@ class Tuner:
             g.done_keys.add(key)
             return None
         shapes = dict(zip(g.data_names, g.history.last or ()))
-        job = new_job(g.target, shapes, self.cache(), g.outcome, g.step_s(key), now)
+        job = new_job(g.target, shapes, self.cache(), g.outcome, g.step_s(key), now, g.first_build_s(key))
         if job is None:
             g.done_keys.add(key)
         return job

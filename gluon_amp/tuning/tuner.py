@@ -414,6 +414,9 @@ class Step:
     estimate: float
     what: str
     whole_graph: bool = False
+    #: the estimate again from the job's figures now (a whole-graph timing's: the step and the
+    #: build measured since the job began); None where it does not depend on them
+    again: Optional[Callable[[], float]] = field(default=None, repr=False, compare=False)
 
 
 class Job:
@@ -428,11 +431,14 @@ class Job:
 
     def __init__(self, target: Target, shapes: Mapping[str, Tuple[int, ...]], cache: TimingCache,
                  outcome: Optional[Outcome] = None, step_s: Optional[float] = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, build_s: Optional[float] = None) -> None:
         self.target, self.shapes, self.cache, self.clock = target, dict(shapes), cache, clock
         self.kind = "full" if outcome is None else "recheck"
         self.outcome = outcome
         self.step_s = step_s
+        #: what building the user's block of this graph took beyond a step, measured in this
+        #: process (None: not measured; the per-node guess stands in)
+        self.build_s = build_s
         self.tuning = Tuning()
         #: a full job's outcome once the whole graph was checked against float32, before
         #: its per-op tuning is done (the verdict serves from then on)
@@ -447,6 +453,18 @@ class Job:
     def step(self) -> None:
         """Do :attr:`next`; then :attr:`next` is the one after it."""
         self.next = next(self._steps, None)
+
+    def measured(self, step_s: Optional[float], build_s: Optional[float]) -> None:
+        """The graph's step and first build as measured now (None: not yet): :attr:`next`'s
+        estimate follows them where it depends on them. A job made at a graph's second call
+        knew only its first interval (a step and a build) and the guess per node."""
+        step_s = step_s if step_s is not None else self.step_s
+        build_s = build_s if build_s is not None else self.build_s
+        if (step_s, build_s) == (self.step_s, self.build_s):
+            return
+        self.step_s, self.build_s = step_s, build_s
+        if self.next is not None and self.next.again is not None:
+            self.next = replace(self.next, estimate=self.next.again())
 
     # -- helpers of the steps
     def _prepare_estimate(self) -> float:
@@ -495,11 +513,13 @@ class Job:
 
     def _graph_estimate(self, graphs: int, prob: Problem, times: Mapping[str, Optional[float]]) -> float:
         """``graphs`` whole-graph timings: each a build, a warm-up and :data:`GRAPH_RUNS` runs
-        of a step, the step taken as the larger of the block's and the ops' timings."""
+        of a step, the step taken as the larger of the block's and the ops' timings. A build
+        is what the user's block's own first build took (its trace, the rewrite, binding and
+        warm-up: more than a trial block's), where measured; else the per-node guess."""
         ops_s = sum(min(v for v in (times.get(c.low.key), times.get(c.fp32.key)) if v is not None)
                     for c in prob.candidates.values()
                     if times.get(c.low.key) is not None or times.get(c.fp32.key) is not None) / 1e3
-        build = GRAPH_BUILD_S + GRAPH_BUILD_S_PER_NODE * len(self.target.graph["nodes"])
+        build = build_estimate(len(self.target.graph["nodes"]), self.build_s)
         return graphs * (GRAPH_TIMING_STEPS * max(self.step_s or 0.0, ops_s) + build)
 
     # -- the two kinds of job
@@ -510,7 +530,8 @@ class Job:
         times, todo = self._known_times(prob.to_time())
         # The verdict first: two whole graphs decide more than all the per-op timings
         # (a plan slower than float32 runs float32 from the next call on).
-        yield Step(self._graph_estimate(2, prob, times), "whole-graph check against float32", whole_graph=True)
+        yield Step(self._graph_estimate(2, prob, times), "whole-graph check against float32", whole_graph=True,
+                   again=lambda: self._graph_estimate(2, prob, times))
         t0 = self.clock()
         got = time_graphs([target.as_run(target.sym, shapes), target.fp32()], shapes, target.train, target.fused,
                           runs=GRAPH_RUNS)
@@ -578,7 +599,8 @@ class Job:
             if low is not None and fp32 is not None and not still_float32(outcome.choices[pos], scale, low, fp32):
                 flipped.append(pos)
         if flipped:
-            yield Step(self._graph_estimate(2, here, times), "whole-graph re-check", whole_graph=True)
+            yield Step(self._graph_estimate(2, here, times), "whole-graph re-check", whole_graph=True,
+                       again=lambda: self._graph_estimate(2, here, times))
             keep = target.by_name(outcome.choices)
             without = target.by_name({p: c for p, c in outcome.choices.items() if p not in flipped})
             with_ms = time_graph(target.as_run(target.apply(keep), shapes), shapes, target.train, target.fused,
@@ -643,20 +665,33 @@ def store(cache: TimingCache, entries: Mapping[str, Any]) -> None:
         _log.info("gluon_amp: could not write %s (%s); measured again next time", cache.path, exc)
 
 
+def build_estimate(nodes: int, measured: Optional[float]) -> float:
+    """What building a block of a graph of ``nodes`` nodes costs (s): ``measured`` (the user's
+    block's first build beyond a step, in this process) where known, at least
+    :data:`GRAPH_BUILD_S`, and the native passes a trial graph goes through (which the user's
+    block ran before that measure began) at :data:`PREPARE_S_PER_NODE`; else the guess per
+    node. The guess holds for YOLOv3-MobileNet at 608 px, but GluonCV's MobileNet 1.0 at
+    112 px (434 nodes) built in 0.2 s against its 2.3: its whole-graph check waited ten
+    minutes of a 1% budget for a 0.9 s timing."""
+    if measured is not None:
+        return max(GRAPH_BUILD_S, measured) + PREPARE_S_PER_NODE * nodes
+    return GRAPH_BUILD_S + GRAPH_BUILD_S_PER_NODE * nodes
+
+
 def new_job(target: Target, shapes: Mapping[str, Tuple[int, ...]], cache: TimingCache,
             outcome: Optional[Outcome], step_s: Optional[float] = None,
-            clock: Callable[[], float] = time.perf_counter) -> Optional[Job]:
+            clock: Callable[[], float] = time.perf_counter, build_s: Optional[float] = None) -> Optional[Job]:
     """The job for ``target`` at ``shapes``: a full tuning without a complete outcome (none,
     one whose job stopped after the check against float32, or one stored before that check
     existed); with one, a re-check where it was not tried at these shapes and has float32
-    choices to re-check; else None."""
+    choices to re-check; else None. ``build_s``: a build of the graph's block, measured."""
     if outcome is not None and not outcome.complete:
-        return Job(target, shapes, cache, None, step_s, clock)  # its check or per-op tuning is missing
+        return Job(target, shapes, cache, None, step_s, clock, build_s)  # its check or per-op tuning is missing
     if outcome is not None:
         here = target.shapes_by_position(shapes)
         if here in outcome.shapes_tried() or not any(c.dtype == "float32" for c in outcome.choices.values()):
             return None
-    return Job(target, shapes, cache, outcome, step_s, clock)
+    return Job(target, shapes, cache, outcome, step_s, clock, build_s)
 
 
 def run(job: Job, ledger: Ledger, clock: Callable[[], float] = time.perf_counter, cap_only: bool = False,
