@@ -188,7 +188,7 @@ class _Hook:
             dtype = step[0] if step is not None else self._compute_dtype()
             armed, self._armed = self._armed, False
             scaled = self.scaler.scales(dtype)
-            checked = self.scaler.enabled and (scaled or self._ran_low(dtype, params))
+            checked = self.scaler.enabled and (scaled or self._checks_unscaled(dtype, params))
             early = None
             if checked and armed and trainer is not None:
                 early = early_update.begin(trainer, params, self._plans)
@@ -210,7 +210,7 @@ class _Hook:
             self.scaler.abandon(self, locals().get("steps"))
             raise
 
-    def _ran_low(self, dtype: str, params: Sequence[mx.gluon.Parameter]) -> bool:
+    def _checks_unscaled(self, dtype: str, params: Sequence[mx.gluon.Parameter]) -> bool:
         """Whether a step that is not scaled is checked for inf/NaN: unless AMP was in force and
         kept all of it in float32 (no op ran in a low precision since the last step, no
         parameter is low precision), where the step is FP32's and is updated as FP32's is. With
