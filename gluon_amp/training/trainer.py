@@ -12,6 +12,7 @@ The scale a step uses is decided when it is used, by the first ``scale_loss`` of
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import os
 import pickle
@@ -56,6 +57,8 @@ class _Hook:
         #: the serial after which a low-precision computation makes this step checked: 0 until
         #: the first step (a forward pass that ran before the scaler was attached counts)
         self._low_since = 0
+        #: this step is checked whatever it computed in (clip_global_norm found a non-finite norm)
+        self._must_check = False
         #: set by the patched ``Trainer._update`` around MXNet's: the step may update before its verdict
         self._armed = False
         #: a step updated before its verdict: (its undo, dtype, scaled, the count before it, params)
@@ -188,7 +191,7 @@ class _Hook:
             dtype = step[0] if step is not None else self._compute_dtype()
             armed, self._armed = self._armed, False
             scaled = self.scaler.scales(dtype)
-            checked = self.scaler.enabled and (scaled or self._checks_unscaled(dtype, params))
+            checked = self.scaler.enabled and (scaled or self._must_check or self._checks_unscaled(dtype, params))
             early = None
             if checked and armed and trainer is not None:
                 early = early_update.begin(trainer, params, self._plans)
@@ -200,6 +203,7 @@ class _Hook:
                 mxi.correct_rescale_grad(trainer, self.original_scale / divisor)
                 mxi.set_grad_scale(trainer, self.original_scale)  # unscaled unless scale_loss runs again
             self._since = self._low_since = state.policy_serial()
+            self._must_check = False
             if early is not None:  # the verdict comes after the update (finish_early)
                 self._early = (early, dtype, scaled, steps, params)
                 return False
@@ -475,7 +479,8 @@ def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
     """Unscale (if not done yet) and clip all gradients to a global L2 norm ``max_norm``.
 
     Each context's gradient copy is clipped on its own. Returns the largest norm before
-    clipping; a non-finite norm leaves the gradients alone for ``step`` to skip.
+    clipping; a non-finite norm leaves the gradients alone for ``step`` to skip (a step AMP kept
+    all in float32, which is otherwise not checked, included).
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
         raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
@@ -488,6 +493,8 @@ def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
             with _in_float32(grads) as work:
                 norm = mx.gluon.utils.clip_global_norm(work, max_norm, check_isfinite=False)
             norms.append(float(norm.asscalar() if isinstance(norm, mx.nd.NDArray) else norm))
+    if not all(math.isfinite(n) for n in norms):
+        hook._must_check = True  # what this function promises: step skips it
     return max(norms) if norms else 0.0
 
 

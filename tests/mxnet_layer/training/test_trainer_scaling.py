@@ -250,24 +250,29 @@ def test_a_planted_inf_step_is_skipped_in_every_mode(mode):
     assert trainer._amp_loss_scaler.loss_scale == DEFAULT_SCALE[mode] / (2 if mode == "float16-emulated" else 1)
 
 
-def _poisoned_step(net, trainer):
-    """One step whose loss, and so every gradient, is inf; True when the scaler skipped it."""
+def _poisoned_step(net, trainer, clip=False):
+    """One step whose loss, and so every gradient, is inf; True when the scaler skipped it.
+    ``clip``: gluon_amp.clip_global_norm between backward and step."""
     with autograd.record():
         loss = LOSS(net(BATCHES[0][0]), BATCHES[0][1]).mean() * float("inf")
         with gluon_amp.scale_loss(loss, trainer) as scaled:
             autograd.backward(scaled)
+    if clip:
+        assert not np.isfinite(gluon_amp.clip_global_norm(trainer, 1.0))
     trainer.step(1)
     return gluon_amp.get_scaler(trainer).last_step_skipped
 
 
 @pytest.mark.parametrize("mode", _modes("bfloat16-native"))
-@pytest.mark.parametrize("case", ["float32 graph", "low imperative ops", "AMP off", "explicit scaler"])
+@pytest.mark.parametrize("case", ["float32 graph", "low imperative ops", "AMP off", "explicit scaler",
+                                  "float32 graph, clipped"])
 def test_the_default_scaler_checks_what_a_low_precision_computed(mode, case, monkeypatch):
     """A step under a bfloat16 policy whose every op AMP kept in float32 (this MLP's products
     are too small for the rule that decides a graph not measured yet) is FP32's step: the
     default scaler does not check it (the check made a float32 LSTM train at 0.89x FP32) and
     its inf reaches the weights as it does in FP32. A step that computed anything in a low
-    precision is checked and skipped; so is one with AMP off, and one whose scaler scales."""
+    precision is checked and skipped; so is one with AMP off, one whose scaler scales, and one
+    whose gradients ``clip_global_norm`` found non-finite (it leaves them for ``step`` to skip)."""
     checks = []
     for name in ("all_finite", "arrays_finite"):
         real = getattr(overflow, name)
@@ -284,10 +289,10 @@ def test_the_default_scaler_checks_what_a_low_precision_computed(mode, case, mon
     trainer = _trainer(net)
     gluon_amp.init_trainer(trainer, LossScaler(init_scale=8.0) if case == "explicit scaler" else "dynamic")
     _classifier_pattern(net, trainer, amp=True)
-    if case in ("float32 graph", "explicit scaler"):
+    if case.startswith("float32 graph") or case == "explicit scaler":
         assert {r.dtype for r in gluon_amp.report(net).rows} == {"float32"}  # what AMP kept
     checks.clear()
-    skipped = _poisoned_step(net, trainer)
+    skipped = _poisoned_step(net, trainer, clip=case.endswith("clipped"))
     weights_finite = all(np.isfinite(w).all() for w in _weights(net))
     if case == "float32 graph":
         assert not skipped and not checks and not weights_finite  # as FP32 does with an inf loss
