@@ -31,8 +31,8 @@ from gluon_amp_core.timing_cache import TimingCache
 from gluon_amp_core.tuning.problem import Problem, Timed, choose, groups, problem
 from gluon_amp_core.tuning.schedule import SIZE_STEP, Ledger, elements, still_float32, to_retime
 from gluon_amp_core.decide import CAST_OPS
-from gluon_amp_core.tuning.verdict import (Verdict, activation_casts, describe_unmeasured, low_op_nodes, op_macs,
-                                          unmeasured_runs_fp32)
+from gluon_amp_core.tuning.verdict import (WEIGHT_CAST_SHARE, Verdict, activation_casts, describe_unmeasured,
+                                          low_op_nodes, op_macs, unmeasured_runs_fp32)
 
 from .. import mxnet_internals as mxi
 from ..native_run import native_passes
@@ -305,13 +305,14 @@ class Target:
                                 entry.get((n["name"], 0)))
             elif n["op"] in CAST_OPS:
                 for e in n["inputs"]:
-                    # an activation's cast; in training a parameter's too (its master weight is cast
-                    # every step, and its gradient back), where a converted graph's is paid once
-                    if self.train or nodes[e[0]]["op"] != "null":
+                    # an activation's cast; under init a parameter's too, at WEIGHT_CAST_SHARE (its
+                    # master weight is cast every call), where a converted graph's is paid once
+                    param = nodes[e[0]]["op"] == "null"
+                    if self.train or not param:
                         shape = entry.get((nodes[e[0]]["name"], e[1]))
                         if shape is None:
                             return total, None
-                        cast += elements([shape])
+                        cast += elements([shape]) * (WEIGHT_CAST_SHARE if param else 1)
         return total, (macs / cast if cast else float("inf"))
 
     def unmeasured_fp32(self, shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> bool:

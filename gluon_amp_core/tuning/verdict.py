@@ -25,8 +25,8 @@ this is that rule for one graph:
   what the low dtype saves grows with the multiply-adds of its low-precision ops (a GEMM's or
   a convolution's), what its casts cost with the elements they convert. A plan whose
   low-precision ops do fewer than :data:`UNMEASURED_MIN_MACS_PER_CAST_ELEMENT` multiply-adds
-  per element its casts convert runs float32: its activations' casts, and in a training graph
-  its weights' too (each master weight is cast every step, and its gradient back). A
+  per element its casts convert runs float32: its activations' casts, and under ``init`` its
+  weights' too, at :data:`WEIGHT_CAST_SHARE` (each master weight is cast every call). A
   transformer's GEMMs (a cast or two per product, hundreds of multiply-adds per cast element)
   keep the plan; an LSTM cell's small products (tens) do not, nor do dense layers on a few
   rows (AlexNet's at batch 4: 4 multiply-adds per weight element).
@@ -52,13 +52,22 @@ UNMEASURED_MAX_CASTS_PER_LOW_OP = 1.0
 #: read tens of thousands to millions; a DeepAR LSTM cell's products (batch 32, 40 units) about 8,000.
 UNMEASURED_MIN_ELEMENTS_PER_LOW_OP = 16384
 #: Without a measurement, where shapes are known: a plan whose low-precision ops do fewer
-#: multiply-adds than this per element its casts convert (activations; in training, weights
-#: too) runs float32. A bfloat16
+#: multiply-adds than this per element its casts convert (activations; under ``init``, weights
+#: too, at :data:`WEIGHT_CAST_SHARE`) runs float32. A bfloat16
 #: GEMM saves about half of float32's time per multiply-add (0.04 ns on one Zen 4 core); a cast
 #: costs about 1 ns per element, forward and backward: break-even near 100. BERT-base's
-#: training graph (8 x 128 tokens): 485 with its weights' casts; a DeepAR-like LSTM (batch 32,
-#: 40 cells): about 50; AlexNet at batch 4: 28 (docs/speed.md).
+#: training graph (8 x 128 tokens): 485 with its weights counted whole; a DeepAR-like LSTM
+#: (batch 32, 40 cells): about 50; AlexNet at batch 4: 28 (docs/speed.md).
 UNMEASURED_MIN_MACS_PER_CAST_ELEMENT = 128
+#: What a parameter's element counts for in that rule, against an activation's 1, in a graph
+#: run under ``init`` (its float32 master weights cast at every call). Fitted between two
+#: measured graphs on a 2-core AMX host, and nothing finer: AlexNet's training graph at batch 4
+#: (28 multiply-adds per cast element with weights counted whole; its plan ran 0.58x FP32:
+#: float32 below 0.22) and BERT-base's encoder run at 1 x 128 tokens (112 counted whole; its
+#: plan ran 1.66x FP32: the plan above 0.86). A weight cast is one pass over a tensor
+#: oneDNN reorders anyway; a product on many rows saves more per multiply-add on AMX than the
+#: constant above assumes.
+WEIGHT_CAST_SHARE = 0.5
 
 #: Ops whose multiply-adds are more than one per input element: (data input, weight input).
 _GEMMS = ("FullyConnected", "Convolution", "Deconvolution", "batch_dot", "dot", "_linalg_gemm2", "linalg_gemm2")

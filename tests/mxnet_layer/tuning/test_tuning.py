@@ -864,16 +864,17 @@ class _Encoder(mx.gluon.HybridBlock):
 
 
 @pytest.mark.parametrize("net, shape, runs_fp32", [("encoder", (8, 128, 768), False), ("recurrent", (32, 3, 8), True),
-                                                   ("encoder", (4, 1, 768), True)])
+                                                   ("encoder", (4, 1, 768), True), ("encoder", (1, 128, 768), False)])
 def test_without_a_measurement_the_graphs_own_gemm_work_per_cast_element_decides(monkeypatch, clock, net, shape,
                                                                              runs_fp32):
     """A BERT-sized encoder (Dense(768) on (8, 128, 768), 604 million multiply-adds a product, 1.5
     activation casts per product) runs its GEMMs in bfloat16 from the first call; the small
     recurrent products (a cast per edge, a few multiply-adds per cast element) run float32. At
     4057852 the casts per op alone decided, from the speed probe's blocks: the encoder ran float32.
-    The same encoder on 4 rows runs float32: a training step casts each 768 x 768 master weight
-    (and its gradient back) for 4 multiply-adds per weight element (AlexNet's dense layers at
-    batch 4 trained at 0.58x FP32 in bfloat16, their weights not counted)."""
+    The same encoder on 4 rows runs float32: each call casts its 768 x 768 master weights for 4
+    multiply-adds per weight element (AlexNet's dense layers at batch 4 trained at 0.58x FP32 in
+    bfloat16, their weights not counted); on 128 rows it keeps its plan (BERT-base's encoder at
+    1 x 128 tokens ran 1.66x FP32 in bfloat16), which weights counted whole would not."""
     _plant(monkeypatch, clock, small_ops_rule=True)
     run = _Training(clock, budget=0)
     run.net = _Encoder() if net == "encoder" else _Recurrent()
