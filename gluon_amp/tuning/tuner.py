@@ -305,8 +305,9 @@ class Target:
                                 entry.get((n["name"], 0)))
             elif n["op"] in CAST_OPS:
                 for e in n["inputs"]:
-                    # an activation's cast; under init a parameter's too, at WEIGHT_CAST_SHARE (its
-                    # master weight is cast every call), where a converted graph's is paid once
+                    # an activation's cast; under init a graph input's too (a parameter's: its
+                    # master weight is cast every call), at WEIGHT_CAST_SHARE, where a converted
+                    # graph's weights are cast once
                     param = nodes[e[0]]["op"] == "null"
                     if self.train or not param:
                         shape = entry.get((nodes[e[0]]["name"], e[1]))
