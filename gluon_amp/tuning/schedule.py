@@ -352,7 +352,7 @@ class Tuner:
         t.cached += job.tuning.cached
         t.seconds += job.tuning.seconds
         t.trials = job.tuning.trials or t.trials
-        g.job = None
+        g.job, g.wait = None, (None, None, 0.0)  # the finished job held no longer
         if g.job_key is not None:
             g.done_keys.add(g.job_key)
         if job.outcome is None:
