@@ -402,7 +402,6 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
     if float32:
         _FLOAT32_RUNS.add(block)
     if run is not plan and policy is not None and policy.emulate:  # the report says which nodes real AMP runs low
-        typed = infer_dtypes(plan, known, partial=True) or {}
         plan_notes.record_emulated(block, {name: t for (name, i), t in typed.items()
                                            if i == 0 and t in LOW_PRECISION_DTYPES})
     return run
