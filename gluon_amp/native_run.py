@@ -11,7 +11,7 @@ import mxnet as mx
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.accumulating_casts import cast_accumulating_inputs
-from gluon_amp_core.layout_guards import BATCHNORM_OPS, guard_batchnorm_layouts
+from gluon_amp_core.layout_guards import BATCHNORM_OPS, batchnorms_at_risk, guard_batchnorm_layouts
 from gluon_amp_core.paired_casts import pair_param_casts
 
 from . import runtime
@@ -32,8 +32,22 @@ def native_passes(plan: Symbol, typed: Mapping[Key, Optional[str]], shapes: Mapp
     if "bfloat16" in low and "cpu" in devices:
         run = with_accumulating_casts(run, typed, accumulating)
     if pair and "bfloat16" in low:
-        run = with_paired_casts(with_layout_guards(run, typed, shapes) if runtime.amx_active() else run, typed)
+        run = with_paired_casts(with_layout_guards(run, typed, shapes) if guards_layouts(pair) else run, typed)
     return run
+
+
+def guards_layouts(pair: bool) -> bool:
+    """True when a training graph's (``pair``) bfloat16 batch norms get layout guards here (AMX)."""
+    return pair and runtime.amx_active()
+
+
+def guarded_batchnorms(graph: dict, typed: Mapping[Key, Optional[str]],
+                       entry_shapes: Mapping[Key, Optional[Tuple[int, ...]]], pair: bool) -> Iterable[int]:
+    """The node indices of ``graph``'s (a plan's, MXNet's JSON form) batch norms that
+    :func:`native_passes` gives a layout guard here, at these entry shapes."""
+    if not guards_layouts(pair) or "bfloat16" not in set(typed.values()):
+        return []
+    return batchnorms_at_risk(graph, typed, entry_shapes, "bfloat16")
 
 
 def with_paired_casts(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> Symbol:

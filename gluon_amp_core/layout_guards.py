@@ -47,7 +47,25 @@ def guard_batchnorm_layouts(graph: dict, dtypes: Mapping[Key, Optional[str]],
                             shapes: Mapping[Key, Optional[Shape]], low_dtype: str,
                             block: int = AMX_CHANNEL_BLOCK) -> Tuple[dict, int]:
     """``graph`` with a plain-making ``Reshape`` before the data of each batch norm at risk
-    (module docstring), and how many got one.
+    (:func:`batchnorms_at_risk`), and how many got one. ``graph`` itself (and 0) where none is."""
+    at_risk = set(batchnorms_at_risk(graph, dtypes, shapes, low_dtype, block))
+    if not at_risk:
+        return graph, 0
+    g = _Rebuilt(graph)
+    for i, node in enumerate(graph["nodes"]):
+        inputs = [g.entry(e) for e in node.get("inputs", [])]
+        if i in at_risk:
+            r = g.add({"op": "Reshape", "name": f"{node['name']}{GUARD_SUFFIX}",
+                       "attrs": {"shape": "(0, 0, 0, 0)"}, "inputs": [inputs[0]]})
+            inputs[0] = [r, 0, 0]
+        g.keep(i, node, inputs)
+    return g.result(), len(at_risk)
+
+
+def batchnorms_at_risk(graph: dict, dtypes: Mapping[Key, Optional[str]],
+                       shapes: Mapping[Key, Optional[Shape]], low_dtype: str,
+                       block: int = AMX_CHANNEL_BLOCK) -> List[int]:
+    """The node indices of the batch norms at risk (module docstring), in graph order.
 
     A batch norm is at risk where it normalises axis 1 of 4-D data that ``dtypes`` holds in
     ``low_dtype`` and an op node (not a graph input) gives it, and a channel count next to it
@@ -55,8 +73,7 @@ def guard_batchnorm_layouts(graph: dict, dtypes: Mapping[Key, Optional[str]],
     its own, or that of a ``Convolution`` next to it: the one that gives its data (seen
     through casts; its ``num_filter`` and its data's axis 1 in ``shapes``, where known), or
     one that reads its output directly or through ops of :data:`_PASS_THROUGH`; or such a
-    ``Convolution`` is grouped (``num_group`` above 1: depthwise included).
-    ``graph`` itself (and 0) where none is."""
+    ``Convolution`` is grouped (``num_group`` above 1: depthwise included)."""
     nodes = graph["nodes"]
     readers: Dict[int, List[int]] = {}
     for i, node in enumerate(nodes):
@@ -97,21 +114,14 @@ def guard_batchnorm_layouts(graph: dict, dtypes: Mapping[Key, Optional[str]],
                 todo.extend(readers.get(j, ()))
         return False
 
-    g = _Rebuilt(graph)
-    guarded = 0
+    at_risk = []
     for i, node in enumerate(nodes):
-        inputs = [g.entry(e) for e in node.get("inputs", [])]
         data = node["inputs"][0] if node["op"] in BATCHNORM_OPS and node.get("inputs") else None
         shape = shapes.get(entry(data)) if data is not None else None
         if (data is None or nodes[data[0]]["op"] == "null" or dtypes.get(entry(data)) != low_dtype
                 or shape is None or len(shape) != 4 or int(node.get("attrs", {}).get("axis", 1)) not in (1, -3)
                 or not ((shape[1] % block and not shape[1] % BLOCKED_CHANNELS)
                         or odd_conv(producer(data)) or odd_reader(i))):
-            g.keep(i, node, inputs)
             continue
-        r = g.add({"op": "Reshape", "name": f"{node['name']}{GUARD_SUFFIX}",
-                   "attrs": {"shape": "(0, 0, 0, 0)"}, "inputs": [inputs[0]]})
-        inputs[0] = [r, 0, 0]
-        g.keep(i, node, inputs)
-        guarded += 1
-    return (g.result(), guarded) if guarded else (graph, 0)
+        at_risk.append(i)
+    return at_risk

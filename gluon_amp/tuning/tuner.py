@@ -35,7 +35,7 @@ from gluon_amp_core.tuning.verdict import (WEIGHT_CAST_SHARE, Verdict, activatio
                                           low_op_nodes, op_macs, unmeasured_runs_fp32)
 
 from .. import mxnet_internals as mxi
-from ..native_run import native_passes
+from ..native_run import guarded_batchnorms, native_passes
 from ..type_inference import infer_dtypes, infer_shapes
 from ..speed.timing import time_graph, time_graphs, time_op
 
@@ -218,7 +218,8 @@ class Target:
     fused: bool = False
     graph: dict = field(init=False)
     _dtypes: Optional[Dict[Tuple[str, int], Optional[str]]] = field(init=False, default=None, repr=False)
-    _figures: Dict[Any, Tuple[Optional[int], Optional[float]]] = field(init=False, default_factory=dict, repr=False)
+    _figures: Dict[Any, Tuple[Optional[int], Optional[float], int]] = field(init=False, default_factory=dict,
+                                                                            repr=False)
 
     def __post_init__(self) -> None:
         self.graph = json.loads(self.sym.tojson(remove_amp_cast=False))
@@ -282,15 +283,24 @@ class Target:
     def figures(self, shapes: Optional[Mapping[str, Tuple[int, ...]]]) -> Tuple[Optional[int], Optional[float]]:
         """The plan's own figures at these input shapes: the elements its low-precision ops read
         in all, and their multiply-adds per element its activation casts convert (``inf``: no
-        activation cast); None where shapes are not given or not all known. Once per shapes."""
+        activation cast); None where shapes are not given or not all known. Once per shapes.
+        The batch norms' layout guards of the graph that runs count as casts (:meth:`guards`)."""
+        return self._counted(shapes)[:2]
+
+    def guards(self, shapes: Optional[Mapping[str, Tuple[int, ...]]]) -> int:
+        """How many batch norms of the graph that runs get a layout guard, counted as casts in
+        :meth:`figures` (native_run: a training graph on AMX)."""
+        return self._counted(shapes)[2]
+
+    def _counted(self, shapes: Optional[Mapping[str, Tuple[int, ...]]]) -> Tuple[Optional[int], Optional[float], int]:
         if not shapes:
-            return None, None
+            return None, None, 0
         key = tuple(sorted((k, tuple(v)) for k, v in shapes.items()))
         if key not in self._figures:
             self._figures = {key: self._measure_figures(shapes)}  # the last shapes asked: one entry
         return self._figures[key]
 
-    def _measure_figures(self, shapes: Mapping[str, Tuple[int, ...]]) -> Tuple[Optional[int], Optional[float]]:
+    def _measure_figures(self, shapes: Mapping[str, Tuple[int, ...]]) -> Tuple[Optional[int], Optional[float], int]:
         entry = infer_shapes(self.sym, shapes)
         nodes = self.graph["nodes"]
         low = set(self.low_ops())
@@ -299,7 +309,7 @@ class Target:
             if n["name"] in low:
                 ins = [entry.get((nodes[e[0]]["name"], e[1])) for e in n["inputs"]]
                 if any(s is None for s in ins):
-                    return None, None
+                    return None, None, 0
                 total += elements(ins)
                 macs += op_macs(self.policy.table.canonical(n["op"]), n.get("attrs", {}), ins,
                                 entry.get((n["name"], 0)))
@@ -312,9 +322,16 @@ class Target:
                     if self.train or not param:
                         shape = entry.get((nodes[e[0]]["name"], e[1]))
                         if shape is None:
-                            return total, None
+                            return total, None, 0
                         cast += elements([shape]) * (WEIGHT_CAST_SHARE if param else 1)
-        return total, (macs / cast if cast else float("inf"))
+        # a batch norm's layout guard reorders its data forward and its gradient backward, as
+        # a cast converts both: MobileNet's, around every depthwise convolution, made its plan
+        # 0.6x float32's speed where its casts alone counted 360 multiply-adds per element
+        guarded = list(guarded_batchnorms(self.graph, self.plan_dtypes(), entry, self.train and not self.fused))
+        for i in guarded:
+            e = nodes[i]["inputs"][0]
+            cast += elements([entry[(nodes[e[0]]["name"], e[1])]])  # known: a guard needs its shape
+        return total, (macs / cast if cast else float("inf")), len(guarded)
 
     def unmeasured_fp32(self, shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> bool:
         """The rule without a whole-graph measurement (:func:`unmeasured_runs_fp32`)."""
@@ -322,7 +339,7 @@ class Target:
 
     def describe_unmeasured(self, why: str, shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> str:
         return describe_unmeasured(self.casts(), len(self.low_ops()), self.policy.target_dtype, why,
-                                   *self.figures(shapes))
+                                   *self.figures(shapes), guards=self.guards(shapes))
 
     def fp32_choices(self, verdict: Optional[Verdict]) -> Dict[str, MeasuredChoice]:
         """A float32 choice for every op the plan runs low: the same graph in float32

@@ -53,7 +53,8 @@ UNMEASURED_MAX_CASTS_PER_LOW_OP = 1.0
 UNMEASURED_MIN_ELEMENTS_PER_LOW_OP = 16384
 #: Without a measurement, where shapes are known: a plan whose low-precision ops do fewer
 #: multiply-adds than this per element its casts convert (activations; under ``init``, weights
-#: too, at :data:`WEIGHT_CAST_SHARE`) runs float32. A bfloat16
+#: too, at :data:`WEIGHT_CAST_SHARE`; and the data of batch norms that get a layout guard in
+#: the graph that runs: :mod:`gluon_amp_core.layout_guards`) runs float32. A bfloat16
 #: GEMM saves about half of float32's time per multiply-add (0.04 ns on one Zen 4 core); a cast
 #: costs about 1 ns per element, forward and backward: break-even near 100. BERT-base's
 #: training graph (8 x 128 tokens): 485 with its weights counted whole; a DeepAR-like LSTM
@@ -163,10 +164,13 @@ def unmeasured_runs_fp32(casts: int, low_ops: int, elements: Optional[int] = Non
 
 
 def describe_unmeasured(casts: int, low_ops: int, target: str, why: str, elements: Optional[int] = None,
-                        intensity: Optional[float] = None) -> str:
-    """What the rule did with a graph not measured yet, and why it was not."""
+                        intensity: Optional[float] = None, guards: int = 0) -> str:
+    """What the rule did with a graph not measured yet, and why it was not. ``guards``: the
+    batch norms whose layout guards ``intensity`` counted as casts."""
     ratio = casts_per_low_op(casts, low_ops)
     shown = f"{casts} activation casts for {low_ops} {target} ops" + (f" ({ratio:.2f} per op)" if ratio else "")
+    if guards:
+        shown += f" and {guards} batch norms whose layout guards reorder their data as a cast would"
     if elements is not None and low_ops:
         shown += f", {elements / low_ops:,.0f} input elements per op"
     if intensity is not None and low_ops:

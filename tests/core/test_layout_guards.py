@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from gluon_amp_core.layout_guards import GUARD_SUFFIX, guard_batchnorm_layouts
+from gluon_amp_core.layout_guards import GUARD_SUFFIX, batchnorms_at_risk, guard_batchnorm_layouts
 from graph_json import graph as _graph
 
 BF16, FP32 = "bfloat16", "float32"
@@ -56,6 +56,8 @@ def test_a_batch_norm_gets_a_plain_input_where_a_convolution_next_to_it_has_odd_
     reads_directly = reader == "relu"  # not through a pooling either: its backward has a layout of its own
     want = _odd(c_in) or _odd(c_mid) or (reads_directly and _odd(c_out))
     assert n == int(want)
+    # what the tuner's figure counts (tuning.tuner) is what gets a guard: the batch norm, node 4
+    assert batchnorms_at_risk(graph, dtypes, shapes, BF16) == ([4] if want else [])
     names = {x["name"]: x for x in out["nodes"]}
     if not want:
         assert out is graph

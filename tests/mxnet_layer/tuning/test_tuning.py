@@ -976,3 +976,52 @@ def test_the_whole_graph_check_times_the_graph_that_will_run(native_host, monkey
     assert any(n["name"].endswith(PAIRED_SUFFIX) for n in plan)
     assert not any(n["name"].endswith((GUARD_SUFFIX, PAIRED_SUFFIX)) for n in fp32)
     assert "keeps bfloat16" in gluon_amp.report(net).tuning
+
+
+def test_the_unmeasured_rule_counts_what_the_layout_guards_reorder(monkeypatch):
+    """On an AMX host a training graph's batch norms next to a depthwise convolution get a layout
+    guard (native_run), which reorders their data forward and their gradient backward, as a cast
+    does both ways. GluonCV's MobileNet 1.0 (batch 4, 112 px) counted its casts alone, 360
+    multiply-adds per element, kept its plan, and trained at 0.6x FP32 until measured; counted
+    with the elements its guards reorder (those of the graph that runs) it runs float32.
+    Without AMX (no guards) and for a converted graph (no backward pass) the figure is as before."""
+    from gluoncv.model_zoo import get_model
+    from gluon_amp.native_run import native_passes
+    from gluon_amp.type_inference import infer_dtypes, infer_shapes
+    from gluon_amp_core.layout_guards import GUARD_SUFFIX
+    from gluon_amp_core.tuning.verdict import UNMEASURED_MIN_MACS_PER_CAST_ELEMENT as LINE
+    from gluon_amp.patching.hooks import graph_rewriter
+    net = get_model("mobilenet1.0", pretrained=False, classes=10)
+    net.initialize()
+    data = mx.sym.var("data")
+    policy = gluon_amp.make_policy("bfloat16", tune=True)
+    shapes, known = {"data": (4, 3, 112, 112)}, {"data": "float32"}
+    plan = graph_rewriter(policy)[0](net, (mx.nd.zeros(shapes["data"]),), [data], _traced(net, data))  # init's plan
+
+    def figures(amx, train, only=None):
+        monkeypatch.setattr(runtime, "amx_active", lambda: amx)
+        if only is not None:  # the first guard alone
+            real = tuner.guarded_batchnorms
+            monkeypatch.setattr(tuner, "guarded_batchnorms", lambda *a: list(real(*a))[:only])
+        got = tuner.Target(plan, known, tuner.applier(plan, known, policy), policy, train=train).figures(shapes)
+        monkeypatch.undo()
+        return got
+
+    (elements, plain), (elements_amx, guarded) = figures(False, True), figures(True, True)
+    _, one = figures(True, True, only=1)
+    assert guarded < LINE <= plain and elements == elements_amx
+    assert figures(True, False) == figures(False, False)
+    # what it counts is what the graph that runs reorders: with a figure m / c, 1/figure grows by
+    # the reordered elements / m, so the growth of all guards over that of the first is their ratio
+    monkeypatch.setattr(runtime, "amx_active", lambda: True)
+    ran = native_passes(plan, infer_dtypes(plan, known, partial=True), shapes, ("cpu",), True, frozenset())
+    nodes = json.loads(ran.tojson(remove_amp_cast=False))["nodes"]
+    entry = infer_shapes(ran, shapes)
+    sizes = [int(np.prod(entry[(nodes[n["inputs"][0][0]]["name"], n["inputs"][0][1])]))
+             for n in nodes if n["name"].endswith(GUARD_SUFFIX)]
+    assert len(sizes) > 20  # nearly every batch norm: each is next to a depthwise convolution
+    said = tuner.Target(plan, known, tuner.applier(plan, known, policy), policy,
+                        train=True).describe_unmeasured("first call", shapes)
+    assert said.startswith("runs float32 until measured")
+    assert f" and {len(sizes)} batch norms whose layout guards" in said
+    assert np.isclose((1 / guarded - 1 / plain) / (1 / one - 1 / plain), sum(sizes) / sizes[0])
