@@ -33,6 +33,7 @@ from gluon_amp_core.verdicts import Verdict
 
 from . import mxnet_internals as mxi, plan_notes, runtime, state
 from .emulation import emulate_symbol
+from .gc_pause import while_gc_paused
 from .native_run import native_passes
 from .type_inference import infer_dtypes
 
@@ -271,7 +272,8 @@ _KEEP_SYMBOLS = 64
 _lock = threading.Lock()
 #: the execution hooks (Symbol.bind/simple_bind, the block's CachedOp build), installed while
 #: anyone holds them (``init``; converted results)
-hooks_held = state.Held(lambda: mxi.install_execution_hooks(_for_block, _for_symbol), mxi.remove_execution_hooks)
+hooks_held = state.Held(lambda: mxi.install_execution_hooks(while_gc_paused(_for_block), while_gc_paused(_for_symbol)),
+                        mxi.remove_execution_hooks)
 
 
 def remember(result: Any, policy: Policy) -> None:

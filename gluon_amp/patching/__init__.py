@@ -17,6 +17,7 @@ from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
 
 from .. import execution, mxnet_internals as mxi, plan_notes, runtime, state
+from ..gc_pause import while_gc_paused
 from ..policy_builder import as_policy
 from ..tuning.schedule import Tuner
 from . import low_cast, outputs
@@ -564,6 +565,7 @@ def _graphs_now() -> Optional[_Graphs]:
     return patched.graphs.get(region) if region is not None else None
 
 
+@while_gc_paused
 def _rewrite(block: Any, args: tuple, inputs: Sequence[Any], out: Any) -> Any:
     graphs = _graphs_now()
     return graphs.rewrite(block, args, inputs, out) if graphs is not None else out
