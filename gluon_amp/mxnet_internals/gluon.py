@@ -35,6 +35,13 @@ def cached_graph(block: HybridBlock, caller: str) -> Tuple[Sequence[Symbol], Sym
     return cached[0], cached[1]
 
 
+def recorded_graph(block: HybridBlock) -> Optional[Symbol]:
+    """The output symbol a hybridized block recorded on its first call or was given when
+    constructed (a SymbolBlock), not what the block hooks rewrote it to; None before either."""
+    cached = getattr(block, "_cached_graph", ())
+    return cached[1] if cached else None
+
+
 def has_cached_graph(block: Any) -> bool:
     """True for a hybridized block that already recorded its graph (see :func:`cached_graph`)."""
     return isinstance(block, HybridBlock) and bool(getattr(block, "_cached_graph", ()))

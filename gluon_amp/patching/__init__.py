@@ -592,7 +592,8 @@ def _warn_stale(block: Any) -> None:
         return
     if getattr(block, "amp_result", None) is not None:  # converted by gluon_amp already
         return
-    if holds_amp_plan(mxi.cached_graph(block, "gluon_amp")[1]):  # built under AMP (a SymbolBlock's)
+    recorded = mxi.recorded_graph(block)
+    if recorded is not None and holds_amp_plan(recorded):  # built under AMP (a SymbolBlock's), whatever it runs
         return
     warnings.warn(
         f"hybridized block {block.name!r} cached its graph before gluon_amp.init() and runs without "

@@ -168,6 +168,32 @@ def test_a_symbolblock_built_under_init_tunes_from_its_second_call_too(native_ho
     assert measured[0] == [] and net.conv.name + "_fwd" in measured[1] and measured[2] == measured[1]
 
 
+def test_a_symbolblock_whose_plan_runs_float32_until_measured_is_not_called_stale(native_host):
+    """A SymbolBlock built under init (GluonCV's SSD feature expander) whose graph the rule
+    without a measurement runs in float32: the graph it runs has no cast left, but it was
+    built under AMP and rewritten by it. GluonCV's train_ssd.py with mobilenet1.0 was told
+    its feature expander "cached its graph before gluon_amp.init()"; a block that did is."""
+    from mxnet import gluon
+    gluon_amp.init("bfloat16", tune=True, tune_budget=0)
+    net = MixedNet()
+    net.initialize()
+    data = mx.sym.var("data")
+    block = gluon.SymbolBlock(net(data), [data], params=net.collect_params())
+    block.hybridize(static_alloc=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        block(mx.nd.ones((2, 3, 8, 8))).wait_to_read()
+    assert "runs float32 until measured" in block.amp_tuning.verdict  # tiny ops: the rule's float32
+    assert not [w for w in caught if "cached its graph" in str(w.message)]
+    gluon_amp.disable()
+    stale = gluon.SymbolBlock(net(data), [data], params=net.collect_params())  # built without AMP
+    stale.hybridize()
+    stale(mx.nd.ones((2, 3, 8, 8))).wait_to_read()
+    gluon_amp.init("bfloat16", tune=True, tune_budget=0)
+    with pytest.warns(RuntimeWarning, match="cached its graph before"):
+        stale(mx.nd.ones((2, 3, 8, 8))).wait_to_read()
+
+
 def test_conversion_with_input_shapes_tunes_by_default_and_tune_false_opts_out(monkeypatch):
     monkeypatch.delenv("GLUON_AMP_TUNE", raising=False)  # the suite turns the default off
     monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
