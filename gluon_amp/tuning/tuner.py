@@ -31,8 +31,8 @@ from gluon_amp_core.timing_cache import TimingCache
 from gluon_amp_core.tuning.problem import Problem, Timed, choose, groups, problem
 from gluon_amp_core.tuning.schedule import SIZE_STEP, Ledger, elements, still_float32, to_retime
 from gluon_amp_core.decide import CAST_OPS
-from gluon_amp_core.tuning.verdict import (WEIGHT_CAST_SHARE, Verdict, activation_casts, describe_unmeasured,
-                                          low_op_nodes, op_macs, unmeasured_runs_fp32)
+from gluon_amp_core.tuning.verdict import (GUARD_CAST_WEIGHT, WEIGHT_CAST_SHARE, Verdict, activation_casts,
+                                          describe_unmeasured, low_op_nodes, op_macs, unmeasured_runs_fp32)
 
 from .. import mxnet_internals as mxi
 from ..native_run import guarded_batchnorms, native_passes
@@ -325,12 +325,13 @@ class Target:
                             return total, None, 0
                         cast += elements([shape]) * (WEIGHT_CAST_SHARE if param else 1)
         # a batch norm's layout guard reorders its data forward and its gradient backward, as
-        # a cast converts both: MobileNet's, around every depthwise convolution, made its plan
-        # 0.6x float32's speed where its casts alone counted 360 multiply-adds per element
+        # a cast converts both, and more (GUARD_CAST_WEIGHT): MobileNet's, around every depthwise
+        # convolution, made its plan 0.6x float32's speed where its casts alone counted 360
+        # multiply-adds per element
         guarded = list(guarded_batchnorms(self.graph, self.plan_dtypes(), entry, self.train and not self.fused))
         for i in guarded:
             e = nodes[i]["inputs"][0]
-            cast += elements([entry[(nodes[e[0]]["name"], e[1])]])  # known: a guard needs its shape
+            cast += elements([entry[(nodes[e[0]]["name"], e[1])]]) * GUARD_CAST_WEIGHT  # a guard needs its shape
         return total, (macs / cast if cast else float("inf")), len(guarded)
 
     def unmeasured_fp32(self, shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> bool:

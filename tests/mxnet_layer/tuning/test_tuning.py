@@ -168,6 +168,34 @@ def test_a_symbolblock_built_under_init_tunes_from_its_second_call_too(native_ho
     assert measured[0] == [] and net.conv.name + "_fwd" in measured[1] and measured[2] == measured[1]
 
 
+@pytest.mark.parametrize("name, shape, runs_fp32", [("ssd_512_mobilenet1.0_voc", (2, 3, 512, 512), True),
+                                                     ("cifar_resnet20_v1", (32, 3, 32, 32), False)])
+def test_the_guards_weight_sits_between_two_measured_training_graphs(monkeypatch, name, shape, runs_fp32):
+    """GUARD_CAST_WEIGHT is fitted between two graphs measured on a 2-core AMX host: GluonCV's
+    SSD-512 MobileNet 1.0 (train_ssd.py, batch 2: its plan trained at 0.75x FP32; counted at 1 it
+    ran that plan until measured) runs float32 until measured; CIFAR ResNet-20 (batch 32: its plan
+    1.71x FP32, its 9 guarded batch norms those of 16 channels) keeps its plan. Without AMX (no
+    guard) both keep their plans."""
+    from gluoncv.model_zoo import get_model
+    from gluon_amp.patching.hooks import graph_rewriter
+    data = mx.sym.var("data")
+    policy = gluon_amp.make_policy("bfloat16", tune=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with gluon_amp.autocast("bfloat16", tune=False):  # built under init, as a script's net is
+            net = get_model(name, pretrained=False, **({"pretrained_base": False} if "ssd" in name else {}))
+            net.initialize()
+            out = net(data)
+    out = mx.sym.Group(list(out)) if isinstance(out, (list, tuple)) else out
+    known = {"data": "float32"}
+    plan = graph_rewriter(policy)[0](net, (mx.nd.zeros(shape),), [data], out)
+    for amx in (True, False):
+        monkeypatch.setattr(runtime, "amx_active", lambda: amx)
+        target = tuner.Target(plan, known, tuner.applier(plan, known, policy), policy, train=True)
+        assert target.unmeasured_fp32({"data": shape}) == (runs_fp32 and amx)
+        assert (target.guards({"data": shape}) > 0) == amx
+
+
 def test_a_symbolblock_whose_plan_runs_float32_until_measured_is_not_called_stale(native_host):
     """A SymbolBlock built under init (GluonCV's SSD feature expander) whose graph the rule
     without a measurement runs in float32: the graph it runs has no cast left, but it was
@@ -1009,7 +1037,8 @@ def test_the_unmeasured_rule_counts_what_the_layout_guards_reorder(monkeypatch):
     guard (native_run), which reorders their data forward and their gradient backward, as a cast
     does both ways. GluonCV's MobileNet 1.0 (batch 4, 112 px) counted its casts alone, 360
     multiply-adds per element, kept its plan, and trained at 0.6x FP32 until measured; counted
-    with the elements its guards reorder (those of the graph that runs) it runs float32.
+    with the elements its guards reorder (those of the graph that runs, at GUARD_CAST_WEIGHT) it
+    runs float32.
     Without AMX (no guards) and for a converted graph (no backward pass) the figure is as before."""
     from gluoncv.model_zoo import get_model
     from gluon_amp.native_run import native_passes
