@@ -144,10 +144,21 @@ def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph_from_th
     assert "tuned at input shapes" in gluon_amp.report(net).tuning
 
 
+def _symbol_block_of_mixednet():
+    """``(net, data, block)``: a hybridized SymbolBlock of MixedNet's graph, traced now (under
+    whatever policy is in force), as GluonCV builds its feature extractors."""
+    from mxnet import gluon
+    net = MixedNet()
+    net.initialize()
+    data = mx.sym.var("data")
+    block = gluon.SymbolBlock(net(data), [data], params=net.collect_params())
+    block.hybridize(static_alloc=True)
+    return net, data, block
+
+
 def test_a_symbolblock_built_under_init_tunes_from_its_second_call_too(native_host, monkeypatch):
     """GluonCV builds feature extractors as SymbolBlocks from symbols: the hooks rewrite the
     graph they were given; tuning rebuilds it from that graph, not on its first call."""
-    from mxnet import gluon
     from gluon_amp_core.tuning import verdict
     monkeypatch.setattr(verdict, "UNMEASURED_MIN_ELEMENTS_PER_LOW_OP", 0)  # tiny ops: see _plant
     monkeypatch.setattr(verdict, "UNMEASURED_MIN_MACS_PER_CAST_ELEMENT", 0)
@@ -156,11 +167,7 @@ def test_a_symbolblock_built_under_init_tunes_from_its_second_call_too(native_ho
     graph_ms = iter([700.0])
     monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: next(graph_ms))
     gluon_amp.init("bfloat16", tune=True, tune_budget=60)
-    net = MixedNet()
-    net.initialize()
-    data = mx.sym.var("data")
-    block = gluon.SymbolBlock(net(data), [data], params=net.collect_params())
-    block.hybridize(static_alloc=True)
+    net, _, block = _symbol_block_of_mixednet()
     measured = []
     for _ in range(3):
         block(mx.nd.ones((2, 3, 8, 8))).wait_to_read()
@@ -203,11 +210,7 @@ def test_a_symbolblock_whose_plan_runs_float32_until_measured_is_not_called_stal
     its feature expander "cached its graph before gluon_amp.init()"; a block that did is."""
     from mxnet import gluon
     gluon_amp.init("bfloat16", tune=True, tune_budget=0)
-    net = MixedNet()
-    net.initialize()
-    data = mx.sym.var("data")
-    block = gluon.SymbolBlock(net(data), [data], params=net.collect_params())
-    block.hybridize(static_alloc=True)
+    net, data, block = _symbol_block_of_mixednet()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         block(mx.nd.ones((2, 3, 8, 8))).wait_to_read()
