@@ -284,7 +284,8 @@ class Target:
         """The plan's own figures at these input shapes: the elements its low-precision ops read
         in all, and their multiply-adds per element its activation casts convert (``inf``: no
         activation cast); None where shapes are not given or not all known. Once per shapes.
-        The batch norms' layout guards of the graph that runs count as casts (:meth:`guards`)."""
+        The batch norms' layout guards of the graph that runs count as casts, at
+        ``GUARD_CAST_WEIGHT`` (:meth:`guards`)."""
         return self._counted(shapes)[:2]
 
     def guards(self, shapes: Optional[Mapping[str, Tuple[int, ...]]]) -> int:

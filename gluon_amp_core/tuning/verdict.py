@@ -26,7 +26,9 @@ this is that rule for one graph:
   a convolution's), what its casts cost with the elements they convert. A plan whose
   low-precision ops do fewer than :data:`UNMEASURED_MIN_MACS_PER_CAST_ELEMENT` multiply-adds
   per element its casts convert runs float32: its activations' casts, and under ``init`` its
-  weights' too, at :data:`WEIGHT_CAST_SHARE` (each master weight is cast every call). A
+  weights' too, at :data:`WEIGHT_CAST_SHARE` (each master weight is cast every call); in a
+  training graph on AMX, the data of each batch norm that gets a layout guard, at
+  :data:`GUARD_CAST_WEIGHT` (MobileNet's, beside every depthwise convolution). A
   transformer's GEMMs (a cast or two per product, hundreds of multiply-adds per cast element)
   keep the plan; an LSTM cell's small products (tens) do not, nor do dense layers on a few
   rows (AlexNet's at batch 4: 4 multiply-adds per weight element).
