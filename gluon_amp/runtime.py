@@ -13,9 +13,12 @@ import ctypes
 import functools
 import os
 import platform
+import sys
+import time
+import warnings
 from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
-from gluon_amp_core.capability import Bf16, Capability, classify
+from gluon_amp_core.capability import Bf16, Capability, amx_hint, classify
 from gluon_amp_core.resolve import Resolution, resolve_target
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, parse_target_dtype
 from gluon_amp_core.speed.probe import OpTiming, SpeedVerdict, timings_to_records
@@ -28,7 +31,13 @@ _ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
 _AMX_ISA = "AVX512_CORE_AMX"
 
-_state: Dict[str, Any] = {"amx_permission": None, "isa_set_by": None, "error": None, "isa_cap": None}
+#: bfloat16 over float32 speed of one dense layer (128 x 1024 by 1024) from which oneDNN is taken to
+#: run AMX. Measured with MXNet 1.9.1's oneDNN 2.4.4 on a 2-core Xeon (KVM) with AMX: 3.1-3.9 with
+#: AMX, 0.62-0.81 on its AVX512-BF16 kernels; AVX512-BF16's dot product peaks at 2x float32's FMA.
+AMX_SPEEDUP = 2.0
+
+_state: Dict[str, Any] = {"amx_permission": None, "isa_set_by": None, "error": None, "isa_cap": None,
+                          "mxnet_first": False, "onednn_first": False}
 
 
 def cpu_flags() -> FrozenSet[str]:
@@ -60,6 +69,7 @@ def enable_amx() -> bool:
     """
     if _state["amx_permission"] is not None:
         return bool(_state["amx_permission"])
+    _state["mxnet_first"] = "mxnet" in sys.modules  # it may have run oneDNN before this: settle_isa checks
     ok = False
     try:
         if (os.environ.get("GLUON_AMP_DISABLE_AMX") != "1" and platform.system() == "Linux"
@@ -100,7 +110,13 @@ def settle_isa() -> None:
     environment. oneDNN reads ``DNNL_MAX_CPU_ISA`` once, at its first primitive. The tile
     permission is not passed on by ``exec``: a program this process starts that runs MXNet
     without gluon_amp (a serving script, a worker) would inherit ``AVX512_CORE_AMX`` without
-    the permission, and die of SIGILL at its first AMX kernel. Called once MXNet is imported."""
+    the permission, and die of SIGILL at its first AMX kernel. Called once MXNet is imported.
+
+    Where MXNet was imported before gluon_amp, it may have run an operator already, and oneDNN
+    read no cap then (every ISA but AMX, for the whole process): nothing in MXNet says which,
+    so the speed of one bfloat16 dense layer does (:func:`_amx_runs`). Without AMX the cap is
+    recorded as the one oneDNN read, so :func:`amx_active`, the capability and the timing cache
+    say what runs, and one ``RuntimeWarning`` says what to change."""
     if _state["isa_set_by"] != "gluon_amp" or os.environ.get("DNNL_MAX_CPU_ISA") != _AMX_ISA:
         return
     import mxnet as mx
@@ -113,6 +129,34 @@ def settle_isa() -> None:
         _state["error"] = f"oneDNN did not read DNNL_MAX_CPU_ISA at import: {exc!r}"
         return
     del os.environ["DNNL_MAX_CPU_ISA"]
+    if _state["mxnet_first"] and not _amx_runs():
+        _state.update(isa_cap=None, isa_set_by=None, onednn_first=True)
+        hint = amx_hint(cpu_flags(), True, None, onednn_first=True)
+        warnings.warn(f"gluon_amp: {hint}.", RuntimeWarning, stacklevel=3)  # the import statement
+
+
+def _amx_runs() -> bool:
+    """Whether oneDNN runs AMX in this process: one dense layer in bfloat16 at least
+    :data:`AMX_SPEEDUP` times as fast as in float32 (best of 5 calls each, about 30 ms).
+    False where the bfloat16 layer cannot run."""
+    import mxnet as mx
+    from .mxnet_internals import BFLOAT16, legacy_arrays, original_function
+    dense, cast, ones = (original_function(f) for f in (mx.nd.FullyConnected, mx.nd.amp_cast, mx.nd.ones))
+
+    def best(x: Any, w: Any) -> float:
+        times = []
+        for _ in range(6):  # the first call creates the primitive
+            start = time.perf_counter()
+            dense(x, w, num_hidden=1024, no_bias=True).wait_to_read()
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
+    try:
+        with legacy_arrays():
+            x, w = ones((128, 1024)), ones((1024, 1024))
+            return best(x, w) >= AMX_SPEEDUP * best(cast(x, dtype=BFLOAT16), cast(w, dtype=BFLOAT16))
+    except Exception as exc:  # noqa: BLE001  never fail the import
+        _state["error"] = f"the bfloat16 dense layer that tells AMX apart failed: {exc!r}"
+        return False
 
 
 def _probe_bf16() -> Optional[str]:
@@ -235,7 +279,7 @@ def capability() -> Capability:
                           f"simulated native bfloat16 ({SIMULATE_ENV}=1, tests only): float32 kernels, "
                           "bfloat16 outputs rounded")
     return classify(cpu_flags(), bool(_state["amx_permission"]), isa_cap(),
-                    gpus=mx.context.num_gpus(), probe_error=_probe_bf16())
+                    gpus=mx.context.num_gpus(), probe_error=_probe_bf16(), onednn_first=_state["onednn_first"])
 
 
 def _say_once(message: str, warn: bool) -> None:

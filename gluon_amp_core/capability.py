@@ -91,12 +91,14 @@ def effective_isa(cpu: str, cap: Optional[str]) -> str:
 
 
 def classify(flags: FrozenSet[str], amx_granted: bool, isa_cap: Optional[str], gpus: int = 0,
-             probe_error: Optional[str] = None) -> Capability:
+             probe_error: Optional[str] = None, onednn_first: bool = False) -> Capability:
     """Build a :class:`Capability` from CPU flags, the ISA cap and the probe's outcome.
 
     ``probe_error`` is the message of a failed bf16 probe (``None``: it ran). A failed
     probe means no bf16 whatever the flags say; a passing one on a CPU whose flags show
     no AVX-512 (another architecture) counts as emulated: it runs, speed unknown.
+    ``onednn_first``: oneDNN read its ISA cap before gluon_amp could set it (``isa_cap`` is
+    then what it read), which only the hint tells apart.
     """
     cpu = cpu_isa(flags, amx_granted)
     isa = effective_isa(cpu, isa_cap)
@@ -106,7 +108,7 @@ def classify(flags: FrozenSet[str], amx_granted: bool, isa_cap: Optional[str], g
         return Capability(gpus, Bf16.NONE, isa, _why_none(cpu, isa, capped, probe_error))
     if rank >= _FIRST_BF16:
         return Capability(gpus, Bf16.NATIVE, isa, f"oneDNN runs bfloat16 natively ({isa.lower()})",
-                          amx_hint(flags, amx_granted, isa_cap))
+                          amx_hint(flags, amx_granted, isa_cap, onednn_first))
     if rank >= _FIRST_AVX512:
         cause = (f"DNNL_MAX_CPU_ISA={isa_cap} caps oneDNN below AVX512_CORE_BF16" if capped else
                  "this CPU has AVX-512 but neither avx512_bf16 nor amx_bf16")
@@ -127,11 +129,13 @@ def _why_none(cpu: str, isa: str, capped: bool, probe_error: str) -> str:
     return f"{cause} (probe: {probe_error})"
 
 
-def amx_hint(flags: FrozenSet[str], amx_granted: bool, isa_cap: Optional[str]) -> Optional[str]:
+def amx_hint(flags: FrozenSet[str], amx_granted: bool, isa_cap: Optional[str],
+             onednn_first: bool = False) -> Optional[str]:
     """What would enable AMX, where this CPU has it but this process cannot use it.
 
     ``isa_cap`` is ``DNNL_MAX_CPU_ISA`` as oneDNN reads it (``enable_amx`` sets it to
-    ``AVX512_CORE_AMX`` where the user left it unset or empty).
+    ``AVX512_CORE_AMX`` where the user left it unset or empty). ``onednn_first``: oneDNN read
+    it at an operator MXNet ran before gluon_amp was imported, so it never saw that value.
 
     ``avx512_fp16`` first shipped with AMX (Intel Sapphire Rapids), so a CPU showing it
     without ``amx_tile``/``amx_bf16`` has AMX that is hidden: by a hypervisor's CPU model, or
@@ -142,6 +146,12 @@ def amx_hint(flags: FrozenSet[str], amx_granted: bool, isa_cap: Optional[str]) -
         return ("this CPU has AMX, but the kernel did not grant it to this process "
                 "(arch_prctl(ARCH_REQ_XCOMP_PERM) needs Linux 5.16 or newer, and GLUON_AMP_DISABLE_AMX "
                 "must be unset); with AMX, bfloat16 runs several times faster")
+    if {"amx_bf16", "amx_tile"} <= flags and onednn_first and cap_in_force(isa_cap) != _AMX:
+        return ("this CPU has AMX, but MXNet ran an operator before gluon_amp was imported, and MXNet's "
+                "oneDNN 2.4 chose its kernels then, without AMX (it takes AMX only if asked before its "
+                "first operator), for the rest of this process; import gluon_amp before MXNet runs "
+                "anything (or start the program with python -m gluon_amp.run), with which bfloat16 "
+                "runs several times faster")
     if {"amx_bf16", "amx_tile"} <= flags and cap_in_force(isa_cap) != _AMX:
         return (f"this CPU has AMX, but DNNL_MAX_CPU_ISA={isa_cap!r} keeps MXNet's oneDNN 2.4 off it "
                 f"(it uses AMX only where the value is exactly {_AMX!r}, case included; any other "

@@ -77,3 +77,13 @@ def test_amx_hint_names_hidden_or_refused_amx_and_nothing_elsewhere():
     assert "5.16" in refused.amx_hint and "did not grant" in refused.amx_hint
     assert classify(AMX, True, "AVX512_CORE_AMX").amx_hint is None
     assert classify(ZEN4, False, None).amx_hint is None
+
+
+def test_oneDNN_started_before_gluon_amp_is_told_apart_from_a_cap_the_user_set():
+    # oneDNN read no cap at an operator MXNet ran first: the fix is the import order, not the variable
+    first = classify(AMX, True, None, onednn_first=True)
+    assert first.isa == "AVX512_CORE_BF16" and first.bf16 is Bf16.NATIVE
+    assert "before gluon_amp was imported" in first.amx_hint and "unset it" not in first.amx_hint
+    assert "unset it" in classify(AMX, True, None).amx_hint
+    for flags, granted in ((ZEN4, False), (SAPPHIRE_VM, False)):  # no AMX to lose: the flag changes nothing
+        assert classify(flags, granted, None, onednn_first=True) == classify(flags, granted, None)

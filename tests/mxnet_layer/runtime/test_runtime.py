@@ -27,7 +27,7 @@ def test_runtime_info_reports_choice():
 @pytest.fixture
 def fresh_state(monkeypatch):
     monkeypatch.setattr(runtime, "_state", {"amx_permission": None, "isa_set_by": None, "error": None,
-                                            "isa_cap": None})
+                                            "isa_cap": None, "mxnet_first": False, "onednn_first": False})
     # setenv first: monkeypatch restores only what it saw, and enable_amx() may set the cap
     for name in ("DNNL_MAX_CPU_ISA", "GLUON_AMP_DISABLE_AMX"):
         monkeypatch.setenv(name, "")
@@ -76,6 +76,65 @@ def test_a_lowercase_amx_choice_is_not_amx(fresh_state, monkeypatch):
     monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile"}))
     monkeypatch.setattr(runtime, "_request_amx_permission", lambda: True)
     assert runtime.enable_amx() is True and not runtime.amx_active()
+
+
+@pytest.mark.parametrize("runs_amx", [True, False])
+def test_mxnet_imported_first_is_checked_by_the_speed_of_amx(fresh_state, monkeypatch, runs_amx):
+    # MXNet is in sys.modules here, as when a program imports it before gluon_amp: whether oneDNN
+    # read the cap gluon_amp set is measured (planted here); without AMX the cap is what it read
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile"}))
+    monkeypatch.setattr(runtime, "_request_amx_permission", lambda: True)
+    monkeypatch.setattr(runtime, "_amx_runs", lambda: runs_amx)
+    assert runtime.enable_amx() and runtime._state["mxnet_first"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runtime.settle_isa()
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert "DNNL_MAX_CPU_ISA" not in runtime.os.environ
+    assert runtime.amx_active() is runs_amx and runtime.user_isa_cap() is None
+    assert runtime.isa_cap() == ("AVX512_CORE_AMX" if runs_amx else None)
+    if runs_amx:
+        assert said == []
+    else:
+        assert len(said) == 1 and "import gluon_amp before MXNet runs anything" in said[0]
+
+
+def test_gluon_amp_imported_first_needs_no_check(fresh_state, monkeypatch):
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile"}))
+    monkeypatch.setattr(runtime, "_request_amx_permission", lambda: True)
+    monkeypatch.delitem(sys.modules, "mxnet")  # as at gluon_amp's own import of MXNet
+    assert runtime.enable_amx() and not runtime._state["mxnet_first"]
+    monkeypatch.setitem(sys.modules, "mxnet", __import__("mxnet"))
+    monkeypatch.setattr(runtime, "_amx_runs", lambda: pytest.fail("checked although MXNet came after"))
+    runtime.settle_isa()
+    assert runtime.amx_active()
+
+
+#: MXNet imported, and run or not, before gluon_amp; then a bfloat16 convolution
+_ORDERS = {"gluon_amp first": "import gluon_amp, mxnet as mx",
+           "mxnet imported first": "import mxnet as mx; import gluon_amp",
+           "an operator first": ("import mxnet as mx; mx.nd.Activation(mx.nd.ones((1, 4)), act_type='relu')"
+                                 ".wait_to_read(); import gluon_amp")}
+
+
+@pytest.mark.bf16_kernels
+@pytest.mark.parametrize("order", sorted(_ORDERS))
+def test_amx_is_reported_as_onednn_runs_it_whatever_came_first(order):
+    # DNNL_VERBOSE names the kernel oneDNN ran: runtime_info must agree, and say why where it lost AMX
+    code = (f"import warnings; warnings.simplefilter('always'); {_ORDERS[order]}; "
+            + _KERNEL.split("; ", 1)[1])
+    env = {k: v for k, v in helpers.no_bf16_env().items() if k != "DNNL_MAX_CPU_ISA"}
+    env["DNNL_VERBOSE"] = "1"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ran = {line.split(",")[4].split(":")[1] for line in r.stdout.splitlines()
+           if line.startswith("dnnl_verbose,exec,cpu,convolution") and "mb2_ic16oc16" in line}
+    _, isa, amx = r.stdout.strip().splitlines()[-1].split()
+    assert ran in ({isa}, {isa + "_bf16"}), (order, ran, isa)
+    assert (amx == "True") == (isa == "avx512_core_amx")
+    lost = "amx_bf16" in runtime.cpu_flags() and amx == "False"
+    assert ("before gluon_amp was imported" in r.stderr) == lost, r.stderr[-2000:]
+    assert lost == ("amx_bf16" in runtime.cpu_flags() and order == "an operator first")
 
 
 _KERNEL = ("import gluon_amp, mxnet as mx; from gluon_amp.mxnet_internals import BFLOAT16; "
