@@ -34,7 +34,7 @@ from gluon_amp_core.verdicts import Verdict
 from . import mxnet_internals as mxi, plan_notes, runtime, state
 from .emulation import emulate_symbol
 from .gc_pause import while_gc_paused
-from .native_run import native_passes
+from .native_run import native_passes, with_batchnorms_apart
 from .type_inference import infer_dtypes
 
 Key = Tuple[str, int]
@@ -47,7 +47,7 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
                  devices: Iterable[str], policy: Optional[Policy], what: str,
                  plan_heads: Optional[Sequence[Optional[str]]] = None, pair: bool = True,
                  accumulating: Optional[Collection[str]] = None,
-                 typed: Optional[Mapping[Key, Optional[str]]] = None) -> Symbol:
+                 typed: Optional[Mapping[Key, Optional[str]]] = None, fused: bool = False) -> Symbol:
     """The graph MXNet runs for ``plan`` bound with inputs of ``dtypes`` (input name -> dtype,
     those known) and ``shapes`` on ``devices`` under ``policy``.
 
@@ -67,7 +67,8 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
     ``accumulating``: the inputs whose gradients accumulate (``grad_req='add'``; ``None``: any
     may), whose bfloat16 casts a CPU feeds through an identity (:func:`gluon_amp.native_run.with_accumulating_casts`).
     ``typed``: ``plan``'s dtypes as :func:`plan_dtypes` gives them for ``dtypes``, where the
-    caller has them already.
+    caller has them already. ``fused``: MXNet partitions what runs with its oneDNN fusion (a
+    block hybridized with ``backend``, a converted block's default).
 
     Raises
     ------
@@ -97,7 +98,7 @@ def graph_to_run(plan: Symbol, dtypes: Mapping[str, Any], shapes: Mapping[str, T
                 raise CannotRun(cannot_run(what, dtype, device, missing))
     if simulated and "bfloat16" in kernels:  # a simulated native host: its bfloat16 kernels emulated
         return emulated(plan, typed, shapes, fed=dtypes)
-    run = native_passes(plan, typed, shapes, devices, pair, accumulating)
+    run = native_passes(plan, typed, shapes, devices, pair, accumulating, fused)
     run = outputs_as_fed(run, typed, dtypes, plan_heads) if policy is not None and policy.enabled else run
     return without_float16_multicasts(run, typed) if "cpu" in devices and "float16" in low else run
 
@@ -396,7 +397,7 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
     typed = plan_dtypes(plan, known)
     run = graph_to_run(plan, known, shapes, devices, policy, f"block {block.name!r}", plan_notes.plan_heads(block),
                        pair=_remembered(block) is None, accumulating=mxi.accumulating_params(block),
-                       typed=typed)
+                       typed=typed, fused=mxi.block_backend(block)[0] is not None)
     float32 = bool(typed) and not any(t in LOW_PRECISION_DTYPES for t in typed.values())
     if getattr(block, "amp_speed_rule", False) and policy is not None and not policy.emulate:
         faster = _float32_where_slower(block, plan, known, shapes, policy)
@@ -428,7 +429,10 @@ def _float32_where_slower(block: HybridBlock, plan: Symbol, known: Mapping[str, 
     if why not in said:
         block.amp_fallbacks = said + (why,)  # what the report says ran; the plan stays as converted
         warnings.warn(f"gluon_amp: {why}", UserWarning, stacklevel=2)
-    return target.fp32()
+    fp32 = target.fp32()  # its stored bfloat16 weights cast to float32 on every call: keep their batch norms apart
+    if mxi.block_backend(block)[0] is None:
+        return fp32
+    return with_batchnorms_apart(fp32, plan_dtypes(fp32, known), shapes)
 
 
 def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mapping[str, Tuple[int, ...]],

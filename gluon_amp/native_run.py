@@ -11,6 +11,7 @@ import mxnet as mx
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.accumulating_casts import cast_accumulating_inputs
+from gluon_amp_core.fusion_barriers import keep_batchnorms_apart
 from gluon_amp_core.layout_guards import BATCHNORM_OPS, batchnorms_at_risk, guard_batchnorm_layouts
 from gluon_amp_core.paired_casts import pair_param_casts
 
@@ -21,10 +22,13 @@ Key = Tuple[str, int]
 
 
 def native_passes(plan: Symbol, typed: Mapping[Key, Optional[str]], shapes: Mapping[str, Tuple[int, ...]],
-                  devices: Iterable[str], pair: bool, accumulating: Optional[Collection[str]]) -> Symbol:
+                  devices: Iterable[str], pair: bool, accumulating: Optional[Collection[str]],
+                  fused: bool = False) -> Symbol:
     """What a plan typed ``typed`` runs natively in bfloat16, past its plan: the casts of inputs
     that accumulate through an identity (a CPU), then, for a training graph (``pair``), on AMX
-    the batch norms' layout guards and the weight casts paired with their ops' data. The tuner
+    the batch norms' layout guards and the weight casts paired with their ops' data; where
+    MXNet's oneDNN fusion partitions what runs (``fused``), the batch norms it would fold anew
+    on every call kept apart where that costs less (:func:`with_batchnorms_apart`). The tuner
     times its graphs through this too, so a verdict is the graph's that will run. ``plan``
     itself where nothing applies."""
     low = set(typed.values())
@@ -33,7 +37,23 @@ def native_passes(plan: Symbol, typed: Mapping[Key, Optional[str]], shapes: Mapp
         run = with_accumulating_casts(run, typed, accumulating)
     if pair and "bfloat16" in low:
         run = with_paired_casts(with_layout_guards(run, typed, shapes) if guards_layouts(pair) else run, typed)
+    if fused and "cpu" in devices:
+        run = with_batchnorms_apart(run, typed, shapes)
     return run
+
+
+def with_batchnorms_apart(plan: Symbol, typed: Mapping[Key, Optional[str]],
+                          shapes: Mapping[str, Tuple[int, ...]]) -> Symbol:
+    """``plan`` with a batch norm that reads a convolution whose weight is cast in the graph,
+    and larger than its output at these ``shapes``, kept out of that convolution's oneDNN
+    fusion, which would fold it again on every call
+    (:func:`gluon_amp_core.fusion_barriers.keep_batchnorms_apart`). ``plan`` itself where
+    there is none; the plan is never changed (what ``export`` writes)."""
+    graph = json.loads(plan.tojson(remove_amp_cast=False))
+    if not any(n["op"] == "Convolution" for n in graph["nodes"]):
+        return plan
+    graph, kept = keep_batchnorms_apart(graph, typed, infer_shapes(plan, shapes))
+    return mx.sym.load_json(json.dumps(graph)) if kept else plan
 
 
 def guards_layouts(pair: bool) -> bool:

@@ -232,7 +232,7 @@ class Target:
         if self.policy.emulate:
             return sym
         typed = infer_dtypes(sym, self.known, partial=True) or {}
-        return native_passes(sym, typed, shapes, ("cpu",), self.train and not self.fused, frozenset())
+        return native_passes(sym, typed, shapes, ("cpu",), self.train and not self.fused, frozenset(), self.fused)
 
     @property
     def names(self) -> List[str]:
