@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 import pytest
@@ -55,7 +56,11 @@ def _isolated():
     gluon_amp.disable()
     mx.nd.waitall()
     env = dict(os.environ)
+    sigint = signal.getsignal(signal.SIGINT)
     yield
+    left = signal.getsignal(signal.SIGINT)
+    if left is not sigint:
+        signal.signal(signal.SIGINT, sigint)
     held = _lock_left_held()  # before disable(), which would wait on it for good
     try:
         mx.nd.waitall()
@@ -66,6 +71,10 @@ def _isolated():
     if held:
         pytest.fail(f"gluon_amp.state.lock was left held by {held} (a `with state.lock:` whose exit "
                     "did not run): every later call from another thread would hang on it")
+    if left is not sigint:
+        pytest.fail(f"the test left SIGINT's handler as {left!r}; restored. Every later Ctrl-C test would "
+                    "see it (MXNet's DataLoader, for one, sets SIG_IGN while it forks its workers and "
+                    "leaves it there if that fails)")
     if changed:
         pytest.fail(f"the test left os.environ changed ({changed}); restored. Every program a later "
                     "test starts would inherit it (a leaked DNNL_MAX_CPU_ISA=AVX512_CORE_AMX kills "
