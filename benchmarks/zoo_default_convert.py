@@ -129,13 +129,17 @@ def read_state(path: str) -> Tuple[Dict[str, Dict[str, Any]], Optional[str]]:
     return done, begun
 
 
-def orchestrate(models: Sequence[str], state: str, timeout: float) -> Dict[str, Dict[str, Any]]:
+def orchestrate(models: Sequence[str], state: str, timeout: float, script: Optional[str] = None,
+                extra: Sequence[str] = ()) -> Dict[str, Dict[str, Any]]:
+    """Run ``script --worker MODELS --state STATE EXTRA...`` (this file by default) until every
+    model has a record, restarting after a crash or a stall of ``timeout`` seconds."""
     while True:
         done, _ = read_state(state)
         todo = [m for m in models if m not in done]
         if not todo:
             return {m: done[m] for m in models}
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", ",".join(todo), "--state", state]
+        cmd = [sys.executable, script or os.path.abspath(__file__), "--worker", ",".join(todo),
+               "--state", state, *extra]
         env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + HERE + os.pathsep + os.environ.get("PYTHONPATH", "")}
         err = open(state + ".stderr", "w")  # a file, not a pipe: MXNet's warnings would fill it and block
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
