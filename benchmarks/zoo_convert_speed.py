@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import _numpy_shim  # noqa: F401  first: numpy aliases MXNet needs (benchmarks/ is on sys.path)
 import model_zoo_sweep as zoo
 import zoo_default_convert as zdc
-from _report import host_info
+from _report import host_info, write_json
 
 KINDS = ("ours", "peer")
 
@@ -197,9 +197,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = {"host": host_info(), "args": vars(args), "summary": summary(results, args.slow),
            "results": results}
     print(json.dumps(out["summary"], indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    write_json(out, args.json)
     return 0
 
 
