@@ -56,11 +56,12 @@ def _isolated():
     gluon_amp.disable()
     mx.nd.waitall()
     env = dict(os.environ)
-    sigint = signal.getsignal(signal.SIGINT)
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:  # left outside any test
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     left = signal.getsignal(signal.SIGINT)
-    if left is not sigint:
-        signal.signal(signal.SIGINT, sigint)
+    if left is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     held = _lock_left_held()  # before disable(), which would wait on it for good
     try:
         mx.nd.waitall()
@@ -71,8 +72,8 @@ def _isolated():
     if held:
         pytest.fail(f"gluon_amp.state.lock was left held by {held} (a `with state.lock:` whose exit "
                     "did not run): every later call from another thread would hang on it")
-    if left is not sigint:
-        pytest.fail(f"the test left SIGINT's handler as {left!r}; restored. Every later Ctrl-C test would "
+    if left is not signal.default_int_handler:
+        pytest.fail(f"the test left SIGINT's handler as {left!r}; Python's put back. Every later Ctrl-C test would "
                     "see it (MXNet's DataLoader, for one, sets SIG_IGN while it forks its workers and "
                     "leaves it there if that fails)")
     if changed:
