@@ -11,12 +11,17 @@ import mxnet as mx
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.accumulating_casts import cast_accumulating_inputs
+from gluon_amp_core.decide import users_casts
 from gluon_amp_core.fusion_barriers import keep_batchnorms_apart
+from gluon_amp_core.graph_pass import is_kept
 from gluon_amp_core.layout_guards import BATCHNORM_OPS, batchnorms_at_risk, guard_batchnorm_layouts
 from gluon_amp_core.paired_casts import pair_param_casts
+from gluon_amp_core.retype import in_float32
+from gluon_amp_core.shape_limits import limited_nodes
+from gluon_amp_core.table import OpClass, default_table
 
 from . import runtime
-from .type_inference import infer_shapes
+from .type_inference import infer_dtypes, infer_shapes
 
 Key = Tuple[str, int]
 
@@ -24,7 +29,8 @@ Key = Tuple[str, int]
 def native_passes(plan: Symbol, typed: Mapping[Key, Optional[str]], shapes: Mapping[str, Tuple[int, ...]],
                   devices: Iterable[str], pair: bool, accumulating: Optional[Collection[str]],
                   fused: bool = False) -> Symbol:
-    """What a plan typed ``typed`` runs natively in bfloat16, past its plan: the casts of inputs
+    """What a plan typed ``typed`` runs natively in bfloat16, past its plan: first, in float32, the
+    ops whose bfloat16 kernel fails at these shapes (:func:`within_kernel_limits`); the casts of inputs
     that accumulate through an identity (a CPU), then, for a training graph (``pair``), on AMX
     the batch norms' layout guards and the weight casts paired with their ops' data; where
     MXNet's oneDNN fusion partitions what runs (``fused``), the batch norms it would fold anew
@@ -33,6 +39,8 @@ def native_passes(plan: Symbol, typed: Mapping[Key, Optional[str]], shapes: Mapp
     itself where nothing applies."""
     low = set(typed.values())
     run = plan
+    if "bfloat16" in low:
+        run, typed = within_kernel_limits(run, typed, shapes)
     if "bfloat16" in low and "cpu" in devices:
         run = with_accumulating_casts(run, typed, accumulating)
     if pair and "bfloat16" in low:
@@ -40,6 +48,39 @@ def native_passes(plan: Symbol, typed: Mapping[Key, Optional[str]], shapes: Mapp
     if fused and "cpu" in devices:
         run = with_batchnorms_apart(run, typed, shapes)
     return run
+
+
+def within_kernel_limits(plan: Symbol, typed: Mapping[Key, Optional[str]], shapes: Mapping[str, Tuple[int, ...]]
+                         ) -> Tuple[Symbol, Mapping[Key, Optional[str]]]:
+    """``plan`` with the ops it runs in bfloat16 where their kernel fails at these ``shapes``
+    (the bfloat16 table's input-shape rules, :mod:`gluon_amp_core.shape_limits`) computing in
+    float32, the ops after them that follow their inputs' dtype too, up to the next
+    low-precision op (:func:`gluon_amp_core.retype.in_float32`: a convolution, its batch norm
+    and its residual add stay in one dtype, so MXNet's oneDNN fusion still partitions them),
+    and its typing. A converted plan holds no shapes, and a bound one may meet any: ``init``
+    keeps such ops float32 as its blocks meet their shapes, and this is the same rule where
+    any plan is bound. ``plan`` and ``typed`` themselves where none is; the plan is never
+    changed."""
+    rules = default_table("bfloat16").narrow_fp32
+    graph = json.loads(plan.tojson(remove_amp_cast=False))
+    if not any(n["op"] in rules and typed.get((n["name"], 0)) == "bfloat16" for n in graph["nodes"]):
+        return plan, typed
+    limited = limited_nodes(graph["nodes"], typed, infer_shapes(plan, shapes), rules, "bfloat16")
+    if not limited:
+        return plan, typed
+    table = default_table("bfloat16")
+
+    def follows(node: dict) -> bool:  # as the converter types what comes after a float32 op
+        return table.classes.get(table.canonical(node["op"])) is not OpClass.LOW_PRECISION and not is_kept(node)
+
+    inputs = {n["name"]: typed[(n["name"], 0)] for n in graph["nodes"]
+              if n["op"] == "null" and typed.get((n["name"], 0)) is not None}
+    for how in (follows, None):  # the float32 values flowing on to the next low op; else cast back at once
+        run = mx.sym.load_json(json.dumps(in_float32(graph, limited, typed, users_casts(graph), how)))
+        run_typed = infer_dtypes(run, inputs, partial=True)
+        if run_typed:
+            return run, run_typed
+    return run, {}
 
 
 def with_batchnorms_apart(plan: Symbol, typed: Mapping[Key, Optional[str]],

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import FrozenSet, Mapping, Optional, Sequence, Tuple
 
 from .dtypes import FLOAT_DTYPES, widest
-from .table import NarrowRule, OpClass, OpTable
+from .shape_limits import keeps_fp32
+from .table import OpClass, OpTable
 from .verdicts import Verdict
 
 _EMPTY: frozenset = frozenset()
@@ -20,7 +21,7 @@ class Reason(str, enum.Enum):
     FP32 = "fp32"
     CONDITIONAL_FP32 = "conditional_fp32"
     CONDITIONAL_NEUTRAL = "conditional_neutral"
-    NARROW_INPUT = "narrow_input"  # a low-precision op kept float32 for its input's shape
+    NARROW_INPUT = "narrow_input"  # a low-precision op kept float32 at its input's shape (a kernel's limits)
     WIDEST = "widest"
     NEUTRAL = "neutral"
     EXCLUDED = "excluded"
@@ -152,8 +153,8 @@ def decide(
         except where float32 is required (an fp32 op, or a conditional rule that applies).
     input_shapes : sequence of tuple or None, optional
         Shapes of the tensor inputs where known (a run, or a graph with its input shapes).
-        A low-precision op with a rule in ``table.narrow_fp32`` runs in float32 when its
-        data input is narrower than the rule's attribute (:func:`is_narrower`).
+        A low-precision op with a rule in ``table.narrow_fp32`` runs in float32 where one
+        applies to its data input (:mod:`gluon_amp_core.shape_limits`: a kernel's limits).
     """
     name = table.canonical(op)
     if name in CAST_OPS:
@@ -163,8 +164,8 @@ def decide(
     op_class = table.classes.get(name, OpClass.NEUTRAL)
     keep = table.keep_fp32_inputs.get(name, _EMPTY)
     if op_class is OpClass.LOW_PRECISION:  # a kernel's limits first: they are about correctness
-        rule = table.narrow_fp32.get(name)
-        if rule is not None and input_shapes and is_narrower(input_shapes[0], attrs, rule):
+        rules = table.narrow_fp32.get(name)
+        if rules and input_shapes and keeps_fp32(rules, input_shapes[0], attrs):
             return Decision("float32", Reason.NARROW_INPUT, keep)
     if measured is not None and op_class is not OpClass.FP32 and not _rule_applies(table, name, attrs):
         return Decision(measured, Reason.MEASURED, keep)
@@ -198,26 +199,3 @@ def _rule_applies(table: OpTable, name: str, attrs: Mapping[str, object]) -> boo
         return False
     value = attrs.get(rule.attr)
     return value is not None and str(value) in rule.values
-_INT = re.compile(r"-?\d+")
-_CHANNELS_LAST = ("NWC", "NHWC", "NDHWC")
-
-
-def is_narrower(shape: Optional[Sequence[int]], attrs: Mapping[str, object], rule: NarrowRule) -> bool:
-    """True when ``shape``'s width is smaller than the last value of ``attrs[rule.attr]``.
-
-    The width is the last spatial axis: the last axis, or the one before it for a
-    channels-last ``layout`` attribute. Attribute values come as MXNet writes them
-    (``'(2, 2)'``, ``'2'``) or as Python ints and tuples. An unknown shape, a shape with no
-    spatial axis or a missing attribute is not narrower.
-    """
-    if not shape or len(shape) < 3:
-        return False
-    value = attrs.get(rule.attr)
-    if value is None:
-        return False
-    numbers = _INT.findall(value if isinstance(value, str) else str(value))
-    if not numbers:
-        return False
-    channels_last = str(attrs.get("layout", "")).upper() in _CHANNELS_LAST
-    width = shape[-2] if channels_last else shape[-1]
-    return 0 < width < int(numbers[-1])

@@ -115,7 +115,8 @@ def convert_graph(graph: dict, policy: Policy, input_names: Sequence[str],
                   op_inputs: Mapping[str, Sequence[str]], excluded: Collection[str] = (),
                   cast_optional_params: bool = False, float32_outputs: bool = True,
                   fp32_types: Optional[Mapping[Tuple[str, int], Optional[str]]] = None,
-                  measured: Mapping[str, MeasuredChoice] = MappingProxyType({})) -> PassResult:
+                  measured: Mapping[str, MeasuredChoice] = MappingProxyType({}),
+                  entry_shapes: Optional[Mapping[Tuple[str, int], Optional[Tuple[int, ...]]]] = None) -> PassResult:
     """Insert casts so every op runs in the dtype the policy gives it.
 
     Parameters
@@ -143,6 +144,9 @@ def convert_graph(graph: dict, policy: Policy, input_names: Sequence[str],
         ``(node name, output) -> dtype`` of the FP32 graph, needed when it holds fused or
         quantized ops (:func:`is_kept`): they get their inputs in, and give their outputs
         in, exactly these dtypes.
+    entry_shapes : mapping, optional
+        ``(node name, output) -> shape`` of the FP32 graph at the shapes it will run with, where
+        the caller knows them: the table's input-shape rules (a kernel's limits) then type it.
     """
     graph = without_legacy_attrs(graph)
     b, index, data = _Builder(), {}, set(input_names)
@@ -156,8 +160,10 @@ def convert_graph(graph: dict, policy: Policy, input_names: Sequence[str],
                 params.add(index[i])
     decisions = []
     chosen = {n: c.dtype for n, c in measured.items()}
-    for nd in walk(graph["nodes"], policy.table, lambda e: b.dtypes.get((index[e[0]], e[1])), excluded,
-                   measured=chosen):
+    nodes = graph["nodes"]
+    shape_of = None if entry_shapes is None else (lambda e: entry_shapes.get((nodes[e[0]]["name"], e[1])))
+    for nd in walk(nodes, policy.table, lambda e: b.dtypes.get((index[e[0]], e[1])), excluded,
+                   shape_of=shape_of, measured=chosen):
         node = graph["nodes"][nd.index]
         inputs = [(index[e[0]], e[1]) for e in node["inputs"]]
         names = op_inputs.get(node["op"], ())

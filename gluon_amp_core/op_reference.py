@@ -77,8 +77,8 @@ def render_table(t: OpTable) -> List[str]:
             out.append(_names(names))
         out.append("")
     out += ["### Low-precision ops kept in float32 for some input shapes", ""]
-    out += [f"- `{op}` when its data input's width (last spatial axis) is smaller than its "
-            f"`{rule.attr}`" for op, rule in sorted(t.narrow_fp32.items())] or ["(none)"]
+    out += [f"- `{op}` when {rule.describe()}"
+            for op, rules in sorted(t.narrow_fp32.items()) for rule in rules] or ["(none)"]
     out.append("")
     out += ["### Classes set by a conformance verdict", ""]
     out += [_verdict_line(t, key, v) for key, v in sorted(t.verdicts.items())] or ["(none)"]

@@ -10,7 +10,7 @@ of this: it types an FP32 graph with those decisions directly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Callable, Collection, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .decide import CAST_OPS, Decision
 from .dtypes import FLOAT_DTYPES
@@ -281,3 +281,80 @@ def cast_each_input(graph: dict, dtypes: Mapping[Key, Optional[str]], dtype: str
                 continue
         g.keep(i, node, inputs)
     return (g.result(), split) if split else (graph, 0)
+
+
+def in_float32(graph: dict, names: Collection[str], dtypes: Mapping[Key, Optional[str]],
+               keep: Collection[str] = (), follows: Optional[Callable[[dict], bool]] = None) -> dict:
+    """``graph`` (MXNet's JSON form, typed ``dtypes``) with each op node named in ``names``
+    computing in float32: each low-precision float input read in float32 (where a gluon_amp
+    cast made it low, its source; else through a new ``amp_cast``).
+
+    Without ``follows``, each low output is cast back to its dtype at once: nothing else moves.
+    With it, the float32 values flow on through the nodes ``follows(node)`` says follow their
+    inputs' dtype (their other low inputs read in float32 too), as the converter types the ops
+    after a float32 one; any other node (a low-precision op, a cast that gives several outputs)
+    and the graph's outputs get their old dtype back through a cast. A plan whose casts were
+    elided between ops of one dtype (a converter's) stays typed either way; following keeps a
+    convolution, its batch norm and its residual add in one dtype, as MXNet's oneDNN fusion
+    needs them. The casts named in ``keep`` (the user's) are read from, never around.
+    """
+    nodes = graph["nodes"]
+    users = frozenset(keep)
+    out: List[dict] = []
+    index: Dict[int, int] = {}
+    now: Dict[Entry, List[int]] = {}  # an old low entry computed in float32 now -> its new entry
+    wide: Dict[Entry, List[int]] = {}  # a low entry -> the float32 value it was made from (or a cast to it)
+    back: Dict[Entry, List[int]] = {}  # an entry now float32 -> a cast of it to its old dtype
+    low_dtypes = FLOAT_DTYPES - {"float32", "float64"}
+
+    def dtype(e: Entry) -> Optional[str]:
+        return dtypes.get((nodes[e[0]]["name"], e[1]))
+
+    def plain(e: Entry) -> List[int]:
+        return [index[e[0]], e[1], 0]
+
+    def cast(src: List[int], name: str, to: str) -> List[int]:
+        out.append({"op": "amp_cast", "name": f"{name}_amp_retyped_{to}", "attrs": {"dtype": to}, "inputs": [src]})
+        return [len(out) - 1, 0, 0]
+
+    def label(e: Entry) -> str:
+        return nodes[e[0]]["name"] + (f"_{e[1]}" if e[1] else "")
+
+    def float32_of(e: Entry) -> List[int]:
+        if e in now:
+            return now[e]
+        if e not in wide:
+            node = nodes[e[0]]
+            src = tuple(node["inputs"][0][:2]) if node["op"] == "amp_cast" else None
+            if src is not None and node["name"] not in users and (src in now or dtype(src) == "float32"):
+                wide[e] = now[src] if src in now else plain(src)
+            else:
+                wide[e] = cast(plain(e), label(e), "float32")
+        return wide[e]
+
+    def as_before(e: Entry) -> List[int]:
+        if e not in now:
+            return plain(e)
+        if e not in back:
+            back[e] = cast(now[e], label(e), dtype(e))
+        return back[e]
+
+    for i, node in enumerate(nodes):
+        inputs = [tuple(e[:2]) for e in node["inputs"]]
+        chosen = node["op"] != "null" and node["name"] in names
+        moved = any(e in now for e in inputs)
+        grow = chosen or (moved and follows is not None and node["op"] not in CAST_OPS and follows(node))
+        if grow:
+            wired = [float32_of(e) if e in now or dtype(e) in low_dtypes else plain(e) for e in inputs]
+        elif node["op"] == "amp_cast" and node["name"] not in users:
+            wired = [now.get(e) or plain(e) for e in inputs]  # it gives its own dtype
+        else:
+            wired = [as_before(e) for e in inputs]
+        out.append({**node, "inputs": wired})
+        index[i] = len(out) - 1
+        if grow:
+            for k in range(_n_outputs(dtypes, node["name"])):
+                if dtypes.get((node["name"], k)) in low_dtypes:
+                    now[(i, k)] = plain((i, k))
+    heads = [as_before(tuple(h[:2])) for h in graph["heads"]]
+    return _reachable(graph, out, heads)

@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 from .dtypes import LOW_PRECISION_DTYPES
+from .shape_limits import NarrowRule, OutputPixelsRule, ShapeRule
 from .verdicts import Fact, Verdict, device_verdicts, fact_from_row, plan_verdicts
 
 
@@ -45,15 +46,6 @@ class ConditionalRule:
     values: frozenset
 
 
-@dataclass(frozen=True)
-class NarrowRule:
-    """Run a low-precision op in float32 when its data input is narrower than
-    ``attrs[attr]``: the input's width (last spatial axis) smaller than the attribute's
-    last value (see :func:`gluon_amp_core.decide.is_narrower`)."""
-
-    attr: str
-
-
 ConditionalSpec = Tuple[str, str, Sequence[str]]
 
 _BATCHNORM_OPS = ("BatchNorm", "_contrib_BatchNormWithReLU")
@@ -68,8 +60,9 @@ class OpTable:
     conditions: Mapping[str, ConditionalRule] = field(default_factory=dict)
     keep_fp32_inputs: Mapping[str, frozenset] = field(default_factory=dict)
     aliases: Mapping[str, str] = field(default_factory=dict)
-    #: low-precision op -> when its input shape keeps it in float32 (a kernel's limits)
-    narrow_fp32: Mapping[str, NarrowRule] = field(default_factory=dict)
+    #: low-precision op -> the input-shape rules that keep it in float32 (its kernel's limits,
+    #: :mod:`gluon_amp_core.shape_limits`)
+    narrow_fp32: Mapping[str, Tuple[ShapeRule, ...]] = field(default_factory=dict)
     #: op -> the conformance verdict that set its class (:mod:`gluon_amp_core.verdicts`): no kernel
     #: or wrong in the target dtype -> float32; needs uniform inputs -> the widest input type
     verdicts: Mapping[str, Verdict] = field(default_factory=dict)
@@ -345,10 +338,14 @@ def build_table(
             raise ValueError(f"conformance verdicts name ops this MXNet does not register: {stale[:10]}; "
                              "fix gluon_amp_core/lists/verdicts.py or run python -m gluon_amp.conformance --write")
     applied = apply_verdicts(classes, conditions, verdicts, seen)
-    narrow = {n: NarrowRule(a) for n, a in data.FP32_WHEN_NARROWER}
+    narrow: Dict[str, Tuple[ShapeRule, ...]] = {}
+    for n, a in data.FP32_WHEN_NARROWER:
+        narrow[n] = narrow.get(n, ()) + (NarrowRule(a),)
+    for n, kernel, stride, channel_multiple, pixels in data.FP32_AT_OUTPUT_PIXELS:
+        narrow[n] = narrow.get(n, ()) + (OutputPixelsRule(frozenset(pixels), kernel, stride, channel_multiple),)
     unknown = sorted(set(narrow) - set(classes))
     if unknown:
-        raise ValueError(f"op table for {target_dtype} has FP32_WHEN_NARROWER rules for ops it does not "
+        raise ValueError(f"op table for {target_dtype} has input-shape rules for ops it does not "
                          f"list: {unknown}; fix the lists/{target_dtype}.py data")
     return OpTable(target_dtype=target_dtype, classes=MappingProxyType(classes),
                    conditions=MappingProxyType(conditions),

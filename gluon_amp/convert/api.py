@@ -24,7 +24,7 @@ from ..state import current_policy
 from ..policy_builder import as_policy, make_policy
 from ..tuning.casts import pass_result_with_fewer_casts
 from ..tuning.schedule import tune_graph
-from ..type_inference import infer_dtypes, op_types
+from ..type_inference import infer_dtypes, infer_shapes, op_types
 from .fold import fold_batch_norm
 
 def _fp32_types(sym: Symbol, data_names: Sequence[str], param_types: Dict[str, Any],
@@ -88,13 +88,15 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
                         data_names: Any = None, cast_optional_params: bool = False,
                         param_dtypes: Optional[Dict[str, str]] = None,
                         measured: Optional[Mapping[str, MeasuredChoice]] = None,
-                        data_dtypes: Optional[Mapping[str, str]] = None) -> Tuple[Symbol, PassResult]:
+                        data_dtypes: Optional[Mapping[str, str]] = None,
+                        input_shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> Tuple[Symbol, PassResult]:
     """Convert ``sym`` as ``policy`` says; also return what the pass did (casts, decisions).
 
     The returned graph is the plan, also with ``policy.emulate``: the caller remembers it
     (:func:`gluon_amp.execution.remember`) so that it runs emulated where it is bound. ``measured``
     holds the tuner's choices (:func:`~gluon_amp.tuning.schedule.tune_graph`); ``data_dtypes`` the dtypes of data inputs
-    that are not float32 (integer token ids and lengths)."""
+    that are not float32 (integer token ids and lengths); ``input_shapes`` the shapes the model
+    will run with, where known, for the table's input-shape rules (a kernel's limits)."""
     if not isinstance(sym, Symbol):
         raise TypeError(f"convert_symbol expects an mxnet Symbol, got {type(sym).__name__}")
     excluded = sorted(set(_names("excluded_sym_names", excluded_sym_names, "op node names")) | policy.excluded)
@@ -107,7 +109,8 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
     data_names = _data_names(sym, data_names, graph, op_inputs)
     fp32_types = _fp32_types(sym, data_names, param_dtypes or {}, data_dtypes)
     result = convert_graph(graph, policy, data_names, _var_dtypes(sym, fp32_types), op_types, op_inputs,
-                           excluded, cast_optional_params, fp32_types=fp32_types, measured=measured or {})
+                           excluded, cast_optional_params, fp32_types=fp32_types, measured=measured or {},
+                           entry_shapes=infer_shapes(sym, input_shapes) if input_shapes else None)
     converted = mx.sym.load_json(json.dumps(result.graph))
     _verify(converted, result, {n: "float32" for n in data_names} | dict(data_dtypes or {}))
     # no value cast back and forth between neighbours that can share a dtype
@@ -289,7 +292,8 @@ def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params
     if policy.tune and policy.enabled and shapes:  # tuning times the model at the shapes it runs with
         def convert(choices: Optional[Mapping[str, MeasuredChoice]] = None) -> Symbol:
             return convert_with_policy(sym, policy, excluded_sym_names, data_names, cast_optional_params,
-                                       param_dtypes=types, measured=choices, data_dtypes=data_dtypes)[0]
+                                       param_dtypes=types, measured=choices, data_dtypes=data_dtypes,
+                                       input_shapes=shapes)[0]
 
         plan = convert()
         known = {**{n: "float32" for n in data_names}, **(data_dtypes or {}), **_stored_dtypes(plan)}
@@ -307,7 +311,8 @@ def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params
             else:
                 fallbacks.append(why)
     new_sym, result = convert_with_policy(sym, policy, excluded_sym_names, data_names, cast_optional_params,
-                                          param_dtypes=types, measured=measured, data_dtypes=data_dtypes)
+                                          param_dtypes=types, measured=measured, data_dtypes=data_dtypes,
+                                          input_shapes=shapes)
     new_args = {k: _cast_array(v, result.param_dtypes.get(k, types[k])) for k, v in arg_params.items()}
     new_aux = {k: _cast_array(v, result.param_dtypes.get(k, types[k])) for k, v in aux_params.items()}
     return new_sym, new_args, new_aux, result

@@ -47,6 +47,7 @@ CONDITIONAL_FP32 = (
 # Low-precision ops that run in float32 when their data input is narrower than an attribute
 # (see the bfloat16 list): none for float16.
 FP32_WHEN_NARROWER: tuple = ()
+FP32_AT_OUTPUT_PIXELS: tuple = ()
 
 # Run in the widest float type among the inputs.
 WIDEST = common.WIDEST + """

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Collection, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ..decide import CAST_OPS, MeasuredChoice as Choice
+from ..shape_limits import keeps_fp32
 from ..dtypes import FLOAT_DTYPES
 from ..graph_pass import is_kept
 from ..table import OpClass, OpTable
@@ -154,6 +155,9 @@ def problem(nodes: Sequence[dict], heads: Sequence[Sequence[int]], dtypes: Mappi
                 or any(dtypes.get(k) not in FLOAT_DTYPES for k in ins)
                 or any(shapes.get(k) is None for k in ins + outs)):
             continue
+        if keeps_fp32(table.narrow_fp32.get(table.canonical(op), ()), shapes[ins[0]] if ins else None,
+                      node.get("attrs", {})):
+            continue  # its low kernel fails at this shape: never timed (it can take the process down)
         names = op_inputs.get(op, ())
         keep = table.keep_fp32_inputs.get(table.canonical(op), frozenset())
         kept = [k < len(names) and names[k] in keep for k in range(len(ins))]
@@ -169,6 +173,9 @@ def problem(nodes: Sequence[dict], heads: Sequence[Sequence[int]], dtypes: Mappi
         op, name = node["op"], node["name"]
         if op == "null" or op in CAST_OPS:
             continue
+        if keeps_fp32(table.narrow_fp32.get(table.canonical(op), ()), shapes[ins[0]] if ins else None,
+                      node.get("attrs", {})):
+            continue  # its low kernel fails at this shape: never timed (it can take the process down)
         names = op_inputs.get(op, ())
         keep = table.keep_fp32_inputs.get(table.canonical(op), frozenset())
         for k, e in enumerate(node["inputs"]):

@@ -53,7 +53,7 @@ def test_narrow_input_keeps_a_low_precision_op_in_float32():
 
 
 def test_is_narrower_reads_attributes_as_mxnet_and_python_write_them():
-    from gluon_amp_core.decide import is_narrower
+    from gluon_amp_core.shape_limits import is_narrower
     from gluon_amp_core.table import NarrowRule
     rule = NarrowRule("stride")
     assert is_narrower((1, 8, 1, 1), {"stride": (2, 2)}, rule)

@@ -45,6 +45,19 @@ def _problem(train=True):
     return problem(nodes, heads, dt, shapes, TABLE, OP_INPUTS, train)
 
 
+def test_an_op_whose_low_kernel_fails_at_its_shape_is_never_timed():
+    """A 1x1 convolution on a map of 48 pixels with 32 channels: timing it low could take the
+    process down (gluon_amp_core.shape_limits), so it is no candidate; its neighbours still are."""
+    nodes, heads, dt, shapes = _chain()
+    nodes[4] = {**nodes[4], "attrs": {**nodes[4]["attrs"], "num_filter": "32"}}
+    at = (2, 32, 8, 6)
+    shapes = {k: (at if v == SHAPE else (32, 32, 1, 1) if k[0] in ("w", "w_c") else (32,)) for k, v in shapes.items()}
+    prob = problem(nodes, heads, dt, shapes, TABLE, OP_INPUTS, True)
+    assert set(prob.candidates) == {"bn", "relu"}
+    beside = {k: ((2, 32, 7, 7) if v == at else v) for k, v in shapes.items()}
+    assert "conv" in problem(nodes, heads, dt, beside, TABLE, OP_INPUTS, True).candidates
+
+
 def _times(prob, op_ms, cast=0.1):
     """Times for every measurement: ``op_ms[name] = (low, fp32)``, every cast ``cast`` ms."""
     out = {t.key: cast for t in prob.to_time() if t.op == "amp_cast"}

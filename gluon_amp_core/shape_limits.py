@@ -1,0 +1,137 @@
+"""Where a low-precision kernel fails at some shapes: the op table's input-shape rules.
+
+A rule says, from an op's attributes and its data input's shape, that MXNet's kernel in the
+target dtype must not run there (it is wrong, or it corrupts memory), so the op runs float32
+(:func:`gluon_amp_core.decide.decide`, reason ``narrow_input``). Rules are facts of MXNet's
+kernels, not of the host: a plan typed with them runs on any machine it is moved to. Pure: no
+MXNet.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import FrozenSet, Mapping, Optional, Sequence, Tuple
+
+_INT = re.compile(r"-?\d+")
+_CHANNELS_LAST = ("NWC", "NHWC", "NDHWC")
+
+Shape = Optional[Sequence[int]]
+
+
+def _ints(value: object) -> Tuple[int, ...]:
+    """An attribute as MXNet writes it (``'(2, 2)'``, ``'2'``) or as Python gives it, as ints."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in _INT.findall(value if isinstance(value, str) else str(value)))
+
+
+def _spatial(shape: Sequence[int], attrs: Mapping[str, object]) -> Tuple[int, ...]:
+    """The spatial axes of a data input (batch and channel axes dropped; ``layout`` read)."""
+    channels_last = str(attrs.get("layout", "")).upper() in _CHANNELS_LAST
+    return tuple(shape[1:-1] if channels_last else shape[2:])
+
+
+@dataclass(frozen=True)
+class NarrowRule:
+    """Float32 where the data input is narrower than ``attrs[attr]``: its width (last spatial
+    axis) smaller than the attribute's last value (:func:`is_narrower`)."""
+
+    attr: str
+
+    def applies(self, shape: Shape, attrs: Mapping[str, object]) -> bool:
+        return is_narrower(shape, attrs, self)
+
+    def describe(self) -> str:
+        return f"its data input's width (last spatial axis) is smaller than its `{self.attr}`"
+
+
+@dataclass(frozen=True)
+class OutputPixelsRule:
+    """Float32 where one output map (one image, one channel) has a number of pixels in
+    ``pixels``, for a ``kernel`` and a ``stride`` of these sizes (``None``: any) and input
+    channels that are a multiple of ``channel_multiple``."""
+
+    pixels: FrozenSet[int]
+    kernel: Optional[Tuple[int, ...]] = None
+    stride: Optional[Tuple[int, ...]] = None
+    channel_multiple: int = 1
+
+    def applies(self, shape: Shape, attrs: Mapping[str, object]) -> bool:
+        if not shape or len(shape) < 3:
+            return False
+        spatial = _spatial(shape, attrs)
+        channels = shape[-1] if str(attrs.get("layout", "")).upper() in _CHANNELS_LAST else shape[1]
+        if channels % self.channel_multiple:
+            return False
+        kernel = _ints(attrs.get("kernel"))
+        if len(kernel) != len(spatial) or (self.kernel is not None and kernel != self.kernel):
+            return False
+        if self.stride is not None and (_ints(attrs.get("stride")) or (1,) * len(spatial)) != self.stride:
+            return False
+        out = output_spatial(spatial, kernel, attrs)
+        return out is not None and math.prod(out) in self.pixels
+
+    def describe(self) -> str:
+        kernel = "any kernel" if self.kernel is None else "a " + "x".join(map(str, self.kernel)) + " kernel"
+        stride = "" if self.stride is None else ", stride " + "x".join(map(str, self.stride))
+        channels = (f", input channels a multiple of {self.channel_multiple}" if self.channel_multiple > 1 else "")
+        return (f"one output map has {', '.join(map(str, sorted(self.pixels)))} pixels "
+                f"({kernel}{stride}{channels})")
+
+
+ShapeRule = NarrowRule | OutputPixelsRule
+
+
+def output_spatial(spatial: Sequence[int], kernel: Sequence[int],
+                   attrs: Mapping[str, object]) -> Optional[Tuple[int, ...]]:
+    """The output's spatial extent of a convolution-like op (``stride``, ``pad``, ``dilate``
+    as MXNet reads them, defaults 1, 0, 1); ``None`` where an attribute has the wrong length."""
+    n = len(spatial)
+    stride = _ints(attrs.get("stride")) or (1,) * n
+    pad = _ints(attrs.get("pad")) or (0,) * n
+    dilate = _ints(attrs.get("dilate")) or (1,) * n
+    if not len(stride) == len(pad) == len(dilate) == n or min(stride) < 1:
+        return None
+    return tuple((x + 2 * p - d * (k - 1) - 1) // s + 1
+                 for x, k, s, p, d in zip(spatial, kernel, stride, pad, dilate))
+
+
+def is_narrower(shape: Shape, attrs: Mapping[str, object], rule: NarrowRule) -> bool:
+    """True when ``shape``'s width is smaller than the last value of ``attrs[rule.attr]``.
+
+    The width is the last spatial axis: the last axis, or the one before it for a
+    channels-last ``layout`` attribute. Attribute values come as MXNet writes them
+    (``'(2, 2)'``, ``'2'``) or as Python ints and tuples. An unknown shape, a shape with no
+    spatial axis or a missing attribute is not narrower.
+    """
+    if not shape or len(shape) < 3:
+        return False
+    numbers = _ints(attrs.get(rule.attr))
+    if not numbers:
+        return False
+    channels_last = str(attrs.get("layout", "")).upper() in _CHANNELS_LAST
+    width = shape[-2] if channels_last else shape[-1]
+    return 0 < width < numbers[-1]
+
+
+def keeps_fp32(rules: Sequence[ShapeRule], shape: Shape, attrs: Mapping[str, object]) -> bool:
+    """True when one of an op's ``rules`` applies to its data input's ``shape``."""
+    return any(rule.applies(shape, attrs) for rule in rules)
+
+
+def limited_nodes(nodes: Sequence[dict], dtypes: Mapping[Tuple[str, int], Optional[str]],
+                  shapes: Mapping[Tuple[str, int], Optional[Tuple[int, ...]]],
+                  rules: Mapping[str, Sequence[ShapeRule]], low: str) -> FrozenSet[str]:
+    """Names of the op nodes of a typed graph (MXNet's JSON ``nodes``, with its casts) that
+    compute in ``low`` (their first output has it) where one of their op's ``rules`` applies
+    to their data input's shape (``shapes``: entry -> shape, as MXNet infers them)."""
+    out = set()
+    for node in nodes:
+        op_rules = rules.get(node["op"])
+        if not op_rules or not node["inputs"] or dtypes.get((node["name"], 0)) != low:
+            continue
+        e = node["inputs"][0]
+        if keeps_fp32(op_rules, shapes.get((nodes[e[0]]["name"], e[1])), node.get("attrs", {})):
+            out.add(node["name"])
+    return frozenset(out)
