@@ -26,6 +26,7 @@ from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
+from gluon_amp_core.graph_pass import params_read_through_casts
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import cast_each_input, drop_identity_casts
 from gluon_amp_core.table import kernel_verdicts
@@ -391,6 +392,10 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
     policy = policy_for(block)
     if policy is None and not runtime.simulated():
         return plan
+    stand_in = getattr(block, "float32_stand_in_params", ())
+    if stand_in:  # held float32 for the float32 graph: the plan reads them through casts
+        graph = params_read_through_casts(json.loads(plan.tojson(remove_amp_cast=False)), stand_in)
+        plan = mx.sym.load_json(json.dumps(graph))
     known, shapes = mxi.call_inputs(block, args, inputs)
     plan_notes.record_fed(block, known)  # report types the plan as it runs (gluon_amp.reporting)
     devices = {a.context.device_type for a in mxi.call_arrays(args) if isinstance(a, NDArray)}
@@ -402,6 +407,7 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
     if getattr(block, "amp_speed_rule", False) and policy is not None and not policy.emulate:
         faster = _float32_where_slower(block, plan, known, shapes, policy)
         run, float32 = (run, float32) if faster is None else (faster, True)
+        block.runs_float32_stand_in = faster is not None  # it may store its weights float32 for it
     if float32:
         _FLOAT32_RUNS.add(block)
     if run is not plan and policy is not None and policy.emulate:  # the report says which nodes real AMP runs low

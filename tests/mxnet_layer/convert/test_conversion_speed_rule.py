@@ -79,11 +79,25 @@ def test_a_plan_slower_than_float32_by_the_rule_runs_float32_without_a_cast(nati
     assert [f for f in rep.fallbacks if "runs float32 until measured" in f], rep.fallbacks
     assert any("multiply-adds per cast element" in s for s in said), said
     assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()  # float32 on the stored weights
-    # the plan stays as converted: its export is the bfloat16 graph, with and without a call
+    # the weights it stored low are held float32 for that graph from the next call: no cast of a weight
+    low = set(converted.stored_low_by_default)
+    assert low and set(converted.float32_stand_in_params) == low
+    assert set(gluon_amp.mxnet_internals.param_dtypes(converted).values()) == {"float32"}
+    again = converted(x).asnumpy()
+    np.testing.assert_array_equal(again, got)  # the same values, held wider
+    graph = json.loads(gluon_amp.execution.executed_graph(converted).tojson(remove_amp_cast=False))
+    assert not [n["name"] for n in graph["nodes"] if n["op"] == "amp_cast"
+                and graph["nodes"][n["inputs"][0][0]]["name"] in low], "a weight is still cast on every call"
+    # the plan stays as converted: its export is the bfloat16 graph and its weights, with and without a call
     converted.export(str(tmp_path / "after"))
     fresh, _, _, _ = _converted(HardSwishNet(), x, _call=False)
     fresh.export(str(tmp_path / "before"))
     assert (tmp_path / "after-symbol.json").read_text() == (tmp_path / "before-symbol.json").read_text()
+    after, before = (mx.nd.load(str(tmp_path / f"{w}-0000.params")) for w in ("after", "before"))
+    assert sorted(after) == sorted(before)
+    for k in before:
+        assert after[k].dtype == before[k].dtype, k
+        np.testing.assert_array_equal(after[k].astype("float32").asnumpy(), before[k].astype("float32").asnumpy())
     assert rep.low_ops > 0  # the plan's figures
 
 
@@ -106,3 +120,20 @@ def test_tune_false_or_emulation_runs_the_plan_as_converted(native_host, kwargs,
     assert rep.low_ops > 0 and rep.casts > 0 and not rep.fallbacks, rep
     ran = gluon_amp.execution.executed_graph(converted)
     assert ran is None or "bfloat16" in ran.tojson(remove_amp_cast=False)
+
+
+def test_weights_held_float32_for_the_stand_in_then_train_as_the_plan_reads_them(native_host):
+    x = mx.nd.random.uniform(-4, 4, shape=(2, 8, 16, 16))
+    converted, _, got, _ = _converted(HardSwishNet(), x)
+    converted(x)
+    assert converted.float32_stand_in_params
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "being trained: runs unfused from now on"
+        with mx.autograd.record():
+            loss = converted(x).mean()
+        loss.backward()
+    assert not converted.float32_stand_in_params and not converted.stored_low_by_default
+    grads = [p.grad().asnumpy() for p in converted.collect_params().values() if p.grad_req != "null"]
+    assert grads and all(np.isfinite(g).all() for g in grads) and any(np.abs(g).max() > 0 for g in grads)
+    rep = gluon_amp.report(converted)  # the plan reads the float32 weights through its casts
+    assert rep.low_ops > 0
