@@ -91,7 +91,7 @@ FP32_WHEN_NARROWER = (
 # output sizes, whatever the batch, the map's height and width or the threads, where the input
 # channels are a multiple of 32: the process dies (heap corruption or a segmentation fault).
 # GluonCV's ResNets at 256x192 (an 8x6 last stage) meet it. Measured by a generated scan, one
-# convolution per process: maps of 1-256 pixels, 3x3 and strided kernels, channels 8-2048,
+# convolution per process: maps of 1-1012 pixels, 3x3 and strided kernels, channels 8-2048,
 # batches 1-8, backward (docs/speed.md, "A kernel that crashes on AMX"). A fact of MXNet's
 # kernel, not of the host: a plan typed here can also run on an AMX host.
 FP32_AT_OUTPUT_PIXELS = (
