@@ -115,7 +115,9 @@ def problem(nodes: Sequence[dict], heads: Sequence[Sequence[int]], dtypes: Mappi
     excluded : op node names the user keeps in float32 (never candidates).
 
     A candidate is an op node (not a cast, a fused op or a graph output) whose outputs the
-    plan holds in the low dtype, with only float inputs and known shapes.
+    plan holds in the low dtype, with only float inputs and known shapes, and no input-shape
+    rule of the table keeping it float32 there (its low kernel fails: timing it could kill the
+    process).
     """
     low = table.target_dtype
     prob = Problem(low)
@@ -173,9 +175,6 @@ def problem(nodes: Sequence[dict], heads: Sequence[Sequence[int]], dtypes: Mappi
         op, name = node["op"], node["name"]
         if op == "null" or op in CAST_OPS:
             continue
-        if keeps_fp32(table.narrow_fp32.get(table.canonical(op), ()), shapes[ins[0]] if ins else None,
-                      node.get("attrs", {})):
-            continue  # its low kernel fails at this shape: never timed (it can take the process down)
         names = op_inputs.get(op, ())
         keep = table.keep_fp32_inputs.get(table.canonical(op), frozenset())
         for k, e in enumerate(node["inputs"]):

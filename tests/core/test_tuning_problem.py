@@ -56,6 +56,10 @@ def test_an_op_whose_low_kernel_fails_at_its_shape_is_never_timed():
     assert set(prob.candidates) == {"bn", "relu"}
     beside = {k: ((2, 32, 7, 7) if v == at else v) for k, v in shapes.items()}
     assert "conv" in problem(nodes, heads, dt, beside, TABLE, OP_INPUTS, True).candidates
+    # the rule is asked of candidates only: the links of the others stay (bn reads conv as a fixed producer)
+    assert [pays for pays, _ in prob.fixed["bn"]] == [FP32]
+    none = problem(nodes, heads, dt, shapes, TABLE, OP_INPUTS, True, excluded={n["name"] for n in nodes})
+    assert not none.candidates and not none.links
 
 
 def _times(prob, op_ms, cast=0.1):
