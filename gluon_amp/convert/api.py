@@ -639,7 +639,11 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     bound, at its first call's shapes, the rule ``init`` applies to a graph not measured yet
     decides: a plan it finds slower than float32 (MobileNetV3's hard-swish casts) runs as the
     same graph in float32, still fused, and ``report(result).fallbacks`` says so; the plan
-    (what ``export`` writes, the parameters) stays as converted.
+    (what ``export`` writes) stays as converted, and from the next call the result holds the
+    weights it stored in the target dtype in float32 (the same values; ``export`` still writes
+    them as the plan stores them), so that graph does not cast them on every call. A
+    convolution whose low kernel fails at the shapes it meets runs float32 whatever the plan
+    (:mod:`gluon_amp_core.shape_limits`); with ``input_shapes`` the plan itself says so.
     """
     if not isinstance(block, HybridBlock):
         raise TypeError(f"convert_hybrid_block expects a gluon HybridBlock, got {type(block).__name__}")
