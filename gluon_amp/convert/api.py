@@ -513,20 +513,13 @@ class MixedPrecisionBlock(SymbolBlock):
         aux = set(sym.list_auxiliary_states())
         arrays = {f"{'aux' if n in aux else 'arg'}:{n}": params[n].list_data()[0].copyto(mx.cpu()) for n in names}
         if self.float32_stand_in_params:  # as the plan stores them
-            declared = _declared_dtypes(sym)
+            declared = _stored_dtypes(sym)
             for n in self.float32_stand_in_params:
                 key = f"{'aux' if n in aux else 'arg'}:{n}"
                 if key in arrays and n in declared:
                     arrays[key] = mx.nd.amp_cast(arrays[key], dtype=mxi.to_mx_dtype(declared[n]))
         sym.save(f"{path}-symbol.json", remove_amp_cast=remove_amp_cast)
         (mx.npx.save if mx.util.is_np_array() else mx.nd.save)(f"{path}-{epoch:04d}.params", arrays)
-
-
-def _declared_dtypes(sym: Symbol) -> Dict[str, str]:
-    """Variable name -> the dtype ``sym`` declares for it (``__dtype__``), where it does."""
-    return {n["name"]: CODE_DTYPE[int(n["attrs"]["__dtype__"])]
-            for n in json.loads(sym.tojson(remove_amp_cast=False))["nodes"]
-            if n["op"] == "null" and int(n.get("attrs", {}).get("__dtype__", "-1")) in CODE_DTYPE}
 
 
 def _as_called(block: HybridBlock, sym: Symbol, inputs: List[Symbol]) -> Tuple[Any, Any]:
