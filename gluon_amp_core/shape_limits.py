@@ -49,13 +49,16 @@ class NarrowRule:
 @dataclass(frozen=True)
 class OutputPixelsRule:
     """Float32 where one output map (one image, one channel) has a number of pixels in
-    ``pixels``, for a ``kernel`` and a ``stride`` of these sizes (``None``: any) and input
-    channels that are a multiple of ``channel_multiple``."""
+    ``pixels``, whatever its rank (1-, 2- or 3-d), for a kernel and a stride of this size on
+    every axis (``None``: any), input channels that are a multiple of ``channel_multiple``, and,
+    with ``plain``, no group, no padding and no dilation (``num_group`` 1, ``pad`` 0, ``dilate``
+    1)."""
 
     pixels: FrozenSet[int]
-    kernel: Optional[Tuple[int, ...]] = None
-    stride: Optional[Tuple[int, ...]] = None
+    kernel: Optional[int] = None
+    stride: Optional[int] = None
     channel_multiple: int = 1
+    plain: bool = False
 
     def applies(self, shape: Shape, attrs: Mapping[str, object]) -> bool:
         if not shape or len(shape) < 3:
@@ -65,19 +68,29 @@ class OutputPixelsRule:
         if channels % self.channel_multiple:
             return False
         kernel = _ints(attrs.get("kernel"))
-        if len(kernel) != len(spatial) or (self.kernel is not None and kernel != self.kernel):
+        if len(kernel) != len(spatial) or not _every(kernel, self.kernel):
             return False
-        if self.stride is not None and (_ints(attrs.get("stride")) or (1,) * len(spatial)) != self.stride:
+        if not _every(_ints(attrs.get("stride")) or (1,), self.stride):
+            return False
+        if self.plain and not (_every(_ints(attrs.get("num_group")) or (1,), 1)
+                               and _every(_ints(attrs.get("pad")) or (0,), 0)
+                               and _every(_ints(attrs.get("dilate")) or (1,), 1)):
             return False
         out = output_spatial(spatial, kernel, attrs)
         return out is not None and math.prod(out) in self.pixels
 
     def describe(self) -> str:
-        kernel = "any kernel" if self.kernel is None else "a " + "x".join(map(str, self.kernel)) + " kernel"
-        stride = "" if self.stride is None else ", stride " + "x".join(map(str, self.stride))
+        kernel = "any kernel" if self.kernel is None else f"a kernel of {self.kernel} on every axis"
+        stride = "" if self.stride is None else f", stride {self.stride}"
         channels = (f", input channels a multiple of {self.channel_multiple}" if self.channel_multiple > 1 else "")
-        return (f"one output map has {', '.join(map(str, sorted(self.pixels)))} pixels "
-                f"({kernel}{stride}{channels})")
+        plain = ", no group, padding or dilation" if self.plain else ""
+        return (f"one output map (1-, 2- or 3-d) has {', '.join(map(str, sorted(self.pixels)))} pixels "
+                f"({kernel}{stride}{channels}{plain})")
+
+
+def _every(values: Tuple[int, ...], want: Optional[int]) -> bool:
+    """True when ``want`` is ``None`` or every one of ``values`` is ``want``."""
+    return want is None or all(v == want for v in values)
 
 
 ShapeRule = NarrowRule | OutputPixelsRule

@@ -341,8 +341,9 @@ def build_table(
     narrow: Dict[str, Tuple[ShapeRule, ...]] = {}
     for n, a in data.FP32_WHEN_NARROWER:
         narrow[n] = narrow.get(n, ()) + (NarrowRule(a),)
-    for n, kernel, stride, channel_multiple, pixels in data.FP32_AT_OUTPUT_PIXELS:
-        narrow[n] = narrow.get(n, ()) + (OutputPixelsRule(frozenset(pixels), kernel, stride, channel_multiple),)
+    for n, kernel, stride, channel_multiple, plain, pixels in data.FP32_AT_OUTPUT_PIXELS:
+        narrow[n] = narrow.get(n, ()) + (OutputPixelsRule(frozenset(pixels), kernel, stride, channel_multiple,
+                                                          plain),)
     unknown = sorted(set(narrow) - set(classes))
     if unknown:
         raise ValueError(f"op table for {target_dtype} has input-shape rules for ops it does not "

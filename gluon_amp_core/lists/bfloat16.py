@@ -84,18 +84,21 @@ FP32_WHEN_NARROWER = (
     ("Convolution", "stride"),
 )
 
-# Low-precision ops that run in float32 where one output map (one image, one channel) has
-# one of these pixel counts: (op, kernel size and stride, None for any, input channels'
-# multiple, pixel counts). Convolution: oneDNN 2.4.4's AMX bfloat16 kernel
-# (``jit:avx512_core_amx_bf16``) writes past its buffers for a 1x1, stride-1 kernel at these
-# output sizes, whatever the batch, the map's height and width or the threads, where the input
-# channels are a multiple of 32: the process dies (heap corruption or a segmentation fault).
-# GluonCV's ResNets at 256x192 (an 8x6 last stage) meet it. Measured by a generated scan, one
-# convolution per process: maps of 1-1012 pixels, 3x3 and strided kernels, channels 8-2048,
-# batches 1-8, backward (docs/speed.md, "A kernel that crashes on AMX"). A fact of MXNet's
+# Low-precision ops that run in float32 where one output map (one image, one channel; 1-, 2- or
+# 3-d) has one of these pixel counts: (op, kernel size and stride on every axis, None for any,
+# input channels' multiple, only a plain op: no group, padding or dilation, pixel counts).
+# Convolution: oneDNN 2.4.4's AMX bfloat16 kernel (``jit:avx512_core_amx_bf16``) writes past its
+# buffers for a plain 1x1, stride-1 kernel at these output sizes, whatever the batch, the rank
+# (Conv1D, Conv2D, Conv3D), the map's shape or the threads, where the input channels are a
+# multiple of 32: the process dies (heap corruption or a segmentation fault). GluonCV's ResNets
+# at 256x192 (an 8x6 last stage) meet it, and a Conv1D on 27-48 steps. Measured by generated
+# scans, one convolution per process: maps of 1-1012 pixels, 1-d lengths 1-100, 3-d maps, 3x3,
+# strided, grouped, padded and dilated kernels, channels 3-2048, batches 1-8, backward
+# (docs/speed.md, "A kernel that crashes on AMX"). It also needs output channels a multiple of
+# 16 (24 and 40 run); the rule does not ask it, as such layers are rare. A fact of MXNet's
 # kernel, not of the host: a plan typed here can also run on an AMX host.
 FP32_AT_OUTPUT_PIXELS = (
-    ("Convolution", (1, 1), (1, 1), 32, (27, 33, 36, 39, 42, 45, 48)),
+    ("Convolution", 1, 1, 32, True, (27, 33, 36, 39, 42, 45, 48)),
 )
 
 # Run in the widest float type among the inputs.

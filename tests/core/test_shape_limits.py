@@ -10,14 +10,14 @@ from gluon_amp_core.shape_limits import OutputPixelsRule, keeps_fp32, limited_no
 from gluon_amp_core.table import default_table
 
 
-CRASH = OutputPixelsRule(frozenset({27, 33, 36, 39, 42, 45, 48}), (1, 1), (1, 1), 32)
+CRASH = OutputPixelsRule(frozenset({27, 33, 36, 39, 42, 45, 48}), 1, 1, 32, plain=True)
 
 
-def _attrs(kernel=(1, 1), stride=(1, 1), pad=(0, 0), layout=None):
+def _attrs(kernel=(1, 1), stride=(1, 1), pad=(0, 0), layout=None, **more):
     attrs = {"kernel": str(kernel), "stride": str(stride), "pad": str(pad), "num_filter": "64"}
     if layout:
         attrs["layout"] = layout
-    return attrs
+    return {**attrs, **{k: str(v) for k, v in more.items()}}
 
 
 @pytest.mark.parametrize("channels", [16, 32, 48, 64, 96, 2048])
@@ -32,14 +32,40 @@ def test_output_pixels_rule_is_exactly_its_pixel_counts_and_channels(channels):
 def test_output_pixels_rule_counts_output_pixels_of_its_kernel_and_stride_only():
     # 16x12 at stride 2 gives 8x6 = 48 pixels, but another stride; 8x6 with a 3x3 kernel is another kernel
     assert not CRASH.applies((1, 64, 16, 12), _attrs(stride=(2, 2)))
-    assert OutputPixelsRule(CRASH.pixels, (1, 1), None, 32).applies((1, 64, 16, 12), _attrs(stride=(2, 2)))
-    assert OutputPixelsRule(CRASH.pixels, (1, 1), None, 32).applies((1, 64, 8, 6), {"kernel": "(1, 1)"})
+    assert OutputPixelsRule(CRASH.pixels, 1, None, 32).applies((1, 64, 16, 12), _attrs(stride=(2, 2)))
+    assert OutputPixelsRule(CRASH.pixels, 1, None, 32).applies((1, 64, 8, 6), {"kernel": "(1, 1)"})
+    assert CRASH.applies((1, 64, 8, 6), {"kernel": "(1, 1)"})  # MXNet's defaults: stride 1, no pad
     assert OutputPixelsRule(CRASH.pixels, None, None, 32).applies((1, 64, 8, 6), _attrs(kernel=(3, 3), pad=(1, 1)))
     assert not CRASH.applies((1, 64, 8, 6), _attrs(kernel=(3, 3), pad=(1, 1)))
     assert CRASH.applies((1, 64, 10, 8), _attrs(pad=(0, 0), kernel=(1, 1), stride=(1, 1))) is False  # 80
     assert not CRASH.applies(None, _attrs())
     assert not CRASH.applies((1, 64), _attrs())
-    assert not CRASH.applies((1, 64, 48), _attrs())  # a 1-d convolution: the kernel has one axis
+    assert not CRASH.applies((1, 64, 48), _attrs())  # a 2-d kernel on a 1-d map: not an op MXNet runs
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_output_pixels_rule_counts_pixels_of_a_map_of_any_rank(rank):
+    """The AMX scan: Conv1D and Conv3D 1x1 kernels die at the same pixel counts as Conv2D."""
+    ones = (1,) * rank
+    for px in range(1, 100):
+        for spatial in {(px,) + (1,) * (rank - 1), (1,) * (rank - 1) + (px,)}:
+            assert CRASH.applies((2, 64) + spatial, _attrs(ones, ones, (0,) * rank)) is (px in CRASH.pixels)
+    assert not CRASH.applies((2, 64) + (3,) * rank, _attrs((3,) * rank, ones, ones))  # 3x3: 27 pixels, kept
+    if rank == 3:
+        assert CRASH.applies((2, 64, 3, 3, 3), _attrs(ones, ones, (0,) * rank))
+        assert CRASH.applies((2, 3, 4, 3, 64), _attrs(ones, ones, (0,) * rank, layout="NDHWC"))
+
+
+@pytest.mark.parametrize("attr, value", [("num_group", 2), ("num_group", 64), ("pad", (1, 1)),
+                                         ("dilate", (2, 2)), ("dilate", (1, 2))])
+def test_a_plain_rule_leaves_grouped_padded_and_dilated_kernels_low(attr, value):
+    """The scan: none of these died at any of the rule's pixel counts; a plain rule skips them."""
+    base = {"pad": (0, 0), **{attr: value}}
+    shape = (1, 64, 4, 6) if attr == "pad" else (1, 64, 8, 6)  # pad 1 on 4x6: a 6x8 output, 48 pixels
+    assert not CRASH.applies(shape, _attrs(**base))
+    assert OutputPixelsRule(CRASH.pixels, 1, 1, 32).applies(shape, _attrs(**base))  # not plain: any of them
+    ones = {"num_group": 1, "pad": (0, 0), "dilate": (1, 1)}
+    assert CRASH.applies((1, 64, 8, 6), _attrs(**ones))  # the same attributes at their defaults
 
 
 def test_the_bfloat16_table_keeps_those_convolutions_in_float32_and_float16_has_no_rule():

@@ -3,8 +3,8 @@
 (gluon_amp_core.shape_limits, native_run.within_kernel_limits).
 
 The fact behind the table's rule: oneDNN 2.4.4's AMX bfloat16 convolution corrupts the heap for a
-1x1 kernel whose output map has 27, 33, 36, 39, 42, 45 or 48 pixels (input channels a multiple of
-32). ResNets at 256x192 meet it in their last stage (8x6)."""
+plain 1x1 kernel (1-, 2- or 3-d) whose output map has 27, 33, 36, 39, 42, 45 or 48 pixels (input
+channels a multiple of 32). ResNets at 256x192 meet it in their last stage (8x6)."""
 import itertools
 import json
 import os
@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import gluon_amp
+import gluon_amp_core.table
 import mxnet as mx
 from mxnet.gluon import nn
 
@@ -26,7 +27,7 @@ from gluon_amp.native_run import within_kernel_limits
 from gluon_amp.type_inference import infer_dtypes
 from gluon_amp_core.decide import users_casts
 from gluon_amp_core.retype import in_float32
-from gluon_amp_core.shape_limits import output_spatial
+from gluon_amp_core.shape_limits import keeps_fp32, output_spatial
 
 #: the rule's map (48 pixels) and its neighbours, which the kernel runs
 AT, BESIDE = (8, 6), (7, 7)
@@ -35,7 +36,7 @@ AT, BESIDE = (8, 6), (7, 7)
 def test_output_spatial_is_what_mxnet_infers():
     rng = random.Random(7)
     for _ in range(200):
-        dims = rng.choice([1, 2])
+        dims = rng.choice([1, 2, 3])
         spatial = tuple(rng.randint(1, 20) for _ in range(dims))
         kernel = tuple(rng.randint(1, 5) for _ in range(dims))
         stride = tuple(rng.randint(1, 3) for _ in range(dims))
@@ -182,6 +183,21 @@ def test_init_keeps_them_float32_imperative_and_hybridized(native_host):
                                                 ("float32", "narrow_input")]
 
 
+def test_init_keeps_a_plain_conv1d_or_conv3d_float32_and_a_grouped_one_low(native_host):
+    gluon_amp.init(target_dtype="bfloat16")
+    for shape, attrs, want in [((2, 64, 36), {}, "float32"), ((2, 64, 35), {}, "bfloat16"),
+                               ((1, 64, 3, 4, 4), {}, "float32"), ((1, 64, 3, 4, 5), {}, "bfloat16"),
+                               ((1, 64) + AT, {"num_group": 2}, "bfloat16"),
+                               ((1, 64) + AT, {"dilate": (2, 2)}, "bfloat16"),
+                               ((1, 64, 6, 4), {"pad": (1, 1)}, "bfloat16"),  # 8x6 out, padded
+                               ((1, 64) + AT, {"num_group": 1, "dilate": (1, 1), "pad": (0, 0)}, "float32")]:
+        ones = (1,) * (len(shape) - 2)
+        w = mx.nd.random.uniform(-1, 1, shape=(64, 64 // attrs.get("num_group", 1)) + ones)
+        y = mx.nd.Convolution(mx.nd.random.uniform(-1, 1, shape=shape), w, kernel=ones, num_filter=64,
+                              no_bias=True, **attrs)
+        assert gluon_amp.mxnet_internals.FLOAT_NAMES.get(y.dtype) == want, (shape, attrs)
+
+
 _RUN = textwrap.dedent("""
     import sys
     import gluon_amp, mxnet as mx, numpy as np
@@ -208,14 +224,16 @@ _RUN = textwrap.dedent("""
 """)
 
 _RAW = textwrap.dedent("""
-    import sys
+    import json, sys
     import gluon_amp, mxnet as mx
     from gluon_amp.mxnet_internals import BFLOAT16
-    h, w, c = map(int, sys.argv[1:4])
-    x = mx.nd.amp_cast(mx.nd.random.uniform(shape=(1, c, h, w)), dtype=BFLOAT16)
-    k = mx.nd.amp_cast(mx.nd.random.uniform(shape=(64, c, 1, 1)), dtype=BFLOAT16)
+    shape, attrs = json.loads(sys.argv[1])
+    group = int(attrs.get("num_group", 1))
+    ones = (1,) * (len(shape) - 2)
+    x = mx.nd.amp_cast(mx.nd.random.uniform(shape=shape), dtype=BFLOAT16)
+    k = mx.nd.amp_cast(mx.nd.random.uniform(shape=(64, shape[1] // group) + ones), dtype=BFLOAT16)
     for _ in range(3):
-        mx.nd.Convolution(x, k, kernel=(1, 1), num_filter=64, no_bias=True).wait_to_read()
+        mx.nd.Convolution(x, k, kernel=ones, num_filter=64, no_bias=True, **attrs).wait_to_read()
     print("RAN")
 """)
 
@@ -225,12 +243,12 @@ def _run(code, *args, timeout=300):
                           timeout=timeout, env=dict(os.environ, PYTHONFAULTHANDLER=""))
 
 
-def _survives(h, w, c):
-    """True when one bfloat16 1x1 convolution on a ``c`` x ``h`` x ``w`` map runs to its end in a
-    process of its own: a corrupted heap aborts, faults, or hangs in ``malloc`` (a minute is
-    twenty times what it takes)."""
+def _survives(shape, attrs):
+    """True when one bfloat16 1x1 convolution (64 filters) on an input of ``shape`` with ``attrs``
+    runs to its end in a process of its own: a corrupted heap aborts, faults, or hangs in
+    ``malloc`` (a minute is twenty times what it takes)."""
     try:
-        r = _run(_RAW, h, w, c, timeout=60)
+        r = _run(_RAW, json.dumps([shape, attrs]), timeout=60)
     except subprocess.TimeoutExpired:
         return False
     return r.returncode == 0 and "RAN" in r.stdout
@@ -242,10 +260,15 @@ def test_the_kernel_fails_there_on_amx_only_as_the_rule_says():
     beside them; without AMX (AVX512-BF16 kernels) it runs everywhere. If MXNet's kernel is
     ever fixed, this fails, and the rule can go."""
     amx = runtime.amx_active()
-    for h, w, c in [(8, 6, 64), (1, 27, 32), (3, 11, 96)]:
-        assert _survives(h, w, c) is not amx, (h, w, c)
-    for h, w, c in [(7, 7, 64), (8, 6, 48), (5, 6, 64)]:
-        assert _survives(h, w, c), (h, w, c)
+    rules = gluon_amp_core.table.default_table("bfloat16").narrow_fp32["Convolution"]
+    cases = [((1, 64, 8, 6), {}), ((1, 32, 1, 27), {}), ((1, 96, 3, 11), {}),  # the rule's
+             ((1, 64, 36), {}), ((2, 64, 3, 4, 3), {}),  # Conv1D and Conv3D at 36 pixels
+             ((1, 64, 7, 7), {}), ((1, 48, 8, 6), {}), ((1, 64, 5, 6), {}), ((1, 64, 35), {}),  # beside
+             ((1, 64, 8, 6), {"num_group": 2}), ((1, 64, 4, 6), {"pad": (1, 1)}),  # 48 pixels, not plain
+             ((1, 64, 8, 6), {"dilate": (2, 2)})]
+    for shape, attrs in cases:
+        dies = keeps_fp32(rules, shape, {"kernel": str((1,) * (len(shape) - 2)), **attrs})
+        assert _survives(shape, attrs) is not (amx and dies), (shape, attrs, dies)
 
 
 @pytest.mark.bf16_kernels
