@@ -1,0 +1,134 @@
+"""A cast from bfloat16 of a reshaped 5-d value runs before the reshape, where MXNet binds a plan
+(native_run.with_casts_before_views; gluon_amp_core.view_casts): MXNet 1.9.1 cannot run it after.
+
+The fact: a bound graph with a bfloat16 3-d convolution, then a ``Reshape``, ``Flatten``,
+``expand_dims`` or ``reshape_like`` that changes its rank, then ``amp_cast`` to float32, fails
+with "could not create a primitive descriptor for a reorder primitive" (GluonCV's C3D and
+non-local I3D networks)."""
+import json
+
+import numpy as np
+import pytest
+
+import gluon_amp
+import mxnet as mx
+from mxnet.gluon import nn
+
+from gluon_amp.execution import plan_dtypes
+from gluon_amp.mxnet_internals import BFLOAT16
+from gluon_amp.native_run import native_passes, with_casts_before_views
+from gluon_amp.type_inference import infer_dtypes
+
+S = mx.sym
+VIEWS = {
+    "Reshape": lambda y: S.Reshape(y, shape=(0, -1)),
+    "Flatten": S.Flatten,
+    "expand_dims": lambda y: S.expand_dims(y, axis=1),
+    "reshape_like": lambda y: S.reshape_like(y, S.var("like")),
+    "_np_reshape": lambda y: S.np.reshape(y.as_np_ndarray(), (2, -1)).as_nd_ndarray(),  # numpy mode's
+    "_npx_reshape": lambda y: S.npx.reshape(y.as_np_ndarray(), (2, -1)).as_nd_ndarray(),
+}
+
+
+def _plan(view, spatial=(4, 4, 4)):
+    """data -> bfloat16 convolution -> ``view`` -> float32 (a cast) -> mean: a plan as the
+    converter types one."""
+    k = (3,) * len(spatial)
+    y = S.Convolution(S.amp_cast(S.var("data"), dtype=BFLOAT16), S.amp_cast(S.var("w"), dtype=BFLOAT16),
+                      kernel=k, pad=(1,) * len(spatial), num_filter=32, no_bias=True)
+    return S.mean(S.amp_cast(VIEWS[view](y), dtype="float32"), axis=0), (2, 16) + spatial, (32, 16) + k
+
+
+def _args(data, weight):
+    rng = np.random.RandomState(0)
+    return {"data": mx.nd.array(rng.uniform(-1, 1, data)), "w": mx.nd.array(rng.uniform(-1, 1, weight)),
+            "like": mx.nd.zeros((2, 1, int(np.prod(data[2:])) * 32))}
+
+
+def _typed(plan):
+    return plan_dtypes(plan, {"data": "float32", "w": "float32", "like": "float32"})
+
+
+def _shapes(plan, data, weight):
+    return {k: v for k, v in {"data": data, "w": weight, "like": (2, 1, int(np.prod(data[2:])) * 32)}.items()
+            if k in plan.list_arguments()}
+
+
+@pytest.mark.parametrize("view", sorted(VIEWS))
+def test_the_run_graph_casts_first_and_types_as_the_plan(view):
+    plan, data, weight = _plan(view)
+    before = plan.tojson(remove_amp_cast=False)
+    run = with_casts_before_views(plan, _typed(plan), _shapes(plan, data, weight))
+    assert run is not plan and plan.tojson(remove_amp_cast=False) == before
+    nodes = json.loads(run.tojson(remove_amp_cast=False))["nodes"]
+    views = [n for n in nodes if n["op"] == view]
+    assert len(views) == 1 and nodes[views[0]["inputs"][0][0]]["op"] == "amp_cast"  # the view reads the cast
+    assert nodes[nodes[views[0]["inputs"][0][0]]["inputs"][0][0]]["op"] == "Convolution"
+    known = {"data": "float32", "w": "float32", "like": "float32"}
+    assert infer_dtypes(run, known)[(nodes[-1]["name"], 0)] == "float32"
+    shapes = _shapes(plan, data, weight)
+    assert run.infer_shape(**shapes)[1] == plan.infer_shape(**shapes)[1]
+    # and native_passes, the graph every bound plan runs, includes it
+    passed = native_passes(plan, _typed(plan), shapes, ("cpu",), False, frozenset())
+    assert [n["op"] for n in json.loads(passed.tojson(remove_amp_cast=False))["nodes"]] == [n["op"] for n in nodes]
+
+
+def test_a_4d_value_keeps_its_graph():
+    plan, data, weight = _plan("Reshape", spatial=(4, 4))
+    assert with_casts_before_views(plan, _typed(plan), _shapes(plan, data, weight)) is plan
+
+
+def _bind_forward(sym, data, weight):
+    args = {k: v for k, v in _args(data, weight).items() if k in sym.list_arguments()}
+    return sym.bind(mx.cpu(), args, grad_req="null").forward()[0].asnumpy()
+
+
+@pytest.mark.bf16_kernels
+@pytest.mark.parametrize("view", sorted(VIEWS))
+def test_mxnet_fails_on_the_plan_and_runs_the_graph_cast_first(view):
+    plan, data, weight = _plan(view)
+    with pytest.raises(mx.base.MXNetError, match="reorder primitive"):
+        _bind_forward(plan, data, weight)
+    got = _bind_forward(with_casts_before_views(plan, _typed(plan), _shapes(plan, data, weight)), data, weight)
+    k = (3, 3, 3)
+    ref = S.mean(VIEWS[view](S.Convolution(S.var("data"), S.var("w"), kernel=k, pad=(1, 1, 1), num_filter=32,
+                                           no_bias=True)), axis=0)
+    want = _bind_forward(ref, data, weight)
+    assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()  # bfloat16's rounding, not garbage
+
+
+class _Consensus(nn.HybridBlock):
+    """C3D's tail: a 3-d convolution, a 3-d max pool, a reshape to segments, a mean, a dense layer."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.conv = nn.Conv3D(64, 3, padding=1, in_channels=16)
+            self.pool = nn.MaxPool3D(2, 2)
+            self.fc = nn.Dense(10, in_units=64 * 2 * 4 * 4)
+
+    def hybrid_forward(self, F, x):
+        y = F.reshape(self.pool(F.relu(self.conv(x))), shape=(-1, 1, 64 * 2 * 4 * 4))
+        return self.fc(F.mean(y, axis=1))
+
+
+@pytest.mark.bf16_kernels
+@pytest.mark.parametrize("path", ["init", "converted"])
+def test_such_a_network_trains_under_init_and_runs_converted(path):
+    mx.random.seed(2)
+    net = _Consensus()
+    net.initialize(mx.init.Xavier(magnitude=2))
+    net.hybridize()
+    x = mx.nd.random.uniform(-1, 1, shape=(2, 16, 4, 8, 8))
+    ref = net(x).asnumpy()
+    if path == "init":
+        gluon_amp.init(target_dtype="bfloat16")
+        net.hybridize()
+        with mx.autograd.record():
+            y = net(x)
+        y.backward()
+        assert np.isfinite(net.conv.weight.grad().asnumpy()).all()
+    else:
+        y = gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16")(x)
+    out = y.asnumpy()
+    assert np.abs(out - ref).max() <= 0.05 * np.abs(ref).max()
