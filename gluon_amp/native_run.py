@@ -19,7 +19,7 @@ from gluon_amp_core.paired_casts import pair_param_casts
 from gluon_amp_core.retype import in_float32
 from gluon_amp_core.shape_limits import limited_nodes
 from gluon_amp_core.table import OpClass, default_table
-from gluon_amp_core.view_casts import VIEW_OPS, casts_before_views
+from gluon_amp_core.plain_views import VIEW_OPS, plain_before_views
 
 from . import runtime
 from .type_inference import infer_dtypes, infer_shapes
@@ -31,8 +31,8 @@ def native_passes(plan: Symbol, typed: Mapping[Key, Optional[str]], shapes: Mapp
                   devices: Iterable[str], pair: bool, accumulating: Optional[Collection[str]],
                   fused: bool = False) -> Symbol:
     """What a plan typed ``typed`` runs natively in bfloat16, past its plan: first, in float32, the
-    ops whose bfloat16 kernel fails at these shapes (:func:`within_kernel_limits`); the casts of
-    reshaped 5-d values taken before the reshape (:func:`with_casts_before_views`); the casts of inputs
+    ops whose bfloat16 kernel fails at these shapes (:func:`within_kernel_limits`); a plain copy
+    of each 5-d value a reshape reads (:func:`with_plain_views`); the casts of inputs
     that accumulate through an identity (a CPU), then, for a training graph (``pair``), on AMX
     the batch norms' layout guards and the weight casts paired with their ops' data; where
     MXNet's oneDNN fusion partitions what runs (``fused``), the batch norms it would fold anew
@@ -43,7 +43,7 @@ def native_passes(plan: Symbol, typed: Mapping[Key, Optional[str]], shapes: Mapp
     run = plan
     if "bfloat16" in low:
         run, typed = within_kernel_limits(run, typed, shapes)
-        run = with_casts_before_views(run, typed, shapes)
+        run = with_plain_views(run, typed, shapes)
     if "bfloat16" in low and "cpu" in devices:
         run = with_accumulating_casts(run, typed, accumulating)
     if pair and "bfloat16" in low:
@@ -86,19 +86,17 @@ def within_kernel_limits(plan: Symbol, typed: Mapping[Key, Optional[str]], shape
     return run, {}
 
 
-def with_casts_before_views(plan: Symbol, typed: Mapping[Key, Optional[str]],
-                            shapes: Mapping[str, Tuple[int, ...]]) -> Symbol:
-    """``plan`` with each cast from bfloat16 of a reshaped 5-d bfloat16 value taken before the
-    reshape, which MXNet 1.9.1 cannot run after it
-    (:func:`gluon_amp_core.view_casts.casts_before_views`). ``plan`` itself where there is none;
-    the plan is never changed."""
+def with_plain_views(plan: Symbol, typed: Mapping[Key, Optional[str]],
+                     shapes: Mapping[str, Tuple[int, ...]]) -> Symbol:
+    """``plan`` with each reshape of a 5-d bfloat16 value reading a plain copy of it, as MXNet
+    1.9.1 cannot use a reshaped view of a oneDNN 5-d bfloat16 array
+    (:func:`gluon_amp_core.plain_views.plain_before_views`). ``plan`` itself where there is
+    none; the plan is never changed."""
     graph = json.loads(plan.tojson(remove_amp_cast=False))
-    nodes = graph["nodes"]
-    if not any(n["op"] in ("amp_cast", "amp_multicast") and any(nodes[e[0]]["op"] in VIEW_OPS for e in n["inputs"])
-               for n in nodes):
+    if not any(n["op"] in VIEW_OPS and typed.get((n["name"], 0)) == "bfloat16" for n in graph["nodes"]):
         return plan
-    graph, moved = casts_before_views(graph, typed, infer_shapes(plan, shapes), "bfloat16")
-    return mx.sym.load_json(json.dumps(graph)) if moved else plan
+    graph, copied = plain_before_views(graph, typed, infer_shapes(plan, shapes), "bfloat16")
+    return mx.sym.load_json(json.dumps(graph)) if copied else plan
 
 
 def with_batchnorms_apart(plan: Symbol, typed: Mapping[Key, Optional[str]],

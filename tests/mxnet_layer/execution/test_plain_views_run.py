@@ -1,10 +1,12 @@
-"""A cast from bfloat16 of a reshaped 5-d value runs before the reshape, where MXNet binds a plan
-(native_run.with_casts_before_views; gluon_amp_core.view_casts): MXNet 1.9.1 cannot run it after.
+"""A reshape of a 5-d bfloat16 value reads a plain copy of it, where MXNet binds a plan
+(native_run.with_plain_views; gluon_amp_core.plain_views): MXNet 1.9.1 cannot use the reshaped
+view of a oneDNN 5-d bfloat16 array.
 
 The fact: a bound graph with a bfloat16 3-d convolution, then a ``Reshape``, ``Flatten``,
-``expand_dims`` or ``reshape_like`` that changes its rank, then ``amp_cast`` to float32, fails
-with "could not create a primitive descriptor for a reorder primitive" (GluonCV's C3D and
-non-local I3D networks)."""
+``expand_dims``, ``reshape_like`` or numpy ``reshape`` to another shape, then an op that must
+reorder the view (``amp_cast`` to float32, ``Concat``, an addition), fails with
+"could not create a primitive descriptor for a reorder primitive" (or "for a sum primitive").
+GluonCV's C3D and non-local I3D networks meet it."""
 import json
 
 import numpy as np
@@ -16,7 +18,7 @@ from mxnet.gluon import nn
 
 from gluon_amp.execution import plan_dtypes
 from gluon_amp.mxnet_internals import BFLOAT16
-from gluon_amp.native_run import native_passes, with_casts_before_views
+from gluon_amp.native_run import native_passes, with_plain_views
 from gluon_amp.type_inference import infer_dtypes
 
 S = mx.sym
@@ -30,13 +32,23 @@ VIEWS = {
 }
 
 
-def _plan(view, spatial=(4, 4, 4)):
-    """data -> bfloat16 convolution -> ``view`` -> float32 (a cast) -> mean: a plan as the
+#: what a plan has read a bfloat16 view: a float32 op (through a cast), or ops that run in their
+#: inputs' dtype (the table's widest and neutral classes)
+READERS = {
+    "cast": lambda v: S.amp_cast(v, dtype="float32"),
+    "concat": lambda v: S.amp_cast(S.concat(v, v, dim=1), dtype="float32"),
+    "add": lambda v: S.amp_cast(S.elemwise_add(v, v), dtype="float32"),
+    "relu": lambda v: S.amp_cast(S.relu(v), dtype="float32"),
+}
+
+
+def _plan(view, spatial=(4, 4, 4), reader="cast"):
+    """data -> bfloat16 convolution -> ``view`` -> ``reader`` -> float32 -> mean: a plan as the
     converter types one."""
     k = (3,) * len(spatial)
     y = S.Convolution(S.amp_cast(S.var("data"), dtype=BFLOAT16), S.amp_cast(S.var("w"), dtype=BFLOAT16),
                       kernel=k, pad=(1,) * len(spatial), num_filter=32, no_bias=True)
-    return S.mean(S.amp_cast(VIEWS[view](y), dtype="float32"), axis=0), (2, 16) + spatial, (32, 16) + k
+    return S.mean(READERS[reader](VIEWS[view](y)), axis=0), (2, 16) + spatial, (32, 16) + k
 
 
 def _args(data, weight):
@@ -55,17 +67,18 @@ def _shapes(plan, data, weight):
 
 
 @pytest.mark.parametrize("view", sorted(VIEWS))
-def test_the_run_graph_casts_first_and_types_as_the_plan(view):
+def test_the_run_graph_reshapes_a_plain_copy_and_types_as_the_plan(view):
     plan, data, weight = _plan(view)
     before = plan.tojson(remove_amp_cast=False)
-    run = with_casts_before_views(plan, _typed(plan), _shapes(plan, data, weight))
+    run = with_plain_views(plan, _typed(plan), _shapes(plan, data, weight))
     assert run is not plan and plan.tojson(remove_amp_cast=False) == before
     nodes = json.loads(run.tojson(remove_amp_cast=False))["nodes"]
     views = [n for n in nodes if n["op"] == view]
-    assert len(views) == 1 and nodes[views[0]["inputs"][0][0]]["op"] == "amp_cast"  # the view reads the cast
+    assert len(views) == 1 and nodes[views[0]["inputs"][0][0]]["op"] == "slice_axis"  # the view reads the copy
     assert nodes[nodes[views[0]["inputs"][0][0]]["inputs"][0][0]]["op"] == "Convolution"
     known = {"data": "float32", "w": "float32", "like": "float32"}
-    assert infer_dtypes(run, known)[(nodes[-1]["name"], 0)] == "float32"
+    typed = infer_dtypes(run, known)
+    assert typed[(nodes[-1]["name"], 0)] == "float32" and typed[(views[0]["name"], 0)] == "bfloat16"
     shapes = _shapes(plan, data, weight)
     assert run.infer_shape(**shapes)[1] == plan.infer_shape(**shapes)[1]
     # and native_passes, the graph every bound plan runs, includes it
@@ -75,7 +88,7 @@ def test_the_run_graph_casts_first_and_types_as_the_plan(view):
 
 def test_a_4d_value_keeps_its_graph():
     plan, data, weight = _plan("Reshape", spatial=(4, 4))
-    assert with_casts_before_views(plan, _typed(plan), _shapes(plan, data, weight)) is plan
+    assert with_plain_views(plan, _typed(plan), _shapes(plan, data, weight)) is plan
 
 
 def _bind_forward(sym, data, weight):
@@ -84,15 +97,15 @@ def _bind_forward(sym, data, weight):
 
 
 @pytest.mark.bf16_kernels
-@pytest.mark.parametrize("view", sorted(VIEWS))
-def test_mxnet_fails_on_the_plan_and_runs_the_graph_cast_first(view):
-    plan, data, weight = _plan(view)
-    with pytest.raises(mx.base.MXNetError, match="reorder primitive"):
+@pytest.mark.parametrize("view, reader", [(v, "cast") for v in sorted(VIEWS)] + [("Reshape", r) for r in READERS])
+def test_mxnet_fails_on_the_plan_and_runs_the_graph_with_the_copy(view, reader):
+    plan, data, weight = _plan(view, reader=reader)
+    with pytest.raises(mx.base.MXNetError, match="primitive descriptor for a (reorder|sum) primitive"):
         _bind_forward(plan, data, weight)
-    got = _bind_forward(with_casts_before_views(plan, _typed(plan), _shapes(plan, data, weight)), data, weight)
+    got = _bind_forward(with_plain_views(plan, _typed(plan), _shapes(plan, data, weight)), data, weight)
     k = (3, 3, 3)
-    ref = S.mean(VIEWS[view](S.Convolution(S.var("data"), S.var("w"), kernel=k, pad=(1, 1, 1), num_filter=32,
-                                           no_bias=True)), axis=0)
+    ref = S.mean(READERS[reader](VIEWS[view](S.Convolution(S.var("data"), S.var("w"), kernel=k, pad=(1, 1, 1),
+                                                           num_filter=32, no_bias=True))), axis=0)
     want = _bind_forward(ref, data, weight)
     assert np.abs(got - want).max() <= 0.02 * np.abs(want).max()  # bfloat16's rounding, not garbage
 
