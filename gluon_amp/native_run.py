@@ -16,10 +16,10 @@ from gluon_amp_core.fusion_barriers import keep_batchnorms_apart
 from gluon_amp_core.graph_pass import is_kept
 from gluon_amp_core.layout_guards import BATCHNORM_OPS, batchnorms_at_risk, guard_batchnorm_layouts
 from gluon_amp_core.paired_casts import pair_param_casts
+from gluon_amp_core.plain_views import VIEW_OPS, plain_before_views
 from gluon_amp_core.retype import in_float32
 from gluon_amp_core.shape_limits import limited_nodes
 from gluon_amp_core.table import OpClass, default_table
-from gluon_amp_core.plain_views import VIEW_OPS, plain_before_views
 
 from . import runtime
 from .type_inference import infer_dtypes, infer_shapes

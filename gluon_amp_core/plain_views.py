@@ -3,10 +3,10 @@
 MXNet 1.9.1 cannot use a reshaped view of a oneDNN bfloat16 array of 5 dimensions held in a
 blocked layout (the output of a ``Convolution``, ``Pooling`` or batch norm over a 3-d map): in a
 bound graph, a ``Reshape``, ``Flatten``, ``expand_dims``, ``reshape_like`` or numpy mode's
-``reshape`` of it (to any other shape), then almost any op that must reorder it (``amp_cast``
-to float32, ``softmax``, ``Concat``, ``elemwise_add``, a 2-d convolution, pooling or batch
-norm), fails with "could not create a primitive descriptor for a reorder primitive" (or "...
-for a sum primitive"). GluonCV's C3D (a segment consensus: reshape, then a float32 ``mean``)
+``reshape`` of it (to any other shape), then an op that must reorder it (``amp_cast`` to
+float32, ``Concat``, ``elemwise_add``, ``softmax``; a 2-d convolution, pooling or batch norm
+after a second reshape), fails with "could not create a primitive descriptor for a reorder
+primitive" (or "... for a sum primitive"). GluonCV's C3D (a segment consensus: reshape, then a float32 ``mean``)
 and its non-local I3D networks (reshapes before ``batch_dot`` and ``softmax``) meet it under
 ``init`` (hybridized) and converted. Imperative calls, 4-d and 3-d values, and values that an
 op without a oneDNN kernel copied first (``slice_axis``, ``transpose``, ``clip``) all run.
