@@ -39,6 +39,18 @@ class MixedNet(nn.HybridBlock):
         return F.softmax(self.dense(mixed))
 
 
+def bf16_train_step(net, x):
+    """One recorded forward and backward of ``net`` under ``gluon_amp.init('bfloat16')``,
+    hybridized again so that its graph is built with AMP on; its output."""
+    import gluon_amp
+    gluon_amp.init(target_dtype="bfloat16")
+    net.hybridize()
+    with mx.autograd.record():
+        y = net(x)
+    y.backward()
+    return y
+
+
 def make_net(seed=0, hybridize=True):
     mx.random.seed(seed)
     net = MixedNet()

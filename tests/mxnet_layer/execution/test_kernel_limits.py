@@ -199,22 +199,18 @@ def test_init_keeps_a_plain_conv1d_or_conv3d_float32_and_a_grouped_one_low(nativ
 
 
 _RUN = textwrap.dedent("""
-    import sys
+    import os, sys
     import gluon_amp, mxnet as mx, numpy as np
-    sys.path.insert(0, {here!r})
+    sys.path[:0] = [{here!r}, os.path.dirname({here!r})]
     from test_kernel_limits import _net, AT
+    from helpers import bf16_train_step
     net = _net()
     x = mx.nd.random.uniform(-1, 1, shape=(2, 64) + AT)
     path = sys.argv[1]
     with mx.autograd.record(train_mode=path == "init"):  # training: batch statistics
         ref = net(x).asnumpy()
     if path == "init":
-        gluon_amp.init(target_dtype="bfloat16")
-        net.hybridize()
-        with mx.autograd.record():
-            y = net(x)
-        y.backward()
-        out = y.asnumpy()
+        out = bf16_train_step(net, x).asnumpy()
     else:
         kw = {{"unfused": dict(fuse=False), "shapes": dict(input_shapes={{"data": x.shape}})}}.get(path, {{}})
         converted = gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16", **kw)

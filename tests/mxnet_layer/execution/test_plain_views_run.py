@@ -16,6 +16,7 @@ import gluon_amp
 import mxnet as mx
 from mxnet.gluon import nn
 
+from helpers import bf16_train_step
 from gluon_amp.execution import plan_dtypes
 from gluon_amp.mxnet_internals import BFLOAT16
 from gluon_amp.native_run import native_passes, with_plain_views
@@ -135,11 +136,7 @@ def test_such_a_network_trains_under_init_and_runs_converted(path):
     x = mx.nd.random.uniform(-1, 1, shape=(2, 16, 4, 8, 8))
     ref = net(x).asnumpy()
     if path == "init":
-        gluon_amp.init(target_dtype="bfloat16")
-        net.hybridize()
-        with mx.autograd.record():
-            y = net(x)
-        y.backward()
+        y = bf16_train_step(net, x)
         assert np.isfinite(net.conv.weight.grad().asnumpy()).all()
     else:
         y = gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16")(x)
