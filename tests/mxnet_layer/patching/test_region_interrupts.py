@@ -63,7 +63,8 @@ def few_ops(monkeypatch):
 #: of ``autocast.__exit__`` is the one point where nothing is delivered. (A Ctrl-C at the entry of
 #: ``interrupts_deferred.__exit__`` is delivered: its own handler holds it.)
 EXIT_CODE = getattr(getattr(gluon_amp.autocast, "__exit__", None), "__code__", None)  # a class here
-RETURN_VALUE = dis.opmap["RETURN_VALUE"]
+# 3.12 returns a constant with RETURN_CONST, and calls without PRECALL (3.11 has both ops)
+RETURNS = frozenset(dis.opmap[n] for n in ("RETURN_VALUE", "RETURN_CONST") if n in dis.opmap)
 BEFORE_WITH = dis.opmap["BEFORE_WITH"]
 
 
@@ -111,7 +112,7 @@ class _Deliver:
             if id(frame) in self.entries:  # the entry of autocast.__exit__: see EXIT_CODE
                 self.entries.discard(id(frame))
                 return self._local
-            if event == "opcode" and (frame.f_code.co_code[frame.f_lasti] == RETURN_VALUE
+            if event == "opcode" and (frame.f_code.co_code[frame.f_lasti] in RETURNS
                                       or frame.f_code.co_code[frame.f_lasti - 2] == BEFORE_WITH):
                 # CPython runs no handler there (handlers run at a function's start, a backward
                 # jump or after a call): at a return it lands in the caller, and right after a
@@ -123,16 +124,16 @@ class _Deliver:
         return self._local
 
 
-LOAD_CONST, PRECALL, CALL, SWAP = (dis.opmap[n] for n in ("LOAD_CONST", "PRECALL", "CALL", "SWAP"))
-_WITH_EXIT = (LOAD_CONST, LOAD_CONST, LOAD_CONST, PRECALL)
+LOAD_CONST, CALL, SWAP = (dis.opmap[n] for n in ("LOAD_CONST", "CALL", "SWAP"))
+_WITH_EXIT = (LOAD_CONST, LOAD_CONST, LOAD_CONST) + ((dis.opmap["PRECALL"],) if "PRECALL" in dis.opmap else ())
 
 
 _EXIT_CALLS: dict = {}
 
 
 def _with_exit_offsets(code) -> frozenset:
-    """The offsets of the instructions (3.11) that call a with-statement's ``__exit__`` on
-    leaving it: three ``LOAD_CONST``, ``PRECALL`` and the ``CALL`` after it (``CALL`` sits past
+    """The offsets of the instructions that call a with-statement's ``__exit__`` on leaving it:
+    three ``LOAD_CONST``, ``PRECALL`` (3.11 only) and the ``CALL`` after them (``CALL`` sits past
     ``PRECALL``'s inline cache: the offsets are read through ``dis``, which skips caches), and
     the ``SWAP`` before them where a ``return`` inside the block leaves it (outside the block's
     exception range, as the call is)."""
@@ -140,9 +141,10 @@ def _with_exit_offsets(code) -> frozenset:
     if found is None:
         ins = [(i.opcode, i.offset) for i in dis.get_instructions(code)]
         found = set()
-        for j in range(len(ins) - 4):
-            if tuple(op for op, _ in ins[j:j + 4]) == _WITH_EXIT and ins[j + 4][0] == CALL:
-                found.update(off for _, off in ins[j:j + 5])
+        n = len(_WITH_EXIT)
+        for j in range(len(ins) - n):
+            if tuple(op for op, _ in ins[j:j + n]) == _WITH_EXIT and ins[j + n][0] == CALL:
+                found.update(off for _, off in ins[j:j + n + 1])
                 if j and ins[j - 1][0] == SWAP:
                     found.add(ins[j - 1][1])
         found = frozenset(found)
@@ -151,11 +153,15 @@ def _with_exit_offsets(code) -> frozenset:
 
 
 def _before_a_with_exit(frame) -> bool:
-    """True at the instructions (3.11) that call a with-statement's ``__exit__`` on leaving it."""
+    """True at the instructions that call a with-statement's ``__exit__`` on leaving it."""
     return frame.f_lasti in _with_exit_offsets(frame.f_code)
 
 
 def _run(transition, tracer) -> None:
+    here = sys._getframe()
+    # CPython 3.12 sends opcode events only if some frame asked for them before sys.settrace
+    # (python/cpython#114480); each traced frame still asks for its own (_Deliver.__call__)
+    here.f_trace_opcodes = tracer.opcodes
     sys.settrace(tracer)
     try:
         transition()
@@ -164,6 +170,7 @@ def _run(transition, tracer) -> None:
             raise
     finally:
         sys.settrace(None)
+        here.f_trace_opcodes = False
 
 
 def _check_recovers(ref: dict, what: str) -> None:
