@@ -3,6 +3,8 @@ import os
 
 import pytest
 
+import gluon_amp
+
 from helpers import ROOT
 NOTEBOOK = os.path.join(ROOT, "notebooks", "amp_ssd_tutorial.ipynb")
 
@@ -53,8 +55,13 @@ def _execute(tmp_path, monkeypatch, **env):
 @pytest.mark.bf16_kernels
 def test_notebook_runs_end_to_end(tmp_path, monkeypatch):
     text = _execute(tmp_path, monkeypatch)
-    assert "samples/s" in text and "same class: True" in text
-    assert "AMP (bfloat16) vs FP32, first step (equal weights)" in text and "NOT within" not in text
+    # bfloat16, or float32 where the speed probe measured bfloat16 slower (AMX hidden in a VM);
+    # the kernel shares this process's probe cache (XDG_CACHE_HOME), so both read one verdict
+    default = gluon_amp.runtime_info()["default_target_dtype"]
+    assert default in ("bfloat16", "float32")
+    assert ("mixed precision off" in text) == (default == "float32")
+    assert "samples/s" in text and "same class: True" in text  # the converted model runs either way
+    assert f"AMP ({default}) vs FP32, first step (equal weights)" in text and "NOT within" not in text
     assert "is not an operator known" in text  # the misspelt-op cell shows the error
     assert "excluded" in text
     assert "first divergence: planted" in text and "keep in float32: ['planted" in text
