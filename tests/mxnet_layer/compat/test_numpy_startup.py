@@ -92,8 +92,13 @@ def test_a_wheel_install_has_the_hook(tmp_path):
                           capture_output=True, text=True, check=True).stdout.strip()
     # a path line (not an import line): this environment's packages, without running its .pth files
     outer = [p for p in sys.path if p.endswith("site-packages")]
-    with open(os.path.join(site, "outer.pth"), "w") as f:
+    with open(os.path.join(site, "00-outer.pth"), "w") as f:  # read first: the next .pth imports from there
         f.write("\n".join(outer) + "\n")
+    # Python 3.12 has no distutils, which MXNet imports: setuptools, a dependency there, brings
+    # it back through a .pth file of its own, as it does where pip installs both together
+    for hack in (os.path.join(p, "distutils-precedence.pth") for p in outer):
+        if os.path.isfile(hack):
+            shutil.copy(hack, site)
     # --ignore-installed: without it, pip --prefix uninstalls this environment's gluon-amp first
     subprocess.run(pip + ["install", "--no-deps", "--no-index", "--ignore-installed", "--prefix", str(env_dir),
                           str(wheel)], check=True, timeout=300)
