@@ -82,6 +82,7 @@ def resolve_target(requested: object, cap: Capability, speed: Optional[SpeedVerd
                                  f"checks; {_FAST_HW} runs it fast.")
     if dtype == "bfloat16" and speed is not None and not speed.faster:
         return Resolution(dtype, f"gluon_amp: target_dtype='bfloat16' as asked, though {speed.describe()}."
-                                 f"{hint} tune=True keeps the ops that are slower in bfloat16 in float32.",
+                                 f"{hint} With tune=True (the default) a graph runs float32 until it is "
+                                 "measured faster as a whole (tune=False runs the plan as it is).",
                           speed=speed)
     return Resolution(dtype, None, speed=shown)

@@ -34,7 +34,7 @@ from gluon_amp_core.decide import CAST_OPS
 from gluon_amp_core.tuning.verdict import (GUARD_CAST_WEIGHT, WEIGHT_CAST_SHARE, Verdict, activation_casts,
                                           describe_unmeasured, low_op_nodes, op_macs, unmeasured_runs_fp32)
 
-from .. import mxnet_internals as mxi
+from .. import mxnet_internals as mxi, runtime
 from ..native_run import guarded_batchnorms, native_passes
 from ..type_inference import infer_dtypes, infer_shapes
 from ..speed.timing import time_graph, time_graphs, time_op
@@ -335,13 +335,27 @@ class Target:
             cast += elements([entry[(nodes[e[0]]["name"], e[1])]]) * GUARD_CAST_WEIGHT  # a guard needs its shape
         return total, (macs / cast if cast else float("inf")), len(guarded)
 
+    def probe_slower(self) -> Optional[str]:
+        """The speed probe's verdict in words where it did not find this plan's dtype faster on
+        this machine (the one that keeps the default float32 there; only an explicit
+        ``target_dtype`` runs the dtype); None elsewhere: faster, not measured, not trusted (a
+        busy machine), emulated, or a GPU."""
+        if self.policy.emulate:
+            return None
+        verdict = runtime.speed(self.policy.target_dtype, warn=False)
+        if verdict is None or verdict.busy or verdict.faster:
+            return None
+        return verdict.describe()
+
     def unmeasured_fp32(self, shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> bool:
         """The rule without a whole-graph measurement (:func:`unmeasured_runs_fp32`)."""
-        return unmeasured_runs_fp32(self.casts(), len(self.low_ops()), *self.figures(shapes))
+        return unmeasured_runs_fp32(self.casts(), len(self.low_ops()), *self.figures(shapes),
+                                    probe_slower=self.probe_slower() is not None)
 
     def describe_unmeasured(self, why: str, shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> str:
         return describe_unmeasured(self.casts(), len(self.low_ops()), self.policy.target_dtype, why,
-                                   *self.figures(shapes), guards=self.guards(shapes))
+                                   *self.figures(shapes), guards=self.guards(shapes),
+                                   probe_slower=self.probe_slower())
 
     def fp32_choices(self, verdict: Optional[Verdict]) -> Dict[str, MeasuredChoice]:
         """A float32 choice for every op the plan runs low: the same graph in float32

@@ -32,6 +32,12 @@ this is that rule for one graph:
   transformer's GEMMs (a cast or two per product, hundreds of multiply-adds per cast element)
   keep the plan; an LSTM cell's small products (tens) do not, nor do dense layers on a few
   rows (AlexNet's at batch 4: 4 multiply-adds per weight element).
+
+  All of that assumes what the probe found: the target dtype faster on this machine. Where it
+  measured the dtype slower than float32 (a ``target_dtype`` asked for explicitly on such a
+  host: bfloat16 on a VM that hides AMX), no unmeasured plan runs low: TensorRT's low
+  precision is a permission, never an order to be slower, and the measurement, once the
+  budget pays for it, decides.
 """
 from __future__ import annotations
 
@@ -155,9 +161,10 @@ def casts_per_low_op(casts: int, low_ops: int) -> Optional[float]:
 
 
 def unmeasured_runs_fp32(casts: int, low_ops: int, elements: Optional[int] = None,
-                         intensity: Optional[float] = None) -> bool:
-    """The rule where no whole-graph measurement decides: True (run float32) when the plan's
-    low-precision ops read fewer than :data:`UNMEASURED_MIN_ELEMENTS_PER_LOW_OP` elements each
+                         intensity: Optional[float] = None, probe_slower: bool = False) -> bool:
+    """The rule where no whole-graph measurement decides: True (run float32) when this
+    machine's speed probe measured the target dtype slower than float32 (``probe_slower``);
+    else when the plan's low-precision ops read fewer than :data:`UNMEASURED_MIN_ELEMENTS_PER_LOW_OP` elements each
     on average (``elements``: their inputs' elements in all; ``None``: shapes unknown, not
     counted); else, with ``intensity`` (their multiply-adds per element the activation casts
     convert, from the graph's shapes; ``None``: unknown), when it is below
@@ -166,6 +173,8 @@ def unmeasured_runs_fp32(casts: int, low_ops: int, elements: Optional[int] = Non
     ratio = casts_per_low_op(casts, low_ops)
     if ratio is None:
         return False
+    if probe_slower:
+        return True
     if elements is not None and elements / low_ops < UNMEASURED_MIN_ELEMENTS_PER_LOW_OP:
         return True
     if intensity is not None:
@@ -174,9 +183,10 @@ def unmeasured_runs_fp32(casts: int, low_ops: int, elements: Optional[int] = Non
 
 
 def describe_unmeasured(casts: int, low_ops: int, target: str, why: str, elements: Optional[int] = None,
-                        intensity: Optional[float] = None, guards: int = 0) -> str:
+                        intensity: Optional[float] = None, guards: int = 0, probe_slower: Optional[str] = None) -> str:
     """What the rule did with a graph not measured yet, and why it was not. ``guards``: the
-    batch norms whose layout guards ``intensity`` counted as casts."""
+    batch norms whose layout guards ``intensity`` counted as casts; ``probe_slower``: the speed
+    probe's verdict in words, where it measured the target dtype slower than float32."""
     ratio = casts_per_low_op(casts, low_ops)
     shown = f"{casts} activation casts for {low_ops} {target} ops" + (f" ({ratio:.2f} per op)" if ratio else "")
     if guards:
@@ -185,6 +195,9 @@ def describe_unmeasured(casts: int, low_ops: int, target: str, why: str, element
         shown += f", {elements / low_ops:,.0f} input elements per op"
     if intensity is not None and low_ops:
         shown += f", {intensity:,.0f} multiply-adds per cast element"
+    if probe_slower and low_ops:
+        return (f"runs float32 until measured ({why}): {probe_slower}; a plan runs low unmeasured only where "
+                f"the probe measured {target} faster")
     if unmeasured_runs_fp32(casts, low_ops, elements, intensity):
         limits = (f"at least {UNMEASURED_MIN_MACS_PER_CAST_ELEMENT:g} multiply-adds per cast element"
                   if intensity is not None else f"at most {UNMEASURED_MAX_CASTS_PER_LOW_OP:g} cast per op")

@@ -76,3 +76,25 @@ def test_the_graphs_own_figures_decide_where_its_shapes_are_known(intensity, cas
     if intensity is not None and runs_fp32:
         assert f"at least {UNMEASURED_MIN_MACS_PER_CAST_ELEMENT:g} multiply-adds per cast element" in text
     assert unmeasured_runs_fp32(casts, 20, 20 * 100, intensity)  # tiny ops: float32 whatever the figures
+
+
+def test_where_the_probe_measured_the_dtype_slower_no_unmeasured_plan_runs_low():
+    """Whatever the graph's own figures say, a plan of a dtype this machine's probe measured
+    slower than float32 (an explicit target_dtype there) runs float32 until measured; a graph
+    with nothing low has nothing to decide."""
+    rng = random.Random(2)
+    probe = "bfloat16 measured 0.66x the speed of float32 on this CPU (...)"
+    for _ in range(300):
+        casts, low_ops = rng.randint(0, 400), rng.choice([0, rng.randint(1, 400)])
+        elements = rng.choice([None, rng.randint(1, 10 ** 8)])
+        intensity = rng.choice([None, float("inf"), rng.uniform(1, 10 ** 4)])
+        without = unmeasured_runs_fp32(casts, low_ops, elements, intensity)
+        assert unmeasured_runs_fp32(casts, low_ops, elements, intensity, probe_slower=True) == (low_ops > 0)
+        assert unmeasured_runs_fp32(casts, low_ops, elements, intensity, probe_slower=False) == without
+        text = describe_unmeasured(casts, low_ops, "bfloat16", "no whole-graph timing yet", elements, intensity,
+                                   probe_slower=probe)
+        if low_ops:
+            assert text.startswith("runs float32 until measured (no whole-graph timing yet)") and probe in text
+        else:
+            assert text == describe_unmeasured(casts, low_ops, "bfloat16", "no whole-graph timing yet", elements,
+                                               intensity)

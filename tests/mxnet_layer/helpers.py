@@ -1,5 +1,6 @@
 """What the MXNet-layer tests share: small networks and data, graph checks, and the
 environment of a host without bfloat16 kernels. Import it as ``from helpers import ...``."""
+import contextlib
 import hashlib
 import json
 import os
@@ -171,3 +172,32 @@ class FcDtype:
         gluon_amp.disable()
         assert len(ref) == 3
         return ref
+
+
+def probe_host_items(host: str) -> list:
+    """A recorded host's speed-probe items (tests/core/data/probe_hosts.json)."""
+    with open(os.path.join(ROOT, "tests", "core", "data", "probe_hosts.json")) as f:
+        return json.load(f)["hosts"][host]["items"]
+
+
+@contextlib.contextmanager
+def planted_probe(items, cache_dir):
+    """This process's bfloat16 probe verdict read from ``items`` (records as the cache holds
+    them), in a timing cache of its own under ``cache_dir``; the machine's own (or the
+    simulation's) again after the block. Gives the verdict in force."""
+    from gluon_amp import runtime
+    from gluon_amp.speed import probe
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache_dir)
+    runtime.timing_cache.cache_clear()
+    probe.forget()
+    try:
+        runtime.timing_cache().store({probe._entry("bfloat16"): items})
+        yield runtime.speed("bfloat16", warn=False)
+    finally:
+        if before is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = before
+        runtime.timing_cache.cache_clear()
+        probe.forget()

@@ -11,7 +11,9 @@ import mxnet as mx
 
 import gluon_amp
 from gluon_amp import runtime
+from gluon_amp.speed import probe
 from gluon_amp.tuning import schedule, tuner
+from gluon_amp_core.speed.probe import timings_to_records
 from gluon_amp_core.timing_cache import TimingCache
 from gluon_amp_core.tuning.schedule import Ledger
 from helpers import ROOT, MixedNet, make_net, no_bf16_env
@@ -20,8 +22,16 @@ from helpers import ROOT, MixedNet, make_net, no_bf16_env
 @pytest.fixture(autouse=True)
 def _own_cache(monkeypatch, tmp_path):
     """Each test tunes into a cache of its own: an outcome stored for the same graph by an
-    earlier test would be read back instead of the figures this test gives."""
-    monkeypatch.setattr(runtime, "timing_cache", lambda: TimingCache(str(tmp_path), {"k": 1}))
+    earlier test would be read back instead of the figures this test gives. It holds the
+    simulation's probe figures (bfloat16 faster), so that on a real host too these tests see
+    the tuner, not this machine's probe (one that measured bfloat16 slower: below, and
+    tests/mxnet_layer/convert/test_conversion_speed_rule.py)."""
+    cache = TimingCache(str(tmp_path), {"k": 1})
+    cache.store({probe._entry("bfloat16"): timings_to_records(runtime.SIMULATED_PROBE)})
+    monkeypatch.setattr(runtime, "timing_cache", lambda: cache)
+    probe.forget()
+    yield
+    probe.forget()
 
 
 def _recorded_times(conv_low, conv_fp32):
@@ -142,6 +152,41 @@ def test_init_tune_trains_with_the_recorded_choice_in_the_training_graph_from_th
     assert info["graphs"][0]["float32_choices"] == sorted([conv, net.side.name + "_fwd"])  # both recorded slow
     assert "tuned at input shapes" in info["graphs"][0]["status"]
     assert "tuned at input shapes" in gluon_amp.report(net).tuning
+
+
+def test_init_on_a_host_whose_probe_measured_bfloat16_slower_trains_float32_until_the_graph_measures_faster(
+        native_host, monkeypatch):
+    """An explicit bfloat16 where the probe measured it slower (a VM that hides AMX): the first
+    calls run float32, saying why; once the whole-graph check measures the plan faster, it runs."""
+    from mxnet import autograd
+    from helpers import probe_host_items, sgd_trainer
+    from gluon_amp_core.tuning import verdict
+    monkeypatch.setattr(verdict, "UNMEASURED_MIN_ELEMENTS_PER_LOW_OP", 0)  # by its figures alone the
+    monkeypatch.setattr(verdict, "UNMEASURED_MIN_MACS_PER_CAST_ELEMENT", 0)  # tiny net would run the plan
+    runtime.timing_cache().store({probe._entry("bfloat16"): probe_host_items("intel_xeon_no_amx")})
+    probe.forget()
+    slow = runtime.speed("bfloat16", warn=False)
+    assert not slow.faster
+    monkeypatch.setattr(tuner, "time_one", _recorded_times(205.0, 409.0))  # each op faster low
+    checks = _check(monkeypatch, plan=1000.0, fp32=1500.0)
+    gluon_amp.init("bfloat16", tune=True, tune_budget="inf")
+    net = make_net()
+    trainer = sgd_trainer(net)
+    gluon_amp.init_trainer(trainer)
+    conv = net.conv.name + "_fwd"
+    dtypes = []
+    for _ in range(3):
+        x = mx.nd.random.normal(shape=(2, 3, 8, 8))
+        with autograd.record():
+            loss = net(x).sum()
+        loss.backward()
+        trainer.step(2)
+        rep = gluon_amp.report(net)
+        dtypes.append({r.name: r for r in rep.rows}[conv].dtype)
+        if len(dtypes) == 1:
+            assert "runs float32 until measured" in rep.tuning and slow.describe() in rep.tuning, rep.tuning
+    assert dtypes[0] == "float32" and dtypes[-1] == "bfloat16", dtypes  # the measurement decided
+    assert checks and np.isfinite(loss.asnumpy()).all()
 
 
 def _symbol_block_of_mixednet():
