@@ -34,8 +34,9 @@ this is that rule for one graph:
   rows (AlexNet's at batch 4: 4 multiply-adds per weight element).
 
   All of that assumes what the probe found: the target dtype faster on this machine. Where it
-  measured the dtype slower than float32 (a ``target_dtype`` asked for explicitly on such a
-  host: bfloat16 on a VM that hides AMX), no unmeasured plan runs low: TensorRT's low
+  did not find it faster (below the speedup that turns the default on: a ``target_dtype``
+  asked for explicitly on such a host, bfloat16 on a VM that hides AMX), no unmeasured plan
+  runs low: TensorRT's low
   precision is a permission, never an order to be slower, and the measurement, once the
   budget pays for it, decides.
 """
@@ -163,8 +164,8 @@ def casts_per_low_op(casts: int, low_ops: int) -> Optional[float]:
 def unmeasured_runs_fp32(casts: int, low_ops: int, elements: Optional[int] = None,
                          intensity: Optional[float] = None, probe_slower: bool = False) -> bool:
     """The rule where no whole-graph measurement decides: True (run float32) when this
-    machine's speed probe measured the target dtype slower than float32 (``probe_slower``);
-    else when the plan's low-precision ops read fewer than :data:`UNMEASURED_MIN_ELEMENTS_PER_LOW_OP` elements each
+    machine's speed probe did not find the target dtype faster (``probe_slower``); else when
+    the plan's low-precision ops read fewer than :data:`UNMEASURED_MIN_ELEMENTS_PER_LOW_OP` elements each
     on average (``elements``: their inputs' elements in all; ``None``: shapes unknown, not
     counted); else, with ``intensity`` (their multiply-adds per element the activation casts
     convert, from the graph's shapes; ``None``: unknown), when it is below
@@ -186,7 +187,7 @@ def describe_unmeasured(casts: int, low_ops: int, target: str, why: str, element
                         intensity: Optional[float] = None, guards: int = 0, probe_slower: Optional[str] = None) -> str:
     """What the rule did with a graph not measured yet, and why it was not. ``guards``: the
     batch norms whose layout guards ``intensity`` counted as casts; ``probe_slower``: the speed
-    probe's verdict in words, where it measured the target dtype slower than float32."""
+    probe's verdict in words, where it did not find the target dtype faster."""
     ratio = casts_per_low_op(casts, low_ops)
     shown = f"{casts} activation casts for {low_ops} {target} ops" + (f" ({ratio:.2f} per op)" if ratio else "")
     if guards:
