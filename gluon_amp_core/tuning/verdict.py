@@ -36,9 +36,8 @@ this is that rule for one graph:
   All of that assumes what the probe found: the target dtype faster on this machine. Where it
   did not find it faster (below the speedup that turns the default on: a ``target_dtype``
   asked for explicitly on such a host, bfloat16 on a VM that hides AMX), no unmeasured plan
-  runs low: TensorRT's low
-  precision is a permission, never an order to be slower, and the measurement, once the
-  budget pays for it, decides.
+  runs low: TensorRT's low precision is a permission, never an order to be slower, and the
+  measurement, once the budget pays for it, decides.
 """
 from __future__ import annotations
 

@@ -91,23 +91,14 @@ def test_ssd_synthetic_without_bf16_kernels_runs_fp32_and_says_why(tmp_path, no_
     assert math.isfinite(doc["modes"][0]["final_ce"])
 
 
-def test_ssd_synthetic_where_bfloat16_was_measured_slower_runs_fp32_and_gives_the_figures(native_host, tmp_path,
-                                                                                          monkeypatch):
+def test_ssd_synthetic_where_bfloat16_was_measured_slower_runs_fp32_and_gives_the_figures(native_host, tmp_path):
     """`make bench`'s command on a host whose probe measured bfloat16 slower (issue 26's Intel
     figures, planted in this machine's cache): AMP stays off, and the table says why."""
-    from gluon_amp import runtime
-    from gluon_amp.speed import probe
-    with open(os.path.join(ROOT, "tests", "core", "data", "probe_hosts.json")) as f:
-        slow = json.load(f)["hosts"]["intel_xeon_no_amx"]["items"]
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    runtime.timing_cache.cache_clear()  # it holds the session's cache folder
-    try:
-        runtime.timing_cache().store({probe._entry("bfloat16"): slow})
-    finally:
-        runtime.timing_cache.cache_clear()
+    from helpers import planted_probe, probe_host_items
     out = tmp_path / "ssd.json"
-    r = _run("ssd_synthetic.py", "--amp", "--batch-size", "1", "--iters", "1", "--warmup", "0",
-             "--no-progress", "--no-memory", "--json", str(out))
+    with planted_probe(probe_host_items("intel_xeon_no_amx"), tmp_path / "cache"):  # the subprocess reads it
+        r = _run("ssd_synthetic.py", "--amp", "--batch-size", "1", "--iters", "1", "--warmup", "0",
+                 "--no-progress", "--no-memory", "--json", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert [m["mode"] for m in doc["modes"]] == ["fp32"]
