@@ -21,12 +21,11 @@ The caller checks the result with the framework's type inference, as for every p
 from __future__ import annotations
 
 import json
-from collections import Counter
 from typing import Collection, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .decide import CAST_OPS
 from .dtypes import FLOAT_DTYPES
-from .retype import converts_nothing
+from .retype import converts_nothing, names_given_twice
 from .table import OpClass, OpTable
 
 Key = Tuple[str, int]
@@ -92,12 +91,6 @@ def fewer_casts(graph: dict, dtypes: Mapping[Key, Optional[str]], table: OpTable
     left = {n["name"] for n in nodes}
     now.update({k: v for k, v in dtypes.items() if k[0] in twice})
     return result, {k: v for k, v in now.items() if k[0] in left}, removed
-
-
-def names_given_twice(nodes: Sequence[dict]) -> FrozenSet[str]:
-    """The node names more than one node of ``nodes`` has."""
-    counts = Counter(n["name"] for n in nodes)
-    return frozenset(name for name, k in counts.items() if k > 1)
 
 
 def _simplify(nodes: List[dict], heads: List[list], dtypes: Dict[Key, Optional[str]],

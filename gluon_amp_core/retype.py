@@ -10,7 +10,8 @@ of this: it types an FP32 graph with those decisions directly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Collection, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from collections import Counter
+from typing import Callable, Collection, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .decide import CAST_OPS, Decision
 from .dtypes import FLOAT_DTYPES
@@ -162,6 +163,35 @@ def converts_nothing(op: str, attrs: Mapping[str, object], input_dtypes: Sequenc
     return op == "amp_multicast" and first in FLOAT_DTYPES and all(d == first for d in input_dtypes)
 
 
+def names_given_twice(nodes: Sequence[dict]) -> FrozenSet[str]:
+    """The node names more than one node of ``nodes`` has (Gluon names a block's ops by its
+    scope, so a block called twice in one trace gives two nodes one name): ``(name, output)``
+    keys cannot tell their dtypes apart."""
+    counts = Counter(n["name"] for n in nodes)
+    return frozenset(name for name, k in counts.items() if k > 1)
+
+
+def unique_op_names(graph: dict) -> Tuple[dict, int]:
+    """``graph`` with each op node that repeats an earlier node's name renamed
+    ``<name>_<index>``, and how many were. A block called twice in one trace gives two nodes
+    one name, and every pass types entries by ``(name, output)``; the first keeps its name."""
+    nodes = graph["nodes"]
+    twice = names_given_twice(nodes)
+    if not twice:
+        return graph, 0
+    taken, seen, out = {n["name"] for n in nodes}, set(), []
+    for i, n in enumerate(nodes):
+        if n["name"] in seen and n["op"] != "null":
+            name = f"{n['name']}_{i}"
+            while name in taken:
+                name += "_"
+            taken.add(name)
+            n = {**n, "name": name}
+        seen.add(n["name"])
+        out.append(n)
+    return {**graph, "nodes": out}, sum(1 for a, b in zip(nodes, out) if a is not b)
+
+
 def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tuple[dict, int]:
     """``graph`` without the casts that leave their value as it is, and how many inputs
     went around one.
@@ -187,9 +217,11 @@ def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tup
     nodes = graph["nodes"]
 
     heads = {h[0] for h in graph["heads"]}  # an output keeps its node (and its name)
+    twice = names_given_twice(nodes)
 
-    def dtype_of(e: list) -> Optional[str]:
-        return dtypes.get((nodes[e[0]]["name"], e[1]))
+    def dtype_of(e: list) -> Optional[str]:  # a name given twice is typed as unknown: its cast stays
+        name = nodes[e[0]]["name"]
+        return None if name in twice else dtypes.get((name, e[1]))
 
     def identity(i: int, node: dict) -> bool:
         return i not in heads and converts_nothing(

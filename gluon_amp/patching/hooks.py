@@ -18,7 +18,7 @@ from mxnet.symbol import Symbol
 from gluon_amp_core.emulate import ROUND_SUFFIX
 from gluon_amp_core.decide import users_casts
 from gluon_amp_core.policy import Policy
-from gluon_amp_core.retype import drop_identity_casts
+from gluon_amp_core.retype import drop_identity_casts, unique_op_names
 
 from .. import mxnet_internals as mxi, plan_notes
 from ..tuning.casts import with_fewer_casts
@@ -47,7 +47,10 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
             return out  # converted by gluon_amp: its plan was fixed then
         plan_notes.record_emulated(block, None)
         known, shapes = mxi.call_inputs(block, args, inputs)
-        users = users_casts(json.loads(out.tojson(remove_amp_cast=False)))  # the block's own casts stay
+        graph, renamed = unique_op_names(json.loads(out.tojson(remove_amp_cast=False)))
+        if renamed:  # a block called twice in this trace: every pass below types by node name
+            out = mx.sym.load_json(json.dumps(graph))
+        users = users_casts(graph)  # the block's own casts stay
         out = rules.apply(block, out, shapes)
         dtypes = infer_dtypes(out, known, partial=True) or {}
         if dtypes:
