@@ -217,11 +217,9 @@ def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tup
     nodes = graph["nodes"]
 
     heads = {h[0] for h in graph["heads"]}  # an output keeps its node (and its name)
-    twice = names_given_twice(nodes)
 
-    def dtype_of(e: list) -> Optional[str]:  # a name given twice is typed as unknown: its cast stays
-        name = nodes[e[0]]["name"]
-        return None if name in twice else dtypes.get((name, e[1]))
+    def dtype_of(e: list) -> Optional[str]:
+        return dtypes.get((nodes[e[0]]["name"], e[1]))
 
     def identity(i: int, node: dict) -> bool:
         return i not in heads and converts_nothing(

@@ -180,31 +180,6 @@ def test_a_multicast_with_a_float16_input_becomes_one_cast_per_input_as_a_cpu_ru
     assert cast_each_input(graph, {**dtypes, ("s", 0): BF16}, "float16") == (graph, 0)
 
 
-@pytest.mark.parametrize("low", ["float16", BF16])
-@pytest.mark.parametrize("typed_as", ["first", "second"])
-def test_a_cast_of_a_name_given_twice_stays_whichever_node_its_dtype_came_from(low, typed_as):
-    """A block called twice in one trace gives two nodes one name (``relu0_fwd`` before and
-    after ``fc0``): a ``(name, output)`` dtype is one of the two, so neither may make the cast
-    of the first look like a cast to its own dtype (a reused Dropout or Activation, found by
-    GluonNLP's decomposable-attention model)."""
-    nodes = [
-        {"op": "null", "name": "x", "inputs": []},
-        {"op": "relu", "name": "r", "inputs": [[0, 0, 0]]},
-        {"op": "amp_cast", "name": "r_cast", "attrs": {"dtype": low}, "inputs": [[1, 0, 0]]},
-        {"op": "null", "name": "w", "inputs": []},
-        {"op": "amp_cast", "name": "w_cast", "attrs": {"dtype": low}, "inputs": [[3, 0, 0]]},
-        {"op": "FullyConnected", "name": "fc", "attrs": {"num_hidden": "4"}, "inputs": [[2, 0, 0], [4, 0, 0]]},
-        {"op": "relu", "name": "r", "inputs": [[5, 0, 0]]},
-    ]
-    graph = {"nodes": nodes, "arg_nodes": [0, 3], "heads": [[6, 0, 0]], "attrs": {}}
-    dtypes = {("x", 0): FP32, ("w", 0): FP32, ("w_cast", 0): low, ("r_cast", 0): low, ("fc", 0): low,
-              ("r", 0): FP32 if typed_as == "first" else low}
-    out, _ = drop_identity_casts(graph, dtypes)
-    assert [n["name"] for n in out["nodes"]].count("r_cast") == 1
-    fc = next(n for n in out["nodes"] if n["name"] == "fc")
-    assert out["nodes"][fc["inputs"][0][0]]["name"] == "r_cast"
-
-
 @pytest.mark.parametrize("seed", range(20))
 def test_unique_op_names_renames_only_later_ops_of_a_repeated_name_and_keeps_the_graph(seed):
     """Generated graphs whose op names repeat (a block called twice in one trace), some
