@@ -9,8 +9,8 @@ of this: it types an FP32 graph with those decisions directly.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections import Counter
+from dataclasses import dataclass
 from typing import Callable, Collection, Dict, FrozenSet, List, Mapping, Optional, Sequence, Set, Tuple
 
 from .decide import CAST_OPS, Decision
@@ -171,17 +171,18 @@ def names_given_twice(nodes: Sequence[dict]) -> FrozenSet[str]:
     return frozenset(name for name, k in counts.items() if k > 1)
 
 
-def unique_op_names(graph: dict) -> Tuple[dict, int]:
+def unique_op_names(graph: dict, ops: Optional[Collection[str]] = None) -> Tuple[dict, int]:
     """``graph`` with each op node that repeats an earlier node's name renamed
     ``<name>_<index>``, and how many were. A block called twice in one trace gives two nodes
-    one name, and every pass types entries by ``(name, output)``; the first keeps its name."""
+    one name, and every pass types entries by ``(name, output)``; the first keeps its name.
+    ``ops``: rename only nodes of these ops (default: every op)."""
     nodes = graph["nodes"]
     twice = names_given_twice(nodes)
     if not twice:
         return graph, 0
     taken, seen, out = {n["name"] for n in nodes}, set(), []
     for i, n in enumerate(nodes):
-        if n["name"] in seen and n["op"] != "null":
+        if n["name"] in seen and n["op"] != "null" and (ops is None or n["op"] in ops):
             name = f"{n['name']}_{i}"
             while name in taken:
                 name += "_"

@@ -14,6 +14,7 @@ from mxnet.symbol import Symbol
 from gluon_amp_core.decide import CAST_OPS
 from gluon_amp_core.fewer_casts import fewer_casts, names_given_twice
 from gluon_amp_core.graph_pass import PassResult
+from gluon_amp_core.retype import unique_op_names
 from gluon_amp_core.table import OpTable
 
 from ..type_inference import infer_dtypes
@@ -26,8 +27,9 @@ def with_fewer_casts(sym: Symbol, known: Mapping[str, str], table: OpTable,
     (``sym`` itself and 0 where none could go or MXNet disagrees with the result).
     ``known``: the input dtypes MXNet types it from; ``dtypes``: its typing, where known;
     ``keep``: the names of the user's casts, which stay."""
-    graph = json.loads(sym.tojson(remove_amp_cast=False))
-    if _unique_cast_names(graph):  # typed by name: the renamed casts typed again
+    # the op wrappers name casts per name scope (an unrolled cell repeats them); typed by name
+    graph, renamed = unique_op_names(json.loads(sym.tojson(remove_amp_cast=False)), CAST_OPS)
+    if renamed:  # the renamed casts typed again
         dtypes = infer_dtypes(mx.sym.load_json(json.dumps(graph)), known, partial=True) or {}
     typed = dict(dtypes) if dtypes is not None else (infer_dtypes(sym, known, partial=True) or {})
     new_graph, new_types, removed = fewer_casts(graph, typed, table, keep)
@@ -37,27 +39,6 @@ def with_fewer_casts(sym: Symbol, known: Mapping[str, str], table: OpTable,
     if not _agrees(new, new_graph, new_types, known, partial=True):
         return sym, 0
     return new, removed
-
-
-def _unique_cast_names(graph: dict) -> bool:
-    """Give the cast nodes that share a name with another node one of their own (the op
-    wrappers name casts per name scope: an unrolled cell repeats them); True if any was renamed."""
-    names = [n["name"] for n in graph["nodes"]]
-    if len(set(names)) == len(names):
-        return False
-    taken = set(names)
-    seen: set = set()
-    renamed = False
-    for i, n in enumerate(graph["nodes"]):
-        if n["name"] in seen and n["op"] in CAST_OPS:
-            new = f"{n['name']}_{i}"
-            while new in taken:
-                new += "_"
-            n["name"] = new
-            taken.add(new)
-            renamed = True
-        seen.add(n["name"])
-    return renamed
 
 
 def _agrees(sym: Symbol, graph: dict, dtypes: Mapping[Tuple[str, int], Optional[str]], known: Mapping[str, str],

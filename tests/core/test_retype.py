@@ -180,11 +180,13 @@ def test_a_multicast_with_a_float16_input_becomes_one_cast_per_input_as_a_cpu_ru
     assert cast_each_input(graph, {**dtypes, ("s", 0): BF16}, "float16") == (graph, 0)
 
 
+@pytest.mark.parametrize("only", [None, ("relu",)], ids=["every op", "relu only"])
 @pytest.mark.parametrize("seed", range(20))
-def test_unique_op_names_renames_only_later_ops_of_a_repeated_name_and_keeps_the_graph(seed):
+def test_unique_op_names_renames_only_later_ops_of_a_repeated_name_and_keeps_the_graph(seed, only):
     """Generated graphs whose op names repeat (a block called twice in one trace), some
-    already ending as a renamed one would: every name unique after, the first of each name
-    and every variable kept, the same ops and edges."""
+    already ending as a renamed one would: every name unique after (of the ops asked for:
+    the casts a cell repeats), the first of each name and every variable kept, the same ops
+    and edges."""
     import random
     rng = random.Random(seed)
     pool = ["relu0_fwd", "dense0_fwd", "relu0_fwd_3", "drop0_fwd"]
@@ -198,17 +200,18 @@ def test_unique_op_names_renames_only_later_ops_of_a_repeated_name_and_keeps_the
     graph = {"nodes": nodes, "arg_nodes": [i for i, n in enumerate(nodes) if n["op"] == "null"],
              "heads": [[len(nodes) - 1, 0, 0]], "attrs": {}}
     before = [dict(n) for n in nodes]
-    out, renamed = unique_op_names(graph)
-    names = [n["name"] for n in out["nodes"]]
+    out, renamed = unique_op_names(graph, only)
+    names = [n["name"] for i, n in enumerate(out["nodes"]) if only is None or before[i]["op"] in only]
     assert len(set(names)) == len(names)
     assert [n["name"] for n in nodes] == [n["name"] for n in before]  # the caller's graph as it was
     firsts = {}
     for i, n in enumerate(before):
         firsts.setdefault(n["name"], i)
-    assert renamed == sum(1 for i, n in enumerate(before) if firsts[n["name"]] != i)
+    asked = [only is None or n["op"] in only for n in before]
+    assert renamed == sum(1 for i, n in enumerate(before) if firsts[n["name"]] != i and asked[i])
     for i, (old, new) in enumerate(zip(before, out["nodes"])):
         assert (new["op"], new["inputs"]) == (old["op"], old["inputs"])
-        if firsts[old["name"]] == i or old["op"] == "null":
+        if firsts[old["name"]] == i or old["op"] == "null" or not asked[i]:
             assert new["name"] == old["name"]
         else:
             assert new["name"].startswith(old["name"] + "_")
