@@ -28,6 +28,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,8 @@ from gluon_amp_core.timing_cache import cache_dir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "rounding.cc")
+#: The fresh process's check (:mod:`.selftest`), whose verdict the cache records.
+CHECK = os.path.join(HERE, "selftest.py")
 #: Environment variable naming the C++ compiler (as for most build tools); default ``c++``.
 CXX_ENV = "CXX"
 #: Seconds a compile, and the check of a build, may take.
@@ -115,10 +118,12 @@ def command(cxx: str, facts: Mapping[str, Any], output: str, cxx11_abi: bool) ->
 
 
 def build_key(facts: Mapping[str, Any], compiler: str, cxx: str, cxx11_abi: bool) -> Dict[str, Any]:
-    """Everything the library depends on."""
-    with open(SOURCE, "rb") as f:
-        source = hashlib.sha256(f.read()).hexdigest()
-    return {"source": source, "compiler": compiler, "cxx": cxx, "flags": list(BASE_FLAGS),
+    """Everything the library and its acceptance depend on: a changed check checks it again."""
+    digests = {}
+    for name, path in (("source", SOURCE), ("check", CHECK)):
+        with open(path, "rb") as f:
+            digests[name] = hashlib.sha256(f.read()).hexdigest()
+    return {**digests, "compiler": compiler, "cxx": cxx, "flags": list(BASE_FLAGS),
             "cxx11_abi": cxx11_abi, **{k: facts[k] for k in sorted(facts)}}
 
 
@@ -219,7 +224,11 @@ def _check(library: str, env: Mapping[str, str]) -> Optional[str]:
         return None
     why = doc.get("error") if isinstance(doc, dict) else None
     tail = " ".join(r.stderr.strip().splitlines()[-2:])[-400:]
-    return f"the built kernel failed its check (exit status {r.returncode}): {why or tail or 'no output'}"
+    status = f"exit status {r.returncode}"
+    if r.returncode < 0:  # the check crashed: its last stderr line names the step it was on
+        with contextlib.suppress(ValueError):
+            status = f"killed by {signal.Signals(-r.returncode).name}"
+    return f"the built kernel failed its check ({status}): {why or tail or 'no output'}"
 
 
 @contextlib.contextmanager

@@ -11,7 +11,11 @@ Loads ``LIBRARY`` into MXNet's process and checks, for float16 and bfloat16:
   passes, for bfloat16);
 - a small training graph (convolution, batch norm, the rounding in place on oneDNN's layout,
   ``static_alloc``) forward and backward against the same graph rounded by MXNet's ops;
-- that float16 rounds the gradient and bfloat16 passes it through.
+- that float16 rounds the gradient and bfloat16 passes it through;
+- that the library's errors (a bad ``dtype``, a float64 input, imperatively and when a graph is
+  typed) reach MXNet's handler as an ``MXNetError`` naming the problem. A C++ exception thrown
+  from a library of one toolchain must unwind through libmxnet's frames of another: where it
+  cannot, a bad call would crash the user's process, so that build is refused.
 
 Prints one JSON line, ``{"ok": true}`` or ``{"ok": false, "error": ...}``; exit status 0 when
 it passed. A crash (a wrong build can take MXNet's process down) is a failure too.
@@ -160,6 +164,40 @@ def check_training(dtype: str) -> List[str]:
     return errors
 
 
+#: Calls that must fail, and the words each error must hold (rounding.cc's messages).
+BAD_CALLS = (
+    ("a bad dtype", {"dtype": "float64"}, "float32", "dtype must be float16 or bfloat16, got float64"),
+    ("a float64 input", {"dtype": "float16"}, "float64", "takes and gives float32"),
+)
+
+
+def _one_op_graph(attrs: Dict[str, str]) -> mx.sym.Symbol:
+    """``x -> OP_NAME(x, **attrs)`` as MXNet loads a saved graph."""
+    nodes = [{"op": "null", "name": "x", "inputs": []},
+             {"op": OP_NAME, "name": "rounded", "attrs": dict(attrs), "inputs": [[0, 0, 0]]}]
+    return mx.sym.load_json(json.dumps({"nodes": nodes, "arg_nodes": [0], "node_row_ptr": [0, 1, 2],
+                                        "heads": [[1, 0, 0]], "attrs": {"mxnet_version": ["int", 10901]}}))
+
+
+def check_errors(fn) -> List[str]:
+    """Each of :data:`BAD_CALLS`, imperatively and typed as a graph, raises an ``MXNetError``
+    naming it. A crash here ends the process: the parent reports its exit status."""
+    errors = []
+    for what, attrs, dtype, words in BAD_CALLS:
+        calls = (("imperatively", lambda: fn(mx.nd.ones((2,), dtype=dtype), **attrs).asnumpy()),
+                 ("in a graph", lambda: _one_op_graph(attrs).infer_type(x=dtype)))
+        for where, call in calls:
+            print(f"selftest: {what} {where} must raise MXNetError", file=sys.stderr, flush=True)
+            try:
+                call()
+            except mx.base.MXNetError as exc:
+                if words not in str(exc):
+                    errors.append(f"{what} {where}: the error does not say {words!r}: {exc}")
+            else:
+                errors.append(f"{what} {where}: no error was raised")
+    return errors
+
+
 def main(argv: List[str]) -> int:
     if len(argv) != 1:
         print(json.dumps({"ok": False, "error": "usage: selftest LIBRARY"}))
@@ -177,6 +215,7 @@ def main(argv: List[str]) -> int:
         for dtype in DTYPES:
             errors += check_training(dtype)
         mx.nd.waitall()
+        errors += check_errors(fn)
     except Exception as exc:  # noqa: BLE001  reported, not raised: the parent falls back
         print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
         return 1

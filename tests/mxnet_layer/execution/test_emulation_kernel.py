@@ -84,8 +84,9 @@ def test_the_loaded_kernel_is_the_checked_build_of_this_source():
     folder = os.path.dirname(status.library)
     outcome = json.load(open(os.path.join(folder, "ok.json")))
     assert outcome["error"] is None and outcome["key"]["mxnet"] == mxi.mxnet_build_facts()["mxnet"]
-    with open(build.SOURCE, "rb") as f:
-        assert outcome["key"]["source"] == hashlib.sha256(f.read()).hexdigest()
+    for name, path in (("source", build.SOURCE), ("check", build.CHECK)):
+        with open(path, "rb") as f:
+            assert outcome["key"][name] == hashlib.sha256(f.read()).hexdigest()
     assert mxi.load_op_library(status.library).gluon_amp_kernel_version() == build.source_version()
 
 
@@ -104,6 +105,45 @@ def test_the_kernel_names_a_bad_dtype(dtype):
     assert emulation_kernel.load().path == "kernel"
     with pytest.raises(mx.base.MXNetError, match=f"dtype must be float16 or bfloat16, got {dtype}"):
         emulation_kernel.round_function()(mx.nd.ones((2,)), dtype=dtype).asnumpy()
+
+
+def test_the_check_finds_the_kernels_errors_reach_mxnet():
+    """On a lent machine's image (Python 3.12.3 and the compiler there) a kernel built there
+    crashed its process at a bad dtype instead of raising: the check now calls what must fail,
+    and the loaded build passed it."""
+    from gluon_amp.emulation_kernel import selftest
+    assert emulation_kernel.load().path == "kernel"
+    assert selftest.check_errors(mxi.ndarray_function(emulation_kernel.OP_NAME)) == []
+
+
+@pytest.mark.parametrize("stand_in, finding", [
+    (lambda x, dtype: x, "no error was raised"),
+    (lambda x, dtype: (_ for _ in ()).throw(__import__("mxnet").base.MXNetError("some other error")),
+     "the error does not say"),
+])
+def test_the_check_of_errors_can_fail(stand_in, finding):
+    from gluon_amp.emulation_kernel import selftest
+    found = selftest.check_errors(stand_in)
+    # the imperative calls of each bad call fail; the graph's ones call the real kernel and pass
+    assert [f.split(":")[0] for f in found] == [f"{what} imperatively" for what, *_ in selftest.BAD_CALLS]
+    assert all(finding in f for f in found)
+
+
+@pytest.mark.parametrize("signal_name, reason", [
+    ("SIGSEGV", "(exit status 255): Segmentation fault"),  # MXNet's own handler reports it
+    ("SIGABRT", "(killed by SIGABRT)"),                     # std::terminate's way out
+])
+def test_a_check_that_crashes_refuses_the_build_and_says_how(tmp_path, signal_name, reason):
+    """A library that takes the checking process down (here: at load) is refused with how it
+    died; the user's process never loads it."""
+    import subprocess
+    source = tmp_path / "crash.c"
+    source.write_text("#include <signal.h>\n"
+                      f"__attribute__((constructor)) static void boom(void) {{ raise({signal_name}); }}\n")
+    library = tmp_path / "crash.so"
+    subprocess.run(["c++", "-x", "c", "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
+    why = build._check(str(library), dict(os.environ))
+    assert why is not None and why.startswith(f"the built kernel failed its check {reason}"), why
 
 
 @pytest.mark.parametrize("op", [emulation_kernel.OP_NAME, emulation_kernel.PAIR_OP_NAME])
