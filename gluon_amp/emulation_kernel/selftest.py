@@ -184,8 +184,8 @@ def check_errors(fn) -> List[str]:
     naming it. A crash here ends the process: the parent reports its exit status."""
     errors = []
     for what, attrs, dtype, words in BAD_CALLS:
-        calls = (("imperatively", lambda: fn(mx.nd.ones((2,), dtype=dtype), **attrs).asnumpy()),
-                 ("in a graph", lambda: _one_op_graph(attrs).infer_type(x=dtype)))
+        calls = (("imperatively", lambda a=attrs, d=dtype: fn(mx.nd.ones((2,), dtype=d), **a).asnumpy()),
+                 ("in a graph", lambda a=attrs, d=dtype: _one_op_graph(a).infer_type(x=d)))
         for where, call in calls:
             print(f"selftest: {what} {where} must raise MXNetError", file=sys.stderr, flush=True)
             try:
