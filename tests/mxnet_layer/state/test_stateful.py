@@ -6,7 +6,8 @@ Hypothesis (``RuleBasedStateMachine``) drives 2 to 4 worker threads through rand
 checkpoint save/load, and bursts where every thread runs at once. Any call may get an injected
 ``KeyboardInterrupt`` or exception at a random line inside gluon_amp's own code (``sys.settrace``
 on that thread; not where no signal handler can run: a ``with`` line, where a raise skips the
-``__exit__`` and leaks a lock, and the first line of ``autocast.__exit__``, before its ``try``).
+``__exit__`` and leaks a lock, a ``try:`` line, the same right after a ``with``'s ``__enter__``,
+and the first line of ``autocast.__exit__``, before its ``try``).
 A model says what must hold; after every rule the invariants are checked:
 
 ========================================  ======================================================
@@ -41,6 +42,7 @@ seed fails on item 6 after 5 s.
 """
 from __future__ import annotations
 
+import dis
 import functools
 import linecache
 import os
@@ -75,6 +77,7 @@ _OURS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(m.__f
               for m in (gluon_amp, __import__("gluon_amp_core")))
 REGION_KINDS = ("float16", "bfloat16", "off", "on")
 _EXIT_CODE = gluon_amp.autocast.__exit__.__code__
+_NOP = dis.opmap["NOP"]
 
 
 class Injected(Exception):
@@ -130,6 +133,22 @@ def injected(fn: Callable[[], Any], inject: Optional[Tuple[type, int]]) -> Any:
     kind, n = inject
     count = [0]
     where: List[str] = []
+
+    def at_line(frame) -> None:
+        count[0] += 1
+        if count[0] == n:
+            where.append(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+            raise kind(f"injected at line {n} of gluon_amp ({where[0]})")
+
+    try:
+        return _traced(fn, at_line)
+    finally:
+        _injection.where = f"{kind.__name__} injected at {where[0] if where else 'no line (not reached)'}"
+
+
+def _traced(fn: Callable[[], Any], at_line: Callable[[Any], None]) -> Any:
+    """``fn()``, calling ``at_line(frame)`` at each line of gluon_amp's own code on this thread
+    where a signal's handler could run (what :func:`injected` counts and raises at)."""
     entries = set()
 
     def local(frame, event, arg):
@@ -141,10 +160,12 @@ def injected(fn: Callable[[], Any], inject: Optional[Tuple[type, int]]) -> Any:
                 return local
             if linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip().startswith("with "):
                 return local  # a with-statement's exit runs there: no handler runs, a raise skips __exit__
-            count[0] += 1
-            if count[0] == n:
-                where.append(f"{frame.f_code.co_filename}:{frame.f_lineno}")
-                raise kind(f"injected at line {n} of gluon_amp ({where[0]})")
+            if frame.f_code.co_code[frame.f_lasti] == _NOP:
+                # a `try:` line: no handler runs at a NOP, and right after a with-statement's
+                # __enter__ a raise there skips its __exit__ (CPython 3.11 and 3.12): once it
+                # "leaked" state.lock at disable()'s `try:` inside `with state.interrupts_deferred()`
+                return local
+            at_line(frame)
         return local
 
     def tracer(frame, event, arg):
@@ -159,7 +180,6 @@ def injected(fn: Callable[[], Any], inject: Optional[Tuple[type, int]]) -> Any:
         return fn()
     finally:
         sys.settrace(None)
-        _injection.where = f"{kind.__name__} injected at {where[0] if where else 'no line (not reached)'}"
 
 
 class Worker:
@@ -583,3 +603,47 @@ def test_state_machine_long():
     """Random: 40 examples of up to 50 steps (under a minute on 2 cores; 150 took up to 2.7
     minutes, a seventh of the suite's 20)."""
     _run(max_examples=40, stateful_step_count=50)
+
+
+@pytest.mark.parametrize("name", ["init", "disable"])
+def test_each_line_of_init_and_disable_themselves_can_be_interrupted(name):
+    """Generated from a run of the call: each line of ``init``'s or ``disable``'s own frame where
+    the state machine may inject (their helpers' lines are its random runs' to reach). After each
+    fault, state.lock is free and AMP turns on and off again. A long run once failed here, at
+    disable()'s ``try:`` right after a with's ``__enter__``, where CPython runs no handler and a
+    raise skips the ``__exit__``: a point :func:`_traced` no longer counts."""
+    fn = getattr(gluon_amp, name)
+    call = (lambda: fn(target_dtype="bfloat16", emulate=True)) if name == "init" else fn
+    count, first = [0], {}
+
+    def record(frame) -> None:  # the first time each line of the function's own frame runs
+        count[0] += 1
+        if frame.f_code is fn.__code__:
+            first.setdefault(frame.f_lineno, count[0])
+
+    emulation_kernel.load()
+    try:
+        if name == "disable":
+            gluon_amp.init(target_dtype="bfloat16", emulate=True)
+        _traced(call, record)
+        points = sorted(first.values())
+        assert len(points) >= 5, (count, first)
+        for n in points:
+            if name == "disable":
+                gluon_amp.init(target_dtype="bfloat16", emulate=True)
+            else:
+                gluon_amp.disable()
+            try:
+                injected(call, (Injected, n))
+            except Injected:
+                pass
+            held = state.lock._is_owned()
+            while state.lock._is_owned():
+                state.lock.release()
+            assert not held, f"{name}: state.lock held after a fault ({_injection.where})"
+            gluon_amp.disable()  # a fault leaves the call done or not done: either way, AMP still
+            gluon_amp.init(target_dtype="float16", emulate=True)  # turns off, on and off again
+            gluon_amp.disable()
+            assert not gluon_amp.is_enabled()
+    finally:
+        gluon_amp.disable()
