@@ -573,6 +573,31 @@ def executed_graph(block: HybridBlock) -> Optional[Symbol]:
     return _EXECUTED.get(block)
 
 
+def decided_types(sym: Symbol, bound: Symbol, type_dict: Any) -> Any:
+    """``type_dict`` for ``bound.simple_bind``, plus a dtype for each argument that MXNet's type
+    inference cannot decide there: what it infers for ``sym`` without its ``amp_cast`` nodes
+    (what the program gives without AMP). ``type_dict`` itself where nothing is missing.
+
+    A cast's input is not inferred from its output, so a weight the user declared as a
+    ``Variable`` and the patched op function cast (``FullyConnected(x, weight=w)``, every
+    ``mx.rnn`` cell) is left undecided, and ``Module.bind`` failed: "InferType pass cannot
+    decide dtypes". The caller's dict is not changed."""
+    given = dict(type_dict or {})
+    try:
+        names = bound.list_arguments()
+        types, _, _ = bound.infer_type_partial(**{k: v for k, v in given.items() if k in names})
+        missing = {n for n, t in zip(names, types) if t is None}
+        if not missing:
+            return type_dict
+        plain = mx.sym.load_json(sym.tojson())  # 1.9.1: tojson() leaves the amp_cast nodes out
+        plain_names = plain.list_arguments()
+        plain_types, _, _ = plain.infer_type_partial(**{k: v for k, v in given.items() if k in plain_names})
+    except mx.base.MXNetError:
+        return type_dict  # MXNet's own bind says what is wrong
+    found = {n: t for n, t in zip(plain_names, plain_types) if n in missing and t is not None}
+    return {**given, **found} if found else type_dict
+
+
 def _names_of(given: Any, names: Sequence[str]) -> Any:
     """A bind argument given as a list in the order of ``names`` as a dict; others as they are."""
     if isinstance(given, (list, tuple)):
@@ -657,12 +682,13 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
         run = for_symbol(self, ctx, dict(type_dict or {}), shapes, group2ctx,
                          _accumulating(grad_req, self.list_arguments()))
         if isinstance(run, RefusedRun):
-            return _refusing(_SIMPLE_BIND(self, ctx, grad_req, type_dict, stype_dict, group2ctx, shared_arg_names,
-                                          shared_exec, shared_buffer, **kwargs), run.error)
+            return _refusing(_SIMPLE_BIND(self, ctx, grad_req, decided_types(self, self, type_dict), stype_dict,
+                                          group2ctx, shared_arg_names, shared_exec, shared_buffer, **kwargs),
+                             run.error)
         if run is not self:
             grad_req = _names_of(grad_req, self.list_arguments())
-        return _SIMPLE_BIND(run, ctx, grad_req, type_dict, stype_dict, group2ctx, shared_arg_names,
-                            shared_exec, shared_buffer, **kwargs)
+        return _SIMPLE_BIND(run, ctx, grad_req, decided_types(self, run, type_dict), stype_dict, group2ctx,
+                            shared_arg_names, shared_exec, shared_buffer, **kwargs)
 
     def bind(self: Symbol, ctx: Any, args: Any, args_grad: Any = None, grad_req: Any = "write",
              aux_states: Any = None, group2ctx: Any = None, shared_exec: Any = None) -> Any:

@@ -1,0 +1,103 @@
+"""Weights a program declares itself (``mx.sym.Variable``) under native bfloat16, bound by Module.
+
+MXNet 1.9.1's ``example/`` ctc, multivariate_time_series (LSTNet), cnn_text_classification and
+nce-loss ``lstm_word`` failed at ``Module.bind`` in native bfloat16 only: "InferType pass cannot
+decide dtypes" for every weight they pass to an op by hand (each ``mx.rnn`` cell does). The
+patched op casts the weight to bfloat16, and MXNet does not infer a cast's input from its output;
+plain MXNet infers it from the data. ``mxnet_internals.gluon.decided_types`` gives such an
+argument what MXNet infers for the graph without its casts. The peer fails the same way.
+
+The simulated native host runs a float32 rewrite of the graph, where every dtype is inferred: its
+twin passes with or without the fix. The graph-level cases below run on every CPU."""
+import itertools
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+import gluon_amp
+from gluon_amp import mxnet_internals as mxi
+
+
+def _cast(s, dtype="bfloat16"):
+    return mx.sym.amp_cast(s, dtype=mxi.to_mx_dtype(dtype))
+
+
+def _graph(op, weight_dtype):
+    """``op`` over user-declared weights, as a patched op function builds it: each input cast to
+    bfloat16 (``weight_dtype``: what the weight Variable declares, or None)."""
+    kw = {} if weight_dtype is None else {"dtype": weight_dtype}
+    w = mx.sym.Variable("w", **kw)
+    data = mx.sym.Variable("data")
+    if op == "FullyConnected":
+        b = mx.sym.Variable("b", **kw)
+        out = mx.sym.FullyConnected(_cast(data), weight=_cast(w), bias=_cast(b), num_hidden=4)
+    elif op == "Convolution":
+        out = mx.sym.Convolution(_cast(data), weight=_cast(w), no_bias=True, kernel=(1, 1), num_filter=4)
+    else:  # two FullyConnected sharing one weight, as an unrolled cell does
+        steps = mx.sym.SliceChannel(data, num_outputs=2, squeeze_axis=1)
+        out = mx.sym.Concat(*[mx.sym.FullyConnected(_cast(s), weight=_cast(w), no_bias=True, num_hidden=4)
+                              for s in steps], dim=0)
+    return mx.sym.MakeLoss(mx.sym.sum(_cast(out, "float32")))
+
+
+# a float32-declared weight with float16 data does not type in plain MXNet either: left out
+CASES = [c for c in itertools.product(["FullyConnected", "Convolution", "shared"], [None, "float32"],
+                                      [np.float32, np.float16]) if not (c[1] == "float32" and c[2] == np.float16)]
+
+
+@pytest.mark.parametrize("op, weight_dtype, data_dtype", CASES)
+def test_an_argument_a_cast_leaves_undecided_gets_what_mxnet_infers_without_the_casts(op, weight_dtype, data_dtype):
+    sym = _graph(op, weight_dtype)
+    given = {"data": data_dtype}
+    decided = mxi.gluon.decided_types(sym, sym, given)
+    assert given == {"data": data_dtype}  # the caller's dict is not changed
+    plain = mx.sym.load_json(sym.tojson())  # the graph without its casts
+    want = dict(zip(plain.list_arguments(), plain.infer_type(data=data_dtype)[0]))
+    types = dict(zip(sym.list_arguments(), sym.infer_type_partial(**decided)[0]))
+    assert None not in types.values(), types
+    assert types == want
+
+
+def test_a_graph_mxnet_types_whole_keeps_the_callers_dict():
+    sym = mx.sym.FullyConnected(mx.sym.Variable("data"), num_hidden=4)  # no cast
+    given = {"data": np.float32}
+    assert mxi.gluon.decided_types(sym, sym, given) is given
+
+
+def _lstm_module():
+    """An unrolled ``mx.rnn.LSTMCell`` and a FullyConnected head, weights declared by the program."""
+    cell = mx.rnn.LSTMCell(8, prefix="l0_")
+    outputs, _ = cell.unroll(3, inputs=mx.sym.Variable("data"), merge_outputs=True, layout="NTC")
+    pred = mx.sym.FullyConnected(mx.sym.flatten(outputs), num_hidden=5,
+                                 weight=mx.sym.Variable("cls_weight"), bias=mx.sym.Variable("cls_bias"))
+    return mx.sym.SoftmaxOutput(pred, label=mx.sym.Variable("softmax_label"))
+
+
+def _train(init):
+    rng = np.random.RandomState(0)
+    batch = mx.io.DataBatch([mx.nd.array(rng.randn(4, 3, 6))], [mx.nd.array(rng.randint(0, 5, (4,)))])
+    if init:
+        gluon_amp.init(target_dtype="bfloat16", tune=False)
+    try:
+        mod = mx.mod.Module(_lstm_module(), context=mx.cpu())
+        mod.bind(data_shapes=[("data", (4, 3, 6))], label_shapes=[("softmax_label", (4,))])
+        mx.random.seed(1)
+        mod.init_params(mx.init.Xavier())
+        mod.init_optimizer(optimizer="sgd", optimizer_params={"learning_rate": 0.1})
+        for _ in range(2):
+            mod.forward_backward(batch)
+            mod.update()
+        mod.forward(batch, is_train=False)
+        return mod.get_outputs()[0].asnumpy(), {n: a.asnumpy() for n, a in mod.get_params()[0].items()}
+    finally:
+        gluon_amp.disable()
+
+
+def test_module_binds_and_trains_declared_weights_in_native_bfloat16(native_host):
+    out, params = _train(init=True)
+    ref_out, ref_params = _train(init=False)
+    assert set(params) == set(ref_params) and all(p.dtype == np.float32 for p in params.values())
+    np.testing.assert_allclose(out, ref_out, rtol=0, atol=0.03)  # bfloat16's 8 bits over 2 steps
+    for name, p in params.items():
+        np.testing.assert_allclose(p, ref_params[name], rtol=0, atol=0.02, err_msg=name)
