@@ -23,8 +23,7 @@ from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
 from gluon_amp_core.emulate import BF16_ROUNDING, PLAIN_LAYOUT, EmulatedGraph, emulate_graph
 
 from . import emulation_kernel
-from .mxnet_internals import FLOAT_NAMES, copy_function, to_mx_dtype
-from .type_inference import entry_keys
+from .mxnet_internals import FLOAT_NAMES, copy_function, internal_entries, symbol_graph, to_mx_dtype
 
 Key = Tuple[str, int]
 
@@ -79,7 +78,7 @@ def emulate_symbol(sym: Symbol, dtypes: Mapping[Key, Optional[str]],
     (:func:`gluon_amp_core.emulate.emulate_graph`)."""
     kernel = None if portable or not emulation_kernel.active() else emulation_kernel.OP_NAME
     ndims = _ndims(sym, shapes) if shapes and kernel is None else None
-    emulated = emulate_graph(json.loads(sym.tojson(remove_amp_cast=False)), dtypes, ndims, kernel, fed)
+    emulated = emulate_graph(symbol_graph(sym), dtypes, ndims, kernel, fed)
     return mx.sym.load_json(json.dumps(emulated.graph)), emulated
 
 
@@ -93,5 +92,5 @@ def _ndims(sym: Symbol, shapes: Mapping[str, tuple]) -> Dict[Key, int]:
         return {}
     if out_shapes is None:
         return {}
-    return {key: len(shape) for key, shape in zip(entry_keys(internals), out_shapes)
+    return {key: len(shape) for key, shape in zip(internal_entries(sym), out_shapes)
             if shape}

@@ -114,7 +114,7 @@ def without_float16_multicasts(plan: Symbol, typed: Mapping[Key, Optional[str]])
     """``plan`` as a CPU runs it: a multicast with a float16 input becomes one cast per input
     (oneDNN runs the CPU's ``amp_multicast`` and has no float16;
     :func:`gluon_amp_core.retype.cast_each_input`). ``plan`` itself where it has none."""
-    graph, split = cast_each_input(json.loads(plan.tojson(remove_amp_cast=False)), typed, "float16")
+    graph, split = cast_each_input(mxi.symbol_graph(plan), typed, "float16")
     return mx.sym.load_json(json.dumps(graph)) if split else plan
 
 
@@ -137,7 +137,7 @@ def outputs_as_fed(plan: Symbol, typed: Mapping[Key, Optional[str]], fed: Mappin
     if len(fed_low) > 1:
         return plan  # several low dtypes fed: the plan's own outputs
     want = fed_low.pop() if fed_low else "float32"
-    graph = json.loads(plan.tojson(remove_amp_cast=False))
+    graph = mxi.symbol_graph(plan)
     nodes, heads, made = graph["nodes"], [], {}
     for i, (j, k, v) in enumerate(graph["heads"]):
         name = nodes[j]["name"]
@@ -168,7 +168,7 @@ def kernel_dtypes(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> set:
     nodes but casts. A graph input in a low dtype that is only cast (GPU-style code's float16
     data fed to a bfloat16 plan: ``net.cast('float16')``, ``net(x.astype('float16'))``) runs no
     kernel of that dtype, as the same plan run op by op does not."""
-    nodes = json.loads(plan.tojson(remove_amp_cast=False))["nodes"]
+    nodes = mxi.symbol_graph(plan)["nodes"]
     exempt = {n["name"] for n in nodes if n["op"] == "null" or n["op"] in _CASTS}
     return {t for (name, _), t in typed.items() if t in LOW_PRECISION_DTYPES and name not in exempt}
 
@@ -180,7 +180,7 @@ def kernels_missing(plan: Symbol, typed: Mapping[Key, Optional[str]], dtype: str
     An op the facts do not know runs as plain MXNet runs it: the script computes in that dtype
     itself, so AMP adds no failure there."""
     verdicts = kernel_verdicts(dtype, device)
-    nodes = json.loads(plan.tojson(remove_amp_cast=False))["nodes"]
+    nodes = mxi.symbol_graph(plan)["nodes"]
     computing = {name for (name, _), t in typed.items() if t == dtype}
     missing = []
     for node in nodes:
@@ -199,7 +199,7 @@ def without_identity_casts(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> 
     and such a cast changes how MXNet runs the op that reads it (a block's plan has none: the
     block hooks drop them, :mod:`gluon_amp.patching.hooks`)
     (:func:`gluon_amp_core.retype.drop_identity_casts`)."""
-    graph, dropped = drop_identity_casts(json.loads(plan.tojson(remove_amp_cast=False)), typed)
+    graph, dropped = drop_identity_casts(mxi.symbol_graph(plan), typed)
     return mx.sym.load_json(json.dumps(graph)) if dropped else plan
 
 
@@ -221,7 +221,7 @@ def emulated(plan: Symbol, typed: Mapping[Key, Optional[str]],
     saved and loaded elsewhere)."""
     if fed is not None:
         return emulate_symbol(plan, typed, shapes, portable=portable, fed=fed)[0]
-    graph = json.loads(plan.tojson(remove_amp_cast=False))
+    graph = mxi.symbol_graph(plan)
     if widen:
         graph, typed = widen_low_inputs(graph, typed)
     return emulate_symbol(mx.sym.load_json(json.dumps(graph)), typed, shapes, portable=portable)[0]
@@ -274,7 +274,8 @@ _KEEP_SYMBOLS = 64
 _lock = threading.Lock()
 #: the execution hooks (Symbol.bind/simple_bind, the block's CachedOp build), installed while
 #: anyone holds them (``init``; converted results)
-hooks_held = state.Held(lambda: mxi.install_execution_hooks(while_gc_paused(_for_block), while_gc_paused(_for_symbol)),
+hooks_held = state.Held(lambda: mxi.install_execution_hooks(while_gc_paused(mxi.reading_once(_for_block)),
+                                                            while_gc_paused(mxi.reading_once(_for_symbol))),
                         mxi.remove_execution_hooks)
 
 
@@ -394,7 +395,7 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
         return plan
     stand_in = getattr(block, "float32_stand_in_params", ())
     if stand_in:  # held float32 for the float32 graph: the plan reads them through casts
-        graph = params_read_through_casts(json.loads(plan.tojson(remove_amp_cast=False)), stand_in)
+        graph = params_read_through_casts(mxi.symbol_graph(plan), stand_in)
         plan = mx.sym.load_json(json.dumps(graph))
     known, shapes = mxi.call_inputs(block, args, inputs)
     plan_notes.record_fed(block, known)  # report types the plan as it runs (gluon_amp.reporting)

@@ -22,6 +22,7 @@ from gluon_amp_core.shape_limits import limited_nodes
 from gluon_amp_core.table import OpClass, default_table
 
 from . import runtime
+from .mxnet_internals import symbol_graph
 from .type_inference import infer_dtypes, infer_shapes
 
 Key = Tuple[str, int]
@@ -65,7 +66,7 @@ def within_kernel_limits(plan: Symbol, typed: Mapping[Key, Optional[str]], shape
     any plan is bound. ``plan`` and ``typed`` themselves where none is; the plan is never
     changed."""
     rules = default_table("bfloat16").narrow_fp32
-    graph = json.loads(plan.tojson(remove_amp_cast=False))
+    graph = symbol_graph(plan)
     if not any(n["op"] in rules and typed.get((n["name"], 0)) == "bfloat16" for n in graph["nodes"]):
         return plan, typed
     limited = limited_nodes(graph["nodes"], typed, infer_shapes(plan, shapes), rules, "bfloat16")
@@ -92,7 +93,7 @@ def with_plain_views(plan: Symbol, typed: Mapping[Key, Optional[str]],
     1.9.1 cannot use a reshaped view of a oneDNN 5-d bfloat16 array
     (:func:`gluon_amp_core.plain_views.plain_before_views`). ``plan`` itself where there is
     none; the plan is never changed."""
-    graph = json.loads(plan.tojson(remove_amp_cast=False))
+    graph = symbol_graph(plan)
     if not any(n["op"] in VIEW_OPS and typed.get((n["name"], 0)) == "bfloat16" for n in graph["nodes"]):
         return plan
     graph, copied = plain_before_views(graph, typed, infer_shapes(plan, shapes), "bfloat16")
@@ -106,7 +107,7 @@ def with_batchnorms_apart(plan: Symbol, typed: Mapping[Key, Optional[str]],
     fusion, which would fold it again on every call
     (:func:`gluon_amp_core.fusion_barriers.keep_batchnorms_apart`). ``plan`` itself where
     there is none; the plan is never changed (what ``export`` writes)."""
-    graph = json.loads(plan.tojson(remove_amp_cast=False))
+    graph = symbol_graph(plan)
     if not any(n["op"] == "Convolution" for n in graph["nodes"]):
         return plan
     graph, kept = keep_batchnorms_apart(graph, typed, infer_shapes(plan, shapes))
@@ -132,7 +133,7 @@ def with_paired_casts(plan: Symbol, typed: Mapping[Key, Optional[str]]) -> Symbo
     that each weight's gradient is cast back to float32, and its bfloat16 buffer freed, as the
     backward pass reaches the op (:func:`gluon_amp_core.paired_casts.pair_param_casts`).
     ``plan`` itself where there is nothing to pair."""
-    graph, paired = pair_param_casts(json.loads(plan.tojson(remove_amp_cast=False)), typed, "bfloat16")
+    graph, paired = pair_param_casts(symbol_graph(plan), typed, "bfloat16")
     return mx.sym.load_json(json.dumps(graph)) if paired else plan
 
 
@@ -144,7 +145,7 @@ def with_accumulating_casts(plan: Symbol, typed: Mapping[Key, Optional[str]],
     where no such input is cast."""
     if accumulating is not None and not accumulating:
         return plan
-    graph, changed = cast_accumulating_inputs(json.loads(plan.tojson(remove_amp_cast=False)), typed, "bfloat16",
+    graph, changed = cast_accumulating_inputs(symbol_graph(plan), typed, "bfloat16",
                                               accumulating)
     return mx.sym.load_json(json.dumps(graph)) if changed else plan
 
@@ -155,7 +156,7 @@ def with_layout_guards(plan: Symbol, typed: Mapping[Key, Optional[str]],
     pass would meet two oneDNN layouts on an AMX host, and run oneDNN's reference kernel
     (:func:`gluon_amp_core.layout_guards.guard_batchnorm_layouts`). ``plan`` itself where
     there is none; the plan is never changed (what ``export`` writes)."""
-    graph = json.loads(plan.tojson(remove_amp_cast=False))
+    graph = symbol_graph(plan)
     if not any(n["op"] in BATCHNORM_OPS for n in graph["nodes"]):
         return plan
     graph, guarded = guard_batchnorm_layouts(graph, typed, infer_shapes(plan, shapes), "bfloat16")

@@ -14,7 +14,7 @@ from mxnet.base import MXNetError
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import DTYPE_CODE, dtype_name
-from .mxnet_internals import to_mx_dtype
+from .mxnet_internals import internal_entries, symbol_graph, to_mx_dtype
 
 def infer_dtypes(sym: Symbol, input_types: Mapping[str, Any],
                  partial: bool = False) -> Optional[Dict[Tuple[str, int], Optional[str]]]:
@@ -43,7 +43,7 @@ def infer_dtypes(sym: Symbol, input_types: Mapping[str, Any],
     if out_types is None:
         return None
     return {key: dtype_name(t) if t is not None else None
-            for key, t in zip(entry_keys(internals), out_types)}
+            for key, t in zip(internal_entries(sym), out_types)}
 
 
 def infer_shapes(sym: Symbol, input_shapes: Mapping[str, Tuple[int, ...]]
@@ -62,7 +62,7 @@ def infer_shapes(sym: Symbol, input_shapes: Mapping[str, Tuple[int, ...]]
         return {}
     # partial inference marks an unknown dimension with 0 (or leaves the shape empty)
     return {key: (tuple(s) if s and all(d > 0 for d in s) else None)
-            for key, s in zip(entry_keys(internals), out_shapes)}
+            for key, s in zip(internal_entries(sym), out_shapes)}
 
 
 def entry_keys(internals: Symbol) -> List[Tuple[str, int]]:
@@ -73,7 +73,7 @@ def entry_keys(internals: Symbol) -> List[Tuple[str, int]]:
     ``rnn0_state``, BatchNorm's ``bn_mean``, SliceChannel's ``sp_output1``), so the
     entries are read from the graph itself rather than from the names.
     """
-    graph = json.loads(internals.tojson(remove_amp_cast=False))
+    graph = symbol_graph(internals)
     nodes = graph["nodes"]
     return [(nodes[h[0]]["name"], h[1]) for h in graph["heads"]]
 
@@ -81,7 +81,7 @@ def entry_keys(internals: Symbol) -> List[Tuple[str, int]]:
 def _declared(sym: Symbol, names: Mapping[str, str]) -> Symbol:
     """``sym`` with these input dtypes declared as ``__dtype__`` attributes: MXNet 1.9.1's
     ``infer_type(name=dtype)`` silently drops bfloat16 (its NumPy type is ``void``)."""
-    graph = json.loads(sym.tojson(remove_amp_cast=False))
+    graph = symbol_graph(sym)
     for node in graph["nodes"]:
         if node["op"] == "null" and node["name"] in names:
             node["attrs"] = {**node.get("attrs", {}), "__dtype__": str(DTYPE_CODE[names[node["name"]]])}

@@ -11,6 +11,8 @@ import mxnet as mx
 from mxnet.gluon import Block, HybridBlock, Parameter
 from mxnet.symbol import Symbol
 
+from .graph_reads import shared_reads
+
 
 # -- gluon blocks --------------------------------------------------------------------
 
@@ -654,9 +656,10 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
     def _build_cache(self: HybridBlock, *args: Any) -> Any:
         if _paused.depth:
             return _BUILD_CACHE(self, *args)
-        inputs, graph = self._get_graph(*args)
-        _ACCUMULATION[self] = frozenset(self.collect_params().keys())
-        run = for_block(self, args, graph, inputs)
+        with shared_reads():  # the graph the trace's rewrite gave is the one for_block reads
+            inputs, graph = self._get_graph(*args)
+            _ACCUMULATION[self] = frozenset(self.collect_params().keys())
+            run = for_block(self, args, graph, inputs)
         if run is graph:
             _EXECUTED.pop(self, None)
             return _BUILD_CACHE(self, *args)

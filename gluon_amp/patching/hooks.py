@@ -47,7 +47,7 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
             return out  # converted by gluon_amp: its plan was fixed then
         plan_notes.record_emulated(block, None)
         known, shapes = mxi.call_inputs(block, args, inputs)
-        graph, renamed = unique_op_names(json.loads(out.tojson(remove_amp_cast=False)))
+        graph, renamed = unique_op_names(mxi.symbol_graph(out))
         if renamed:  # a block called twice in this trace: every pass below types by node name
             out = mx.sym.load_json(json.dumps(graph))
         users = users_casts(graph)  # the block's own casts stay
@@ -57,7 +57,7 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
             # the wrappers cast every input before dtypes are known: ids, lengths and float64
             # values (oneDNN rejects some), and values that have the dtype already (a cast
             # between a weight and its op changes how MXNet runs it)
-            graph, dropped = drop_identity_casts(json.loads(out.tojson(remove_amp_cast=False)), dtypes)
+            graph, dropped = drop_identity_casts(mxi.symbol_graph(out), dtypes)
             if dropped:
                 out = mx.sym.load_json(json.dumps(graph))
                 dtypes = infer_dtypes(out, known, partial=True) or {}
@@ -74,4 +74,4 @@ def holds_amp_plan(sym: Symbol) -> bool:
     """True when ``sym`` carries an AMP plan: casts the symbolic wrappers or a converter
     inserted, or an emulated graph's roundings."""
     return any(n["op"] in ("amp_cast", "amp_multicast") or n["name"].endswith(ROUND_SUFFIX)
-               for n in json.loads(sym.tojson(remove_amp_cast=False))["nodes"])
+               for n in mxi.symbol_graph(sym)["nodes"])

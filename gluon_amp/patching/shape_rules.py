@@ -51,7 +51,7 @@ class ShapeRules:
         """
         if not self.active:
             return out
-        graph = json.loads(out.tojson(remove_amp_cast=False))
+        graph = mxi.symbol_graph(out)
         table = self.policy.table
         plan_notes.record(block, "shape_rules", {})
         if not any(table.canonical(n["op"]) in table.narrow_fp32 for n in graph["nodes"]):
@@ -73,7 +73,7 @@ class ShapeRules:
         graph does not run so yet (it must then be rebuilt)."""
         if not self.active:
             return False
-        graph = json.loads(out.tojson(remove_amp_cast=False))
+        graph = mxi.symbol_graph(out)
         return not self._narrow(graph, out, shapes).keys() <= self._kept.get(block, frozenset())
 
     def _narrow(self, graph: dict, out: Symbol, shapes: Shapes) -> dict:

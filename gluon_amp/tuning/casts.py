@@ -17,6 +17,7 @@ from gluon_amp_core.graph_pass import PassResult
 from gluon_amp_core.retype import unique_op_names
 from gluon_amp_core.table import OpTable
 
+from ..mxnet_internals import symbol_graph
 from ..type_inference import infer_dtypes
 
 
@@ -28,7 +29,7 @@ def with_fewer_casts(sym: Symbol, known: Mapping[str, str], table: OpTable,
     ``known``: the input dtypes MXNet types it from; ``dtypes``: its typing, where known;
     ``keep``: the names of the user's casts, which stay."""
     # the op wrappers name casts per name scope (an unrolled cell repeats them); typed by name
-    graph, renamed = unique_op_names(json.loads(sym.tojson(remove_amp_cast=False)), CAST_OPS)
+    graph, renamed = unique_op_names(symbol_graph(sym), CAST_OPS)
     if renamed:  # the renamed casts typed again
         dtypes = infer_dtypes(mx.sym.load_json(json.dumps(graph)), known, partial=True) or {}
     typed = dict(dtypes) if dtypes is not None else (infer_dtypes(sym, known, partial=True) or {})
