@@ -443,8 +443,8 @@ def _float32_where_slower(block: HybridBlock, plan: Symbol, known: Mapping[str, 
 
 
 def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mapping[str, Tuple[int, ...]],
-                group2ctx: Optional[Mapping[str, Any]], accumulating: Collection[str] = frozenset()
-                ) -> Union[Symbol, "mxi.RefusedRun"]:
+                group2ctx: Optional[Mapping[str, Any]], accumulating: Collection[str] = frozenset(),
+                trains: bool = True) -> Union[Symbol, "mxi.RefusedRun"]:
     policy = policy_for(sym)
     if policy is None and not runtime.simulated():
         return sym
@@ -459,8 +459,10 @@ def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mappin
     if policy is not None:  # else a simulated host's plain graph (graph_to_run), run as MXNet has it
         sym = without_identity_casts(sym, infer_dtypes(sym, known, partial=True) or {})
     try:
-        return graph_to_run(sym, known, shapes, devices, policy, "the bound symbol", pair=not converted,
-                            accumulating=accumulating)
+        # bound without gradients, MXNet fuses each convolution with its batch norm, which then
+        # folds the batch norm into the weight cast anew at every call: kept apart where that costs less
+        return graph_to_run(sym, known, shapes, devices, policy, "the bound symbol", pair=not converted and trains,
+                            accumulating=accumulating, fused=mxi.partitioned_when_bound(devices, trains))
     except CannotRun as refused:
         # Binding is also how users infer a graph's shapes and types (and Module binds before it
         # runs): the executor binds, and its first forward raises this before MXNet's kernels would.

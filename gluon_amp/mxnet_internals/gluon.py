@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -618,6 +619,29 @@ def _accumulating(grad_req: Any, names: Sequence[str]) -> FrozenSet[str]:
     return frozenset()
 
 
+def _with_gradients(grad_req: Any, names: Sequence[str]) -> bool:
+    """True when ``grad_req`` (a bind's, as :func:`_accumulating` reads it) gives some argument a
+    gradient. 1.9.1: a name a dict leaves out gets none."""
+    given = _names_of(grad_req, names)
+    if isinstance(given, str):
+        return given != "null"
+    if isinstance(given, dict):
+        return any(r != "null" for r in given.values())
+    return True  # not one MXNet takes: as if it trains (the plan as it is)
+
+
+def partitioned_when_bound(devices: Any, trains: bool) -> bool:
+    """True when MXNet partitions what an executor bound on ``devices`` runs with its oneDNN
+    fusion (a convolution and its batch norm become one ``_sg_mkldnn_conv``, which folds the
+    batch norm into the weight it reads at each call where that weight is new).
+
+    1.9.1: ``GraphExecutor`` partitions a graph bound without gradients with the backend named by
+    ``MXNET_SUBGRAPH_BACKEND``, ``MKLDNN`` where unset on a CPU build; ``NONE`` turns it off.
+    """
+    backend = os.environ.get("MXNET_SUBGRAPH_BACKEND", "MKLDNN")
+    return not trains and "cpu" in set(devices) and backend.upper() not in ("", "NONE")
+
+
 #: block -> its parameters' names, recorded when its CachedOp is built: a parameter's
 #: ``grad_req`` changed to or from ``'add'`` later rebuilds it
 _ACCUMULATION: "weakref.WeakKeyDictionary[HybridBlock, FrozenSet[str]]" = weakref.WeakKeyDictionary()
@@ -641,14 +665,15 @@ def _set_grad_req(self: Parameter, req: Any) -> None:
 
 
 def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Sequence[Symbol]], Symbol],
-                            for_symbol: Callable[[Symbol, Any, Dict[str, Any], Dict[str, tuple], Any, FrozenSet[str]],
-                                                 Union[Symbol, RefusedRun]]
+                            for_symbol: Callable[[Symbol, Any, Dict[str, Any], Dict[str, tuple], Any,
+                                                  FrozenSet[str], bool], Union[Symbol, RefusedRun]]
                             ) -> ExecutionHooks:
     """Until :func:`remove_execution_hooks`: a hybridized block's CachedOp is built from
     ``for_block(block, args, graph, inputs)`` (the block's cached graph stays its own), and
-    ``Symbol.bind``/``simple_bind`` bind ``for_symbol(sym, ctx, dtypes, shapes, group2ctx, accumulating)``
-    (the Symbol itself is left as it is; a :class:`RefusedRun` binds it and refuses its
-    forward), ``accumulating`` being the arguments whose ``grad_req`` is ``'add'``. Either
+    ``Symbol.bind``/``simple_bind`` bind ``for_symbol(sym, ctx, dtypes, shapes, group2ctx, accumulating,
+    trains)`` (the Symbol itself is left as it is; a :class:`RefusedRun` binds it and refuses its
+    forward), ``accumulating`` being the arguments whose ``grad_req`` is ``'add'``, ``trains``
+    whether any argument gets a gradient (:func:`partitioned_when_bound`). Either
     returns its graph to run it unchanged. A parameter's ``grad_req`` set to or from ``'add'``
     rebuilds the CachedOps of the blocks that hold it.
     Blocks built inside :func:`hooks_paused` pass untouched."""
@@ -682,8 +707,9 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
                     stype_dict: Any = None, group2ctx: Any = None, shared_arg_names: Any = None,
                     shared_exec: Any = None, shared_buffer: Any = None, **kwargs: Any) -> Any:
         shapes = {k: tuple(v) for k, v in kwargs.items() if isinstance(v, tuple)}
-        run = for_symbol(self, ctx, dict(type_dict or {}), shapes, group2ctx,
-                         _accumulating(grad_req, self.list_arguments()))
+        names = self.list_arguments()
+        run = for_symbol(self, ctx, dict(type_dict or {}), shapes, group2ctx, _accumulating(grad_req, names),
+                         _with_gradients(grad_req, names))
         if isinstance(run, RefusedRun):
             return _refusing(_SIMPLE_BIND(self, ctx, grad_req, decided_types(self, self, type_dict), stype_dict,
                                           group2ctx, shared_arg_names, shared_exec, shared_buffer, **kwargs),
@@ -700,7 +726,8 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
         if not isinstance(arrays, dict) or not all(isinstance(a, mx.nd.NDArray) for a in arrays.values()):
             return _BIND(self, ctx, args, args_grad, grad_req, aux_states, group2ctx, shared_exec)
         run = for_symbol(self, ctx, {k: a.dtype for k, a in arrays.items()},
-                         {k: a.shape for k, a in arrays.items()}, group2ctx, _accumulating(grad_req, arg_names))
+                         {k: a.shape for k, a in arrays.items()}, group2ctx, _accumulating(grad_req, arg_names),
+                         args_grad is not None and _with_gradients(grad_req, arg_names))
         if isinstance(run, RefusedRun):
             return _refusing(_BIND(self, ctx, args, args_grad, grad_req, aux_states, group2ctx, shared_exec),
                              run.error)

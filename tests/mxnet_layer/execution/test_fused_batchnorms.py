@@ -94,3 +94,73 @@ def test_the_converted_block_runs_its_batch_norms_apart_and_gives_the_plans_valu
     assert np.abs(got - want).max() <= 0.05 * scale and np.abs(unfused - want).max() <= 0.05 * scale
     for _ in range(2):  # the same values on each call: nothing is folded again
         assert np.array_equal(block(x).asnumpy(), got)
+
+
+# -- a symbol bound without gradients (Module.bind(for_training=False)) under init -------------
+
+def _conv_bn_symbol():
+    x = mx.sym.var("data")
+    for i in range(2):
+        x = mx.sym.Convolution(x, num_filter=16, kernel=(3, 3), pad=(1, 1), no_bias=True, name=f"c{i}")
+        x = mx.sym.Activation(mx.sym.BatchNorm(x, name=f"bn{i}"), act_type="relu")
+    return x
+
+
+@pytest.mark.parametrize("backend", [None, "MKLDNN", "NONE"])
+@pytest.mark.parametrize("grad_req", ["null", "write", {"data": "null"}, {"c0_weight": "write"}])
+def test_partitioned_when_bound_says_what_mxnet_does(monkeypatch, backend, grad_req):
+    """The oracle: whether the executor MXNet binds runs a fused ``_sg_mkldnn_conv``."""
+    if backend is None:
+        monkeypatch.delenv("MXNET_SUBGRAPH_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("MXNET_SUBGRAPH_BACKEND", backend)
+    sym = _conv_bn_symbol()
+    exe = sym.simple_bind(mx.cpu(), data=(1, 8, 5, 5), grad_req=grad_req)
+    ops = {n["op"] for n in json.loads(exe.get_optimized_symbol().tojson())["nodes"]}
+    trains = gluon_amp.mxnet_internals.gluon._with_gradients(grad_req, sym.list_arguments())
+    assert gluon_amp.mxnet_internals.partitioned_when_bound({"cpu"}, trains) == ("_sg_mkldnn_conv" in ops)
+
+
+def _module_outputs(x, params, for_training):
+    mod = mx.mod.Module(_conv_bn_symbol(), data_names=["data"], label_names=None, context=mx.cpu())
+    mod.bind(data_shapes=[("data", x.shape)], for_training=for_training)
+    mod.set_params(*params)
+    mod.forward(mx.io.DataBatch([x]), is_train=False)
+    return mod, mod.get_outputs()[0].asnumpy()
+
+
+def test_a_module_bound_for_inference_keeps_its_batch_norms_out_of_the_fusion(native_host, monkeypatch):
+    """Bound without gradients, MXNet fuses each convolution with its batch norm, and the fused op
+    folds the batch norm into the weight the plan casts anew at each call (an 8-layer stack of
+    3x3 convolutions at batch 1 ran 20x FP32's time): the batch norm stays apart where its weight
+    is larger than its output, and the values are the plan's. A training bind is not partitioned,
+    and pairs its weight casts as before. (A simulated host runs the plan emulated: there the
+    binding's decision is checked; real kernels run it.)"""
+    rng = np.random.RandomState(0)
+    x = mx.nd.array(rng.uniform(-1, 1, (1, 8, 5, 5)))
+    sym = _conv_bn_symbol()
+    arg_shapes, _, aux_shapes = sym.infer_shape(data=x.shape)
+    args = {n: mx.nd.array(rng.uniform(-0.5, 0.5, s)) for n, s in zip(sym.list_arguments(), arg_shapes) if n != "data"}
+    aux = {n: mx.nd.array(rng.uniform(0.5, 2.0, s)) for n, s in zip(sym.list_auxiliary_states(), aux_shapes)}
+    _, expect = _module_outputs(x, (args, aux), for_training=False)
+    asked = []
+    real = execution.graph_to_run
+
+    def recording(*a, **k):
+        asked.append((k.get("fused"), k.get("pair")))
+        return real(*a, **k)
+
+    monkeypatch.setattr(execution, "graph_to_run", recording)
+    gluon_amp.init("bfloat16", tune=False)
+    mod, got = _module_outputs(x, (args, aux), for_training=False)
+    np.testing.assert_allclose(got, expect, rtol=0.05, atol=0.05)
+    assert not np.array_equal(got, expect)  # it ran the bfloat16 plan
+    assert asked == [(True, False)]
+    if not runtime.simulated():
+        run = mod._exec_group.execs[0]._symbol
+        names = [n["name"] for n in json.loads(run.tojson(remove_amp_cast=False))["nodes"]]
+        assert any(name.endswith(BARRIER_SUFFIX) for name in names), names
+        fused = _fused_ops(run)
+        assert ("bn", "bn0", False) in fused and ("bn", "bn1", False) in fused, fused
+    _module_outputs(x, (args, aux), for_training=True)
+    assert asked[1:] == [(False, True)]
