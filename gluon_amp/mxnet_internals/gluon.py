@@ -141,6 +141,23 @@ def legacy_arrays() -> ContextManager[Any]:
     return mx.util.np_array(False)
 
 
+def auto_names_mark() -> Callable[[], None]:
+    """A function that puts MXNet's automatic naming back as it is now: the names symbols built
+    meanwhile took (``fullyconnected3``) are handed out again, as if they had not been built.
+
+    1.9.1: ``NameManager.current`` (Gluon's name scopes are its ``Prefix`` subclass) counts
+    each hint in its ``_counter`` dict; without it, the function does nothing.
+    """
+    counter = getattr(mx.name.NameManager.current, "_counter", None)
+    saved = dict(counter) if isinstance(counter, dict) else None
+
+    def restore() -> None:
+        if saved is not None:
+            counter.clear()
+            counter.update(saved)
+    return restore
+
+
 def pin_float32(var: Symbol) -> None:
     """Declare a variable float32 (``__dtype__='0'``). 1.9.1: ``Symbol._set_attr``; the
     public ``var(dtype=)`` cannot change an existing variable."""

@@ -340,28 +340,49 @@ def sym_wrapper(fn: Callable, op: str, table: OpTable, info: mxi.OpInfo, sig: mx
             return _recompose(fn(*args, **kwargs), d, info, given)
         positions = [(None, i) for i, a in enumerate(inputs) if isinstance(a, Symbol)]
         positions += [(k, None) for k in sym_kw]
-        new_args = list(args)
 
-        def get(p):
-            return kwargs[p[0]] if p[0] is not None else new_args[p[1]]
+        def build(aux: frozenset) -> Any:
+            """The op on its inputs cast, those that are its auxiliary states (``aux``) left as given."""
+            new_args, new_kwargs = list(args), dict(kwargs)
 
-        def put(p, v):
-            if p[0] is not None:
-                kwargs[p[0]] = v
-            else:
-                new_args[p[1]] = v
+            def get(p):
+                return new_kwargs[p[0]] if p[0] is not None else new_args[p[1]]
 
-        if d.dtype is None:  # widest, dtypes unknown until run time
-            if len(positions) > 1:
-                cast = multicast_sym([get(p) for p in positions])
-                for j, p in enumerate(positions):
-                    put(p, cast[j])
-            return fn(*new_args, **kwargs)
-        for p in positions:
-            name = p[0] if p[0] is not None else (info.inputs[p[1]] if p[1] < declared else "")
-            if name not in d.keep_fp32:
-                put(p, cast_sym(get(p), d.dtype))
-        return fn(*new_args, **kwargs)
+            def put(p, v):
+                if p[0] is not None:
+                    new_kwargs[p[0]] = v
+                else:
+                    new_args[p[1]] = v
+
+            cast_at = [p for p in positions if get(p).name not in aux or get(p).get_children() is not None]
+            if d.dtype is None:  # widest, dtypes unknown until run time
+                if len(cast_at) > 1:
+                    cast = multicast_sym([get(p) for p in cast_at])
+                    for j, p in enumerate(cast_at):
+                        put(p, cast[j])
+                return fn(*new_args, **new_kwargs)
+            for p in cast_at:
+                name = p[0] if p[0] is not None else (info.inputs[p[1]] if p[1] < declared else "")
+                if name not in d.keep_fp32:
+                    put(p, cast_sym(get(p), d.dtype))
+            return fn(*new_args, **new_kwargs)
+
+        names_back = mxi.auto_names_mark()
+        try:
+            return build(frozenset())
+        except MXNetError:
+            # An auxiliary state given as a variable (a Custom op's, whose prop declares them)
+            # is mutated by the op, and MXNet refuses a cast there: the op's own list says which.
+            # The names these attempts took are handed out again (the op's is plain MXNet's).
+            try:
+                aux = frozenset(mxi.op_head(neutral(*args, **kwargs)).list_auxiliary_states())
+            except MXNetError:
+                aux = frozenset()
+            finally:
+                names_back()
+            if not aux:
+                raise
+            return build(aux)
 
     return amp_op
 
