@@ -1,6 +1,5 @@
 """graph_reads: a symbol's graph serialised once per chain of passes, and the internals' entries
 read from the graph itself, as MXNet's ``get_internals()`` lists them."""
-import json
 import random
 import threading
 
