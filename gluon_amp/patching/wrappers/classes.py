@@ -354,7 +354,8 @@ def sym_wrapper(fn: Callable, op: str, table: OpTable, info: mxi.OpInfo, sig: mx
                 else:
                     new_args[p[1]] = v
 
-            cast_at = [p for p in positions if get(p).name not in aux or get(p).get_children() is not None]
+            cast_at = positions if not aux else [
+                p for p in positions if get(p).name not in aux or get(p).get_children() is not None]
             if d.dtype is None:  # widest, dtypes unknown until run time
                 if len(cast_at) > 1:
                     cast = multicast_sym([get(p) for p in cast_at])
