@@ -274,8 +274,8 @@ _KEEP_SYMBOLS = 64
 _lock = threading.Lock()
 #: the execution hooks (Symbol.bind/simple_bind, the block's CachedOp build), installed while
 #: anyone holds them (``init``; converted results)
-hooks_held = state.Held(lambda: mxi.install_execution_hooks(while_gc_paused(mxi.reading_once(_for_block)),
-                                                            while_gc_paused(mxi.reading_once(_for_symbol))),
+hooks_held = state.Held(lambda: mxi.install_execution_hooks(while_gc_paused(mxi.shared_reads()(_for_block)),
+                                                            while_gc_paused(mxi.shared_reads()(_for_symbol))),
                         mxi.remove_execution_hooks)
 
 

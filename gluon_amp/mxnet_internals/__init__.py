@@ -18,5 +18,5 @@ from .code_swap import (SavedFunction, copy_function, is_redirected_to, original
                         redirect, restore, retarget)
 from .custom_ops import *  # noqa: F401,F403
 from .simulated import *  # noqa: F401,F403
-from .graph_reads import internal_entries, reading_once, shared_reads, symbol_graph, symbol_json  # noqa: F401
+from .graph_reads import internal_entries, shared_reads, symbol_graph, symbol_json  # noqa: F401
 from . import module  # noqa: F401,E402  (Module internals: mxi.module.*, imported where used)

@@ -11,15 +11,13 @@ import contextlib
 import functools
 import json
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import mxnet as mx
 from mxnet.base import MXNetError
 from mxnet.symbol import Symbol
 
-__all__ = ["shared_reads", "reading_once", "symbol_json", "symbol_graph", "internal_entries"]
-
-F = TypeVar("F", bound=Callable[..., Any])
+__all__ = ["shared_reads", "symbol_json", "symbol_graph", "internal_entries"]
 
 
 class _Reads(threading.local):
@@ -35,7 +33,8 @@ def shared_reads() -> Iterator[None]:
 
     Only for code that changes no symbol in place (``Symbol._set_attr``, ``_compose``) while
     it runs: gluon_amp's passes build each changed graph anew (``load_json``). A nested
-    block shares the outer one's reads; the memo ends with the outer block.
+    block shares the outer one's reads; the memo ends with the outer block. As a decorator
+    (``@shared_reads()``), each call of the function runs inside one.
     """
     if _reads.memo is not None:
         yield
@@ -45,15 +44,6 @@ def shared_reads() -> Iterator[None]:
         yield
     finally:
         _reads.memo = None
-
-
-def reading_once(fn: F) -> F:
-    """``fn`` run inside :func:`shared_reads`."""
-    @functools.wraps(fn)
-    def reading(*args: Any, **kwargs: Any) -> Any:
-        with shared_reads():
-            return fn(*args, **kwargs)
-    return reading  # type: ignore[return-value]
 
 
 def symbol_json(sym: Symbol) -> str:

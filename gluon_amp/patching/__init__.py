@@ -566,7 +566,7 @@ def _graphs_now() -> Optional[_Graphs]:
 
 
 @while_gc_paused
-@mxi.reading_once
+@mxi.shared_reads()
 def _rewrite(block: Any, args: tuple, inputs: Sequence[Any], out: Any) -> Any:
     graphs = _graphs_now()
     return graphs.rewrite(block, args, inputs, out) if graphs is not None else out
