@@ -47,16 +47,15 @@ def resolve_target(requested: object, cap: Capability, speed: Optional[SpeedVerd
     requested : str, dtype or None
     cap : Capability
     speed : SpeedVerdict, optional
-        The probe's figures for bfloat16 on this CPU; ``None`` where none were measured
-        (a GPU, no native bfloat16, or the probe turned off), or figures not trusted
-        (``speed.busy``): the flags decide alone.
+        The probe's figures for bfloat16 on this CPU (on a busy machine, its CPU time:
+        ``speed.busy``); ``None`` where none were measured (a GPU, no native bfloat16, or
+        the probe turned off): the flags decide alone.
 
     ``None`` never picks a dtype this machine cannot execute, nor bfloat16 where it is
     emulated or measured slower than float32: then AMP stays in float32. Raises
     ``ValueError`` for a dtype that is not ``float16``/``bfloat16``.
     """
     hint = f" Note: {cap.amx_hint}." if cap.amx_hint else ""
-    shown, speed = speed, (None if speed is not None and speed.busy else speed)
     if requested is None:
         if cap.gpus > 0:
             return Resolution("float16", None)
@@ -65,7 +64,7 @@ def resolve_target(requested: object, cap: Capability, speed: Optional[SpeedVerd
                 return Resolution("float32", f"gluon_amp: mixed precision is off, training and inference stay "
                                              f"in float32: {speed.describe()}; AMP turns it on from "
                                              f"{MIN_SPEEDUP:.2f}x.{hint} {_force('bfloat16')}", speed=speed)
-            return Resolution("bfloat16", None, speed=shown)
+            return Resolution("bfloat16", None, speed=speed)
         return Resolution("float32", f"gluon_amp: mixed precision is off, training and inference "
                                      f"stay in float32: {cap.why}.")
     dtype = requested if requested in LOW_PRECISION_DTYPES else parse_target_dtype(requested)  # parsed once
@@ -85,4 +84,4 @@ def resolve_target(requested: object, cap: Capability, speed: Optional[SpeedVerd
                                  f"{hint} With tune=True (the default) a graph runs float32 until it is "
                                  "measured faster as a whole (tune=False runs the plan as it is).",
                           speed=speed)
-    return Resolution(dtype, None, speed=shown)
+    return Resolution(dtype, None, speed=speed)

@@ -21,12 +21,12 @@ import mxnet as mx
 
 from gluon_amp_core.graph_pass import convert_graph
 from gluon_amp_core.policy import Policy
-from gluon_amp_core.speed.probe import PROBE, OpTiming, SpeedVerdict, busy, timings_from_records, timings_to_records
+from gluon_amp_core.speed.probe import PROBE, OpTiming, SpeedVerdict, timings_from_records, timings_to_records
 from gluon_amp_core.timing_cache import TimingCache, cache_dir
 
 from .. import mxnet_internals as mxi
 from ..type_inference import op_types
-from .timing import time_graphs
+from .timing import Timer, cpus, time_graphs, timer_now
 
 _log = logging.getLogger(__name__)
 
@@ -50,20 +50,16 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def machine_key(flags: FrozenSet[str], amx_granted: bool, isa: str, isa_cap: Optional[str]) -> Dict[str, Any]:
     """Everything that changes a measured time on this CPU, as JSON-able values: the CPU
     model and flags, whether AMX was granted, the MXNet version, the oneDNN ISA in effect
     (``isa``), the ``DNNL_MAX_CPU_ISA`` oneDNN read (``isa_cap``), the thread count, and
     gluon_amp's own code (:func:`code_digest`: what it runs for a graph, whose whole-graph
     verdicts the cache keeps)."""
-    cpus = _cpus()
+    n = cpus()
     return {"cpu": _cpu_model(), "flags": sorted(flags), "amx_granted": amx_granted,
             "mxnet": mx.__version__, "onednn_isa": isa, "DNNL_MAX_CPU_ISA": isa_cap,
-            "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "cpus": cpus},
+            "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "cpus": n},
             "gluon_amp": code_digest()}
 
 
@@ -148,14 +144,14 @@ def probe_graph(kind: str, p: Mapping[str, int]) -> Tuple[mx.sym.Symbol, Dict[st
     return g.symbol(out), {"data": (p["batch"], c, p["size"], p["size"])}
 
 
-def _measure(dtype: str) -> Tuple[OpTiming, ...]:
+def _measure(dtype: str, timer: Timer) -> Tuple[OpTiming, ...]:
     """Each probe item in float32 and as AMP's plan runs it in ``dtype`` (typed by the
     converter's pass, as a training graph: parameters stay float32, cast where read)."""
     with mxi.hooks_paused():  # MXNet's own graphs, whatever init installed (time_graphs pauses them too)
-        return _measure_items(dtype)
+        return _measure_items(dtype, timer)
 
 
-def _measure_items(dtype: str) -> Tuple[OpTiming, ...]:
+def _measure_items(dtype: str, timer: Timer) -> Tuple[OpTiming, ...]:
     policy = Policy.create(dtype, known_ops=mxi.op_infos().keys(), aliases=mxi.aliases())
     op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
     timings = []
@@ -163,7 +159,7 @@ def _measure_items(dtype: str) -> Tuple[OpTiming, ...]:
         fp32, shapes = probe_graph(kind, params)
         graph = json.loads(fp32.tojson())
         low = mx.sym.load_json(json.dumps(convert_graph(graph, policy, list(shapes), {}, op_types, op_inputs).graph))
-        got = time_graphs([fp32, low], shapes, train=True, runs=RUNS)
+        got = time_graphs([fp32, low], shapes, train=True, runs=RUNS, timer=timer)
         if got is None:
             raise RuntimeError(f"gluon_amp's speed probe could not run {label} in {dtype}; set "
                                f"{ENV}=0 to choose by CPU flags, and please report this")
@@ -189,13 +185,14 @@ def verdict(dtype: str, cache: TimingCache) -> SpeedVerdict:
         try:
             timings, source = timings_from_records(cache.load().entries[_entry(dtype)]), "cached"
         except (KeyError, ValueError):
-            too_busy = busy(os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0, _cpus())
-            timings, source = _measure(dtype), "measured"
+            timer = timer_now()
+            too_busy = timer.busy
+            timings, source = _measure(dtype, timer), "measured"
         path: Optional[str] = cache.path
         if source == "measured" and too_busy:
-            path = None
-            _log.info("gluon_amp: %s; its figures are not trusted nor kept, the CPU flags decide "
-                      "in this process, and the next one measures again", too_busy)
+            path = None  # CPU time stands in for this process; a quiet one measures the real thing
+            _log.info("gluon_amp: %s; the probe timed this process's CPU time instead of wall time, "
+                      "and keeps its figures for this process only", too_busy)
         elif source == "measured":
             try:
                 cache.store({_entry(dtype): timings_to_records(timings)})

@@ -13,9 +13,11 @@ import ctypes.util
 import gc
 import io
 import json
+import os
 import statistics
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -24,6 +26,7 @@ from mxnet import autograd
 from mxnet.base import MXNetError
 
 from gluon_amp_core.dtypes import DTYPE_CODE
+from gluon_amp_core.speed.probe import busy
 
 from .. import mxnet_internals as mxi
 
@@ -32,6 +35,37 @@ _ZEROS = ("beta", "bias", "mean", "running_mean")
 #: Runs after the warm-up; fewer when one run is slow, so a big layer costs < ~1 s to time.
 RUNS = 5
 _SLOW_RUN_S = 0.25
+
+
+@dataclass(frozen=True)
+class Timer:
+    """How runs are timed: ``read`` a clock (seconds), ``pick`` one figure of a run's times.
+
+    ``busy`` says why the machine was too busy for wall-clock time (:func:`timer_now`), else None."""
+
+    read: Callable[[], float]
+    pick: Callable[[Sequence[float]], float]
+    busy: Optional[str] = None
+
+
+#: A quiet machine: wall time, the fastest run (other work only adds time).
+WALL = Timer(time.perf_counter, min)
+
+
+def cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def timer_now() -> Timer:
+    """How to time now. On a busy machine (:func:`~gluon_amp_core.speed.probe.busy`: the
+    1-minute load above the CPUs) wall time measures the other work: the CPU time of this
+    process (its MXNet threads included), median run. Under 4 spinning processes on this
+    project's 2-core Xeon, the probe's wall-clock figures put a bottleneck block at 23-28 ms
+    against 17 quiet, its CPU time at 12 both ways, and the estimate stayed within the quiet
+    run's spread (0.62-0.68x against 0.67-0.75x)."""
+    why = busy(os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0, cpus())
+    return WALL if why is None else Timer(time.process_time, statistics.median, why)
 
 
 def _graph(op: str, attrs: Mapping[str, str], dtypes: Sequence[str]) -> mx.sym.Symbol:
@@ -77,13 +111,15 @@ def _fill(arr: mx.nd.NDArray, rng: np.random.Generator) -> None:
 
 
 def time_op(op: str, attrs: Mapping[str, str], shapes: Sequence[Tuple[int, ...]],
-            dtypes: Sequence[str], train: bool, runs: int = RUNS) -> Optional[float]:
+            dtypes: Sequence[str], train: bool, runs: int = RUNS, timer: Optional[Timer] = None) -> Optional[float]:
     """Median milliseconds of ``op`` on inputs of these shapes and dtypes, on the CPU.
 
     ``train``: forward and backward (every float output's gradient all ones), as in a
     training step; else forward only. ``None`` when MXNet cannot run the op so (a missing
-    kernel, a shape it rejects): the caller then keeps its plan.
+    kernel, a shape it rejects): the caller then keeps its plan. ``timer``: the clock
+    (:func:`timer_now` now, where not given); its median counts.
     """
+    clock = (timer or timer_now()).read
     sym = _graph(op, attrs, dtypes)
     names = sym.list_arguments()
     given = {f"in{k}": s for k, s in enumerate(shapes) if f"in{k}" in names}
@@ -103,14 +139,14 @@ def time_op(op: str, attrs: Mapping[str, str], shapes: Sequence[Tuple[int, ...]]
 
             def once() -> float:
                 nonlocal heads
-                t0 = time.perf_counter()
+                t0 = clock()
                 exe.forward(is_train=train)
                 if train:
                     if heads is None:
                         heads = [mx.nd.ones(o.shape, dtype=o.dtype) for o in exe.outputs]
                     exe.backward(heads)
                 mx.nd.waitall()
-                return time.perf_counter() - t0
+                return clock() - t0
 
             first = once()
             n = runs if first < _SLOW_RUN_S else max(1, min(runs, 3))
@@ -124,30 +160,35 @@ def time_op(op: str, attrs: Mapping[str, str], shapes: Sequence[Tuple[int, ...]]
 
 
 def time_graph(sym: mx.sym.Symbol, shapes: Mapping[str, Tuple[int, ...]], train: bool, fused: bool = False,
-               runs: int = 2, give_up_ms: Optional[float] = None) -> Optional[float]:
+               runs: int = 2, give_up_ms: Optional[float] = None, timer: Optional[Timer] = None) -> Optional[float]:
     """Milliseconds of a whole graph run as users run it: a block hybridized with
     ``static_alloc`` and ``static_shape`` (MXNet's CachedOp), forward and backward under
     autograd with ``train``, else forward (through MXNet's oneDNN fusion with ``fused``).
 
     The fastest of ``runs`` runs after a warm-up: other load on the machine only adds
-    time. A bound executor would be simpler, but its timings do not follow CachedOp's on
-    large graphs (SSD-512: 11.6 s bound vs 6.2 s cached for the same bfloat16 plan).
+    time. On a busy machine, the median of their CPU time instead (:func:`timer_now`, the
+    clock where ``timer`` is not given: compare figures of one timer only). A bound executor
+    would be simpler, but its timings do not follow CachedOp's on large graphs (SSD-512:
+    11.6 s bound vs 6.2 s cached for the same bfloat16 plan).
     Parameters are initialised as Gluon does by default (uniform weights; unit variances
     and scales, zero means, shifts and biases), data inputs (``shapes``) drawn in [-1, 1).
     gluon_amp's block hooks are bypassed. A warm-up slower than ``give_up_ms`` ends the
     timing: its figure is returned. ``None`` when MXNet cannot run the graph.
     """
-    got = time_graphs([sym], shapes, train, fused, runs, give_up_ms)
+    got = time_graphs([sym], shapes, train, fused, runs, give_up_ms, timer)
     return got[0] if got else None
 
 
 def time_graphs(syms: Sequence[mx.sym.Symbol], shapes: Mapping[str, Tuple[int, ...]], train: bool,
-                fused: bool = False, runs: int = 2, give_up_ms: Optional[float] = None) -> Optional[List[float]]:
+                fused: bool = False, runs: int = 2, give_up_ms: Optional[float] = None,
+                timer: Optional[Timer] = None) -> Optional[List[float]]:
     """:func:`time_graph` of several graphs of the same inputs, their runs taking turns (one
     run of each, then again), so a change of load on the machine falls on all of them alike."""
+    timer = timer or timer_now()
     try:
         with mxi.hooks_paused(), autograd.pause(), mxi.legacy_arrays():  # numpy mode too
-            return _take_turns([_prepare(sym, shapes, train, fused) for sym in syms], runs, give_up_ms)
+            return _take_turns([_prepare(sym, shapes, train, fused, timer.read) for sym in syms], runs,
+                               give_up_ms, timer.pick)
     except (MXNetError, ValueError, RuntimeError):
         try:
             mx.nd.waitall()
@@ -168,15 +209,16 @@ def release_memory() -> None:
     _trim_heap()
 
 
-def _take_turns(steps: Sequence[Callable[[], float]], runs: int, give_up_ms: Optional[float]) -> List[float]:
-    """Each step's fastest run after its warm-up (its warm-up alone if that exceeded ``give_up_ms``)."""
+def _take_turns(steps: Sequence[Callable[[], float]], runs: int, give_up_ms: Optional[float],
+                pick: Callable[[Sequence[float]], float] = min) -> List[float]:
+    """Each step's ``pick`` of its runs after its warm-up (its warm-up alone if that exceeded ``give_up_ms``)."""
     times: List[List[float]] = [[] for _ in steps]
     for _ in range(runs + 1):
         for k, step in enumerate(steps):
             if times[k] and give_up_ms is not None and len(times[k]) == 1 and times[k][0] > give_up_ms:
                 continue
             times[k].append(step())
-    return [(min(t[1:]) if len(t) > 1 else t[0]) for t in times]
+    return [(pick(t[1:]) if len(t) > 1 else t[0]) for t in times]
 
 
 def _trim_heap() -> None:
@@ -197,7 +239,7 @@ _malloc_trim: Any = None  # libc.malloc_trim once looked up; False where there i
 
 
 def _prepare(sym: mx.sym.Symbol, shapes: Mapping[str, Tuple[int, ...]], train: bool,
-             fused: bool) -> Callable[[], float]:
+             fused: bool, clock: Callable[[], float] = time.perf_counter) -> Callable[[], float]:
     """A block running ``sym``, ready, and a function timing one run of it (ms)."""
     from mxnet.gluon import SymbolBlock
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
@@ -216,7 +258,7 @@ def _prepare(sym: mx.sym.Symbol, shapes: Mapping[str, Tuple[int, ...]], train: b
     add_n, total_of = mxi.original_function(mx.nd.add_n), mxi.original_function(mx.nd.sum)  # not AMP's
 
     def step() -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         if train:
             with autograd.record():
                 outs = block(*data)
@@ -226,6 +268,6 @@ def _prepare(sym: mx.sym.Symbol, shapes: Mapping[str, Tuple[int, ...]], train: b
         else:
             block(*data)
         mx.nd.waitall()
-        return (time.perf_counter() - t0) * 1e3
+        return (clock() - t0) * 1e3
 
     return step

@@ -37,7 +37,7 @@ from gluon_amp_core.tuning.verdict import (GUARD_CAST_WEIGHT, WEIGHT_CAST_SHARE,
 from .. import mxnet_internals as mxi, runtime
 from ..native_run import guarded_batchnorms, native_passes
 from ..type_inference import infer_dtypes, infer_shapes
-from ..speed.timing import time_graph, time_graphs, time_op
+from ..speed.timing import Timer, time_graph, time_graphs, time_op, timer_now
 
 _log = logging.getLogger(__name__)
 _PREFIX = "op/"
@@ -338,12 +338,12 @@ class Target:
     def probe_slower(self) -> Optional[str]:
         """The speed probe's verdict in words where it did not find this plan's dtype faster on
         this machine (the one that keeps the default float32 there; only an explicit
-        ``target_dtype`` runs the dtype); None elsewhere: faster, not measured, not trusted (a
-        busy machine), emulated, or a GPU."""
+        ``target_dtype`` runs the dtype); None elsewhere: faster, not measured, emulated, or
+        a GPU."""
         if self.policy.emulate:
             return None
         verdict = runtime.speed(self.policy.target_dtype, warn=False)
-        if verdict is None or verdict.busy or verdict.faster:
+        if verdict is None or verdict.faster:
             return None
         return verdict.describe()
 
@@ -436,9 +436,9 @@ def check_applied(sym: Symbol, input_dtypes: Mapping[str, str], choices: Mapping
 
 # -- jobs: the work, in steps a budget can pay for --------------------------------------
 
-def time_one(t: Timed) -> Optional[float]:
+def time_one(t: Timed, timer: Timer) -> Optional[float]:
     """One speed-table entry, measured now (ms; ``None``: MXNet cannot run it so)."""
-    return time_op(t.op, dict(t.attrs), t.shapes, t.dtypes, t.train)
+    return time_op(t.op, dict(t.attrs), t.shapes, t.dtypes, t.train, timer=timer)
 
 
 @dataclass(frozen=True)
@@ -475,6 +475,11 @@ class Job:
         #: process (None: not measured; the per-node guess stands in)
         self.build_s = build_s
         self.tuning = Tuning()
+        #: one clock for all the job's timings, which it compares with each other: wall time,
+        #: or CPU time where the machine was busy when the job began (:func:`timer_now`)
+        self.timer = timer_now()
+        #: per-op figures are kept apart by clock: CPU time counts every thread an op keeps busy
+        self._prefix = _PREFIX if self.timer.busy is None else _PREFIX + "cpu/"
         #: a full job's outcome once the whole graph was checked against float32, before
         #: its per-op tuning is done (the verdict serves from then on)
         self.provisional: Optional[Outcome] = None
@@ -508,7 +513,7 @@ class Job:
     def _known_times(self, items: Sequence[Timed]) -> Tuple[Dict[str, Optional[float]], List[Timed]]:
         """The times of ``items`` held by the cache, and the items still to measure."""
         stored = self.cache.load().entries
-        times = {t.key: stored[_PREFIX + t.key] for t in items if _PREFIX + t.key in stored}
+        times = {t.key: stored[self._prefix + t.key] for t in items if self._prefix + t.key in stored}
         self.tuning.cached += len(times)
         todo = [t for t in items if t.key not in times]
         return times, sorted(todo, key=_work)  # small first: the first estimates are guesses
@@ -521,12 +526,12 @@ class Job:
 
     def _measure(self, t: Timed, times: Dict[str, Optional[float]]) -> None:
         t0 = self.clock()
-        times[t.key] = ms = time_one(t)
+        times[t.key] = ms = time_one(t, self.timer)
         cost = self.clock() - t0
         for k in (t.op, ""):
             work, spent = self._rates.get(k, (0, 0.0))
             self._rates[k] = (work + _work(t), spent + cost)
-        self._pending[_PREFIX + t.key] = ms
+        self._pending[self._prefix + t.key] = ms
         self._pending_s += cost
         self.tuning.timed += 1
         if self._pending_s >= FLUSH_S:
@@ -569,7 +574,7 @@ class Job:
                    again=lambda: self._graph_estimate(2, prob, times))
         t0 = self.clock()
         got = time_graphs([target.as_run(target.sym, shapes), target.fp32()], shapes, target.train, target.fused,
-                          runs=GRAPH_RUNS)
+                          runs=GRAPH_RUNS, timer=self.timer)
         one = (self.clock() - t0) / 2
         plan_ms, fp32_ms = got if got else (None, None)
         self.tuning.trials = [("plan", _round(plan_ms)), ("float32", _round(fp32_ms))]
@@ -592,7 +597,7 @@ class Job:
             if tried:
                 yield Step(len(tried) * one * TRIAL_COST, "whole-graph trials", whole_graph=True)
                 kept, best = _trials(plan_ms, tried, lambda c: target.as_run(target.apply(c), shapes), shapes,
-                                     target.train, target.fused, self.tuning.trials)
+                                     target.train, target.fused, self.tuning.trials, self.timer)
         check = (best, fp32_ms) if best is not None and fp32_ms is not None else None
         self.outcome = Outcome(target.by_position(kept), here, check=check)
         self.tuning.choices = kept
@@ -639,10 +644,10 @@ class Job:
             keep = target.by_name(outcome.choices)
             without = target.by_name({p: c for p, c in outcome.choices.items() if p not in flipped})
             with_ms = time_graph(target.as_run(target.apply(keep), shapes), shapes, target.train, target.fused,
-                                 runs=GRAPH_RUNS)
+                                 runs=GRAPH_RUNS, timer=self.timer)
             without_ms = time_graph(target.as_run(target.apply(without), shapes), shapes, target.train, target.fused,
-                                    runs=GRAPH_RUNS,
-                                    give_up_ms=GIVE_UP * with_ms if with_ms else None)
+                                    runs=GRAPH_RUNS, give_up_ms=GIVE_UP * with_ms if with_ms else None,
+                                    timer=self.timer)
             self.tuning.trials = [("as tuned", _round(with_ms)), ("withdrawn", _round(without_ms))]
             if with_ms is not None and without_ms is not None and not with_ms < without_ms * (1 - MIN_GAIN):
                 shown = ", ".join(f"{s}" for s in shapes.values())
@@ -677,14 +682,14 @@ def _round(ms: Optional[float]) -> Optional[float]:
 
 
 def _trials(best: float, tried: Sequence[Tuple[str, Dict[str, MeasuredChoice]]], apply: Callable, shapes: Mapping,
-            train: bool, fused: bool, log: list) -> Tuple[Dict[str, MeasuredChoice], float]:
+            train: bool, fused: bool, log: list, timer: Timer) -> Tuple[Dict[str, MeasuredChoice], float]:
     """Keep each group of proposals that makes the whole graph (the plan: ``best`` ms) faster,
     greedily; each trial's (group, ms) is appended to ``log``. Returns the choices kept and
     the whole graph's time with them."""
     kept: Dict[str, MeasuredChoice] = {}
     for op, group in tried:
         trial = {**kept, **group}
-        t = time_graph(apply(trial), shapes, train, fused, runs=GRAPH_RUNS, give_up_ms=GIVE_UP * best)
+        t = time_graph(apply(trial), shapes, train, fused, runs=GRAPH_RUNS, give_up_ms=GIVE_UP * best, timer=timer)
         log.append((op, _round(t)))
         if t is not None and t < best * (1 - MIN_GAIN):
             kept = {**kept, **{n: replace(c, graph_ms=(best, t)) for n, c in group.items()}}

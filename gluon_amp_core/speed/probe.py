@@ -29,10 +29,10 @@ PROBE: Tuple[Tuple[str, str, Mapping[str, int]], ...] = (
 MIN_SPEEDUP = 1.05
 
 
-#: A probe started while the 1-minute load average exceeds this many runnable threads per
-#: CPU the process may use measures other work more than its own: its figures are not
-#: trusted (the CPU flags decide) nor kept. Oversubscribed, a Horovod worker here timed a
-#: bottleneck block at 273 ms instead of 10 and concluded bfloat16 was slower.
+#: Where the 1-minute load average exceeds this many runnable threads per CPU the process
+#: may use, wall-clock time measures other work more than the process's own: timings there
+#: read the process's CPU time instead, and the probe's figures are not kept. Oversubscribed,
+#: a Horovod worker here timed a bottleneck block at 273 ms of wall time instead of 10.
 BUSY_LOAD_PER_CPU = 1.0
 
 
@@ -84,8 +84,8 @@ class SpeedVerdict:
     seconds : float
         What the probe cost in this process (reading the cache, or timing).
     busy : str or None
-        Why the figures are not trusted (:func:`busy`): the decision then ignores them,
-        and they were not kept.
+        Why wall-clock time could not be trusted (:func:`busy`): the figures are then the
+        process's CPU time, which the load leaves alone, and they were not kept.
     """
 
     dtype: str
@@ -114,7 +114,7 @@ class SpeedVerdict:
         """One sentence: the estimate, the main figures, and where they come from."""
         where = f"cached in {self.path}" if self.source == "cached" else "measured now"
         if self.busy:
-            where += f", not trusted: {self.busy}"
+            where += f" in CPU time, not kept: {self.busy}"
         return (f"{self.dtype} measured {self.speedup:.2f}x the speed of float32 on this CPU "
                 f"(estimated training step; {self.figures()}; {where})")
 

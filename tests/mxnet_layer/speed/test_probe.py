@@ -82,18 +82,39 @@ def test_without_bf16_kernels_the_probe_does_not_run_and_writes_nothing(tmp_path
     assert (dtype, bf16) == ("float32", "none") and source.startswith("not run") and not os.listdir(tmp_path)
 
 
+def _scripted_clock(deltas):
+    """A clock whose successive reads advance by ``deltas`` in turn (seconds)."""
+    state = {"now": 0.0, "k": 0}
+
+    def read():
+        state["now"] += deltas[state["k"] % len(deltas)]
+        state["k"] += 1
+        return state["now"]
+    return read
+
+
 @pytest.mark.bf16_kernels
-def test_a_probe_on_a_busy_machine_is_not_trusted_nor_kept(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fp32_ms, low_ms, dtype", [(10.0, 5.0, "bfloat16"), (5.0, 10.0, "float32")])
+def test_a_probe_on_a_busy_machine_times_cpu_time_decides_by_it_and_keeps_nothing(
+        tmp_path, monkeypatch, fp32_ms, low_ms, dtype):
+    """Wall time on a loaded machine measures the load, so the probe reads the process's CPU
+    time there (planted: each float32 run takes ``fp32_ms`` of it, each low run ``low_ms``).
+    The figures decide as measured, where the CPU flags alone chose bfloat16 before (on this
+    project's Xeon without AMX, 0.67x float32's speed)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(probe.ENV, raising=False)
     monkeypatch.setattr(probe.os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    # each item's runs take turns, float32 first: its start and end, then the low graph's
+    monkeypatch.setattr(probe.time, "process_time", _scripted_clock([0.0, fp32_ms / 1e3, 0.0, low_ms / 1e3]))
     runtime.timing_cache.cache_clear()
     probe.forget()
     try:
         verdict = runtime.speed(None)
-        assert verdict.busy and verdict.path is None
+        assert verdict.busy and "99.0" in verdict.busy and verdict.path is None
+        figures = [v for t in verdict.timings for v in (t.fp32_ms, t.low_ms)]
+        assert figures == pytest.approx([fp32_ms, low_ms] * len(PROBE))
         assert not [f for f in os.listdir(tmp_path / "gluon-amp") if f.endswith(".json")]
-        assert runtime.resolve(None, warn=False).dtype == "bfloat16"  # the flags decide
+        assert runtime.resolve(None, warn=False).dtype == dtype
         assert gluon_amp.runtime_info()["speed"]["busy"] == verdict.busy
     finally:
         runtime.timing_cache.cache_clear()

@@ -1,5 +1,9 @@
-"""gluon_amp.speed.timing: what measuring leaves behind in the user's process."""
+"""gluon_amp.speed.timing: what measuring leaves behind in the user's process, and its clock."""
+import statistics
+import time
+
 import numpy as np
+import pytest
 import mxnet as mx
 
 from gluon_amp.speed import timing
@@ -55,3 +59,46 @@ def test_trial_values_follow_each_parameter_kind():
     assert (got["bn_beta"] == 0).all() and (got["fc_bias"] == 0).all()
     w = got["conv_weight"]
     assert np.abs(w).max() <= 0.07 and len(np.unique(w)) > 1
+
+
+def _reads(values_ms):
+    """A clock returning these readings (ms) in turn, in seconds."""
+    it = iter(values_ms)
+    return lambda: next(it) / 1e3
+
+
+def _runs(durations_ms):
+    """Readings whose start/end pairs last ``durations_ms`` in turn."""
+    out, now = [], 0.0
+    for d in durations_ms:
+        out += [now, now + d]
+        now += d + 100.0
+    return out
+
+
+def test_a_quiet_machine_times_wall_time_a_busy_one_cpu_time(monkeypatch):
+    monkeypatch.setattr(timing.os, "getloadavg", lambda: (0.5, 0.5, 0.5))
+    assert timing.timer_now() is timing.WALL and timing.WALL.read is time.perf_counter and timing.WALL.pick is min
+    monkeypatch.setattr(timing.os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    busy = timing.timer_now()
+    assert busy.read is time.process_time and busy.pick is statistics.median
+    assert "99.0" in busy.busy and f"{timing.cpus()} CPUs" in busy.busy
+
+
+@pytest.mark.parametrize("pick, expected", [(min, [1.0, 4.0]), (statistics.median, [3.0, 4.0])])
+def test_graphs_taking_turns_are_read_on_the_timers_clock_and_picked_by_it(pick, expected):
+    """Warm-ups, then three runs of each graph in turn; the timer's pick of each graph's runs."""
+    sym = _conv1d_net()
+    clock = _reads(_runs([9.0, 9.0, 1.0, 4.0, 5.0, 4.0, 3.0, 10.0]))
+    got = timing.time_graphs([sym, sym], {"data": (2, 4, 16)}, train=True, runs=3, timer=timing.Timer(clock, pick))
+    assert got == pytest.approx(expected)
+
+
+def test_on_a_busy_machine_the_default_timer_reads_cpu_time(monkeypatch):
+    monkeypatch.setattr(timing.os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    monkeypatch.setattr(timing.time, "process_time", _reads(_runs([9.0, 9.0, 1.0, 4.0, 5.0, 4.0, 3.0, 10.0])))
+    got = timing.time_graphs([_conv1d_net()] * 2, {"data": (2, 4, 16)}, train=True, runs=3)
+    assert got == pytest.approx([3.0, 4.0])
+    monkeypatch.setattr(timing.time, "process_time", _reads(_runs([50.0, 2.0, 7.0, 3.0, 9.0, 1.0])))
+    got = timing.time_op("FullyConnected", {"num_hidden": "4"}, [(2, 8), (4, 8), (4,)], ["float32"] * 3, True)
+    assert got == pytest.approx(3.0)  # the median of the 5 runs after the warm-up

@@ -36,7 +36,7 @@ def _own_cache(monkeypatch, tmp_path):
 
 def _recorded_times(conv_low, conv_fp32):
     """Per-op times as recorded on a host where bfloat16 convolutions are slow (issue 26)."""
-    def time_one(t):
+    def time_one(t, timer):
         slow = t.op == "Convolution"
         low = "bfloat16" in t.dtypes
         return 0.01 if t.op == "amp_cast" else (conv_low if low else conv_fp32) if slow else 1.0 if low else 1.1
@@ -97,6 +97,41 @@ def test_conversion_tunes_within_the_budgets_cap_and_converts_the_plan_past_it(m
     tuned = gluon_amp.convert_hybrid_block(net, "bfloat16", fuse=False, tune=True, input_shapes=shapes)  # 600 s
     assert "measured" in {r.reason for r in gluon_amp.report(tuned).rows}
     assert all(t.key not in {u.key for u in timed[:n_timed]} for t in timed[n_timed:])  # continued, not redone
+
+
+@pytest.mark.parametrize("busy", [None, "the machine was busy (planted)"])
+def test_a_job_times_everything_on_one_clock_and_keeps_cpu_times_apart(monkeypatch, busy):
+    """A job compares its timings with each other: all are read on the clock of the moment it
+    began (CPU time on a busy machine), and per-op figures in CPU time are kept apart from
+    wall-clock ones, which a quiet process compares them with."""
+    import statistics
+    from gluon_amp.speed.timing import WALL, Timer
+    job_timer = WALL if busy is None else Timer(lambda: 0.0, statistics.median, busy)
+    monkeypatch.setattr(tuner, "timer_now", lambda: job_timer)
+    seen = []
+    recorded = _recorded_times(409.0, 205.0)
+
+    def time_one(t, timer):
+        seen.append(timer)
+        return recorded(t, timer)
+
+    def time_graphs(syms, *a, timer=None, **k):
+        seen.append(timer)
+        return [1000.0, 1500.0]
+
+    def time_graph(*a, timer=None, **k):
+        seen.append(timer)
+        return 700.0
+    monkeypatch.setattr(tuner, "time_one", time_one)
+    monkeypatch.setattr(tuner, "time_graphs", time_graphs)
+    monkeypatch.setattr(tuner, "time_graph", time_graph)
+    net = make_net()
+    net(mx.nd.ones((2, 3, 8, 8)))
+    block = gluon_amp.convert_hybrid_block(net, "bfloat16", fuse=False, tune=True, input_shapes={"data": (2, 3, 8, 8)})
+    assert "measured" in {r.reason for r in gluon_amp.report(block).rows}
+    assert len(seen) > 3 and all(t is job_timer for t in seen)
+    ops = [k for k in runtime.timing_cache().load().entries if k.startswith("op/")]
+    assert ops and all(k.startswith("op/cpu/") == (busy is not None) for k in ops)
 
 
 def test_tune_needs_input_shapes_and_rejects_emulation_with_clear_errors():
@@ -375,7 +410,7 @@ def _plant(monkeypatch, clock, conv=lambda shape: (409.0, 205.0), graph=None, op
         monkeypatch.setattr(verdict, "UNMEASURED_MIN_MACS_PER_CAST_ELEMENT", 0)
     timed, graphs = [], []
 
-    def time_one(t):
+    def time_one(t, timer):
         timed.append(t)
         clock.now += op_s_per_element * sum(int(np.prod(s)) for s in t.shapes)
         if t.op == "amp_cast":
@@ -385,7 +420,7 @@ def _plant(monkeypatch, clock, conv=lambda shape: (409.0, 205.0), graph=None, op
             return conv(t.shapes[0])[0 if low else 1]
         return 1.0 if low else 1.1
 
-    def time_graph(sym, shapes, train, fused=False, runs=2, give_up_ms=None):
+    def time_graph(sym, shapes, train, fused=False, runs=2, give_up_ms=None, timer=None):
         if not _low_entries(sym):
             graphs.append((tuple(shapes["data"]), "float32"))
             clock.now += graph_s
@@ -395,7 +430,7 @@ def _plant(monkeypatch, clock, conv=lambda shape: (409.0, 205.0), graph=None, op
         clock.now += graph_s
         return (graph or (lambda k: 700.0 if k else 1000.0))(kept)
 
-    def time_graphs(syms, shapes, train, fused=False, runs=2, give_up_ms=None):
+    def time_graphs(syms, shapes, train, fused=False, runs=2, give_up_ms=None, timer=None):
         return [time_graph(s, shapes, train, fused, runs, give_up_ms) for s in syms]
 
     monkeypatch.setattr(tuner, "time_one", time_one)
