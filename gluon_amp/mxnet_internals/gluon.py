@@ -12,6 +12,7 @@ import mxnet as mx
 from mxnet.gluon import Block, HybridBlock, Parameter
 from mxnet.symbol import Symbol
 
+from . import warning_sites
 from .graph_reads import shared_reads
 
 
@@ -395,7 +396,9 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
         __call__.__doc__, __call__.__wrapped__ = _BLOCK_CALL.__doc__, _BLOCK_CALL  # type: ignore[attr-defined]
         Block.__call__ = call = __call__
     HybridBlock._get_graph, HybridBlock._call_cached_op = _get_graph, _call_cached_op
-    return BlockHooks(_get_graph, _call_cached_op, call)
+    hooks = BlockHooks(_get_graph, _call_cached_op, call)
+    warning_sites.hold(hooks)
+    return hooks
 
 
 def _shapes(args: Any) -> Any:
@@ -413,6 +416,7 @@ def remove_block_hooks(hooks: BlockHooks) -> None:
         HybridBlock._call_cached_op = _CALL_CACHED_OP
     if hooks.call is not None and Block.__dict__.get("__call__") is hooks.call:
         Block.__call__ = _BLOCK_CALL
+    warning_sites.release(hooks)
 
 
 # -- shape inference without the hooks -------------------------------------------------
@@ -759,7 +763,9 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
     Symbol.simple_bind, Symbol.bind = simple_bind, bind
     grad_req = property(_GRAD_REQ.fget, _set_grad_req, doc=_GRAD_REQ.__doc__)
     Parameter.grad_req = grad_req
-    return ExecutionHooks(_build_cache, simple_bind, bind, grad_req)
+    hooks = ExecutionHooks(_build_cache, simple_bind, bind, grad_req)
+    warning_sites.hold(hooks)
+    return hooks
 
 
 def remove_execution_hooks(hooks: ExecutionHooks) -> None:
@@ -772,3 +778,4 @@ def remove_execution_hooks(hooks: ExecutionHooks) -> None:
         Symbol.bind = _BIND
     if Parameter.__dict__.get("grad_req") is hooks.grad_req:
         Parameter.grad_req = _GRAD_REQ
+    warning_sites.release(hooks)

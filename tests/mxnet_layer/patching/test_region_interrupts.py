@@ -20,11 +20,13 @@ import linecache
 import signal
 import sys
 import os
+import warnings
 
 import numpy as np
 import mxnet as mx
 import pytest
 from mxnet.gluon import HybridBlock
+from mxnet.gluon import block as mx_block
 from mxnet.gluon.parameter import Parameter
 from mxnet.symbol import Symbol
 
@@ -195,6 +197,7 @@ def _check_recovers(ref: dict, what: str) -> None:
     assert moved == [], f"{what}: not restored by identity: {moved[:5]}"
     methods = [f"{cls.__name__}.{name}" for cls, name, fn in ORIGINAL_METHODS if cls.__dict__.get(name) is not fn]
     assert methods == [], f"{what}: hooks left in MXNet's classes: {methods}"
+    assert mx_block.warnings is warnings, f"{what}: MXNet's gluon.block left warning through gluon_amp"
     assert ref[_fc()] == "float32", what
 
 

@@ -1,0 +1,56 @@
+"""MXNet's own warnings, placed where plain MXNet places them while gluon_amp's hooks run.
+
+1.9.1 mxnet/gluon/block.py warns with a ``stacklevel`` counted over its own frames: "Parameter
+... is not used by any computation" is raised in ``_build_cache`` with 4, to name the caller of
+the block. The block hooks (:mod:`.gluon`) add frames between those, so under ``init`` the
+warning named a line of gluon_amp, and Python's once-per-location filter counted it there.
+While any hook is installed, that module's ``warnings`` is one whose ``warn`` counts its
+``stacklevel`` over frames outside gluon_amp only; everything else is Python's ``warnings``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import types
+import warnings
+from typing import Any, Optional, Set
+
+from mxnet.gluon import block as _block
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def warn(message: Any, category: Optional[type] = None, stacklevel: int = 1, source: Any = None) -> None:
+    """``warnings.warn``, its ``stacklevel`` counted over frames outside gluon_amp."""
+    frame, real, counted = sys._getframe(1), 1, 1
+    while counted < stacklevel and frame.f_back is not None:
+        frame, real = frame.f_back, real + 1
+        if not frame.f_code.co_filename.startswith(_PACKAGE):
+            counted += 1
+    warnings.warn(message, category, stacklevel=real + 1 + stacklevel - counted, source=source)
+
+
+class _Warnings(types.ModuleType):
+    """Python's ``warnings``, but for :func:`warn`."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(warnings, name)
+
+
+_PLAIN = _Warnings("warnings", warnings.__doc__)
+_PLAIN.warn = warn  # type: ignore[attr-defined]
+_holders: Set[int] = set()
+
+
+def hold(holder: object) -> None:
+    """While ``holder`` (a set of hooks) is installed, MXNet's block module warns through :func:`warn`."""
+    _holders.add(id(holder))
+    if _block.warnings is warnings:
+        _block.warnings = _PLAIN
+
+
+def release(holder: object) -> None:
+    """``holder`` is removed: the last one out puts Python's ``warnings`` back (checked by identity)."""
+    _holders.discard(id(holder))
+    if not _holders and _block.warnings is _PLAIN:
+        _block.warnings = warnings
