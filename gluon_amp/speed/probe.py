@@ -176,30 +176,54 @@ _verdicts: Dict[str, SpeedVerdict] = {}
 
 def verdict(dtype: str, cache: TimingCache) -> SpeedVerdict:
     """The probe's figures for ``dtype`` on this machine: from ``cache``, else measured now
-    (and stored there). Once per process."""
+    (and stored there). Once per process.
+
+    Figures a busy machine measured (CPU time, :func:`~gluon_amp.speed.timing.timer_now`) are
+    kept apart: processes started together under load (Horovod's workers) read the first
+    one's and so choose alike, and the next process started on a quiet machine measures
+    wall time again."""
     if dtype in _verdicts:
         return _verdicts[dtype]
     t0 = time.perf_counter()
-    too_busy = None
     with cache.lock():  # processes started together: one measures, the others read its figures
-        try:
-            timings, source = timings_from_records(cache.load().entries[_entry(dtype)]), "cached"
-        except (KeyError, ValueError):
-            timer = timer_now()
-            too_busy = timer.busy
-            timings, source = _measure(dtype, timer), "measured"
-        path: Optional[str] = cache.path
-        if source == "measured" and too_busy:
-            path = None  # CPU time stands in for this process; a quiet one measures the real thing
-            _log.info("gluon_amp: %s; the probe timed this process's CPU time instead of wall time, "
-                      "and keeps its figures for this process only", too_busy)
-        elif source == "measured":
+        timer = timer_now()
+        entries = cache.load().entries
+        keys = [_entry(dtype)] if timer.busy is None else [_entry(dtype), _busy_entry(dtype)]
+        timings, source, too_busy = None, "cached", None
+        for key in keys:
             try:
-                cache.store({_entry(dtype): timings_to_records(timings)})
+                timings = timings_from_records(entries[key])
+            except (KeyError, ValueError):
+                continue
+            too_busy = _busy_reason(entries, key)
+            break
+        if timings is None:
+            timings, source, too_busy = _measure(dtype, timer), "measured", timer.busy
+        path: Optional[str] = cache.path
+        if source == "measured":
+            if too_busy:
+                _log.info("gluon_amp: %s; the probe timed this process's CPU time instead of wall time, "
+                          "and keeps it apart for processes started under load", too_busy)
+            stored = {_entry(dtype): timings_to_records(timings)} if not too_busy else {
+                _busy_entry(dtype): timings_to_records(timings), _busy_entry(dtype) + "/why": too_busy}
+            try:
+                cache.store(stored)
             except OSError:
                 path = None  # a read-only cache folder: measured again next time
     _verdicts[dtype] = SpeedVerdict(dtype, timings, source, path, time.perf_counter() - t0, too_busy)
     return _verdicts[dtype]
+
+
+def _busy_entry(dtype: str) -> str:
+    return _entry(dtype) + "/cpu-time"
+
+
+def _busy_reason(entries: Mapping[str, Any], key: str) -> Optional[str]:
+    """Why the figures under ``key`` were timed in CPU time (None: wall time, a quiet machine)."""
+    if not key.endswith("/cpu-time"):
+        return None
+    why = entries.get(key + "/why")
+    return why if isinstance(why, str) and why else "the machine was busy when the probe ran"
 
 
 def forget() -> None:

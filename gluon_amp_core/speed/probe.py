@@ -31,8 +31,9 @@ MIN_SPEEDUP = 1.05
 
 #: Where the 1-minute load average exceeds this many runnable threads per CPU the process
 #: may use, wall-clock time measures other work more than the process's own: timings there
-#: read the process's CPU time instead, and the probe's figures are not kept. Oversubscribed,
-#: a Horovod worker here timed a bottleneck block at 273 ms of wall time instead of 10.
+#: read the process's CPU time instead, and the probe keeps those figures apart from a quiet
+#: machine's. Oversubscribed, a Horovod worker here timed a bottleneck block at 273 ms of
+#: wall time instead of 10.
 BUSY_LOAD_PER_CPU = 1.0
 
 
@@ -85,7 +86,7 @@ class SpeedVerdict:
         What the probe cost in this process (reading the cache, or timing).
     busy : str or None
         Why wall-clock time could not be trusted (:func:`busy`): the figures are then the
-        process's CPU time, which the load leaves alone, and they were not kept.
+        process's CPU time, which the load leaves alone (kept apart from wall-clock ones).
     """
 
     dtype: str
@@ -114,7 +115,7 @@ class SpeedVerdict:
         """One sentence: the estimate, the main figures, and where they come from."""
         where = f"cached in {self.path}" if self.source == "cached" else "measured now"
         if self.busy:
-            where += f" in CPU time, not kept: {self.busy}"
+            where += f", in CPU time: {self.busy}"
         return (f"{self.dtype} measured {self.speedup:.2f}x the speed of float32 on this CPU "
                 f"(estimated training step; {self.figures()}; {where})")
 

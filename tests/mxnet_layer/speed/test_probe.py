@@ -95,27 +95,40 @@ def _scripted_clock(deltas):
 
 @pytest.mark.bf16_kernels
 @pytest.mark.parametrize("fp32_ms, low_ms, dtype", [(10.0, 5.0, "bfloat16"), (5.0, 10.0, "float32")])
-def test_a_probe_on_a_busy_machine_times_cpu_time_decides_by_it_and_keeps_nothing(
+def test_a_probe_on_a_busy_machine_times_cpu_time_decides_by_it_and_keeps_it_apart(
         tmp_path, monkeypatch, fp32_ms, low_ms, dtype):
     """Wall time on a loaded machine measures the load, so the probe reads the process's CPU
     time there (planted: each float32 run takes ``fp32_ms`` of it, each low run ``low_ms``).
     The figures decide as measured, where the CPU flags alone chose bfloat16 before (on this
-    project's Xeon without AMX, 0.67x float32's speed)."""
+    project's Xeon without AMX, 0.67x float32's speed). They are kept apart: a process
+    started under load reads them (ranks started together choose alike), a quiet one
+    measures wall time again."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(probe.ENV, raising=False)
-    monkeypatch.setattr(probe.os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    load = [99.0]
+    monkeypatch.setattr(probe.os, "getloadavg", lambda: (load[0],) * 3)
     # each item's runs take turns, float32 first: its start and end, then the low graph's
     monkeypatch.setattr(probe.time, "process_time", _scripted_clock([0.0, fp32_ms / 1e3, 0.0, low_ms / 1e3]))
     runtime.timing_cache.cache_clear()
     probe.forget()
     try:
         verdict = runtime.speed(None)
-        assert verdict.busy and "99.0" in verdict.busy and verdict.path is None
+        assert verdict.source == "measured" and verdict.busy and "99.0" in verdict.busy
         figures = [v for t in verdict.timings for v in (t.fp32_ms, t.low_ms)]
         assert figures == pytest.approx([fp32_ms, low_ms] * len(PROBE))
-        assert not [f for f in os.listdir(tmp_path / "gluon-amp") if f.endswith(".json")]
         assert runtime.resolve(None, warn=False).dtype == dtype
         assert gluon_amp.runtime_info()["speed"]["busy"] == verdict.busy
+        probe.forget()  # another process started under load: reads them, and chooses alike
+        again = runtime.speed(None)
+        assert (again.source, again.timings, again.busy) == ("cached", verdict.timings, verdict.busy)
+        assert runtime.resolve(None, warn=False).dtype == dtype
+        probe.forget()  # a quiet machine: wall time, measured again and kept as the machine's figures
+        load[0] = 0.0
+        quiet = runtime.speed(None)
+        assert quiet.source == "measured" and quiet.busy is None and quiet.timings != verdict.timings
+        probe.forget()
+        load[0] = 99.0  # and from then on even a busy process reads the quiet figures
+        assert runtime.speed(None).timings == quiet.timings and runtime.speed(None).busy is None
     finally:
         runtime.timing_cache.cache_clear()
         probe.forget()
