@@ -629,6 +629,15 @@ def _names_of(given: Any, names: Sequence[str]) -> Any:
     return given
 
 
+def _by_name(given: Any, names: Sequence[str]) -> Dict[str, Any]:
+    """A bind's arrays (a list in the order of ``names``, a dict, or None) by name, for ``names`` only."""
+    named = _names_of(given, names)
+    if not isinstance(named, dict):
+        return {}
+    wanted = set(names)
+    return {k: v for k, v in named.items() if k in wanted}
+
+
 def _accumulating(grad_req: Any, names: Sequence[str]) -> FrozenSet[str]:
     """The names among ``names`` whose gradients ``grad_req`` (a bind's: one string, a list in
     the order of ``names`` or a dict) accumulates (``'add'``)."""
@@ -743,7 +752,8 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
     def bind(self: Symbol, ctx: Any, args: Any, args_grad: Any = None, grad_req: Any = "write",
              aux_states: Any = None, group2ctx: Any = None, shared_exec: Any = None) -> Any:
         arg_names, aux_names = self.list_arguments(), self.list_auxiliary_states()
-        arrays = {**(_names_of(args, arg_names) or {}), **(_names_of(aux_states, aux_names) or {})}
+        # 1.9.1 reads a dict by the symbol's names: other keys (a label the graph lacks) are ignored
+        arrays = {**_by_name(args, arg_names), **_by_name(aux_states, aux_names)}
         if not isinstance(arrays, dict) or not all(isinstance(a, mx.nd.NDArray) for a in arrays.values()):
             return _BIND(self, ctx, args, args_grad, grad_req, aux_states, group2ctx, shared_exec)
         run = for_symbol(self, ctx, {k: a.dtype for k, a in arrays.items()},
