@@ -25,7 +25,11 @@ APIS = ("legacy", "numpy")
 #: MXNet's words when oneDNN has no primitive for the dtype on this CPU's ISA (not a fact about
 #: the op: a host with AVX512-BF16 or AMX runs it)
 _ISA_WORDS = ("primitive descriptor", "could not create", "mkldnn", "dnnl", "unimplemented")
-_TYPE_WORDS = ("infertype", "infer_type", "incompatible attr", "type inference", "finfertype")
+#: Words of a refusal by type inference, which every device shares. ``default_type_flag``: 1.9.1
+#: include/mxnet/operator.h, the InferType of a legacy operator (Crop, MultiBoxPrior) that takes
+#: float32 alone, on a GPU too.
+_TYPE_WORDS = ("infertype", "infer_type", "incompatible attr", "type inference", "finfertype",
+               "default_type_flag")
 
 
 @functools.lru_cache(maxsize=None)

@@ -45,6 +45,20 @@ def test_quick_subset_matches_the_recorded_facts():
     assert got["Activation:act_type=softsign"].results["bfloat16"].verdict == "no_kernel"
 
 
+def test_every_refusal_by_type_inference_holds_on_every_device():
+    """A refusal by type inference (a legacy operator's InferType takes float32 alone: Crop,
+    MultiBoxPrior) holds on a GPU too, so a float16 plan, which follows only such facts, keeps
+    the op float32. Recorded as a CPU fact, Crop stayed float16 in FCN-xs's emulated float16
+    plan, and MXNet refused to bind it. Every recorded fact, each host's."""
+    from gluon_amp.conformance.runner import is_type_refusal
+    assert is_type_refusal("Check failed: in_type->at(i) == mshadow: :default_type_flag || in_type->at(i) == -1")
+    assert not is_type_refusal("MXNetError: Unknown type enum 12")
+    refusals = [f for f in (fact_from_row(r) for r in data.MEASURED) if f.verdict is Verdict.NO_KERNEL]
+    by_types = [f for f in refusals if is_type_refusal(f.note or "")]
+    assert {f.op for f in by_types} >= {"Crop", "_contrib_MultiBoxPrior"}
+    assert [(f.op, f.dtype, f.host) for f in by_types if f.device != "any"] == []
+
+
 def test_every_candidate_is_run_or_named_with_why():
     cands = cases.candidates()
     assert "_contrib_AdaptiveAvgPooling2D" in cands and "Convolution" in cands

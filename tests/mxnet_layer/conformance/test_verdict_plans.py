@@ -148,3 +148,73 @@ def test_sample_normal_under_emulated_init():
     gluon_amp.init(target_dtype="bfloat16", emulate=True)
     s = mx.nd.sample_normal(mu=mu, sigma=_uniform(6, (2, 4)))
     assert s.shape == (2, 4) and np.isfinite(s.asnumpy()).all()
+
+
+def _fcn_head(F, data, weight, up_weight):
+    """FCN-xs's head: a strided score map, upsampled by a Deconvolution, cropped to the input."""
+    score = F.Convolution(data, weight, kernel=(3, 3), stride=(4, 4), num_filter=5, no_bias=True, name="score")
+    big = F.Deconvolution(score, up_weight, kernel=(8, 8), stride=(4, 4), num_filter=5, no_bias=True, name="big")
+    return F.Crop(big, data, offset=(2, 2), name="upscore")
+
+
+class FcnHead(gluon.HybridBlock):
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.weight = self.params.get("weight", shape=(5, 3, 3, 3))
+            self.up_weight = self.params.get("up_weight", shape=(5, 5, 8, 8))
+
+    def hybrid_forward(self, F, x, weight, up_weight):
+        return _fcn_head(F, x, weight, up_weight)
+
+
+def _fcn_runs(x, w, uw):
+    """The head's output and the data's gradient: bound from symbols, and as a hybridized block."""
+    sym = _fcn_head(mx.sym, mx.sym.var("data"), mx.sym.var("w"), mx.sym.var("uw"))
+    args = {"data": x, "w": w, "uw": uw}
+    grads = {"data": mx.nd.zeros(x.shape)}
+    exe = sym.bind(mx.cpu(), args, args_grad=grads, grad_req={"data": "write", "w": "null", "uw": "null"})
+    bound = exe.forward(is_train=True)[0]
+    exe.backward(mx.nd.ones(bound.shape))
+    net = FcnHead()
+    net.initialize()
+    net.weight.set_data(w)
+    net.up_weight.set_data(uw)
+    net.hybridize()
+    xg = x.copy()
+    xg.attach_grad()
+    with mx.autograd.record():
+        block = net(xg)
+    block.backward()
+    return [a.asnumpy() for a in (bound, grads["data"], block, xg.grad)], [bound.dtype, block.dtype]
+
+
+@pytest.mark.parametrize("start", [lambda: gluon_amp.init("float16", emulate=True),
+                                   lambda: gluon_amp.init("bfloat16", emulate=True)], ids=["float16", "bfloat16"])
+def test_a_legacy_op_whose_types_take_float32_alone_runs_float32_in_every_plan(start):
+    """Crop's InferType (a legacy operator's) takes float32 alone, on every device: FCN-xs's
+    head under emulated float16 kept it float16 and MXNet refused to bind it (or to build the
+    block's graph)."""
+    x, w, uw = _uniform(0, (1, 3, 16, 16)), _uniform(1, (5, 3, 3, 3)) * 0.1, _uniform(2, (5, 5, 8, 8)) * 0.1
+    plain, _ = _fcn_runs(x, w, uw)
+    start()
+    try:
+        got, dtypes = _fcn_runs(x, w, uw)
+    finally:
+        gluon_amp.disable()
+    assert dtypes == [np.float32, np.float32]
+    for g, p in zip(got, plain):
+        assert _rel(g, p) < 2e-2
+
+
+def test_a_legacy_op_whose_types_take_float32_alone_runs_natively(native_host):
+    x, w, uw = _uniform(0, (1, 3, 16, 16)), _uniform(1, (5, 3, 3, 3)) * 0.1, _uniform(2, (5, 5, 8, 8)) * 0.1
+    plain, _ = _fcn_runs(x, w, uw)
+    gluon_amp.init("bfloat16", tune=False)
+    try:
+        got, dtypes = _fcn_runs(x, w, uw)
+    finally:
+        gluon_amp.disable()
+    assert dtypes == [np.float32, np.float32]
+    for g, p in zip(got, plain):
+        assert _rel(g, p) < 2e-2
