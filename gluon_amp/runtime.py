@@ -176,7 +176,7 @@ def _probe_bf16() -> Optional[str]:
 
 def _run_probe() -> Optional[str]:
     import mxnet as mx
-    from .mxnet_internals import BFLOAT16, original_function
+    from .mxnet_internals import BFLOAT16, error_line, original_function
     amp_cast, ones = original_function(mx.nd.amp_cast), original_function(mx.nd.ones)
     conv, dense = original_function(mx.nd.Convolution), original_function(mx.nd.FullyConnected)
     try:
@@ -192,7 +192,7 @@ def _run_probe() -> Optional[str]:
             mx.nd.waitall()
         except mx.base.MXNetError:
             pass
-        return str(exc).strip().splitlines()[0].replace("MXNetError: ", "")
+        return error_line(exc).replace("MXNetError: ", "")
 
 
 # -- a simulated native-bfloat16 host (tests only) --------------------------------------

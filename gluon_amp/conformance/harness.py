@@ -16,6 +16,7 @@ from gluon_amp_core.verdicts import (BOUNDS, MODES, RULES, Observation, Verdict,
                                      judge, part_verdict, worst)
 
 from .. import runtime
+from ..mxnet_internals import error_line
 from . import cases, runner
 
 COMMAND = "python -m gluon_amp.conformance --write"
@@ -170,7 +171,7 @@ def _fp32_message(op: str, case: cases.Case, apis: Sequence[str]) -> str:
         runner.run(op, case, runner.make_inputs(case), ["float32"] * len(case.shapes), apis[0], False, False)
         return "(ran)"
     except Exception as e:  # noqa: BLE001
-        return runner.first_line(e)[:200]
+        return error_line(e)[:200]
 
 
 # -- worker processes

@@ -17,7 +17,7 @@ from mxnet import autograd, gluon
 from gluon_amp_core.lists.common import KEEP_FP32_INPUTS
 from gluon_amp_core.verdicts import BOUNDS, MODES, Observation, Part
 
-from ..mxnet_internals import original_function, quiet_stderr, registry, to_mx_dtype
+from ..mxnet_internals import error_line, original_function, quiet_stderr, registry, to_mx_dtype
 from ..type_inference import op_types
 from .cases import Case
 
@@ -48,14 +48,6 @@ def apis_of(op: str) -> Tuple[str, ...]:
     """The APIs that have both an imperative and a symbolic function for ``op``."""
     fns = _functions().get(op, {})
     return tuple(a for a in APIS if (a, "ndarray") in fns and (a, "symbol") in fns)
-
-
-def first_line(err: BaseException) -> str:
-    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if "Error" in ln or "Check failed" in ln:
-            return ln[:300]
-    return (lines[-1] if lines else type(err).__name__)[:300]
 
 
 def is_isa_refusal(message: str) -> bool:
@@ -154,7 +146,7 @@ def run(op: str, case: Case, values: Sequence[np.ndarray], dtypes: Sequence[str]
                 autograd.backward(picked, head_grads=heads)
                 grads = [_to_np(arrays[i].grad) for i in floats]
             except mx.base.MXNetError as e:
-                grad_error = first_line(e)
+                grad_error = error_line(e)
     return Run([values_out[k] for k in (case.outputs if case.outputs is not None else range(len(outs)))],
                grads, grad_error)
 
@@ -243,7 +235,7 @@ def check_case(op: str, case: Case, dtype: str, apis: Sequence[str]) -> CaseResu
             try:
                 got = run(op, case, values, low, api, hyb, train_mode=train)
             except mx.base.MXNetError as e:
-                msg = first_line(e)
+                msg = error_line(e)
                 if is_isa_refusal(msg):
                     return CaseResult(Observation(), paths, unmeasured=f"{path}: {msg}")
                 refused, by_types = f"{path}: {msg}", is_type_refusal(msg)
@@ -339,7 +331,7 @@ def mixed_refusal(op: str, case: Case, values: Sequence[np.ndarray], dtype: str,
         try:
             run(op, case, values, dts, api, hybridize=False, backward=False)
         except mx.base.MXNetError as e:
-            if is_isa_refusal(first_line(e)):
+            if is_isa_refusal(error_line(e)):
                 continue
             names = tuple(("int32" if i not in float_slots(case) else d) for i, d in enumerate(dts))
             first = slots[0]
@@ -347,5 +339,5 @@ def mixed_refusal(op: str, case: Case, values: Sequence[np.ndarray], dtype: str,
             with quiet_stderr():
                 accepted, typed = op_types(op, dict(case.attrs), names), op_types(op, dict(case.attrs), free)
             if accepted is not None or typed is None:
-                return f"inputs {'/'.join(combo)}: {first_line(e)}"
+                return f"inputs {'/'.join(combo)}: {error_line(e)}"
     return None

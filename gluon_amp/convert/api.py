@@ -302,10 +302,11 @@ def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params
                                   fused)[0].choices
         except Exception as error:  # noqa: BLE001  tuning is optional: the plan stands untuned
             if require_shapes:  # tune=True: asked for, so its failure is the caller's to see
-                raise RuntimeError(f"tune=True: timing this model's ops fails ({_first_line(error)}); "
+                raise RuntimeError(f"tune=True: timing this model's ops fails ({mxi.error_line(error)}); "
                                    "convert with tune=False (or leave tune unset) to keep the plan "
                                    "untuned") from error
-            why = f"untuned: timing this model's ops fails ({_first_line(error)}); the plan is not tuned (tune=False)"
+            why = (f"untuned: timing this model's ops fails ({mxi.error_line(error)}); "
+                   "the plan is not tuned (tune=False)")
             if fallbacks is None:
                 warnings.warn(f"convert_model: {why}", UserWarning, stacklevel=3)
             else:
@@ -316,10 +317,6 @@ def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params
     new_args = {k: _cast_array(v, result.param_dtypes.get(k, types[k])) for k, v in arg_params.items()}
     new_aux = {k: _cast_array(v, result.param_dtypes.get(k, types[k])) for k, v in aux_params.items()}
     return new_sym, new_args, new_aux, result
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
 
 
 def _check_input_shapes(input_shapes: Any, data_names: Sequence[str], required: bool) -> Dict[str, Tuple[int, ...]]:
@@ -423,7 +420,7 @@ class MixedPrecisionBlock(SymbolBlock):
         """The call run unfused, where MXNet's ``backend`` fusion failed on this graph (it
         breaks on some graphs in float32 too: GluonCV's NASNet). Unfused failing as well,
         the error is not fusion's: raise that one. With ``fuse=True``, raise saying so."""
-        first = _first_line(error)
+        first = mxi.error_line(error)
         mxi.run_unpartitioned(self, self._converted)
         try:
             out = super().__call__(*args)
@@ -666,11 +663,12 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
             arg_params, aux_params, _ = fold_batch_norm(sym, arg_params, aux_params)
         except Exception as error:  # noqa: BLE001  an optional step: the plan runs without it
             if fuse:
-                raise RuntimeError(f"fuse=True folds batch norm first, which fails on this graph: {_first_line(error)}."
-                                   " Convert with fuse=False, or leave fuse unset to run unfused.") from error
+                raise RuntimeError("fuse=True folds batch norm first, which fails on this graph: "
+                                   f"{mxi.error_line(error)}. Convert with fuse=False, or leave fuse unset "
+                                   "to run unfused.") from error
             backend = None
             fallbacks.append(f"unfused: folding batch norm for the fusion fails on this graph "
-                             f"({_first_line(error)}); it runs unfused (fuse=False)")
+                             f"({mxi.error_line(error)}); it runs unfused (fuse=False)")
     new_sym, new_args, new_aux, result = _convert_model(sym, arg_params, aux_params, policy, excluded_sym_names,
                                                         cast_optional_params, input_shapes, backend is not None,
                                                         require_shapes=tune is True, fallbacks=fallbacks)

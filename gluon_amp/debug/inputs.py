@@ -21,6 +21,7 @@ from mxnet.symbol import Symbol
 from gluon_amp_core.dtypes import CODE_DTYPE, FLOAT_DTYPES
 from gluon_amp_core.emulate import VALUE_PRESERVING
 
+from ..mxnet_internals import error_line
 from ..type_inference import infer_dtypes, infer_shapes
 
 #: The dtypes a data input may be drawn in.
@@ -227,7 +228,7 @@ def _check_types(sym: Symbol, specs: Sequence[InputSpec], param_dtypes: Mapping[
         ok = infer_dtypes(sym, given) is not None
         reason = ""
     except MXNetError as exc:
-        ok, reason = False, str(exc).strip().splitlines()[0]
+        ok, reason = False, error_line(exc)
     if not ok:
         raise ValueError(f"the graph does not type-check with data dtypes {({s.name: s.dtype for s in specs})}"
                          f"{': ' + reason if reason else ''}; give the dtypes (--dtype NAME:DTYPE)")

@@ -6,7 +6,8 @@ breaks if MXNet changes it. Import it as ``from . import mxnet_internals as mxi`
 ``code_swap`` the in-place swap init uses | ``gluon`` blocks, symbols, hooks | ``trainer``
 trainer, parameter and updater internals | ``custom_ops`` loading gluon_amp's compiled ops |
 ``simulated`` bfloat16 kernels of a simulated native host (tests) | ``graph_reads`` a symbol's
-graph read once per chain of passes.
+graph read once per chain of passes | ``warning_sites`` MXNet's warnings past the hooks' frames |
+``errors`` the line of an MXNet error that says what failed.
 """
 from .arrays import *  # noqa: F401,F403
 from .code_swap import *  # noqa: F401,F403
@@ -19,4 +20,5 @@ from .code_swap import (SavedFunction, copy_function, is_redirected_to, original
 from .custom_ops import *  # noqa: F401,F403
 from .simulated import *  # noqa: F401,F403
 from .graph_reads import internal_entries, shared_reads, symbol_graph, symbol_json  # noqa: F401
+from .errors import error_line  # noqa: F401
 from . import module  # noqa: F401,E402  (Module internals: mxi.module.*, imported where used)

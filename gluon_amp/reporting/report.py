@@ -168,7 +168,7 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
         with contextlib.redirect_stdout(io.StringIO()):  # 1.9.1 prints the arguments it rejects
             by_name = infer_dtypes(sym, fed)
     except MXNetError as error:
-        raise ValueError(_untyped(inputs, fed, str(error).strip().splitlines()[0])) from None
+        raise ValueError(_untyped(inputs, fed, mxi.error_line(error))) from None
     if by_name is None:
         raise ValueError(_untyped(inputs, fed, "MXNet left some dtypes unknown"))
     label = _label(policy, {(n, 0): t for n, t in beside.real.items()} if beside.real else by_name)
