@@ -754,7 +754,7 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
         arg_names, aux_names = self.list_arguments(), self.list_auxiliary_states()
         # 1.9.1 reads a dict by the symbol's names: other keys (a label the graph lacks) are ignored
         arrays = {**_by_name(args, arg_names), **_by_name(aux_states, aux_names)}
-        if not isinstance(arrays, dict) or not all(isinstance(a, mx.nd.NDArray) for a in arrays.values()):
+        if not all(isinstance(a, mx.nd.NDArray) for a in arrays.values()):  # MXNet raises its TypeError
             return _BIND(self, ctx, args, args_grad, grad_req, aux_states, group2ctx, shared_exec)
         run = for_symbol(self, ctx, {k: a.dtype for k, a in arrays.items()},
                          {k: a.shape for k, a in arrays.items()}, group2ctx, _accumulating(grad_req, arg_names),
