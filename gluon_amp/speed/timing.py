@@ -15,10 +15,12 @@ import io
 import json
 import os
 import statistics
+import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import mxnet as mx
@@ -57,15 +59,67 @@ def cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def _thread_cpu_s(native_id: int) -> Optional[float]:
+    """CPU seconds a thread of this process has used (Linux: the kernel's per-thread clock,
+    named by the thread's id), or None once it has ended. By id rather than by pthread
+    handle: a handle of a thread that has just ended is memory glibc may have reused."""
+    try:
+        return time.clock_gettime((~native_id << 3) | 6)  # MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)
+    except (OSError, OverflowError):
+        return None
+
+
+class OwnCpuTime:
+    """This process's CPU time less what its other Python threads used: MXNet's engine
+    threads, which run the timed graph, count; a data loader's or a user's own threads
+    running beside the timing do not. Threads that ``threading`` did not start (MXNet's,
+    and foreign threads calling into Python, such as a custom op's) count.
+
+    Readings differ by the right amount: each reading adds what every other thread used
+    since the last one (all of a thread it sees first: it began since). A thread that ends
+    between two readings is counted for its last moments. Where the kernel gives no
+    per-thread clock (not Linux), it is the process's CPU time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: Dict[Tuple[int, int], float] = {}
+        self._others = 0.0
+
+    def __call__(self) -> float:
+        total = time.process_time()
+        if not sys.platform.startswith("linux"):
+            return total
+        me = threading.get_ident()
+        with self._lock:
+            seen: Dict[Tuple[int, int], float] = {}
+            for t in threading.enumerate():
+                if t.ident == me or t.native_id is None or isinstance(t, threading._DummyThread):
+                    continue
+                used = _thread_cpu_s(t.native_id)
+                if used is None:
+                    continue
+                key = (t.native_id, id(t))
+                before = self._seen.get(key, 0.0)
+                self._others += used - before if used >= before else used  # an id reused
+                seen[key] = used
+            self._seen = seen
+            return total - self._others
+
+
+#: The clock a busy machine reads (one instance: its readings are differenced across calls).
+OWN_CPU_TIME = OwnCpuTime()
+
+
 def timer_now() -> Timer:
     """How to time now. On a busy machine (:func:`~gluon_amp_core.speed.probe.busy`: the
     1-minute load above the CPUs) wall time measures the other work: the CPU time of this
-    process (its MXNet threads included), median run. Under 4 spinning processes on this
-    project's 2-core Xeon, the probe's wall-clock figures put a bottleneck block at 23-28 ms
-    against 17 quiet, its CPU time at 12 both ways, and the estimate stayed within the quiet
-    run's spread (0.62-0.68x against 0.67-0.75x)."""
+    process (its MXNet threads included, its other Python threads not: :class:`OwnCpuTime`),
+    median run. Under 4 spinning processes on this project's 2-core Xeon, the probe's
+    wall-clock figures put a bottleneck block at 23-28 ms against 17 quiet, its CPU time at 12
+    both ways, and the estimate stayed within the quiet run's spread (0.62-0.68x against
+    0.67-0.75x)."""
     why = busy(os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0, cpus())
-    return WALL if why is None else Timer(time.process_time, statistics.median, why)
+    return WALL if why is None else Timer(OWN_CPU_TIME, statistics.median, why)
 
 
 def _graph(op: str, attrs: Mapping[str, str], dtypes: Sequence[str]) -> mx.sym.Symbol:

@@ -1,5 +1,7 @@
 """gluon_amp.speed.timing: what measuring leaves behind in the user's process, and its clock."""
+import hashlib
 import statistics
+import threading
 import time
 
 import numpy as np
@@ -81,7 +83,7 @@ def test_a_quiet_machine_times_wall_time_a_busy_one_cpu_time(monkeypatch):
     assert timing.timer_now() is timing.WALL and timing.WALL.read is time.perf_counter and timing.WALL.pick is min
     monkeypatch.setattr(timing.os, "getloadavg", lambda: (99.0, 99.0, 99.0))
     busy = timing.timer_now()
-    assert busy.read is time.process_time and busy.pick is statistics.median
+    assert busy.read is timing.OWN_CPU_TIME and busy.pick is statistics.median
     assert "99.0" in busy.busy and f"{timing.cpus()} CPUs" in busy.busy
 
 
@@ -102,3 +104,52 @@ def test_on_a_busy_machine_the_default_timer_reads_cpu_time(monkeypatch):
     monkeypatch.setattr(timing.time, "process_time", _reads(_runs([50.0, 2.0, 7.0, 3.0, 9.0, 1.0])))
     got = timing.time_op("FullyConnected", {"num_hidden": "4"}, [(2, 8), (4, 8), (4,)], ["float32"] * 3, True)
     assert got == pytest.approx(3.0)  # the median of the 5 runs after the warm-up
+
+
+def _burn(seconds, started=None):
+    """Hash for ``seconds`` of wall time: CPU work that releases the GIL, as a loader's does."""
+    data = b"x" * (1 << 22)
+    if started is not None:
+        started.set()
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        hashlib.sha256(data).digest()
+
+
+@pytest.mark.parametrize("begins", ["before the first reading", "between the readings"])
+def test_a_busy_machines_clock_leaves_out_the_users_other_threads(begins):
+    """A busy machine times graphs in CPU time; a data loader's thread working beside the
+    timing was counted as the graph's. The process's CPU time shows the thread's work, the
+    clock leaves it out wherever the thread began, and never runs backwards as threads end."""
+    clock = timing.OwnCpuTime()
+    started = threading.Event()
+    worker = threading.Thread(target=_burn, args=(0.6, started), daemon=True)
+    if begins == "before the first reading":
+        worker.start()
+        started.wait()
+        time.sleep(0.1)  # it has used CPU before the first reading too
+    own0, cpu0 = clock(), time.process_time()
+    if begins == "between the readings":
+        worker.start()
+        started.wait()
+    time.sleep(0.3)
+    own1, cpu1 = clock(), time.process_time()
+    worker.join()
+    own2 = clock()
+    assert cpu1 - cpu0 > 0.1  # the worker ran
+    assert own1 - own0 < 0.02 + 0.1 * (cpu1 - cpu0)
+    assert own0 <= own1 <= own2
+
+
+def test_a_busy_machines_clock_counts_mxnets_threads():
+    """The graph runs on MXNet's engine threads while the caller waits: that work counts."""
+    clock = timing.OwnCpuTime()
+    a = mx.nd.random.uniform(shape=(768, 768))
+    a.wait_to_read()
+    own0, cpu0 = clock(), time.process_time()
+    for _ in range(20):
+        a = mx.nd.dot(a, a) / 768
+    a.wait_to_read()
+    own1, cpu1 = clock(), time.process_time()
+    assert cpu1 - cpu0 > 0.05
+    assert own1 - own0 == pytest.approx(cpu1 - cpu0, rel=0.1, abs=0.01)
