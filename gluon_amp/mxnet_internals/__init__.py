@@ -14,7 +14,7 @@ from .code_swap import *  # noqa: F401,F403
 from .gluon import *  # noqa: F401,F403
 from .registry import *  # noqa: F401,F403
 from .trainer import *  # noqa: F401,F403
-from .arrays import BFLOAT16, FLOAT_NAMES, host_view, quiet_stderr, to_mx_dtype, unfused_binds  # noqa: F401
+from .arrays import BFLOAT16, FLOAT_NAMES, host_view, legacy, quiet_stderr, to_mx_dtype, unfused_binds  # noqa: F401
 from .code_swap import (SavedFunction, copy_function, is_redirected_to, original_function,  # noqa: F401
                         redirect, restore, retarget)
 from .custom_ops import *  # noqa: F401,F403

@@ -95,6 +95,14 @@ def host_view(array: mx.nd.NDArray) -> Optional[np.ndarray]:
     return np.asarray(_Memory(array, address.value, "<f4" if name == "float32" else "<f2"))
 
 
+def legacy(array: mx.nd.NDArray) -> mx.nd.NDArray:
+    """``array`` as a legacy ``mx.nd.NDArray``, for MXNet's legacy ops (``multi_sum_sq``,
+    ``amp_cast``, ``all_finite``, ``amp_multicast``), which refuse ``mx.np`` arrays: a numpy
+    array's zero-copy view (1.9.1: ``as_nd_ndarray``, a shallow copy of its handle, writes
+    shared), a legacy array itself."""
+    return array.as_nd_ndarray() if isinstance(array, mx.np.ndarray) else array
+
+
 # -- gradients a cast would drop -----------------------------------------------------------
 # MXNet 1.9.1: the CPU ``amp_cast`` between float32 and bfloat16 (oneDNN's reorder,
 # ``AMPCastExCPU``) never commits a result written with ``req=kAddTo``, so the gradient of a

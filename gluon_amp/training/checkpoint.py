@@ -64,6 +64,7 @@ class _Encoder:
         if isinstance(x, mx.nd.NDArray):
             key = f"a{len(self.arrays)}"
             dtype = dtype_name(x.dtype)
+            x = mxi.legacy(x)  # amp_cast refuses numpy-mode arrays
             self.arrays[key] = (mx.nd.amp_cast(x, dtype="float32") if dtype == "bfloat16" else x).asnumpy()
             return {"t": "nd", "key": key, "dtype": dtype}
         if isinstance(x, MasterState):

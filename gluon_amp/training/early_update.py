@@ -76,6 +76,8 @@ class Plan:
     def __init__(self, weights: Sequence[mx.nd.NDArray], grads: Sequence[mx.nd.NDArray],
                  states: Sequence[mx.nd.NDArray]) -> None:
         self.arrays = (tuple(weights), tuple(grads), tuple(states))  # alive while kept: their ids key it
+        # MXNet's legacy ops below refuse numpy-mode (npx.set_np) arrays: zero-copy views
+        weights, grads, states = ([mxi.legacy(a) for a in arrays] for arrays in self.arrays)
         live = list(weights) + list(states)
         self.usable = all(a.stype == "default" for a in live + list(grads))
         self.nbytes = sum(a.size * np.dtype(a.dtype).itemsize for a in live) if self.usable else 0

@@ -23,7 +23,7 @@ def grads_by_context(params: Sequence[Parameter]) -> Dict[mx.Context, List[mx.nd
     for p in params:
         if not mxi.has_grad(p):
             continue
-        for g in p.list_grad():
+        for g in map(mxi.legacy, p.list_grad()):  # all_finite and amp_cast refuse numpy-mode arrays
             if g.stype != "default":
                 g = g.data  # row_sparse / csr: check the stored values
             groups.setdefault(g.context, []).append(g)
@@ -136,7 +136,7 @@ def arrays_finite(groups: Dict[mx.Context, List[mx.nd.NDArray]]) -> bool:
 
 
 def _finite(g: mx.nd.NDArray) -> bool:
-    g = g if g.stype == "default" else g.data
+    g = mxi.legacy(g if g.stype == "default" else g.data)
     view = mxi.host_view(g)
     if view is not None:
         return bool(np.isfinite(view).all())

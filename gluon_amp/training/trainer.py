@@ -449,6 +449,7 @@ def _in_float32(grads: Sequence[mx.nd.NDArray]) -> Iterator[List[mx.nd.NDArray]]
     MXNet 1.9.1 has no bfloat16 kernel for in-place scaling or norms, and the op table's
     float32 casts break ``out=`` ("Type inconsistent, Provided = bfloat16").
     """
+    grads = [mxi.legacy(g) for g in grads]  # amp_cast refuses numpy-mode arrays (views: writes shared)
     work = [mx.nd.amp_cast(g, dtype="float32") if g.dtype == mxi.BFLOAT16 else g for g in grads]
     yield work
     for g, w in zip(grads, work):
