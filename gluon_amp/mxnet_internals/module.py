@@ -166,6 +166,26 @@ def module_optimizer(module: Module) -> Any:
     return module._optimizer
 
 
+def updating_optimizer(opt: Any) -> Any:
+    """The optimizer whose ``rescale_grad`` an update reads: ``opt``, or the one a delegating
+    wrapper holds. Horovod 0.28.1's ``DistributedOptimizer`` keeps it as ``_optimizer`` without
+    an ``Optimizer.__init__`` of its own: reads of ``rescale_grad`` go through its
+    ``__getattr__`` to the inner optimizer, a write lands on the wrapper and is never read."""
+    for _ in range(8):  # wrappers of wrappers; a cycle cannot hold us
+        attrs = getattr(opt, "__dict__", {})
+        inner = attrs.get("_optimizer")
+        if "rescale_grad" in attrs or not isinstance(inner, mx.optimizer.Optimizer):
+            return opt
+        opt = inner
+    return opt
+
+
+def horovod_optimizer_process_set(opt: Any) -> Any:
+    """The process set of Horovod 0.28.1's ``DistributedOptimizer`` (``_process_set``: its
+    ``update`` allreduces each gradient over it); None for other optimizers."""
+    return getattr(opt, "__dict__", {}).get("_process_set") if type(opt).__module__.startswith("horovod.") else None
+
+
 def module_kvstore(module: Module) -> Any:
     return module._kvstore
 

@@ -188,18 +188,23 @@ def _agree(engine: Engine, scale: float, finite: bool) -> bool:
     return bad == 0
 
 
-def module_engine(kv: Any) -> Optional[Engine]:
-    """The cross-process engine of a Module whose kvstore is ``kv``: a native ``dist_*``
-    kvstore with more than one worker, else None."""
+def module_engine(module: Any) -> Optional[Engine]:
+    """The cross-process engine of a Module: a native ``dist_*`` kvstore with more than one
+    worker, or Horovod's ``DistributedOptimizer`` (its update allreduces the gradients) over
+    more than one process; else None."""
+    kv = mxi.module.module_kvstore(module)
     if isinstance(kv, mx.kvstore.KVStore) and "dist" in kv.type and kv.num_workers > 1:
         return Engine(f"the {kv.type} kvstore", kv.num_workers, _kvstore_reduce(kv, MODULE_FLAG_KEY), kvstore=True)
+    process_set = mxi.module.horovod_optimizer_process_set(mxi.module.module_optimizer(module))
+    if process_set is not None and "horovod.mxnet" in sys.modules and process_set.size() > 1 and process_set.included():
+        return Engine("Horovod", process_set.size(), _horovod_reduce(sys.modules["horovod.mxnet"], process_set))
     return None
 
 
-def agree_module_finite(kv: Any, scale: float, finite: bool) -> bool:
-    """Return whether every worker of a Module on kvstore ``kv`` saw finite gradients this
-    step, its gradients multiplied by ``scale``. Collective on a dist kvstore (every
-    ``Module.update`` calls it before its gradients are pushed); raises ``RuntimeError`` when
+def agree_module_finite(module: Any, scale: float, finite: bool) -> bool:
+    """Return whether every worker of ``module`` saw finite gradients this step, its
+    gradients multiplied by ``scale``. Collective across the workers (every ``Module.update``
+    calls it before its gradients meet: :func:`module_engine`); raises ``RuntimeError`` when
     the workers' scales differ."""
-    engine = module_engine(kv)
+    engine = module_engine(module)
     return bool(finite) if engine is None else _agree(engine, float(scale), finite)

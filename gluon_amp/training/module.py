@@ -94,9 +94,9 @@ class ModuleHook:
                 g = g if g.stype == "default" else g.data
                 groups.setdefault(g.context, []).append(g)
             finite = overflow.arrays_finite(groups)
-            kv = mxm.module_kvstore(module)
-            if kv is not None and "dist" in kv.type:  # before the push: every worker skips, or none
-                finite = distributed.agree_module_finite(kv, scale, finite)
+            # before the gradients meet (a dist kvstore's push, a Horovod optimizer's allreduce
+            # inside the update): every worker skips, or none
+            finite = distributed.agree_module_finite(module, scale, finite)
         skip = self.scaler.record_step(self, finite, scaled=carried and self.scaler.scales(dtype))
         return self._after_record(skip, dtype)
 
@@ -436,7 +436,7 @@ def _unscaled(update: Callable, module: Module, unscale: float) -> Any:
     """Run MXNet's ``update`` dividing this step's gradients by ``unscale`` as well."""
     if unscale == 1.0:
         return update(module)
-    opt = mxm.module_optimizer(module)
+    opt = mxm.updating_optimizer(mxm.module_optimizer(module))  # not a wrapper's (Horovod's)
     before = opt.rescale_grad
     opt.rescale_grad = before / unscale
     try:

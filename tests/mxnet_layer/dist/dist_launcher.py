@@ -130,10 +130,11 @@ def horovodrun() -> str:
     return os.path.join(os.path.dirname(sys.executable), "horovodrun")
 
 
-def run_horovod(args: Sequence[str], log_dir: str, np_: int = 2, timeout: float = 120) -> None:
-    """``horovodrun -np 2 -H localhost:2 --gloo python dist_worker.py args``."""
+def run_horovod(args: Sequence[str], log_dir: str, np_: int = 2, timeout: float = 120,
+                worker: str = WORKER) -> None:
+    """``horovodrun -np 2 -H localhost:2 --gloo python <worker> args`` (``dist_worker.py``)."""
     argv = [horovodrun(), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
-            sys.executable, WORKER, *args]
+            sys.executable, worker, *args]
     with Job(log_dir, timeout) as job:
         job.start("horovodrun", argv, _base_env())
         job.wait()

@@ -1,5 +1,7 @@
-"""A Module trained with dynamic loss scaling: one worker of a 2-worker ``dist_sync`` job, or
-(``--workers 1``) the single process on the whole global batch it is compared with.
+"""A Module trained with dynamic loss scaling: one worker of a 2-worker ``dist_sync`` job, one
+of 2 Horovod processes whose optimizer is ``hvd.DistributedOptimizer`` (``--engine horovod``,
+as MXNet's example/distributed_training-horovod/module_mnist.py trains), or (``--workers 1``)
+the single process on the whole global batch it is compared with.
 
 Float32 with an explicit LossScaler that scales every step (fp32 kernels run on every CPU).
 Worker ``POISON_RANK``'s shard holds an inf at ``POISON_STEP``: every worker must skip that
@@ -36,7 +38,7 @@ def global_batch(step: int):
     return x, rng.randint(0, CLASSES, GLOBAL_BATCH).astype("float32")
 
 
-def train(kvstore: str, rank: int, workers: int) -> dict:
+def train(kvstore: str, rank: int, workers: int, wrap=None) -> dict:
     per = GLOBAL_BATCH // workers
     mod = mx.mod.Module(symbol(), context=mx.cpu())
     mod.bind(data_shapes=[("data", (per, IN_UNITS))], label_shapes=[("softmax_label", (per,))])
@@ -44,7 +46,11 @@ def train(kvstore: str, rank: int, workers: int) -> dict:
     shapes = dict(zip(symbol().list_arguments(), symbol().infer_shape(data=(per, IN_UNITS))[0]))
     args = {n: mx.nd.array(rng.normal(0, 0.3, shapes[n])) for n in sorted(shapes) if n not in ("data", "softmax_label")}
     mod.init_params(arg_params=args)
-    mod.init_optimizer(kvstore=kvstore, optimizer="sgd", optimizer_params={"learning_rate": 0.1, "momentum": 0.9})
+    if wrap is None:
+        mod.init_optimizer(kvstore=kvstore, optimizer="sgd", optimizer_params={"learning_rate": 0.1, "momentum": 0.9})
+    else:  # the wrapper's update allreduces (averages) the gradients; each worker normalises by its batch
+        mod.init_optimizer(kvstore=kvstore, optimizer=wrap(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9,
+                                                                            rescale_grad=1.0 / per)))
     try:
         scaler = gluon_amp.init_trainer(mod, gluon_amp.LossScaler(init_scale=INIT_SCALE,
                                                                   growth_interval=GROWTH_INTERVAL))
@@ -67,9 +73,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--engine", choices=["dist_sync", "horovod"], default="dist_sync")
     a = parser.parse_args()
     if a.workers == 1:
         result = train("local", 0, 1)
+    elif a.engine == "horovod":
+        import horovod.mxnet as hvd
+        hvd.init()
+        result = train(None, hvd.rank(), hvd.size(), wrap=hvd.DistributedOptimizer)
     else:
         kv = mx.kv.create("dist_sync")
         result = train(kv, kv.rank, kv.num_workers)

@@ -120,8 +120,10 @@ def test_device_kvstore_two_contexts_in_one_process(tmp_path, reference):
 MODULE_WORKER = os.path.join(LAYER, "dist", "dist_module_worker.py")
 
 
-def _module_run(out_dir, **job):
-    if job:
+def _module_run(out_dir, horovod=False, **job):
+    if horovod:
+        dist_launcher.run_horovod(["--engine", "horovod", "--out", str(out_dir)], str(out_dir), worker=MODULE_WORKER)
+    elif job:
         dist_launcher.run_dist_sync(["--out", str(out_dir)], str(out_dir), worker=MODULE_WORKER, **job)
     else:  # the single process on the whole global batch
         subprocess.run([sys.executable, MODULE_WORKER, "--workers", "1", "--out", str(out_dir)], check=True,
@@ -141,6 +143,26 @@ def test_a_module_on_dist_sync_updating_on_the_workers_skips_with_every_worker(t
     assert [r["rank"] for r in results] == [0, 1] and {r["workers"] for r in results} == {2}
     for r in results:
         assert r["update_on_kvstore"] is False
+        assert r["skipped"] == ref["skipped"], f"rank {r['rank']} skipped other steps than one process"
+        assert r["scale"] == ref["scale"], f"rank {r['rank']} has other loss scales than one process"
+        assert r["params"] == results[0]["params"], f"rank {r['rank']} ended with other weights than rank 0"
+    _assert_params_close(results[0]["params"], ref["params"])
+
+
+def test_a_module_with_horovods_distributed_optimizer_skips_with_every_worker_and_unscales(tmp_path):
+    """MXNet's example/distributed_training-horovod/module_mnist.py: a Module whose optimizer is
+    hvd.DistributedOptimizer, which allreduces inside its update. The unscale set
+    ``rescale_grad`` on the wrapper, which its update never reads (the weights took steps the
+    loss scale times too big), and each worker decided its skip alone: the worker without the
+    inf went on into the allreduce. Both workers must skip the poisoned step, move the scale
+    alike and end with the single process's weights."""
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "job").mkdir()
+    [ref] = _module_run(tmp_path / "ref")
+    assert [i for i, s in enumerate(ref["skipped"]) if s] == [2] and len(set(ref["scale"])) >= 3
+    results = _module_run(tmp_path / "job", horovod=True)
+    assert [r["rank"] for r in results] == [0, 1] and {r["workers"] for r in results} == {2}
+    for r in results:
         assert r["skipped"] == ref["skipped"], f"rank {r['rank']} skipped other steps than one process"
         assert r["scale"] == ref["scale"], f"rank {r['rank']} has other loss scales than one process"
         assert r["params"] == results[0]["params"], f"rank {r['rank']} ended with other weights than rank 0"

@@ -780,3 +780,52 @@ def test_a_sequential_module_stage_fed_the_next_stages_input_gradients_is_not_sc
     fp32, _, _ = _sequential(emulate=False, drop=[i for i, k in enumerate(skips) if k])
     for k, v in fp32.items():
         assert np.linalg.norm(emulated[k] - v) <= 0.02 * np.linalg.norm(v), k
+
+
+class _Delegating(mx.optimizer.Optimizer):
+    """An optimizer wrapper as horovod.mxnet.DistributedOptimizer is one: the wrapped optimizer
+    in ``_optimizer``, reads forwarded by ``__getattr__``, no ``Optimizer.__init__`` of its own."""
+
+    def __init__(self, inner):  # noqa: D107 - no super().__init__, as Horovod's
+        self._optimizer = inner
+
+    def __getattr__(self, item):
+        return getattr(self._optimizer, item)
+
+    def create_state(self, index, weight):
+        return self._optimizer.create_state(index, weight)
+
+    def create_state_multi_precision(self, index, weight):
+        return self._optimizer.create_state_multi_precision(index, weight)
+
+    def update(self, index, weight, grad, state):
+        self._optimizer.update(index, weight, grad, state)
+
+    def update_multi_precision(self, index, weight, grad, state):
+        self._optimizer.update_multi_precision(index, weight, grad, state)
+
+
+@pytest.mark.parametrize("wrappers", [1, 2])
+def test_an_optimizer_behind_a_delegating_wrapper_gets_the_unscale(wrappers):
+    """The unscale set ``rescale_grad`` on the wrapper, which its update never reads: with
+    ``hvd.DistributedOptimizer`` (MXNet's Horovod module example) every step moved the
+    weights by the loss scale times the gradient. Scaled (2**10) and wrapped, a run must
+    give the unwrapped FP32 run's weights, an inf step skipped in both."""
+    x, y = data(12, inf_at=(3,))
+    runs = {}
+    for name, scaler in (("fp32", None), ("scaled", _scaler())):
+        mod = mx.mod.Module(mlp(), context=mx.cpu())
+        mod.bind([("data", (BATCH, 10))], [("softmax_label", (BATCH,))])
+        mx.random.seed(1)
+        mod.init_params(mx.init.Xavier())
+        opt = mx.optimizer.SGD(learning_rate=0.05, momentum=0.9, rescale_grad=1.0 / BATCH)
+        for _ in range(wrappers if scaler is not None else 0):
+            opt = _Delegating(opt)
+        mod.init_optimizer(optimizer=opt)
+        amp.init_trainer(mod, scaler if scaler is not None else LossScaler.static(1.0))
+        train_loop(mod, x, y)
+        runs[name] = params(mod)
+        assert amp.get_scaler(mod).skipped_steps == 1
+        amp.disable()
+    for k, v in runs["fp32"].items():
+        np.testing.assert_allclose(runs["scaled"][k], v, rtol=1e-6, atol=0, err_msg=k)
