@@ -283,6 +283,12 @@ class _ThreadDepth(threading.local):
 _paused = _ThreadDepth()
 
 
+def inside_block_call() -> bool:
+    """Whether this thread is inside a Gluon block's call (a hybridized block traces its graph
+    there), as the hook on ``Block.__call__`` counts them; False where no such hook is installed."""
+    return _calls.depth > 0
+
+
 def hooks_paused() -> ContextManager[None]:
     """Blocks built and run inside (gluon_amp's own measurements) bypass the hooks."""
     return _paused.inside()

@@ -39,9 +39,10 @@ def wrapper_for(fn: Callable, op: str, kind: str, policy: Policy, info: mxi.OpIn
     """
     table = policy.table
     sig = mxi.signature_of(fn)  # once per function: which arguments are inputs, which attributes
-    if op in LOSS_OUTPUT_FUNCTIONS:
-        fn = (loss_output.nd_wrapper(fn, op, sig, scalers.scale) if kind == "ndarray"
-              else loss_output.sym_wrapper(fn, op))
+    if op in LOSS_OUTPUT_FUNCTIONS and kind == "ndarray":
+        fn = loss_output.nd_wrapper(fn, op, sig, scalers.scale)
+    elif op in LOSS_OUTPUT_FUNCTIONS and table.target_dtype == "float16":  # the dtype losses are scaled for
+        fn = loss_output.sym_wrapper(fn, op)
     op_class = table.classes.get(op, OpClass.NEUTRAL)
     neutral = None
     kept = table.keep_fp32_inputs.get(op, frozenset())

@@ -6,10 +6,9 @@ Their backward ignores the gradient ``scale_loss`` multiplies and starts from th
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any, Callable
 
-from ... import state
+from ... import mxnet_internals as mxi, state
 from ...mxnet_internals import Signature
 
 
@@ -41,15 +40,17 @@ def _scaled(grad_scale: Any, scale: float) -> Any:
 
 
 def sym_wrapper(fn: Callable, op: str) -> Callable:
-    """A hybridized Gluon graph cannot follow a dynamic scale: say so when the op is put in a
-    graph (a Module's can: ``gluon_amp.training.module`` scales the graph it binds)."""
+    """A hybridized Gluon graph cannot follow a dynamic scale: say so when a block's trace puts
+    the op in its graph, naming the user's line. A symbol built outside any block (a Module's,
+    which ``gluon_amp.training.module`` scales where it binds it) passes without a word."""
     @functools.wraps(fn)
     def amp_op(*args: Any, **kwargs: Any) -> Any:
-        warnings.warn(f"{op} in a symbolic or hybridized graph starts its backward from grad_scale. "
-                      "In mx.mod.Module / BucketingModule training gluon_amp scales it (init_trainer(module), "
-                      "or automatically under init); a hybridized Gluon block's dynamic loss scale cannot "
-                      "reach it: use a gluon.loss block there, or a static LossScaler and grad_scale=<scale>.",
-                      RuntimeWarning, stacklevel=2)
+        if mxi.inside_block_call():
+            mxi.warn_outside(
+                f"{op} in a hybridized Gluon block starts its backward from grad_scale, which the "
+                "block's dynamic loss scale cannot reach: compute the loss with a gluon.loss block, or use "
+                "a static LossScaler and grad_scale=<its scale>. (mx.mod.Module / BucketingModule training "
+                "scales it: init_trainer(module), or under init.)", RuntimeWarning, stacklevel=2)
         return fn(*args, **kwargs)
     return amp_op
 
