@@ -518,13 +518,15 @@ def _patch() -> List[mxm.MethodPatch]:
     try:
         done += mxm.patch_methods(BucketingModule, {"bind": _wrap_bucketing_bind})
         done += mxm.patch_methods(mxm.SequentialModule, {"init_optimizer": _wrap_sequential_init_optimizer})
-        return done
     except BaseException:  # all or nothing, as each class's patch is
         mxm.restore_methods(done)
         raise
+    mxi.warning_sites.hold(done)  # MXNet's Module warnings name its caller, not these wrappers
+    return done
 
 
 def _unpatch(patches: List[mxm.MethodPatch]) -> None:
+    mxi.warning_sites.release(patches)
     changed = mxm.restore_methods(patches)
     if changed:
         warnings.warn(f"gluon_amp: {', '.join(changed)} were changed by someone else while patched "

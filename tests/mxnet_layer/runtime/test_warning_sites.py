@@ -83,3 +83,29 @@ def test_a_level_past_the_stack_lands_where_pythons_does():
         warning_sites.warn("here", UserWarning)
     assert caught[0].filename == caught[1].filename and caught[0].lineno == caught[1].lineno
     assert caught[2].filename == __file__
+
+
+def _module_fit_warnings():
+    """MXNet's init_optimizer warns (stacklevel 2, naming ``fit``) for an optimizer made outside
+    the Module whose rescale_grad is not 1/batch; init_params after fit warns (naming the caller)."""
+    import numpy as np
+    sym = mx.sym.SoftmaxOutput(mx.sym.FullyConnected(mx.sym.var("data"), num_hidden=2, name="fc"), name="softmax")
+    it = mx.io.NDArrayIter(np.ones((8, 3), "float32"), np.zeros(8, "float32"), batch_size=4)
+    mod = mx.mod.Module(sym)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mod.fit(it, num_epoch=1, optimizer=mx.optimizer.SGD(learning_rate=0.1, rescale_grad=1.0))
+        mod.init_params()
+    return sorted((str(w.message)[:40], w.filename, w.lineno) for w in caught
+                  if "rescale_grad" in str(w.message) or "init_params call ignored" in str(w.message))
+
+
+def test_a_modules_warnings_name_plain_mxnets_line(emulated):
+    from mxnet.module import module as mx_module
+    assert mx_module.warnings is not warnings  # Module's methods are wrapped
+    under_init = _module_fit_warnings()
+    gluon_amp.disable()
+    assert mx_module.warnings is warnings
+    plain = _module_fit_warnings()
+    assert len(plain) == 2, plain
+    assert under_init == plain
