@@ -518,11 +518,12 @@ def _patch() -> List[mxm.MethodPatch]:
     try:
         done += mxm.patch_methods(BucketingModule, {"bind": _wrap_bucketing_bind})
         done += mxm.patch_methods(mxm.SequentialModule, {"init_optimizer": _wrap_sequential_init_optimizer})
-    except BaseException:  # all or nothing, as each class's patch is
+        mxi.warning_sites.hold(done)  # MXNet's Module warnings name its caller, not these wrappers
+        return done
+    except BaseException:  # all or nothing (a Ctrl-C included): else the next init wraps the wrappers
+        mxi.warning_sites.release(done)
         mxm.restore_methods(done)
         raise
-    mxi.warning_sites.hold(done)  # MXNet's Module warnings name its caller, not these wrappers
-    return done
 
 
 def _unpatch(patches: List[mxm.MethodPatch]) -> None:
