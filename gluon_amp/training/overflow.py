@@ -14,8 +14,10 @@ from mxnet.gluon import Parameter
 from .. import mxnet_internals as mxi
 
 
-def grads_by_context(params: Sequence[Parameter]) -> Dict[mx.Context, List[mx.nd.NDArray]]:
-    """Every dense gradient array of ``params``, grouped by the context it lives on."""
+def grads_by_context(params: Sequence[Parameter], stored: bool = True) -> Dict[mx.Context, List[mx.nd.NDArray]]:
+    """Every gradient array of ``params``, grouped by the context it lives on. ``stored``: a
+    sparse gradient as its stored values (``.data``: a copy, to read); else the sparse array
+    itself (to change in place: ``*=`` and MXNet's clipping keep its storage)."""
     # A plain dict, not an OrderedDict: iterating an OrderedDict looks each key up again, and a
     # Ctrl-C that lands in mx.Context.__eq__ there is swallowed by CPython and comes out as
     # ``KeyError: cpu(0)``. A dict's iteration runs no Python code.
@@ -24,7 +26,7 @@ def grads_by_context(params: Sequence[Parameter]) -> Dict[mx.Context, List[mx.nd
         if not mxi.has_grad(p):
             continue
         for g in map(mxi.legacy, p.list_grad()):  # all_finite and amp_cast refuse numpy-mode arrays
-            if g.stype != "default":
+            if stored and g.stype != "default":
                 g = g.data  # row_sparse / csr: check the stored values
             groups.setdefault(g.context, []).append(g)
     return groups

@@ -469,10 +469,10 @@ def unscale(trainer: Optional[Trainer] = None, *, optimizer_or_trainer: Optional
     inv = 1.0 / step[1] if step is not None else 1.0  # 1/loss_scale when scale_loss ran, else 1
     if inv != 1.0:
         with autograd.pause():
-            for grads in overflow.grads_by_context(mxi.trainer_params(trainer)).values():
+            for grads in overflow.grads_by_context(mxi.trainer_params(trainer), stored=False).values():
                 with _in_float32(grads) as work:
                     for g in work:
-                        g *= inv
+                        g *= inv  # a sparse gradient in place too (its .data is a copy)
     mxi.set_grad_scale(trainer, hook.original_scale)
 
 
@@ -490,7 +490,7 @@ def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
         unscale(trainer)
     norms: List[float] = []
     with autograd.pause():
-        for grads in overflow.grads_by_context(mxi.trainer_params(trainer)).values():
+        for grads in overflow.grads_by_context(mxi.trainer_params(trainer), stored=False).values():
             with _in_float32(grads) as work:
                 norm = mx.gluon.utils.clip_global_norm(work, max_norm, check_isfinite=False)
             norms.append(float(norm.asscalar() if isinstance(norm, mx.nd.NDArray) else norm))

@@ -284,3 +284,52 @@ def test_a_step_while_autograd_records_says_why_and_the_next_step_works():
     assert scaler.state_dict() == steps  # not counted as a step
     trainer.step(2)
     assert not (net.weight.data().asnumpy() == before).all()
+
+
+def _sparse_run(feature, scaled):
+    """An Embedding with sparse gradients and a Dense, 4 SGD steps; ``scaled``: under a static
+    2**10 scaler (float32: scaling is exact), else plain MXNet (clipping by MXNet's own)."""
+    rng = np.random.RandomState(0)
+    net = mx.gluon.nn.HybridSequential()
+    net.add(mx.gluon.nn.Embedding(30, 4, sparse_grad=True), mx.gluon.nn.Dense(3, flatten=False))
+    net.initialize()
+    net(mx.nd.zeros((1, 5)))
+    for p in net.collect_params().values():
+        p.set_data(mx.nd.array(rng.uniform(-0.5, 0.5, p.shape)))
+    trainer = mx.gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                               update_on_kvstore=False)
+    if scaled:
+        gluon_amp.init_trainer(trainer, gluon_amp.LossScaler.static(2.0 ** 10))
+    for step in range(4):
+        x = mx.nd.array(rng.randint(0, 30, (6, 5)))
+        with mx.autograd.record():
+            loss = (net(x) ** 2).sum()
+            if scaled:
+                with gluon_amp.scale_loss(loss, trainer) as s:
+                    s.backward()
+            else:
+                loss.backward()
+        grads = [p.grad() for p in net.collect_params().values()]
+        if feature == "unscale" and scaled:
+            gluon_amp.unscale(trainer)
+        elif feature.startswith("clip"):
+            max_norm = 1.0 if feature == "clip-tight" else 1e6
+            if scaled:
+                gluon_amp.clip_global_norm(trainer, max_norm)
+            else:
+                mx.gluon.utils.clip_global_norm(grads, max_norm, check_isfinite=False)
+        trainer.step(6)
+    return [p.data().asnumpy() for p in net.collect_params().values()]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("feature", ["step", "unscale", "clip-loose", "clip-tight"])
+def test_unscale_and_clipping_reach_sparse_gradients(feature, monkeypatch):
+    """``unscale`` and ``clip_global_norm`` scaled a copy of a row_sparse gradient's values
+    (``.data``), so the update after them was the loss scale times too big. A scaled run must
+    end with plain MXNet's weights, the embedding's included (a power-of-two scale is exact)."""
+    monkeypatch.setenv("MXNET_STORAGE_FALLBACK_LOG_VERBOSE", "0")
+    plain = _sparse_run(feature, scaled=False)
+    ours = _sparse_run(feature, scaled=True)
+    for a, b in zip(plain, ours):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
