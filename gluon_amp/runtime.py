@@ -283,7 +283,7 @@ def capability() -> Capability:
 
 
 def _say_once(message: str, warn: bool) -> None:
-    state.say_once(message, warn, stacklevel=5)
+    state.say_once(message, warn)  # at the user's line, whichever API call resolved the dtype
 
 
 @functools.lru_cache(maxsize=None)

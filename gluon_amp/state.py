@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import signal
+import sys
 import threading
 import warnings
 import weakref
@@ -376,16 +378,32 @@ def register_scaler(hook: Any) -> None:
     process.scalers.add(hook)
 
 
-def say_once(message: str, warn: bool = True, category: type = RuntimeWarning, stacklevel: int = 3) -> bool:
+def say_once(message: str, warn: bool = True, category: type = RuntimeWarning,
+             stacklevel: Optional[int] = None) -> bool:
     """Warn ``message`` (when ``warn``) unless it was said before in this process; either way it
-    counts as said from now on. True when it was new."""
+    counts as said from now on. True when it was new. ``stacklevel`` (counted from the caller,
+    as ``warnings.warn`` counts it): by default the first frame outside gluon_amp and
+    gluon_amp_core, the user's line, however deep the API call that warns."""
     with lock:
         if message in process.said:
             return False
         process.said.add(message)
     if warn:
-        warnings.warn(message, category, stacklevel=stacklevel)
+        warnings.warn(message, category, stacklevel=(stacklevel + 1) if stacklevel is not None else _outside_level())
     return True
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OWN = tuple(os.path.join(_ROOT, package) + os.sep for package in ("gluon_amp", "gluon_amp_core"))
+
+
+def _outside_level() -> int:
+    """The ``warnings.warn`` stacklevel, from the function calling it, of the first frame
+    outside gluon_amp and gluon_amp_core."""
+    frame, level = sys._getframe(2), 2  # say_once's caller
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_OWN):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _record(table: str, key: Any, make: Callable[[], Any]) -> Any:

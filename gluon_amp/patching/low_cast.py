@@ -91,7 +91,7 @@ def _rule(param: Any, dtype: Any, cast: Callable[[Any], None]) -> None:
 
 
 def _say_once(message: str) -> None:
-    state.say_once(message, stacklevel=_caller_level() + 1)
+    state.say_once(message, stacklevel=_caller_level())
 
 
 _SKIPPED = tuple(os.path.dirname(m.__file__) + os.sep for m in (mx, sys.modules["gluon_amp"]))
