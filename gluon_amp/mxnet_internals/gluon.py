@@ -466,6 +466,40 @@ def remove_infer_hook(hook: InferHook) -> None:
         HybridBlock._infer_attrs = _INFER_ATTRS
 
 
+# -- Parameter._reduce hook -----------------------------------------------------------
+# 1.9.1 mxnet/gluon/parameter.py: ``Parameter._reduce()`` averages a parameter's copies on
+# several contexts onto the CPU (``save_parameters``, ``Block.save``, ``_check_and_get``'s
+# callers) with ``add_n`` and ``/``: MXNet's bookkeeping, through op functions AMP patches (the
+# table runs ``_div_scalar`` in float32, so bfloat16 weights were saved float32). If renamed,
+# init fails here.
+_REDUCE = Parameter._reduce
+
+
+@dataclass(frozen=True)
+class ReduceHook:
+    """The ``Parameter._reduce`` :func:`install_reduce_hook` put in place."""
+
+    reduce: Callable
+
+
+def install_reduce_hook(plain_ops: Callable[[], ContextManager[Any]]) -> ReduceHook:
+    """Until :func:`remove_reduce_hook`: ``Parameter._reduce`` runs inside ``plain_ops()`` (a
+    region where the op functions run as MXNet's own)."""
+    def _reduce(self: Parameter) -> Any:
+        with plain_ops():
+            return _REDUCE(self)
+
+    _reduce.__doc__ = _REDUCE.__doc__
+    Parameter._reduce = _reduce
+    return ReduceHook(_reduce)
+
+
+def remove_reduce_hook(hook: ReduceHook) -> None:
+    """Put MXNet's ``_reduce`` back, where ``hook`` is still the one in place."""
+    if Parameter.__dict__.get("_reduce") is hook.reduce:
+        Parameter._reduce = _REDUCE
+
+
 def constructing_block() -> Optional[Any]:
     """The block whose ``with self.name_scope():`` is open in this thread (a block being
     built: Gluon creates children and parameters there), else None. 1.9.1: ``name_scope()``

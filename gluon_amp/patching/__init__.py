@@ -65,6 +65,8 @@ class _Patched:
     scalers: ScalerRegistry
     #: shape and type inference of a block not built yet, with the hooks paused (builds no execution)
     infer_hook: mxi.InferHook
+    #: a parameter's copies on several contexts averaged by MXNet's own ops (saving keeps its dtype)
+    reduce_hook: mxi.ReduceHook
     #: policy -> its Region, for every policy whose wrappers were built (equal policies share one)
     regions: dict = field(default_factory=dict)
     #: Region -> what the block hooks do under it
@@ -216,7 +218,9 @@ def _patch() -> _Patched:
         low_cast.acquire("init")  # a script's net.cast('float16') follows the plan (low_cast.py)
         infer = mxi.install_infer_hook()
         undo.append(lambda: mxi.remove_infer_hook(infer))
-        patched = _Patched({}, hooks, ScalerRegistry(), infer)
+        reduce = mxi.install_reduce_hook(lambda: autocast(enabled=False))
+        undo.append(lambda: mxi.remove_reduce_hook(reduce))
+        patched = _Patched({}, hooks, ScalerRegistry(), infer, reduce)
         atexit.register(_at_exit)
         undo.append(lambda: atexit.unregister(_at_exit))
         _patched = patched
@@ -237,6 +241,7 @@ def _unpatch() -> None:
     _restore([site.saved for site in patched.sites.values()])
     mxi.remove_block_hooks(patched.hooks)
     mxi.remove_infer_hook(patched.infer_hook)
+    mxi.remove_reduce_hook(patched.reduce_hook)
     execution.release("init")
     low_cast.release("init")
     atexit.unregister(_at_exit)

@@ -483,3 +483,29 @@ def test_bfloat16_o2_clip_global_norm(native_host):
     after = np.sqrt(sum(float((mx.nd.amp_cast(g, dtype="float32") ** 2).sum().asscalar()) for g in grads))
     assert after == pytest.approx(1e-3, rel=0.02)
     tr.step(32)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_bfloat16_weights_on_two_contexts_are_saved_and_loaded_in_bfloat16(native_host, tmp_path, level):
+    """save_parameters averages a parameter's copies on several contexts with MXNet's ``add_n``
+    and ``/``, ops AMP patches: the table's float32 ``_div_scalar`` saved bfloat16 weights as
+    float32, and load_parameters refused the file (dtype incompatible). The file holds the
+    weights as they are, as plain MXNet's ``net.cast`` on two contexts writes them."""
+    ctx = [mx.cpu(0), mx.cpu(1)]
+    net = nn.HybridSequential()
+    net.add(nn.Dense(4, in_units=3), nn.Dense(2, in_units=4))
+    net.initialize(ctx=ctx)
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, update_on_kvstore=False)
+    net, trainer = gluon_amp.initialize(net, trainer, level, target_dtype="bfloat16")
+    params = net._collect_params_with_prefix()  # the names save_parameters writes
+    held = {name: dtype_name(p.dtype) for name, p in params.items()}
+    assert "bfloat16" in held.values()
+    path = str(tmp_path / "two.params")
+    net.save_parameters(path)
+    saved = mx.nd.load(path)
+    assert {k: dtype_name(v.dtype) for k, v in saved.items()} == held
+    net.load_parameters(path, ctx=ctx)
+    for name, p in params.items():
+        for a in p.list_data():
+            np.testing.assert_array_equal(mx.nd.amp_cast(a, dtype="float32").asnumpy(),
+                                          mx.nd.amp_cast(saved[name], dtype="float32").asnumpy())
