@@ -21,7 +21,7 @@ from __future__ import annotations
 import types
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import mxnet as mx
 from mxnet.gluon import Block, Parameter, SymbolBlock, Trainer
@@ -192,6 +192,35 @@ def _check_net(net: Block, level: OptLevel) -> None:
             f"weights exist to be cast at {level.name}." if level.cast_weights else "."))
 
 
+def _to_cast(net: Block, dtype: str) -> List[Parameter]:
+    """The parameters the level stores in ``dtype``: trainable, not normalisation, float32."""
+    return [p for p in net.collect_params().values()
+            if p.grad_req != "null" and not _is_norm_param(p) and dtype_name(p.dtype) == "float32"]
+
+
+def _check_storable(net: Block, level: OptLevel, dtype: str) -> None:
+    """MXNet 1.9.1 holds no bfloat16 in numpy-mode (``mx.np``) arrays nor in sparse ones: casting
+    such weights failed half-way with MXNet's ``KeyError: <class 'numpy.void'>``, AMP on and some
+    weights cast. Say so before anything changes."""
+    if dtype != "bfloat16":
+        return
+    params = _to_cast(net, dtype)
+    numpy_mode = [p.name for p in params if any(isinstance(a, mx.np.ndarray) for a in p.list_data())]
+    if numpy_mode:
+        raise ValueError(
+            f"{level.name} with bfloat16 stores the weights in bfloat16, and MXNet 1.9.1's numpy-mode arrays "
+            f"(npx.set_np()) have no bfloat16: {', '.join(numpy_mode[:3])}{' ...' if len(numpy_mode) > 3 else ''} "
+            "are mx.np arrays. Use opt_level 'O1' (float32 weights, bfloat16 ops), or build the net "
+            "outside numpy mode.")
+    sparse = [p.name for p in params
+              if any(a.stype != "default" for a in p.list_data() + (p.list_grad() if p.grad_req != "null" else []))]
+    if sparse:
+        raise ValueError(
+            f"{level.name} with bfloat16 stores the weights in bfloat16, and MXNet 1.9.1 has no bfloat16 sparse "
+            f"arrays: {', '.join(sparse)} {'has' if len(sparse) == 1 else 'have'} sparse storage or gradients "
+            "(e.g. Embedding(sparse_grad=True)). Use opt_level 'O1', or give those layers dense gradients.")
+
+
 def _cast_tree(x: Any, dtype: str, sources: frozenset) -> Any:
     """Cast every NDArray in ``x`` (nested lists/tuples) whose dtype is in ``sources`` to
     ``dtype``; Symbols (dtype unknown while tracing) always get a cast node."""
@@ -223,9 +252,7 @@ def _cast_weights(net: Block, dtype: str) -> int:
     """Cast the net's trainable, non-normalisation parameters to ``dtype``; return how many."""
     n = 0
     with own_casts():  # the level's own storage, not a script's GPU-only cast (patching/low_cast.py)
-        for p in net.collect_params().values():
-            if p.grad_req == "null" or _is_norm_param(p) or dtype_name(p.dtype) != "float32":
-                continue
+        for p in _to_cast(net, dtype):
             # MXNet 1.9.1: astype of a weight held in a oneDNN layout (after a forward pass) to
             # another dtype fails, or corrupts the heap under the threaded engine. A float32
             # copy first brings it back to the default layout.
@@ -316,6 +343,8 @@ def initialize(net: Block, trainer: Optional[Trainer] = None, opt_level: str = "
     if policy is not None and not policy.enabled:  # no useful low precision here (warned): O0
         level = replace(OPT_LEVELS["O0"], loss_scale=level.loss_scale if loss_scale is not None else 1.0)
     dtype = policy.target_dtype if policy is not None else "float32"
+    if level.cast_weights:
+        _check_storable(net, level, dtype)  # before anything changes: AMP, the weights, the trainer
     # A graph cached before (e.g. by the forward pass that finished deferred init, maybe in
     # inference mode) is rebuilt at the next call, under this level's precision.
     net.apply(mxi.drop_cached_graph)

@@ -509,3 +509,33 @@ def test_bfloat16_weights_on_two_contexts_are_saved_and_loaded_in_bfloat16(nativ
         for a in p.list_data():
             np.testing.assert_array_equal(mx.nd.amp_cast(a, dtype="float32").asnumpy(),
                                           mx.nd.amp_cast(saved[name], dtype="float32").asnumpy())
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+@pytest.mark.parametrize("case", ["numpy-mode", "sparse-gradient"])
+def test_bfloat16_weights_mxnet_cannot_hold_are_refused_before_anything_changes(native_host, level, case):
+    """MXNet 1.9.1 has no bfloat16 numpy-mode or sparse arrays: casting such weights raised its
+    ``KeyError: <class 'numpy.void'>`` half-way, with AMP on and some weights cast. A ValueError
+    naming the case and O1 comes first, and the net, the trainer and AMP stay as they were."""
+    from mxnet import npx
+    if case == "numpy-mode":
+        npx.set_np()
+    try:
+        net = nn.HybridSequential()
+        if case == "sparse-gradient":
+            net.add(nn.Embedding(10, 4, sparse_grad=True))
+        net.add(nn.Dense(3, in_units=4, flatten=False))
+        net.initialize()
+        trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, update_on_kvstore=False)
+        before = {n: dtype_name(p.dtype) for n, p in net.collect_params().items()}
+        with pytest.raises(ValueError, match="numpy-mode" if case == "numpy-mode" else "embedding") as err:
+            gluon_amp.initialize(net, trainer, level, target_dtype="bfloat16")
+        assert "'O1'" in str(err.value)
+        assert {n: dtype_name(p.dtype) for n, p in net.collect_params().items()} == before
+        assert not gluon_amp.is_enabled() and getattr(trainer, "_amp_loss_scaler", None) is None
+        gluon_amp.initialize(net, trainer, "O1", target_dtype="bfloat16")  # what the message offers works
+        assert gluon_amp.is_enabled()
+    finally:
+        gluon_amp.disable()
+        if case == "numpy-mode":
+            npx.reset_np()
