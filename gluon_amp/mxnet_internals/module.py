@@ -258,6 +258,16 @@ def module_contexts(module: Module) -> List[mx.Context]:
     return list(module._context)
 
 
+def module_state_names(module: Module) -> Optional[List[str]]:
+    """The parameter names, in :func:`module_param_specs`' order, where the module's updater
+    keys its states by name: 1.9.1 updates a module on several devices in its local kvstore
+    (``update_on_kvstore``), whose updater MXNet calls with each parameter's name. None where
+    the keys are optimizer indices."""
+    if not module._update_on_kvstore or module._exec_group is None:
+        return None
+    return list(module._exec_group.param_names)
+
+
 def module_devices(module: Module) -> int:
     """How many updater indices each parameter has (one per device)."""
     return len(module._context)

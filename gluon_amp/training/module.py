@@ -682,9 +682,13 @@ def save_states(module: Union[Module, BucketingModule], fname: str) -> None:
     policy = state.current_policy()
     mode = {"target_dtype": policy.target_dtype if policy else None, "emulate": bool(policy and policy.emulate),
             "master_weights": None, "opt_level": None, "module": True}
-    checkpoint.write(fname, {"scaler": hook.scaler.state_dict(), "mode": mode},
-                     mxi.updater_states(mxm.module_updater(mod)), mxm.module_optimizer(mod),
-                     mxm.module_param_specs(mod) if mxm.module_devices(mod) == 1 else None)
+    states = mxi.updater_states(mxm.module_updater(mod))
+    names = mxm.module_state_names(mod)
+    if names is not None:  # states by name (several devices, updated in the kvstore): by index in the file
+        position = {name: i for i, name in enumerate(names)}
+        states = {position[k]: v for k, v in states.items()}
+    checkpoint.write(fname, {"scaler": hook.scaler.state_dict(), "mode": mode}, states, mxm.module_optimizer(mod),
+                     mxm.module_param_specs(mod) if mxm.module_devices(mod) == 1 or names is not None else None)
 
 
 def load_states(module: Union[Module, BucketingModule], fname: str) -> None:
@@ -698,11 +702,14 @@ def load_states(module: Union[Module, BucketingModule], fname: str) -> None:
             f"{fname!r} holds a Gluon Trainer's optimizer state; a Module cannot load it: load it into "
             "the Trainer, or a checkpoint saved from a Module (gluon_amp.save_states(module, ...))")
     scaler = checkpoint.checked_scaler_state(hook.scaler, ck.meta["scaler"], fname)
+    names = mxm.module_state_names(mod)
     checkpoint.check_params(ck, fname, mxm.module_param_specs(mod), owner="Module",
-                            per_index=mxm.module_devices(mod))
+                            per_index=1 if names is not None else mxm.module_devices(mod))
     opt = mxm.module_optimizer(mod)
     fields = checkpoint.check_optimizer(opt, ck.meta["optimizer"], fname)
     states = ck.states(mx.cpu())
+    if names is not None:  # the updater keys its states by name (check_params saw every index in range)
+        states = {names[i]: v for i, v in states.items()}
     updater = mxm.module_updater(mod)
     undo = checkpoint.Undo(opt, hook.scaler, [])
     before = updater.states, updater.states_synced

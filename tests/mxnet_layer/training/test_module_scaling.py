@@ -49,8 +49,8 @@ def data(n_batches=50, seed=0, inf_at=()):
     return x, y
 
 
-def module(sym=None, seed=1, lr=0.05, optimizer="sgd", scaler=None, bind=True, **opt):
-    mod = mx.mod.Module(sym if sym is not None else mlp(), context=mx.cpu())
+def module(sym=None, seed=1, lr=0.05, optimizer="sgd", scaler=None, bind=True, context=None, **opt):
+    mod = mx.mod.Module(sym if sym is not None else mlp(), context=context or mx.cpu())
     if scaler is not None and not bind:
         amp.init_trainer(mod, scaler)
     if bind:
@@ -225,15 +225,20 @@ def _scaler_ckpt():
     return LossScaler(init_scale=2.0 ** 10, growth_interval=2)
 
 
-def test_save_checkpoint_and_scaler_state_resume_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("devices", [1, 2])
+def test_save_checkpoint_and_scaler_state_resume_bit_for_bit(tmp_path, devices):
+    """On two devices MXNet updates in the module's local kvstore, whose updater keys its states
+    by parameter name: load_states refused the file save_states had written ("the state tree's
+    keys are not parameter indices")."""
+    ctx = [mx.cpu(i) for i in range(devices)]
     x, y = data(12, inf_at=(3,))
     bs = batches(x, y)
-    whole = module(scaler=_scaler_ckpt(), optimizer="adam", lr=0.01)
+    whole = module(scaler=_scaler_ckpt(), optimizer="adam", lr=0.01, context=ctx)
     for b in bs:
         whole.forward_backward(b)
         whole.update()
 
-    first = module(scaler=_scaler_ckpt(), optimizer="adam", lr=0.01)
+    first = module(scaler=_scaler_ckpt(), optimizer="adam", lr=0.01, context=ctx)
     for b in bs[:6]:
         first.forward_backward(b)
         first.update()
@@ -243,7 +248,7 @@ def test_save_checkpoint_and_scaler_state_resume_bit_for_bit(tmp_path):
     with open(prefix + "-symbol.json") as f:
         assert "gluon_amp" not in f.read()
 
-    resumed = mx.mod.Module.load(prefix, 1, load_optimizer_states=True, context=mx.cpu())
+    resumed = mx.mod.Module.load(prefix, 1, load_optimizer_states=True, context=ctx)
     resumed.bind([("data", (BATCH, 10))], [("softmax_label", (BATCH,))])
     resumed.init_optimizer(optimizer="adam", optimizer_params={"learning_rate": 0.01})
     amp.init_trainer(resumed, LossScaler())
