@@ -337,7 +337,9 @@ def _after(first: Callable, second: Callable) -> Callable:
 def _noting_traced(rewrite: Callable) -> Callable:
     """``rewrite``, keeping beside each block the graph it traced (:func:`plan_notes.record_traced`)."""
     def noting(block: Any, args: tuple, inputs: Sequence[Any], out: Any) -> Any:
-        given = rewrite(block, args, inputs, out)
+        # in the traced graph's frontend now, so the graph the block keeps is this very object:
+        # a numpy-mode block's, converted after, was not found by identity and kept the plan's casts
+        given = mxi.like_frontend(out, rewrite(block, args, inputs, out))
         if getattr(block, "amp_result", None) is None:  # a converter's result keeps its own plan
             plan_notes.record_traced(block, out, given)
         return given
