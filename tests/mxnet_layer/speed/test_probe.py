@@ -8,7 +8,7 @@ import pytest
 
 import gluon_amp
 from gluon_amp import runtime
-from gluon_amp.speed import probe
+from gluon_amp.speed import probe, timing
 from gluon_amp_core.capability import Bf16, Capability
 from gluon_amp_core.speed.probe import PROBE, SpeedVerdict, timings_from_records
 from helpers import ROOT, no_bf16_env
@@ -109,6 +109,8 @@ def test_a_probe_on_a_busy_machine_times_cpu_time_decides_by_it_and_keeps_it_apa
     monkeypatch.setattr(probe.os, "getloadavg", lambda: (load[0],) * 3)
     # each item's runs take turns, float32 first: its start and end, then the low graph's
     monkeypatch.setattr(probe.time, "process_time", _scripted_clock([0.0, fp32_ms / 1e3, 0.0, low_ms / 1e3]))
+    # the planted clock is the whole process's: no other thread's real CPU time is taken from it
+    monkeypatch.setattr(timing, "_thread_cpu_s", lambda native_id: 0.0)
     runtime.timing_cache.cache_clear()
     probe.forget()
     try:
