@@ -435,14 +435,29 @@ _INFER_ATTRS = HybridBlock._infer_attrs
 
 
 @dataclass(frozen=True)
-class InferHook:
-    """The ``HybridBlock._infer_attrs`` :func:`install_infer_hook` put in place."""
+class MethodHook:
+    """A method of MXNet's put in place on its class until :func:`remove_method_hook`."""
 
-    infer_attrs: Callable
+    owner: type
+    name: str
+    original: Callable
+    replacement: Callable
 
 
-def install_infer_hook() -> InferHook:
-    """Until :func:`remove_infer_hook`: shape and type inference of a block with no graph yet
+def _install_method(owner: type, name: str, original: Callable, replacement: Callable) -> MethodHook:
+    replacement.__doc__ = original.__doc__
+    setattr(owner, name, replacement)
+    return MethodHook(owner, name, original, replacement)
+
+
+def remove_method_hook(hook: MethodHook) -> None:
+    """Put MXNet's method back, where ``hook``'s is still the one in place (checked by identity)."""
+    if hook.owner.__dict__.get(hook.name) is hook.replacement:
+        setattr(hook.owner, hook.name, hook.original)
+
+
+def install_infer_hook() -> MethodHook:
+    """Until :func:`remove_method_hook`: shape and type inference of a block with no graph yet
     (deferred initialization; ``net.infer_shape(x)``) trace it with the block hooks paused,
     and the graph is not kept: building a plan needs no check that this machine can run it
     (nothing runs). The block's first run builds its graph again, through the hooks."""
@@ -455,15 +470,7 @@ def install_infer_hook() -> InferHook:
         finally:
             self._cached_graph = ()  # a plain trace: the hooks see a fresh build when it runs
 
-    _infer_attrs.__doc__ = _INFER_ATTRS.__doc__
-    HybridBlock._infer_attrs = _infer_attrs
-    return InferHook(_infer_attrs)
-
-
-def remove_infer_hook(hook: InferHook) -> None:
-    """Put MXNet's ``_infer_attrs`` back, where ``hook`` is still the one in place."""
-    if HybridBlock.__dict__.get("_infer_attrs") is hook.infer_attrs:
-        HybridBlock._infer_attrs = _INFER_ATTRS
+    return _install_method(HybridBlock, "_infer_attrs", _INFER_ATTRS, _infer_attrs)
 
 
 # -- Parameter._reduce hook -----------------------------------------------------------
@@ -475,29 +482,14 @@ def remove_infer_hook(hook: InferHook) -> None:
 _REDUCE = Parameter._reduce
 
 
-@dataclass(frozen=True)
-class ReduceHook:
-    """The ``Parameter._reduce`` :func:`install_reduce_hook` put in place."""
-
-    reduce: Callable
-
-
-def install_reduce_hook(plain_ops: Callable[[], ContextManager[Any]]) -> ReduceHook:
-    """Until :func:`remove_reduce_hook`: ``Parameter._reduce`` runs inside ``plain_ops()`` (a
+def install_reduce_hook(plain_ops: Callable[[], ContextManager[Any]]) -> MethodHook:
+    """Until :func:`remove_method_hook`: ``Parameter._reduce`` runs inside ``plain_ops()`` (a
     region where the op functions run as MXNet's own)."""
     def _reduce(self: Parameter) -> Any:
         with plain_ops():
             return _REDUCE(self)
 
-    _reduce.__doc__ = _REDUCE.__doc__
-    Parameter._reduce = _reduce
-    return ReduceHook(_reduce)
-
-
-def remove_reduce_hook(hook: ReduceHook) -> None:
-    """Put MXNet's ``_reduce`` back, where ``hook`` is still the one in place."""
-    if Parameter.__dict__.get("_reduce") is hook.reduce:
-        Parameter._reduce = _REDUCE
+    return _install_method(Parameter, "_reduce", _REDUCE, _reduce)
 
 
 def constructing_block() -> Optional[Any]:

@@ -64,9 +64,9 @@ class _Patched:
     #: loss scalers attached (init_trainer); loss-output ops read them
     scalers: ScalerRegistry
     #: shape and type inference of a block not built yet, with the hooks paused (builds no execution)
-    infer_hook: mxi.InferHook
+    infer_hook: mxi.MethodHook
     #: a parameter's copies on several contexts averaged by MXNet's own ops (saving keeps its dtype)
-    reduce_hook: mxi.ReduceHook
+    reduce_hook: mxi.MethodHook
     #: policy -> its Region, for every policy whose wrappers were built (equal policies share one)
     regions: dict = field(default_factory=dict)
     #: Region -> what the block hooks do under it
@@ -217,9 +217,9 @@ def _patch() -> _Patched:
         undo.append(lambda: low_cast.release("init"))
         low_cast.acquire("init")  # a script's net.cast('float16') follows the plan (low_cast.py)
         infer = mxi.install_infer_hook()
-        undo.append(lambda: mxi.remove_infer_hook(infer))
+        undo.append(lambda: mxi.remove_method_hook(infer))
         reduce = mxi.install_reduce_hook(lambda: autocast(enabled=False))
-        undo.append(lambda: mxi.remove_reduce_hook(reduce))
+        undo.append(lambda: mxi.remove_method_hook(reduce))
         patched = _Patched({}, hooks, ScalerRegistry(), infer, reduce)
         atexit.register(_at_exit)
         undo.append(lambda: atexit.unregister(_at_exit))
@@ -240,8 +240,8 @@ def _unpatch() -> None:
         return
     _restore([site.saved for site in patched.sites.values()])
     mxi.remove_block_hooks(patched.hooks)
-    mxi.remove_infer_hook(patched.infer_hook)
-    mxi.remove_reduce_hook(patched.reduce_hook)
+    mxi.remove_method_hook(patched.infer_hook)
+    mxi.remove_method_hook(patched.reduce_hook)
     execution.release("init")
     low_cast.release("init")
     atexit.unregister(_at_exit)
