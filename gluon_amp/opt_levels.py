@@ -227,7 +227,7 @@ def _cast_tree(x: Any, dtype: str, sources: frozenset) -> Any:
     if isinstance(x, (list, tuple)):
         return type(x)(_cast_tree(v, dtype, sources) for v in x)
     if isinstance(x, mx.nd.NDArray):
-        legacy = x.as_nd_ndarray() if isinstance(x, mx.np.ndarray) else x
+        legacy = mxi.legacy(x)
         name = dtype_name(legacy.dtype)
         if name not in sources or name == dtype:
             return x

@@ -42,14 +42,10 @@ class MasterState:
     inner: Any
 
 
-def _classic(x: Any) -> mx.nd.NDArray:
-    return x.as_nd_ndarray() if isinstance(x, mx.np.ndarray) else x
-
-
 def _as_lists(index: Any, grad: Any, weight: Any) -> Tuple[list, list, list]:
     if isinstance(index, (list, tuple)):
-        return list(index), [_classic(g) for g in grad], [_classic(w) for w in weight]
-    return [index], [_classic(grad)], [_classic(weight)]
+        return list(index), [mxi.legacy(g) for g in grad], [mxi.legacy(w) for w in weight]
+    return [index], [mxi.legacy(grad)], [mxi.legacy(weight)]
 
 
 class MasterWeightUpdater(Updater):
