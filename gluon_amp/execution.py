@@ -13,6 +13,7 @@ remembered here by identity) or else the one in force (``init``, the launcher).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import threading
@@ -456,17 +457,54 @@ def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mappin
     known = {n: CODE_DTYPE.get(int(declared[n]["__dtype__"]), "float32") if "__dtype__" in declared.get(n, {})
              else "float32" for n in inputs}
     known.update({k: mxi.FLOAT_NAMES.get(v) or dtype_name(v) for k, v in dtypes.items() if k in set(inputs)})
+    fused = mxi.partitioned_when_bound(devices, trains)
     if policy is not None:  # else a simulated host's plain graph (graph_to_run), run as MXNet has it
         sym = without_identity_casts(sym, infer_dtypes(sym, known, partial=True) or {})
+        if not converted:
+            sym = _bound_verdict(sym, known, shapes, devices, policy, trains, fused)
     try:
         # bound without gradients, MXNet fuses each convolution with its batch norm, which then
         # folds the batch norm into the weight cast anew at every call: kept apart where that costs less
         return graph_to_run(sym, known, shapes, devices, policy, "the bound symbol", pair=not converted and trains,
-                            accumulating=accumulating, fused=mxi.partitioned_when_bound(devices, trains))
+                            accumulating=accumulating, fused=fused)
     except CannotRun as refused:
         # Binding is also how users infer a graph's shapes and types (and Module binds before it
         # runs): the executor binds, and its first forward raises this before MXNet's kernels would.
         return mxi.RefusedRun(sym, refused)
+
+
+def _bound_verdict(sym: Symbol, known: Mapping[str, str], shapes: Mapping[str, Tuple[int, ...]],
+                   devices: Collection[str], policy: Policy, trains: bool, fused: bool) -> Symbol:
+    """``init``'s per-graph verdict for a plan bound as a Symbol (``Module``, an executor), as a
+    hybridized block's graph gets it at its first call (:mod:`gluon_amp.tuning.schedule`): the
+    whole-graph outcome stored for this graph where the timing cache holds one, else the rule
+    for a graph not measured yet at the bind's shapes (a small product between casts runs
+    float32; so does every plan where the speed probe found the dtype slower). A bind times
+    nothing: a Module binds once, before any step could pay for it. ``tune=False``, emulation,
+    GPUs and data fed in a low dtype keep the plan."""
+    from .tuning.tuner import Target, applier, check_applied, choices_to_run, graph_key, load_outcome
+    if not policy.enabled or not policy.tune or policy.emulate or set(devices) != {"cpu"} or not shapes:
+        return sym
+    if any(known.get(n, "float32") != "float32" for n in shapes if n in known):
+        return sym
+    target = Target(sym, known, applier(sym, known, policy), policy, train=trains, fused=fused, casts_weights=True)
+    if not target.low_ops():
+        return sym
+    outcome = load_outcome(runtime.timing_cache(), graph_key(target), len(target.graph["nodes"]))
+    choices, why = choices_to_run(target, outcome, shapes)
+    if not choices:
+        return sym
+    run = target.apply(choices)
+    if check_applied(run, known, choices):
+        return sym  # the untuned plan, as a block whose choices do not apply runs it
+    if all(c.dtype == "float32" for c in choices.values()) and set(choices) == set(target.low_ops()):
+        measured = outcome is not None and outcome.verdict is not None
+        state.say_once(f"gluon_amp: a bound symbol ({len(choices)} {policy.target_dtype} ops, "
+                       f"{mxi.symbol_graph(sym)['nodes'][-1]['name']!r} last) {why}"
+                       f"{'' if measured else '; a bind measures nothing, so it stays float32'} "
+                       "(init(..., tune=False) runs its plan as it is)", category=UserWarning,
+                       past=(mxi.MXNET_PACKAGE, contextlib.__file__))  # the hooks' decorators
+    return run
 
 
 def cannot_run(what: str, dtype: str, device: str, ops: Sequence[str] = ()) -> str:

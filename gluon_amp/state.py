@@ -379,17 +379,20 @@ def register_scaler(hook: Any) -> None:
 
 
 def say_once(message: str, warn: bool = True, category: type = RuntimeWarning,
-             stacklevel: Optional[int] = None) -> bool:
+             stacklevel: Optional[int] = None, past: Tuple[str, ...] = ()) -> bool:
     """Warn ``message`` (when ``warn``) unless it was said before in this process; either way it
     counts as said from now on. True when it was new. ``stacklevel`` (counted from the caller,
     as ``warnings.warn`` counts it): by default the first frame outside gluon_amp and
-    gluon_amp_core, the user's line, however deep the API call that warns."""
+    gluon_amp_core (and the paths starting with one of ``past``: MXNet's package, for a hook
+    its Module calls),
+    the user's line, however deep the API call that warns."""
     with lock:
         if message in process.said:
             return False
         process.said.add(message)
     if warn:
-        warnings.warn(message, category, stacklevel=(stacklevel + 1) if stacklevel is not None else _outside_level())
+        warnings.warn(message, category,
+                      stacklevel=(stacklevel + 1) if stacklevel is not None else _outside_level(past))
     return True
 
 
@@ -397,11 +400,12 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OWN = tuple(os.path.join(_ROOT, package) + os.sep for package in ("gluon_amp", "gluon_amp_core"))
 
 
-def _outside_level() -> int:
+def _outside_level(past: Tuple[str, ...] = ()) -> int:
     """The ``warnings.warn`` stacklevel, from the function calling it, of the first frame
-    outside gluon_amp and gluon_amp_core."""
+    outside gluon_amp and gluon_amp_core (and the paths starting with one of ``past``)."""
     frame, level = sys._getframe(2), 2  # say_once's caller
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_OWN):
+    inside = _OWN + tuple(past)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
         frame, level = frame.f_back, level + 1
     return level
 

@@ -21,5 +21,5 @@ from .custom_ops import *  # noqa: F401,F403
 from .simulated import *  # noqa: F401,F403
 from .graph_reads import internal_entries, shared_reads, symbol_graph, symbol_json  # noqa: F401
 from .errors import error_line  # noqa: F401
-from .warning_sites import warn as warn_outside  # noqa: F401
+from .warning_sites import MXNET_PACKAGE, warn as warn_outside  # noqa: F401
 from . import module  # noqa: F401,E402  (Module internals: mxi.module.*, imported where used)

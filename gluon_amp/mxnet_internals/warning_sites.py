@@ -22,6 +22,8 @@ from mxnet.module import bucketing_module as _bucketing_module, module as _modul
 from mxnet.symbol import symbol as _symbol
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: MXNet's package folder: a warning from a hook its Module calls names the caller past it
+MXNET_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(_block.__file__))) + os.sep
 
 
 def warn(message: Any, category: Optional[type] = None, stacklevel: int = 1, source: Any = None) -> None:

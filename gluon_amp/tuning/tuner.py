@@ -216,6 +216,9 @@ class Target:
     policy: Policy
     train: bool
     fused: bool = False
+    #: its parameters are float32 master weights cast at every call (``init``; a training graph
+    #: always is), counted in :meth:`figures` as casts
+    casts_weights: bool = False
     graph: dict = field(init=False)
     _dtypes: Optional[Dict[Tuple[str, int], Optional[str]]] = field(init=False, default=None, repr=False)
     _figures: Dict[Any, Tuple[Optional[int], Optional[float], int]] = field(init=False, default_factory=dict,
@@ -320,7 +323,7 @@ class Target:
                     # master weight is cast every call), at WEIGHT_CAST_SHARE, where a converted
                     # graph's weights are cast once
                     param = nodes[e[0]]["op"] == "null"
-                    if self.train or not param:
+                    if self.train or self.casts_weights or not param:
                         shape = entry.get((nodes[e[0]]["name"], e[1]))
                         if shape is None:
                             return total, None, 0

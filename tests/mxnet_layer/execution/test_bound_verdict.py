@@ -1,0 +1,121 @@
+"""init's per-graph verdict where a plan is bound as a Symbol (Module, simple_bind):
+execution._bound_verdict, the rule a hybridized block's graph gets at its first call
+(gluon_amp_core.tuning.verdict), at the bind's shapes."""
+import itertools
+import warnings
+
+import numpy as np
+import pytest
+import mxnet as mx
+
+import gluon_amp
+from gluon_amp.tuning import tuner
+from helpers import planted_probe, probe_host_items
+
+
+def _dense(mx_sym):
+    """Small products between elementwise ops (a recurrent cell's shape): 15 multiply-adds
+    per element its casts convert, far below the rule's 128."""
+    x = mx_sym.var("data")
+    for i in range(3):
+        x = mx_sym.Activation(mx_sym.FullyConnected(x, num_hidden=40, name=f"fc{i}"), act_type="tanh", name=f"t{i}")
+    return mx_sym.FullyConnected(x, num_hidden=4, name="head")
+
+
+def _conv(mx_sym):
+    """Two 3x3 convolutions of 64 channels at 16x16: thousands of multiply-adds per cast element."""
+    x = mx_sym.var("data")
+    x = mx_sym.Activation(mx_sym.Convolution(x, num_filter=64, kernel=(3, 3), pad=(1, 1), name="c0"),
+                          act_type="relu", name="r0")
+    x = mx_sym.Convolution(x, num_filter=64, kernel=(3, 3), pad=(1, 1), name="c1")
+    return mx_sym.FullyConnected(x, num_hidden=4, name="head")
+
+
+GRAPHS = {"dense": (_dense, (8, 20)), "conv": (_conv, (4, 64, 16, 16))}
+
+
+def _values(sym, shape):
+    rng = np.random.RandomState(0)
+    arg_shapes, _, _ = sym.infer_shape(data=shape)
+    return {n: mx.nd.array(rng.uniform(-1, 1, s)) for n, s in zip(sym.list_arguments(), arg_shapes)}
+
+
+def _run(sym, values, api, trains):
+    """The bound graph's output for ``values``, bound as ``api`` does it."""
+    shape = values["data"].shape
+    if api == "module":
+        mod = mx.mod.Module(sym, data_names=["data"], label_names=None, context=mx.cpu())
+        mod.bind(data_shapes=[("data", shape)], for_training=trains)
+        mod.set_params({k: v for k, v in values.items() if k != "data"}, {})
+        mod.forward(mx.io.DataBatch([values["data"]]), is_train=trains)
+        return mod.get_outputs()[0].asnumpy()
+    exe = sym.simple_bind(mx.cpu(), grad_req="write" if trains else "null", data=shape)
+    for k, v in values.items():
+        v.copyto(exe.arg_dict[k])
+    return exe.forward(is_train=trains)[0].asnumpy()
+
+
+CASES = list(itertools.product(GRAPHS, ["module", "simple_bind"], [True, False], [True, False]))
+
+
+@pytest.mark.simulated_native
+@pytest.mark.parametrize("graph, api, trains, tune", CASES)
+def test_a_bound_plan_runs_float32_where_the_rule_says_so_and_names_the_users_line(graph, api, trains, tune):
+    make, shape = GRAPHS[graph]
+    values = _values(make(mx.sym), shape)
+    fp32 = _run(make(mx.sym), values, api, trains)
+    gluon_amp.init(tune=tune)  # the simulated host: bfloat16, the probe found it faster (the suite's
+    # GLUON_AMP_TUNE=0 makes tune=None mean False: the launcher's and init's default is True)
+    plan = make(mx.sym)
+    assert any(n["op"] == "amp_cast" for n in gluon_amp.mxnet_internals.symbol_graph(plan)["nodes"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _run(plan, values, api, trains)
+    said = [w for w in caught if "a bound symbol" in str(w.message)]
+    float32 = graph == "dense" and tune  # tune=False runs the plan as it is
+    assert np.array_equal(out, fp32) is float32
+    if not float32:
+        assert np.abs(out - fp32).max() < 0.05 * np.abs(fp32).max()  # the plan, in bfloat16
+    assert len(said) == float32
+    if float32:
+        assert said[0].filename == __file__ and "runs float32 until measured" in str(said[0].message)
+        assert "a bind measures nothing" in str(said[0].message)
+        assert "tune=False" in str(said[0].message) and "multiply-adds per cast element" in str(said[0].message)
+
+
+@pytest.mark.simulated_native
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_an_explicit_dtype_the_probe_found_slower_binds_every_plan_float32(graph, tmp_path):
+    make, shape = GRAPHS[graph]
+    values = _values(make(mx.sym), shape)
+    fp32 = _run(make(mx.sym), values, "module", True)
+    with planted_probe(probe_host_items("intel_xeon_no_amx"), tmp_path) as verdict:
+        assert not verdict.faster
+        with pytest.warns(RuntimeWarning, match="as asked"):
+            gluon_amp.init("bfloat16", tune=True)
+        with pytest.warns(UserWarning, match="a bound symbol"):
+            out = _run(make(mx.sym), values, "module", True)
+    assert np.array_equal(out, fp32)
+
+
+@pytest.mark.simulated_native
+@pytest.mark.parametrize("graph, faster", [("dense", True), ("conv", False)])
+def test_a_whole_graph_outcome_in_the_timing_cache_decides_over_the_rule(monkeypatch, graph, faster):
+    make, shape = GRAPHS[graph]
+    values = _values(make(mx.sym), shape)
+    fp32 = _run(make(mx.sym), values, "module", True)
+    stored = tuner.Outcome({}, {}, check=(500.0, 1000.0) if faster else (1000.0, 900.0))
+    keys = []
+
+    def load(cache, sig, nodes):
+        keys.append(sig)
+        return stored
+    monkeypatch.setattr(tuner, "load_outcome", load)
+    gluon_amp.init(tune=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _run(make(mx.sym), values, "module", True)
+    assert keys and np.array_equal(out, fp32) is not faster  # the rule alone gives the other answer
+    said = [str(w.message) for w in caught if "a bound symbol" in str(w.message)]
+    assert len(said) == (not faster) and all("measured 0.90x float32's speed" in m for m in said)
+    assert not any("measures nothing" in m for m in said)
