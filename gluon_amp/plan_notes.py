@@ -16,8 +16,13 @@ Converted results keep theirs in their ``amp_result`` (:class:`gluon_amp_core.gr
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+import mxnet as mx
+
+from gluon_amp_core.decide import users_casts
+from gluon_amp_core.graph_pass import without_amp_casts
 from gluon_amp_core.walk import Note
 
 from . import state
@@ -74,6 +79,17 @@ def traced_graph(block: object, kept: Any) -> Optional[Any]:
     kept_by = state.process.blocks.get(block)
     traced = kept_by.traced if kept_by is not None else None
     return traced[0] if traced is not None and traced[1] is kept else None
+
+
+def fp32_graph(block: object, kept: Any) -> Any:
+    """``block``'s FP32 graph, given the graph ``kept`` it keeps: ``kept`` itself, or where it
+    was made under ``init`` (:func:`traced_graph`), the traced graph without the plan's casts
+    (any policy's; the user's own casts stay), as a legacy Symbol."""
+    traced = traced_graph(block, kept)
+    if traced is None:
+        return kept
+    graph = json.loads(traced.tojson(remove_amp_cast=False))
+    return mx.sym.load_json(json.dumps(without_amp_casts(graph, keep=users_casts(graph))))
 
 
 def record_fed(block: object, dtypes: Mapping[str, str]) -> None:

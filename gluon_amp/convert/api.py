@@ -15,7 +15,7 @@ from mxnet.symbol import Symbol
 from gluon_amp_core.decide import MeasuredChoice
 from gluon_amp_core.dtypes import CODE_DTYPE, dtype_name
 from gluon_amp_core.graph_pass import (PassResult, convert_graph, is_kept, parameter_only_inputs,
-                                      params_read_through_casts, users_casts, without_amp_casts)
+                                      params_read_through_casts, users_casts)
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec, check_name_list
 
@@ -639,10 +639,7 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
         raise TypeError(f"convert_hybrid_block expects a gluon HybridBlock, got {type(block).__name__}")
     inputs, sym = mxi.cached_graph(block, "convert_hybrid_block")
     frontend = sym  # a numpy-mode block's graph: the result returns mx.np arrays too
-    traced = plan_notes.traced_graph(block, sym)
-    if traced is not None:  # traced under init: its FP32 graph, without the plan's casts (any policy's)
-        traced_graph = json.loads(traced.tojson(remove_amp_cast=False))
-        sym = mx.sym.load_json(json.dumps(without_amp_casts(traced_graph, keep=users_casts(traced_graph))))
+    sym = plan_notes.fp32_graph(block, sym)  # traced under init: without the plan's casts (any policy's)
     policy = _policy(target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops,
                      widest_type_ops, keep_batchnorm_fp32, emulate, tune)
     params = {p.name: p for p in block.collect_params().values()}

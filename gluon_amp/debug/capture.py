@@ -11,9 +11,10 @@ import numpy as np
 from mxnet.gluon import HybridBlock
 from mxnet.symbol import Symbol
 
+from gluon_amp_core.decide import CAST_OPS, users_casts
 from gluon_amp_core.dtypes import FLOAT_DTYPES, dtype_name
 
-from .. import mxnet_internals as mxi
+from .. import mxnet_internals as mxi, plan_notes
 from ..patching import is_enabled
 from ..type_inference import entry_keys
 
@@ -58,6 +59,23 @@ def _symbols(inputs: Any, names: Iterator[str]) -> Any:
     return None if inputs is None else mx.sym.var(next(names))
 
 
+def _check_fp32(block: HybridBlock, sym: Symbol, caller: str) -> None:
+    """Refuse a graph that is not the user's FP32 graph: a converter's result, or a graph whose
+    casts are gluon_amp's (a converted model's export; traced under ``init``, its trace lost)."""
+    if getattr(block, "amp_result", None) is not None:
+        raise TypeError(f"{caller} takes the FP32 block, got a converted mixed-precision block "
+                        f"({type(block).__name__}, its graph is the plan): pass the block it was converted from")
+    graph = json.loads(sym.tojson(remove_amp_cast=False))
+    users = users_casts(graph)
+    planned = [n["name"] for n in graph["nodes"] if n["op"] in CAST_OPS and n["name"] not in users]
+    if planned:
+        raise RuntimeError(f"{caller}: the block's graph holds gluon_amp's casts ({', '.join(planned[:3])}"
+                           f"{' ...' if len(planned) > 3 else ''}): it is a mixed-precision plan (a converted "
+                           "model's export, or a graph traced under init whose trace is no longer known), not the "
+                           "FP32 graph. Pass the FP32 block or its export; for a block traced under init, call "
+                           "block.hybridize() again (it drops the cached graph) and compare with AMP off")
+
+
 def _unique_names(sym: Symbol) -> Tuple[Symbol, Dict[str, str]]:
     """``sym`` with every op node named once, and the renamed nodes (new name -> old).
 
@@ -83,8 +101,9 @@ def _unique_names(sym: Symbol) -> Tuple[Symbol, Dict[str, str]]:
 
 
 def model_of(block: HybridBlock, inputs: Sequence[Any], caller: str) -> Model:
-    """The block's FP32 graph for a call ``block(*inputs)``: its cached graph, or one built
-    symbolically (nothing is cached)."""
+    """The block's FP32 graph for a call ``block(*inputs)``: its cached graph (where traced
+    under ``init``, the graph it was traced from without the plan's casts), or one built
+    symbolically (nothing is cached). A converted block or a plan of unknown origin is refused."""
     if not isinstance(block, HybridBlock):
         raise TypeError(f"{caller} expects a gluon HybridBlock, got {type(block).__name__}")
     if is_enabled():
@@ -92,12 +111,16 @@ def model_of(block: HybridBlock, inputs: Sequence[Any], caller: str) -> Model:
                            "AMP off (gluon_amp.disable() first).")
     flat = flat_inputs(inputs, caller)
     if mxi.has_cached_graph(block):
-        graph_inputs, sym = mxi.cached_graph(block, caller)
+        graph_inputs, kept = mxi.cached_graph(block, caller)
+        sym = plan_notes.fp32_graph(block, kept)  # traced under init: the plan's casts stripped
         names = [i.name for i in graph_inputs]
     else:  # the names Gluon gives a traced call's inputs
         names = ["data"] if len(flat) == 1 else [f"data{i}" for i in range(len(flat))]
         out = block(*_symbols(list(inputs), iter(names)))  # outputs nested alike: (out, [h, c])
         sym = mx.sym.Group(mxi.call_arrays(out)) if isinstance(out, (list, tuple)) else out
+    if isinstance(sym, mxi.NP_SYMBOL):  # read and bound as a legacy graph (the same graph)
+        sym = sym.as_nd_ndarray()
+    _check_fp32(block, sym, caller)
     if len(names) != len(flat):
         raise ValueError(f"{caller}: the block's graph takes {len(names)} inputs ({names}), got {len(flat)} "
                          "arrays (nested lists counted as Gluon flattens them); pass the arrays the block was "

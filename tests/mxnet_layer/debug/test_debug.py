@@ -3,6 +3,7 @@ import json
 import math
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -523,3 +524,120 @@ def test_cli_draws_valid_token_ids_and_integer_lengths(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(args + ["--range", "data1:3,1"])
     assert "LOW < HIGH" in capsys.readouterr().err
+
+
+# -- the FP32 reference across init and MXNet's numpy mode -----------------------------------
+
+MODES = ["legacy", "numpy"]
+STATES = ["not hybridized", "hybridized, not called", "hybridized and called"]
+TARGETS = ["float16", "bfloat16"]
+X6 = np.random.RandomState(1).randn(4, 6).astype("float32")
+Y4 = np.array([0, 1, 2, 3], "float32")
+
+
+@pytest.fixture
+def frontend(request):
+    """``mode`` of the test as MXNet's frontend: numpy mode (``npx.set_np()``) for the test
+    only; returns the array maker of that frontend."""
+    if request.param == "numpy":
+        mx.npx.set_np()
+    yield mx.np.array if request.param == "numpy" else mx.nd.array
+    if request.param == "numpy":
+        mx.npx.reset_np()
+
+
+def _dense_tanh(array, state="hybridized and called"):
+    """Dense -> tanh -> Dense with fixed weights, in the frontend of ``array`` and the given state."""
+    net = nn.HybridSequential(prefix="net_")
+    with net.name_scope():
+        net.add(nn.Dense(8, in_units=6, activation="tanh"), nn.Dense(4, in_units=8))
+    net.initialize()
+    rs = np.random.RandomState(0)
+    for _, p in sorted(net.collect_params().items()):
+        p.set_data(array(rs.normal(0, 0.5, p.shape).astype("float32")))
+    if state != "not hybridized":
+        net.hybridize()
+    if state == "hybridized and called":
+        net(array(X6))
+    return net
+
+
+def _summary(net, array, target, loss=True):
+    """What compare (with gradients) and bisect say, as plain numbers and names."""
+    x = array(X6)
+    kw = dict(target_dtype=target, emulate=True, tolerance=1e-4)
+    if loss:
+        seen = []
+
+        def loss_fn(out, labels):
+            seen.append(type(out))
+            return gluon.loss.SoftmaxCrossEntropyLoss()(out, labels)
+        r = debug.compare(net, x, loss_fn=loss_fn, labels=array(Y4), **kw)
+        assert seen and all(t is type(x) for t in seen)  # loss_fn gets the frontend's arrays
+    else:
+        r = debug.compare(net, x, **kw)
+    b = debug.bisect(net, x, **kw)
+    return ([(q.name, q.op, q.dtype, q.error, q.local_error) for q in r.rows], r.output_error,
+            [(g.name, g.error) for g in r.gradients], r.loss_scale_headroom, b.excluded_sym_names, b.error_after)
+
+
+_LEGACY = {}
+
+
+def _legacy_reference(target):
+    """The legacy-mode, never-hybridized summary (no init in this process at this point)."""
+    if target not in _LEGACY:
+        _LEGACY[target] = _summary(_dense_tanh(mx.nd.array, "not hybridized"), mx.nd.array, target)
+    return _LEGACY[target]
+
+
+@pytest.mark.parametrize("how", ["disable()", "autocast(enabled=False)"])
+@pytest.mark.parametrize("policy", [("float16", True), ("bfloat16", True)], ids=["float16-emulated",
+                                                                               "bfloat16-emulated"])
+@pytest.mark.parametrize("frontend", MODES, indirect=True)
+def test_compare_after_init_reads_the_fp32_graph_not_the_plan(frontend, policy, how):
+    """A block run under init keeps the plan's graph. Before: compare took it as FP32 (bfloat16:
+    error 0 and nothing to keep; float16: an MXNet error blamed on the inputs)."""
+    before = _summary(_dense_tanh(frontend), frontend, "bfloat16", loss=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gluon_amp.init(policy[0], emulate=policy[1])
+    net = _dense_tanh(frontend)  # traced and run under init
+    if how == "disable()":
+        gluon_amp.disable()
+        after = _summary(net, frontend, "bfloat16", loss=False)
+    else:
+        with gluon_amp.autocast(enabled=False):
+            after = _summary(net, frontend, "bfloat16", loss=False)
+    assert after == before and before[1] > 0
+
+
+@pytest.mark.parametrize("frontend", MODES, indirect=True)
+def test_a_plan_is_refused_as_the_fp32_reference(frontend, tmp_path):
+    """A converted block, its export, and a block whose trace under init is forgotten: a clear
+    refusal naming the cause. Before: error 0 (numpy mode) or an MXNet error blamed on the inputs."""
+    net = _dense_tanh(frontend)
+    x = frontend(X6)
+    converted = gluon_amp.convert_hybrid_block(net, "bfloat16", emulate=True)
+    converted(x)
+    with pytest.raises(TypeError, match="converted mixed-precision block.*pass the block it was converted from"):
+        debug.compare(converted, x, target_dtype="bfloat16", emulate=True)
+    converted.export(str(tmp_path / "c"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        imported = gluon.SymbolBlock.imports(str(tmp_path / "c-symbol.json"), ["data"],
+                                             str(tmp_path / "c-0000.params"))
+    with pytest.raises(RuntimeError, match="gluon_amp's casts .*amp_cast_bfloat16.*not the FP32 graph"):
+        debug.bisect(imported, x, target_dtype="bfloat16", emulate=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gluon_amp.init("float16", emulate=True)
+    traced = _dense_tanh(frontend)
+    gluon_amp.disable()
+    gluon_amp.state.reset()  # forgets the graph traced under init; the block keeps the plan
+    with pytest.raises(RuntimeError, match="amp_plan_cast.*block.hybridize\\(\\) again"):
+        debug.compare(traced, x, target_dtype="bfloat16", emulate=True)
+    traced.hybridize()
+    traced(x)  # traced again with AMP off: the FP32 graph
+    assert debug.compare(traced, x, target_dtype="bfloat16", emulate=True).output_error == \
+        debug.compare(net, x, target_dtype="bfloat16", emulate=True).output_error
