@@ -53,10 +53,15 @@ def flat_inputs(inputs: Sequence[Any], caller: str) -> List[mx.nd.NDArray]:
 
 
 def _symbols(inputs: Any, names: Iterator[str]) -> Any:
-    """``inputs`` with each array replaced by the next variable of ``names``, nested alike."""
+    """``inputs`` with each array replaced by the next variable of ``names``, nested alike:
+    numpy-frontend variables in numpy mode (``npx.set_np()``), whose layers call ``F.npx.*``
+    and refuse legacy symbols (as MXNet's own ``_get_graph`` makes them)."""
     if isinstance(inputs, (list, tuple)):
         return type(inputs)(_symbols(x, names) for x in inputs)
-    return None if inputs is None else mx.sym.var(next(names))
+    if inputs is None:
+        return None
+    var = mx.sym.var(next(names))
+    return var.as_np_ndarray() if mx.util.is_np_array() else var
 
 
 def _check_fp32(block: HybridBlock, sym: Symbol, caller: str) -> None:
