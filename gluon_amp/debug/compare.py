@@ -344,10 +344,15 @@ def _gradients(model: Model, low_model: tuple, data: Dict[str, mx.nd.NDArray], l
     largest power of two that keeps every FP32 gradient of a parameter, and of each entry
     the plan holds in low precision (``low_entries``: FP32 values by entry), finite in the
     target."""
+    numpy = mx.util.is_np_array()  # numpy mode: Gluon refuses a legacy block's outputs, loss_fn takes mx.np
+
     def grads(sym: Symbol, args: dict, aux: dict, extra: Dict[str, mx.nd.NDArray]) -> Dict[str, np.ndarray]:
+        inputs = [mx.sym.var(n) for n in model.data_names]
+        if numpy:
+            sym, inputs = sym.as_np_ndarray(), [i.as_np_ndarray() for i in inputs]
         with warnings.catch_warnings():  # "Cannot decide type for ... data": the data comes below
             warnings.simplefilter("ignore", UserWarning)
-            block = gluon.SymbolBlock(sym, [mx.sym.var(n) for n in model.data_names])
+            block = gluon.SymbolBlock(sym, inputs)
         block.collect_params().load_dict({**args, **aux, **extra}, ctx=model.ctx, cast_dtype=True,
                                          dtype_source="saved")
         with autograd.record():
