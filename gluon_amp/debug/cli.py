@@ -87,6 +87,33 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: --tolerance must be positive, got {args.tolerance}", file=sys.stderr)
         return 2
     import mxnet as mx
+    numpy = _numpy_export(args.symbol)
+    if not numpy:
+        return _run(args, False)
+    # loaded, fed and compared in numpy semantics, as the export was written (its params file
+    # holds np-shape arrays, which legacy semantics refuse to load)
+    with mx.util.np_shape(True), mx.util.np_array(True):
+        return _run(args, True)
+
+
+def _numpy_export(path: str) -> bool:
+    """True for a graph exported in MXNet's numpy mode (``npx.set_np()``): its JSON says it
+    has np-shape semantics, or it holds numpy-frontend ops (``_np_*``, ``_npi_*``, ``_npx_*``).
+    False for a file that is not such JSON (loading it says what is wrong)."""
+    try:
+        with open(path) as f:
+            graph = json.load(f)
+        flag = graph.get("attrs", {}).get("is_np_shape", ["int", 0])
+        ops = {n.get("op", "") for n in graph.get("nodes", [])}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False
+    return str(flag[-1]) not in ("0", "") or any(op.startswith(("_np_", "_npi_", "_npx_")) for op in ops)
+
+
+def _run(args: argparse.Namespace, numpy: bool) -> int:
+    """Load the export, compare (and bisect) on random inputs, print and write the results;
+    ``numpy``: the export is a numpy-mode one and numpy semantics are on."""
+    import mxnet as mx
     from mxnet import gluon
     from gluon_amp_core.dtypes import dtype_name
     from . import bisect, compare
@@ -108,6 +135,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for spec in specs:
         print(f"input {spec}")
     inputs = draw(specs, args.seed)
+    if numpy:  # a numpy-mode block takes mx.np arrays
+        inputs = [x.as_np_ndarray() for x in inputs]
     target = None if args.target_dtype == "auto" else args.target_dtype
     emulate = True if args.emulate else None
     try:

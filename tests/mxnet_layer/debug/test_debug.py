@@ -654,3 +654,23 @@ def test_a_plan_is_refused_as_the_fp32_reference(frontend, tmp_path):
     traced(x)  # traced again with AMP off: the FP32 graph
     assert debug.compare(traced, x, target_dtype="bfloat16", emulate=True).output_error == \
         debug.compare(net, x, target_dtype="bfloat16", emulate=True).output_error
+
+
+def test_cli_compares_a_numpy_mode_export_as_the_legacy_one(tmp_path, capsys):
+    """Before: exit 2, MXNet's "saved in np shape semantics" error."""
+    from gluon_amp.debug.cli import main
+    docs = {}
+    for mode in MODES:
+        if mode == "numpy":
+            mx.npx.set_np()
+        try:
+            array = mx.np.array if mode == "numpy" else mx.nd.array
+            _dense_tanh(array).export(str(tmp_path / mode))
+        finally:
+            mx.npx.reset_np()
+        assert main([str(tmp_path / f"{mode}-symbol.json"), str(tmp_path / f"{mode}-0000.params"),
+                     "--shape", "data:4,6", "--target-dtype", "bfloat16", "--emulate", "--bisect",
+                     "--json", str(tmp_path / f"{mode}.json")]) == 0, capsys.readouterr().err
+        docs[mode] = json.load(open(tmp_path / f"{mode}.json"))
+    assert not mx.util.is_np_array() and not mx.util.is_np_shape()
+    assert docs["numpy"] == docs["legacy"] and docs["legacy"]["output_error"] > 0
