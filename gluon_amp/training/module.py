@@ -400,10 +400,12 @@ def _wrap_sequential_init_optimizer(original: Callable) -> Callable:
         result = original(self, *args, **kwargs)
         # init's default scaler, one per stage, becomes one shared by the stages: the scale a
         # stage's input gradients carry is the one the stage before it steps with, and an
-        # overflow anywhere moves it for all (one round per update of every stage)
-        stages = [m for m in mxm.sequential_modules(self)
-                  if (r := _record(m)) is not None and r.hook is not None and r.hook.auto]
-        if len(stages) > 1:
+        # overflow anywhere moves it for all (one round per update of every stage). Only where
+        # they do not share one yet: MXNet ignores a later call (every later fit()), and a new
+        # scaler there would drop the shared one's state (the scale, its counts, a load_states)
+        stages = {m: r.hook.scaler for m in mxm.sequential_modules(self)
+                  if (r := _record(m)) is not None and r.hook is not None and r.hook.auto}
+        if len({id(s) for s in stages.values()}) > 1:
             shared = LossScaler.where_needed()
             for m in stages:
                 _attach(m, ModuleHook(shared, auto=True))

@@ -834,3 +834,46 @@ def test_an_optimizer_behind_a_delegating_wrapper_gets_the_unscale(wrappers):
         amp.disable()
     for k, v in runs["fp32"].items():
         np.testing.assert_allclose(runs["scaled"][k], v, rtol=1e-6, atol=0, err_msg=k)
+
+
+def _sequential_fit(fits, x, y):
+    """Under init (emulated float16) a SequentialModule of ``_sequential``'s two stages trained
+    by ``fit`` over ``fits`` ((begin_epoch, num_epoch) each, as a script continues training):
+    its weights and the first stage's scaler after each fit."""
+    amp.init(target_dtype="float16", emulate=True)
+    try:
+        d = mx.sym.Variable("data")
+        first = mx.mod.Module(mx.sym.Activation(mx.sym.FullyConnected(d, num_hidden=32, name="fc1"),
+                                                act_type="relu"), label_names=[], context=mx.cpu())
+        second = mx.mod.Module(mx.sym.SoftmaxOutput(mx.sym.FullyConnected(d, num_hidden=4, name="fc2"),
+                                                    name="softmax"), context=mx.cpu())
+        seq = mx.mod.SequentialModule().add(first).add(second, take_labels=True, auto_wiring=True)
+        it = mx.io.NDArrayIter(x, {"softmax_label": y}, batch_size=BATCH)
+        seq.bind(it.provide_data, it.provide_label)
+        mx.random.seed(1)
+        seq.init_params(mx.init.Xavier())
+        scalers = []
+        for begin, end in fits:
+            it.reset()
+            seq.fit(it, begin_epoch=begin, num_epoch=end, optimizer="sgd",
+                    optimizer_params={"learning_rate": 0.05, "momentum": 0.9})
+            scalers.append(amp.get_scaler(first))
+        assert amp.get_scaler(second) is scalers[-1]
+        return {**params(first), **params(second)}, scalers
+    finally:
+        amp.disable()
+
+
+@pytest.mark.parametrize("fits", [[(0, 1), (1, 3)], [(0, 1), (1, 2), (2, 3)]])
+def test_a_sequential_module_fit_again_keeps_its_stages_shared_scaler(fits):
+    """A later ``fit`` calls ``init_optimizer`` again (MXNet ignores it); the stages' shared
+    default scaler, and its scale, counts and loaded state, must stay. It was replaced by a
+    fresh one (scale back at 65,536: the early overflow skips again, the counts lost), and the
+    weights differed from one ``fit`` over the same epochs. Bit for bit both ways, as a Module."""
+    x, y = data(6)
+    whole, (one,) = _sequential_fit([(0, 3)], x, y)
+    parts, scalers = _sequential_fit(fits, x, y)
+    assert all(s is scalers[0] for s in scalers)
+    assert scalers[-1].state_dict() == one.state_dict() and one.skipped_steps > 0
+    for k, v in whole.items():
+        np.testing.assert_array_equal(parts[k], v, err_msg=k)
