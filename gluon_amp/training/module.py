@@ -66,7 +66,12 @@ class ModuleHook:
         #: whether scaled, the scaler's count of this member before it)
         self._plans: Dict[str, Any] = {}
         self._pending: Optional[Tuple[str, bool, int]] = None
+        self._dropped = False
         scaler.attach(self)
+
+    def attached(self) -> bool:
+        """Whether its scaler's rounds wait for it (False once a failed attachment dropped it)."""
+        return not self._dropped
 
     def decide(self, dtype: str) -> float:
         if self._step is None:
@@ -272,13 +277,7 @@ def _wrap_bind(original: Callable) -> Callable:
             if a["force_rebind"] or not self.binded:
                 record.bound_scaled, record.scale_arg = False, None
             return original(self, *args, **kwargs)
-        descs = _descs(list(a["data_shapes"] or []) + list(a["label_shapes"] or []))
-        hook = record.hook
-        for aux in mxm.auxiliary_modules(self):  # bound by this module's own bind, after it
-            record.mixed = state.module_record(aux).mixed = True
-        symbol, heads, dtype, inside = _scaled_symbol(
-            mxm.module_symbol(self), descs, hook.scaler if hook is not None else None, a["grad_req"],
-            cpu=all(c.device_type == "cpu" for c in mxm.module_contexts(self)), unscaled=record.mixed)
+        symbol, heads, dtype, inside = _bound_graph(self, record, record.hook, a)
         with mxm.binding_symbol(self, symbol):
             result = original(self, *args, **kwargs)
         record.bound_scaled, record.heads, record.dtype = True, heads, dtype
@@ -288,6 +287,19 @@ def _wrap_bind(original: Callable) -> Callable:
             _write_scale(self, record, 1.0)  # MXNet leaves a new argument uninitialised
         return result
     return bind
+
+
+def _bound_graph(module: Module, record: state.ModuleRecord, hook: Optional[ModuleHook],
+                 arguments: Dict[str, Any]) -> Tuple[mx.sym.Symbol, List[str], str, bool]:
+    """What a training ``bind`` of ``module`` with ``arguments`` (``bind``'s, by name) gives its
+    executors under ``hook``: :func:`_scaled_symbol`'s symbol, heads, dtype and whether the
+    identity is in it. Marks an SVRGModule and its auxiliary module mixed."""
+    descs = _descs(list(arguments["data_shapes"] or []) + list(arguments["label_shapes"] or []))
+    for aux in mxm.auxiliary_modules(module):  # bound by this module's own bind, after it
+        record.mixed = state.module_record(aux).mixed = True
+    return _scaled_symbol(
+        mxm.module_symbol(module), descs, hook.scaler if hook is not None else None, arguments["grad_req"],
+        cpu=all(c.device_type == "cpu" for c in mxm.module_contexts(module)), unscaled=record.mixed)
 
 
 def _write_scale(module: Module, record: state.ModuleRecord, value: float) -> None:
@@ -573,12 +585,27 @@ def is_module(obj: Any) -> bool:
     return isinstance(obj, (Module, BucketingModule))
 
 
-def _attach(module: Module, hook: ModuleHook) -> None:
-    """Give ``module`` the hook; bind it again where its executors lack the scale argument."""
+def _attach(module: Module, hook: ModuleHook, shared_module: Optional[Module] = None) -> None:
+    """Give ``module`` the hook; bind it again (on ``shared_module``'s memory, a bucket) only
+    where the graph its executors need differs from the one they run: one with the scale
+    argument. Elsewhere (no loss head, a graph bound as the user's under this scaler, an
+    SVRGModule, which MXNet 1.9.1 cannot bind again) nothing is bound. If the bind raises,
+    ``module`` keeps the hook it had."""
     record = state.module_record(module)
-    record.hook = hook
     if module.binded and module.for_training and not record.bound_scaled:
-        mxm.rebind(module)
+        _, heads, dtype, inside = _bound_graph(module, record, hook, mxm.bind_arguments(module))
+        if inside:
+            before, record.hook = record.hook, hook  # the bind reads it
+            try:
+                mxm.rebind(module, shared_module=shared_module)
+            except BaseException:
+                record.hook = before
+                raise
+            return
+        # the executors run what a bind would give them: record it as one
+        record.bound_scaled, record.heads, record.dtype = True, heads, dtype
+        record.scale_arg, record.forward_scale = None, None
+    record.hook = hook
 
 
 def init_module(module: Union[Module, BucketingModule],
@@ -609,19 +636,27 @@ def init_module(module: Union[Module, BucketingModule],
             _refuse_dist(mod, auto=False)
     hook = ModuleHook(scaler)
     _install("explicit")
-    if isinstance(module, BucketingModule):
-        state.module_record(module).hook = hook
-        default, buckets = mxm.bucket_modules(module)
-        if default in buckets:
-            _attach(buckets[default], hook)
-        for key, mod in buckets.items():
-            if key != default:
-                record = state.module_record(mod)
-                record.hook = hook
-                if mod.binded and mod.for_training and not record.bound_scaled:
-                    mxm.rebind(mod, shared_module=buckets[default])
-    else:
-        _attach(module, hook)
+    # all or nothing: if a bind raises (a Ctrl-C included), every module keeps the hook it had
+    owners = [module, *_modules_of(module)] if isinstance(module, BucketingModule) else [module]
+    before = [(record, record.hook) for record in map(state.module_record, owners)]
+    try:
+        if isinstance(module, BucketingModule):
+            state.module_record(module).hook = hook
+            default, buckets = mxm.bucket_modules(module)
+            if default in buckets:
+                _attach(buckets[default], hook)
+            for key, mod in buckets.items():
+                if key != default:
+                    _attach(mod, hook, shared_module=buckets[default])
+        else:
+            _attach(module, hook)
+    except BaseException:
+        hook._dropped = True
+        for record, had in before:
+            record.hook = had
+        if not any(r.hook is not None and not r.hook.auto for r in list(state.process.modules.values())):
+            _release("explicit")
+        raise
     return scaler
 
 

@@ -877,3 +877,57 @@ def test_a_sequential_module_fit_again_keeps_its_stages_shared_scaler(fits):
     assert scalers[-1].state_dict() == one.state_dict() and one.skipped_steps > 0
     for k, v in whole.items():
         np.testing.assert_array_equal(parts[k], v, err_msg=k)
+
+
+@pytest.mark.parametrize("loss_scale", ["dynamic", LossScaler.disabled()], ids=["dynamic", "None"])
+def test_an_svrg_module_takes_a_scaler_after_bind_without_binding_again(loss_scale):
+    """``init_trainer`` after bind/init_optimizer (no ``init``) bound the SVRGModule again, which
+    MXNet 1.9.1 cannot (its auxiliary module's bind asserts), and left the scaler attached. Its
+    graph takes no identity, so nothing is bound: checked (or disabled) and FP32's bit for bit."""
+    fp32_costs, _, _, fp32 = _svrg_run(emulate=False, epochs=2)
+    costs, bound, scaler, weights = _svrg_run(emulate=False, scaler=loss_scale, epochs=2)
+    assert "gluon_amp_loss_scale" not in bound
+    assert not scaler.scaled_dtypes or not scaler.enabled
+    assert costs == fp32_costs
+    for k, v in fp32.items():
+        np.testing.assert_array_equal(weights[k], v, err_msg=k)
+
+
+@pytest.mark.parametrize("kind", ["module", "bucketing"])
+def test_an_attachment_whose_bind_fails_leaves_no_scaler(monkeypatch, kind):
+    """All or nothing: where binding again raises (here the second bind: a BucketingModule's
+    second bucket), no module keeps the new scaler (a retry said "already has a loss scaler"),
+    and the retry attaches it and trains as FP32 bit for bit."""
+    from gluon_amp.training import module as training_module
+    real, calls = training_module.mxm.rebind, []
+
+    def failing(mod, shared_module=None):
+        calls.append(mod)
+        if len(calls) == (1 if kind == "module" else 2):
+            raise RuntimeError("planted bind failure")
+        real(mod, shared_module=shared_module)
+
+    mods = []
+    for _ in range(2):
+        mods.append(module() if kind == "module" else bucketing())
+        bs = batches(*data(4)) if kind == "module" else bucket_batches(4)
+        for b in bs[:2]:  # binds a BucketingModule's second bucket
+            mods[-1].forward_backward(b)
+            mods[-1].update()
+    ref, mod = mods
+    owners = [mod, *mod._buckets.values()] if kind == "bucketing" else [mod]
+    monkeypatch.setattr(training_module.mxm, "rebind", failing)
+    with pytest.raises(RuntimeError, match="planted bind failure"):
+        amp.init_trainer(mod, LossScaler.static(2.0 ** 10))
+    assert len(calls) == (1 if kind == "module" else 2)
+    assert all(training_module.attached_scaler(m) is None for m in owners)
+    monkeypatch.setattr(training_module.mxm, "rebind", real)
+    scaler = amp.init_trainer(mod, LossScaler.static(2.0 ** 10))
+    amp.init_trainer(ref, LossScaler.static(1.0))
+    for m in (ref, mod):
+        for b in bs[2:]:
+            m.forward_backward(b)
+            m.update()
+    assert scaler.total_steps == 2 and all(amp.get_scaler(m) is scaler for m in owners)
+    for k, v in params(ref).items():
+        np.testing.assert_array_equal(params(mod)[k], v, err_msg=k)
