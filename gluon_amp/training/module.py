@@ -346,6 +346,36 @@ def _carried_by(out_grads: Any) -> Optional[float]:
     return scales.pop() if len(scales) == 1 else None
 
 
+def _carrier(out_grads: Any) -> Optional[state.ModuleRecord]:
+    """The record of the module whose last backward pass wrote every one of ``out_grads`` as
+    its input gradients (a SequentialModule hands each stage the next one's), or None."""
+    grads = out_grads if isinstance(out_grads, (list, tuple)) else [out_grads]
+    for record in list(state.process.modules.values()):
+        if grads and all(any(a is g for a, _ in record.input_grads) for g in grads):
+            return record
+    return None
+
+
+def _share_carried_scaler(module: Module, out_grads: Any) -> None:
+    """Give a module without a scaler, fed as ``out_grads`` the input gradients of a module with
+    one (a SequentialModule's stage before the one holding the loss), that module's scaler: those
+    gradients carry its scale, which this module's update must divide out, and a step that
+    overflowed under it must be skipped here too. Without it the update was ``scale`` times too
+    large. This backward pass is the first place the link shows; it binds nothing (mid-step, a
+    bind would drop the forward pass), and where the module would need the scale argument bound
+    in (loss heads of its own), it is refused before anything runs."""
+    source = _carrier(out_grads)
+    if source is None or source.hook is None or not module.for_training:
+        return
+    if not _attach(module, ModuleHook(source.hook.scaler, auto=True), can_bind=False):
+        outputs = ", ".join(module.output_names)
+        raise RuntimeError(
+            f"gluon_amp: the Module with outputs [{outputs}] has no loss scaler, and backward got out_grads "
+            f"carrying another Module's loss scale ({source.hook.loss_scale:g}); it has loss heads of its own, so it "
+            "cannot join that scaler in the middle of a step. Before this step, give it the same scaler: "
+            "gluon_amp.init_trainer(this_module, gluon_amp.get_scaler(the_module_fed_the_loss)).")
+
+
 def _times(out_grads: Any, factor: float) -> Any:
     if factor == 1.0:
         return out_grads
@@ -355,6 +385,9 @@ def _times(out_grads: Any, factor: float) -> Any:
 def _wrap_backward(original: Callable) -> Callable:
     def backward(self: Module, out_grads: Any = None) -> Any:
         record = _record(self)
+        if out_grads is not None and (record is None or record.hook is None):
+            _share_carried_scaler(self, out_grads)
+            record = _record(self)
         if record is None or not record.bound_scaled:
             return original(self, out_grads)
         hook = record.hook
@@ -585,15 +618,18 @@ def is_module(obj: Any) -> bool:
     return isinstance(obj, (Module, BucketingModule))
 
 
-def _attach(module: Module, hook: ModuleHook, shared_module: Optional[Module] = None) -> None:
+def _attach(module: Module, hook: ModuleHook, shared_module: Optional[Module] = None, can_bind: bool = True) -> bool:
     """Give ``module`` the hook; bind it again (on ``shared_module``'s memory, a bucket) only
     where the graph its executors need differs from the one they run: one with the scale
     argument. Elsewhere (no loss head, a graph bound as the user's under this scaler, an
     SVRGModule, which MXNet 1.9.1 cannot bind again) nothing is bound. If the bind raises,
-    ``module`` keeps the hook it had."""
+    ``module`` keeps the hook it had; without ``can_bind``, where it would need one, nothing
+    changes and False is returned."""
     record = state.module_record(module)
     if module.binded and module.for_training and not record.bound_scaled:
         _, heads, dtype, inside = _bound_graph(module, record, hook, mxm.bind_arguments(module))
+        if inside and not can_bind:
+            return False
         if inside:
             before, record.hook = record.hook, hook  # the bind reads it
             try:
@@ -601,11 +637,12 @@ def _attach(module: Module, hook: ModuleHook, shared_module: Optional[Module] = 
             except BaseException:
                 record.hook = before
                 raise
-            return
+            return True
         # the executors run what a bind would give them: record it as one
         record.bound_scaled, record.heads, record.dtype = True, heads, dtype
         record.scale_arg, record.forward_scale = None, None
     record.hook = hook
+    return True
 
 
 def init_module(module: Union[Module, BucketingModule],

@@ -931,3 +931,87 @@ def test_an_attachment_whose_bind_fails_leaves_no_scaler(monkeypatch, kind):
     assert scaler.total_steps == 2 and all(amp.get_scaler(m) is scaler for m in owners)
     for k, v in params(ref).items():
         np.testing.assert_array_equal(params(mod)[k], v, err_msg=k)
+
+
+
+def _staged(attach, scaler=None, steps=8, inf_at=(), drop=()):
+    """``_sequential``'s two stages, no ``init``: ``scaler()`` attached with init_trainer to
+    ``attach`` ("loss": the head stage only, "first", "both": one scaler, None: FP32) after
+    init_optimizer; the hand-written loop. The weights and each stage's scaler (or None)."""
+    from gluon_amp.training.module import attached_scaler
+    x, y = without(*data(steps, inf_at=inf_at), drop)
+    d = mx.sym.Variable("data")
+    first = mx.mod.Module(mx.sym.Activation(mx.sym.FullyConnected(d, num_hidden=32, name="fc1"), act_type="relu"),
+                          label_names=[], context=mx.cpu())
+    second = mx.mod.Module(mx.sym.SoftmaxOutput(mx.sym.FullyConnected(d, num_hidden=4, name="fc2"), name="softmax"),
+                           context=mx.cpu())
+    seq = mx.mod.SequentialModule().add(first).add(second, take_labels=True, auto_wiring=True)
+    seq.bind([("data", (BATCH, 10))], [("softmax_label", (BATCH,))])
+    mx.random.seed(1)
+    seq.init_params(mx.init.Xavier())
+    seq.init_optimizer(optimizer="sgd", optimizer_params={"learning_rate": 0.05, "momentum": 0.9})
+    if attach in ("loss", "both"):
+        shared = amp.init_trainer(second, scaler())
+        if attach == "both":
+            amp.init_trainer(first, shared)
+    elif attach == "first":
+        amp.init_trainer(first, scaler())
+    for b in batches(x, y):
+        seq.forward_backward(b)
+        seq.update()
+    return {**params(first), **params(second)}, [attached_scaler(m) for m in (first, second)]
+
+
+def _static():
+    return LossScaler.static(2.0 ** 10)
+
+
+def _dynamic():
+    return LossScaler(init_scale=2.0 ** 10, growth_interval=2)
+
+
+@pytest.mark.parametrize("attach,scaler", [("loss", _static), ("both", _static), ("first", _static),
+                                           ("loss", _dynamic), ("both", _dynamic)])
+def test_a_sequential_stage_fed_a_scaled_stage_shares_its_scaler(attach, scaler):
+    """A scaler on the loss stage only: the stage before it got ``out_grads`` carrying the scale
+    and nothing divided it out (its update 1,024x too large, silently). It now joins that stage's
+    scaler at its first backward pass: FP32's weights bit for bit with a static 2**10, and with a
+    dynamic one a batch holding inf is skipped by both stages (as FP32 trained without it)."""
+    inf = scaler is _dynamic
+    fp32, _ = _staged(None, drop=[3] if inf else [])
+    scaled, (s1, s2) = _staged(attach, scaler, inf_at=[3] if inf else [])
+    if attach != "first":
+        assert s1 is s2 and s1.total_steps == 8 and s1.skipped_steps == int(inf)
+    for k, v in fp32.items():
+        np.testing.assert_array_equal(scaled[k], v, err_msg=k)
+
+
+def test_a_module_with_loss_heads_fed_scaled_out_grads_is_refused_mid_step():
+    """Where the module fed a scaled module's input gradients would need the scale argument
+    bound in (loss heads of its own), it cannot join mid-step: a RuntimeError saying what to do,
+    before its backward runs; done so, it trains."""
+    head = module(bind=False)
+    head.bind([("data", (BATCH, 10))], [("softmax_label", (BATCH,))], inputs_need_grad=True)
+    mx.random.seed(1)
+    head.init_params(mx.init.Xavier())
+    head.init_optimizer(optimizer="sgd", optimizer_params={"learning_rate": 0.05})
+    scaler = amp.init_trainer(head, _static())
+    feeder = mx.mod.Module(mx.sym.MakeLoss(mx.sym.FullyConnected(mx.sym.Variable("data"), num_hidden=10, name="pre"),
+                                           name="reg"), label_names=None, context=mx.cpu())
+    feeder.bind([("data", (BATCH, 10))], for_training=True)
+    feeder.init_params(mx.init.Xavier())
+    feeder.init_optimizer(optimizer="sgd", optimizer_params={"learning_rate": 0.05})
+    x, y = data(1)
+    b = batches(x, y)[0]
+    head.forward_backward(b)
+    feeder.forward(mx.io.DataBatch(b.data, []), is_train=True)
+    with pytest.raises(RuntimeError, match=r"outputs \[reg_output\].*init_trainer\(this_module"):
+        feeder.backward(head.get_input_grads())
+    from gluon_amp.training.module import attached_scaler
+    assert attached_scaler(feeder) is None
+    amp.init_trainer(feeder, scaler)
+    feeder.forward(mx.io.DataBatch(b.data, []), is_train=True)
+    feeder.backward(head.get_input_grads())
+    head.update()
+    feeder.update()
+    assert scaler.total_steps == 1
