@@ -262,7 +262,9 @@ def module_state_names(module: Module) -> Optional[List[str]]:
     """The parameter names, in :func:`module_param_specs`' order, where the module's updater
     keys its states by name: 1.9.1 updates a module on several devices in its local kvstore
     (``update_on_kvstore``), whose updater MXNet calls with each parameter's name. None where
-    the keys are optimizer indices."""
+    the keys are optimizer indices. The kvstore may hold other keys: 1.9.1's SVRGModule pushes
+    each parameter's full gradient to ``<name>_full``, whose ``_AssignmentOptimizer`` keeps no
+    state (``None``)."""
     if not module._update_on_kvstore or module._exec_group is None:
         return None
     return list(module._exec_group.param_names)

@@ -760,7 +760,15 @@ def save_states(module: Union[Module, BucketingModule], fname: str) -> None:
     names = mxm.module_state_names(mod)
     if names is not None:  # states by name (several devices, updated in the kvstore): by index in the file
         position = {name: i for i, name in enumerate(names)}
-        states = {position[k]: v for k, v in states.items()}
+        held = [k for k, v in states.items() if k not in position and v is not None]
+        if held:
+            raise RuntimeError(
+                f"save_states: the Module's kvstore holds optimizer state under {held}, which are not its "
+                f"parameters ({names}); gluon_amp cannot tell what they belong to, so it cannot save them. "
+                "Save with Module.save_optimizer_states instead (no loss scaler), or update outside the "
+                "kvstore (one context).")
+        # other keys hold no state (an SVRGModule's '<param>_full': nothing to save)
+        states = {position[k]: v for k, v in states.items() if k in position}
     checkpoint.write(fname, {"scaler": hook.scaler.state_dict(), "mode": mode}, states, mxm.module_optimizer(mod),
                      mxm.module_param_specs(mod) if mxm.module_devices(mod) == 1 or names is not None else None)
 
@@ -782,9 +790,11 @@ def load_states(module: Union[Module, BucketingModule], fname: str) -> None:
     opt = mxm.module_optimizer(mod)
     fields = checkpoint.check_optimizer(opt, ck.meta["optimizer"], fname)
     states = ck.states(mx.cpu())
+    updater = mxm.module_updater(mod)
     if names is not None:  # the updater keys its states by name (check_params saw every index in range)
         states = {names[i]: v for i, v in states.items()}
-    updater = mxm.module_updater(mod)
+        # keys that are not parameters hold no state (an SVRGModule's '<param>_full'): kept as they are
+        states.update((k, v) for k, v in mxi.updater_states(updater).items() if k not in names and v is None)
     undo = checkpoint.Undo(opt, hook.scaler, [])
     before = updater.states, updater.states_synced
     try:
