@@ -235,3 +235,49 @@ def test_native_bfloat16_in_numpy_mode_with_an_empty_probe_cache(native_host, or
     assert r.returncode == 0, r.stderr[-3000:]
     kind, dtype, _ = json.loads([line for line in r.stdout.splitlines() if line.startswith("@@")][0][2:])
     assert kind == "mxnet.numpy" and dtype == "float32"  # bfloat16 outputs come back as fed
+
+
+class _Elementwise(gluon.HybridBlock):
+    """Element-wise math between two dense layers, written for either frontend: the numpy ops
+    (``_npi_tanh``, ``_npi_multiply_scalar``, ...) in numpy mode, their legacy twins otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.a = gluon.nn.Dense(16, in_units=5)
+            self.b = gluon.nn.Dense(3, in_units=16)
+
+    def hybrid_forward(self, F, x):
+        m = F.np if mx.util.is_np_array() else F
+        h = m.tanh(self.a(x)) * 1.5 - 0.5
+        h = m.sqrt(m.abs(h)) + m.square(h) - m.negative(h)
+        h = m.floor(h) * 0.1 + m.sign(h) + (1.0 - h)
+        return self.b(h)
+
+
+@pytest.mark.simulated_native
+def test_a_block_gets_one_bfloat16_plan_in_either_frontend(numpy_mode):
+    """numpy_twins: each numpy op classed as its legacy twin (bfloat16: element-wise math outside
+    oneDNN in float32, its bfloat16 loop being slower). Before, numpy mode ran tanh, the scalar
+    arithmetic, abs, sqrt, square, negative, floor and sign in bfloat16, legacy mode in float32."""
+    plans, outs = [], []
+    for numpy in (False, True):
+        if numpy:
+            numpy_mode()
+        net = _Elementwise()
+        net.initialize()
+        rng = np.random.RandomState(0)  # the same weights in either frontend
+        for p in net.collect_params().values():
+            w = rng.uniform(-0.5, 0.5, p.shape).astype("float32")
+            p.set_data(mx.np.array(w) if numpy else mx.nd.array(w))
+        net.hybridize()
+        x = rng.randn(4, 5).astype("float32")
+        _init({"target_dtype": "bfloat16", "tune": False})
+        y = net(mx.np.array(x) if numpy else mx.nd.array(x))
+        rows = gluon_amp.report(net).rows
+        plans.append([(r.dtype, r.reason) for r in rows])
+        outs.append(y.asnumpy())
+        assert {r.dtype for r in rows} == {"bfloat16", "float32"}, [(r.op, r.dtype) for r in rows]
+        gluon_amp.disable()
+    assert plans[0] == plans[1]
+    assert np.array_equal(outs[0], outs[1])
