@@ -797,6 +797,18 @@ def test_an_svrg_module_skips_a_non_finite_step_and_refuses_a_scale():
         _svrg_run(emulate=True, scaler=LossScaler.static(8.0), epochs=1)
 
 
+def _two_stages():
+    """``(first, second, seq)``: a stage without a loss head (its gradients come from the next
+    stage's input gradients, as ``out_grads``) and a SoftmaxOutput stage, in a SequentialModule
+    (not bound)."""
+    d = mx.sym.Variable("data")
+    first = mx.mod.Module(mx.sym.Activation(mx.sym.FullyConnected(d, num_hidden=32, name="fc1"),
+                                            act_type="relu"), label_names=[], context=mx.cpu())
+    second = mx.mod.Module(mx.sym.SoftmaxOutput(mx.sym.FullyConnected(d, num_hidden=4, name="fc2"),
+                                                name="softmax"), context=mx.cpu())
+    return first, second, mx.mod.SequentialModule().add(first).add(second, take_labels=True, auto_wiring=True)
+
+
 def _sequential(emulate, steps=20, drop=()):
     """A SequentialModule: a stage without a loss head (its gradients come from the next
     stage's input gradients, as ``out_grads``) and a SoftmaxOutput stage; the loop of ``fit``
@@ -806,12 +818,7 @@ def _sequential(emulate, steps=20, drop=()):
     if emulate:
         amp.init(target_dtype="float16", emulate=True)
     try:
-        d = mx.sym.Variable("data")
-        first = mx.mod.Module(mx.sym.Activation(mx.sym.FullyConnected(d, num_hidden=32, name="fc1"),
-                                                act_type="relu"), label_names=[], context=mx.cpu())
-        second = mx.mod.Module(mx.sym.SoftmaxOutput(mx.sym.FullyConnected(d, num_hidden=4, name="fc2"),
-                                                    name="softmax"), context=mx.cpu())
-        seq = mx.mod.SequentialModule().add(first).add(second, take_labels=True, auto_wiring=True)
+        first, second, seq = _two_stages()
         seq.bind([("data", (BATCH, 10))], [("softmax_label", (BATCH,))])
         mx.random.seed(1)
         seq.init_params(mx.init.Xavier())
@@ -897,12 +904,7 @@ def _sequential_fit(fits, x, y):
     its weights and the first stage's scaler after each fit."""
     amp.init(target_dtype="float16", emulate=True)
     try:
-        d = mx.sym.Variable("data")
-        first = mx.mod.Module(mx.sym.Activation(mx.sym.FullyConnected(d, num_hidden=32, name="fc1"),
-                                                act_type="relu"), label_names=[], context=mx.cpu())
-        second = mx.mod.Module(mx.sym.SoftmaxOutput(mx.sym.FullyConnected(d, num_hidden=4, name="fc2"),
-                                                    name="softmax"), context=mx.cpu())
-        seq = mx.mod.SequentialModule().add(first).add(second, take_labels=True, auto_wiring=True)
+        first, second, seq = _two_stages()
         it = mx.io.NDArrayIter(x, {"softmax_label": y}, batch_size=BATCH)
         seq.bind(it.provide_data, it.provide_label)
         mx.random.seed(1)
