@@ -499,8 +499,8 @@ def _bound_verdict(sym: Symbol, known: Mapping[str, str], shapes: Mapping[str, T
         return sym  # the untuned plan, as a block whose choices do not apply runs it
     if all(c.dtype == "float32" for c in choices.values()) and set(choices) == set(target.low_ops()):
         measured = outcome is not None and outcome.verdict is not None
-        state.say_once(f"gluon_amp: a bound symbol ({len(choices)} {policy.target_dtype} ops, "
-                       f"{mxi.symbol_graph(sym)['nodes'][-1]['name']!r} last) {why}"
+        state.say_once(f"gluon_amp: a bound symbol (graph {graph_key(target)[:8]}: {len(choices)} "
+                       f"{policy.target_dtype} ops, {mxi.symbol_graph(sym)['nodes'][-1]['name']!r} last) {why}"
                        f"{'' if measured else '; a bind measures nothing, so it stays float32'} "
                        "(init(..., tune=False) runs its plan as it is)", category=UserWarning,
                        past=(mxi.MXNET_PACKAGE, contextlib.__file__))  # the hooks' decorators

@@ -392,7 +392,7 @@ def say_once(message: str, warn: bool = True, category: type = RuntimeWarning,
         process.said.add(message)
     if warn:
         warnings.warn(message, category,
-                      stacklevel=(stacklevel + 1) if stacklevel is not None else _outside_level(past))
+                      stacklevel=(stacklevel + 1) if stacklevel is not None else outside_level(past))
     return True
 
 
@@ -400,10 +400,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OWN = tuple(os.path.join(_ROOT, package) + os.sep for package in ("gluon_amp", "gluon_amp_core"))
 
 
-def _outside_level(past: Tuple[str, ...] = ()) -> int:
-    """The ``warnings.warn`` stacklevel, from the function calling it, of the first frame
-    outside gluon_amp and gluon_amp_core (and the paths starting with one of ``past``)."""
-    frame, level = sys._getframe(2), 2  # say_once's caller
+def outside_level(past: Tuple[str, ...] = ()) -> int:
+    """The ``warnings.warn`` stacklevel, for the function that calls this and then warns, of
+    the first frame outside gluon_amp and gluon_amp_core (and the paths starting with one of
+    ``past``): the user's line, however deep the call."""
+    frame, level = sys._getframe(2), 2  # the warning function's caller
     inside = _OWN + tuple(past)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
         frame, level = frame.f_back, level + 1

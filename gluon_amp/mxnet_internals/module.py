@@ -110,6 +110,12 @@ def module_executors(module: Module) -> List[Any]:
     return list(group.execs) if group is not None else []
 
 
+def bound_symbols(module: Module) -> List[mx.sym.Symbol]:
+    """The graph each executor of a bound module runs (1.9.1's ``Executor._symbol``: what was
+    bound, a copy); ``[]`` when not bound."""
+    return [ex._symbol for ex in module_executors(module) if getattr(ex, "_symbol", None) is not None]
+
+
 def module_grad_arrays(module: Module) -> List[mx.nd.NDArray]:
     """Every gradient array the next ``update`` reads (all parameters, all contexts)."""
     group = module._exec_group

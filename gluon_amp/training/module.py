@@ -32,6 +32,7 @@ import mxnet as mx
 from mxnet import autograd
 
 from gluon_amp_core.dtypes import dtype_name
+from gluon_amp_core.emulate import ROUND_SUFFIX
 from gluon_amp_core.lists.loss_outputs import GRAPH_LOSS_HEADS
 from gluon_amp_core.loss_heads import loss_heads, scale_loss_heads
 from gluon_amp_core.loss_scale import LossScaler, loss_scaler_from
@@ -87,7 +88,8 @@ class ModuleHook:
     def warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=4)
+            # the user's line: past MXNet's fit/update and gluon_amp's wrappers, however deep
+            warnings.warn(message, RuntimeWarning, stacklevel=state.outside_level((mxi.MXNET_PACKAGE,)))
 
     def end_step(self, module: Module) -> bool:
         """Check ``module``'s gradients, record the step; True when it must be skipped."""
@@ -189,6 +191,19 @@ def _graph_dtype(graph: Dict[str, Any], descs: Any) -> str:
     return next((d for d in _LOW if d in seen), "float32")
 
 
+def _ran_dtype(module: Module, planned: str) -> str:
+    """``planned`` (the dtype of the graph the module was bound with), or float32 where its
+    executors run a graph with no cast and no rounding at all: ``init``'s per-graph verdict
+    bound the plan as its float32 graph (:func:`gluon_amp.execution._bound_verdict`)."""
+    graphs = mxm.bound_symbols(module)
+    if planned == "float32" or not graphs:
+        return planned
+    nodes = mxi.symbol_graph(graphs[0])["nodes"]
+    if any(n["op"] in ("amp_cast", "amp_multicast", "Cast", "cast") or ROUND_SUFFIX in n["name"] for n in nodes):
+        return planned
+    return "float32"
+
+
 def _safe_dtype(dtype: Any) -> Optional[str]:
     try:
         return dtype_name(dtype) if dtype is not None else None
@@ -280,7 +295,7 @@ def _wrap_bind(original: Callable) -> Callable:
         symbol, heads, dtype, inside = _bound_graph(self, record, record.hook, a)
         with mxm.binding_symbol(self, symbol):
             result = original(self, *args, **kwargs)
-        record.bound_scaled, record.heads, record.dtype = True, heads, dtype
+        record.bound_scaled, record.heads, record.dtype = True, heads, _ran_dtype(self, dtype)
         record.scale_arg = SCALE_ARG if inside else None
         record.forward_scale = None
         if record.scale_arg is not None:
@@ -550,7 +565,8 @@ def _refuse_dist(module: Module, auto: bool) -> bool:
     message = (f"gluon_amp: loss scaling of a Module on kvstore {kv.type!r} cannot work: {why}. Or use a "
                "Gluon Trainer with gluon_amp.init_trainer.")
     if auto:
-        warnings.warn(message + " This Module trains without loss scaling.", RuntimeWarning, stacklevel=4)
+        warnings.warn(message + " This Module trains without loss scaling.", RuntimeWarning,
+                      stacklevel=state.outside_level((mxi.MXNET_PACKAGE,)))
         return False
     raise RuntimeError(message)
 
@@ -578,7 +594,8 @@ def _unpatch(patches: List[mxm.MethodPatch]) -> None:
     changed = mxm.restore_methods(patches)
     if changed:
         warnings.warn(f"gluon_amp: {', '.join(changed)} were changed by someone else while patched "
-                      "and are left as they are now, not restored", RuntimeWarning, stacklevel=4)
+                      "and are left as they are now, not restored", RuntimeWarning,
+                      stacklevel=state.outside_level((mxi.MXNET_PACKAGE,)))
 
 
 #: Module's and BucketingModule's methods, patched while anyone holds them (``init``, an
@@ -639,7 +656,7 @@ def _attach(module: Module, hook: ModuleHook, shared_module: Optional[Module] = 
                 raise
             return True
         # the executors run what a bind would give them: record it as one
-        record.bound_scaled, record.heads, record.dtype = True, heads, dtype
+        record.bound_scaled, record.heads, record.dtype = True, heads, _ran_dtype(module, dtype)
         record.scale_arg, record.forward_scale = None, None
     record.hook = hook
     return True
@@ -705,7 +722,7 @@ def _checking_only(module: Module) -> LossScaler:
         warnings.warn(
             f"gluon_amp: {type(module).__name__} mixes the gradients of its auxiliary module into its own, "
             "so its float16 steps are not loss-scaled (small gradients may flush to zero); they are still "
-            "checked, and skipped on inf/NaN.", RuntimeWarning, stacklevel=4)
+            "checked, and skipped on inf/NaN.", RuntimeWarning, stacklevel=state.outside_level((mxi.MXNET_PACKAGE,)))
     return LossScaler(scaled_dtypes=())
 
 

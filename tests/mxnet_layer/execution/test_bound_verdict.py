@@ -119,3 +119,53 @@ def test_a_whole_graph_outcome_in_the_timing_cache_decides_over_the_rule(monkeyp
     said = [str(w.message) for w in caught if "a bound symbol" in str(w.message)]
     assert len(said) == (not faster) and all("measured 0.90x float32's speed" in m for m in said)
     assert not any("measures nothing" in m for m in said)
+
+
+@pytest.mark.simulated_native
+@pytest.mark.parametrize("fit", [False, True], ids=["manual", "fit"])
+def test_a_step_skipped_in_a_module_bound_float32_says_float32_at_the_users_line(fit):
+    """The Module's loss scaling reads the dtype of the graph its executors run: a skipped step
+    of a plan the verdict bound float32 is a float32 step, said at the user's ``update`` line."""
+    gluon_amp.init(tune=True)
+    sym = mx.sym.SoftmaxOutput(_dense(mx.sym), name="softmax")
+    mod = mx.mod.Module(sym, context=mx.cpu())
+    x = np.ones((8, 20), "float32")
+    x[0, 0] = np.inf
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if fit:  # MXNet's fit between the user's line and the update
+            mod.fit(mx.io.NDArrayIter(x, np.zeros(8, "float32"), batch_size=8), num_epoch=1)
+        else:
+            mod.bind(data_shapes=[("data", (8, 20))], label_shapes=[("softmax_label", (8,))])
+            mod.init_params()
+            mod.init_optimizer()
+            mod.forward_backward(mx.io.DataBatch([mx.nd.array(x)], [mx.nd.zeros((8,))]))
+            mod.update()
+    assert [w.filename for w in caught if "a bound symbol" in str(w.message)] == [__file__]
+    skipped = [w for w in caught if "was skipped" in str(w.message)]
+    assert gluon_amp.get_scaler(mod).skipped_steps == 1
+    assert len(skipped) == 1 and "computes in float32" in str(skipped[0].message)
+    assert skipped[0].filename == __file__
+
+
+@pytest.mark.simulated_native
+def test_each_graph_the_verdict_binds_float32_says_so_once(tmp_path):
+    """Two graphs alike in their op count and last node, and one of them bound again: two
+    warnings, where the reason (a probe that found the dtype slower) is the same for both."""
+    with planted_probe(probe_host_items("intel_xeon_no_amx"), tmp_path), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gluon_amp.init("bfloat16", tune=True)
+        _bind_twice_alike()
+
+
+def _bind_twice_alike():
+    wide = mx.sym.FullyConnected(mx.sym.Activation(mx.sym.FullyConnected(
+        mx.sym.var("data"), num_hidden=48, name="fc0"), act_type="tanh", name="t0"), num_hidden=4, name="head")
+    narrow = mx.sym.FullyConnected(mx.sym.Activation(mx.sym.FullyConnected(
+        mx.sym.var("data"), num_hidden=40, name="fc0"), act_type="tanh", name="t0"), num_hidden=4, name="head")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for sym in (wide, narrow, wide):
+            sym.simple_bind(mx.cpu(), grad_req="null", data=(8, 20))
+    said = [str(w.message) for w in caught if "a bound symbol" in str(w.message)]
+    assert len(said) == 2 and said[0] != said[1]
