@@ -384,8 +384,7 @@ def say_once(message: str, warn: bool = True, category: type = RuntimeWarning,
     counts as said from now on. True when it was new. ``stacklevel`` (counted from the caller,
     as ``warnings.warn`` counts it): by default the first frame outside gluon_amp and
     gluon_amp_core (and the paths starting with one of ``past``: MXNet's package, for a hook
-    its Module calls),
-    the user's line, however deep the API call that warns."""
+    its Module calls), the user's line, however deep the API call that warns."""
     with lock:
         if message in process.said:
             return False
