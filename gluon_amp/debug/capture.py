@@ -12,7 +12,7 @@ from mxnet.gluon import HybridBlock
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import CAST_OPS, users_casts
-from gluon_amp_core.dtypes import FLOAT_DTYPES, dtype_name
+from gluon_amp_core.dtypes import DTYPE_CODE, FLOAT_DTYPES, dtype_name
 
 from .. import mxnet_internals as mxi, plan_notes
 from ..patching import is_enabled
@@ -125,6 +125,7 @@ def model_of(block: HybridBlock, inputs: Sequence[Any], caller: str) -> Model:
         sym = mx.sym.Group(mxi.call_arrays(out)) if isinstance(out, (list, tuple)) else out
     if isinstance(sym, mxi.NP_SYMBOL):  # read and bound as a legacy graph (the same graph)
         sym = sym.as_nd_ndarray()
+    sym = _float32_declared(sym)
     _check_fp32(block, sym, caller)
     if len(names) != len(flat):
         raise ValueError(f"{caller}: the block's graph takes {len(names)} inputs ({names}), got {len(flat)} "
@@ -137,8 +138,8 @@ def model_of(block: HybridBlock, inputs: Sequence[Any], caller: str) -> Model:
     first = next(iter(params.values()), None)
     ctx = first.list_ctx()[0] if first is not None else mx.cpu()
     try:
-        args = {n: params[n].data(ctx).copy() for n in sym.list_arguments() if n in params}
-        aux = {n: params[n].data(ctx).copy() for n in sym.list_auxiliary_states()}
+        args = {n: _float32_copy(params[n].data(ctx)) for n in sym.list_arguments() if n in params}
+        aux = {n: _float32_copy(params[n].data(ctx)) for n in sym.list_auxiliary_states()}
     except mx.gluon.parameter.DeferredInitializationError:
         raise RuntimeError(f"{caller}: the block's parameters are not initialized yet (their shapes are "
                            "deferred): run one forward pass, block(x), first.") from None
@@ -146,6 +147,30 @@ def model_of(block: HybridBlock, inputs: Sequence[Any], caller: str) -> Model:
               for n, x in zip(names, flat)}
     sym, renamed = _unique_names(sym)
     return Model(sym, names, args, aux, ctx, dtypes, renamed)
+
+
+def _float32_declared(sym: Symbol) -> Symbol:
+    """``sym`` with each variable it declares float16 or bfloat16 (a block the user cast, traced
+    symbolically) declared float32: the FP32 graph (see :func:`_float32_copy`)."""
+    graph = json.loads(sym.tojson(remove_amp_cast=False))
+    low = {str(DTYPE_CODE[d]) for d in FLOAT_DTYPES if d != "float32"}
+    changed = False
+    for node in graph["nodes"]:
+        attrs = node.get("attrs") or {}
+        if node["op"] == "null" and attrs.get("__dtype__") in low:
+            attrs["__dtype__"] = str(DTYPE_CODE["float32"])
+            changed = True
+    return mx.sym.load_json(json.dumps(graph)) if changed else sym
+
+
+def _float32_copy(x: mx.nd.NDArray) -> mx.nd.NDArray:
+    """A copy of a parameter's array, float32 where it holds float16 or bfloat16 values (a
+    block the user cast, GPU-style or O2): the FP32 graph reads its values in float32, and
+    the plan casts them as it casts a float32 weight. Other dtypes are copied as they are."""
+    if dtype_name(x.dtype) not in FLOAT_DTYPES or dtype_name(x.dtype) == "float32":
+        return x.copy()
+    wide = mx.nd.amp_cast(mxi.legacy(x), dtype="float32")  # amp_cast refuses numpy-mode arrays
+    return wide.as_np_ndarray() if isinstance(x, mx.np.ndarray) else wide
 
 
 def as_float32(x: mx.nd.NDArray) -> np.ndarray:

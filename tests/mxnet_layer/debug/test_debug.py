@@ -674,3 +674,27 @@ def test_cli_compares_a_numpy_mode_export_as_the_legacy_one(tmp_path, capsys):
         docs[mode] = json.load(open(tmp_path / f"{mode}.json"))
     assert not mx.util.is_np_array() and not mx.util.is_np_shape()
     assert docs["numpy"] == docs["legacy"] and docs["legacy"]["output_error"] > 0
+
+
+@pytest.mark.parametrize("stored", ["float16", "bfloat16"])
+def test_compare_reads_a_block_the_user_cast_low_as_the_fp32_graph_of_its_values(stored):
+    """GPU-style code casts the block (``net.cast('float16')``): the FP32 reference reads those
+    values in float32, as a float32 block holding the same values does (before: the FP32 graph
+    refused the float16 weights, and compare blamed the inputs)."""
+    def net_of(values=None):
+        net = nn.HybridSequential()
+        net.add(nn.Dense(16, activation="tanh", in_units=8), nn.Dense(4, in_units=16))
+        net.initialize(mx.init.Xavier())
+        if values is not None:
+            for p, v in zip(net.collect_params().values(), values):
+                p.set_data(v)
+        net.hybridize()
+        return net
+    x = mx.nd.array(np.random.RandomState(0).randn(4, 8))
+    cast = net_of()
+    cast.cast(gluon_amp.mxnet_internals.to_mx_dtype(stored))  # not called: no float16 GEMM on a CPU
+    same = net_of([mx.nd.amp_cast(p.data(), dtype="float32") for p in cast.collect_params().values()])
+    got, want = (debug.compare(n, x, target_dtype="bfloat16", emulate=True) for n in (cast, same))
+    assert got.output_error == want.output_error and got.output_error > 0
+    assert [(r.op, r.dtype) for r in got.rows] == [(r.op, r.dtype) for r in want.rows]
+    assert {p.dtype for p in cast.collect_params().values()} == {gluon_amp.mxnet_internals.to_mx_dtype(stored)}
