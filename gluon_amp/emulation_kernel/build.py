@@ -223,7 +223,7 @@ def _check(library: str, env: Mapping[str, str]) -> Optional[str]:
     if r.returncode == 0 and isinstance(doc, dict) and doc.get("ok"):
         return None
     why = doc.get("error") if isinstance(doc, dict) else None
-    tail = " ".join(r.stderr.strip().splitlines()[-2:])[-400:]
+    tail = " ".join([line.strip() for line in r.stderr.splitlines() if line.strip()][-2:])[-400:]
     status = f"exit status {r.returncode}"
     if r.returncode < 0:  # the check crashed: its last stderr line names the step it was on
         with contextlib.suppress(ValueError):
