@@ -26,6 +26,10 @@
 //   2. Nothing here creates or lays out an nnvm::Node: std::unordered_map (in NodeAttrs) changed
 //      size after GCC 4.8. The backward node is made by libmxnet (MakeGradNode), and NodeAttrs
 //      are only read (their op, name, and a dict lookup: the fields before the map's end).
+//   3. Nothing here throws. An exception raised here must unwind through libmxnet's frames of
+//      GCC 4.8, and a build by GCC 13 (Ubuntu 24.04) crashed the process there with SIGSEGV.
+//      A bad call makes an inference function return false instead, after saying why on
+//      stderr (LOG(ERROR) only prints); libmxnet then raises its own error.
 // gluon_amp loads a build only after a fresh process has checked it (selftest.py).
 
 #include <algorithm>
@@ -53,7 +57,7 @@
 #define GA_PAIR_OP_NAME "_gluon_amp_round_weight"
 #define GA_BACKWARD_PAIR_OP_NAME "_backward_gluon_amp_round_weight"
 // Bump with any change of behaviour; gluon_amp checks it on load.
-#define GA_KERNEL_VERSION 3
+#define GA_KERNEL_VERSION 4
 
 namespace gaabi {
 
@@ -234,14 +238,25 @@ void round_values(bool half, OpReqType req, const float* in, float* out, int64_t
   }
 }
 
-// The target dtype, from the node's attributes (a lookup only: see rule 2 above).
+// The target dtype, from the node's attributes (a lookup only: see rule 2 above): 1 for
+// float16, 0 for bfloat16, -1 (said on stderr) for anything else.
+int dtype_code(const nnvm::NodeAttrs& attrs) {
+  auto it = attrs.dict.find("dtype");
+  if (it == attrs.dict.end()) {
+    LOG(ERROR) << attrs.op->name << ": the attribute dtype is missing";
+    return -1;
+  }
+  if (it->second == "float16") return 1;
+  if (it->second == "bfloat16") return 0;
+  LOG(ERROR) << attrs.op->name << ": dtype must be float16 or bfloat16, got " << it->second;
+  return -1;
+}
+
+// Only called once inference has accepted the node's dtype (MXNet infers before it computes
+// or differentiates an op).
 bool is_half(const nnvm::NodeAttrs& attrs) {
   auto it = attrs.dict.find("dtype");
-  if (it == attrs.dict.end()) LOG(FATAL) << GA_OP_NAME << ": the attribute dtype is missing";
-  if (it->second == "float16") return true;
-  if (it->second == "bfloat16") return false;
-  LOG(FATAL) << GA_OP_NAME << ": dtype must be float16 or bfloat16, got " << it->second;
-  return false;
+  return it != attrs.dict.end() && it->second == "float16";
 }
 
 #if MXNET_USE_MKLDNN == 1
@@ -362,7 +377,8 @@ bool infer_storage(const nnvm::NodeAttrs& attrs, const int dev_mask, mxnet::Disp
                    std::vector<int>* in, std::vector<int>* out) {
   for (int s : *in) {
     if (s != mxnet::kDefaultStorage && s != -1) {
-      LOG(FATAL) << attrs.op->name << " takes dense arrays only";
+      LOG(ERROR) << attrs.op->name << " takes dense arrays only";
+      return false;
     }
   }
   for (int& s : *in) s = mxnet::kDefaultStorage;
@@ -376,6 +392,7 @@ bool infer_storage(const nnvm::NodeAttrs& attrs, const int dev_mask, mxnet::Disp
 // part must pass too: an LSTM's zero begin state is (batch unknown, hidden), and the
 // FullyConnected after the rounding learns the batch only once it sees its data's rank.
 bool infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in, mxnet::ShapeVector* out) {
+  if (dtype_code(attrs) < 0) return false;  // imperatively the first check MXNet makes
   bool known = true;
   for (size_t k = 0; k < out->size(); ++k) {
     mxnet::TShape& a = (*in)[k];
@@ -386,7 +403,8 @@ bool infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in, mxnet::Sh
       b = a;
     } else if (mxnet::ndim_is_known(a) && mxnet::ndim_is_known(b)) {
       if (a.ndim() != b.ndim()) {
-        LOG(FATAL) << attrs.op->name << ": input " << k << " has shape " << a << ", output " << b;
+        LOG(ERROR) << attrs.op->name << ": input " << k << " has shape " << a << ", output " << b;
+        return false;
       }
       for (int d = 0; d < a.ndim(); ++d) {
         if (!mxnet::dim_size_is_known(a[d])) {
@@ -394,7 +412,8 @@ bool infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in, mxnet::Sh
         } else if (!mxnet::dim_size_is_known(b[d])) {
           b[d] = a[d];
         } else if (a[d] != b[d]) {
-          LOG(FATAL) << attrs.op->name << ": input " << k << " has shape " << a << ", output " << b;
+          LOG(ERROR) << attrs.op->name << ": input " << k << " has shape " << a << ", output " << b;
+          return false;
         }
       }
     }
@@ -404,14 +423,17 @@ bool infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in, mxnet::Sh
 }
 
 bool infer_type(const nnvm::NodeAttrs& attrs, std::vector<int>* in, std::vector<int>* out) {
-  is_half(attrs);  // a bad dtype fails here, when the graph is typed
+  if (dtype_code(attrs) < 0) return false;  // a bad dtype fails here when a graph is typed
   for (std::vector<int>* side : {in, out}) {
-    for (int& t : *side) {
+    for (int t : *side) {
       if (t != -1 && t != mshadow::kFloat32) {
-        LOG(FATAL) << attrs.op->name << " takes and gives float32, got type flag " << t;
+        LOG(ERROR) << attrs.op->name << " takes and gives float32, got type flag " << t;
+        return false;
       }
-      t = mshadow::kFloat32;
     }
+  }
+  for (std::vector<int>* side : {in, out}) {
+    for (int& t : *side) t = mshadow::kFloat32;
   }
   return true;
 }

@@ -100,17 +100,38 @@ def test_the_setting_turns_the_kernel_off(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["float64", "half"])
-def test_the_kernel_names_a_bad_dtype(dtype):
+def test_the_kernel_names_a_bad_dtype(dtype, capfd):
+    """The kernel refuses without throwing (rounding.cc, rule 3): it says why on stderr, and
+    libmxnet raises its own error, which quotes the node's attributes."""
     import mxnet as mx
     assert emulation_kernel.load().path == "kernel"
-    with pytest.raises(mx.base.MXNetError, match=f"dtype must be float16 or bfloat16, got {dtype}"):
+    with pytest.raises(mx.base.MXNetError, match=f"dtype : {dtype}"):
         emulation_kernel.round_function()(mx.nd.ones((2,)), dtype=dtype).asnumpy()
+    assert f"dtype must be float16 or bfloat16, got {dtype}" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("op", [emulation_kernel.OP_NAME, emulation_kernel.PAIR_OP_NAME])
+def test_a_float64_input_is_refused_in_a_graph_and_imperatively(op, capfd):
+    import mxnet as mx
+    assert emulation_kernel.load().path == "kernel"
+    fn = mxi.ndarray_function(op)
+    inputs = [mx.nd.ones((2,), dtype="float64")] * (2 if op == emulation_kernel.PAIR_OP_NAME else 1)
+    with pytest.raises(mx.base.MXNetError):
+        fn(*inputs, dtype="float16").asnumpy()
+    names = ["x", "w"][:len(inputs)]
+    nodes = [{"op": "null", "name": n, "inputs": []} for n in names]
+    nodes.append({"op": op, "name": "r", "attrs": {"dtype": "float16"}, "inputs": [[k, 0, 0] for k in range(len(names))]})
+    sym = mx.sym.load_json(json.dumps({"nodes": nodes, "arg_nodes": list(range(len(names))),
+                                       "heads": [[len(names), k, 0] for k in range(len(names))],
+                                       "attrs": {"mxnet_version": ["int", 10901]}}))
+    with pytest.raises(RuntimeError, match="simple_bind error"):
+        sym.simple_bind(mx.cpu(), **{n: (2,) for n in names}, type_dict={n: "float64" for n in names})
+    assert f"{op} takes and gives float32, got type flag" in capfd.readouterr().err
 
 
 def test_the_check_finds_the_kernels_errors_reach_mxnet():
-    """On a lent machine's image (Python 3.12.3 and the compiler there) a kernel built there
-    crashed its process at a bad dtype instead of raising: the check now calls what must fail,
-    and the loaded build passed it."""
+    """On a lent machine's image (Python 3.12.3 and g++ 13 there) a kernel that threw crashed
+    its process at a bad dtype: the kernel no longer throws, and the check calls what must fail."""
     from gluon_amp.emulation_kernel import selftest
     assert emulation_kernel.load().path == "kernel"
     assert selftest.check_errors(mxi.ndarray_function(emulation_kernel.OP_NAME)) == []
@@ -131,9 +152,23 @@ def test_the_check_of_errors_can_fail(stand_in, finding):
     from gluon_amp.emulation_kernel import selftest
     assert emulation_kernel.load().path == "kernel"  # the graph calls below reach the real kernel
     found = selftest.check_errors(stand_in)
-    # the imperative calls of each bad call fail; the graph's ones call the real kernel and pass
+    # the imperative calls of each bad call fail; the graph's ones bind the real kernel and pass
     assert [f.split(":")[0] for f in found] == [f"{what} imperatively" for what, *_ in selftest.BAD_CALLS]
     assert all(finding in f for f in found)
+
+
+def test_the_check_finds_a_graph_the_kernel_would_run():
+    """The bound half of the check fails where the kernel accepts what it must refuse: here, a
+    graph whose op is stood in for by one that takes any dtype."""
+    import mxnet as mx
+    from gluon_amp.emulation_kernel import selftest
+    real = selftest._one_op_graph
+    try:
+        selftest._one_op_graph = lambda attrs: mx.sym.identity(mx.sym.var("x"))
+        found = selftest.check_errors(mxi.ndarray_function(emulation_kernel.OP_NAME))
+    finally:
+        selftest._one_op_graph = real
+    assert found == [f"{what} bound in a graph: no error was raised" for what, *_ in selftest.BAD_CALLS]
 
 
 @pytest.mark.parametrize("signal_name, status, words", [
