@@ -26,16 +26,19 @@
 //   2. Nothing here creates or lays out an nnvm::Node: std::unordered_map (in NodeAttrs) changed
 //      size after GCC 4.8. The backward node is made by libmxnet (MakeGradNode), and NodeAttrs
 //      are only read (their op, name, and a dict lookup: the fields before the map's end).
-//   3. Nothing here throws. An exception raised here must unwind through libmxnet's frames of
-//      GCC 4.8, and a build by GCC 13 (Ubuntu 24.04) crashed the process there with SIGSEGV.
-//      A bad call makes an inference function return false instead, after saying why on
-//      stderr (LOG(ERROR) only prints); libmxnet then raises its own error.
+//   3. Nothing here throws or uses C++ streams. A build by GCC 13 (Ubuntu 24.04) crashed the
+//      process with SIGSEGV at its first error: first in LOG(FATAL) (whose exception must
+//      unwind through libmxnet's GCC 4.8 frames), then in LOG(ERROR), right after the stream
+//      had printed the file name, at the line number. A bad call makes an inference function
+//      return false instead, after saying why with fprintf (say() below); libmxnet then raises
+//      its own error.
 // gluon_amp loads a build only after a fresh process has checked it (selftest.py).
 
 #include <algorithm>
 #include <cpuid.h>
 #include <immintrin.h>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -238,17 +241,36 @@ void round_values(bool half, OpReqType req, const float* in, float* out, int64_t
   }
 }
 
+// One line on stderr: why an inference function refuses (rule 3: C stdio, no C++ stream).
+void say(const nnvm::NodeAttrs& attrs, const char* what, const char* detail = "") {
+  std::fprintf(stderr, "%s: %s%s\n", attrs.op->name.c_str(), what, detail);
+  std::fflush(stderr);
+}
+
+// "(2,3,0)": a shape for say(), -1 for an unknown dimension or "()" for an unknown rank.
+std::string shape_text(const mxnet::TShape& s) {
+  std::string text = "(";
+  if (mxnet::ndim_is_known(s)) {
+    for (int d = 0; d < s.ndim(); ++d) {
+      char dim[24];
+      std::snprintf(dim, sizeof(dim), d ? ",%lld" : "%lld", static_cast<long long>(s[d]));
+      text += dim;
+    }
+  }
+  return text + ")";
+}
+
 // The target dtype, from the node's attributes (a lookup only: see rule 2 above): 1 for
 // float16, 0 for bfloat16, -1 (said on stderr) for anything else.
 int dtype_code(const nnvm::NodeAttrs& attrs) {
   auto it = attrs.dict.find("dtype");
   if (it == attrs.dict.end()) {
-    LOG(ERROR) << attrs.op->name << ": the attribute dtype is missing";
+    say(attrs, "the attribute dtype is missing");
     return -1;
   }
   if (it->second == "float16") return 1;
   if (it->second == "bfloat16") return 0;
-  LOG(ERROR) << attrs.op->name << ": dtype must be float16 or bfloat16, got " << it->second;
+  say(attrs, "dtype must be float16 or bfloat16, got ", it->second.c_str());
   return -1;
 }
 
@@ -377,7 +399,7 @@ bool infer_storage(const nnvm::NodeAttrs& attrs, const int dev_mask, mxnet::Disp
                    std::vector<int>* in, std::vector<int>* out) {
   for (int s : *in) {
     if (s != mxnet::kDefaultStorage && s != -1) {
-      LOG(ERROR) << attrs.op->name << " takes dense arrays only";
+      say(attrs, "takes dense arrays only");
       return false;
     }
   }
@@ -403,7 +425,7 @@ bool infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in, mxnet::Sh
       b = a;
     } else if (mxnet::ndim_is_known(a) && mxnet::ndim_is_known(b)) {
       if (a.ndim() != b.ndim()) {
-        LOG(ERROR) << attrs.op->name << ": input " << k << " has shape " << a << ", output " << b;
+        say(attrs, "an input and its output differ in shape: ", (shape_text(a) + " " + shape_text(b)).c_str());
         return false;
       }
       for (int d = 0; d < a.ndim(); ++d) {
@@ -412,7 +434,7 @@ bool infer_shape(const nnvm::NodeAttrs& attrs, mxnet::ShapeVector* in, mxnet::Sh
         } else if (!mxnet::dim_size_is_known(b[d])) {
           b[d] = a[d];
         } else if (a[d] != b[d]) {
-          LOG(ERROR) << attrs.op->name << ": input " << k << " has shape " << a << ", output " << b;
+          say(attrs, "an input and its output differ in shape: ", (shape_text(a) + " " + shape_text(b)).c_str());
           return false;
         }
       }
@@ -427,7 +449,7 @@ bool infer_type(const nnvm::NodeAttrs& attrs, std::vector<int>* in, std::vector<
   for (std::vector<int>* side : {in, out}) {
     for (int t : *side) {
       if (t != -1 && t != mshadow::kFloat32) {
-        LOG(ERROR) << attrs.op->name << " takes and gives float32, got type flag " << t;
+        say(attrs, "takes and gives float32, got a type flag ", std::to_string(t).c_str());
         return false;
       }
     }
