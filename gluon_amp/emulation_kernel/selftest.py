@@ -183,7 +183,8 @@ def _one_op_graph(attrs: Dict[str, str]) -> mx.sym.Symbol:
 
 def check_errors(fn) -> List[str]:
     """Each of :data:`BAD_CALLS` raises MXNet's error: imperatively, naming it, and bound as a
-    graph (``simple_bind`` gives it as a ``RuntimeError``). A crash here ends the process: the parent reports its exit status."""
+    graph (``simple_bind`` gives it as a ``RuntimeError``). A crash here ends the process: the
+    parent reports its exit status."""
     errors = []
     for what, attrs, dtype, words in BAD_CALLS:
         calls = (("imperatively", words,

@@ -120,7 +120,8 @@ def test_a_float64_input_is_refused_in_a_graph_and_imperatively(op, capfd):
         fn(*inputs, dtype="float16").asnumpy()
     names = ["x", "w"][:len(inputs)]
     nodes = [{"op": "null", "name": n, "inputs": []} for n in names]
-    nodes.append({"op": op, "name": "r", "attrs": {"dtype": "float16"}, "inputs": [[k, 0, 0] for k in range(len(names))]})
+    nodes.append({"op": op, "name": "r", "attrs": {"dtype": "float16"},
+                  "inputs": [[k, 0, 0] for k in range(len(names))]})
     sym = mx.sym.load_json(json.dumps({"nodes": nodes, "arg_nodes": list(range(len(names))),
                                        "heads": [[len(names), k, 0] for k in range(len(names))],
                                        "attrs": {"mxnet_version": ["int", 10901]}}))
