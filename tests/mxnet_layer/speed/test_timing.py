@@ -108,14 +108,23 @@ def test_on_a_busy_machine_the_default_timer_reads_cpu_time(monkeypatch):
     assert got == pytest.approx(3.0)  # the median of the 5 runs after the warm-up
 
 
-def _burn(seconds, started=None):
-    """Hash for ``seconds`` of wall time: CPU work that releases the GIL, as a loader's does."""
+def _burn(seconds, started=None, stop=None):
+    """Hash for ``seconds`` of wall time (or until ``stop`` is set): CPU work that releases the
+    GIL, as a loader's does."""
     data = b"x" * (1 << 22)
     if started is not None:
         started.set()
     end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    while time.perf_counter() < end and not (stop is not None and stop.is_set()):
         hashlib.sha256(data).digest()
+
+
+def _until_the_process_used(cpu0, seconds, limit=10.0):
+    """Sleep until the process has used ``seconds`` of CPU since ``cpu0`` (its other threads'
+    work: a loaded machine gives them less per second of wall time), or ``limit`` seconds."""
+    end = time.perf_counter() + limit
+    while time.process_time() - cpu0 < seconds and time.perf_counter() < end:
+        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("begins", ["before the first reading", "between the readings"])
@@ -124,18 +133,19 @@ def test_a_busy_machines_clock_leaves_out_the_users_other_threads(begins):
     timing was counted as the graph's. The process's CPU time shows the thread's work, the
     clock leaves it out wherever the thread began, and never runs backwards as threads end."""
     clock = timing.OwnCpuTime()
-    started = threading.Event()
-    worker = threading.Thread(target=_burn, args=(0.6, started), daemon=True)
+    started, stop = threading.Event(), threading.Event()
+    worker = threading.Thread(target=_burn, args=(30.0, started, stop), daemon=True)
     if begins == "before the first reading":
         worker.start()
         started.wait()
-        time.sleep(0.1)  # it has used CPU before the first reading too
+        _until_the_process_used(time.process_time(), 0.05)  # CPU used before the first reading too
     own0, cpu0 = clock(), time.process_time()
     if begins == "between the readings":
         worker.start()
         started.wait()
-    time.sleep(0.3)
+    _until_the_process_used(cpu0, 0.2)  # wall time varies with the machine's load; CPU does not
     own1, cpu1 = clock(), time.process_time()
+    stop.set()
     worker.join()
     own2 = clock()
     assert cpu1 - cpu0 > 0.1  # the worker ran
