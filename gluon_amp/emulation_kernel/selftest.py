@@ -173,12 +173,15 @@ BAD_CALLS = (
 )
 
 
-def _one_op_graph(attrs: Dict[str, str]) -> mx.sym.Symbol:
-    """``x -> OP_NAME(x, **attrs)`` as MXNet loads a saved graph."""
-    nodes = [{"op": "null", "name": "x", "inputs": []},
-             {"op": OP_NAME, "name": "rounded", "attrs": dict(attrs), "inputs": [[0, 0, 0]]}]
-    return mx.sym.load_json(json.dumps({"nodes": nodes, "arg_nodes": [0], "node_row_ptr": [0, 1, 2],
-                                        "heads": [[1, 0, 0]], "attrs": {"mxnet_version": ["int", 10901]}}))
+def _one_op_graph(attrs: Dict[str, str], op: str = OP_NAME, names: Tuple[str, ...] = ("x",)) -> mx.sym.Symbol:
+    """``names -> op(*names, **attrs)``, every output a head, as MXNet loads a saved graph (a
+    registered op that ``mx.sym`` lacks: it was loaded after MXNet's import)."""
+    n = len(names)
+    nodes = [{"op": "null", "name": name, "inputs": []} for name in names]
+    nodes.append({"op": op, "name": "rounded", "attrs": dict(attrs), "inputs": [[k, 0, 0] for k in range(n)]})
+    return mx.sym.load_json(json.dumps({"nodes": nodes, "arg_nodes": list(range(n)),
+                                        "heads": [[n, k, 0] for k in range(n)],
+                                        "attrs": {"mxnet_version": ["int", 10901]}}))
 
 
 def check_errors(fn) -> List[str]:

@@ -118,13 +118,9 @@ def test_a_float64_input_is_refused_in_a_graph_and_imperatively(op, capfd):
     inputs = [mx.nd.ones((2,), dtype="float64")] * (2 if op == emulation_kernel.PAIR_OP_NAME else 1)
     with pytest.raises(mx.base.MXNetError):
         fn(*inputs, dtype="float16").asnumpy()
-    names = ["x", "w"][:len(inputs)]
-    nodes = [{"op": "null", "name": n, "inputs": []} for n in names]
-    nodes.append({"op": op, "name": "r", "attrs": {"dtype": "float16"},
-                  "inputs": [[k, 0, 0] for k in range(len(names))]})
-    sym = mx.sym.load_json(json.dumps({"nodes": nodes, "arg_nodes": list(range(len(names))),
-                                       "heads": [[len(names), k, 0] for k in range(len(names))],
-                                       "attrs": {"mxnet_version": ["int", 10901]}}))
+    from gluon_amp.emulation_kernel import selftest
+    names = ("x", "w")[:len(inputs)]
+    sym = selftest._one_op_graph({"dtype": "float16"}, op, names)
     with pytest.raises(RuntimeError, match="simple_bind error"):
         sym.simple_bind(mx.cpu(), **{n: (2,) for n in names}, type_dict={n: "float64" for n in names})
     assert f"{op}: takes and gives float32, got a type flag 1" in capfd.readouterr().err
