@@ -423,6 +423,32 @@ def params_read_through_casts(graph: dict, names: Collection[str]) -> dict:
     return _finish(graph, out, heads)
 
 
+def params_stored_low(graph: dict, names: Collection[str]) -> Tuple[dict, Dict[str, str]]:
+    """``graph`` with each parameter in ``names`` that only casts to one low dtype read (as
+    :func:`_foldable` allows) stored in that dtype (``__dtype__``) and its casts gone, and
+    those parameters' dtypes: the inverse of :func:`params_read_through_casts`, for running
+    an inference graph on casts made once. Inputs keep their order."""
+    nodes = graph["nodes"]
+    consumers: Dict[int, List[int]] = {}
+    for j, n in enumerate(nodes):
+        for e in n["inputs"]:
+            consumers.setdefault(e[0], []).append(j)
+    outputs = {h[0] for h in graph["heads"]}
+    low: Dict[str, str] = {}
+    for j, n in enumerate(nodes):
+        if n["op"] == "null" and n["name"] in names and j not in outputs:
+            dtype = _foldable(nodes, consumers, j)
+            if dtype is not None:
+                low[n["name"]] = dtype
+    if not low:
+        return graph, {}
+    casts = {u for j, n in enumerate(nodes) if n["op"] == "null" and n["name"] in low for u in consumers[j]}
+    typed = [dict(n, attrs={**n.get("attrs", {}), "__dtype__": str(DTYPE_CODE[low[n["name"]]])})
+             if n["op"] == "null" and n["name"] in low else n for n in nodes]
+    kept, heads, _ = _drop_param_casts(typed, graph["heads"], low, casts)
+    return _finish(graph, kept, heads), low
+
+
 def without_amp_casts(graph: dict, keep: Collection[str] = ()) -> dict:
     """``graph`` without its ``amp_cast``/``amp_multicast`` nodes but those named in ``keep``
     (the user's), each read through (a multicast's output ``k`` is its input ``k``): the FP32

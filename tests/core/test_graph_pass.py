@@ -5,7 +5,7 @@ take the dtype of the float inputs, which must agree; BatchNorm keeps float32 pa
 casts produce their ``dtype``; a multicast, with every input known, gives the widest.
 """
 from gluon_amp_core.dtypes import FLOAT_DTYPES, widest
-from gluon_amp_core.graph_pass import convert_graph, params_read_through_casts
+from gluon_amp_core.graph_pass import convert_graph, params_read_through_casts, params_stored_low
 from gluon_amp_core.policy import Policy
 
 POLICY = Policy.create("bfloat16")
@@ -254,3 +254,101 @@ def test_cast_optional_params_keeps_a_parameter_read_uncast():
     g = graph([var("x"), var("a"), node("amp_cast", "mine", 1, dtype="bfloat16"), node("softmax", "sm", 1)], [2, 3])
     r = run(g, cast_optional_params=True)
     assert r.param_dtypes["a"] == "float32" and r.dtypes[("sm", 0)] == "float32"
+
+
+# -- params_stored_low: generated graphs ------------------------------------------------
+
+def _random_graph(rng):
+    """Variables (``x`` data, ``p0``.. parameters), each read by casts to bfloat16/float16/
+    float32 or directly by ops, some of them grouped convolutions; a head or two, sometimes a
+    parameter itself."""
+    nodes = [var("x")] + [var(f"p{k}") for k in range(rng.randint(1, 5))]
+    values = [0]
+    for k in range(1, len(nodes)):
+        for _ in range(rng.randint(1, 3)):
+            how = rng.choice(["bfloat16", "bfloat16", "float16", "float32", "direct"])
+            src = k
+            if how != "direct":
+                nodes.append(node("amp_cast", f"c{len(nodes)}", k, dtype=how))
+                src = len(nodes) - 1
+            op = rng.choice(["FullyConnected", "Convolution", "elemwise_add"])
+            attrs = {"num_group": rng.choice([1, 1, 2])} if op == "Convolution" else {}
+            nodes.append(node(op, f"op{len(nodes)}", values[-1], src, **attrs))
+            values.append(len(nodes) - 1)
+    heads = [values[-1]] + ([rng.randrange(1, len(nodes))] if rng.random() < 0.3 else [])
+    return graph(nodes, heads)
+
+
+def _list_inputs(g):
+    """MXNet's ``list_inputs`` order: variables as a depth-first walk from the heads meets them."""
+    seen, order = set(), []
+
+    def visit(j):
+        if j in seen:
+            return
+        seen.add(j)
+        for e in g["nodes"][j]["inputs"]:
+            visit(e[0])
+        if g["nodes"][j]["op"] == "null":
+            order.append(g["nodes"][j]["name"])
+    for h in g["heads"]:
+        visit(h[0])
+    return order
+
+
+def _expected_low(g, names):
+    """By the rule itself: a named parameter, not a head, every reader a cast to one low dtype,
+    no bfloat16 one read by a grouped convolution."""
+    nodes, heads = g["nodes"], {h[0] for h in g["heads"]}
+    readers = {j: [k for k, n in enumerate(nodes) if any(e[0] == j for e in n["inputs"])] for j in range(len(nodes))}
+    out = {}
+    for j, n in enumerate(nodes):
+        if n["op"] != "null" or n["name"] not in names or j in heads or not readers[j]:
+            continue
+        casts = [nodes[r] for r in readers[j]]
+        dtypes = {c["attrs"].get("dtype") for c in casts if c["op"] == "amp_cast"}
+        if any(c["op"] != "amp_cast" for c in casts) or len(dtypes) != 1 or dtypes - {"bfloat16", "float16"}:
+            continue
+        grouped = any(nodes[u]["op"] == "Convolution" and nodes[u]["attrs"].get("num_group") != "1"
+                      for r in readers[j] for u in readers[r])
+        if not (grouped and dtypes == {"bfloat16"}):
+            out[n["name"]] = dtypes.pop()
+    return out
+
+
+def test_params_stored_low_on_generated_graphs():
+    """Each parameter only casts to one low dtype read is stored in it, its casts gone and
+    their readers reading it; nothing else changes: other nodes, the heads' values, and the
+    order of the graph's inputs (the CachedOp feeds them by position). Reading the stored
+    parameters through casts again gives the graph back."""
+    import random
+    for seed in range(300):
+        rng = random.Random(seed)
+        g = _random_graph(rng)
+        names = {n["name"] for n in g["nodes"] if n["op"] == "null" and n["name"] != "x" and rng.random() < 0.8}
+        out, low = params_stored_low(g, names)
+        assert low == _expected_low(g, names), seed
+        if not low:
+            assert out is g
+            continue
+        assert _list_inputs(out) == _list_inputs(g), seed
+        by_name = {n["name"]: n for n in out["nodes"]}
+        for name, dtype in low.items():
+            assert by_name[name]["attrs"]["__dtype__"] == {"bfloat16": "12", "float16": "2"}[dtype]
+        gone = {n["name"] for n in g["nodes"]} - set(by_name)
+        assert all(g["nodes"][[m["name"] for m in g["nodes"]].index(c)]["op"] == "amp_cast" for c in gone)
+
+        def reads(graph_, through):  # op name -> names it reads, a removed cast read as its parameter
+            nodes = graph_["nodes"]
+            def src(e):
+                n = nodes[e[0]]
+                return nodes[n["inputs"][0][0]]["name"] if n["name"] in through else n["name"]
+            return {n["name"]: [src(e) for e in n["inputs"]] for n in nodes if n["name"] not in through}
+        assert reads(out, set()) == reads(g, gone), seed
+        def heads(gr, through):
+            named = [gr["nodes"][h[0]] for h in gr["heads"]]
+            return [gr["nodes"][n["inputs"][0][0]]["name"] if n["name"] in through else n["name"] for n in named]
+        assert heads(out, set()) == heads(g, gone)
+        back = params_read_through_casts(out, set(low))
+        assert {n["name"]: n["op"] for n in back["nodes"] if n["op"] != "amp_cast"} == \
+            {n["name"]: n["op"] for n in g["nodes"] if n["op"] != "amp_cast"}
