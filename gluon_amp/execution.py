@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
+import os
 import threading
 import warnings
 import weakref
@@ -27,14 +29,14 @@ from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
-from gluon_amp_core.graph_pass import params_read_through_casts
+from gluon_amp_core.graph_pass import params_read_through_casts, params_stored_low
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import cast_each_input, drop_identity_casts
 from gluon_amp_core.table import kernel_verdicts
 from gluon_amp_core.verdicts import Verdict
 
 from . import mxnet_internals as mxi, plan_notes, runtime, state
-from .emulation import emulate_symbol
+from .emulation import emulate_symbol, round_nd
 from .gc_pause import while_gc_paused
 from .native_run import native_passes, with_batchnorms_apart
 from .type_inference import infer_dtypes
@@ -276,7 +278,8 @@ _lock = threading.Lock()
 #: the execution hooks (Symbol.bind/simple_bind, the block's CachedOp build), installed while
 #: anyone holds them (``init``; converted results)
 hooks_held = state.Held(lambda: mxi.install_execution_hooks(while_gc_paused(mxi.shared_reads()(_for_block)),
-                                                            while_gc_paused(mxi.shared_reads()(_for_symbol))),
+                                                            while_gc_paused(mxi.shared_reads()(_for_symbol)),
+                                                            _take_forward_only),
                         mxi.remove_execution_hooks)
 
 
@@ -391,6 +394,7 @@ def runs_emulated(obj: Any) -> bool:
 
 def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Symbol:
     _FLOAT32_RUNS.discard(block)  # until this binding is known to compute nothing in low precision
+    _FORWARD_ONLY.pop(block, None)
     policy = policy_for(block)
     if policy is None and not runtime.simulated():
         return plan
@@ -412,10 +416,59 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
         block.runs_float32_stand_in = faster is not None  # it may store its weights float32 for it
     if float32:
         _FLOAT32_RUNS.add(block)
+    elif run is not plan and policy is not None and policy.enabled and not policy.emulate \
+            and _remembered(block) is None and stores_casts() and mxi.casts_storable():
+        # the partial holds no reference to the block: the weak dictionary's entry dies with it
+        _FORWARD_ONLY[block] = functools.partial(_forward_only_graph, f"block {block.name!r}",
+                                                 frozenset(block.collect_params().keys()),
+                                                 plan_notes.plan_heads(block), plan, known, shapes, devices, policy)
     if run is not plan and policy is not None and policy.emulate:  # the report says which nodes real AMP runs low
         plan_notes.record_emulated(block, {name: t for (name, i), t in typed.items()
                                            if i == 0 and t in LOW_PRECISION_DTYPES})
     return run
+
+
+#: Environment variable that turns stored casts off (``0``, ``off``, ``false``, ``no``): every
+#: call of a block under ``init`` then casts its parameters, as a recording call does.
+STORED_CASTS_ENV = "GLUON_AMP_STORED_CASTS"
+
+
+def stores_casts() -> bool:
+    """Whether blocks bound from now on under ``init`` run their calls that record nothing on
+    parameter casts made once (:mod:`gluon_amp.mxnet_internals.forward_only`)."""
+    return os.environ.get(STORED_CASTS_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+#: blocks bound under ``init`` whose calls that record nothing may run on their parameters'
+#: casts made once: how to make that graph (:func:`_forward_only_graph`)
+_FORWARD_ONLY: "weakref.WeakKeyDictionary[HybridBlock, mxi.forward_only.Make]" = weakref.WeakKeyDictionary()
+
+
+def _take_forward_only(block: HybridBlock) -> Optional["mxi.forward_only.Make"]:
+    """How to make ``block``'s graph for calls that record nothing, once, where its binding gave one."""
+    return _FORWARD_ONLY.pop(block, None)
+
+
+def _forward_only_graph(what: str, params: Collection[str], plan_heads: Optional[Sequence[Optional[str]]],
+                        plan: Symbol, known: Mapping[str, str], shapes: Mapping[str, Tuple[int, ...]],
+                        devices: Collection[str], policy: Policy) -> Optional["mxi.forward_only.Made"]:
+    """For the calls that record nothing of a block (``what``, its ``params`` by name, its
+    ``plan_heads``: :func:`graph_to_run`): its plan with each parameter that it reads
+    only through casts to one low dtype stored in that dtype, run as a converter's result is
+    (no casts paired for a backward pass), with those parameters' dtypes and how to make what
+    is fed for each: its cast, or on a simulated native host, whose bfloat16 runs emulated,
+    its rounded float32 values (the emulated graph rounds them again, to the same values).
+    None where the plan casts no parameter so."""
+    graph, low = params_stored_low(mxi.symbol_graph(plan), params)
+    if not low:
+        return None
+    variant = mxi.like_frontend(plan, mx.sym.load_json(json.dumps(graph)))
+    stored = {**known, **low}
+    rounded = runtime.simulated() and "bfloat16" in low.values()
+    fed = {**known, **{n: "float32" for n in low}} if rounded else stored
+    run = graph_to_run(variant, fed, shapes, devices, policy, what, plan_heads, pair=False,
+                       accumulating=frozenset(), typed=plan_dtypes(variant, stored), fused=False)
+    return mxi.forward_only.Made(mxi.like_frontend(plan, run), low, round_nd if rounded else mxi.forward_only.cast)
 
 
 def _float32_where_slower(block: HybridBlock, plan: Symbol, known: Mapping[str, str],

@@ -7,7 +7,8 @@ breaks if MXNet changes it. Import it as ``from . import mxnet_internals as mxi`
 trainer, parameter and updater internals | ``custom_ops`` loading gluon_amp's compiled ops |
 ``simulated`` bfloat16 kernels of a simulated native host (tests) | ``graph_reads`` a symbol's
 graph read once per chain of passes | ``warning_sites`` MXNet's warnings past the hooks' frames |
-``errors`` the line of an MXNet error that says what failed.
+``errors`` the line of an MXNet error that says what failed | ``versions`` how many writes an
+array took | ``forward_only`` a block's calls that record nothing, on casts made once.
 """
 from .arrays import *  # noqa: F401,F403
 from .code_swap import *  # noqa: F401,F403
@@ -21,5 +22,7 @@ from .custom_ops import *  # noqa: F401,F403
 from .simulated import *  # noqa: F401,F403
 from .graph_reads import internal_entries, shared_reads, symbol_graph, symbol_json  # noqa: F401
 from .errors import error_line  # noqa: F401
+from .forward_only import ForwardOnly, casts_storable  # noqa: F401
+from . import forward_only  # noqa: F401,E402  (mxi.forward_only.Made, .cast)
 from .warning_sites import MXNET_PACKAGE, warn as warn_outside  # noqa: F401
 from . import module  # noqa: F401,E402  (Module internals: mxi.module.*, imported where used)

@@ -13,6 +13,7 @@ from mxnet.gluon import Block, HybridBlock, Parameter
 from mxnet.symbol import Symbol
 
 from . import warning_sites
+from .forward_only import ForwardOnly, Make
 from .graph_reads import shared_reads
 
 
@@ -728,7 +729,8 @@ def _set_grad_req(self: Parameter, req: Any) -> None:
 
 def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Sequence[Symbol]], Symbol],
                             for_symbol: Callable[[Symbol, Any, Dict[str, Any], Dict[str, tuple], Any,
-                                                  FrozenSet[str], bool], Union[Symbol, RefusedRun]]
+                                                  FrozenSet[str], bool], Union[Symbol, RefusedRun]],
+                            forward_only: Optional[Callable[[HybridBlock], Optional[Make]]] = None
                             ) -> ExecutionHooks:
     """Until :func:`remove_execution_hooks`: a hybridized block's CachedOp is built from
     ``for_block(block, args, graph, inputs)`` (the block's cached graph stays its own), and
@@ -738,7 +740,10 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
     whether any argument gets a gradient (:func:`partitioned_when_bound`). Either
     returns its graph to run it unchanged. A parameter's ``grad_req`` set to or from ``'add'``
     rebuilds the CachedOps of the blocks that hold it.
-    Blocks built inside :func:`hooks_paused` pass untouched."""
+    Blocks built inside :func:`hooks_paused` pass untouched. Where ``forward_only(block)``,
+    asked once ``for_block`` returned, gives a ``make`` (:class:`ForwardOnly`), the block's calls
+    that record nothing run on the graph it makes, with parameter casts made once; not for a
+    block partitioned by a backend, whose CachedOp reads the graph MXNet partitioned."""
 
     def _build_cache(self: HybridBlock, *args: Any) -> Any:
         if _paused.depth:
@@ -758,12 +763,16 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
         else:
             self._cached_graph = (inputs, run)
         try:
-            return _BUILD_CACHE(self, *args)
+            built = _BUILD_CACHE(self, *args)
         finally:  # the block keeps its graph (a partition MXNet wrote back is of the copy)
             if given is not None:
                 _RUN_GRAPHS[self] = given
             self._cached_graph = saved
             _EXECUTED[self] = run
+        make = forward_only(self) if forward_only is not None and not self._backend else None
+        if make is not None:
+            self._cached_op = ForwardOnly(self._cached_op, self, run.list_inputs(), make)
+        return built
 
     def simple_bind(self: Symbol, ctx: Any, grad_req: Any = "write", type_dict: Any = None,
                     stype_dict: Any = None, group2ctx: Any = None, shared_arg_names: Any = None,
