@@ -18,6 +18,7 @@ inference-only block holds its casts in either graph's memory, and saves 17-20% 
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -29,7 +30,6 @@ from .arrays import legacy, to_mx_dtype
 from .versions import readable, write_count
 
 __all__ = ["ForwardOnly", "Made", "StoredCasts", "cast", "casts_storable"]
-
 
 
 class Made(NamedTuple):
@@ -106,7 +106,15 @@ class ForwardOnly:
             return self.training(*args)
         if self._make is not None:
             make, self._make = self._make, None
-            self._run = _forward_run(block, self._names, make())
+            try:
+                made = make()
+            except (mx.base.MXNetError, ValueError, TypeError, RuntimeError) as error:
+                # the training graph gives the same values, casting at every call
+                warnings.warn(f"gluon_amp: block {block.name!r} casts its parameters at every call that records "
+                              f"nothing: its graph for such calls could not be made ({error}); "
+                              f"GLUON_AMP_STORED_CASTS=0 skips trying", RuntimeWarning, stacklevel=3)
+                made = None
+            self._run = _forward_run(block, self._names, made)
         if self._run is None:
             return self.training(*args)
         return self._run(args)

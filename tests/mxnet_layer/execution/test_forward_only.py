@@ -209,3 +209,23 @@ def test_a_block_bound_with_stored_casts_is_freed(native_host):
         del net, twin
         gc.collect()
         assert gone[0]() is None and gone[1]() is None, calls
+
+
+def test_a_graph_that_cannot_be_made_leaves_the_calls_on_the_training_graph(native_host, monkeypatch):
+    """Where the graph for calls that record nothing fails to build, the call runs the training
+    graph (the same values) and says so once, naming the switch."""
+    from gluon_amp import execution
+
+    def fails(*_a, **_k):
+        raise ValueError("planted failure")
+    monkeypatch.setattr(execution, "_forward_only_graph", fails)
+    _init()
+    net, twin = _pair(True)
+    x = mx.nd.random.uniform(-1, 1, shape=(2, 3, 8, 8))
+    with pytest.warns(RuntimeWarning, match="planted failure.*GLUON_AMP_STORED_CASTS=0") as said:
+        out = net(x)
+    assert len([w for w in said if "planted failure" in str(w.message)]) == 1 and _stored(net) == 0
+    np.testing.assert_array_equal(out.asnumpy(), _recorded(twin, x).asnumpy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net(x)
