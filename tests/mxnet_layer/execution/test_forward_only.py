@@ -97,7 +97,7 @@ def test_calls_that_record_nothing_see_every_change_of_a_parameter(native_host, 
     stored casts (one per weight and bias a bfloat16 op reads)."""
     _init()
     x = mx.nd.random.uniform(-1, 1, shape=(2, 3, 8, 8))
-    seen = set()
+    visible = {}
     for seed in range(4):
         rng = random.Random(seed)
         net, twin = _pair(static)
@@ -107,14 +107,16 @@ def test_calls_that_record_nothing_see_every_change_of_a_parameter(native_host, 
         assert isinstance(net._cached_op, ForwardOnly) and _stored(net) == 4  # conv and dense: weight, bias
         for _ in range(6):
             how = _change(rng, net, twin, trainer, x, tmp_path)
-            seen.add(how)
             out, ref = net(x).asnumpy(), _recorded(twin, x).asnumpy()
             np.testing.assert_array_equal(out, ref, err_msg=f"seed {seed}, after {how}")
-            if how != "nothing":
-                assert not np.array_equal(out, before), f"seed {seed}: {how} changed nothing"
+            visible[how] = visible.get(how, 0) + (not np.array_equal(out, before))
             before = out
         assert _stored(net) == 4
-    assert seen >= {"step", "set_data", "in place", "view", "load", "reinit"}
+    # each kind of change showed in the output at least once (a change to a few weights can
+    # vanish under a ReLU or bfloat16's rounding of a large output), so a stale cast would have
+    visible.pop("nothing", None)
+    assert set(visible) == {"step", "set_data", "in place", "view", "load", "reinit"} and all(visible.values()), \
+        visible
 
 
 def test_the_first_call_that_records_ends_the_stored_casts(native_host):
