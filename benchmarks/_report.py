@@ -20,6 +20,15 @@ def emit(report: Dict[str, Any], table: str, json_path: Optional[str] = None) ->
     write_json(report, json_path)
 
 
+def own_peak_rss_mb() -> float:
+    """This process's peak RSS (``VmHWM``; ``ru_maxrss`` would keep the parent's across exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def host_info() -> Dict[str, Any]:
     """The CPU flags that decide what runs where (every figure is given with them), the core count
     and a ``DNNL_MAX_CPU_ISA`` cap, if any."""

@@ -36,20 +36,13 @@ import time
 import warnings
 from typing import Any, Dict, List, Optional
 
+from _report import own_peak_rss_mb  # benchmarks/ is on sys.path when run as a script
+
 MODES = ("fp32", "float16", "bfloat16")  # float16/bfloat16: emulated
 NETS = ("resnet18", "ssd512")
 #: (warmup, timed) steps per net by default; SSD-512's emulated float16 overflows on its first
 #: steps (the scaler backs off from 65536): 3 untimed steps leave most of the timed ones updating
 STEPS = {"resnet18": (2, 8), "ssd512": (3, 3)}
-
-
-def own_peak_rss_mb() -> float:
-    """This process's peak RSS (``VmHWM``; ``ru_maxrss`` would keep the parent's across exec)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _workload(net_name: str) -> tuple:

@@ -33,18 +33,10 @@ import time
 from typing import Any, Dict, List
 
 import _numpy_shim  # noqa: F401  first: numpy aliases MXNet needs (benchmarks/ is on sys.path)
-from _report import emit, host_info
+from _report import emit, host_info, own_peak_rss_mb
 
 MODES = ("fp32", "init-every-call", "init", "convert")
 NETS = ("resnet50-b1", "resnet50-b8", "convs-b1", "ffn-b1")
-
-
-def own_peak_rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _net(name: str) -> tuple:
