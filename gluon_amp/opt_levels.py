@@ -227,12 +227,8 @@ def _cast_tree(x: Any, dtype: str, sources: frozenset) -> Any:
     if isinstance(x, (list, tuple)):
         return type(x)(_cast_tree(v, dtype, sources) for v in x)
     if isinstance(x, mx.nd.NDArray):
-        legacy = mxi.legacy(x)
-        name = dtype_name(legacy.dtype)
-        if name not in sources or name == dtype:
-            return x
-        out = mx.nd.amp_cast(legacy, dtype=to_mx_dtype(dtype))
-        return out.as_np_ndarray() if isinstance(x, mx.np.ndarray) else out
+        name = dtype_name(mxi.legacy(x).dtype)
+        return x if name not in sources or name == dtype else mxi.cast_array(x, dtype)
     if isinstance(x, mx.sym.Symbol):  # traced inside a parent's hybridized graph
         is_np = isinstance(x, NP_SYMBOL)
         out = mx.sym.amp_cast(x.as_nd_ndarray() if is_np else x, dtype=to_mx_dtype(dtype))

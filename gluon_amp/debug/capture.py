@@ -169,8 +169,7 @@ def _float32_copy(x: mx.nd.NDArray) -> mx.nd.NDArray:
     the plan casts them as it casts a float32 weight. Other dtypes are copied as they are."""
     if dtype_name(x.dtype) not in FLOAT_DTYPES or dtype_name(x.dtype) == "float32":
         return x.copy()
-    wide = mx.nd.amp_cast(mxi.legacy(x), dtype="float32")  # amp_cast refuses numpy-mode arrays
-    return wide.as_np_ndarray() if isinstance(x, mx.np.ndarray) else wide
+    return mxi.cast_array(x, "float32")
 
 
 def as_float32(x: mx.nd.NDArray) -> np.ndarray:

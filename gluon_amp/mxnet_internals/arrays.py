@@ -103,6 +103,13 @@ def legacy(array: mx.nd.NDArray) -> mx.nd.NDArray:
     return array.as_nd_ndarray() if isinstance(array, mx.np.ndarray) else array
 
 
+def cast_array(array: mx.nd.NDArray, dtype: str) -> mx.nd.NDArray:
+    """``array`` cast to ``dtype`` by MXNet's ``amp_cast`` (exact between float32 and either
+    low dtype's values), in ``array``'s frontend: a numpy array gives a numpy array."""
+    out = mx.nd.amp_cast(legacy(array), dtype=to_mx_dtype(dtype))
+    return out.as_np_ndarray() if isinstance(array, mx.np.ndarray) else out
+
+
 # -- gradients a cast would drop -----------------------------------------------------------
 # MXNet 1.9.1: the CPU ``amp_cast`` between float32 and bfloat16 (oneDNN's reorder,
 # ``AMPCastExCPU``) never commits a result written with ``req=kAddTo``, so the gradient of a

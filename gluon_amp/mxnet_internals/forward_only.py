@@ -26,7 +26,7 @@ import mxnet as mx
 from mxnet.gluon import HybridBlock
 from mxnet.symbol import Symbol
 
-from .arrays import legacy, to_mx_dtype
+from .arrays import cast_array
 from .versions import readable, write_count
 
 __all__ = ["ForwardOnly", "Made", "StoredCasts", "cast", "casts_storable"]
@@ -49,7 +49,7 @@ Make = Callable[[], Optional[Made]]
 
 def cast(source: mx.nd.NDArray, dtype: str) -> mx.nd.NDArray:
     """``source`` cast to ``dtype`` by MXNet's ``amp_cast``."""
-    return mx.nd.amp_cast(legacy(source), dtype=to_mx_dtype(dtype))
+    return cast_array(source, dtype)
 
 
 def casts_storable() -> bool:
