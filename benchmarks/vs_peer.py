@@ -57,14 +57,6 @@ TARGET_VS_PEER, TARGET_VS_FP32 = 1.0, 0.97
 
 # ---------------------------------------------------------------- worker side (one variant)
 
-def _peak_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def _bert_encoder(mx: Any, quick: bool) -> Any:
     from gluonnlp.model.bert import BERTEncoder
 
@@ -257,7 +249,8 @@ def worker(row: str, variant: str, args: argparse.Namespace) -> None:
         print(MARK + json.dumps({"not_here": f"needs bfloat16 kernels, which this host lacks ({cap.why})"}),
               flush=True)
         return
-    res["peak_rss_mb"] = round(_peak_mb(), 1)
+    from _report import own_peak_rss_mb  # benchmarks/ is on sys.path when run as a script
+    res["peak_rss_mb"] = round(own_peak_rss_mb(), 1)
     print(MARK + json.dumps(res), flush=True)
 
 

@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 import threading
 import warnings
 import weakref
@@ -436,7 +435,7 @@ STORED_CASTS_ENV = "GLUON_AMP_STORED_CASTS"
 def stores_casts() -> bool:
     """Whether blocks bound from now on under ``init`` run their calls that record nothing on
     parameter casts made once (:mod:`gluon_amp.mxnet_internals.forward_only`)."""
-    return os.environ.get(STORED_CASTS_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return not runtime.switched_off(STORED_CASTS_ENV)
 
 
 #: blocks bound under ``init`` whose calls that record nothing may run on their parameters'

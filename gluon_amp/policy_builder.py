@@ -89,7 +89,7 @@ TUNE_ENV = "GLUON_AMP_TUNE"
 
 def tune_default() -> bool:
     """What ``tune=None`` means: tune, unless ``GLUON_AMP_TUNE=0``."""
-    return os.environ.get(TUNE_ENV, "").strip().lower() not in ("0", "off", "false", "no")
+    return not runtime.switched_off(TUNE_ENV)
 
 
 def tune_budget_default() -> TuneBudget:

@@ -24,6 +24,8 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from gluon_amp_core.emulate import PAIR_SUFFIX
 
+from .. import runtime
+
 #: The operator's name in MXNet's registry (``rounding.cc``).
 OP_NAME = "_gluon_amp_round"
 #: Its pair, ``(data, weight) -> (data, weight rounded)`` (:data:`gluon_amp_core.emulate.PAIR_SUFFIX`).
@@ -110,8 +112,7 @@ def forced(use: bool) -> Iterator[None]:
 
 def _decide() -> Tuple[KernelStatus, Optional[Callable[..., Any]]]:
     """The status and the kernel's function (``None`` on the fallback), decided now."""
-    setting = os.environ.get(ENV, "").strip().lower()
-    if setting in ("0", "off", "false", "no"):
+    if runtime.switched_off(ENV):
         return KernelStatus("fallback", f"{ENV}={os.environ[ENV]}"), None
     try:
         import mxnet as mx

@@ -24,7 +24,7 @@ from gluon_amp_core.policy import Policy
 from gluon_amp_core.speed.probe import PROBE, OpTiming, SpeedVerdict, timings_from_records, timings_to_records
 from gluon_amp_core.timing_cache import TimingCache, cache_dir
 
-from .. import mxnet_internals as mxi
+from .. import mxnet_internals as mxi, runtime
 from ..type_inference import op_types
 from .timing import Timer, cpus, time_graphs, timer_now
 
@@ -36,7 +36,7 @@ ENV = "GLUON_AMP_SPEED_PROBE"
 
 def disabled() -> bool:
     """True when the user turned the probe off with ``GLUON_AMP_SPEED_PROBE=0``."""
-    return os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no")
+    return runtime.switched_off(ENV)
 
 
 def _cpu_model() -> str:
