@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
 import threading
 import warnings
 import weakref
@@ -31,6 +32,7 @@ from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.graph_pass import params_read_through_casts, params_stored_low
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import cast_each_input, drop_identity_casts
+from gluon_amp_core.switches import switched_off
 from gluon_amp_core.table import kernel_verdicts
 from gluon_amp_core.verdicts import Verdict
 
@@ -435,7 +437,7 @@ STORED_CASTS_ENV = "GLUON_AMP_STORED_CASTS"
 def stores_casts() -> bool:
     """Whether blocks bound from now on under ``init`` run their calls that record nothing on
     parameter casts made once (:mod:`gluon_amp.mxnet_internals.forward_only`)."""
-    return not runtime.switched_off(STORED_CASTS_ENV)
+    return not switched_off(os.environ, STORED_CASTS_ENV)
 
 
 #: blocks bound under ``init`` whose calls that record nothing may run on their parameters'

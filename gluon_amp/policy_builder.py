@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 from . import mxnet_internals as mxi, runtime
 from gluon_amp_core.policy import FLOAT32, Policy, PolicySpec
+from gluon_amp_core.switches import switched_off
 from gluon_amp_core.table import ConditionalSpec, OpListError
 from gluon_amp_core.tuning.schedule import ENV as TUNE_BUDGET_ENV, TuneBudget, parse_budget
 
@@ -89,7 +90,7 @@ TUNE_ENV = "GLUON_AMP_TUNE"
 
 def tune_default() -> bool:
     """What ``tune=None`` means: tune, unless ``GLUON_AMP_TUNE=0``."""
-    return not runtime.switched_off(TUNE_ENV)
+    return not switched_off(os.environ, TUNE_ENV)
 
 
 def tune_budget_default() -> TuneBudget:

@@ -40,12 +40,6 @@ _state: Dict[str, Any] = {"amx_permission": None, "isa_set_by": None, "error": N
                           "mxnet_first": False, "onednn_first": False}
 
 
-def switched_off(env: str) -> bool:
-    """Whether the user turned a gluon_amp switch off: environment variable ``env`` set to
-    ``0``, ``off``, ``false`` or ``no`` (any case, spaces around ignored)."""
-    return os.environ.get(env, "").strip().lower() in ("0", "off", "false", "no")
-
-
 def cpu_flags() -> FrozenSet[str]:
     """Flags of the first CPU in ``/proc/cpuinfo`` (empty where there is none)."""
     try:

@@ -23,8 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from gluon_amp_core.emulate import PAIR_SUFFIX
-
-from .. import runtime
+from gluon_amp_core.switches import switched_off
 
 #: The operator's name in MXNet's registry (``rounding.cc``).
 OP_NAME = "_gluon_amp_round"
@@ -112,7 +111,7 @@ def forced(use: bool) -> Iterator[None]:
 
 def _decide() -> Tuple[KernelStatus, Optional[Callable[..., Any]]]:
     """The status and the kernel's function (``None`` on the fallback), decided now."""
-    if runtime.switched_off(ENV):
+    if switched_off(os.environ, ENV):
         return KernelStatus("fallback", f"{ENV}={os.environ[ENV]}"), None
     try:
         import mxnet as mx

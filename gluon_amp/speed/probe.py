@@ -22,9 +22,10 @@ import mxnet as mx
 from gluon_amp_core.graph_pass import convert_graph
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.speed.probe import PROBE, OpTiming, SpeedVerdict, timings_from_records, timings_to_records
+from gluon_amp_core.switches import switched_off
 from gluon_amp_core.timing_cache import TimingCache, cache_dir
 
-from .. import mxnet_internals as mxi, runtime
+from .. import mxnet_internals as mxi
 from ..type_inference import op_types
 from .timing import Timer, cpus, time_graphs, timer_now
 
@@ -36,7 +37,7 @@ ENV = "GLUON_AMP_SPEED_PROBE"
 
 def disabled() -> bool:
     """True when the user turned the probe off with ``GLUON_AMP_SPEED_PROBE=0``."""
-    return runtime.switched_off(ENV)
+    return switched_off(os.environ, ENV)
 
 
 def _cpu_model() -> str:
