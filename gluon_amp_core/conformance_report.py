@@ -120,7 +120,8 @@ def render() -> str:
     for dt in LOW_PRECISION_DTYPES:
         seen = {f.op: f for f in facts if f.dtype == dt}
         per = {v: sum(1 for op in run if by.get((op, dt)) and max(
-            (f for f in by[(op, dt)]), key=lambda f: SEVERITY[f.verdict]).verdict is v) for v in Verdict}
+            (f for f in by[(op, dt)]), key=lambda f: SEVERITY[f.verdict]).verdict is v)
+            for v in Verdict if v is not Verdict.SLOW}  # timed (kernel_speed), not a conformance verdict
         need = sum(1 for op in run if (op, dt) in unmeasured and not by.get((op, dt)))
         counts.append(f"- {dt}: " + ", ".join(f"{n} `{v.value}`" for v, n in per.items())
                       + f"; {need} need a host with {dt} kernels (oneDNN refused the dtype on every measured host)"

@@ -31,6 +31,7 @@ class Reason(str, enum.Enum):
     NO_KERNEL = "no_kernel"  # float32: MXNet has no kernel for the target dtype (a conformance verdict)
     WRONG_KERNEL = "wrong_kernel"  # float32: MXNet's kernel in the target dtype is beyond its bound
     UNIFORM_INPUTS = "uniform_inputs"  # the widest input type: MXNet refuses mixed float inputs here
+    SLOW_KERNEL = "slow_kernel"  # float32: MXNet's kernel in the target dtype was timed slower (kernel_speed)
 
     def __str__(self) -> str:
         return self.value
@@ -181,15 +182,19 @@ def decide(
         return Decision(None, Reason.CONDITIONAL_NEUTRAL, keep)
     if op_class is OpClass.WIDEST:
         floats = [d for d in input_dtypes if d is None or d in FLOAT_DTYPES]
-        reason = _VERDICT_REASONS.get(table.verdicts.get(name), Reason.WIDEST)
+        verdict = table.verdicts.get(name)
+        reason = Reason.WIDEST if verdict is Verdict.SLOW else _VERDICT_REASONS.get(verdict, Reason.WIDEST)
         if not floats or any(d is None for d in floats):
             return Decision(None, reason, keep)
-        return Decision(widest(floats), reason, keep)
+        dtype = widest(floats)
+        if verdict is Verdict.SLOW and dtype == table.target_dtype:  # its kernel there is slower
+            return Decision("float32", Reason.SLOW_KERNEL, keep)
+        return Decision(dtype, reason, keep)
     return Decision(None, Reason.NEUTRAL, keep)
 
 
 _VERDICT_REASONS = {Verdict.NO_KERNEL: Reason.NO_KERNEL, Verdict.WRONG: Reason.WRONG_KERNEL,
-                    Verdict.NEEDS_UNIFORM_INPUTS: Reason.UNIFORM_INPUTS}
+                    Verdict.NEEDS_UNIFORM_INPUTS: Reason.UNIFORM_INPUTS, Verdict.SLOW: Reason.SLOW_KERNEL}
 
 
 def _rule_applies(table: OpTable, name: str, attrs: Mapping[str, object]) -> bool:

@@ -16,7 +16,8 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 from .dtypes import LOW_PRECISION_DTYPES
 from .shape_limits import NarrowRule, OutputPixelsRule, ShapeRule
-from .verdicts import Fact, Verdict, device_verdicts, fact_from_row, plan_verdicts
+from .kernel_speed import Timing, slow_verdicts, timing_from_row
+from .verdicts import Fact, Verdict, device_verdicts, fact_from_row, plan_verdicts, worst
 
 
 class OpListError(ValueError, AssertionError):
@@ -105,9 +106,20 @@ def _recorded_facts() -> Tuple[Fact, ...]:
 
 
 @functools.lru_cache(maxsize=None)
+def _recorded_timings() -> Tuple[Timing, ...]:
+    """The kernel timings of ``lists/kernel_speed.py``, read once."""
+    return tuple(timing_from_row(r) for r in importlib.import_module(f"{__package__}.lists.kernel_speed").TIMINGS)
+
+
+@functools.lru_cache(maxsize=None)
 def default_verdicts(target_dtype: str) -> Mapping[str, Verdict]:
-    """The verdicts a ``target_dtype`` plan follows, from the recorded facts (``lists/verdicts.py``)."""
-    return plan_verdicts(_recorded_facts(), target_dtype)
+    """The verdicts a ``target_dtype`` plan follows: from the recorded conformance facts
+    (``lists/verdicts.py``), and ``slow`` from the recorded kernel timings
+    (``lists/kernel_speed.py``); the worst where both name an op."""
+    merged = dict(slow_verdicts(_recorded_timings(), target_dtype))
+    for key, verdict in plan_verdicts(_recorded_facts(), target_dtype).items():
+        merged[key] = worst((merged.get(key, verdict), verdict))
+    return MappingProxyType(dict(sorted(merged.items())))
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,8 +144,13 @@ def apply_verdicts(classes: Dict[str, OpClass], conditions: Dict[str, Conditiona
 
     An op with no kernel, or a wrong one, runs in float32 (a widest or neutral op fed a low
     input gets it cast up); an op that needs uniform inputs takes the widest one, unless its class
-    already casts every input to one dtype. A verdict for one value of an attribute
-    (``'Activation:act_type=softsign'``) adds that value to the op's conditional float32 rule.
+    already casts every input to one dtype. A slow one (``slow``: its kernel in the target dtype
+    timed slower than float32 with its casts, :mod:`gluon_amp_core.kernel_speed`) runs in
+    float32 where it would run in the target dtype, and as before in any other dtype (a
+    script's own float16 mask stays float16): a neutral one becomes widest, which
+    :func:`gluon_amp_core.decide.decide` turns to float32 where the widest is the target. A
+    verdict for one value of an attribute (``'Activation:act_type=softsign'``) adds that value
+    to the op's conditional float32 rule.
     An op the user put in a list keeps the user's class.
     """
     applied: Dict[str, Verdict] = {}
@@ -143,7 +160,12 @@ def apply_verdicts(classes: Dict[str, OpClass], conditions: Dict[str, Conditiona
         have = classes.get(name, OpClass.NEUTRAL)
         if name in named:
             continue
-        if verdict in (Verdict.NO_KERNEL, Verdict.WRONG):
+        if verdict is Verdict.SLOW and cond is None:
+            if have is OpClass.NEUTRAL:  # decided per call: float32 where it would run in the target dtype
+                classes[name] = OpClass.WIDEST
+            if have in (OpClass.NEUTRAL, OpClass.WIDEST):
+                applied[key] = verdict
+        elif verdict in (Verdict.NO_KERNEL, Verdict.WRONG, Verdict.SLOW):
             if cond is not None:
                 rule = conditions.get(name)
                 if have is OpClass.CONDITIONAL_FP32 and rule is not None and rule.attr == cond[0]:

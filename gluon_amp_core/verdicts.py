@@ -23,6 +23,8 @@ class Verdict(str, enum.Enum):
     NO_KERNEL = "no_kernel"          # MXNet refuses the dtype (no kernel, or type inference fails)
     WRONG = "wrong"                  # runs, but beyond the dtype's bound of FP32
     NEEDS_UNIFORM_INPUTS = "needs_uniform_inputs"  # runs in the dtype, but not with mixed float inputs
+    #: runs right, but slower than float32 with the casts around it (timed: :mod:`gluon_amp_core.kernel_speed`)
+    SLOW = "slow"
     #: beyond the bound of FP32, but MXNet's FP32 itself disagrees with float64 or with itself run
     #: again: what MXNet's float32 does, not the dtype's fault (a plan keeps the op's class)
     FP32_WRONG = "fp32_wrong"
@@ -65,7 +67,8 @@ PLAN_DEVICES: Mapping[str, Tuple[str, ...]] = MappingProxyType(
     {"bfloat16": (DEVICE_ANY, DEVICE_CPU), "float16": (DEVICE_ANY,)})
 
 SEVERITY: Mapping[Verdict, int] = MappingProxyType(
-    {Verdict.OK: 0, Verdict.FP32_WRONG: 1, Verdict.NEEDS_UNIFORM_INPUTS: 2, Verdict.WRONG: 3, Verdict.NO_KERNEL: 4})
+    {Verdict.OK: 0, Verdict.FP32_WRONG: 1, Verdict.NEEDS_UNIFORM_INPUTS: 2, Verdict.SLOW: 3, Verdict.WRONG: 4,
+     Verdict.NO_KERNEL: 5})
 
 #: Verdicts that change nothing in a plan: float32 would be no better (``fp32_wrong``)
 NO_RULE = frozenset({Verdict.OK, Verdict.FP32_WRONG})
@@ -127,7 +130,7 @@ def fact_from_row(row: Tuple) -> Fact:
 
 
 def worst(verdicts: Iterable[Verdict]) -> Verdict:
-    """The most restrictive verdict (no kernel, wrong, needs uniform inputs, fp32 wrong, ok)."""
+    """The most restrictive verdict (no kernel, wrong, slow, needs uniform inputs, fp32 wrong, ok)."""
     return max(verdicts, key=SEVERITY.__getitem__, default=Verdict.OK)
 
 

@@ -1,8 +1,10 @@
-"""python -m gluon_amp.conformance [--write] [--dtypes bfloat16,float16] [OP ...]
+"""python -m gluon_amp.conformance [--write] [--dtypes bfloat16,float16] [--speed] [OP ...]
 
 Without --write: print the verdicts and the coverage. --write: record them as this host's facts
 (gluon_amp_core/lists/verdicts_measured*.py: the module naming this host, or a new one beside the
-other hosts') and render docs/op_conformance.md (from a checkout).
+other hosts') and render docs/op_conformance.md (from a checkout). --speed: time each op's
+bfloat16 kernel against float32 with its casts instead (gluon_amp.conformance.speed); with
+--write, record them (gluon_amp_core/lists/kernel_speed_measured*.py).
 """
 from __future__ import annotations
 
@@ -19,8 +21,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--write", action="store_true", help="record the facts and render the docs page")
     parser.add_argument("--models", action="store_true",
                         help="with --write: trace the model zoos' graphs again (minutes); else keep the recorded ones")
+    parser.add_argument("--speed", action="store_true",
+                        help="time each op in bfloat16 against float32 with its casts instead (with --write: "
+                             "record them as this host's kernel timings)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--speed-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.speed or args.speed_worker:
+        return _speed(parser, args)
     dtypes = [d for d in args.dtypes.split(",") if d]
     bad = [d for d in dtypes if d not in ("bfloat16", "float16")]
     if bad:
@@ -73,6 +81,37 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(os.path.join(root, "docs", "op_conformance.md"), "w", encoding="utf-8") as f:
             f.write(conformance_report.render())
         print(f"wrote {data} and docs/op_conformance.md", file=sys.stderr)
+    return 0
+
+
+def _speed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import gluon_amp  # noqa: F401  its numpy shim first
+    from . import harness, speed
+    if args.speed_worker:
+        speed.worker(args.ops)
+        return 0
+    known = speed.candidates()
+    unknown = [o for o in args.ops if o not in known]
+    if unknown:
+        parser.error(f"not ops a bfloat16 plan runs in bfloat16 outside the low-precision class: {unknown}")
+    if args.write and args.ops:
+        parser.error("--speed --write times every candidate op: give no op names")
+    timings, untimed = speed.run_all(args.ops or known, log=lambda m: print(m, file=sys.stderr, flush=True))
+    for t in timings:
+        print(f"{t.key}: bfloat16 {t.low_ms:.3f} ms, float32 with casts {t.fp32_ms:.3f} ms ({t.ratio:.2f}x)"
+              + (" slow" if t.slow else "") + f"  [{t.case}]")
+    for op, why in sorted(untimed.items()):
+        print(f"{op}: not timed: {why}")
+    if args.write:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        if not os.path.exists(os.path.join(root, "gluon_amp_core", "lists")):
+            print("--write needs a checkout of gluon-amp (gluon_amp_core/lists/ not found)", file=sys.stderr)
+            return 2
+        host = harness.host()
+        path = speed.data_path(root, host[0])
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(speed.data_module(timings, untimed, host))
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 

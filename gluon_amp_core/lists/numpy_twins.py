@@ -55,6 +55,8 @@ BFLOAT16_APART = {
     ("broadcast_mul", "_npi_multiply"): "numpy's multiply is both legacy elemwise_mul (widest type) and "
                                         "broadcast_mul; bfloat16 broadcast_mul is a slow loop",
     ("broadcast_div", "_npi_true_divide"): "no bfloat16 kernel for _npi_true_divide (its conformance verdict)",
+    ("_copy", "_np_copy"): "timed apart: bfloat16 _copy 1.6-1.7x float32 with its casts, _np_copy 0.24x "
+                           "(gluon_amp_core/lists/kernel_speed_measured_*.py)",
     ("broadcast_to", "_npi_broadcast_to"): "no bfloat16 backward for _npi_broadcast_to (its conformance verdict)",
     ("where", "_npi_where"): "no bfloat16 backward for _npi_where (its conformance verdict)",
 }
