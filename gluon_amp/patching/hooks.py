@@ -9,21 +9,25 @@ plan; how it executes (natively, emulated, or refused) is decided where MXNet bi
 from __future__ import annotations
 
 import json
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Collection, Dict, Mapping, Optional, Sequence, Tuple
 
 import mxnet as mx
 from mxnet.gluon import HybridBlock
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.emulate import ROUND_SUFFIX
-from gluon_amp_core.decide import users_casts
+from gluon_amp_core.decide import Reason, users_casts
 from gluon_amp_core.policy import Policy
-from gluon_amp_core.retype import drop_identity_casts, unique_op_names
+from gluon_amp_core.retype import Change, drop_identity_casts, retype, unique_op_names
+from gluon_amp_core.verdicts import Verdict
+from gluon_amp_core.walk import Note, walk
 
 from .. import mxnet_internals as mxi, plan_notes
 from ..tuning.casts import with_fewer_casts
 from ..type_inference import infer_dtypes
 from .shape_rules import ShapeRules
+
+Key = Tuple[str, int]
 
 
 def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callable]:
@@ -54,6 +58,8 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
         out = rules.apply(block, out, shapes)
         dtypes = infer_dtypes(out, known, partial=True) or {}
         if dtypes:
+            # before the casts are dropped: the readers of a slow op's now float32 output keep theirs
+            out, dtypes = _slow_kernels_in_float32(block, out, known, dtypes, policy, users)
             # the wrappers cast every input before dtypes are known: ids, lengths and float64
             # values (oneDNN rejects some), and values that have the dtype already (a cast
             # between a weight and its op changes how MXNet runs it)
@@ -68,6 +74,30 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
         return rules.keeps_more(block, out, mxi.call_inputs(block, args, inputs)[1])
 
     return rewrite, (reshaped if rules.active else None), rules.watches
+
+
+def _slow_kernels_in_float32(block: HybridBlock, out: Symbol, known: Mapping[str, str],
+                             dtypes: Dict[Key, Optional[str]], policy: Policy,
+                             users: Collection[str]) -> Tuple[Symbol, Dict[Key, Optional[str]]]:
+    """``out`` with each widest op whose kernel in the target dtype is slow (a ``slow`` verdict,
+    :mod:`gluon_amp_core.kernel_speed`) fed float32 where the graph's dtypes would run it in the
+    target: the wrappers traced it before any dtype was known. With the graph's dtypes."""
+    plan_notes.record(block, "slow_kernels", {})
+    table = policy.table
+    nodes = mxi.symbol_graph(out)["nodes"]
+    if table is None or not any(table.verdicts.get(table.canonical(n["op"])) is Verdict.SLOW for n in nodes):
+        return out, dtypes
+    found = walk(nodes, table, lambda e: dtypes.get((nodes[e[0]]["name"], e[1])), policy.excluded)
+    changes = {nd.name: Change(nd.decision) for nd in found if nd.reason is Reason.SLOW_KERNEL}
+    if not changes:
+        return out, dtypes
+    op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
+    new = mx.sym.load_json(json.dumps(retype(mxi.symbol_graph(out), changes, dtypes, op_inputs, keep=users)))
+    typed = infer_dtypes(new, known, partial=True)
+    if not typed:  # MXNet does not type the change: the traced plan as it was
+        return out, dtypes
+    plan_notes.record(block, "slow_kernels", {n: Note(Reason.SLOW_KERNEL.value) for n in changes})
+    return new, typed
 
 
 def holds_amp_plan(sym: Symbol) -> bool:

@@ -18,6 +18,7 @@ from gluon_amp_core.decide import Decision, Reason, decide
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.emulate import DIRECT_INPUTS
 from gluon_amp_core.table import OpClass, OpTable
+from gluon_amp_core.verdicts import Verdict
 
 from ... import mxnet_internals as mxi
 from ...emulation import round_nd, unpatched
@@ -53,6 +54,8 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
     variadic = sig.variadic
     to_name = mxi.FLOAT_NAMES
     low = table.target_dtype
+    # a widest op whose kernel in the target dtype is slow: uniform target inputs go to decide too
+    slow_low = op_class is OpClass.WIDEST and table.verdicts.get(table.canonical(op)) is Verdict.SLOW
     guard = not emulate and not runs_on_cpu and op_class is OpClass.LOW_PRECISION
     direct = DIRECT_INPUTS.get(table.canonical(op)) if emulate else None
 
@@ -163,7 +166,7 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
             if kwargs:
                 dts += [to_name.get(v.dtype, "other") for k, v in kwargs.items()
                         if k != "out" and isinstance(v, NDArray)]
-            if len(dts) < 2 or all(d == dts[0] for d in dts):
+            if (len(dts) < 2 or all(d == dts[0] for d in dts)) and not (slow_low and dts and dts[0] == low):
                 return fn(*args, **kwargs)
             d = decide(op, sig.rule_attributes(args, kwargs), dts, table)
             return fn(*args, **kwargs) if d.dtype is None else cast_all(args, kwargs, d)

@@ -210,12 +210,19 @@ def test_emulated_report_matches_the_real_plan(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_init_emulates_a_hybridized_block_like_its_real_training_graph(dtype):
     net = make_net()
-    with gluon_amp.autocast(dtype):  # the real plan, symbolically (it cannot execute here)
-        real = gluon_amp.report(net(mx.sym.var("data")))
+    x = mx.nd.random.normal(shape=(4, 3, 8, 8))
+    if dtype == "bfloat16":  # the real plan, as a native host's first build gives it (a simulated one)
+        with gluon_amp.runtime.simulate_native_bf16():
+            gluon_amp.init(target_dtype=dtype, tune=False)
+            net(x)
+            real = gluon_amp.report(net)
+            gluon_amp.disable()
+    else:
+        with gluon_amp.autocast(dtype):  # the real plan, symbolically (it cannot execute here)
+            real = gluon_amp.report(net(mx.sym.var("data")))
     net.hybridize()  # drop the cached graph: rebuilt under the emulated policy
     policy = gluon_amp.init(target_dtype=dtype, emulate=True)
     assert policy.emulate and gluon_amp.runtime_info()["mode"] == "emulated"
-    x = mx.nd.random.normal(shape=(4, 3, 8, 8))
     with autograd.record():
         y = net(x)
     y.backward()

@@ -1,0 +1,75 @@
+"""Ops whose bfloat16 kernel is timed slow (gluon_amp_core.kernel_speed) under ``init``: run
+float32 where they would run in bfloat16, imperatively and in a hybridized block's plan (the
+hooks' rewrite, gluon_amp.patching.hooks), in legacy and numpy mode; in any other dtype as
+before. On a native host, simulated everywhere and real where the CPU has the kernels."""
+import numpy as np
+import pytest
+from mxnet import autograd, gluon, npx
+
+import gluon_amp
+import mxnet as mx
+from gluon_amp.mxnet_internals import to_mx_dtype
+
+BF16 = to_mx_dtype("bfloat16")
+
+
+class Block(gluon.HybridBlock):
+    """Two convolutions' bfloat16 outputs into loops timed slow: broadcast_add, relu, a comparison."""
+
+    def __init__(self, numpy_mode):
+        super().__init__()
+        self.numpy_mode = numpy_mode
+        with self.name_scope():
+            self.c1 = gluon.nn.Conv2D(8, 3, padding=1, in_channels=4)
+            self.c2 = gluon.nn.Conv2D(8, 3, padding=1, in_channels=4)
+
+    def hybrid_forward(self, F, x):
+        a, b = self.c1(x), self.c2(x)
+        if self.numpy_mode:
+            return F.npx.relu(a + b) * (a < b)
+        return F.relu(F.broadcast_add(a, b)) * F.broadcast_lesser(a, b)
+
+
+@pytest.mark.parametrize("numpy_mode", [False, True], ids=["legacy", "numpy"])
+def test_a_traced_plan_runs_slow_loops_float32(native_host, numpy_mode):
+    if numpy_mode:
+        npx.set_np()
+    try:
+        gluon_amp.init(target_dtype="bfloat16", tune=False)
+        net = Block(numpy_mode)
+        net.initialize(mx.init.Xavier())
+        net.hybridize()
+        values = np.random.RandomState(0).uniform(-1, 1, (2, 4, 6, 6)).astype("float32")
+        x = (mx.np if numpy_mode else mx.nd).array(values)
+        x.attach_grad()
+        with autograd.record():
+            y = net(x)
+        y.backward()
+        rows = gluon_amp.report(net).rows
+        assert {r.dtype for r in rows if r.op == "Convolution"} == {"bfloat16"}
+        slow = [r for r in rows if r.op not in ("Convolution",)]
+        assert len(slow) == 4, rows
+        assert all(r.dtype in ("float32", "bool_") for r in slow), slow  # numpy's comparison gives bool
+        assert sum(r.reason == "slow_kernel" for r in slow) >= 3, slow
+        assert y.dtype == np.float32 and np.isfinite(x.grad.asnumpy()).all()
+    finally:
+        gluon_amp.disable()
+        if numpy_mode:
+            npx.reset_np()
+
+
+def test_imperative_slow_loops_run_float32_and_other_dtypes_as_given(native_host):
+    a = mx.nd.amp_cast(mx.nd.array(np.random.RandomState(1).uniform(-1, 1, (3, 5))), dtype=BF16)
+    h = a.astype("float32").astype("float16")
+    gluon_amp.init(target_dtype="bfloat16", tune=False)
+    try:
+        for out in (mx.nd.broadcast_add(a, a), mx.nd.relu(a), mx.nd.broadcast_lesser(a, a), a + a):
+            assert out.dtype == np.float32
+        ref = mx.nd.amp_cast(a, dtype="float32")
+        np.testing.assert_array_equal(mx.nd.broadcast_add(a, a).asnumpy(), (ref + ref).asnumpy())
+        # not the target dtype: as plain MXNet runs it
+        assert mx.nd.broadcast_add(h, h).dtype == np.float16 and mx.nd.relu(h).dtype == np.float16
+        # oneDNN's kernels are fast in bfloat16: they keep it
+        assert mx.nd.elemwise_add(a, a).dtype == mx.nd.Activation(a, act_type="relu").dtype == a.dtype
+    finally:
+        gluon_amp.disable()
