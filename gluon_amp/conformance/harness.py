@@ -197,6 +197,42 @@ def _from_json(d: dict) -> OpResult:
     return OpResult(d["op"], d["excluded"], d["cases"], {k: DtypeResult(**v) for k, v in d["results"].items()})
 
 
+@dataclass
+class WorkerRun:
+    """What one worker process printed: op -> its result line, the op it died in (None), and how
+    it ended."""
+
+    lines: Dict[str, dict]
+    died_in: Optional[str]
+    returncode: int
+    stderr: str
+
+    @property
+    def how(self) -> str:
+        """How the process ended, for a report (``exit 1``, ``signal 11``)."""
+        return f"signal {-self.returncode}" if self.returncode < 0 else f"exit {self.returncode}"
+
+
+def run_worker(args: Sequence[str], env: Mapping[str, str]) -> WorkerRun:
+    """``python -m gluon_amp.conformance ARGS`` in a process of its own, its JSON lines read:
+    a worker prints ``{"start": op}`` before an op and ``{"op": op, ...}`` after it, so a start
+    with no result names the op the process died in."""
+    p = subprocess.run([sys.executable, "-m", "gluon_amp.conformance", *args], capture_output=True, text=True,
+                       env=dict(env))
+    lines: Dict[str, dict] = {}
+    started = None
+    for line in p.stdout.splitlines():
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if "start" in d:
+            started = d["start"]
+        elif "op" in d:
+            lines[d["op"]], started = d, None
+    return WorkerRun(lines, started, p.returncode, p.stderr)
+
+
 def run_all(ops: Sequence[str], dtypes: Sequence[str] = LOW_PRECISION_DTYPES, chunk: int = 400,
             log: Optional[callable] = None) -> List[OpResult]:
     """Every op in ``ops``, in worker processes; an op whose process dies gets ``no_kernel``."""
@@ -205,23 +241,12 @@ def run_all(ops: Sequence[str], dtypes: Sequence[str] = LOW_PRECISION_DTYPES, ch
     env = {**os.environ, "GLUON_AMP_TUNE": "0"}
     while todo:
         batch = todo[:chunk]
-        cmd = [sys.executable, "-m", "gluon_amp.conformance", "--worker", "--dtypes", ",".join(dtypes), *batch]
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        started = None
-        for line in p.stdout.splitlines():
-            try:
-                d = json.loads(line)
-            except ValueError:
-                continue
-            if "start" in d:
-                started = d["start"]
-            else:
-                done[d["op"]] = [_from_json(r) for r in d["results"]]
-                started = None
-        if started is not None:  # the process died in this op: run it alone, once per dtype
-            done[started] = _alone(started, dtypes, env)
-        elif p.returncode != 0 and not any(o in done for o in batch):
-            raise RuntimeError(f"conformance worker failed: {p.stderr[-2000:]}")
+        run = run_worker(["--worker", "--dtypes", ",".join(dtypes), *batch], env)
+        done.update({op: [_from_json(r) for r in d["results"]] for op, d in run.lines.items()})
+        if run.died_in is not None:  # the process died in this op: run it alone, once per dtype
+            done[run.died_in] = _alone(run.died_in, dtypes, env)
+        elif run.returncode != 0 and not any(o in done for o in batch):
+            raise RuntimeError(f"conformance worker failed: {run.stderr[-2000:]}")
         todo = [o for o in todo if o not in done]
         if log is not None:
             log(f"{len(done)} ops done, {len(todo)} to go")
@@ -232,19 +257,11 @@ def _alone(op: str, dtypes: Sequence[str], env: Mapping[str, str]) -> List[OpRes
     """``op`` in a process of its own per dtype; a dtype whose process dies gets ``no_kernel``."""
     merged: Dict[str, OpResult] = {}
     for dt in dtypes:
-        cmd = [sys.executable, "-m", "gluon_amp.conformance", "--worker", "--dtypes", dt, op]
-        p = subprocess.run(cmd, capture_output=True, text=True, env=dict(env))
-        got = None
-        for line in p.stdout.splitlines():
-            try:
-                d = json.loads(line)
-            except ValueError:
-                continue
-            if "results" in d:
-                got = [_from_json(r) for r in d["results"]]
-        if got is None:
-            code = f"signal {-p.returncode}" if p.returncode < 0 else f"exit {p.returncode}"
-            how = f"the process died ({code})"
+        run = run_worker(["--worker", "--dtypes", dt, op], env)
+        if op in run.lines:
+            got = [_from_json(r) for r in run.lines[op]["results"]]
+        else:
+            how = f"the process died ({run.how})"
             got = [OpResult(op, cases=1, results={dt: DtypeResult("no_kernel", "cpu", note=how)})]
         for r in got:
             into = merged.setdefault(r.op, OpResult(r.op, r.excluded, r.cases))

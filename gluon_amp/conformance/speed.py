@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -184,46 +182,25 @@ def worker(ops: Sequence[str]) -> None:
         print(json.dumps({"op": op, "timings": [list(t.__dict__.values()) for t in timings], "why": why}), flush=True)
 
 
-def _worker(ops: Sequence[str], env: Dict[str, str]) -> Tuple[Dict[str, dict], Optional[str], int]:
-    """One worker process over ``ops``: op -> its line, the op it died in (None), its exit code."""
-    p = subprocess.run([sys.executable, "-m", "gluon_amp.conformance", "--speed-worker", *ops],
-                       capture_output=True, text=True, env=env)
-    got: Dict[str, dict] = {}
-    started = None
-    for line in p.stdout.splitlines():
-        try:
-            d = json.loads(line)
-        except ValueError:
-            continue
-        if "start" in d:
-            started = d["start"]
-        else:
-            got[d["op"]], started = d, None
-    if p.returncode != 0 and not got and started is None:
-        raise RuntimeError(f"kernel speed worker failed: {p.stderr[-2000:]}")
-    return got, started, p.returncode
-
-
 def run_all(ops: Sequence[str], chunk: int = 60,
             log: Optional[Callable[[str], None]] = None) -> Tuple[List[Timing], Dict[str, str]]:
     """Every op of ``ops`` timed in worker processes: the timings, and op -> why it has none."""
     todo, lines = list(ops), {}
     env = {**os.environ, "GLUON_AMP_TUNE": "0"}
     while todo:
-        got, died, _ = _worker(todo[:chunk], env)
-        lines.update(got)
-        if died is not None:  # alone once more; dying alone, it is named, not timed
-            alone, _, code = _worker([died], env)
-            lines[died] = alone.get(died) or {"timings": [], "why": f"the process died ({_exit(code)})"}
+        run = harness.run_worker(["--speed-worker", *todo[:chunk]], env)
+        if run.returncode != 0 and not run.lines and run.died_in is None:
+            raise RuntimeError(f"kernel speed worker failed: {run.stderr[-2000:]}")
+        lines.update(run.lines)
+        if run.died_in is not None:  # alone once more; dying alone, it is named, not timed
+            alone = harness.run_worker(["--speed-worker", run.died_in], env)
+            lines[run.died_in] = alone.lines.get(run.died_in) or {"timings": [],
+                                                                  "why": f"the process died ({alone.how})"}
         todo = [o for o in todo if o not in lines]
         if log is not None:
             log(f"{len(ops) - len(todo)} ops timed, {len(todo)} to go")
     timings = [Timing(*row) for op in ops for row in lines[op]["timings"]]
     return timings, {op: lines[op]["why"] for op in ops if lines[op]["why"] and not lines[op]["timings"]}
-
-
-def _exit(code: int) -> str:
-    return f"signal {-code}" if code < 0 else f"exit {code}"
 
 
 def data_module(timings: Sequence[Timing], untimed: Dict[str, str], host_row: Sequence[str]) -> str:
