@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -38,13 +38,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.worker:
         harness.worker(args.ops, dtypes)
         return 0
-    known = cases.candidates()
-    unknown = [o for o in args.ops if o not in known]
-    if unknown:
-        parser.error(f"not candidate ops (no plan places them in a low dtype): {unknown}")
-    if args.write and args.ops:
-        parser.error("--write records every candidate op: give no op names")
-    ops = args.ops or list(known)
+    ops = _chosen(parser, args, cases.candidates(), "not candidate ops (no plan places them in a low dtype)",
+                  "--write records every candidate op: give no op names")
     results = harness.run_all(ops, dtypes, log=lambda m: print(m, file=sys.stderr, flush=True))
     for r in results:
         if r.excluded:
@@ -84,19 +79,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace, known: Sequence[str], not_known: str,
+            not_with_write: str) -> List[str]:
+    """The ops named on the command line, all of ``known`` where none is; a usage error for a
+    name not in ``known``, or for names given with ``--write`` (which records every op)."""
+    unknown = [o for o in args.ops if o not in known]
+    if unknown:
+        parser.error(f"{not_known}: {unknown}")
+    if args.write and args.ops:
+        parser.error(not_with_write)
+    return args.ops or list(known)
+
+
 def _speed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import gluon_amp  # noqa: F401  its numpy shim first
     from . import harness, speed
     if args.speed_worker:
         speed.worker(args.ops)
         return 0
-    known = speed.candidates()
-    unknown = [o for o in args.ops if o not in known]
-    if unknown:
-        parser.error(f"not ops a bfloat16 plan runs in bfloat16 outside the low-precision class: {unknown}")
-    if args.write and args.ops:
-        parser.error("--speed --write times every candidate op: give no op names")
-    timings, untimed = speed.run_all(args.ops or known, log=lambda m: print(m, file=sys.stderr, flush=True))
+    ops = _chosen(parser, args, speed.candidates(),
+                  "not ops a bfloat16 plan runs in bfloat16 outside the low-precision class",
+                  "--speed --write times every candidate op: give no op names")
+    timings, untimed = speed.run_all(ops, log=lambda m: print(m, file=sys.stderr, flush=True))
     for t in timings:
         print(f"{t.key}: bfloat16 {t.low_ms:.3f} ms, float32 with casts {t.fp32_ms:.3f} ms ({t.ratio:.2f}x)"
               + (" slow" if t.slow else "") + f"  [{t.case}]")

@@ -103,3 +103,12 @@ def test_a_numpy_mode_residual_add_runs_float32_where_its_loop_is_slow(emulate):
             assert np.abs(out - ref).max() <= 0.03 * np.abs(ref).max()
     finally:
         npx.reset_np()
+
+
+def test_the_command_names_what_it_refuses():
+    import subprocess
+    import sys
+    for args, words in ((["--speed", "Convolution"], "outside the low-precision class: ['Convolution']"),
+                        (["--speed", "--write", "relu"], "give no op names")):
+        p = subprocess.run([sys.executable, "-m", "gluon_amp.conformance", *args], capture_output=True, text=True)
+        assert p.returncode == 2 and words in p.stderr, (args, p.stderr[-500:])
