@@ -84,7 +84,8 @@ def _slow_kernels_in_float32(block: HybridBlock, out: Symbol, known: Mapping[str
     target: the wrappers traced it before any dtype was known. With the graph's dtypes."""
     plan_notes.record(block, "slow_kernels", {})
     table = policy.table
-    nodes = mxi.symbol_graph(out)["nodes"]
+    graph = mxi.symbol_graph(out)
+    nodes = graph["nodes"]
     if table is None or not any(table.verdicts.get(table.canonical(n["op"])) is Verdict.SLOW for n in nodes):
         return out, dtypes
     found = walk(nodes, table, lambda e: dtypes.get((nodes[e[0]]["name"], e[1])), policy.excluded)
@@ -92,7 +93,7 @@ def _slow_kernels_in_float32(block: HybridBlock, out: Symbol, known: Mapping[str
     if not changes:
         return out, dtypes
     op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
-    new = mx.sym.load_json(json.dumps(retype(mxi.symbol_graph(out), changes, dtypes, op_inputs, keep=users)))
+    new = mx.sym.load_json(json.dumps(retype(graph, changes, dtypes, op_inputs, keep=users)))
     typed = infer_dtypes(new, known, partial=True)
     if not typed:  # MXNet does not type the change: the traced plan as it was
         return out, dtypes
