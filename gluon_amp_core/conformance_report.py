@@ -12,8 +12,8 @@ from typing import Dict, List, Optional, Tuple
 
 from .dtypes import LOW_PRECISION_DTYPES
 from .table import OpClass, list_classes, split_key
-from .verdicts import (BOUNDS, MODES, PLAN_DEVICES, REFERENCE_BOUND, RULES, SEVERITY, Fact, Verdict, fact_from_row,
-                       plan_verdicts)
+from .verdicts import (BOUNDS, CONFORMANCE_VERDICTS, MODES, PLAN_DEVICES, REFERENCE_BOUND, RULES, SEVERITY, Fact,
+                       Verdict, fact_from_row, plan_verdicts)
 
 
 def _data():
@@ -121,7 +121,7 @@ def render() -> str:
         seen = {f.op: f for f in facts if f.dtype == dt}
         per = {v: sum(1 for op in run if by.get((op, dt)) and max(
             (f for f in by[(op, dt)]), key=lambda f: SEVERITY[f.verdict]).verdict is v)
-            for v in Verdict if v is not Verdict.SLOW}  # timed (kernel_speed), not a conformance verdict
+            for v in CONFORMANCE_VERDICTS}
         need = sum(1 for op in run if (op, dt) in unmeasured and not by.get((op, dt)))
         counts.append(f"- {dt}: " + ", ".join(f"{n} `{v.value}`" for v, n in per.items())
                       + f"; {need} need a host with {dt} kernels (oneDNN refused the dtype on every measured host)"

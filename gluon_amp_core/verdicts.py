@@ -60,6 +60,9 @@ MODES = ("train", "predict")
 DEVICE_ANY = "any"
 DEVICE_CPU = "cpu"
 
+#: The verdicts the conformance harness gives (``slow`` is a timing's: :mod:`gluon_amp_core.kernel_speed`)
+CONFORMANCE_VERDICTS = tuple(v for v in Verdict if v is not Verdict.SLOW)
+
 #: The devices whose facts a plan for each target dtype follows. bfloat16 runs on CPUs (MXNet
 #: 1.9 has no GPU bfloat16 kernels); float16 runs on GPUs, whose kernels nobody here has run:
 #: a float16 plan follows only facts that hold on every device.

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
-from gluon_amp_core.verdicts import (BOUNDS, MODES, RULES, Observation, Verdict, backward_by_mode, decisive_error,
-                                     judge, part_verdict, worst)
+from gluon_amp_core.verdicts import (BOUNDS, CONFORMANCE_VERDICTS, MODES, RULES, Observation, Verdict,
+                                     backward_by_mode, decisive_error, judge, part_verdict, worst)
 
 from .. import runtime
 from ..mxnet_internals import error_line
@@ -362,7 +362,7 @@ def summary(results: Sequence[OpResult]) -> Mapping[str, int]:
     out = {"registry": cases.registry_size(), "candidates": len(results), "run": len(measured),
            "excluded": len(results) - len(measured)}
     for dt in LOW_PRECISION_DTYPES:
-        for v in Verdict:
+        for v in CONFORMANCE_VERDICTS:
             out[f"{dt}:{v.value}"] = sum(1 for r in measured if r.results.get(dt) and r.results[dt].verdict == v.value)
         out[f"{dt}:unmeasured"] = sum(1 for r in measured if r.results.get(dt) and r.results[dt].verdict is None)
     return out
