@@ -1,7 +1,8 @@
 """Where a low-precision kernel fails at some shapes: the op table's input-shape rules.
 
 A rule says, from an op's attributes and its data input's shape, that MXNet's kernel in the
-target dtype must not run there (it is wrong, or it corrupts memory), so the op runs float32
+target dtype must not run there (it is wrong, or it corrupts memory, or it falls back to a path
+that makes it and its readers slower than float32), so the op runs float32
 (:func:`gluon_amp_core.decide.decide`, reason ``narrow_input``). Rules are facts of MXNet's
 kernels, not of the host: a plan typed with them runs on any machine it is moved to. Pure: no
 MXNet.
@@ -93,7 +94,24 @@ def _every(values: Tuple[int, ...], want: Optional[int]) -> bool:
     return want is None or all(v == want for v in values)
 
 
-ShapeRule = NarrowRule | OutputPixelsRule
+@dataclass(frozen=True)
+class OddChannelsRule:
+    """Float32 where an ungrouped op's data input has an odd number of channels below
+    ``below`` (an image's 3, a grayscale map's 1)."""
+
+    below: int
+
+    def applies(self, shape: Shape, attrs: Mapping[str, object]) -> bool:
+        if not shape or len(shape) < 3 or not _every(_ints(attrs.get("num_group")) or (1,), 1):
+            return False
+        channels = shape[-1] if str(attrs.get("layout", "")).upper() in _CHANNELS_LAST else shape[1]
+        return 0 < channels < self.below and channels % 2 == 1
+
+    def describe(self) -> str:
+        return f"its data input has an odd number of channels below {self.below} (no group)"
+
+
+ShapeRule = NarrowRule | OutputPixelsRule | OddChannelsRule
 
 
 def output_spatial(spatial: Sequence[int], kernel: Sequence[int],

@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 from .dtypes import LOW_PRECISION_DTYPES
-from .shape_limits import NarrowRule, OutputPixelsRule, ShapeRule
+from .shape_limits import NarrowRule, OddChannelsRule, OutputPixelsRule, ShapeRule
 from .kernel_speed import Timing, slow_verdicts, timing_from_row
 from .verdicts import Fact, Verdict, device_verdicts, fact_from_row, plan_verdicts, worst
 
@@ -366,6 +366,8 @@ def build_table(
     for n, kernel, stride, channel_multiple, plain, pixels in data.FP32_AT_OUTPUT_PIXELS:
         narrow[n] = narrow.get(n, ()) + (OutputPixelsRule(frozenset(pixels), kernel, stride, channel_multiple,
                                                           plain),)
+    for n, below in data.FP32_WITH_ODD_CHANNELS_BELOW:
+        narrow[n] = narrow.get(n, ()) + (OddChannelsRule(below),)
     unknown = sorted(set(narrow) - set(classes))
     if unknown:
         raise ValueError(f"op table for {target_dtype} has input-shape rules for ops it does not "

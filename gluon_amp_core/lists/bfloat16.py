@@ -105,6 +105,21 @@ FP32_AT_OUTPUT_PIXELS = (
     ("Convolution", 1, 1, 32, True, (27, 33, 36, 39, 42, 45, 48)),
 )
 
+# Low-precision ops that run in float32 where their data input has an odd number of channels
+# below this one, and the op no group: (op, bound). Convolution: oneDNN 2.4.4's bfloat16
+# convolution on AVX512-BF16 (Zen 4, Xeons without AMX) runs a GEMM on plain arrays for such
+# channel counts (an image's 3, a grayscale map's 1), in inference and training alike, where its
+# float32 kernel blocks them; the batch norm after it then runs oneDNN's reference kernel, and
+# the pooling's backward a plain one. SSD-512's first convolution, its batch norm and pooling
+# (batch 8): 984 ms a training step in bfloat16, 281 in float32; the whole step 9.8 s against
+# 8.0 s with them in float32. Measured by scans of channel counts 1-96 (kernels chosen, 1-, 2-
+# and 3-d; training time of a convolution, batch norm and pooling): docs/speed.md, "A first
+# convolution on an image's channels". Such convolutions are a network's first, a few per cent
+# of its work. A fact of MXNet's kernels: a plan typed here runs the same way elsewhere.
+FP32_WITH_ODD_CHANNELS_BELOW = (
+    ("Convolution", 16),
+)
+
 # Run in the widest float type among the inputs.
 WIDEST = common.WIDEST + """
 _contrib_MultiBoxDetection _contrib_MultiBoxPrior _contrib_MultiBoxTarget

@@ -48,6 +48,7 @@ CONDITIONAL_FP32 = (
 # (see the bfloat16 list): none for float16.
 FP32_WHEN_NARROWER: tuple = ()
 FP32_AT_OUTPUT_PIXELS: tuple = ()
+FP32_WITH_ODD_CHANNELS_BELOW: tuple = ()
 
 # Run in the widest float type among the inputs.
 WIDEST = common.WIDEST + """
