@@ -28,6 +28,7 @@ from mxnet.gluon import HybridBlock
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
+from gluon_amp_core.decide import users_casts
 from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.graph_pass import params_read_through_casts, params_stored_low
 from gluon_amp_core.policy import Policy
@@ -40,6 +41,7 @@ from . import mxnet_internals as mxi, plan_notes, runtime, state
 from .emulation import emulate_symbol, round_nd
 from .gc_pause import while_gc_paused
 from .native_run import native_passes, with_batchnorms_apart
+from .slow_kernels import slow_kernels_in_float32
 from .type_inference import infer_dtypes
 
 Key = Tuple[str, int]
@@ -513,7 +515,10 @@ def _for_symbol(sym: Symbol, ctx: Any, dtypes: Mapping[str, Any], shapes: Mappin
     known.update({k: mxi.FLOAT_NAMES.get(v) or dtype_name(v) for k, v in dtypes.items() if k in set(inputs)})
     fused = mxi.partitioned_when_bound(devices, trains)
     if policy is not None:  # else a simulated host's plain graph (graph_to_run), run as MXNet has it
-        sym = without_identity_casts(sym, infer_dtypes(sym, known, partial=True) or {})
+        typed = infer_dtypes(sym, known, partial=True) or {}
+        if not converted and typed:  # traced under init before dtypes were known, as a block's first build retypes it
+            sym, typed, _ = slow_kernels_in_float32(sym, known, dict(typed), policy, users_casts(mxi.symbol_graph(sym)))
+        sym = without_identity_casts(sym, typed)
         if not converted:
             sym = _bound_verdict(sym, known, shapes, devices, policy, trains, fused)
     try:

@@ -18,11 +18,11 @@ from mxnet.symbol import Symbol
 from gluon_amp_core.emulate import ROUND_SUFFIX
 from gluon_amp_core.decide import Reason, users_casts
 from gluon_amp_core.policy import Policy
-from gluon_amp_core.retype import Change, drop_identity_casts, retype, unique_op_names
-from gluon_amp_core.verdicts import Verdict
-from gluon_amp_core.walk import Note, walk
+from gluon_amp_core.retype import drop_identity_casts, unique_op_names
+from gluon_amp_core.walk import Note
 
 from .. import mxnet_internals as mxi, plan_notes
+from ..slow_kernels import slow_kernels_in_float32
 from ..tuning.casts import with_fewer_casts
 from ..type_inference import infer_dtypes
 from .shape_rules import ShapeRules
@@ -79,25 +79,13 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
 def _slow_kernels_in_float32(block: HybridBlock, out: Symbol, known: Mapping[str, str],
                              dtypes: Dict[Key, Optional[str]], policy: Policy,
                              users: Collection[str]) -> Tuple[Symbol, Dict[Key, Optional[str]]]:
-    """``out`` with each widest op whose kernel in the target dtype is slow (a ``slow`` verdict,
-    :mod:`gluon_amp_core.kernel_speed`) fed float32 where the graph's dtypes would run it in the
-    target: the wrappers traced it before any dtype was known. With the graph's dtypes."""
+    """``out`` with each widest op whose kernel in the target dtype is slow fed float32 where
+    the graph's dtypes would run it in the target (:mod:`gluon_amp.slow_kernels`): the wrappers
+    traced it before any dtype was known. With the graph's dtypes; the block's notes say which."""
     plan_notes.record(block, "slow_kernels", {})
-    table = policy.table
-    graph = mxi.symbol_graph(out)
-    nodes = graph["nodes"]
-    if table is None or not any(table.verdicts.get(table.canonical(n["op"])) is Verdict.SLOW for n in nodes):
-        return out, dtypes
-    found = walk(nodes, table, lambda e: dtypes.get((nodes[e[0]]["name"], e[1])), policy.excluded)
-    changes = {nd.name: Change(nd.decision) for nd in found if nd.reason is Reason.SLOW_KERNEL}
-    if not changes:
-        return out, dtypes
-    op_inputs = {n: i.inputs for n, i in mxi.op_infos().items()}
-    new = mx.sym.load_json(json.dumps(retype(graph, changes, dtypes, op_inputs, keep=users)))
-    typed = infer_dtypes(new, known, partial=True)
-    if not typed:  # MXNet does not type the change: the traced plan as it was
-        return out, dtypes
-    plan_notes.record(block, "slow_kernels", {n: Note(Reason.SLOW_KERNEL.value) for n in changes})
+    new, typed, changed = slow_kernels_in_float32(out, known, dtypes, policy, users)
+    if changed:
+        plan_notes.record(block, "slow_kernels", {n: Note(Reason.SLOW_KERNEL.value) for n in changed})
     return new, typed
 
 

@@ -73,3 +73,41 @@ def test_imperative_slow_loops_run_float32_and_other_dtypes_as_given(native_host
         assert mx.nd.elemwise_add(a, a).dtype == mx.nd.Activation(a, act_type="relu").dtype == a.dtype
     finally:
         gluon_amp.disable()
+
+
+def _bfloat16_exact(values):
+    """Where each float32 value is one bfloat16 holds (its low 16 bits zero)."""
+    return (np.ascontiguousarray(values, dtype=np.float32).view(np.uint32) & 0xFFFF) == 0
+
+
+@pytest.mark.parametrize("api", ["module", "simple_bind"])
+def test_a_symbol_traced_under_init_runs_slow_loops_float32_where_it_is_bound(native_host, api):
+    """A Symbol's wrappers trace before dtypes are known; the bind retypes what runs, as a
+    block's first build does: the sum of two bfloat16 convolutions comes back unrounded."""
+    rng = np.random.RandomState(2)
+    shape = (2, 4, 6, 6)
+    gluon_amp.init(target_dtype="bfloat16", tune=False)
+    try:
+        x = mx.sym.var("data")
+        a = mx.sym.Convolution(x, num_filter=8, kernel=(3, 3), pad=(1, 1), name="c1")
+        b = mx.sym.Convolution(x, num_filter=8, kernel=(3, 3), pad=(1, 1), name="c2")
+        sym = mx.sym.relu(mx.sym.broadcast_add(a, b, name="add"), name="act")
+        arg_shapes, _, _ = sym.infer_shape(data=shape)
+        values = {n: mx.nd.array(rng.uniform(-1, 1, s)) for n, s in zip(sym.list_arguments(), arg_shapes)}
+        if api == "module":
+            mod = mx.mod.Module(sym, data_names=["data"], label_names=None, context=mx.cpu())
+            mod.bind(data_shapes=[("data", shape)], for_training=True)
+            mod.set_params({k: v for k, v in values.items() if k != "data"}, {})
+            mod.forward(mx.io.DataBatch([values["data"]]), is_train=True)
+            out = mod.get_outputs()[0].asnumpy()
+        else:
+            exe = sym.simple_bind(mx.cpu(), data=shape)
+            for k, v in values.items():
+                v.copyto(exe.arg_dict[k])
+            out = exe.forward(is_train=True)[0].asnumpy()
+    finally:
+        gluon_amp.disable()
+    positive = out[out > 0]
+    assert positive.size > 50 and np.isfinite(out).all()
+    assert not _bfloat16_exact(positive).all(), "the add ran in bfloat16: its sums were rounded"
+    assert _bfloat16_exact(positive).mean() < 0.5
