@@ -22,6 +22,7 @@ from gluon_amp_core.retype import drop_identity_casts, unique_op_names
 from gluon_amp_core.walk import Note
 
 from .. import mxnet_internals as mxi, plan_notes
+from ..native_run import within_kernel_limits
 from ..slow_kernels import slow_kernels_in_float32
 from ..tuning.casts import with_fewer_casts
 from ..type_inference import infer_dtypes
@@ -55,8 +56,14 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
         if renamed:  # a block called twice in this trace: every pass below types by node name
             out = mx.sym.load_json(json.dumps(graph))
         users = users_casts(graph)  # the block's own casts stay
-        out = rules.apply(block, out, shapes)
-        dtypes = infer_dtypes(out, known, partial=True) or {}
+        ruled = rules.apply(block, out, shapes)
+        dtypes = infer_dtypes(ruled, known, partial=True)
+        if ruled is not out and not dtypes:
+            # the float32 values reach an op that has no cast of its own: a graph traced without the
+            # wrappers, in one dtype (O2's SymbolBlock): cast back before the next low op instead
+            typed = infer_dtypes(out, known, partial=True)
+            ruled, dtypes = within_kernel_limits(out, typed, shapes) if typed else (out, typed)
+        out, dtypes = ruled, dict(dtypes or {})
         if dtypes:
             # before the casts are dropped: the readers of a slow op's now float32 output keep theirs
             out, dtypes = _slow_kernels_in_float32(block, out, known, dtypes, policy, users)

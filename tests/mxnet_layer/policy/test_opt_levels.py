@@ -539,3 +539,38 @@ def test_bfloat16_weights_mxnet_cannot_hold_are_refused_before_anything_changes(
         gluon_amp.disable()
         if case == "numpy-mode":
             npx.reset_np()
+
+
+def _stem_symbolblock():
+    """A ResNet stem as a SymbolBlock (GluonCV's SSD builds its features so): a convolution on an
+    image's 3 channels, which a shape rule of the bfloat16 table keeps float32, then batch norm,
+    ReLU, pooling and a convolution that runs low."""
+    data = mx.sym.var("data")
+    x = mx.sym.Convolution(data, num_filter=16, kernel=(3, 3), pad=(1, 1), no_bias=True, name="conv0")
+    x = mx.sym.Activation(mx.sym.BatchNorm(x, name="bn0"), act_type="relu", name="relu0")
+    x = mx.sym.Pooling(x, kernel=(2, 2), stride=(2, 2), pool_type="max", name="pool0")
+    x = mx.sym.Convolution(x, num_filter=16, kernel=(3, 3), pad=(1, 1), no_bias=True, name="conv1")
+    net = gluon.SymbolBlock(x, [data])
+    net.initialize()
+    net.hybridize(static_alloc=True, static_shape=True)
+    return net
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_symbolblock_in_one_dtype_trains_where_a_shape_rule_keeps_its_first_convolution_float32(native_host,
+                                                                                                   level):
+    """Its graph has no casts (every weight and the input in bfloat16): the float32 values of the
+    kept convolution are cast back before the next low op, else MXNet refuses the graph."""
+    net = _stem_symbolblock()
+    x = mx.nd.random.uniform(-1, 1, shape=(2, 3, 8, 8))
+    with autograd.train_mode():
+        net(x)
+    trainer = sgd_trainer(net)
+    gluon_amp.initialize(net, trainer, level, target_dtype="bfloat16")
+    with autograd.record():
+        loss = net(x).mean()
+    loss.backward()
+    trainer.step(2)
+    rows = {r.name: (r.dtype, r.reason) for r in gluon_amp.report(net).rows if r.op == "Convolution"}
+    assert rows == {"conv0": ("float32", "narrow_input"), "conv1": ("bfloat16", "low_precision")}, rows
+    assert all(np.isfinite(p.data().astype("float32").asnumpy()).all() for p in net.collect_params().values())
