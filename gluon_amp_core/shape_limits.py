@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import FrozenSet, Mapping, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Mapping, Optional, Sequence, Tuple
 
 _INT = re.compile(r"-?\d+")
 _CHANNELS_LAST = ("NWC", "NHWC", "NDHWC")
@@ -66,7 +66,7 @@ class OutputPixelsRule:
             return False
         spatial = _spatial(shape, attrs)
         channels = shape[-1] if str(attrs.get("layout", "")).upper() in _CHANNELS_LAST else shape[1]
-        if channels % self.channel_multiple:
+        if not all(spatial) or channels % self.channel_multiple:  # 0: an axis not known yet
             return False
         kernel = _ints(attrs.get("kernel"))
         if len(kernel) != len(spatial) or not _every(kernel, self.kernel):
@@ -144,6 +144,27 @@ def is_narrower(shape: Shape, attrs: Mapping[str, object], rule: NarrowRule) -> 
     channels_last = str(attrs.get("layout", "")).upper() in _CHANNELS_LAST
     width = shape[-2] if channels_last else shape[-1]
     return 0 < width < numbers[-1]
+
+
+def channels_from_weights(nodes: Sequence[dict], param_shapes: Mapping[str, Sequence[int]],
+                          ops: FrozenSet[str] = frozenset({"Convolution"})) -> Dict[Tuple[str, int], Tuple[int, ...]]:
+    """The data input's partial shape, ``(0, channels, 0, ...)`` (MXNet's 0: an axis not known),
+    of each op of ``ops`` in ``nodes`` (MXNet's JSON form) whose weight is a parameter of a known
+    shape, channels first: its weight's input channels times its groups. What a converter knows
+    of its inputs before their shapes, for the rules that ask only the channels."""
+    out: Dict[Tuple[str, int], Tuple[int, ...]] = {}
+    for node in nodes:
+        if node["op"] not in ops or len(node["inputs"]) < 2:
+            continue
+        attrs = node.get("attrs", {})
+        weight = nodes[node["inputs"][1][0]]
+        shape = param_shapes.get(weight["name"]) if weight["op"] == "null" else None
+        if not shape or len(shape) < 3 or str(attrs.get("layout", "")).upper() in _CHANNELS_LAST:
+            continue
+        groups = (_ints(attrs.get("num_group")) or (1,))[0]
+        data = nodes[node["inputs"][0][0]]
+        out[(data["name"], node["inputs"][0][1])] = (0, shape[1] * groups) + (0,) * (len(shape) - 2)
+    return out
 
 
 def keeps_fp32(rules: Sequence[ShapeRule], shape: Shape, attrs: Mapping[str, object]) -> bool:

@@ -17,6 +17,7 @@ from gluon_amp_core.dtypes import CODE_DTYPE, dtype_name
 from gluon_amp_core.graph_pass import (PassResult, convert_graph, is_kept, parameter_only_inputs,
                                       params_read_through_casts, users_casts)
 from gluon_amp_core.policy import Policy
+from gluon_amp_core.shape_limits import channels_from_weights
 from gluon_amp_core.table import ConditionalSpec, check_name_list
 
 from .. import execution, mxnet_internals as mxi, plan_notes, runtime
@@ -89,14 +90,17 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
                         param_dtypes: Optional[Dict[str, str]] = None,
                         measured: Optional[Mapping[str, MeasuredChoice]] = None,
                         data_dtypes: Optional[Mapping[str, str]] = None,
-                        input_shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> Tuple[Symbol, PassResult]:
+                        input_shapes: Optional[Mapping[str, Tuple[int, ...]]] = None,
+                        param_shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> Tuple[Symbol, PassResult]:
     """Convert ``sym`` as ``policy`` says; also return what the pass did (casts, decisions).
 
     The returned graph is the plan, also with ``policy.emulate``: the caller remembers it
     (:func:`gluon_amp.execution.remember`) so that it runs emulated where it is bound. ``measured``
     holds the tuner's choices (:func:`~gluon_amp.tuning.schedule.tune_graph`); ``data_dtypes`` the dtypes of data inputs
     that are not float32 (integer token ids and lengths); ``input_shapes`` the shapes the model
-    will run with, where known, for the table's input-shape rules (a kernel's limits)."""
+    will run with, where known, for the table's input-shape rules (a kernel's limits); without
+    them, ``param_shapes`` (the parameters' shapes) give the rules that ask only a convolution's
+    input channels what they need (:func:`gluon_amp_core.shape_limits.channels_from_weights`)."""
     if not isinstance(sym, Symbol):
         raise TypeError(f"convert_symbol expects an mxnet Symbol, got {type(sym).__name__}")
     excluded = sorted(set(_names("excluded_sym_names", excluded_sym_names, "op node names")) | policy.excluded)
@@ -110,7 +114,8 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
     fp32_types = _fp32_types(sym, data_names, param_dtypes or {}, data_dtypes)
     result = convert_graph(graph, policy, data_names, _var_dtypes(sym, fp32_types), op_types, op_inputs,
                            excluded, cast_optional_params, fp32_types=fp32_types, measured=measured or {},
-                           entry_shapes=infer_shapes(sym, input_shapes) if input_shapes else None)
+                           entry_shapes=infer_shapes(sym, input_shapes) if input_shapes
+                           else channels_from_weights(graph["nodes"], param_shapes or {}) or None)
     converted = mx.sym.load_json(json.dumps(result.graph))
     _verify(converted, result, {n: "float32" for n in data_names} | dict(data_dtypes or {}))
     # no value cast back and forth between neighbours that can share a dtype
@@ -287,6 +292,7 @@ def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params
     names = set(arg_params) | set(aux_params)
     data_names = [n for n in sym.list_inputs() if n not in names]
     types = {k: dtype_name(v.dtype) for k, v in {**arg_params, **aux_params}.items()}
+    param_shapes = {k: tuple(v.shape) for k, v in {**arg_params, **aux_params}.items()}
     shapes = _check_input_shapes(input_shapes, data_names, require_shapes and policy.enabled)
     measured = None
     if policy.tune and policy.enabled and shapes:  # tuning times the model at the shapes it runs with
@@ -313,7 +319,7 @@ def _convert_model(sym: Symbol, arg_params: Dict[str, mx.nd.NDArray], aux_params
                 fallbacks.append(why)
     new_sym, result = convert_with_policy(sym, policy, excluded_sym_names, data_names, cast_optional_params,
                                           param_dtypes=types, measured=measured, data_dtypes=data_dtypes,
-                                          input_shapes=shapes)
+                                          input_shapes=shapes, param_shapes=param_shapes)
     new_args = {k: _cast_array(v, result.param_dtypes.get(k, types[k])) for k, v in arg_params.items()}
     new_aux = {k: _cast_array(v, result.param_dtypes.get(k, types[k])) for k, v in aux_params.items()}
     return new_sym, new_args, new_aux, result

@@ -201,3 +201,26 @@ def test_the_bfloat16_table_keeps_a_first_convolution_on_an_images_channels_floa
     d = decide("Convolution", _attrs(), ["float32", "float32"], default_table("float16"),
                input_shapes=[(8, 3, 224, 224), None])
     assert d.dtype == "float16"
+
+
+def test_channels_from_weights_gives_each_convolutions_data_its_channels_and_nothing_else():
+    from gluon_amp_core.shape_limits import channels_from_weights
+    nodes = [{"op": "null", "name": "data", "inputs": []},
+             {"op": "null", "name": "w0", "inputs": []},
+             {"op": "Convolution", "name": "c0", "attrs": {"kernel": "(7, 7)"}, "inputs": [[0, 0, 0], [1, 0, 0]]},
+             {"op": "null", "name": "w1", "inputs": []},
+             {"op": "Convolution", "name": "c1", "attrs": {"kernel": "(3,)", "num_group": "4"},
+              "inputs": [[2, 0, 0], [3, 0, 0]]},
+             {"op": "null", "name": "w2", "inputs": []},
+             {"op": "Convolution", "name": "c2", "attrs": {"layout": "NHWC"}, "inputs": [[4, 0, 0], [5, 0, 0]]},
+             {"op": "FullyConnected", "name": "fc", "inputs": [[4, 0, 0], [5, 0, 0]]}]
+    got = channels_from_weights(nodes, {"w0": (64, 3, 7, 7), "w1": (64, 16, 3), "w2": (8, 3, 3, 64)})
+    assert got == {("data", 0): (0, 3, 0, 0), ("c0", 0): (0, 64, 0)}
+    rule = OddChannelsRule(16)
+    assert rule.applies(got[("data", 0)], {}) and not rule.applies(got[("c0", 0)], {})
+    # an axis not known (0) is never narrower, nor a map of some pixel count
+    for r in default_table("bfloat16").narrow_fp32["Convolution"]:
+        if not isinstance(r, OddChannelsRule):
+            for shape in [(0, 64, 0, 0), (0, 64, 0), (0, 64, 0, 0, 0)]:
+                kernel = str((1,) * (len(shape) - 2))
+                assert not r.applies(shape, _attrs(kernel=kernel, stride=kernel, pad=str((0,) * (len(shape) - 2)))), r

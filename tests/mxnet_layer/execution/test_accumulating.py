@@ -96,7 +96,7 @@ def test_the_graph_run_natively_casts_accumulating_parameters_through_an_identit
     monkeypatch.setattr(runtime, "simulated", lambda: False)
     monkeypatch.setattr(runtime, "amx_active", lambda: False)
     net = gluon.nn.HybridSequential()
-    net.add(gluon.nn.Conv2D(8, 3, in_channels=3), gluon.nn.Activation("relu"),
+    net.add(gluon.nn.Conv2D(8, 3, in_channels=4), gluon.nn.Activation("relu"),
             gluon.nn.Conv2D(8, 3, in_channels=8))
     net.initialize()
     sym = net(mx.sym.var("data"))
@@ -104,7 +104,7 @@ def test_the_graph_run_natively_casts_accumulating_parameters_through_an_identit
     plan, _, _ = gluon_amp.convert_model(sym, params, {}, target_dtype="bfloat16")
     names = sorted(params)
     adding = {names[0], names[2]}  # a bias and a weight
-    run = execution.graph_to_run(plan, {"data": "float32"}, {"data": (2, 3, 8, 8)}, ["cpu"],
+    run = execution.graph_to_run(plan, {"data": "float32"}, {"data": (2, 4, 8, 8)}, ["cpu"],
                                  make_policy("bfloat16"), "a test's plan", accumulating=adding)
     nodes = json.loads(run.tojson(remove_amp_cast=False))["nodes"]
     by_name = {n["name"]: n for n in nodes}
@@ -117,7 +117,7 @@ def test_the_graph_run_natively_casts_accumulating_parameters_through_an_identit
         else:  # cast with its op's data, as without accumulation
             assert [r["name"].endswith(PAIRED_SUFFIX) for r in readers] == [True], name
     assert not any(n["op"] == "Cast" for n in by_name.values())
-    plain = execution.graph_to_run(plan, {"data": "float32"}, {"data": (2, 3, 8, 8)}, ["cpu"],
+    plain = execution.graph_to_run(plan, {"data": "float32"}, {"data": (2, 4, 8, 8)}, ["cpu"],
                                    make_policy("bfloat16"), "a test's plan", accumulating=frozenset())
     assert not any(n["name"].endswith(IDENTITY_SUFFIX) for n in json.loads(plain.tojson())["nodes"])
 

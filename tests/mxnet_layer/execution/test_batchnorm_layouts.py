@@ -21,7 +21,7 @@ def _net(channels=16):
     """conv (16) -> BN -> relu -> conv (32, stride 2) -> BN -> relu -> dense: GluonCV's CIFAR
     ResNets' first stage and its transition."""
     net = gluon.nn.HybridSequential()
-    net.add(gluon.nn.Conv2D(channels, 3, padding=1, use_bias=False, in_channels=3),
+    net.add(gluon.nn.Conv2D(channels, 3, padding=1, use_bias=False, in_channels=4),
             gluon.nn.BatchNorm(in_channels=channels), gluon.nn.Activation("relu"),
             gluon.nn.Conv2D(32, 1, strides=2, use_bias=False, in_channels=channels),
             gluon.nn.BatchNorm(in_channels=32), gluon.nn.Activation("relu"), gluon.nn.Dense(4, in_units=32 * 8 * 8))
@@ -42,7 +42,7 @@ def _run(plan, monkeypatch, amx, pair=True):
     monkeypatch.setattr(runtime, "executable", lambda dtype, device: True)
     monkeypatch.setattr(runtime, "simulated", lambda: False)
     monkeypatch.setattr(runtime, "amx_active", lambda: amx)
-    return execution.graph_to_run(plan, {"data": "float32"}, {"data": (2, 3, 16, 16)}, ["cpu"],
+    return execution.graph_to_run(plan, {"data": "float32"}, {"data": (2, 4, 16, 16)}, ["cpu"],
                                   make_policy("bfloat16"), "a test's plan", pair=pair, accumulating=frozenset())
 
 
@@ -83,7 +83,7 @@ def _grads(mode: str, monkeypatch):
     mx.random.seed(0)
     net = _net()
     net.hybridize(static_alloc=True)
-    x = mx.nd.array(np.random.RandomState(1).normal(size=(8, 3, 16, 16)))
+    x = mx.nd.array(np.random.RandomState(1).normal(size=(8, 4, 16, 16)))
     with gluon_amp.autocast("bfloat16") if mode != "float32" else contextlib.nullcontext():
         with autograd.record():
             loss = net(x).square().mean()

@@ -182,7 +182,7 @@ def test_runtime_info_says_which_rounding_runs():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_converted_graph_holds_only_target_values_where_the_plan_is_low(dtype):
     net = make_net()
-    x = mx.nd.random.normal(shape=(2, 3, 8, 8))
+    x = mx.nd.random.normal(shape=(2, 4, 8, 8))
     ref = net(x).asnumpy()
     emu = gluon_amp.convert_hybrid_block(net, target_dtype=dtype, emulate=True)
     out = emu(x).asnumpy()
@@ -198,7 +198,7 @@ def test_converted_graph_holds_only_target_values_where_the_plan_is_low(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_emulated_report_matches_the_real_plan(dtype):
     net = make_net()
-    net(mx.nd.ones((1, 3, 8, 8)))
+    net(mx.nd.ones((1, 4, 8, 8)))
     real = gluon_amp.report(gluon_amp.convert_hybrid_block(net, target_dtype=dtype, fuse=False))
     emu = gluon_amp.report(gluon_amp.convert_hybrid_block(net, target_dtype=dtype, emulate=True))
     assert [(r.name, r.op, r.dtype, r.reason) for r in emu.rows] == \
@@ -210,7 +210,7 @@ def test_emulated_report_matches_the_real_plan(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_init_emulates_a_hybridized_block_like_its_real_training_graph(dtype):
     net = make_net()
-    x = mx.nd.random.normal(shape=(4, 3, 8, 8))
+    x = mx.nd.random.normal(shape=(4, 4, 8, 8))
     if dtype == "bfloat16":  # the real plan, as a native host's first build gives it (a simulated one)
         with gluon_amp.runtime.simulate_native_bf16():
             gluon_amp.init(target_dtype=dtype, tune=False)
@@ -238,7 +238,7 @@ def test_init_emulates_a_hybridized_block_like_its_real_training_graph(dtype):
 def test_a_training_graph_rounds_op_outputs_through_a_layout_copy_to_the_same_values():
     """Under init the shapes are known: the fallback's bfloat16 rounding reads an op's output
     through an identity transpose (oneDNN layouts kept; see gluon_amp_core.emulate.plain_layout)."""
-    x = mx.nd.random.normal(shape=(2, 3, 8, 8))
+    x = mx.nd.random.normal(shape=(2, 4, 8, 8))
     gluon_amp.init(target_dtype="bfloat16", emulate=True)
     net = make_net()
     with emulation_kernel.forced(False):
@@ -394,7 +394,7 @@ def test_emulated_training_learns(dtype):
 
 def test_excluded_sym_names_keep_a_training_node_float32():
     net = make_net()
-    x = mx.nd.ones((1, 3, 8, 8))
+    x = mx.nd.ones((1, 4, 8, 8))
     name = net.dense.name + "_fwd"
     gluon_amp.init(target_dtype="float16", emulate=True, excluded_sym_names=[name])
     net.hybridize()
@@ -418,7 +418,7 @@ def test_a_target_that_cannot_run_names_emulate_instead_of_failing_in_mxnet():
         assert gluon_amp.runtime_info()["mode"] == "cannot execute"
         net = make_net()
         with pytest.raises(RuntimeError, match="emulate=True") as err:
-            net(mx.nd.ones((1, 3, 8, 8)))
+            net(mx.nd.ones((1, 4, 8, 8)))
         assert "MXNetError" not in type(err.value).__name__
         with pytest.raises(RuntimeError, match="emulate=True"):
             mx.nd.FullyConnected(mx.nd.ones((2, 4)), mx.nd.ones((3, 4)), num_hidden=3, no_bias=True)
@@ -502,7 +502,7 @@ def test_unhybridized_gluoncv_ssd_runs_emulated(dtype):
         net = get_model("ssd_512_resnet50_v1_voc", pretrained_base=False)
         net.initialize()
     with autograd.train_mode():
-        cls, box, anchors = net(mx.nd.zeros((1, 3, 64, 64)))
+        cls, box, anchors = net(mx.nd.zeros((1, 4, 64, 64)))
     assert np.isfinite(cls.asnumpy()).all() and np.isfinite(anchors.asnumpy()).all()
     assert gluon_amp.report(net.features).emulated
 
@@ -519,13 +519,13 @@ def test_a_second_init_without_arguments_keeps_the_active_policy(dtype):
 
 def test_initialize_takes_emulate_and_a_policy():
     net = make_net()
-    net(mx.nd.ones((1, 3, 8, 8)))
+    net(mx.nd.ones((1, 4, 8, 8)))
     with pytest.raises(ValueError, match="O1"):
         gluon_amp.initialize(net, opt_level="O2", target_dtype="float16", emulate=True)
     policy = gluon_amp.make_policy("float16", emulate=True)
     gluon_amp.initialize(net, opt_level="O1", target_dtype=policy)
     assert gluon_amp.current_policy() is policy
-    assert np.isfinite(net(mx.nd.ones((1, 3, 8, 8))).asnumpy()).all()
+    assert np.isfinite(net(mx.nd.ones((1, 4, 8, 8))).asnumpy()).all()
 
 
 def test_bad_emulate_values_are_type_errors():
@@ -534,14 +534,14 @@ def test_bad_emulate_values_are_type_errors():
     with pytest.raises(TypeError, match="excluded_sym_names"):
         gluon_amp.make_policy("float16", emulate=True, excluded_sym_names="dense0_fwd")
     net = make_net()
-    net(mx.nd.ones((1, 3, 8, 8)))
+    net(mx.nd.ones((1, 4, 8, 8)))
     with pytest.raises(ValueError, match="fuse=True"):
         gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16", emulate=True, fuse=True)
 
 
 def test_cli_emulate_writes_a_float32_model_that_runs(tmp_path):
     net = make_net()
-    x = mx.nd.random.normal(shape=(2, 3, 8, 8))
+    x = mx.nd.random.normal(shape=(2, 4, 8, 8))
     ref = net(x).asnumpy()
     net.export(str(tmp_path / "m"), 0)
     r = subprocess.run([sys.executable, "-m", "gluon_amp.convert", str(tmp_path / "m"), "0", "--target-dtype",
@@ -640,7 +640,7 @@ def _ssd_losses(mode, steps):
         net = get_model("ssd_512_resnet50_v1_coco", pretrained_base=False, norm_layer=nn.BatchNorm)
         net.initialize()
     net.hybridize(static_alloc=True, static_shape=True)
-    x = mx.nd.random.uniform(-1, 1, shape=(1, 3, 256, 256))
+    x = mx.nd.random.uniform(-1, 1, shape=(1, 4, 256, 256))
     with autograd.train_mode():  # inference mode returns detections, not per-anchor outputs
         anchors = net(x)[0].shape[1]
     cls_t = mx.nd.random.uniform(0, 1, shape=(1, anchors))
@@ -745,7 +745,7 @@ def test_float16_data_runs_emulated_through_every_class_of_op(dtype, hybridize):
     imperatively, emulation rounds at decided ops only, so the residual add (neutral) runs
     in float16 on float16 data as real AMP runs it, and in float32 on float32 data: close."""
     gluon_amp.init(target_dtype=dtype, emulate=True)
-    x16 = mx.nd.random.normal(shape=(2, 3, 8, 8)).astype("float16")
+    x16 = mx.nd.random.normal(shape=(2, 4, 8, 8)).astype("float16")
     outs = [_cast_net(make_net(seed=1, hybridize=hybridize))(x) for x in (x16, x16.astype("float32"))]
     assert outs[0].dtype == outs[1].dtype == np.float32  # softmax: float32 in real AMP too
     if hybridize:

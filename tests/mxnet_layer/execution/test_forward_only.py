@@ -96,7 +96,7 @@ def test_calls_that_record_nothing_see_every_change_of_a_parameter(native_host, 
     call that records nothing gives what the training graph gives now, to the bit, and runs on
     stored casts (one per weight and bias a bfloat16 op reads)."""
     _init()
-    x = mx.nd.random.uniform(-1, 1, shape=(2, 3, 8, 8))
+    x = mx.nd.random.uniform(-1, 1, shape=(2, 4, 8, 8))
     visible = {}
     for seed in range(4):
         rng = random.Random(seed)
@@ -124,7 +124,7 @@ def test_the_first_call_that_records_ends_the_stored_casts(native_host):
     holds one graph's memory, as without init."""
     _init()
     net, twin = _pair(True)
-    x = mx.nd.random.uniform(-1, 1, shape=(2, 3, 8, 8))
+    x = mx.nd.random.uniform(-1, 1, shape=(2, 4, 8, 8))
     first = net(x).asnumpy()
     assert _stored(net) == 4
     np.testing.assert_array_equal(_recorded(net, x).asnumpy(), first)
@@ -136,7 +136,7 @@ def test_the_first_call_that_records_ends_the_stored_casts(native_host):
 def test_a_block_without_init_or_converted_stores_nothing(native_host):
     """Without a policy there is no cast to store; a converted block stores its parameters low."""
     net, _ = _pair(True)
-    x = mx.nd.random.uniform(-1, 1, shape=(2, 3, 8, 8))
+    x = mx.nd.random.uniform(-1, 1, shape=(2, 4, 8, 8))
     net(x)
     assert not isinstance(net._cached_op, ForwardOnly)
     converted = gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16")
@@ -170,7 +170,7 @@ def test_a_monitored_block_runs_the_graph_its_hook_was_given(native_host):
     the hook sees every call."""
     _init()
     net, _ = _pair(False)
-    x = mx.nd.random.uniform(-1, 1, shape=(2, 3, 8, 8))
+    x = mx.nd.random.uniform(-1, 1, shape=(2, 4, 8, 8))
     seen = []
     net.register_op_hook(lambda name, op, arr: seen.append(op))
     first = net(x).asnumpy()
@@ -187,7 +187,7 @@ def test_the_environment_turns_stored_casts_off(native_host, monkeypatch, value)
     _init()
     monkeypatch.setenv("GLUON_AMP_STORED_CASTS", value)
     net, twin = _pair(True)
-    x = mx.nd.random.uniform(-1, 1, shape=(2, 3, 8, 8))
+    x = mx.nd.random.uniform(-1, 1, shape=(2, 4, 8, 8))
     out = net(x)
     assert not isinstance(net._cached_op, ForwardOnly)
     np.testing.assert_array_equal(out.asnumpy(), _recorded(twin, x).asnumpy())
@@ -199,7 +199,7 @@ def test_a_block_bound_with_stored_casts_is_freed(native_host):
     import gc
     import weakref
     _init()
-    x = mx.nd.random.uniform(-1, 1, shape=(2, 3, 8, 8))
+    x = mx.nd.random.uniform(-1, 1, shape=(2, 4, 8, 8))
     for calls in (0, 2):
         net, twin = _pair(True)
         _recorded(twin, x)  # the twin binds; its graph was made under init too
@@ -223,7 +223,7 @@ def test_a_graph_that_cannot_be_made_leaves_the_calls_on_the_training_graph(nati
     monkeypatch.setattr(execution, "_forward_only_graph", fails)
     _init()
     net, twin = _pair(True)
-    x = mx.nd.random.uniform(-1, 1, shape=(2, 3, 8, 8))
+    x = mx.nd.random.uniform(-1, 1, shape=(2, 4, 8, 8))
     with pytest.warns(RuntimeWarning, match="planted failure.*GLUON_AMP_STORED_CASTS=0") as said:
         out = net(x)
     assert len([w for w in said if "planted failure" in str(w.message)]) == 1 and _stored(net) == 0

@@ -70,7 +70,7 @@ def _head_dtype(sym, fed):
     return infer_dtypes(sym, fed, partial=True)[(graph["nodes"][j]["name"], k)]
 
 
-SHAPES = {"data": (2, 3, 8, 8)}
+SHAPES = {"data": (2, 4, 8, 8)}
 
 
 def test_gpu_style_float16_code_runs_the_bfloat16_plan_natively(decides_as_native):
@@ -200,7 +200,7 @@ def test_bfloat16_outputs_come_back_float32_to_float32_code_and_the_plan_keeps_t
 
 def test_gpu_style_float16_training_step_runs_hybridized_as_unhybridized(native_host):
     _init(target_dtype="bfloat16")
-    x = mx.nd.array(np.random.RandomState(0).uniform(-1, 1, (2, 3, 8, 8)))
+    x = mx.nd.array(np.random.RandomState(0).uniform(-1, 1, (2, 4, 8, 8)))
     outs = []
     for hybridize in (False, True):
         mx.random.seed(0)
@@ -233,6 +233,6 @@ def test_gpu_style_float16_code_gets_float16_outputs_when_tuning_runs_the_graph_
     net = _cnn()
     net.cast("float16")
     net.hybridize()
-    y = net(mx.nd.ones((2, 3, 8, 8), dtype="float16"))
+    y = net(mx.nd.ones((2, 4, 8, 8), dtype="float16"))
     assert set(gluon_amp.report(net, data="float16").totals_by_dtype) == {"float32"}  # the tuner's verdict
     assert y.dtype == np.float16

@@ -95,20 +95,32 @@ def test_a_conversion_given_input_shapes_types_it_so(channels):
 
 
 @pytest.mark.simulated_native
-def test_a_converted_plan_bound_at_such_shapes_runs_it_float32():
-    net = _stem(3)
-    net(mx.nd.random.uniform(-1, 1, shape=(1, 3, 8, 8)))
-    converted = gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16", tune=False)
-    plan = converted._converted
-    known = {"data": "float32", **gluon_amp.mxnet_internals.param_dtypes(converted)}
+@pytest.mark.parametrize("channels", KEPT + LOW)
+def test_a_conversion_without_input_shapes_reads_the_channels_from_the_weights(channels):
+    """The plan carries the rule, so what ``export`` writes runs as the block does, anywhere."""
+    net = _stem(channels)
+    net(mx.nd.random.uniform(-1, 1, shape=(1, channels, 8, 8)))
+    rows = _rows(gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16", tune=False))
+    assert rows["Convolution0"] == (("float32", "narrow_input") if channels in KEPT
+                                    else ("bfloat16", "low_precision")), rows
+
+
+@pytest.mark.simulated_native
+def test_a_symbol_converted_without_weights_runs_it_float32_where_it_is_bound():
+    """``convert_symbol`` knows no weight: its plan runs the convolution low, and the bind at an
+    input of 3 channels runs it float32, its readers typed as before."""
+    plan = gluon_amp.convert_symbol(_stem(3)(mx.sym.var("data")), target_dtype="bfloat16")
+    known = {"data": "float32"}
     typed = plan_dtypes(plan, known)
     conv0 = next(n for (n, k), t in typed.items() if "conv0" in n and n.endswith("_fwd") and k == 0)
-    assert typed[(conv0, 0)] == "bfloat16"  # the plan, converted without shapes
+    assert typed[(conv0, 0)] == "bfloat16"
     run, run_typed = within_kernel_limits(plan, typed, {"data": (1, 3, 8, 8)})
     assert run_typed[(conv0, 0)] == "float32"
     _, plan_out, _ = plan.infer_type_partial(data="float32")
     _, run_out, _ = run.infer_type_partial(data="float32")
     assert run_out == plan_out
+    same, same_typed = within_kernel_limits(plan, typed, {"data": (1, 4, 8, 8)})
+    assert same is plan and same_typed is typed
 
 
 _IMPLS = textwrap.dedent("""

@@ -21,7 +21,7 @@ class Residual(gluon.HybridBlock):
     def __init__(self):
         super().__init__()
         with self.name_scope():
-            self.stem = gluon.nn.Conv2D(8, 3, padding=1, in_channels=3)
+            self.stem = gluon.nn.Conv2D(8, 3, padding=1, in_channels=4)
             self.body = gluon.nn.Conv2D(8, 3, padding=1, in_channels=8, use_bias=False)
             self.short = gluon.nn.Conv2D(8, 1, in_channels=8, use_bias=False)
             self.head = gluon.nn.Dense(4, in_units=8 * 8 * 8)
@@ -46,7 +46,7 @@ def test_a_plan_run_natively_pairs_each_weight_cast_and_mxnet_types_it_as_the_pl
     monkeypatch.setattr(runtime, "simulated", lambda: False)
     plan = _plan()
     before = plan.tojson()
-    run = execution.graph_to_run(plan, {"data": "float32"}, {"data": (2, 3, 8, 8)}, ["cpu"],
+    run = execution.graph_to_run(plan, {"data": "float32"}, {"data": (2, 4, 8, 8)}, ["cpu"],
                                  make_policy("bfloat16"), "a test's plan", accumulating=frozenset())
     nodes = json.loads(run.tojson(remove_amp_cast=False))["nodes"]
     paired = {n["name"][:-len(PAIRED_SUFFIX)]: n for n in nodes if n["name"].endswith(PAIRED_SUFFIX)}
@@ -79,7 +79,7 @@ def _train(paired: bool, monkeypatch, grad_req: str = "write"):
     net.hybridize(static_alloc=True, static_shape=True)
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
                             update_on_kvstore=False)
-    x = mx.nd.array(np.random.RandomState(1).normal(size=(2, 3, 8, 8)))
+    x = mx.nd.array(np.random.RandomState(1).normal(size=(2, 4, 8, 8)))
     with gluon_amp.autocast("bfloat16"):
         gluon_amp.init_trainer(trainer)
         for _ in range(2):
@@ -115,7 +115,7 @@ def test_a_converters_result_runs_its_plan_unpaired_and_an_init_block_paired(mon
     flags = []
     real = execution.graph_to_run
     monkeypatch.setattr(execution, "graph_to_run", lambda *a, **k: flags.append(k.get("pair")) or real(*a, **k))
-    x = mx.nd.ones((2, 3, 8, 8))
+    x = mx.nd.ones((2, 4, 8, 8))
     net = Residual()
     net.initialize(mx.init.Xavier())
     net.hybridize()

@@ -203,8 +203,8 @@ def test_autocast_restores_on_error():
 
 
 def test_imperative_casts(native_host):
-    x = mx.nd.random.uniform(shape=(2, 3, 6, 6))
-    w = mx.nd.random.uniform(shape=(4, 3, 3, 3))
+    x = mx.nd.random.uniform(shape=(2, 4, 6, 6))
+    w = mx.nd.random.uniform(shape=(4, 4, 3, 3))
     with gluon_amp.autocast("bfloat16"):
         y = mx.nd.Convolution(x, w, kernel=(3, 3), num_filter=4, no_bias=True)
         assert y.dtype == BFLOAT16
@@ -253,7 +253,7 @@ def test_symbol_api_with_auto_created_weights():
 
 def test_warns_once_when_a_graph_cached_before_init_runs():
     net = make_net()
-    x = mx.nd.ones((1, 3, 8, 8))
+    x = mx.nd.ones((1, 4, 8, 8))
     net(x)
     gluon_amp.init("bfloat16", emulate=True)
     with pytest.warns(RuntimeWarning, match=f"{net.name}.*hybridize"):
@@ -270,7 +270,7 @@ def test_warns_once_when_a_graph_cached_before_init_runs():
 def test_keep_batchnorm_fp32_graph_runs(native_host):
     with gluon_amp.autocast("bfloat16", keep_batchnorm_fp32=True):
         net = make_net()
-        out = net(mx.nd.ones((2, 3, 8, 8)))
+        out = net(mx.nd.ones((2, 4, 8, 8)))
         assert out.dtype == np.float32
 
 
@@ -297,7 +297,7 @@ def test_prelu_after_low_precision_conv_types_in_a_training_graph():
 
 
 def test_prelu_after_conv_runs_imperatively_in_bf16(native_host):
-    x = mx.nd.random.uniform(shape=(2, 3, 8, 8))
+    x = mx.nd.random.uniform(shape=(2, 4, 8, 8))
     ref = _conv_prelu_net()(x).asnumpy()
     with gluon_amp.autocast("bfloat16"):
         out = _conv_prelu_net()(x)

@@ -43,7 +43,7 @@ def test_the_simulation_plants_a_native_host_and_leaves_the_machine_as_it_was():
 
 def test_a_simulated_bfloat16_convolution_is_a_float32_one_rounded_with_native_dtypes_and_gradients():
     rng = np.random.RandomState(0)
-    x32, w32 = rng.uniform(-1, 1, (2, 3, 6, 6)).astype("float32"), rng.uniform(-1, 1, (4, 3, 3, 3)).astype("float32")
+    x32, w32 = rng.uniform(-1, 1, (2, 4, 6, 6)).astype("float32"), rng.uniform(-1, 1, (4, 4, 3, 3)).astype("float32")
     with runtime.simulate_native_bf16():
         x = mx.nd.amp_cast(mx.nd.array(x32), dtype=BFLOAT16)
         w = mx.nd.amp_cast(mx.nd.array(w32), dtype=BFLOAT16)
@@ -72,7 +72,7 @@ def test_a_simulated_optimizer_update_writes_its_bfloat16_state_in_place():
 
 
 def test_a_simulated_native_init_gives_native_dtypes_report_and_runs_the_graph_emulated():
-    x = mx.nd.random.uniform(-1, 1, shape=(2, 3, 8, 8))
+    x = mx.nd.random.uniform(-1, 1, shape=(2, 4, 8, 8))
     with runtime.simulate_native_bf16():
         gluon_amp.init(target_dtype="bfloat16", tune=False)
         net = gluon.nn.HybridSequential()

@@ -48,7 +48,7 @@ def narrow_net(seed):
     return net
 
 
-X = mx.nd.random.uniform(-1, 1, shape=(4, 3, 4, 4), ctx=mx.cpu())
+X = mx.nd.random.uniform(-1, 1, shape=(4, 4, 4, 4), ctx=mx.cpu())
 Y = mx.nd.array([1, 3, 5, 7])
 NARROW_CONV = 2  # index in narrow_net of the convolution on the 1x1 map
 
@@ -129,7 +129,7 @@ def test_imperative_narrow_convolution_gets_a_clean_weight_gradient(native_host)
 def test_a_block_called_narrower_later_is_rebuilt_and_loses_no_step(native_host):
     gluon_amp.init(target_dtype="bfloat16")
     net = narrow_net(1)
-    net(mx.nd.ones((2, 3, 8, 8)))  # 8 -> 4 -> 2 -> 1: no map narrower than a stride
+    net(mx.nd.ones((2, 4, 8, 8)))  # 8 -> 4 -> 2 -> 1: no map narrower than a stride
     assert {dtype for dtype, _ in conv_plan(net)} == {"bfloat16"}
     with dirty_heap():
         losses, scaler = train(net, 3, scaled=True)  # 4x4 inputs: the last convolution is narrow
