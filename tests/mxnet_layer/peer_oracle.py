@@ -80,10 +80,10 @@ def g_user_amp_cast() -> mx.sym.Symbol:
 
 
 GRAPHS = {
-    "conv_bn_relu_fc_softmax": (g_conv_bn_relu_fc_softmax, {"data": (2, 3, 8, 8)}, {}),
-    "conv_prelu": (g_conv_prelu, {"data": (2, 3, 8, 8)}, {}),
-    "conv_fc_conv_only": (g_conv_fc, {"data": (2, 3, 8, 8)}, {"target_dtype_ops": ["Convolution"]}),
-    "slice_like": (g_slice_like, {"data": (2, 3, 8, 8)}, {}),
+    "conv_bn_relu_fc_softmax": (g_conv_bn_relu_fc_softmax, {"data": (2, 4, 8, 8)}, {}),
+    "conv_prelu": (g_conv_prelu, {"data": (2, 4, 8, 8)}, {}),
+    "conv_fc_conv_only": (g_conv_fc, {"data": (2, 4, 8, 8)}, {"target_dtype_ops": ["Convolution"]}),
+    "slice_like": (g_slice_like, {"data": (2, 4, 8, 8)}, {}),
     "gather_nd": (g_gather_nd, {"data": (4, 5), "indices": (1, 2)}, {}),
     "explicit_cast": (g_explicit_cast, {"data": (2, 5)}, {}),
     "user_amp_cast": (g_user_amp_cast, {"data": (2, 5)}, {}),
@@ -152,7 +152,7 @@ def run_gluon_net(kind: str) -> "mx.gluon.HybridBlock":
     net = gluon_net(kind)
     net.initialize(mx.init.Xavier())
     net.hybridize()
-    net(mx.nd.ones((2, 3, 8, 8)))
+    net(mx.nd.ones((2, 4, 8, 8)))
     mx.nd.waitall()
     return net
 

@@ -42,7 +42,7 @@ class Attention(gluon.HybridBlock):
     def __init__(self):
         super().__init__()
         with self.name_scope():
-            self.conv = gluon.nn.Conv2D(8, 1, in_channels=3)
+            self.conv = gluon.nn.Conv2D(8, 1, in_channels=4)
 
     def hybrid_forward(self, F, x):
         q = self.conv(x).reshape((0, 0, -1))
@@ -107,7 +107,7 @@ def test_batch_dot_of_bfloat16_inputs_runs_float32():
 @pytest.mark.parametrize("emulate", [False, True])
 def test_converted_attention_feeds_batch_dot_float32(emulate):
     net = _net(Attention)
-    x = mx.nd.random.normal(shape=(1, 3, 8, 8))
+    x = mx.nd.random.normal(shape=(1, 4, 8, 8))
     ref = net(x).asnumpy()
     cb = gluon_amp.convert_hybrid_block(net, "bfloat16", emulate=emulate)
     rows = _rows(cb)

@@ -80,7 +80,7 @@ def _conv_model():
     data = mx.sym.var("data")
     sym = mx.sym.Convolution(data, num_filter=4, kernel=(3, 3), name="conv")
     rng = np.random.RandomState(1)
-    args = {"conv_weight": mx.nd.array(rng.randn(4, 3, 3, 3) * 0.3), "conv_bias": mx.nd.array(rng.randn(4) * 0.1)}
+    args = {"conv_weight": mx.nd.array(rng.randn(4, 4, 3, 3) * 0.3), "conv_bias": mx.nd.array(rng.randn(4) * 0.1)}
     return sym, args
 
 
@@ -97,7 +97,7 @@ def test_simple_bind_of_a_convert_model_bfloat16_result_runs_emulated():
     """MXNet's imagenet_inference.py pattern under --emulate: convert_model to bfloat16 (its
     parameters stored in bfloat16), then an executor and a Module bound from the result."""
     sym, args = _conv_model()
-    x = mx.nd.array(np.random.RandomState(2).randn(2, 3, 8, 8))
+    x = mx.nd.array(np.random.RandomState(2).randn(2, 4, 8, 8))
     ref = _fp32_conv(sym, args, x)
     gluon_amp.init(target_dtype="bfloat16", emulate=True)
     s, a, aux = gluon_amp.convert_model(sym, args, {}, target_dtype="bfloat16", cast_optional_params=True)
@@ -116,7 +116,7 @@ def test_simple_bind_of_a_convert_model_bfloat16_result_runs_emulated():
 
 def test_a_convert_model_result_asked_emulated_runs_emulated_when_bound_without_init():
     sym, args = _conv_model()
-    x = mx.nd.array(np.random.RandomState(2).randn(2, 3, 8, 8))
+    x = mx.nd.array(np.random.RandomState(2).randn(2, 4, 8, 8))
     ref = _fp32_conv(sym, args, x)
     s, a, aux = gluon_amp.convert_model(sym, args, {}, target_dtype="float16", emulate=True)
     assert not any(ROUND_SUFFIX in n["name"] for n in json.loads(s.tojson(remove_amp_cast=False))["nodes"])

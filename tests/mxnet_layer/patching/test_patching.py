@@ -278,7 +278,7 @@ def _conv_prelu_net():
     from mxnet.gluon import nn
     mx.random.seed(0)
     net = nn.HybridSequential()
-    net.add(nn.Conv2D(4, 3, in_channels=3), nn.PReLU(), nn.Dense(2, in_units=144))
+    net.add(nn.Conv2D(4, 3, in_channels=4), nn.PReLU(), nn.Dense(2, in_units=144))
     net.initialize(mx.init.Xavier())
     return net
 

@@ -46,7 +46,7 @@ def _conv_bn_fc():
                           fix_gamma=False, name="bn")
     fc = mx.sym.FullyConnected(bn, num_hidden=10, name="fc")
     mod = mx.mod.Module(fc, data_names=["data"], label_names=None, context=mx.cpu())
-    mod.bind(data_shapes=[("data", (1, 3, 8, 8))], for_training=False)
+    mod.bind(data_shapes=[("data", (1, 4, 8, 8))], for_training=False)
     mod.init_params()
     arg, aux = mod.get_params()
     return fc, arg, aux
