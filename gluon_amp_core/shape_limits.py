@@ -96,19 +96,21 @@ def _every(values: Tuple[int, ...], want: Optional[int]) -> bool:
 
 @dataclass(frozen=True)
 class OddChannelsRule:
-    """Float32 where an ungrouped op's data input has an odd number of channels below
-    ``below`` (an image's 3, a grayscale map's 1)."""
+    """Float32 where an ungrouped op's data input, a map of one of ``ranks`` spatial axes, has
+    an odd number of channels below ``below`` (an image's 3, a grayscale map's 1)."""
 
     below: int
+    ranks: Tuple[int, ...] = (2, 3)
 
     def applies(self, shape: Shape, attrs: Mapping[str, object]) -> bool:
-        if not shape or len(shape) < 3 or not _every(_ints(attrs.get("num_group")) or (1,), 1):
+        if not shape or len(shape) - 2 not in self.ranks or not _every(_ints(attrs.get("num_group")) or (1,), 1):
             return False
         channels = shape[-1] if str(attrs.get("layout", "")).upper() in _CHANNELS_LAST else shape[1]
         return 0 < channels < self.below and channels % 2 == 1
 
     def describe(self) -> str:
-        return f"its data input has an odd number of channels below {self.below} (no group)"
+        ranks = " or ".join(f"{r}-d" for r in self.ranks)
+        return f"its data input ({ranks}) has an odd number of channels below {self.below} (no group)"
 
 
 ShapeRule = NarrowRule | OutputPixelsRule | OddChannelsRule

@@ -366,8 +366,8 @@ def build_table(
     for n, kernel, stride, channel_multiple, plain, pixels in data.FP32_AT_OUTPUT_PIXELS:
         narrow[n] = narrow.get(n, ()) + (OutputPixelsRule(frozenset(pixels), kernel, stride, channel_multiple,
                                                           plain),)
-    for n, below in data.FP32_WITH_ODD_CHANNELS_BELOW:
-        narrow[n] = narrow.get(n, ()) + (OddChannelsRule(below),)
+    for n, below, ranks in data.FP32_WITH_ODD_CHANNELS_BELOW:
+        narrow[n] = narrow.get(n, ()) + (OddChannelsRule(below, tuple(ranks)),)
     unknown = sorted(set(narrow) - set(classes))
     if unknown:
         raise ValueError(f"op table for {target_dtype} has input-shape rules for ops it does not "

@@ -106,7 +106,7 @@ FP32_AT_OUTPUT_PIXELS = (
 )
 
 # Low-precision ops that run in float32 where their data input has an odd number of channels
-# below this one, and the op no group: (op, bound). Convolution: oneDNN 2.4.4's bfloat16
+# below this one, and the op no group: (op, bound, spatial ranks). Convolution: oneDNN 2.4.4's bfloat16
 # convolution on AVX512-BF16 (Zen 4, Xeons without AMX) runs a GEMM on plain arrays for such
 # channel counts (an image's 3, a grayscale map's 1), in inference and training alike, where its
 # float32 kernel blocks them; the batch norm after it then runs oneDNN's reference kernel, and
@@ -115,9 +115,12 @@ FP32_AT_OUTPUT_PIXELS = (
 # 8.0 s with them in float32. Measured by scans of channel counts 1-96 (kernels chosen, 1-, 2-
 # and 3-d; training time of a convolution, batch norm and pooling): docs/speed.md, "A first
 # convolution on an image's channels". Such convolutions are a network's first, a few per cent
-# of its work. A fact of MXNet's kernels: a plan typed here runs the same way elsewhere.
+# of its work. A fact of MXNet's kernels: a plan typed here runs the same way elsewhere. Images
+# and videos only (2-d, 3-d): a sequence's first Conv1D (WaveNet's, on 1 channel) feeds a
+# residual stream, not a batch norm, and in float32 its value rode every block's sum, with casts
+# around each block's convolutions: WaveNet trained at 0.75x the peer (docs/speed.md).
 FP32_WITH_ODD_CHANNELS_BELOW = (
-    ("Convolution", 16),
+    ("Convolution", 16, (2, 3)),
 )
 
 # Run in the widest float type among the inputs.

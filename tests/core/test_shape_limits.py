@@ -181,19 +181,24 @@ def test_odd_channels_rule_is_exactly_odd_counts_below_its_bound_on_ungrouped_op
     """The kernel scan's classes: bfloat16's kernel blocks even counts below 16 and multiples of
     16; float32's blocks every count below 16. The rule is where the two differ below 16."""
     rule = OddChannelsRule(16)
+    assert rule.ranks == (2, 3)  # images and videos; a sequence's first Conv1D feeds a residual stream
     for c in range(1, 200):
         bf16_blocks = (c < 16 and c % 2 == 0) or c % 16 == 0
         want = c < 16 and not bf16_blocks
         for shape, layout in [((2, c, 9, 9), None), ((2, 9, 9, c), "NHWC"), ((2, c, 40), None),
                               ((1, c, 3, 4, 5), None), ((1, 3, 4, 5, c), "NDHWC")]:
             attrs = _attrs(kernel=(3,) * (len(shape) - 2), layout=layout)
-            assert rule.applies(shape, attrs) is want, (c, shape, layout)
+            assert rule.applies(shape, attrs) is (want and len(shape) > 3), (c, shape, layout)
+            assert OddChannelsRule(16, (1,)).applies(shape, attrs) is (want and len(shape) == 3), (c, shape)
             assert not rule.applies(shape, {**attrs, "num_group": str(c)}) or c == 1, (c, shape)
     assert not rule.applies(None, _attrs()) and not rule.applies((2, 3), _attrs())
 
 
 def test_the_bfloat16_table_keeps_a_first_convolution_on_an_images_channels_float32():
     table = default_table("bfloat16")
+    d = decide("Convolution", _attrs(kernel=(1,), stride=(1,), pad=(0,)), ["float32", "float32"], table,
+               input_shapes=[(32, 1, 512), None])
+    assert d.dtype == "bfloat16"  # WaveNet's input Conv1D on 1 channel stays low
     for channels, want in [(3, "float32"), (1, "float32"), (4, "bfloat16"), (64, "bfloat16")]:
         d = decide("Convolution", _attrs(kernel=(7, 7), stride=(2, 2), pad=(3, 3)), ["float32", "float32"], table,
                    input_shapes=[(8, channels, 224, 224), None])
