@@ -401,6 +401,8 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
     policy = policy_for(block)
     if policy is None and not runtime.simulated():
         return plan
+    # before a simulated host's stand-ins: a real host stores those low
+    converted_casts = _reads_params_through_casts(block, plan)
     stand_in = getattr(block, "float32_stand_in_params", ())
     if stand_in:  # held float32 for the float32 graph: the plan reads them through casts
         graph = params_read_through_casts(mxi.symbol_graph(plan), stand_in)
@@ -419,8 +421,8 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
         block.runs_float32_stand_in = faster is not None  # it may store its weights float32 for it
     if float32:
         _FLOAT32_RUNS.add(block)
-    elif run is not plan and policy is not None and policy.enabled and not policy.emulate \
-            and _remembered(block) is None and stores_casts() and mxi.casts_storable():
+    elif (converted_casts if _remembered(block) is not None else run is not plan) and policy is not None \
+            and policy.enabled and not policy.emulate and stores_casts() and mxi.casts_storable():
         # the partial holds no reference to the block: the weak dictionary's entry dies with it
         _FORWARD_ONLY[block] = functools.partial(_forward_only_graph, f"block {block.name!r}",
                                                  frozenset(block.collect_params().keys()),
@@ -429,6 +431,15 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
         plan_notes.record_emulated(block, {name: t for (name, i), t in typed.items()
                                            if i == 0 and t in LOW_PRECISION_DTYPES})
     return run
+
+
+def _reads_params_through_casts(block: HybridBlock, plan: Symbol) -> bool:
+    """Whether ``block``, a converter's result, reads parameters through casts to a low dtype: a
+    numpy-mode block's weights stay float32 (1.9.1's ``mx.np`` has no bfloat16), or
+    ``cast_optional_params=False``. Its fused ops then prepare each weight again at every
+    call; a ResNet-50 in numpy mode, batch 1: 63 ms a call, 48 on stored casts (docs/speed.md)."""
+    return _remembered(block) is not None and \
+        bool(params_stored_low(mxi.symbol_graph(plan), frozenset(block.collect_params().keys()))[1])
 
 
 #: Environment variable that turns stored casts off (``0``, ``off``, ``false``, ``no``): every

@@ -621,9 +621,9 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     ``cast_optional_params`` (default: on where the block is fused, as the deployment CLI's
     default, except for a numpy-mode block: MXNet 1.9.1's ``mx.np`` has no bfloat16) stores
     the parameters that only low-precision ops read in the target dtype: a fused op caches
-    its weights only when they are stored so; a cast of a weight in the graph runs on every
-    call and makes the fused op rebuild them (a fused ResNet-50 with ``False`` runs at FP32's
-    speed: docs/speed.md). Other arguments as for :func:`convert_symbol`.
+    its weights only when they are stored so. Where they stay float32, the calls that record
+    nothing run on their casts made once (again once a weight is written), and a call that
+    records casts them in its graph (docs/speed.md). Other arguments as for :func:`convert_symbol`.
     The result's ``export`` keeps the cast nodes, and its ``amp_result`` holds the pass's
     per-node decisions (read by ``report``).
     ``emulate=True`` runs the plan emulated in float32 (never fused) when the block runs: on
@@ -681,8 +681,6 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     out.amp_result, out.fuse_backend, out.fuse_asked = result, backend, fuse is True
     out.amp_fallbacks = tuple(fallbacks)
     out.amp_speed_rule = policy.tune and input_shapes is None and not policy.emulate  # tune=None: $GLUON_AMP_TUNE
-    if defaulted and cast_optional_params:
-        out.stored_low_by_default = tuple(sorted(n for n, t in result.param_dtypes.items() if t != "float32"))
     if defaulted and cast_optional_params:
         out.stored_low_by_default = tuple(sorted(n for n, t in result.param_dtypes.items() if t != "float32"))
     for why in fallbacks:

@@ -10,6 +10,11 @@ others to a second one, built at the first such call, whose graph reads those pa
 their low dtype, fed from :class:`StoredCasts`, which casts a parameter again once its array
 was written (:func:`.versions.write_count`) or replaced.
 
+A converter's result that reads float32 parameters through casts (a numpy-mode block's
+default: 1.9.1's ``mx.np`` has no bfloat16; or ``cast_optional_params=False``) runs so too; where
+it is fused, that graph is partitioned by the block's backend on the stored casts, so a fused
+op keeps the weights it prepared between calls.
+
 Only until the block's first call that records: from then on every call runs on the training
 CachedOp, as without this. A block that trains holds that CachedOp's memory already, and a
 second graph's (its own activations and the stored casts) would add to its peak (ResNet-50,
@@ -114,7 +119,7 @@ class ForwardOnly:
                               f"nothing: its graph for such calls could not be made ({error}); "
                               f"GLUON_AMP_STORED_CASTS=0 skips trying", RuntimeWarning, stacklevel=3)
                 made = None
-            self._run = _forward_run(block, self._names, made)
+            self._run = _forward_run(block, self._names, made, args)
         if self._run is None:
             return self.training(*args)
         return self._run(args)
@@ -127,29 +132,52 @@ class ForwardOnly:
 
 
 class _ForwardRun:
-    def __init__(self, op: Any, positions: List[Tuple[int, str]], casts: StoredCasts) -> None:
-        self.op, self.positions, self.casts = op, positions, casts
+    """The graph for calls that record nothing: its input ``j`` is the training CachedOp's
+    input ``order[j]``; ``positions`` ``(j, dtype)`` are fed stored casts (keyed by ``order[j]``)."""
+
+    def __init__(self, op: Any, order: List[int], positions: List[Tuple[int, str]], casts: StoredCasts) -> None:
+        self.op, self.order, self.positions, self.casts = op, order, positions, casts
 
     def __call__(self, args: tuple) -> Any:
-        fed = list(args)
-        for k, dtype in self.positions:
-            fed[k] = self.casts.get(k, fed[k], dtype)
+        fed = [args[k] for k in self.order]
+        for j, dtype in self.positions:
+            fed[j] = self.casts.get(self.order[j], fed[j], dtype)
         return self.op(*fed)
 
 
-def _forward_run(block: HybridBlock, names: List[str], made: Optional[Made]) -> Optional[_ForwardRun]:
-    """The CachedOp of ``made``'s graph with the block's flags, where its inputs are the
-    training graph's ``names`` in order (1.9.1 ``_build_cache``: ``data_indices`` and
-    ``param_indices`` by ``block._cached_op_args``), else None."""
+def _forward_run(block: HybridBlock, names: List[str], made: Optional[Made], args: tuple) -> Optional[_ForwardRun]:
+    """The CachedOp of ``made``'s graph with the block's flags, where the training CachedOp's
+    inputs are ``names`` in order (1.9.1 ``_build_cache``: ``data_indices`` and ``param_indices``
+    by ``block._cached_op_args``) and ``args`` its first call's, else None. A block hybridized
+    with a backend gets that graph partitioned by it, as ``_build_cache`` partitions its own,
+    on the stored casts: a fused op then keeps the weights it prepared between calls."""
     if made is None:
         return None
     graph, low, make_cast = made
     roles = block._cached_op_args
-    if graph.list_inputs() != names or len(roles) != len(names):
+    if len(roles) != len(names) or len(args) != len(names) or sorted(graph.list_inputs()) != sorted(names):
         return None
-    positions = [(k, low[n]) for k, n in enumerate(names) if n in low and not roles[k][0]]
+    index = {n: k for k, n in enumerate(names)}
+    casts = StoredCasts(make_cast)
+
+    def fed(name: str) -> Any:
+        k = index[name]
+        return casts.get(k, args[k], low[name]) if name in low and not roles[k][0] else args[k]
+
+    if block._backend:
+        arrays = [a for a in args if isinstance(a, mx.nd.NDArray)]
+        graph = graph.optimize_for(block._backend, {n: fed(n) for n in graph.list_arguments()},
+                                   {n: fed(n) for n in graph.list_auxiliary_states()},
+                                   arrays[0].context if arrays else None, **block._backend_opts)
+        if mx.util.is_np_array():  # as _build_cache: the CachedOp returns mx.np arrays
+            graph = graph.as_np_ndarray()
+    own = graph.list_inputs()
+    if any(n not in index for n in own):  # the backend added an input: not the training graph's
+        return None
+    order = [index[n] for n in own]
+    positions = [(j, low[n]) for j, n in enumerate(own) if n in low and not roles[order[j]][0]]
     if not positions:
         return None
-    flags = [("data_indices", [k for k, (is_arg, _) in enumerate(roles) if is_arg]),
-             ("param_indices", [k for k, (is_arg, _) in enumerate(roles) if not is_arg])] + list(block._flags)
-    return _ForwardRun(mx.nd.CachedOp(graph, flags), positions, StoredCasts(make_cast))
+    flags = [("data_indices", [j for j, k in enumerate(order) if roles[k][0]]),
+             ("param_indices", [j for j, k in enumerate(order) if not roles[k][0]])] + list(block._flags)
+    return _ForwardRun(mx.nd.CachedOp(graph, flags), order, positions, casts)

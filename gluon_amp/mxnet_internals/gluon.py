@@ -742,8 +742,8 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
     rebuilds the CachedOps of the blocks that hold it.
     Blocks built inside :func:`hooks_paused` pass untouched. Where ``forward_only(block)``,
     asked once ``for_block`` returned, gives a ``make`` (:class:`ForwardOnly`), the block's calls
-    that record nothing run on the graph it makes, with parameter casts made once; not for a
-    block partitioned by a backend, whose CachedOp reads the graph MXNet partitioned."""
+    that record nothing run on the graph it makes, with parameter casts made once (a block
+    hybridized with a backend: that graph partitioned by it too)."""
 
     def _build_cache(self: HybridBlock, *args: Any) -> Any:
         if _paused.depth:
@@ -754,7 +754,7 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
             run = for_block(self, args, graph, inputs)
         if run is graph:
             _EXECUTED.pop(self, None)
-            return _BUILD_CACHE(self, *args)
+            return _forward_only_too(self, _BUILD_CACHE(self, *args), inputs)
         run = like_frontend(graph, run)  # the CachedOp returns what the block's own graph would
         given = _RUN_GRAPHS.get(self)
         saved = self._cached_graph
@@ -769,9 +769,13 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
                 _RUN_GRAPHS[self] = given
             self._cached_graph = saved
             _EXECUTED[self] = run
-        make = forward_only(self) if forward_only is not None and not self._backend else None
-        if make is not None:
-            self._cached_op = ForwardOnly(self._cached_op, self, run.list_inputs(), make)
+        return _forward_only_too(self, built, inputs)
+
+    def _forward_only_too(block: HybridBlock, built: Any, inputs: Sequence[Symbol]) -> Any:
+        make = forward_only(block) if forward_only is not None else None
+        if make is not None:  # the CachedOp's inputs, by the roles _build_cache gave them
+            names = [inputs[k].name if is_data else k.name for is_data, k in block._cached_op_args]
+            block._cached_op = ForwardOnly(block._cached_op, block, names, make)
         return built
 
     def simple_bind(self: Symbol, ctx: Any, grad_req: Any = "write", type_dict: Any = None,

@@ -133,15 +133,55 @@ def test_the_first_call_that_records_ends_the_stored_casts(native_host):
     assert _stored(net) == 0
 
 
-def test_a_block_without_init_or_converted_stores_nothing(native_host):
-    """Without a policy there is no cast to store; a converted block stores its parameters low."""
+def test_a_block_without_init_or_converted_low_stores_nothing(native_host):
+    """Without a policy there is no cast to store; a block converted with its parameters
+    stored low reads none through a cast."""
     net, _ = _pair(True)
     x = mx.nd.random.uniform(-1, 1, shape=(2, 4, 8, 8))
     net(x)
     assert not isinstance(net._cached_op, ForwardOnly)
-    converted = gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16")
+    converted = gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16", cast_optional_params=True)
     converted(x)
     assert not isinstance(converted._cached_op, ForwardOnly)
+
+
+def _residual(prefix):
+    net = gluon.nn.HybridSequential(prefix=prefix)
+    with net.name_scope():
+        net.add(gluon.nn.Conv2D(8, 3, padding=1, use_bias=False), gluon.nn.BatchNorm(),
+                gluon.nn.Activation("relu"), gluon.nn.Conv2D(8, 3, padding=1), gluon.nn.Dense(5))
+    return net
+
+
+@pytest.mark.parametrize("numpy_mode", [True, False], ids=["numpy", "legacy"])
+def test_a_converted_block_on_float32_weights_runs_on_their_stored_casts(native_host, numpy_mode):
+    """A converter's result that keeps float32 weights (numpy mode's default: 1.9.1's mx.np has
+    no bfloat16; or ``cast_optional_params=False``) casts them once for the calls that record
+    nothing, fused or not, and again once one is written. Its twin, another conversion of the
+    same block, runs its training graph (a recording call), which casts them at every call."""
+    if numpy_mode:
+        npx.set_np()
+    try:
+        mx.random.seed(0)
+        net = _residual("fc_")
+        net.initialize(mx.init.Xavier())
+        net.hybridize(static_alloc=True, static_shape=True)
+        rand = np.random.RandomState(0).uniform(-1, 1, (2, 4, 8, 8)).astype("float32")
+        x = mx.np.array(rand) if numpy_mode else mx.nd.array(rand)
+        net(x)
+        kept = {} if numpy_mode else {"cast_optional_params": False}
+        block, twin = (gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16", **kept) for _ in range(2))
+        for _ in range(2):  # the twin's first recording call ends its own stored casts
+            out = block(x)
+            assert isinstance(out, mx.np.ndarray if numpy_mode else mx.nd.NDArray)
+            assert isinstance(block._cached_op, ForwardOnly)
+            assert _stored(block) == len([n for n in block.collect_params().keys() if "batchnorm" not in n])
+            np.testing.assert_allclose(out.asnumpy(), _recorded(twin, x).asnumpy(), rtol=1e-6, atol=1e-6)
+            for b in (block, twin):  # a weight written: its cast is made again
+                w = b.collect_params()[sorted(n for n in b.collect_params().keys() if n.endswith("weight"))[0]]
+                w.set_data(w.data() * -2)
+    finally:
+        npx.reset_np()
 
 
 def test_numpy_mode_gives_numpy_arrays_from_stored_casts(native_host):
