@@ -2,6 +2,7 @@
 
     python benchmarks/init_inference.py                        # every net, bfloat16, 2 rounds
     python benchmarks/init_inference.py --nets resnet50-b1 --rounds 3 --json out.json
+    python benchmarks/init_inference.py --nets resnet50-b8,np-resnet50-b8 --modes fp32,convert-default
 
 A hybridized block (``static_alloc=True, static_shape=True``) called outside
 ``autograd.record`` under ``init(target_dtype, tune=False)`` runs on casts of its parameters
@@ -10,7 +11,9 @@ made once, re-made when a parameter is written (``gluon_amp.mxnet_internals.forw
 a process of its own, modes back to back within a round: ``fp32`` (no gluon_amp),
 ``init-every-call`` (the environment variable set), ``init`` (the default) and ``convert``
 (``convert_hybrid_block``, parameters stored low, ``fuse=False`` so as to compare the same
-graph). Reported: the median call time over rounds of each process's median, peak RSS
+graph); with ``--modes``, also ``convert-default`` (``convert_hybrid_block`` with its defaults:
+fused on a CPU, weights stored low except in numpy mode, where they stay float32 and are cast
+once for the calls that record nothing). Reported: the median call time over rounds of each process's median, peak RSS
 (``VmHWM``) and each against FP32. ``tune=False``: the plan as it is, not the per-graph
 verdict (which may run a graph float32 where its plan is slower on this host).
 
@@ -19,7 +22,9 @@ Nets (random weights, seed 0):
 - ``convs-b1``: 8 3x3 convolutions of 256 channels at 7x7, batch 1 (weights 4.7M elements,
   0.23 GFLOP: the case where casting the weights is most of the work);
 - ``ffn-b1``: a transformer's feed-forward stack, 4 x (Dense 768->3072, GELU, Dense 3072->768)
-  on 1 x 32 tokens.
+  on 1 x 32 tokens;
+- ``np-resnet50-b1``, ``np-resnet50-b8`` (only with ``--nets``): the ResNet-50s in numpy mode
+  (``mx.npx.set_np()``, d2l's frontend), whose sums and relus are numpy's ops.
 """
 from __future__ import annotations
 
@@ -36,17 +41,23 @@ import _numpy_shim  # noqa: F401  first: numpy aliases MXNet needs (benchmarks/ 
 from _report import emit, host_info, own_peak_rss_mb
 
 MODES = ("fp32", "init-every-call", "init", "convert")
+ALL_MODES = MODES + ("convert-default",)
 NETS = ("resnet50-b1", "resnet50-b8", "convs-b1", "ffn-b1")
+ALL_NETS = NETS + ("np-resnet50-b1", "np-resnet50-b8")
 
 
 def _net(name: str) -> tuple:
     import mxnet as mx
     from mxnet import gluon
     mx.random.seed(0)
-    if name.startswith("resnet50"):
+    if name.startswith("np-"):
+        mx.npx.set_np()
+    if "resnet50" in name:
         from mxnet.gluon.model_zoo import vision
         net = vision.resnet50_v1()
-        x = mx.nd.random.uniform(-1, 1, shape=(int(name.split("-b")[1]), 3, 224, 224))
+        shape = (int(name.split("-b")[1]), 3, 224, 224)
+        x = mx.np.random.uniform(-1, 1, size=shape) if name.startswith("np-") else \
+            mx.nd.random.uniform(-1, 1, shape=shape)
     elif name == "convs-b1":
         net = gluon.nn.HybridSequential()
         for _ in range(8):
@@ -58,7 +69,7 @@ def _net(name: str) -> tuple:
             net.add(gluon.nn.Dense(3072, flatten=False), gluon.nn.GELU(), gluon.nn.Dense(768, flatten=False))
         x = mx.nd.random.uniform(-1, 1, shape=(1, 32, 768))
     else:
-        raise ValueError(f"unknown net {name!r}: choose from {', '.join(NETS)}")
+        raise ValueError(f"unknown net {name!r}: choose from {', '.join(ALL_NETS)}")
     net.initialize(mx.init.Xavier())
     return net, x
 
@@ -75,6 +86,8 @@ def child(name: str, mode: str, target: str, calls: int) -> Dict[str, Any]:
     if mode == "convert":
         net = gluon_amp.convert_hybrid_block(net, target_dtype=target, fuse=False, tune=False)
         net.hybridize(static_alloc=True, static_shape=True)
+    elif mode == "convert-default":
+        net = gluon_amp.convert_hybrid_block(net, target_dtype=target, tune=False)
     for _ in range(3):
         net(x).wait_to_read()
     times = []
@@ -99,10 +112,10 @@ def _run_child(name: str, mode: str, args: argparse.Namespace) -> Dict[str, Any]
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     load = os.getloadavg()
-    runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {n: {m: [] for m in MODES} for n in args.nets}
+    runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {n: {m: [] for m in args.modes} for n in args.nets}
     for r in range(args.rounds):
         for n in args.nets:
-            for m in MODES:
+            for m in args.modes:
                 res = _run_child(n, m, args)
                 runs[n][m].append(res)
                 print(f"round {r + 1}/{args.rounds} {n:<12} {m:<16} {res['ms']:8.2f} ms  "
@@ -111,20 +124,20 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     for n in args.nets:
         summary[n] = {m: {"ms": statistics.median(x["ms"] for x in runs[n][m]),
                           "peak_rss_mb": statistics.median(x["peak_rss_mb"] for x in runs[n][m]),
-                          "stored_casts": runs[n][m][-1]["stored_casts"]} for m in MODES}
-        base = summary[n]["fp32"]
+                          "stored_casts": runs[n][m][-1]["stored_casts"]} for m in args.modes}
+        base = summary[n].get("fp32")
         for s in summary[n].values():
-            s["time_vs_fp32"] = s["ms"] / base["ms"]
-            s["memory_vs_fp32"] = s["peak_rss_mb"] / base["peak_rss_mb"]
+            s["time_vs_fp32"] = s["ms"] / base["ms"] if base else float("nan")
+            s["memory_vs_fp32"] = s["peak_rss_mb"] / base["peak_rss_mb"] if base else float("nan")
     return {"host": host_info(), "target_dtype": args.target_dtype, "rounds": args.rounds, "calls": args.calls,
             "load_before": load, "load_after": os.getloadavg(), "summary": summary, "runs": runs}
 
 
 def format_table(doc: Dict[str, Any]) -> str:
-    lines = [f"{'net':<12} {'mode':<16} {'ms/call':>8} {'vs FP32':>8} {'peak MB':>8} {'vs FP32':>8} {'stored':>6}"]
+    lines = [f"{'net':<14} {'mode':<16} {'ms/call':>8} {'vs FP32':>8} {'peak MB':>8} {'vs FP32':>8} {'stored':>6}"]
     for n, modes in doc["summary"].items():
         for m, s in modes.items():
-            lines.append(f"{n:<12} {m:<16} {s['ms']:>8.2f} {s['time_vs_fp32']:>7.2f}x {s['peak_rss_mb']:>8.0f} "
+            lines.append(f"{n:<14} {m:<16} {s['ms']:>8.2f} {s['time_vs_fp32']:>7.2f}x {s['peak_rss_mb']:>8.0f} "
                          f"{s['memory_vs_fp32']:>7.2f}x {s['stored_casts']:>6}")
     h = doc["host"]
     lines.append(f"target {doc['target_dtype']}; host flags {' '.join(h['flags'])}, DNNL_MAX_CPU_ISA="
@@ -136,7 +149,8 @@ def format_table(doc: Dict[str, Any]) -> str:
 
 def main(argv: List[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nets", default=",".join(NETS), help=f"comma separated, from {', '.join(NETS)}")
+    p.add_argument("--nets", default=",".join(NETS), help=f"comma separated, from {', '.join(ALL_NETS)}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma separated, from {', '.join(ALL_MODES)}")
     p.add_argument("--rounds", type=int, default=2, help="processes per (net, mode), modes back to back")
     p.add_argument("--calls", type=int, default=10, help="timed calls per process")
     p.add_argument("--target-dtype", default="bfloat16", choices=("bfloat16", "float16"))
@@ -147,9 +161,11 @@ def main(argv: List[str] | None = None) -> None:
         print(json.dumps(child(args.child[0], args.child[1], args.target_dtype, args.calls)))
         return
     args.nets = [n.strip() for n in args.nets.split(",") if n.strip()]
-    unknown = [n for n in args.nets if n not in NETS]
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [n for n in args.nets if n not in ALL_NETS] + [m for m in args.modes if m not in ALL_MODES]
     if unknown:
-        p.error(f"unknown net(s) {', '.join(unknown)}: choose from {', '.join(NETS)}")
+        p.error(f"unknown net(s) or mode(s) {', '.join(unknown)}: choose nets from {', '.join(ALL_NETS)}, "
+                f"modes from {', '.join(ALL_MODES)}")
     doc = run(args)
     emit(doc, format_table(doc), args.json)
 

@@ -41,6 +41,7 @@ from . import mxnet_internals as mxi, plan_notes, runtime, state
 from .emulation import emulate_symbol, round_nd
 from .gc_pause import while_gc_paused
 from .native_run import native_passes, with_batchnorms_apart
+from .same_shape_run import with_twins
 from .slow_kernels import slow_kernels_in_float32
 from .type_inference import infer_dtypes
 
@@ -408,6 +409,10 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
         graph = params_read_through_casts(mxi.symbol_graph(plan), stand_in)
         plan = mx.sym.load_json(json.dumps(graph))
     known, shapes = mxi.call_inputs(block, args, inputs)
+    # a converter's result bound outside autograd: slow ops of one shape as their fast twins (in a
+    # training graph their bfloat16 gradients reach batch norms in a layout oneDNN runs slowly)
+    plan = with_twins(block, plan, known, shapes,
+                      policy if _remembered(block) is not None and not mx.autograd.is_recording() else None)
     plan_notes.record_fed(block, known)  # report types the plan as it runs (gluon_amp.reporting)
     devices = {a.context.device_type for a in mxi.call_arrays(args) if isinstance(a, NDArray)}
     typed = plan_dtypes(plan, known)

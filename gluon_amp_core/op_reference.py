@@ -80,6 +80,10 @@ def render_table(t: OpTable) -> List[str]:
     out += [f"- `{op}` when {rule.describe()}"
             for op, rules in sorted(t.narrow_fp32.items()) for rule in rules] or ["(none)"]
     out.append("")
+    out += ["### Slow ops run as a fast twin where their inputs have one shape", ""]
+    out += [f"- `{op}` as `{twin}`" + (f" ({', '.join(f'{k}={v}' for k, v in attrs)})" if attrs else "")
+            for op, (twin, attrs) in sorted(t.same_shape_twins.items())] or ["(none)"]
+    out.append("")
     out += ["### Classes set by a conformance verdict", ""]
     out += [_verdict_line(t, key, v) for key, v in sorted(t.verdicts.items())] or ["(none)"]
     out.append("")

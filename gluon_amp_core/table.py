@@ -64,6 +64,9 @@ class OpTable:
     #: low-precision op -> the input-shape rules that keep it in float32 (its kernel's limits,
     #: :mod:`gluon_amp_core.shape_limits`)
     narrow_fp32: Mapping[str, Tuple[ShapeRule, ...]] = field(default_factory=dict)
+    #: op whose kernel is slow -> the op and attributes computing the same on inputs of one shape
+    #: (:mod:`gluon_amp_core.same_shape`)
+    same_shape_twins: Mapping[str, Tuple[str, Tuple[Tuple[str, str], ...]]] = field(default_factory=dict)
     #: op -> the conformance verdict that set its class (:mod:`gluon_amp_core.verdicts`): no kernel
     #: or wrong in the target dtype -> float32; needs uniform inputs -> the widest input type
     verdicts: Mapping[str, Verdict] = field(default_factory=dict)
@@ -368,15 +371,16 @@ def build_table(
                                                           plain),)
     for n, below, ranks in data.FP32_WITH_ODD_CHANNELS_BELOW:
         narrow[n] = narrow.get(n, ()) + (OddChannelsRule(below, tuple(ranks)),)
-    unknown = sorted(set(narrow) - set(classes))
+    twins = {op: (twin, tuple(attrs)) for op, twin, attrs in data.SAME_SHAPE_TWINS}
+    unknown = sorted((set(narrow) | set(twins) | {t for t, _ in twins.values()}) - set(classes))
     if unknown:
-        raise ValueError(f"op table for {target_dtype} has input-shape rules for ops it does not "
+        raise ValueError(f"op table for {target_dtype} has input-shape rules or twins for ops it does not "
                          f"list: {unknown}; fix the lists/{target_dtype}.py data")
     return OpTable(target_dtype=target_dtype, classes=MappingProxyType(classes),
                    conditions=MappingProxyType(conditions),
                    keep_fp32_inputs=MappingProxyType({n: frozenset(v) for n, v in data.KEEP_FP32_INPUTS.items()}),
                    aliases=MappingProxyType(aliases), narrow_fp32=MappingProxyType(narrow),
-                   verdicts=MappingProxyType(applied))
+                   same_shape_twins=MappingProxyType(twins), verdicts=MappingProxyType(applied))
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,6 +23,7 @@ from gluon_amp_core.table import ConditionalSpec, check_name_list
 from .. import execution, mxnet_internals as mxi, plan_notes, runtime
 from ..state import current_policy
 from ..policy_builder import as_policy, make_policy
+from ..same_shape_run import call_shapes, outgrown, twins_of
 from ..tuning.casts import pass_result_with_fewer_casts
 from ..tuning.schedule import tune_graph
 from ..type_inference import infer_dtypes, infer_shapes, op_types
@@ -396,6 +397,8 @@ class MixedPrecisionBlock(SymbolBlock):
         except ValueError:
             return super().__call__(*args)  # SymbolBlock says what is wrong
         flat = grouped if isinstance(grouped, list) else [grouped]
+        if twins_of(self) and outgrown(self, call_shapes(self, tuple(flat))):
+            self._clear_cached_op()  # its twins' inputs differ in shape now: bound again at these
         backend = mxi.block_backend(self)[0]
         if not backend or backend != self.fuse_backend:
             out = super().__call__(*flat)

@@ -117,6 +117,8 @@ def _beside(obj: Any) -> _Beside:
     if isinstance(result, PassResult):
         details = result.details
         notes = {n: Note(r, details.get(n, "")) for n, r in result.reasons.items()}
+        if isinstance(obj, HybridBlock):  # what its bind added (gluon_amp.same_shape_run)
+            notes.update(plan_notes.notes(obj))
         emulated = result.policy is not None and result.policy.emulate
         real = {name: str(t) for (name, k), t in result.dtypes.items() if k == 0 and t is not None}
         return _Beside(notes, real if emulated else None)

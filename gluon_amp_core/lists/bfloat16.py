@@ -123,6 +123,23 @@ FP32_WITH_ODD_CHANNELS_BELOW = (
     ("Convolution", 16, (2, 3)),
 )
 
+# Ops whose kernel in the target is slow, and the op (with these attributes) that computes the
+# same where all inputs have one shape, with a fast kernel: (op, twin, twin's attributes). MXNet
+# 1.9.1's numpy add and broadcast_add have no oneDNN kernel (their bfloat16 loops ran 7.6x and
+# 15.6x slower than float32 with its casts: lists/kernel_speed_measured_*), nor relu, the op, and
+# its numpy twin (8.5x), so the table runs them float32; elemwise_add's bfloat16 kernel is
+# oneDNN's sum, which fuses into the convolution before it, and Activation's is oneDNN's eltwise.
+# Where a graph is bound, such an op fed values of one shape from bfloat16 ops runs as its twin,
+# in bfloat16 (gluon_amp_core/same_shape.py): d2l's `npx.relu(Y + X)`; a numpy-mode ResNet-50
+# conversion, batch 8, 409 -> 292 ms. Used only where the kernel verdicts still find the op slow
+# and its twin not.
+SAME_SHAPE_TWINS = (
+    ("_npi_add", "elemwise_add", ()),
+    ("broadcast_add", "elemwise_add", ()),
+    ("_npx_relu", "Activation", (("act_type", "relu"),)),
+    ("relu", "Activation", (("act_type", "relu"),)),
+)
+
 # Run in the widest float type among the inputs.
 WIDEST = common.WIDEST + """
 _contrib_MultiBoxDetection _contrib_MultiBoxPrior _contrib_MultiBoxTarget
