@@ -32,7 +32,7 @@ from gluon_amp_core.decide import users_casts
 from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.graph_pass import params_read_through_casts, params_stored_low
 from gluon_amp_core.policy import Policy
-from gluon_amp_core.retype import cast_each_input, drop_identity_casts
+from gluon_amp_core.retype import cast_each_input, drop_identity_casts, heads_cast
 from gluon_amp_core.switches import switched_off
 from gluon_amp_core.table import kernel_verdicts
 from gluon_amp_core.verdicts import Verdict
@@ -144,25 +144,16 @@ def outputs_as_fed(plan: Symbol, typed: Mapping[Key, Optional[str]], fed: Mappin
     if len(fed_low) > 1:
         return plan  # several low dtypes fed: the plan's own outputs
     want = fed_low.pop() if fed_low else "float32"
-    graph = mxi.symbol_graph(plan)
-    nodes, heads, made = graph["nodes"], [], {}
-    for i, (j, k, v) in enumerate(graph["heads"]):
-        name = nodes[j]["name"]
+
+    def cast_to(i: int, name: str, k: int) -> Optional[str]:
         held = plan_heads[i] if plan_heads is not None and i < len(plan_heads) else None
         if held not in LOW_PRECISION_DTYPES:
             held = typed.get((name, k))
-        if held in LOW_PRECISION_DTYPES and typed.get((name, k)) != want:
-            if (j, k) not in made:
-                nodes.append({"op": "amp_cast", "name": f"{name}{OUTPUT_SUFFIX}{k}", "attrs": {"dtype": want},
-                              "inputs": [[j, k, 0]]})
-                made[(j, k)] = len(nodes) - 1
-            j, k = made[(j, k)], 0
-        heads.append([j, k, v])
-    if not made:
-        return plan
-    graph = {**graph, "nodes": nodes, "heads": heads}
-    graph.pop("node_row_ptr", None)
-    return mx.sym.load_json(json.dumps(graph))
+        return want if held in LOW_PRECISION_DTYPES and typed.get((name, k)) != want else None
+
+    graph = mxi.symbol_graph(plan)
+    cast = heads_cast(graph, cast_to, OUTPUT_SUFFIX)
+    return plan if cast is graph else mx.sym.load_json(json.dumps(cast))
 
 
 #: Ops that only convert a value's dtype: MXNet's ``amp_cast`` (and ``Cast``) convert between any float

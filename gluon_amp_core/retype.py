@@ -277,6 +277,28 @@ def drop_identity_casts(graph: dict, dtypes: Mapping[Key, Optional[str]]) -> Tup
 _WIDTH = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
+def heads_cast(graph: dict, dtype_for: Callable[[int, str, int], Optional[str]], suffix: str) -> dict:
+    """``graph`` with output ``i`` (node name, output index) cast to ``dtype_for(i, name, index)``
+    where that gives a dtype, one ``amp_cast`` named ``<name><suffix><index>`` per entry shared
+    by the outputs that are it; ``graph`` itself where none is cast."""
+    nodes, heads, made = list(graph["nodes"]), [], {}
+    for i, (j, k, v) in enumerate(graph["heads"]):
+        name = nodes[j]["name"]
+        dtype = dtype_for(i, name, k)
+        if dtype is not None:
+            if (j, k) not in made:
+                nodes.append({"op": "amp_cast", "name": f"{name}{suffix}{k}", "attrs": {"dtype": dtype},
+                              "inputs": [[j, k, 0]]})
+                made[(j, k)] = len(nodes) - 1
+            j, k = made[(j, k)], 0
+        heads.append([j, k, v])
+    if not made:
+        return graph
+    out = {**graph, "nodes": nodes, "heads": heads}
+    out.pop("node_row_ptr", None)
+    return out
+
+
 def cast_each_input(graph: dict, dtypes: Mapping[Key, Optional[str]], dtype: str) -> Tuple[dict, int]:
     """``graph`` with each ``amp_multicast`` that has an input of ``dtype`` replaced by one
     ``amp_cast`` per input, to the dtype the multicast would give them all; and how many

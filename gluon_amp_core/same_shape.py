@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Collection, Dict, Mapping, Optional, Sequence, Tuple
 
+from .retype import heads_cast
 from .table import OpClass, OpTable
 from .verdicts import Verdict
 
@@ -100,18 +101,11 @@ def heads_as_before(graph: dict, before: Callable[[str, int], Optional[str]],
                     after: Callable[[str, int], Optional[str]]) -> dict:
     """``graph`` with each output whose dtype a twin changed (``before``/``after``: an entry's
     dtype by node name and output) cast back to the plan's: the caller gets what the plan gives."""
-    nodes, heads, made = list(graph["nodes"]), [], {}
-    for j, k, v in graph["heads"]:
-        name = nodes[j]["name"]
+    def back(i: int, name: str, k: int) -> Optional[str]:
         was = before(name, k)
-        if was is not None and after(name, k) != was:
-            if (j, k) not in made:
-                nodes.append({"op": "amp_cast", "name": f"{name}_as_planned{k}", "attrs": {"dtype": was},
-                              "inputs": [[j, k, 0]]})
-                made[(j, k)] = len(nodes) - 1
-            j, k = made[(j, k)], 0
-        heads.append([j, k, v])
-    return dict(graph, nodes=nodes, heads=heads) if made else graph
+        return was if was is not None and after(name, k) != was else None
+
+    return heads_cast(graph, back, "_as_planned")
 
 
 def one_shape_still(graph: dict, names: Collection[str],

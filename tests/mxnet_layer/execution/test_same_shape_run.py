@@ -110,10 +110,7 @@ def test_a_call_whose_sum_broadcasts_is_bound_again(native_host, how):
         rng = np.random.RandomState(1)
         xs = [rng.uniform(-1, 1, (n, 16)).astype("float32") for n in (1, 4, 1)]
         z = _array(numpy_mode, rng.uniform(-1, 1, (1, 16)).astype("float32"))
-        mx.random.seed(0)
-        net = _TwoBranches(how)
-        net.initialize(mx.init.Xavier())
-        net.hybridize()
+        net = _two_branches(how)
         refs = [_float32(net, _array(numpy_mode, x), z) for x in xs]
         block = _convert(net)
         for k, (x, ref) in enumerate(zip(xs, refs)):
@@ -126,11 +123,16 @@ def test_a_call_whose_sum_broadcasts_is_bound_again(native_host, how):
             npx.reset_np()
 
 
-def test_a_sum_with_a_float32_value_keeps_numpys_add(native_host, numpy_mode):
+def _two_branches(how):
     mx.random.seed(0)
-    net = _TwoBranches("float32 branch")
+    net = _TwoBranches(how)
     net.initialize(mx.init.Xavier())
     net.hybridize()
+    return net
+
+
+def test_a_sum_with_a_float32_value_keeps_numpys_add(native_host, numpy_mode):
+    net = _two_branches("float32 branch")
     x = _array(True, np.random.RandomState(2).uniform(-1, 1, (1, 16)).astype("float32"))
     ref = _float32(net, x, x)
     block = _convert(net)
@@ -139,10 +141,7 @@ def test_a_sum_with_a_float32_value_keeps_numpys_add(native_host, numpy_mode):
 
 
 def test_the_report_says_which_ops_run_as_their_twin(native_host, numpy_mode):
-    mx.random.seed(0)
-    net = _TwoBranches("numpy add")
-    net.initialize(mx.init.Xavier())
-    net.hybridize()
+    net = _two_branches("numpy add")
     x = _array(True, np.random.RandomState(3).uniform(-1, 1, (1, 16)).astype("float32"))
     net(x, x)
     block = _convert(net)
