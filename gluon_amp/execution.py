@@ -433,7 +433,7 @@ def _reads_params_through_casts(block: HybridBlock, plan: Symbol) -> bool:
     """Whether ``block``, a converter's result, reads parameters through casts to a low dtype: a
     numpy-mode block's weights stay float32 (1.9.1's ``mx.np`` has no bfloat16), or
     ``cast_optional_params=False``. Its fused ops then prepare each weight again at every
-    call; a ResNet-50 in numpy mode, batch 1: 63 ms a call, 48 on stored casts (docs/speed.md)."""
+    call; a ResNet-50 in numpy mode, batch 1: 66 ms a call, 48 on stored casts (docs/speed.md)."""
     return _remembered(block) is not None and \
         bool(params_stored_low(mxi.symbol_graph(plan), frozenset(block.collect_params().keys()))[1])
 

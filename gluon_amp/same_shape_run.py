@@ -52,9 +52,9 @@ def _key(shapes: Shapes) -> Tuple:
 
 def with_twins(block: HybridBlock, plan: Symbol, known: Mapping[str, str], shapes: Shapes,
                policy: Optional[Policy]) -> Symbol:
-    """``plan`` as ``block`` runs it at ``shapes`` (its inputs typed ``known``): each slow add the
-    table has a twin for, of two values of one shape from ops in the target dtype, running as
-    that twin in the target dtype, and the casts that no longer convert anything gone. A twin
+    """``plan`` as ``block`` runs it at ``shapes`` (its inputs typed ``known``): each slow op the
+    table has a twin for, fed values of one shape from ops in the target dtype, running as that
+    twin in the target dtype, and the casts that no longer convert anything gone. A twin
     in the target passes it on to the ops that follow (a residual stream's next add may then
     have a twin too: found again until none is). ``plan`` itself where there is none, where an
     op that must not (float32, a slow loop) would then read the target dtype, or where MXNet
