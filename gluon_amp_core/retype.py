@@ -28,6 +28,15 @@ class Change:
     decision: Decision
 
 
+def source_through_casts(nodes: Sequence[dict], e: Entry, keep: Collection[str] = ()) -> Entry:
+    """Where the value at entry ``e`` of ``nodes`` comes from, seen through the casts on the way
+    (but those named in ``keep``, the user's, which are read from)."""
+    while nodes[e[0]]["op"] in CAST_OPS and nodes[e[0]]["name"] not in keep:
+        node = nodes[e[0]]
+        e = tuple(node["inputs"][0 if node["op"] == "amp_cast" else e[1]][:2])
+    return e
+
+
 def retype(graph: dict, changes: Mapping[str, Change], dtypes: Mapping[Key, Optional[str]],
            op_inputs: Mapping[str, Sequence[str]], keep: Collection[str] = ()) -> dict:
     """``graph`` (MXNet's JSON form, with its casts) with each changed node run in its
@@ -52,10 +61,7 @@ def retype(graph: dict, changes: Mapping[str, Change], dtypes: Mapping[Key, Opti
         return dtypes.get((name_of[e[0]], e[1]))
 
     def source(e: Entry) -> Entry:
-        while nodes[e[0]]["op"] in CAST_OPS and name_of[e[0]] not in users:
-            node = nodes[e[0]]
-            e = tuple(node["inputs"][0 if node["op"] == "amp_cast" else e[1]][:2])
-        return e
+        return source_through_casts(nodes, e, users)
 
     out: List[dict] = []
     index: Dict[int, int] = {}

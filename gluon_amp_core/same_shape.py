@@ -1,32 +1,25 @@
 """An op whose low-precision kernel is slow, run as its same-shape twin where its inputs allow.
 
-MXNet 1.9.1's numpy add (``_npi_add``) and ``broadcast_add`` have no oneDNN kernel: their
-bfloat16 loops are slower than float32 with its casts, so the op table runs them float32
-(reason ``slow_kernel``). Where both inputs have one shape they compute what ``elemwise_add``
-computes, whose bfloat16 kernel is oneDNN's sum (``OpTable.same_shape_twins``, data). A plan
-holds no shapes, so the plan keeps the op; where it is bound, at known shapes, such a node whose
-two inputs come from values in the target dtype runs as its twin in that dtype
-(:func:`twins_to_run`), and a later call at other shapes asks :func:`one_shape_still` first.
+MXNet 1.9.1's numpy add (``_npi_add``), ``broadcast_add`` and relu (the op, and numpy's) have no
+oneDNN kernel: their bfloat16 loops are slower than float32 with its casts, so the op table runs
+them float32 (reason ``slow_kernel``). Where their inputs have one shape they compute what
+``elemwise_add`` or ``Activation(act_type=relu)`` computes, whose bfloat16 kernels are oneDNN's
+(``OpTable.same_shape_twins``, data). A plan holds no shapes, so the plan keeps the op; where
+it is bound, at known shapes, such a node whose inputs come from values in the target dtype runs
+as its twin in that dtype (:func:`twins_to_run`), and a later call at other shapes asks
+:func:`one_shape_still` first.
 Pure: no MXNet.
 """
 from __future__ import annotations
 
-from typing import Callable, Collection, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Collection, Dict, Mapping, Optional, Tuple
 
-from .retype import heads_cast
+from .decide import CAST_OPS
+from .retype import heads_cast, source_through_casts
 from .table import OpClass, OpTable
 from .verdicts import Verdict
 
 Entry = Tuple[int, int]
-_CASTS = ("amp_cast", "amp_multicast")
-
-
-def _source(nodes: Sequence[dict], e: Entry, keep: Collection[str]) -> Entry:
-    """Where the value at ``e`` comes from, seen through casts (but the user's, ``keep``)."""
-    while nodes[e[0]]["op"] in _CASTS and nodes[e[0]]["name"] not in keep:
-        node = nodes[e[0]]
-        e = tuple(node["inputs"][0 if node["op"] == "amp_cast" else e[1]][:2])
-    return e
 
 
 Twin = Tuple[str, Tuple[Tuple[str, str], ...]]
@@ -59,8 +52,8 @@ def twins_to_run(graph: dict, table: OpTable, shape_of: Callable[[Entry], Option
             continue
         if table.verdicts.get(op) is not Verdict.SLOW or table.verdicts.get(twin[0]) is Verdict.SLOW:
             continue
-        if _one_shape(n, shape_of) and \
-                all(dtype_of(_source(nodes, tuple(e[:2]), keep)) == table.target_dtype for e in n["inputs"]):
+        sources = (source_through_casts(nodes, tuple(e[:2]), keep) for e in n["inputs"])
+        if _one_shape(n, shape_of) and all(dtype_of(e) == table.target_dtype for e in sources):
             found[n["name"]] = twin
     return found
 
@@ -81,7 +74,7 @@ def follows_safely(graph: dict, table: OpTable, before: Callable[[str, int], Opt
     nodes = graph["nodes"]
     target = table.target_dtype
     for n in nodes:
-        if n["op"] == "null" or n["name"] in twins or n["op"] in _CASTS:
+        if n["op"] == "null" or n["name"] in twins or n["op"] in CAST_OPS:
             continue
         changed = any(after(nodes[e[0]]["name"], e[1]) == target != before(nodes[e[0]]["name"], e[1])
                       for e in n["inputs"])
