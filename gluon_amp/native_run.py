@@ -12,6 +12,7 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.accumulating_casts import cast_accumulating_inputs
 from gluon_amp_core.decide import users_casts
+from gluon_amp_core.filter_blocks import filters_to_pad, whole_filter_blocks
 from gluon_amp_core.fusion_barriers import keep_batchnorms_apart
 from gluon_amp_core.graph_pass import is_kept
 from gluon_amp_core.layout_guards import BATCHNORM_OPS, batchnorms_at_risk, guard_batchnorm_layouts
@@ -49,6 +50,8 @@ def native_passes(plan: Symbol, typed: Mapping[Key, Optional[str]], shapes: Mapp
         run = with_accumulating_casts(run, typed, accumulating)
     if pair and "bfloat16" in low:
         run = with_paired_casts(with_layout_guards(run, typed, shapes) if guards_layouts(pair) else run, typed)
+        if pads_filters(pair, devices):
+            run = with_whole_filter_blocks(run, typed, shapes)
     if fused and "cpu" in devices:
         run = with_batchnorms_apart(run, typed, shapes)
     return run
@@ -112,6 +115,25 @@ def with_batchnorms_apart(plan: Symbol, typed: Mapping[Key, Optional[str]],
         return plan
     graph, kept = keep_batchnorms_apart(graph, typed, infer_shapes(plan, shapes))
     return mx.sym.load_json(json.dumps(graph)) if kept else plan
+
+
+def pads_filters(pair: bool, devices: Iterable[str]) -> bool:
+    """True when a training graph's (``pair``) bfloat16 convolutions run whole blocks of
+    filters here: a CPU whose oneDNN runs them without AMX. AMX's kernels are not measured."""
+    return pair and "cpu" in devices and not runtime.amx_active()
+
+
+def with_whole_filter_blocks(plan: Symbol, typed: Mapping[Key, Optional[str]],
+                             shapes: Mapping[str, Tuple[int, ...]]) -> Symbol:
+    """``plan`` with each bfloat16 convolution whose filter count is not a multiple of 16 given
+    zero filters up to one and its output sliced back, so that oneDNN runs its blocked kernel
+    rather than a GEMM on plain arrays (:func:`gluon_amp_core.filter_blocks.whole_filter_blocks`).
+    ``plan`` itself where there is none; the plan is never changed (what ``export`` writes)."""
+    graph = symbol_graph(plan)
+    if not any(filters_to_pad(n, typed, "bfloat16") for n in graph["nodes"]):
+        return plan
+    graph, padded = whole_filter_blocks(graph, typed, infer_shapes(plan, shapes), "bfloat16")
+    return mx.sym.load_json(json.dumps(graph)) if padded else plan
 
 
 def guards_layouts(pair: bool) -> bool:

@@ -1,0 +1,162 @@
+"""A bfloat16 convolution whose filter count is not a multiple of 16 trains on whole blocks of
+filters (gluon_amp_core.filter_blocks, native_run.with_whole_filter_blocks): the same values and
+gradients, where MXNet binds it, in a training graph on a CPU whose oneDNN runs without AMX.
+
+The fact behind it: oneDNN 2.4.4 (AVX512-BF16) runs such a convolution as a GEMM on plain
+arrays, since MXNet 1.9.1 refuses its padded layouts; SSD-512's class predictors (324 and 486
+filters) spent 1.8 s of an 8 s training step at batch 8 so."""
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import gluon_amp
+import mxnet as mx
+
+from gluon_amp import native_run, runtime
+from gluon_amp.execution import plan_dtypes
+from gluon_amp.type_inference import infer_shapes
+from gluon_amp.mxnet_internals import symbol_graph
+from gluon_amp_core.filter_blocks import PADDED_SUFFIX, whole_filter_blocks
+
+_FILTERS = sorted({20, 324} | set(random.Random(3).sample(range(1, 100), 3)))
+
+
+def _net(filters, bias):
+    """relu -> a predictor of ``filters`` filters (transposed, as SSD's) and a convolution of 16
+    beside it, both reading the relu."""
+    x = mx.sym.Activation(mx.sym.var("data"), act_type="relu", name="relu")
+    pred = mx.sym.Convolution(x, kernel=(3, 3), pad=(1, 1), num_filter=filters, no_bias=not bias, name="pred")
+    other = mx.sym.Convolution(x, kernel=(1, 1), num_filter=16, no_bias=True, name="other")
+    return mx.sym.Group([mx.sym.transpose(pred, axes=(0, 2, 3, 1)), other])
+
+
+def _train(sym, arrays, out_grads):
+    exe = sym.simple_bind(mx.cpu(), grad_req="write", **{k: v.shape for k, v in arrays.items()})
+    for k, v in arrays.items():
+        exe.arg_dict[k][:] = v
+    exe.forward(is_train=True)
+    exe.backward(out_grads)
+    return [o.asnumpy() for o in exe.outputs], {k: g.asnumpy() for k, g in exe.grad_dict.items()}
+
+
+@pytest.mark.parametrize("filters", _FILTERS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_whole_blocks_give_the_same_values_and_gradients(filters, bias):
+    """In float32 (any CPU): the pass's graph is a graph MXNet types, binds and trains, and its
+    outputs and every gradient (data, weight, bias) are the convolution's own."""
+    sym = _net(filters, bias)
+    rng = np.random.RandomState(filters)
+    shapes = {"data": (2, 8, 6, 6)}
+    arg_shapes, _, _ = sym.infer_shape(**shapes)
+    arrays = {k: mx.nd.array(rng.uniform(-1, 1, s)) for k, s in zip(sym.list_arguments(), arg_shapes)}
+    typed = plan_dtypes(sym, {"data": "float32"})
+    graph, padded = whole_filter_blocks(symbol_graph(sym), typed,
+                                        infer_shapes(sym, shapes), "float32")
+    assert padded == (["pred"] if filters % 16 else [])
+    run = mx.sym.load_json(json.dumps(graph))
+    assert run.list_arguments() == sym.list_arguments() and run.list_outputs() == sym.list_outputs()
+    _, out_shapes, _ = sym.infer_shape(**shapes)
+    out_grads = [mx.nd.array(rng.uniform(-1, 1, s)) for s in out_shapes]
+    outs, grads = _train(sym, arrays, out_grads)
+    run_outs, run_grads = _train(run, arrays, out_grads)
+    for a, b in zip(outs, run_outs):  # float32 sums in another order: to float32's precision
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * np.abs(a).max())
+    assert set(run_grads) == set(grads)
+    for k in grads:
+        np.testing.assert_allclose(run_grads[k], grads[k], rtol=1e-5, atol=1e-6 * np.abs(grads[k]).max(), err_msg=k)
+
+
+def _plan(filters):
+    sym = _net(filters, True)
+    plan = gluon_amp.convert_symbol(sym, target_dtype="bfloat16")
+    return plan, plan_dtypes(plan, {"data": "float32"}), {"data": (2, 8, 6, 6)}
+
+
+def _padded_convs(run):
+    return [n["name"] for n in symbol_graph(run)["nodes"]
+            if n["op"] == "Convolution" and n["name"].endswith(PADDED_SUFFIX)]
+
+
+def test_training_graphs_on_a_cpu_without_amx_run_them_and_nothing_else_does(monkeypatch):
+    plan, typed, shapes = _plan(20)
+    assert any(t == "bfloat16" for t in typed.values())
+    monkeypatch.setattr(runtime, "amx_active", lambda: False)
+    train = native_run.native_passes(plan, typed, shapes, {"cpu"}, pair=True, accumulating=None)
+    assert _padded_convs(train) == ["pred" + PADDED_SUFFIX]
+    _, plan_types, _ = plan.infer_type_partial(data="float32")
+    _, train_types, _ = train.infer_type_partial(data="float32")
+    assert train_types == plan_types  # its outputs as before
+    assert _padded_convs(native_run.native_passes(plan, typed, shapes, {"cpu"}, pair=False, accumulating=None)) == []
+    assert _padded_convs(plan) == []  # the plan (what export writes) keeps its convolution
+    monkeypatch.setattr(runtime, "amx_active", lambda: True)  # AMX's kernels: not measured, left
+    assert _padded_convs(native_run.native_passes(plan, typed, shapes, {"cpu"}, pair=True, accumulating=None)) == []
+
+
+_TRAIN = textwrap.dedent("""
+    import json, sys
+    import mxnet as mx
+    import gluon_amp
+    from gluon_amp import native_run
+    from mxnet.gluon import nn
+    filters, whole = json.loads(sys.argv[1])
+    if not whole:
+        native_run.pads_filters = lambda pair, devices: False
+    gluon_amp.init(target_dtype="bfloat16", tune=False)
+    mx.random.seed(0)
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(48, 3, padding=1, in_channels=32), nn.Activation("relu"),
+            nn.Conv2D(filters, 3, padding=1, in_channels=48))
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    x = mx.nd.random.uniform(-1, 1, shape=(2, 32, 16, 16))
+    for _ in range(2):
+        with mx.autograd.record():
+            y = net(x)
+            loss = (y * y).mean()
+        loss.backward()
+    mx.nd.waitall()
+    print("@@" + json.dumps({"y": y.astype("float32").asnumpy().ravel()[:64].tolist(),
+                             "dw": net[2].weight.grad().asnumpy().ravel()[:64].tolist(),
+                             "dw0": net[0].weight.grad().asnumpy().ravel()[:64].tolist()}))
+""")
+
+
+def _trained(filters, whole):
+    """Its outputs, gradients and the oneDNN convolutions of ``filters`` outputs (their impl) that
+    ran in bfloat16, from ``DNNL_VERBOSE``, training under ``init`` in a process of its own."""
+    env = dict(os.environ, DNNL_VERBOSE="1")
+    r = subprocess.run([sys.executable, "-c", _TRAIN, json.dumps([filters, whole])], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    impls = set()
+    for line in r.stdout.splitlines():
+        found = re.match(r"dnnl_verbose,exec,cpu,convolution,([^,]+),\w+,src_bf16:.*_ic48oc(\d+)_", line)
+        if found:
+            impls.add((int(found.group(2)), found.group(1)))
+    values = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("@@"))[2:])
+    return values, impls
+
+
+@pytest.mark.bf16_kernels
+def test_init_trains_them_on_the_blocked_kernel_to_the_same_values():
+    """On this CPU, under ``init``: without whole blocks oneDNN runs the GEMM (if a later oneDNN
+    blocks these, this fails and the pass can go); with them, its blocked kernel, and the
+    outputs and gradients are the GEMM's to bfloat16's precision. Where oneDNN runs AMX the
+    pass is off (its kernels not measured): both runs are then the same."""
+    filters = 20
+    plain, plain_impls = _trained(filters, False)
+    whole, whole_impls = _trained(filters, True)
+    if runtime.amx_active():
+        assert whole_impls == plain_impls and whole == plain
+        return
+    assert {f for f, _ in plain_impls} == {filters} and all("gemm" in i for _, i in plain_impls), plain_impls
+    assert {f for f, _ in whole_impls} == {32} and not any("gemm" in i for _, i in whole_impls), whole_impls
+    for k in plain:
+        np.testing.assert_allclose(whole[k], plain[k], rtol=0.02, atol=0.02 * np.abs(plain[k]).max(), err_msg=k)
