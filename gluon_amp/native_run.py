@@ -20,6 +20,7 @@ from gluon_amp_core.paired_casts import pair_param_casts
 from gluon_amp_core.plain_views import VIEW_OPS, plain_before_views
 from gluon_amp_core.retype import in_float32
 from gluon_amp_core.shape_limits import limited_nodes
+from gluon_amp_core.shape_only import SHAPE_ONLY_INPUTS, stop_shape_only_gradients
 from gluon_amp_core.table import OpClass, default_table
 
 from . import runtime
@@ -48,6 +49,8 @@ def native_passes(plan: Symbol, typed: Mapping[Key, Optional[str]], shapes: Mapp
         run = with_plain_views(run, typed, shapes)
     if "bfloat16" in low and "cpu" in devices:
         run = with_accumulating_casts(run, typed, accumulating)
+    if pair and "bfloat16" in low and "cpu" in devices:
+        run = with_shape_only_stops(run)
     if pair and "bfloat16" in low:
         run = with_paired_casts(with_layout_guards(run, typed, shapes) if guards_layouts(pair) else run, typed)
         if pads_filters(pair, devices):
@@ -115,6 +118,19 @@ def with_batchnorms_apart(plan: Symbol, typed: Mapping[Key, Optional[str]],
         return plan
     graph, kept = keep_batchnorms_apart(graph, typed, infer_shapes(plan, shapes))
     return mx.sym.load_json(json.dumps(graph)) if kept else plan
+
+
+def with_shape_only_stops(plan: Symbol) -> Symbol:
+    """``plan`` with a ``BlockGrad`` where a value enters a path that reads it only for its
+    shape (SSD's anchors: ``slice_like(anchors, feature * 0)``), so that no zero gradient of it
+    runs backward and reaches the value's gradient sum as a plain array
+    (:func:`gluon_amp_core.shape_only.stop_shape_only_gradients`). ``plan`` itself where there
+    is none; the plan is never changed (what ``export`` writes)."""
+    graph = symbol_graph(plan)
+    if not any(n["op"] in SHAPE_ONLY_INPUTS for n in graph["nodes"]):
+        return plan
+    graph, stopped = stop_shape_only_gradients(graph)
+    return mx.sym.load_json(json.dumps(graph)) if stopped else plan
 
 
 def pads_filters(pair: bool, devices: Iterable[str]) -> bool:
