@@ -36,8 +36,10 @@ def native_passes(plan: Symbol, typed: Mapping[Key, Optional[str]], shapes: Mapp
     """What a plan typed ``typed`` runs natively in bfloat16, past its plan: first, in float32, the
     ops whose bfloat16 kernel fails at these shapes (:func:`within_kernel_limits`); a plain copy
     of each 5-d value a reshape reads (:func:`with_plain_views`); the casts of inputs
-    that accumulate through an identity (a CPU), then, for a training graph (``pair``), on AMX
-    the batch norms' layout guards and the weight casts paired with their ops' data; where
+    that accumulate through an identity (a CPU), then, for a training graph (``pair``), on a
+    CPU no gradient pass for values read only for their shape (:func:`with_shape_only_stops`),
+    on AMX the batch norms' layout guards, the weight casts paired with their ops' data, and
+    without AMX each convolution on whole blocks of 16 filters (:func:`with_whole_filter_blocks`); where
     MXNet's oneDNN fusion partitions what runs (``fused``), the batch norms it would fold anew
     on every call kept apart where that costs less (:func:`with_batchnorms_apart`). The tuner
     times its graphs through this too, so a verdict is the graph's that will run. ``plan``
