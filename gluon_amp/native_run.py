@@ -5,7 +5,7 @@ block trains and the graph the tuner times are the same graph.
 from __future__ import annotations
 
 import json
-from typing import Collection, Iterable, Mapping, Optional, Tuple
+from typing import Collection, Dict, Iterable, Mapping, Optional, Tuple
 
 import mxnet as mx
 from mxnet.symbol import Symbol
@@ -18,10 +18,11 @@ from gluon_amp_core.graph_pass import is_kept
 from gluon_amp_core.layout_guards import BATCHNORM_OPS, batchnorms_at_risk, guard_batchnorm_layouts
 from gluon_amp_core.paired_casts import pair_param_casts
 from gluon_amp_core.plain_views import VIEW_OPS, plain_before_views
+from gluon_amp_core.padded_inputs import pad_image_inputs
 from gluon_amp_core.retype import in_float32
-from gluon_amp_core.shape_limits import limited_nodes
+from gluon_amp_core.shape_limits import OddChannelsRule, limited_nodes
 from gluon_amp_core.shape_only import SHAPE_ONLY_INPUTS, stop_shape_only_gradients
-from gluon_amp_core.table import OpClass, default_table
+from gluon_amp_core.table import OpClass, OpTable, default_table
 
 from . import runtime
 from .mxnet_internals import symbol_graph
@@ -133,6 +134,33 @@ def with_shape_only_stops(plan: Symbol) -> Symbol:
         return plan
     graph, stopped = stop_shape_only_gradients(graph)
     return mx.sym.load_json(json.dumps(graph)) if stopped else plan
+
+
+def with_padded_images(run: Symbol, known: Mapping[str, str], shapes: Mapping[str, Tuple[int, ...]],
+                       data: Collection[str], table: OpTable) -> Tuple[Symbol, Dict[str, Tuple[int, str]]]:
+    """``run``, a block's training graph bound on a CPU without AMX, with each image input whose
+    first convolution the table's odd-channels rule keeps in float32 read as a map of one
+    channel more, in bfloat16, so that it and the layers after it train in bfloat16 on
+    oneDNN's blocked kernels (:mod:`gluon_amp_core.padded_inputs`); and, by input name, the
+    channels and dtype the caller feeds it (:mod:`gluon_amp.mxnet_internals.padded_inputs`).
+    ``run`` itself and ``{}`` where none is, or where MXNet does not type the result as before."""
+    rules = [r for r in table.narrow_fp32.get("Convolution", ()) if isinstance(r, OddChannelsRule)]
+    if not rules or not any(len(shapes.get(n, ())) == 4 for n in data):
+        return run, {}
+    typed = infer_dtypes(run, known, partial=True) or {}
+    graph, pads = pad_image_inputs(symbol_graph(run), typed, infer_shapes(run, shapes), data,
+                                   lambda shape, attrs: any(r.applies(shape, attrs) for r in rules), "bfloat16")
+    if not pads:
+        return run, {}
+    padded = mx.sym.load_json(json.dumps(graph))
+    after = infer_dtypes(padded, {**known, **{n: "bfloat16" for n in pads}}, partial=True) or {}
+    out_shapes = infer_shapes(padded, {k: (v[:1] + (pads[k],) + v[2:] if k in pads else v)
+                                       for k, v in shapes.items()})
+    nodes = graph["nodes"]
+    heads = [(nodes[h[0]]["name"], h[1]) for h in graph["heads"]]
+    if any(after.get(h) is None or after.get(h) != typed.get(h) or not out_shapes.get(h) for h in heads):
+        return run, {}
+    return padded, {n: (c, "bfloat16") for n, c in pads.items()}
 
 
 def pads_filters(pair: bool, devices: Iterable[str]) -> bool:

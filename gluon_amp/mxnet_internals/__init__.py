@@ -8,7 +8,8 @@ trainer, parameter and updater internals | ``custom_ops`` loading gluon_amp's co
 ``simulated`` bfloat16 kernels of a simulated native host (tests) | ``graph_reads`` a symbol's
 graph read once per chain of passes | ``warning_sites`` MXNet's warnings past the hooks' frames |
 ``errors`` the line of an MXNet error that says what failed | ``versions`` how many writes an
-array took | ``forward_only`` a block's calls that record nothing, on casts made once.
+array took | ``forward_only`` a block's calls that record nothing, on casts made once |
+``padded_inputs`` a block's CachedOp fed an image with a zero channel more.
 """
 from .arrays import *  # noqa: F401,F403
 from .code_swap import *  # noqa: F401,F403
@@ -24,5 +25,6 @@ from .graph_reads import internal_entries, shared_reads, symbol_graph, symbol_js
 from .errors import error_line  # noqa: F401
 from .forward_only import ForwardOnly, casts_storable  # noqa: F401
 from . import forward_only  # noqa: F401,E402  (mxi.forward_only.Made, .cast)
+from . import padded_inputs  # noqa: F401,E402  (mxi.padded_inputs.record_pads)
 from .warning_sites import MXNET_PACKAGE, warn as warn_outside  # noqa: F401
 from . import module  # noqa: F401,E402  (Module internals: mxi.module.*, imported where used)

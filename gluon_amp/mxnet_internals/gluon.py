@@ -10,10 +10,12 @@ from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterator, Lis
 
 import mxnet as mx
 from mxnet.gluon import Block, HybridBlock, Parameter
+from mxnet.gluon.parameter import DeferredInitializationError
 from mxnet.symbol import Symbol
 
 from . import warning_sites
 from .forward_only import ForwardOnly, Make
+from .padded_inputs import peek_pads, take_pads, with_padded_inputs
 from .graph_reads import shared_reads
 
 
@@ -754,8 +756,11 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
             run = for_block(self, args, graph, inputs)
         if run is graph:
             _EXECUTED.pop(self, None)
+            take_pads(self)  # none: its graph is the block's
             return _forward_only_too(self, _BUILD_CACHE(self, *args), inputs)
         run = like_frontend(graph, run)  # the CachedOp returns what the block's own graph would
+        if peek_pads(self):  # its inputs' shapes differ from the call's: shapes from the block's own graph
+            _finish_deferred_init(self, args)
         given = _RUN_GRAPHS.get(self)
         saved = self._cached_graph
         if given is not None:
@@ -769,7 +774,19 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
                 _RUN_GRAPHS[self] = given
             self._cached_graph = saved
             _EXECUTED[self] = run
+        with_padded_inputs(self, inputs)  # before the calls that record nothing wrap it
         return _forward_only_too(self, built, inputs)
+
+    def _finish_deferred_init(block: HybridBlock, args: tuple) -> None:
+        # 1.9.1 _build_cache: parameters whose shapes wait for a call get them from the cached graph
+        params = block.collect_params().values()
+        try:
+            for p in params:
+                p.data()
+        except DeferredInitializationError:
+            block._deferred_infer_shape(*args)
+            for p in params:
+                p._finish_deferred_init()
 
     def _forward_only_too(block: HybridBlock, built: Any, inputs: Sequence[Symbol]) -> Any:
         make = forward_only(block) if forward_only is not None else None

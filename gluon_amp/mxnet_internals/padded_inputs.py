@@ -1,0 +1,82 @@
+"""A block's CachedOp fed some data inputs with zero channels more, in a low dtype.
+
+:class:`PaddedInputs` stands where MXNet 1.9.1's ``HybridBlock._build_cache`` put the block's
+``CachedOp`` (``block._cached_op``, called by ``_call_cached_op`` with the graph's inputs in
+``list_inputs()`` order; data first, by ``block._cached_op_args``), for a graph that reads an
+image as a map of one channel more (:mod:`gluon_amp_core.padded_inputs`): each call's array
+there is padded with zeros and cast before the CachedOp runs. Attributes other than the call
+are the CachedOp's (``_register_op_hook``, ``handle``).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Dict, Mapping, Sequence, Tuple
+
+import mxnet as mx
+from mxnet.gluon import HybridBlock
+from mxnet.symbol import Symbol
+
+from .arrays import cast_array
+
+__all__ = ["PaddedInputs", "peek_pads", "record_pads", "take_pads", "with_padded_inputs"]
+
+#: block -> (graph input name -> (channels, dtype)), from its graph's binding to its CachedOp's build
+_PADS: "weakref.WeakKeyDictionary[HybridBlock, Dict[str, Tuple[int, str]]]" = weakref.WeakKeyDictionary()
+
+
+def record_pads(block: HybridBlock, pads: Mapping[str, Tuple[int, str]]) -> None:
+    """The CachedOp about to be built for ``block`` reads these inputs padded and cast."""
+    _PADS[block] = dict(pads)
+
+
+def peek_pads(block: HybridBlock) -> bool:
+    """Whether :func:`record_pads` said something for ``block``'s CachedOp being built."""
+    return bool(_PADS.get(block))
+
+
+def take_pads(block: HybridBlock) -> Dict[str, Tuple[int, str]]:
+    """What :func:`record_pads` said for ``block``'s CachedOp being built, once."""
+    return _PADS.pop(block, {})
+
+
+def pad(array: Any, channels: int, dtype: str) -> Any:
+    """``array`` (N, C, H, W) with zero channels up to ``channels``, cast to ``dtype``."""
+    if not isinstance(array, mx.nd.NDArray) or array.ndim != 4 or array.shape[1] > channels:
+        return array
+    with mx.autograd.pause():
+        if array.shape[1] < channels:
+            n, c, h, w = array.shape
+            zeros = mx.nd.zeros((n, channels - c, h, w), ctx=array.context, dtype=array.dtype)
+            array = mx.nd.concat(array, zeros, dim=1)
+        return cast_array(array, dtype)
+
+
+class PaddedInputs:
+    """``block._cached_op`` for a graph that reads some inputs padded (module docstring)."""
+
+    def __init__(self, op: Any, positions: Mapping[int, Tuple[int, str]]) -> None:
+        self.op = op
+        self.positions = dict(positions)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["op"], name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fed = list(args)
+        for k, (channels, dtype) in self.positions.items():
+            if k < len(fed):
+                fed[k] = pad(fed[k], channels, dtype)
+        return self.op(*fed, **kwargs)
+
+
+def with_padded_inputs(block: HybridBlock, inputs: Sequence[Symbol]) -> None:
+    """Wrap ``block``'s CachedOp, just built, in :class:`PaddedInputs` where its graph's binding
+    recorded pads (:func:`record_pads`); ``inputs``: the block's data inputs, in the order
+    ``block._cached_op_args`` indexes them."""
+    pads = take_pads(block)
+    if not pads or block._cached_op is None:
+        return
+    positions = {k: pads[inputs[i].name] for k, (is_data, i) in enumerate(block._cached_op_args)
+                 if is_data and inputs[i].name in pads}
+    if positions:
+        block._cached_op = PaddedInputs(block._cached_op, positions)
