@@ -148,14 +148,17 @@ def with_padded_images(run: Symbol, known: Mapping[str, str], shapes: Mapping[st
     if not rules or not any(len(shapes.get(n, ())) == 4 for n in data):
         return run, {}
     typed = infer_dtypes(run, known, partial=True) or {}
-    graph, pads = pad_image_inputs(symbol_graph(run), typed, infer_shapes(run, shapes), data,
+    entry_shapes = infer_shapes(run, shapes)
+    graph, pads = pad_image_inputs(symbol_graph(run), typed, entry_shapes, data,
                                    lambda shape, attrs: any(r.applies(shape, attrs) for r in rules), "bfloat16")
     if not pads:
         return run, {}
     padded = mx.sym.load_json(json.dumps(graph))
     after = infer_dtypes(padded, {**known, **{n: "bfloat16" for n in pads}}, partial=True) or {}
+    # every input's shape given: MXNet cannot infer a weight from its concatenation with zeros
+    inputs = {n: entry_shapes.get((n, 0)) for n in run.list_inputs()}
     out_shapes = infer_shapes(padded, {k: (v[:1] + (pads[k],) + v[2:] if k in pads else v)
-                                       for k, v in shapes.items()})
+                                       for k, v in {**inputs, **shapes}.items() if v})
     nodes = graph["nodes"]
     heads = [(nodes[h[0]]["name"], h[1]) for h in graph["heads"]]
     if any(after.get(h) is None or after.get(h) != typed.get(h) or not out_shapes.get(h) for h in heads):

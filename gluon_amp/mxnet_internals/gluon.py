@@ -760,7 +760,7 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
             return _forward_only_too(self, _BUILD_CACHE(self, *args), inputs)
         run = like_frontend(graph, run)  # the CachedOp returns what the block's own graph would
         if peek_pads(self):  # its inputs' shapes differ from the call's: shapes from the block's own graph
-            _finish_deferred_init(self, args)
+            _finish_deferred_init(self, args, run.list_inputs())
         given = _RUN_GRAPHS.get(self)
         saved = self._cached_graph
         if given is not None:
@@ -777,15 +777,17 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
         with_padded_inputs(self, inputs)  # before the calls that record nothing wrap it
         return _forward_only_too(self, built, inputs)
 
-    def _finish_deferred_init(block: HybridBlock, args: tuple) -> None:
-        # 1.9.1 _build_cache: parameters whose shapes wait for a call get them from the cached graph
-        params = block.collect_params().values()
+    def _finish_deferred_init(block: HybridBlock, args: tuple, order: Sequence[str]) -> None:
+        # 1.9.1 _build_cache: parameters whose shapes wait for a call get them from the cached
+        # graph, initialized in the order of the graph's inputs (the random draws as without us)
+        params = {p.name: p for p in block.collect_params().values()}
+        named = [params[n] for n in order if n in params]
         try:
-            for p in params:
+            for p in named:
                 p.data()
         except DeferredInitializationError:
             block._deferred_infer_shape(*args)
-            for p in params:
+            for p in named:
                 p._finish_deferred_init()
 
     def _forward_only_too(block: HybridBlock, built: Any, inputs: Sequence[Symbol]) -> Any:
