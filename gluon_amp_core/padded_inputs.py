@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Callable, Collection, Dict, List, Mapping, Optional, Tuple
 
-from .filter_blocks import CONVOLUTION_OPS, _literal
+from .filter_blocks import CONVOLUTION_OPS, _literal, with_shapes
 from .retype import _Rebuilt
 
 Key = Tuple[str, int]
@@ -87,13 +87,16 @@ def pad_image_inputs(graph: dict, dtypes: Mapping[Key, Optional[str]], shapes: M
         return graph, {}
     nodes = graph["nodes"]
     convs = {j: i for i, js in found.items() for j in js}
+    pinned: Dict[str, Shape] = {}  # MXNet cannot infer a concatenation's input from its output
     g = _Rebuilt(graph)
     for j, node in enumerate(nodes):
         inputs = [g.entry(e) for e in node.get("inputs", [])]
         if j in convs:
             name = node["name"]
             w = node["inputs"][1]
-            f, _, kh, kw = shapes[(nodes[w[0]]["name"], 0)]  # type: ignore[misc]
+            wshape = shapes[(nodes[w[0]]["name"], 0)]
+            f, _, kh, kw = wshape  # type: ignore[misc]
+            pinned[nodes[w[0]]["name"]] = wshape  # type: ignore[assignment]
             cast = g.add({"op": "amp_cast", "name": f"{name}_weight{PADDED_SUFFIX}_cast",
                           "attrs": {"dtype": low}, "inputs": [inputs[1]]})
             zeros = g.add({"op": "_zeros", "name": f"{name}_weight{PADDED_SUFFIX}_zeros",
@@ -104,4 +107,5 @@ def pad_image_inputs(graph: dict, dtypes: Mapping[Key, Optional[str]], shapes: M
                 inputs[k] = [g.add({"op": "amp_cast", "name": f"{name}_in{k}{PADDED_SUFFIX}_cast",
                                     "attrs": {"dtype": low}, "inputs": [inputs[k]]}), 0, 0]
         g.keep(j, node, inputs)
-    return g.result(), {nodes[i]["name"]: shapes[(nodes[i]["name"], 0)][1] + 1 for i in found}  # type: ignore[index]
+    return with_shapes(g.result(), pinned), {nodes[i]["name"]: shapes[(nodes[i]["name"], 0)][1] + 1  # type: ignore[index]
+                                             for i in found}

@@ -40,15 +40,16 @@ def take_pads(block: HybridBlock) -> Dict[str, Tuple[int, str]]:
 
 
 def pad(array: Any, channels: int, dtype: str) -> Any:
-    """``array`` (N, C, H, W) with zero channels up to ``channels``, cast to ``dtype``."""
+    """``array`` (N, C, H, W) with zero channels up to ``channels``, cast to ``dtype``. Recorded
+    like any op: an image with a gradient attached (saliency, adversarial training) gets it
+    through the pad and the cast; one without gets none, and costs the graph none."""
     if not isinstance(array, mx.nd.NDArray) or array.ndim != 4 or array.shape[1] > channels:
         return array
-    with mx.autograd.pause():
-        if array.shape[1] < channels:
-            n, c, h, w = array.shape
-            zeros = mx.nd.zeros((n, channels - c, h, w), ctx=array.context, dtype=array.dtype)
-            array = mx.nd.concat(array, zeros, dim=1)
-        return cast_array(array, dtype)
+    if array.shape[1] < channels:
+        n, c, h, w = array.shape
+        zeros = mx.nd.zeros((n, channels - c, h, w), ctx=array.context, dtype=array.dtype)
+        array = mx.nd.concat(array, zeros, dim=1)
+    return cast_array(array, dtype)
 
 
 class PaddedInputs:
