@@ -201,3 +201,39 @@ def planted_probe(items, cache_dir):
             os.environ["XDG_CACHE_HOME"] = before
         runtime.timing_cache.cache_clear()
         probe.forget()
+
+
+def train_bound(sym, arrays, out_grads):
+    """``sym`` bound by ``simple_bind`` at ``arrays``' shapes, fed them, one forward and backward
+    with ``out_grads``: its outputs and every argument's gradient, as NumPy arrays."""
+    exe = sym.simple_bind(mx.cpu(), grad_req="write", **{k: v.shape for k, v in arrays.items()})
+    for k, v in arrays.items():
+        exe.arg_dict[k][:] = v
+    exe.forward(is_train=True)
+    exe.backward(out_grads)
+    return [o.asnumpy() for o in exe.outputs], {k: g.asnumpy() for k, g in exe.grad_dict.items()}
+
+
+#: The end of a subprocess script that trains ``net`` on ``x`` under ``init``: two steps of
+#: ``(y * y).mean()``, then ``y`` (the last step's output) is ready.
+TWO_STEPS = """
+for _ in range(2):
+    with mx.autograd.record():
+        y = net(x)
+        loss = (y * y).mean()
+    loss.backward()
+mx.nd.waitall()
+"""
+
+
+def verbose_run(script, args):
+    """``script`` run by this Python with ``args`` (JSON) as its argument and ``DNNL_VERBOSE=1``:
+    its output lines, and the JSON value of the line it printed after ``@@``."""
+    import subprocess
+    import sys
+    env = dict(os.environ, DNNL_VERBOSE="1")
+    r = subprocess.run([sys.executable, "-c", script, json.dumps(args)], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    return lines, json.loads(next(line for line in lines if line.startswith("@@"))[2:])

@@ -6,11 +6,8 @@ The fact behind it: oneDNN 2.4.4 (AVX512-BF16) runs such a convolution as a GEMM
 arrays, since MXNet 1.9.1 refuses its padded layouts; SSD-512's class predictors (324 and 486
 filters) spent 1.8 s of an 8 s training step at batch 8 so."""
 import json
-import os
 import random
 import re
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -18,6 +15,7 @@ import pytest
 
 import gluon_amp
 import mxnet as mx
+from helpers import TWO_STEPS, train_bound, verbose_run
 
 from gluon_amp import native_run, runtime
 from gluon_amp.execution import plan_dtypes
@@ -35,15 +33,6 @@ def _net(filters, bias):
     pred = mx.sym.Convolution(x, kernel=(3, 3), pad=(1, 1), num_filter=filters, no_bias=not bias, name="pred")
     other = mx.sym.Convolution(x, kernel=(1, 1), num_filter=16, no_bias=True, name="other")
     return mx.sym.Group([mx.sym.transpose(pred, axes=(0, 2, 3, 1)), other])
-
-
-def _train(sym, arrays, out_grads):
-    exe = sym.simple_bind(mx.cpu(), grad_req="write", **{k: v.shape for k, v in arrays.items()})
-    for k, v in arrays.items():
-        exe.arg_dict[k][:] = v
-    exe.forward(is_train=True)
-    exe.backward(out_grads)
-    return [o.asnumpy() for o in exe.outputs], {k: g.asnumpy() for k, g in exe.grad_dict.items()}
 
 
 @pytest.mark.parametrize("filters", _FILTERS)
@@ -64,8 +53,8 @@ def test_whole_blocks_give_the_same_values_and_gradients(filters, bias):
     assert run.list_arguments() == sym.list_arguments() and run.list_outputs() == sym.list_outputs()
     _, out_shapes, _ = sym.infer_shape(**shapes)
     out_grads = [mx.nd.array(rng.uniform(-1, 1, s)) for s in out_shapes]
-    outs, grads = _train(sym, arrays, out_grads)
-    run_outs, run_grads = _train(run, arrays, out_grads)
+    outs, grads = train_bound(sym, arrays, out_grads)
+    run_outs, run_grads = train_bound(run, arrays, out_grads)
     for a, b in zip(outs, run_outs):  # float32 sums in another order: to float32's precision
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * np.abs(a).max())
     assert set(run_grads) == set(grads)
@@ -116,12 +105,7 @@ _TRAIN = textwrap.dedent("""
     net.initialize(mx.init.Xavier())
     net.hybridize()
     x = mx.nd.random.uniform(-1, 1, shape=(2, 32, 16, 16))
-    for _ in range(2):
-        with mx.autograd.record():
-            y = net(x)
-            loss = (y * y).mean()
-        loss.backward()
-    mx.nd.waitall()
+""") + TWO_STEPS + textwrap.dedent("""
     print("@@" + json.dumps({"y": y.astype("float32").asnumpy().ravel()[:64].tolist(),
                              "dw": net[2].weight.grad().asnumpy().ravel()[:64].tolist(),
                              "dw0": net[0].weight.grad().asnumpy().ravel()[:64].tolist()}))
@@ -131,16 +115,12 @@ _TRAIN = textwrap.dedent("""
 def _trained(filters, whole):
     """Its outputs, gradients and the oneDNN convolutions of ``filters`` outputs (their impl) that
     ran in bfloat16, from ``DNNL_VERBOSE``, training under ``init`` in a process of its own."""
-    env = dict(os.environ, DNNL_VERBOSE="1")
-    r = subprocess.run([sys.executable, "-c", _TRAIN, json.dumps([filters, whole])], capture_output=True,
-                       text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
+    lines, values = verbose_run(_TRAIN, [filters, whole])
     impls = set()
-    for line in r.stdout.splitlines():
+    for line in lines:
         found = re.match(r"dnnl_verbose,exec,cpu,convolution,([^,]+),\w+,src_bf16:.*_ic48oc(\d+)_", line)
         if found:
             impls.add((int(found.group(2)), found.group(1)))
-    values = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("@@"))[2:])
     return values, impls
 
 

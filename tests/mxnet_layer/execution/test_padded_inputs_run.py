@@ -6,11 +6,7 @@ CachedOp is fed the call's image padded and cast; the plan keeps its float32 ste
 Why: SSD-512's float32 stem held its largest activations in float32, and padding inside the graph
 made MXNet compute the convolution's data gradient (145 ms a batch-8 step). The stem alone,
 batch 8, 512x512: 615 -> 499 ms, 1,511 -> 822 MB."""
-import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -18,6 +14,7 @@ import pytest
 
 import gluon_amp
 import mxnet as mx
+from helpers import TWO_STEPS, verbose_run
 
 from gluon_amp import native_run
 from gluon_amp.execution import plan_dtypes
@@ -84,12 +81,7 @@ _TRAIN = textwrap.dedent("""
     x = mx.nd.random.uniform(-1, 1, shape=(2, 3, 64, 64))
     if image_grad:  # an input gradient (saliency, adversarial training) still reaches the image
         x.attach_grad()
-    for _ in range(2):
-        with mx.autograd.record():
-            y = net(x)
-            loss = (y * y).mean()
-        loss.backward()
-    mx.nd.waitall()
+""") + TWO_STEPS + textwrap.dedent("""
     op = net._cached_op
     wrapped = isinstance(getattr(op, "training", op), PaddedInputs)
     print("@@" + json.dumps({"wrapped": wrapped, "y": y.asnumpy().ravel()[:256].tolist(),
@@ -101,17 +93,13 @@ _TRAIN = textwrap.dedent("""
 def _trained(padded, deferred=False, image_grad=True):
     """Outputs, the stem's weight gradient, whether the CachedOp is fed padded, and the oneDNN
     convolutions of the stem (dtype, input channels, pass, impl), from ``DNNL_VERBOSE``."""
-    env = dict(os.environ, DNNL_VERBOSE="1")
-    r = subprocess.run([sys.executable, "-c", _TRAIN, json.dumps([padded, deferred, image_grad])], capture_output=True,
-                       text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
+    lines, values = verbose_run(_TRAIN, [padded, deferred, image_grad])
     stem = set()
-    for line in r.stdout.splitlines():
+    for line in lines:
         found = re.match(r"dnnl_verbose,exec,cpu,convolution,([^,]+),(\w+),src_(f32|bf16):.*_ic(\d+)oc16_ih64", line)
         if found:
             impl, prop, dtype, ic = found.groups()
             stem.add((dtype, int(ic), prop, impl))
-    values = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("@@"))[2:])
     return values, stem
 
 

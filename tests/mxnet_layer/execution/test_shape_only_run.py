@@ -5,10 +5,7 @@ stays oneDNN's. Without it, the path's zeros, a plain array, sent the sum to MXN
 which converts each bfloat16 input to float32 and back: SSD-512's add_n took 392 ms of a batch-8
 step, 39 with it."""
 import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -16,6 +13,7 @@ import pytest
 
 import gluon_amp
 import mxnet as mx
+from helpers import train_bound, verbose_run
 
 from gluon_amp import native_run
 from gluon_amp.execution import plan_dtypes
@@ -32,15 +30,6 @@ def _anchors(feature_channels=16):
     return mx.sym.Group([pred, anchors])
 
 
-def _train(sym, arrays, out_grads):
-    exe = sym.simple_bind(mx.cpu(), grad_req="write", **{k: v.shape for k, v in arrays.items()})
-    for k, v in arrays.items():
-        exe.arg_dict[k][:] = v
-    exe.forward(is_train=True)
-    exe.backward(out_grads)
-    return [o.asnumpy() for o in exe.outputs], {k: g.asnumpy() for k, g in exe.grad_dict.items()}
-
-
 def test_the_stopped_graph_gives_the_same_values_and_gradients():
     sym = _anchors()
     rng = np.random.RandomState(0)
@@ -52,8 +41,8 @@ def test_the_stopped_graph_gives_the_same_values_and_gradients():
     run = mx.sym.load_json(json.dumps(graph))
     assert run.list_arguments() == sym.list_arguments() and run.list_outputs() == sym.list_outputs()
     out_grads = [mx.nd.array(rng.uniform(-1, 1, s)) for s in out_shapes]
-    outs, grads = _train(sym, arrays, out_grads)
-    run_outs, run_grads = _train(run, arrays, out_grads)
+    outs, grads = train_bound(sym, arrays, out_grads)
+    run_outs, run_grads = train_bound(run, arrays, out_grads)
     for a, b in zip(outs, run_outs):
         np.testing.assert_array_equal(b, a)
     assert set(run_grads) == set(grads)
@@ -119,13 +108,9 @@ _TRAIN = textwrap.dedent("""
 def _trained(stopped):
     """c0's weight gradient and the oneDNN reorders of the feature's shape into float32, training
     under ``init`` in a process of its own (``DNNL_VERBOSE``)."""
-    env = dict(os.environ, DNNL_VERBOSE="1")
-    r = subprocess.run([sys.executable, "-c", _TRAIN, json.dumps(stopped)], capture_output=True,
-                       text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr[-2000:]
-    to_float32 = [line for line in r.stdout.splitlines()
+    lines, values = verbose_run(_TRAIN, stopped)
+    to_float32 = [line for line in lines
                   if re.match(r"dnnl_verbose,exec,cpu,reorder,.*src_bf16:.*dst_f32:.*,2x64x24x24,", line)]
-    values = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("@@"))[2:])
     return values, to_float32
 
 
