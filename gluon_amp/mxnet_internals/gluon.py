@@ -750,13 +750,13 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
     def _build_cache(self: HybridBlock, *args: Any) -> Any:
         if _paused.depth:
             return _BUILD_CACHE(self, *args)
+        take_pads(self)  # a build that failed may have left its own
         with shared_reads():  # the graph the trace's rewrite gave is the one for_block reads
             inputs, graph = self._get_graph(*args)
             _ACCUMULATION[self] = frozenset(self.collect_params().keys())
             run = for_block(self, args, graph, inputs)
         if run is graph:
             _EXECUTED.pop(self, None)
-            take_pads(self)  # none: its graph is the block's
             return _forward_only_too(self, _BUILD_CACHE(self, *args), inputs)
         run = like_frontend(graph, run)  # the CachedOp returns what the block's own graph would
         if peek_pads(self):  # its inputs' shapes differ from the call's: shapes from the block's own graph
