@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from typing import Callable, Collection, Dict, List, Mapping, Optional, Tuple
 
-from .filter_blocks import CONVOLUTION_OPS, _literal, with_shapes
+from .filter_blocks import CONVOLUTION_OPS, with_shapes
 from .retype import _Rebuilt
+from .shape_limits import attr_ints
 
 Key = Tuple[str, int]
 Shape = Tuple[int, ...]
@@ -59,9 +60,8 @@ def paddable(graph: dict, dtypes: Mapping[Key, Optional[str]], shapes: Mapping[K
             if (pos != 0 or conv["op"] not in CONVOLUTION_OPS or dtypes.get((conv["name"], 0)) != "float32"
                     or attrs.get("layout", "NCHW") not in ("NCHW", "None") or not kept(shape, attrs)):
                 break
-            kernel = _literal(attrs.get("kernel"), ())
             params = conv["inputs"][1:]
-            if not isinstance(kernel, tuple) or len(kernel) != 2 or not params or not all(
+            if len(attr_ints(attrs.get("kernel"))) != 2 or not params or not all(
                     nodes[e[0]]["op"] == "null" and dtypes.get((nodes[e[0]]["name"], 0)) == "float32"
                     and len(readers.get(e[0], [])) == 1 for e in params):
                 break

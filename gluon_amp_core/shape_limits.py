@@ -20,7 +20,7 @@ _CHANNELS_LAST = ("NWC", "NHWC", "NDHWC")
 Shape = Optional[Sequence[int]]
 
 
-def _ints(value: object) -> Tuple[int, ...]:
+def attr_ints(value: object) -> Tuple[int, ...]:
     """An attribute as MXNet writes it (``'(2, 2)'``, ``'2'``) or as Python gives it, as ints."""
     if value is None:
         return ()
@@ -68,14 +68,14 @@ class OutputPixelsRule:
         channels = shape[-1] if str(attrs.get("layout", "")).upper() in _CHANNELS_LAST else shape[1]
         if not all(spatial) or channels % self.channel_multiple:  # 0: an axis not known yet
             return False
-        kernel = _ints(attrs.get("kernel"))
+        kernel = attr_ints(attrs.get("kernel"))
         if len(kernel) != len(spatial) or not _every(kernel, self.kernel):
             return False
-        if not _every(_ints(attrs.get("stride")) or (1,), self.stride):
+        if not _every(attr_ints(attrs.get("stride")) or (1,), self.stride):
             return False
-        if self.plain and not (_every(_ints(attrs.get("num_group")) or (1,), 1)
-                               and _every(_ints(attrs.get("pad")) or (0,), 0)
-                               and _every(_ints(attrs.get("dilate")) or (1,), 1)):
+        if self.plain and not (_every(attr_ints(attrs.get("num_group")) or (1,), 1)
+                               and _every(attr_ints(attrs.get("pad")) or (0,), 0)
+                               and _every(attr_ints(attrs.get("dilate")) or (1,), 1)):
             return False
         out = output_spatial(spatial, kernel, attrs)
         return out is not None and math.prod(out) in self.pixels
@@ -103,7 +103,7 @@ class OddChannelsRule:
     ranks: Tuple[int, ...] = (2, 3)
 
     def applies(self, shape: Shape, attrs: Mapping[str, object]) -> bool:
-        if not shape or len(shape) - 2 not in self.ranks or not _every(_ints(attrs.get("num_group")) or (1,), 1):
+        if not shape or len(shape) - 2 not in self.ranks or not _every(attr_ints(attrs.get("num_group")) or (1,), 1):
             return False
         channels = shape[-1] if str(attrs.get("layout", "")).upper() in _CHANNELS_LAST else shape[1]
         return 0 < channels < self.below and channels % 2 == 1
@@ -121,9 +121,9 @@ def output_spatial(spatial: Sequence[int], kernel: Sequence[int],
     """The output's spatial extent of a convolution-like op (``stride``, ``pad``, ``dilate``
     as MXNet reads them, defaults 1, 0, 1); ``None`` where an attribute has the wrong length."""
     n = len(spatial)
-    stride = _ints(attrs.get("stride")) or (1,) * n
-    pad = _ints(attrs.get("pad")) or (0,) * n
-    dilate = _ints(attrs.get("dilate")) or (1,) * n
+    stride = attr_ints(attrs.get("stride")) or (1,) * n
+    pad = attr_ints(attrs.get("pad")) or (0,) * n
+    dilate = attr_ints(attrs.get("dilate")) or (1,) * n
     if not len(stride) == len(pad) == len(dilate) == n or min(stride) < 1:
         return None
     return tuple((x + 2 * p - d * (k - 1) - 1) // s + 1
@@ -140,7 +140,7 @@ def is_narrower(shape: Shape, attrs: Mapping[str, object], rule: NarrowRule) -> 
     """
     if not shape or len(shape) < 3:
         return False
-    numbers = _ints(attrs.get(rule.attr))
+    numbers = attr_ints(attrs.get(rule.attr))
     if not numbers:
         return False
     channels_last = str(attrs.get("layout", "")).upper() in _CHANNELS_LAST
@@ -163,7 +163,7 @@ def channels_from_weights(nodes: Sequence[dict], param_shapes: Mapping[str, Sequ
         shape = param_shapes.get(weight["name"]) if weight["op"] == "null" else None
         if not shape or len(shape) < 3 or str(attrs.get("layout", "")).upper() in _CHANNELS_LAST:
             continue
-        groups = (_ints(attrs.get("num_group")) or (1,))[0]
+        groups = (attr_ints(attrs.get("num_group")) or (1,))[0]
         data = nodes[node["inputs"][0][0]]
         out[(data["name"], node["inputs"][0][1])] = (0, shape[1] * groups) + (0,) * (len(shape) - 2)
     return out
