@@ -40,7 +40,7 @@ from gluon_amp_core.verdicts import Verdict
 from . import mxnet_internals as mxi, plan_notes, runtime, state
 from .emulation import emulate_symbol, round_nd
 from .gc_pause import while_gc_paused
-from .native_run import native_passes, with_batchnorms_apart, with_padded_images
+from .native_run import native_passes, padded_image_notes, with_batchnorms_apart, with_padded_images
 from .same_shape_run import with_twins
 from .slow_kernels import slow_kernels_in_float32
 from .type_inference import infer_dtypes
@@ -423,6 +423,7 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
         _FORWARD_ONLY[block] = functools.partial(_forward_only_graph, f"block {block.name!r}",
                                                  frozenset(block.collect_params().keys()),
                                                  plan_notes.plan_heads(block), plan, known, shapes, devices, policy)
+    plan_notes.record(block, "padded_inputs", {})
     if (not float32 and _remembered(block) is None and policy is not None and policy.enabled
             and not policy.emulate and run is not plan and "cpu" in devices and not runtime.amx_active()
             and not runtime.simulated() and mxi.block_backend(block)[0] is None and not mx.util.is_np_array()):
@@ -430,6 +431,7 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
         run, pads = with_padded_images(run, known, shapes, [i.name for i in inputs], policy.table)
         if pads:
             mxi.padded_inputs.record_pads(block, pads)
+            plan_notes.record(block, "padded_inputs", padded_image_notes(typed, run, known, pads))
     if run is not plan and policy is not None and policy.emulate:  # the report says which nodes real AMP runs low
         plan_notes.record_emulated(block, {name: t for (name, i), t in typed.items()
                                            if i == 0 and t in LOW_PRECISION_DTYPES})

@@ -11,7 +11,7 @@ import mxnet as mx
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.accumulating_casts import cast_accumulating_inputs
-from gluon_amp_core.decide import users_casts
+from gluon_amp_core.decide import Reason, users_casts
 from gluon_amp_core.filter_blocks import filters_to_pad, whole_filter_blocks
 from gluon_amp_core.fusion_barriers import keep_batchnorms_apart
 from gluon_amp_core.graph_pass import is_kept
@@ -23,6 +23,7 @@ from gluon_amp_core.retype import in_float32
 from gluon_amp_core.shape_limits import OddChannelsRule, limited_nodes
 from gluon_amp_core.shape_only import SHAPE_ONLY_INPUTS, stop_shape_only_gradients
 from gluon_amp_core.table import OpClass, OpTable, default_table
+from gluon_amp_core.walk import Note
 
 from . import runtime
 from .mxnet_internals import symbol_graph
@@ -164,6 +165,19 @@ def with_padded_images(run: Symbol, known: Mapping[str, str], shapes: Mapping[st
     if any(after.get(h) is None or after.get(h) != typed.get(h) or not out_shapes.get(h) for h in heads):
         return run, {}
     return padded, {n: (c, "bfloat16") for n, c in pads.items()}
+
+
+def padded_image_notes(typed: Mapping[Key, Optional[str]], padded: Symbol, known: Mapping[str, str],
+                       pads: Mapping[str, Tuple[int, str]]) -> Dict[str, Note]:
+    """What the report says of the plan's float32 nodes (``typed``: the plan's dtypes) that
+    ``padded``, the graph :func:`with_padded_images` made, runs in a low dtype: by node name,
+    the plan's reason and what runs."""
+    after = infer_dtypes(padded, {**known, **{n: t for n, (_, t) in pads.items()}}, partial=True) or {}
+    fed = ", ".join(f"{n!r} fed with {c} channels, the last zero" for n, (c, _) in sorted(pads.items()))
+    return {name: Note(Reason.NARROW_INPUT.value, f"trains in {after[(name, 0)]} here, on a padded image ({fed}; "
+                                                  "gluon_amp_core.padded_inputs)")
+            for (name, k), t in typed.items()
+            if k == 0 and t == "float32" and after.get((name, 0)) not in (None, "float32")}
 
 
 def pads_filters(pair: bool, devices: Iterable[str]) -> bool:

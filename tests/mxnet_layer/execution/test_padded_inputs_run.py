@@ -84,7 +84,8 @@ _TRAIN = textwrap.dedent("""
 """) + TWO_STEPS + textwrap.dedent("""
     op = net._cached_op
     wrapped = isinstance(getattr(op, "training", op), PaddedInputs)
-    print("@@" + json.dumps({"wrapped": wrapped, "y": y.asnumpy().ravel()[:256].tolist(),
+    noted = {r.op: [r.dtype, r.reason, r.detail] for r in gluon_amp.report(net).rows if r.detail}
+    print("@@" + json.dumps({"wrapped": wrapped, "noted": noted, "y": y.asnumpy().ravel()[:256].tolist(),
                              "dw0": net[0].weight.grad().asnumpy().ravel().tolist(),
                              "dx": x.grad.asnumpy().ravel()[:4096].tolist() if image_grad else [1.0]}))
 """)
@@ -118,6 +119,11 @@ def test_init_trains_the_stem_in_bfloat16_on_the_padded_image(deferred):
         return
     assert padded["wrapped"]
     assert {s[:2] for s in padded_stem} == {("bf16", 4)}, padded_stem
+    # the report shows the plan (float32 by the rule) and says what trains: the stem up to the
+    # next convolution, in bfloat16 on the padded image
+    assert not plain["noted"] and set(padded["noted"]) == {"Convolution", "BatchNorm", "Activation", "Pooling"}
+    assert all(d == "float32" and r == "narrow_input" and "trains in bfloat16 here, on a padded image" in t
+               and "with 4 channels" in t for d, r, t in padded["noted"].values()), padded["noted"]
     assert not any("gemm" in s[3] for s in padded_stem if s[2] != "backward_data"), padded_stem
     # measured on Zen 4 against the float32 stem: outputs 0.5-0.7% apart; the stem's weight
     # gradient 5-7% (a first layer's gradient sums x * dy over pixels where dy, after a batch
