@@ -12,7 +12,7 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.accumulating_casts import cast_accumulating_inputs
 from gluon_amp_core.decide import Reason, users_casts
-from gluon_amp_core.filter_blocks import filters_to_pad, whole_filter_blocks
+from gluon_amp_core.filter_blocks import AMX_BLOCK, BLOCK, filters_to_pad, whole_filter_blocks
 from gluon_amp_core.fusion_barriers import keep_batchnorms_apart
 from gluon_amp_core.graph_pass import is_kept
 from gluon_amp_core.layout_guards import BATCHNORM_OPS, batchnorms_at_risk, guard_batchnorm_layouts
@@ -41,7 +41,7 @@ def native_passes(plan: Symbol, typed: Mapping[Key, Optional[str]], shapes: Mapp
     that accumulate through an identity (a CPU), then, for a training graph (``pair``), on a
     CPU no gradient pass for values read only for their shape (:func:`with_shape_only_stops`),
     on AMX the batch norms' layout guards, the weight casts paired with their ops' data, and
-    without AMX each convolution on whole blocks of 16 filters (:func:`with_whole_filter_blocks`); where
+    each convolution on whole blocks of filters (:func:`with_whole_filter_blocks`); where
     MXNet's oneDNN fusion partitions what runs (``fused``), the batch norms it would fold anew
     on every call kept apart where that costs less (:func:`with_batchnorms_apart`). The tuner
     times its graphs through this too, so a verdict is the graph's that will run. ``plan``
@@ -182,20 +182,28 @@ def padded_image_notes(typed: Mapping[Key, Optional[str]], padded: Symbol, known
 
 def pads_filters(pair: bool, devices: Iterable[str]) -> bool:
     """True when a training graph's (``pair``) bfloat16 convolutions run whole blocks of
-    filters here: a CPU whose oneDNN runs them without AMX. AMX's kernels are not measured."""
-    return pair and "cpu" in devices and not runtime.amx_active()
+    filters here (:func:`filter_block` of them): on a CPU."""
+    return pair and "cpu" in devices
+
+
+def filter_block() -> int:
+    """The filter counts oneDNN's bfloat16 convolutions run blocked here: multiples of 32 where
+    it runs AMX, of 16 without."""
+    return AMX_BLOCK if runtime.amx_active() else BLOCK
 
 
 def with_whole_filter_blocks(plan: Symbol, typed: Mapping[Key, Optional[str]],
                              shapes: Mapping[str, Tuple[int, ...]]) -> Symbol:
-    """``plan`` with each bfloat16 convolution whose filter count is not a multiple of 16 given
-    zero filters up to one and its output sliced back, so that oneDNN runs its blocked kernel
-    rather than a GEMM on plain arrays (:func:`gluon_amp_core.filter_blocks.whole_filter_blocks`).
+    """``plan`` with each bfloat16 convolution whose filter count is not a multiple of
+    :func:`filter_block` given zero filters up to one and its output sliced back, so that oneDNN
+    runs its blocked kernels rather than a GEMM on plain arrays, or AMX's data gradient rather
+    than its ``avx512_core_bf16`` one (:func:`gluon_amp_core.filter_blocks.whole_filter_blocks`).
     ``plan`` itself where there is none; the plan is never changed (what ``export`` writes)."""
     graph = symbol_graph(plan)
-    if not any(filters_to_pad(n, typed, "bfloat16") for n in graph["nodes"]):
+    block = filter_block()
+    if not any(filters_to_pad(n, typed, "bfloat16", block) for n in graph["nodes"]):
         return plan
-    graph, padded = whole_filter_blocks(graph, typed, infer_shapes(plan, shapes), "bfloat16")
+    graph, padded = whole_filter_blocks(graph, typed, infer_shapes(plan, shapes), "bfloat16", block)
     return mx.sym.load_json(json.dumps(graph)) if padded else plan
 
 

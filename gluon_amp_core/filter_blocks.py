@@ -15,6 +15,16 @@ that costs twice:
 :data:`BLOCK` (its weight and bias concatenated with zeros) and slices its output back to the
 filters it had: the same values, on the blocked kernel. One such predictor with two blocked
 neighbours on one map, forward and backward at batch 8: 1133 -> 847 ms.
+
+With AMX, oneDNN's blocks are 32 channels (:data:`AMX_BLOCK`): 324 or 24 filters run the GEMM,
+and 336 or 48 run AMX forward but the data gradient on its ``avx512_core_bf16`` kernel
+(a 3x3 convolution, 512 -> 336 filters at 64x64, batch 8: 1,888 ms for the data gradient
+against 247 at 352). There each convolution gets zero filters up to a multiple of 32, 16
+filters too: alone, doubling them costs more than AMX's data gradient saves (20.6 -> 23.6 ms),
+but that gradient comes back in the 16-channel layout, and where it meets AMX's channels-last
+gradients in a sum (SSD-512's box predictor of 16 on stage 3's map) oneDNN sums them with its
+reference kernel, and the batch norms that gradient then reaches get the two layouts and run
+theirs: 7 of them took 11.7 s of a 19 s step at batch 8.
 """
 from __future__ import annotations
 
@@ -27,6 +37,8 @@ Key = Tuple[str, int]
 
 #: oneDNN's block of channels in its bfloat16 layouts without AMX (``aBcd16b``).
 BLOCK = 16
+#: The filter counts AMX's bfloat16 convolutions run in all three passes: multiples of this.
+AMX_BLOCK = 32
 #: Suffix of the convolution that runs the whole blocks; the slice keeps the node's own name.
 PADDED_SUFFIX = "_amp_whole_blocks"
 #: The convolutions it applies to: MXNet's names in a graph's JSON.
@@ -37,10 +49,11 @@ def _flag(text: Optional[str]) -> bool:
     return str(text).lower() in ("true", "1")
 
 
-def filters_to_pad(node: dict, dtypes: Mapping[Key, Optional[str]], low: str) -> int:
+def filters_to_pad(node: dict, dtypes: Mapping[Key, Optional[str]], low: str, block: int = BLOCK) -> int:
     """How many zero filters :func:`whole_filter_blocks` gives ``node`` (MXNet's JSON form): for
     a 2-d ``Convolution`` in ``low`` with no groups, in the NCHW layout, whose filter count is
-    not a multiple of :data:`BLOCK`, those up to the next multiple; else 0."""
+    not a multiple of ``block`` (:data:`BLOCK`, or :data:`AMX_BLOCK` where oneDNN runs AMX),
+    those up to the next multiple; else 0."""
     if node["op"] not in CONVOLUTION_OPS or dtypes.get((node["name"], 0)) != low:
         return 0
     attrs = node.get("attrs", {})
@@ -49,11 +62,12 @@ def filters_to_pad(node: dict, dtypes: Mapping[Key, Optional[str]], low: str) ->
         return 0
     if attr_ints(attrs.get("num_group")) not in ((), (1,)) or attrs.get("layout", "NCHW") not in ("NCHW", "None"):
         return 0
-    return -filters[0] % BLOCK
+    return -filters[0] % block
 
 
 def whole_filter_blocks(graph: dict, dtypes: Mapping[Key, Optional[str]],
-                        shapes: Mapping[Key, Optional[Tuple[int, ...]]], low: str) -> Tuple[dict, List[str]]:
+                        shapes: Mapping[Key, Optional[Tuple[int, ...]]], low: str,
+                        block: int = BLOCK) -> Tuple[dict, List[str]]:
     """``graph`` (MXNet's JSON form) with each convolution :func:`filters_to_pad` names run on
     whole blocks of filters: its weight (and bias) concatenated with zeros in ``low``, the
     convolution renamed ``<name>`` + :data:`PADDED_SUFFIX`, and a ``slice_axis`` of its first
@@ -67,7 +81,7 @@ def whole_filter_blocks(graph: dict, dtypes: Mapping[Key, Optional[str]],
     pinned: Dict[str, Tuple[int, ...]] = {}  # variable -> its shape, where a concatenation reads it
     for i, node in enumerate(nodes):
         inputs = [g.entry(e) for e in node.get("inputs", [])]
-        extra = filters_to_pad(node, dtypes, low)
+        extra = filters_to_pad(node, dtypes, low, block)
         weight = node["inputs"][1] if extra and len(node["inputs"]) > 1 else None
         wshape = shapes.get((nodes[weight[0]]["name"], weight[1])) if weight is not None else None
         if not wshape or len(wshape) != 4:

@@ -1,9 +1,9 @@
-"""filter_blocks: a low-precision convolution run on whole blocks of 16 filters."""
+"""filter_blocks: a low-precision convolution run on whole blocks of 16 filters, 32 on AMX."""
 import random
 
 import pytest
 
-from gluon_amp_core.filter_blocks import BLOCK, PADDED_SUFFIX, filters_to_pad, whole_filter_blocks
+from gluon_amp_core.filter_blocks import AMX_BLOCK, BLOCK, PADDED_SUFFIX, filters_to_pad, whole_filter_blocks
 from graph_json import graph as _graph, var as _var
 
 BF16, FP32 = "bfloat16", "float32"
@@ -31,7 +31,8 @@ def _predictor(filters, bias=True, channels=8):
               _var("w2"), _cast("w2_cast", p + 2), _conv("other", 16, 1, p + 3, no_bias=True)]
     graph = _graph(nodes, [p + 1, p + 4])
     dtypes = {(n["name"], 0): (FP32 if n["op"] == "null" else BF16) for n in nodes}
-    shapes = {("w", 0): (filters, channels, 3, 3), ("w_cast", 0): (filters, channels, 3, 3)}
+    shapes = {("w", 0): (filters, channels, 3, 3), ("w_cast", 0): (filters, channels, 3, 3),
+              ("w2", 0): (16, channels, 1, 1), ("w2_cast", 0): (16, channels, 1, 1)}
     return graph, dtypes, shapes
 
 
@@ -48,26 +49,30 @@ def _cases(n=300, seed=5):
                rng.choice([None, "NCHW", "NHWC"]), rng.choice([BF16, BF16, FP32]))
 
 
+@pytest.mark.parametrize("block", [BLOCK, AMX_BLOCK])
 @pytest.mark.parametrize("filters,kernel,groups,layout,dtype", list(_cases()))
-def test_how_many_filters_it_adds(filters, kernel, groups, layout, dtype):
+def test_how_many_filters_it_adds(filters, kernel, groups, layout, dtype, block):
     attrs = {} if groups is None else {"num_group": groups}
     if layout is not None:
         attrs["layout"] = layout
     node = _conv("c", filters, kernel=kernel, **attrs)
     rank = {"(3,)": 1, "(3, 3)": 2, "(1, 1)": 2, "(3, 3, 3)": 3}[kernel]
     applies = dtype == BF16 and rank == 2 and groups in (None, "1") and layout in (None, "NCHW")
-    expected = (-filters) % BLOCK if applies else 0
-    assert filters_to_pad(node, {("c", 0): dtype}, BF16) == expected
-    assert expected == 0 or (filters + expected) % BLOCK == 0 < expected < BLOCK
+    expected = (-filters) % block if applies else 0
+    assert filters_to_pad(node, {("c", 0): dtype}, BF16, block) == expected
+    assert expected == 0 or (filters + expected) % block == 0 < expected < block
+    if block == BLOCK:
+        assert filters_to_pad(node, {("c", 0): dtype}, BF16) == expected  # the default: without AMX
 
 
+@pytest.mark.parametrize("block", [BLOCK, AMX_BLOCK])
 @pytest.mark.parametrize("filters", [1, 15, 17, 24, 324, 486])
 @pytest.mark.parametrize("bias", [True, False])
-def test_the_convolution_runs_whole_blocks_and_its_readers_read_its_first_filters(filters, bias):
+def test_the_convolution_runs_whole_blocks_and_its_readers_read_its_first_filters(filters, bias, block):
     graph, dtypes, shapes = _predictor(filters, bias)
-    out, padded = whole_filter_blocks(graph, dtypes, shapes, BF16)
-    extra = -filters % BLOCK
-    assert padded == ["pred"]
+    out, padded = whole_filter_blocks(graph, dtypes, shapes, BF16, block)
+    extra = -filters % block
+    assert padded == (["pred"] if block == BLOCK else ["pred", "other"])  # AMX pads the other's 16 too
     nodes = _by_name(out)
     conv, conv_in = nodes["pred" + PADDED_SUFFIX]
     assert conv["op"] == "Convolution" and conv["attrs"]["num_filter"] == str(filters + extra)
@@ -85,9 +90,21 @@ def test_the_convolution_runs_whole_blocks_and_its_readers_read_its_first_filter
     assert sl["op"] == "slice_axis" and sl["attrs"] == {"axis": "1", "begin": "0", "end": str(filters)}
     assert sl_in == [("pred" + PADDED_SUFFIX, 0)]
     assert nodes["tr"][1] == [("pred", 0)]
-    assert nodes["other"][0]["attrs"]["num_filter"] == "16" and "other" + PADDED_SUFFIX not in nodes
+    if block == BLOCK:
+        assert nodes["other"][0]["attrs"]["num_filter"] == "16" and "other" + PADDED_SUFFIX not in nodes
+    else:
+        assert nodes["other" + PADDED_SUFFIX][0]["attrs"]["num_filter"] == "32" and nodes["other"][0]["op"] == "slice_axis"
     assert [out["nodes"][h[0]]["name"] for h in out["heads"]] == ["tr", "other"]
     assert all(e[0] < j for j, n in enumerate(out["nodes"]) for e in n["inputs"])  # topological
+
+
+@pytest.mark.parametrize("filters", [16, 48, 80, 336, 496])
+def test_amx_blocks_pad_counts_that_are_whole_16_blocks(filters):
+    """AMX's data gradient wants 32: 16, 48 or 336 filters get 16 more there, none without AMX."""
+    graph, dtypes, shapes = _predictor(filters)
+    assert whole_filter_blocks(graph, dtypes, shapes, BF16) == (graph, [])
+    out, padded = whole_filter_blocks(graph, dtypes, shapes, BF16, AMX_BLOCK)
+    assert padded == ["pred", "other"] and _by_name(out)["pred" + PADDED_SUFFIX][0]["attrs"]["num_filter"] == str(filters + 16)
 
 
 def test_a_float32_bias_gets_float32_zeros():

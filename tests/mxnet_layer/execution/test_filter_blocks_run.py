@@ -1,10 +1,13 @@
-"""A bfloat16 convolution whose filter count is not a multiple of 16 trains on whole blocks of
-filters (gluon_amp_core.filter_blocks, native_run.with_whole_filter_blocks): the same values and
-gradients, where MXNet binds it, in a training graph on a CPU whose oneDNN runs without AMX.
+"""A bfloat16 convolution whose filter count is not a multiple of oneDNN's block (16, or 32 with
+AMX) trains on whole blocks of filters (gluon_amp_core.filter_blocks,
+native_run.with_whole_filter_blocks): the same values and gradients, where MXNet binds it, in a
+training graph on a CPU.
 
-The fact behind it: oneDNN 2.4.4 (AVX512-BF16) runs such a convolution as a GEMM on plain
+The facts behind it: oneDNN 2.4.4 (AVX512-BF16) runs such a convolution as a GEMM on plain
 arrays, since MXNet 1.9.1 refuses its padded layouts; SSD-512's class predictors (324 and 486
-filters) spent 1.8 s of an 8 s training step at batch 8 so."""
+filters) spent 1.8 s of an 8 s training step at batch 8 so. With AMX, a count that is a
+multiple of 16 but not of 32 (48, 336) gets its data gradient off AMX (336: 1,888 ms against
+247 at 352)."""
 import json
 import random
 import re
@@ -73,19 +76,29 @@ def _padded_convs(run):
             if n["op"] == "Convolution" and n["name"].endswith(PADDED_SUFFIX)]
 
 
-def test_training_graphs_on_a_cpu_without_amx_run_them_and_nothing_else_does(monkeypatch):
-    plan, typed, shapes = _plan(20)
+def _filters_run(run):
+    return {n["name"]: int(n["attrs"]["num_filter"]) for n in symbol_graph(run)["nodes"] if n["op"] == "Convolution"}
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("filters", [20, 48])
+def test_training_graphs_on_a_cpu_run_them_and_nothing_else_does(monkeypatch, amx, filters):
+    """20 filters run 32 with AMX and without; 48 run 64 where oneDNN runs AMX, 48 elsewhere;
+    the 16 beside them 32 with AMX."""
+    plan, typed, shapes = _plan(filters)
     assert any(t == "bfloat16" for t in typed.values())
-    monkeypatch.setattr(runtime, "amx_active", lambda: False)
+    monkeypatch.setattr(runtime, "amx_active", lambda: amx)
     train = native_run.native_passes(plan, typed, shapes, {"cpu"}, pair=True, accumulating=None)
-    assert _padded_convs(train) == ["pred" + PADDED_SUFFIX]
+    padded = filters == 20 or amx
+    other = {"other" + PADDED_SUFFIX: 32} if amx else {"other": 16}
+    assert _filters_run(train) == ({"pred" + PADDED_SUFFIX: filters + (-filters % 32), **other} if padded
+                                   else {"pred": filters, **other})
     _, plan_types, _ = plan.infer_type_partial(data="float32")
     _, train_types, _ = train.infer_type_partial(data="float32")
     assert train_types == plan_types  # its outputs as before
     assert _padded_convs(native_run.native_passes(plan, typed, shapes, {"cpu"}, pair=False, accumulating=None)) == []
+    assert _padded_convs(native_run.native_passes(plan, typed, shapes, {"gpu"}, pair=True, accumulating=None)) == []
     assert _padded_convs(plan) == []  # the plan (what export writes) keeps its convolution
-    monkeypatch.setattr(runtime, "amx_active", lambda: True)  # AMX's kernels: not measured, left
-    assert _padded_convs(native_run.native_passes(plan, typed, shapes, {"cpu"}, pair=True, accumulating=None)) == []
 
 
 _TRAIN = textwrap.dedent("""
@@ -100,8 +113,8 @@ _TRAIN = textwrap.dedent("""
     gluon_amp.init(target_dtype="bfloat16", tune=False)
     mx.random.seed(0)
     net = nn.HybridSequential()
-    net.add(nn.Conv2D(48, 3, padding=1, in_channels=32), nn.Activation("relu"),
-            nn.Conv2D(filters, 3, padding=1, in_channels=48))
+    net.add(nn.Conv2D(64, 3, padding=1, in_channels=32), nn.Activation("relu"),
+            nn.Conv2D(filters, 3, padding=1, in_channels=64))
     net.initialize(mx.init.Xavier())
     net.hybridize()
     x = mx.nd.random.uniform(-1, 1, shape=(2, 32, 16, 16))
@@ -113,30 +126,38 @@ _TRAIN = textwrap.dedent("""
 
 
 def _trained(filters, whole):
-    """Its outputs, gradients and the oneDNN convolutions of ``filters`` outputs (their impl) that
-    ran in bfloat16, from ``DNNL_VERBOSE``, training under ``init`` in a process of its own."""
+    """Its outputs, gradients and the oneDNN convolutions of the last layer (filters, pass, impl)
+    that ran in bfloat16, from ``DNNL_VERBOSE``, training under ``init`` in a process of its own."""
     lines, values = verbose_run(_TRAIN, [filters, whole])
     impls = set()
     for line in lines:
-        found = re.match(r"dnnl_verbose,exec,cpu,convolution,([^,]+),\w+,src_bf16:.*_ic48oc(\d+)_", line)
+        found = re.match(r"dnnl_verbose,exec,cpu,convolution,([^,]+),(\w+),src_bf16:.*_ic64oc(\d+)_", line)
         if found:
-            impls.add((int(found.group(2)), found.group(1)))
+            impls.add((int(found.group(3)), found.group(2), found.group(1)))
     return values, impls
 
 
 @pytest.mark.bf16_kernels
-def test_init_trains_them_on_the_blocked_kernel_to_the_same_values():
-    """On this CPU, under ``init``: without whole blocks oneDNN runs the GEMM (if a later oneDNN
-    blocks these, this fails and the pass can go); with them, its blocked kernel, and the
-    outputs and gradients are the GEMM's to bfloat16's precision. Where oneDNN runs AMX the
-    pass is off (its kernels not measured): both runs are then the same."""
-    filters = 20
+@pytest.mark.parametrize("filters", [20, 48])
+def test_init_trains_them_on_the_blocked_kernel_to_the_same_values(filters):
+    """On this CPU, under ``init``: without whole blocks oneDNN runs the GEMM for 20 filters, and
+    with AMX the data gradient of 48 off AMX (if a later oneDNN blocks these, this fails and the
+    pass can go); with them, its blocked kernels (AMX's in all three passes, where it runs
+    AMX), and the outputs and gradients are as before to bfloat16's precision."""
+    amx = runtime.amx_active()
     plain, plain_impls = _trained(filters, False)
     whole, whole_impls = _trained(filters, True)
-    if runtime.amx_active():
+    if filters == 48 and not amx:  # a whole block of 16 already: nothing to do
         assert whole_impls == plain_impls and whole == plain
+        assert not any("gemm" in i for *_, i in whole_impls), whole_impls
         return
-    assert {f for f, _ in plain_impls} == {filters} and all("gemm" in i for _, i in plain_impls), plain_impls
-    assert {f for f, _ in whole_impls} == {32} and not any("gemm" in i for _, i in whole_impls), whole_impls
+    assert {f for f, *_ in plain_impls} == {filters}
+    if filters == 20:
+        assert all("gemm" in i for *_, i in plain_impls), plain_impls
+    else:
+        assert {p for _, p, i in plain_impls if "amx" not in i} == {"backward_data"}, plain_impls
+    assert {f for f, *_ in whole_impls} == {filters + (-filters % 32)}, whole_impls
+    assert not any("gemm" in i for *_, i in whole_impls), whole_impls
+    assert not amx or all("amx" in i for *_, i in whole_impls), whole_impls
     for k in plain:
         np.testing.assert_allclose(whole[k], plain[k], rtol=0.02, atol=0.02 * np.abs(plain[k]).max(), err_msg=k)
