@@ -93,7 +93,8 @@ def test_the_convolution_runs_whole_blocks_and_its_readers_read_its_first_filter
     if block == BLOCK:
         assert nodes["other"][0]["attrs"]["num_filter"] == "16" and "other" + PADDED_SUFFIX not in nodes
     else:
-        assert nodes["other" + PADDED_SUFFIX][0]["attrs"]["num_filter"] == "32" and nodes["other"][0]["op"] == "slice_axis"
+        assert nodes["other" + PADDED_SUFFIX][0]["attrs"]["num_filter"] == "32"
+        assert nodes["other"][0]["op"] == "slice_axis"
     assert [out["nodes"][h[0]]["name"] for h in out["heads"]] == ["tr", "other"]
     assert all(e[0] < j for j, n in enumerate(out["nodes"]) for e in n["inputs"])  # topological
 
@@ -104,7 +105,8 @@ def test_amx_blocks_pad_counts_that_are_whole_16_blocks(filters):
     graph, dtypes, shapes = _predictor(filters)
     assert whole_filter_blocks(graph, dtypes, shapes, BF16) == (graph, [])
     out, padded = whole_filter_blocks(graph, dtypes, shapes, BF16, AMX_BLOCK)
-    assert padded == ["pred", "other"] and _by_name(out)["pred" + PADDED_SUFFIX][0]["attrs"]["num_filter"] == str(filters + 16)
+    assert padded == ["pred", "other"]
+    assert _by_name(out)["pred" + PADDED_SUFFIX][0]["attrs"]["num_filter"] == str(filters + 16)
 
 
 def test_a_float32_bias_gets_float32_zeros():
