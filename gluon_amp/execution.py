@@ -427,7 +427,8 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
     if (not float32 and _remembered(block) is None and policy is not None and policy.enabled
             and not policy.emulate and run is not plan and "cpu" in devices and not runtime.amx_active()
             and not runtime.simulated() and mxi.block_backend(block)[0] is None and not mx.util.is_np_array()):
-        # an image's first convolution trains in bfloat16 on a zero channel more (the caller pads)
+        # an image's first convolution trains in bfloat16 on a zero channel more (the caller pads);
+        # not on AMX, whose float32 stem ran faster than its bfloat16 on 3 or 4 channels (docs/speed.md)
         run, pads = with_padded_images(run, known, shapes, [i.name for i in inputs], policy.table)
         if pads:
             mxi.padded_inputs.record_pads(block, pads)

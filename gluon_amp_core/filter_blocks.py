@@ -30,15 +30,16 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Optional, Tuple
 
+from .layout_guards import AMX_CHANNEL_BLOCK, BLOCKED_CHANNELS
 from .retype import _Rebuilt, source_through_casts
 from .shape_limits import attr_ints
 
 Key = Tuple[str, int]
 
 #: oneDNN's block of channels in its bfloat16 layouts without AMX (``aBcd16b``).
-BLOCK = 16
+BLOCK = BLOCKED_CHANNELS
 #: The filter counts AMX's bfloat16 convolutions run in all three passes: multiples of this.
-AMX_BLOCK = 32
+AMX_BLOCK = AMX_CHANNEL_BLOCK
 #: Suffix of the convolution that runs the whole blocks; the slice keeps the node's own name.
 PADDED_SUFFIX = "_amp_whole_blocks"
 #: The convolutions it applies to: MXNet's names in a graph's JSON.
