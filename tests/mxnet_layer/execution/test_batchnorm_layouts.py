@@ -57,10 +57,14 @@ def test_an_amx_host_runs_each_batch_norm_at_risk_on_a_plain_input(monkeypatch):
     for bn in bns:
         guard = nodes[bn["inputs"][0][0]]
         assert guard["name"] == bn["name"] + GUARD_SUFFIX and guard["op"] == "Reshape"
-        assert nodes[guard["inputs"][0][0]]["op"] == "Convolution"
+        conv = nodes[guard["inputs"][0][0]]
+        if conv["op"] == "slice_axis":  # AMX trains 16 filters on a whole block of 32 (filter_blocks)
+            conv = nodes[conv["inputs"][0][0]]
+        assert conv["op"] == "Convolution"
     plan_types = infer_dtypes(plan, {"data": "float32"})
     run_types = infer_dtypes(run, {"data": "float32"})
-    ops = {n["name"] for n in nodes if n["op"] not in ("null", "amp_cast", "amp_multicast", "Reshape")}
+    plan_nodes = json.loads(plan.tojson(remove_amp_cast=False))["nodes"]
+    ops = {n["name"] for n in plan_nodes if n["op"] not in ("null", "amp_cast", "amp_multicast")}
     assert {k: v for k, v in run_types.items() if k[0] in ops} == {k: v for k, v in plan_types.items() if k[0] in ops}
     assert plan.tojson() == before  # the plan (what export writes) is left as it is
 
