@@ -23,6 +23,7 @@ from gluon_amp_core.resolve import Resolution, resolve_target
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, parse_target_dtype
 from gluon_amp_core.speed.probe import OpTiming, SpeedVerdict, timings_to_records
 from gluon_amp_core.timing_cache import TimingCache
+from gluon_amp_core.threads import ThreadUse, thread_use as threads_for
 
 from . import state
 
@@ -355,3 +356,30 @@ def has_onednn() -> bool:
     """True when this MXNet build has oneDNN (the CPU builds do): its fusion backend exists."""
     import mxnet as mx
     return mx.runtime.Features().is_enabled("MKLDNN")
+
+
+def _threads_per_core() -> Optional[int]:
+    """Hardware threads per core of the first CPU this process may run on, from sysfs; None
+    where the OS does not say."""
+    cpu = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    count = 0
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        try:
+            count += int(hi or lo) - int(lo) + 1
+        except ValueError:
+            return None
+    return count or None
+
+
+def thread_use() -> ThreadUse:
+    """The OpenMP threads MXNet's CPU operators run on here, and a note where cores stay idle
+    (:mod:`gluon_amp_core.threads`)."""
+    from . import mxnet_internals as mxi
+    from .speed.timing import cpus
+    return threads_for(os.environ, cpus(), _threads_per_core(), mxi.omp_threads())

@@ -27,4 +27,5 @@ from .forward_only import ForwardOnly, casts_storable  # noqa: F401
 from . import forward_only  # noqa: F401,E402  (mxi.forward_only.Made, .cast)
 from . import padded_inputs  # noqa: F401,E402  (mxi.padded_inputs.record_pads)
 from .warning_sites import MXNET_PACKAGE, warn as warn_outside  # noqa: F401
+from .openmp import omp_threads  # noqa: F401
 from . import module  # noqa: F401,E402  (Module internals: mxi.module.*, imported where used)

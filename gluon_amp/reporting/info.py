@@ -41,6 +41,7 @@ def runtime_info() -> Dict[str, Any]:
         "mode": amp_mode(),
         "emulation_kernel": _emulation_kernel(),
         "numpy_shim": _numpy_shim.status(),
+        "threads": runtime.thread_use().to_dict(),
     }
 
 

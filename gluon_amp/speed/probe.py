@@ -60,7 +60,8 @@ def machine_key(flags: FrozenSet[str], amx_granted: bool, isa: str, isa_cap: Opt
     n = cpus()
     return {"cpu": _cpu_model(), "flags": sorted(flags), "amx_granted": amx_granted,
             "mxnet": mx.__version__, "onednn_isa": isa, "DNNL_MAX_CPU_ISA": isa_cap,
-            "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "cpus": n},
+            "threads": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"), "cpus": n,
+                        "MXNET_OMP_MAX_THREADS": os.environ.get("MXNET_OMP_MAX_THREADS")},
             "gluon_amp": code_digest()}
 
 
