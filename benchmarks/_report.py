@@ -30,12 +30,22 @@ def own_peak_rss_mb() -> float:
 
 
 def host_info() -> Dict[str, Any]:
-    """The CPU flags that decide what runs where (every figure is given with them), the core count
-    and a ``DNNL_MAX_CPU_ISA`` cap, if any."""
+    """The CPU flags that decide what runs where (every figure is given with them), the core count,
+    a ``DNNL_MAX_CPU_ISA`` cap, if any, and the OpenMP threads MXNet runs on (half the CPUs
+    unless ``OMP_NUM_THREADS`` says: :mod:`gluon_amp_core.threads`)."""
     flags = set()
     with open("/proc/cpuinfo") as f:
         for line in f:
             if line.startswith("flags"):
                 flags |= set(line.split(":", 1)[1].split())
+    from gluon_amp_core.threads import expected_threads
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return {"flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16"}),
-            "cpus": os.cpu_count(), "DNNL_MAX_CPU_ISA": os.environ.get("DNNL_MAX_CPU_ISA")}
+            "cpus": os.cpu_count(), "DNNL_MAX_CPU_ISA": os.environ.get("DNNL_MAX_CPU_ISA"),
+            "mxnet_threads": expected_threads(os.environ, cpus), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+
+
+def threads_text(host: Dict[str, Any]) -> str:
+    """``'1 MXNet thread (OMP_NUM_THREADS unset)'``: the OpenMP threads every figure ran on."""
+    n, env = host.get("mxnet_threads"), host.get("OMP_NUM_THREADS")
+    return f"{n} MXNet thread{'s' if n != 1 else ''} (OMP_NUM_THREADS={env or 'unset'})"

@@ -36,7 +36,7 @@ import time
 import warnings
 from typing import Any, Dict, List, Optional
 
-from _report import own_peak_rss_mb  # benchmarks/ is on sys.path when run as a script
+from _report import own_peak_rss_mb, threads_text  # benchmarks/ is on sys.path when run as a script
 
 MODES = ("fp32", "float16", "bfloat16")  # float16/bfloat16: emulated
 NETS = ("resnet18", "ssd512")
@@ -166,7 +166,8 @@ def format_table(doc: Dict[str, Any]) -> str:
         lines.append("timed steps the loss scaler skipped (left out of s/step unless all were): "
                      + ", ".join(f"{k} {v}" for k, v in skipped.items()))
     h = doc["host"]
-    lines.append(f"host flags {' '.join(h['flags'])}, DNNL_MAX_CPU_ISA={h['DNNL_MAX_CPU_ISA']}, load "
+    lines.append(f"host flags {' '.join(h['flags'])}, {threads_text(h)}, "
+                 f"DNNL_MAX_CPU_ISA={h['DNNL_MAX_CPU_ISA']}, load "
                  f"{doc['load_before'][0]:.2f} before, {doc['load_after'][0]:.2f} after; s/step: median "
                  f"over {doc['rounds']} process(es) of each one's median step; min s: fastest step")
     return "\n".join(lines)

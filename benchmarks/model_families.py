@@ -346,6 +346,7 @@ def summarize(runs: Dict[str, Dict[str, List[Dict[str, Any]]]]) -> Dict[str, Dic
 
 
 def format_table(doc: Dict[str, Any]) -> str:
+    from _report import threads_text  # benchmarks/ is on sys.path when run as a script
     lines = [f"{'net':<15} {'mode':<18} {'ran':<18} {'it/s':>7} {'vs FP32':>8} {'best':>7} {'vs FP32':>8} "
              f"{'CPU it/s':>8} {'vs FP32':>8} {'low ops':>8} {'casts':>6} {'casts/low op':>12}"]
     why_not: Dict[str, int] = {}
@@ -364,7 +365,8 @@ def format_table(doc: Dict[str, Any]) -> str:
     lines += [f"tuning: {t}" for t in sorted(tuning)]
     lines += [f"[{k}] {why}" for why, k in why_not.items()]
     h = doc["host"]
-    lines.append(f"host flags {' '.join(h['flags'])}, {h['cpus']} CPUs, DNNL_MAX_CPU_ISA={h['DNNL_MAX_CPU_ISA']}, "
+    lines.append(f"host flags {' '.join(h['flags'])}, {h['cpus']} CPUs, {threads_text(h)}, "
+                 f"DNNL_MAX_CPU_ISA={h['DNNL_MAX_CPU_ISA']}, "
                  f"load {doc['load_before'][0]:.2f} before, {doc['load_after'][0]:.2f} after; it/s: median over "
                  f"{doc['rounds']} round(s) of each process's median step ({doc['warmup']} untimed, "
                  f"{doc['steps']} timed steps); best: the fastest step; "

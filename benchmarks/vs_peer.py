@@ -334,6 +334,7 @@ def summarize(rounds: List[Dict[str, Dict[str, Any]]], rows: List[str]) -> Dict[
 
 
 def format_table(doc: Dict[str, Any]) -> str:
+    from _report import threads_text  # benchmarks/ is on sys.path when run as a script
     def f(v: Any, fmt: str) -> str:
         return "n/a" if v is None else format(v, fmt)
 
@@ -353,7 +354,8 @@ def format_table(doc: Dict[str, Any]) -> str:
                 said = "not measurable here" if e.startswith("needs bfloat16 kernels") else "FAILED"
                 lines.append(f"{'':<19}{name} {said}: {e}")
     h = doc["host"]
-    lines.append(f"host: flags {' '.join(h['flags'])}, {h['cpus']} CPUs, load average {doc['load_before']} "
+    lines.append(f"host: flags {' '.join(h['flags'])}, {h['cpus']} CPUs, {threads_text(h)}, load average "
+                 f"{doc['load_before']} "
                  f"before, {doc['load_after']} after; {doc['total_s']:.0f} s")
     return "\n".join(lines)
 
