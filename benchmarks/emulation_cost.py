@@ -43,6 +43,8 @@ NETS = ("resnet18", "ssd512")
 #: (warmup, timed) steps per net by default; SSD-512's emulated float16 overflows on its first
 #: steps (the scaler backs off from 65536): 3 untimed steps leave most of the timed ones updating
 STEPS = {"resnet18": (2, 8), "ssd512": (3, 3)}
+#: (warmup, timed) step pairs per net with ``--interleaved`` (each pair: one FP32, one emulated step)
+INTERLEAVED_STEPS = {"resnet18": (4, 30), "ssd512": (3, 12)}
 
 
 def _workload(net_name: str) -> tuple:
@@ -70,44 +72,97 @@ def _workload(net_name: str) -> tuple:
     return net, x, labels, loss
 
 
-def child(net_name: str, mode: str, warmup: int, steps: int) -> Dict[str, Any]:
-    """One mode of one net, in this process: median step seconds and peak RSS."""
-    import mxnet as mx
-    from mxnet import autograd, gluon
+def _trained(net_name: str) -> tuple:
+    """``(net, data, labels, loss function, trainer, scaler)``: the workload and its SGD trainer."""
+    from mxnet import gluon
     import gluon_amp
-    if mode != "fp32":
-        gluon_amp.init(target_dtype=mode, emulate=True)
     net, x, labels, loss_fn = _workload(net_name)
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.001, "momentum": 0.9},
                             update_on_kvstore=False)
-    scaler = gluon_amp.init_trainer(trainer)
+    return net, x, labels, loss_fn, trainer, gluon_amp.init_trainer(trainer)
+
+
+def _step(net_name: str, parts: tuple) -> tuple:
+    """One training step, waited for: ``(seconds, loss)``."""
+    import mxnet as mx
+    from mxnet import autograd
+    import gluon_amp
+    net, x, labels, loss_fn, trainer, _ = parts
+    t0 = time.perf_counter()
+    with autograd.record():
+        out = net(x)
+        if net_name == "resnet18":
+            loss = loss_fn(out, labels[0])
+        else:
+            loss = loss_fn([out[0]], [out[1]], labels[:1], labels[1:])[0][0]
+        with gluon_amp.scale_loss(loss, trainer) as scaled:
+            autograd.backward(scaled)
+    trainer.step(x.shape[0])
+    mx.nd.waitall()
+    return time.perf_counter() - t0, float(loss.mean().asscalar())
+
+
+def child(net_name: str, mode: str, warmup: int, steps: int) -> Dict[str, Any]:
+    """One mode of one net, in this process: median step seconds and peak RSS."""
+    import gluon_amp
+    if mode != "fp32":
+        gluon_amp.init(target_dtype=mode, emulate=True)
+    parts = _trained(net_name)
+    scaler = parts[5]
     rounding = gluon_amp.runtime_info()["emulation_kernel"] if mode != "fp32" else None
     times, losses, skipped = [], [], []
     for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        with autograd.record():
-            out = net(x)
-            if net_name == "resnet18":
-                loss = loss_fn(out, labels[0])
-            else:
-                loss = loss_fn([out[0]], [out[1]], labels[:1], labels[1:])[0][0]
-            with gluon_amp.scale_loss(loss, trainer) as scaled:
-                autograd.backward(scaled)
-        trainer.step(x.shape[0])
-        mx.nd.waitall()
+        seconds, loss = _step(net_name, parts)
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(seconds)
             skipped.append(scaler.last_step_skipped)
-        losses.append(float(loss.mean().asscalar()))
+        losses.append(loss)
     updated = [t for t, s in zip(times, skipped) if not s] or times  # all skipped: every step counts
     return {"net": net_name, "mode": mode, "sec_per_step": statistics.median(updated), "step_seconds": updated,
             "timed_skipped": sum(skipped), "peak_rss_mb": own_peak_rss_mb(), "losses": losses,
             "skipped_steps": scaler.skipped_steps, "rounding": rounding}
 
 
-def _run_child(net_name: str, mode: str, warmup: int, steps: int, timeout: float) -> Dict[str, Any]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", net_name, mode, "--warmup", str(warmup),
-           "--steps", str(steps)]
+def child_interleaved(net_name: str, mode: str, warmup: int, steps: int) -> Dict[str, Any]:
+    """The FP32 net and its emulated twin (built and stepped in an ``autocast(mode, emulate=True)``
+    region) in this process, their steps alternating (which goes first alternates too), so that
+    load on a shared machine hits both alike: each pair's time ratio, emulated over FP32."""
+    import contextlib
+    import gluon_amp
+    fp32 = _trained(net_name)
+    with gluon_amp.autocast(target_dtype=mode, emulate=True):
+        emulated = _trained(net_name)
+    rounding = None
+    ratios, fp32_s, emulated_s, skipped = [], [], [], 0
+    for i in range(warmup + steps):
+        seconds = {}
+        for side in ((fp32, emulated) if i % 2 == 0 else (emulated, fp32)):
+            region = (gluon_amp.autocast(target_dtype=mode, emulate=True) if side is emulated
+                      else contextlib.nullcontext())
+            with region:
+                seconds[id(side)] = _step(net_name, side)[0]
+                if side is emulated and rounding is None:
+                    rounding = gluon_amp.runtime_info()["emulation_kernel"]
+                    if not gluon_amp.report(side[0]).emulated:
+                        raise RuntimeError(f"{net_name}: the {mode} twin does not run emulated")
+        if i < warmup:
+            continue
+        if emulated[5].last_step_skipped:  # a skipped update is cheaper: not a pair to compare
+            skipped += 1
+            continue
+        fp32_s.append(seconds[id(fp32)])
+        emulated_s.append(seconds[id(emulated)])
+        ratios.append(emulated_s[-1] / fp32_s[-1])
+    return {"net": net_name, "mode": mode, "ratios": ratios, "ratio": statistics.median(ratios) if ratios else None,
+            "fp32_sec_per_step": statistics.median(fp32_s) if fp32_s else None,
+            "sec_per_step": statistics.median(emulated_s) if emulated_s else None,
+            "timed_skipped": skipped, "rounding": rounding}
+
+
+def _run_child(net_name: str, mode: str, warmup: int, steps: int, timeout: float,
+               interleaved: bool = False) -> Dict[str, Any]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child-interleaved" if interleaved else "--child",
+           net_name, mode, "--warmup", str(warmup), "--steps", str(steps)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"{net_name} {mode} failed:\n{r.stderr[-3000:]}")
@@ -148,6 +203,63 @@ def run(nets: List[str], rounds: int, warmup: Optional[int], steps: Optional[int
             "summary": summary, "runs": runs}
 
 
+def _median(values: Any) -> Optional[float]:
+    """The median of the values that are not None (a process whose every pair the scaler
+    skipped has none), or None."""
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
+
+
+def _num(v: Optional[float], fmt: str = ".3f") -> str:
+    return "n/a" if v is None else format(v, fmt)
+
+
+def run_interleaved(nets: List[str], rounds: int, warmup: Optional[int], steps: Optional[int],
+                    timeout: float = 3600) -> Dict[str, Any]:
+    """Each emulated mode against FP32, both in one process per (net, mode, round), steps
+    alternating: the time ratio on a machine whose processes differ more than the ratio does."""
+    load = os.getloadavg()
+    runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {n: {m: [] for m in MODES[1:]} for n in nets}
+    for r in range(rounds):
+        for n in nets:
+            w, s = INTERLEAVED_STEPS[n]
+            for m in MODES[1:]:
+                res = _run_child(n, m, w if warmup is None else warmup, s if steps is None else steps, timeout,
+                                 interleaved=True)
+                runs[n][m].append(res)
+                print(f"round {r + 1}/{rounds} {n:<8} {m:<8} emulated/FP32 {_num(res['ratio'])} (FP32 "
+                      f"{_num(res['fp32_sec_per_step'])} s/step)  {res['timed_skipped']} pair(s) skipped",
+                      file=sys.stderr, flush=True)
+    summary = {n: {m: {"time_vs_fp32": _median(x["ratio"] for x in runs[n][m]),
+                       "per_process": [x["ratio"] and round(x["ratio"], 3) for x in runs[n][m]],
+                       "fp32_sec_per_step": _median(x["fp32_sec_per_step"] for x in runs[n][m]),
+                       "timed_skipped": sum(x["timed_skipped"] for x in runs[n][m]),
+                       "rounding": runs[n][m][-1]["rounding"]} for m in MODES[1:]} for n in nets}
+    from _report import host_info  # benchmarks/ is on sys.path when run as a script
+    return {"host": host_info(), "load_before": load, "load_after": os.getloadavg(), "rounds": rounds,
+            "interleaved": True, "summary": summary, "runs": runs}
+
+
+def format_interleaved(doc: Dict[str, Any]) -> str:
+    lines = [f"{'net':<9} {'mode':<19} {'FP32 s/step':>11} {'time vs FP32':>12}  per process"]
+    for n, modes in doc["summary"].items():
+        for m, s in modes.items():
+            lines.append(f"{n:<9} {'emulated ' + m:<19} {_num(s['fp32_sec_per_step']):>11} "
+                         f"{_num(s['time_vs_fp32']):>11}x  " + " ".join(_num(v) for v in s["per_process"])
+                         + (f"  ({s['timed_skipped']} pair(s) the scaler skipped, left out)" if s["timed_skipped"]
+                            else ""))
+    roundings = {f"{s['rounding']['path']} ({s['rounding']['why']})" for modes in doc["summary"].values()
+                 for s in modes.values() if s.get("rounding")}
+    lines += [f"emulation rounded with: {r}" for r in sorted(roundings)]
+    h = doc["host"]
+    lines.append(f"host flags {' '.join(h['flags'])}, {threads_text(h)}, "
+                 f"DNNL_MAX_CPU_ISA={h['DNNL_MAX_CPU_ISA']}, load {doc['load_before'][0]:.2f} before, "
+                 f"{doc['load_after'][0]:.2f} after; time vs FP32: median over {doc['rounds']} process(es) of "
+                 "each one's median ratio of an emulated step to the FP32 step beside it (memory: run without "
+                 "--interleaved)")
+    return "\n".join(lines)
+
+
 def format_table(doc: Dict[str, Any]) -> str:
     lines = [f"{'net':<9} {'mode':<19} {'s/step':>7} {'vs FP32':>8} {'min s':>7} {'vs FP32':>8} "
              f"{'peak MB':>8} {'vs FP32':>8}"]
@@ -181,8 +293,17 @@ def main(argv: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (default per net)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default per net)")
     p.add_argument("--json", metavar="PATH", help="also write the full JSON document here")
+    p.add_argument("--interleaved", action="store_true",
+                   help="time only: FP32 and emulated steps alternating in one process per (net, mode)")
     p.add_argument("--child", nargs=2, metavar=("NET", "MODE"), help=argparse.SUPPRESS)
+    p.add_argument("--child-interleaved", nargs=2, metavar=("NET", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child_interleaved:
+        net_name, mode = args.child_interleaved
+        w, s = INTERLEAVED_STEPS[net_name]
+        print(json.dumps(child_interleaved(net_name, mode, w if args.warmup is None else args.warmup,
+                                           s if args.steps is None else args.steps)))
+        return None
     if args.child:
         net_name, mode = args.child
         w, s = STEPS[net_name]
@@ -195,8 +316,12 @@ def main(argv: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
         p.error(f"--nets: unknown {bad}; choose from {', '.join(NETS)}")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
-    doc = run(nets, args.rounds, args.warmup, args.steps)
-    print(format_table(doc))
+    if args.interleaved:
+        doc = run_interleaved(nets, args.rounds, args.warmup, args.steps)
+        print(format_interleaved(doc))
+    else:
+        doc = run(nets, args.rounds, args.warmup, args.steps)
+        print(format_table(doc))
     print(json.dumps(doc["summary"], indent=1))
     if args.json:
         with open(args.json, "w") as f:
