@@ -2,6 +2,7 @@
 
     python benchmarks/emulation_cost.py                          # ResNet-18 and SSD-512, 2 rounds
     python benchmarks/emulation_cost.py --nets resnet18 --rounds 3 --json cost.json
+    python benchmarks/emulation_cost.py --interleaved --rounds 2   # time only, FP32 beside emulated
 
 Each (net, mode) runs in a process of its own: it builds the net (same seed in every mode),
 runs ``--warmup`` untimed steps and ``--steps`` timed ones, and reports the median step time
@@ -15,6 +16,11 @@ shared machine), each with its ratio to FP32's, and how emulation rounded
 (``runtime_info()["emulation_kernel"]``: the compiled kernel, or MXNet's ops where it could
 not be built; ``GLUON_AMP_EMULATION_KERNEL=0`` measures the latter). The kernel is built, on
 first use, inside the first emulated process's untimed steps.
+
+``--interleaved`` times each emulated mode against FP32 in one process: the FP32 net and its
+emulated twin (built in an ``autocast(mode, emulate=True)`` region) take their steps in turn, so
+load on a shared machine hits both alike; where one mode's processes differ by more than the
+ratio sought (a VM's), this is the time figure. Memory needs a process per mode: run without it.
 
 Workloads:
 - ``resnet18``: Gluon model zoo ``resnet18_v1`` (10 classes), 112x112 inputs, batch 8,
