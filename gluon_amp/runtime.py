@@ -382,4 +382,5 @@ def thread_use() -> ThreadUse:
     (:mod:`gluon_amp_core.threads`)."""
     from . import mxnet_internals as mxi
     from .speed.timing import cpus
-    return threads_for(os.environ, cpus(), _threads_per_core(), mxi.omp_threads())
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+    return threads_for(os.environ, cpus(), _threads_per_core(), mxi.omp_threads(), x86)

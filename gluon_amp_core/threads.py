@@ -5,8 +5,8 @@ MXNet's operators and oneDNN's kernels share libgomp's thread count. When neithe
 CPUs the process may run on, taking every core to have two hardware threads. On a CPU with one
 thread per core (many cloud VMs) half the cores then stay idle, in float32 and AMP alike: on a
 2-CPU Xeon VM a ResNet-18 training step took 274 ms against 120 ms with ``OMP_NUM_THREADS=2``.
-This module predicts the count from the environment, and words the note; ``gluon_amp`` reads
-the count libgomp actually holds and reports both (``runtime_info()["threads"]``).
+This module predicts the count from the environment and words the note; ``gluon_amp`` reads
+the count libgomp holds (the prediction where it cannot) into ``runtime_info()["threads"]``.
 """
 from __future__ import annotations
 
@@ -79,10 +79,10 @@ class ThreadUse:
 
 
 def thread_use(env: Mapping[str, str], cpus: int, threads_per_core: Optional[int],
-               measured: Optional[int] = None) -> ThreadUse:
+               measured: Optional[int] = None, x86: bool = True) -> ThreadUse:
     """What MXNet runs on and, where it leaves whole cores idle without being asked to, a note
     naming the setting that uses them."""
-    threads = measured if measured is not None and measured > 0 else expected_threads(env, cpus)
+    threads = measured if measured is not None and measured > 0 else expected_threads(env, cpus, x86)
     note = None
     if OMP not in env and MXNET_MAX not in env and threads < cpus and threads_per_core == 1:
         note = (f"MXNet runs {threads} OpenMP thread{'s' if threads > 1 else ''} on {cpus} CPUs: with "

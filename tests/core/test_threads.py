@@ -62,3 +62,8 @@ def test_a_measured_count_overrides_the_prediction(measured):
 @pytest.mark.parametrize("measured", [None, 0, -3])
 def test_no_measured_count_falls_back_to_the_prediction(measured):
     assert thread_use({}, 8, 2, measured=measured).threads == expected_threads({}, 8) == 4
+
+
+def test_off_x86_mxnet_leaves_every_cpu_to_libgomp():
+    use = thread_use({}, 8, 1, x86=False)
+    assert use.threads == 8 and use.note is None
