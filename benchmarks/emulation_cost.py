@@ -304,17 +304,12 @@ def main(argv: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
     p.add_argument("--child", nargs=2, metavar=("NET", "MODE"), help=argparse.SUPPRESS)
     p.add_argument("--child-interleaved", nargs=2, metavar=("NET", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.child_interleaved:
-        net_name, mode = args.child_interleaved
-        w, s = INTERLEAVED_STEPS[net_name]
-        print(json.dumps(child_interleaved(net_name, mode, w if args.warmup is None else args.warmup,
-                                           s if args.steps is None else args.steps)))
-        return None
-    if args.child:
-        net_name, mode = args.child
-        w, s = STEPS[net_name]
-        print(json.dumps(child(net_name, mode, w if args.warmup is None else args.warmup,
-                               s if args.steps is None else args.steps)))
+    if args.child or args.child_interleaved:
+        net_name, mode = args.child or args.child_interleaved
+        w, s = (STEPS if args.child else INTERLEAVED_STEPS)[net_name]
+        one = child if args.child else child_interleaved
+        print(json.dumps(one(net_name, mode, w if args.warmup is None else args.warmup,
+                             s if args.steps is None else args.steps)))
         return None
     nets = [n.strip() for n in args.nets.split(",") if n.strip()]
     bad = [n for n in nets if n not in NETS]
