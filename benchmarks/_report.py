@@ -46,6 +46,6 @@ def host_info() -> Dict[str, Any]:
 
 
 def threads_text(host: Dict[str, Any]) -> str:
-    """``'1 MXNet thread (OMP_NUM_THREADS unset)'``: the OpenMP threads every figure ran on."""
+    """``'1 MXNet thread (OMP_NUM_THREADS=unset)'``: the OpenMP threads every figure ran on."""
     n, env = host.get("mxnet_threads"), host.get("OMP_NUM_THREADS")
     return f"{n} MXNet thread{'s' if n != 1 else ''} (OMP_NUM_THREADS={env or 'unset'})"
