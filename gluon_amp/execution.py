@@ -346,27 +346,13 @@ def _on_disable() -> None:
 
 def _forget() -> None:
     """After :func:`gluon_amp.state.reset` forgot the converted results: release the hooks they
-    held, and forget which blocks were bound float32-only."""
-    _FLOAT32_RUNS.clear()
+    held."""
     release("converted")
 
 
 state.register_extension(state.Extension(_on_init, _on_disable, _forget))
 # a simulated native host (tests): graphs bound without a policy hold bfloat16 kernels too
 runtime.on_simulation(lambda: hold("simulated"), lambda: release("simulated"))
-
-
-#: blocks whose CachedOp, as last bound here, computes nothing in a low precision: every input
-#: (data and parameters) and every value of its graph float32 (or wider, or not a float), by
-#: MXNet's type inference. A block not known to be (bound without a policy, not inferred) is not.
-_FLOAT32_RUNS: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
-
-
-def note_block_ran(block: HybridBlock) -> None:
-    """After a hybridized ``block`` ran: note a low-precision computation
-    (:func:`gluon_amp.state.note_low_ran`) unless its graph is known to compute none."""
-    if block not in _FLOAT32_RUNS:
-        state.note_low_ran()
 
 
 def executed_graph(block: HybridBlock) -> Optional[Symbol]:
@@ -388,7 +374,6 @@ def runs_emulated(obj: Any) -> bool:
 # -- the two binding sites --------------------------------------------------------------
 
 def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Symbol:
-    _FLOAT32_RUNS.discard(block)  # until this binding is known to compute nothing in low precision
     _FORWARD_ONLY.pop(block, None)
     policy = policy_for(block)
     if policy is None and not runtime.simulated():
@@ -415,9 +400,7 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
         faster = _float32_where_slower(block, plan, known, shapes, policy)
         run, float32 = (run, float32) if faster is None else (faster, True)
         block.runs_float32_stand_in = faster is not None  # it may store its weights float32 for it
-    if float32:
-        _FLOAT32_RUNS.add(block)
-    elif (converted_casts if _remembered(block) is not None else run is not plan) and policy is not None \
+    if not float32 and (converted_casts if _remembered(block) is not None else run is not plan) and policy is not None \
             and policy.enabled and not policy.emulate and stores_casts() and mxi.casts_storable():
         # the partial holds no reference to the block: the weak dictionary's entry dies with it
         _FORWARD_ONLY[block] = functools.partial(_forward_only_graph, f"block {block.name!r}",

@@ -3,9 +3,7 @@
 - The policy in force: ``init``'s for the process (:data:`process`), and each thread's open
   ``autocast`` regions (:data:`regions`); :func:`current_policy` answers for the calling thread.
 - Per-thread facts for loss scaling: which dtypes were in force on a thread since a trainer's
-  last step (:func:`policy_serial`, :func:`dtypes_since`): one serial per dtype, no log. And
-  one process-wide fact: when a value was last computed in a low precision
-  (:func:`note_low_ran`, :func:`low_ran_since`).
+  last step (:func:`policy_serial`, :func:`dtypes_since`): one serial per dtype, no log.
 - The scaler registry: every trainer's step hook attached (loss-output ops read their scale).
 - The once-only messages (:func:`say_once`) and the per-object records: a trainer's
   (:func:`trainer_record`), a Module's (:func:`module_record`), what is kept beside a block's
@@ -353,23 +351,6 @@ def dtypes_since(serial: int) -> FrozenSet[str]:
         dtypes.update(d for d, k in list(process.began.items()) if k > since)
     dtypes.discard(None)
     return frozenset(dtypes)
-
-
-#: the clock when a low-precision computation was last dispatched, on any thread (0: never)
-_low_ran = 0
-
-
-def note_low_ran() -> None:
-    """Say that a value is being computed in a low precision now: an imperative op run in
-    float16/bfloat16 (emulated included), or a hybridized block whose graph holds one.
-    Process-wide, not per thread: a forward pass on another thread than its step still counts."""
-    global _low_ran
-    _low_ran = next(_clock)
-
-
-def low_ran_since(serial: int) -> bool:
-    """Whether :func:`note_low_ran` was called since :func:`policy_serial` gave ``serial``."""
-    return _low_ran > serial
 
 
 def register_scaler(hook: Any) -> None:

@@ -319,8 +319,7 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
                         reshaped: Optional[Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], bool]] = None,
                         watch: Optional[Callable[[HybridBlock], bool]] = None,
                         called: Optional[Callable[[HybridBlock, tuple], bool]] = None,
-                        returned: Optional[Callable[[Block, tuple, Any], Any]] = None,
-                        ran: Optional[Callable[[HybridBlock], None]] = None) -> BlockHooks:
+                        returned: Optional[Callable[[Block, tuple, Any], Any]] = None) -> BlockHooks:
     """Until :func:`remove_block_hooks`: every HybridBlock's freshly built graph passes
     through ``rewrite(block, args, inputs, out)``, as does, before its first run, a graph
     a block was given (a SymbolBlock's: the block runs the result and keeps its own, see
@@ -334,8 +333,7 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
     and run inside :func:`hooks_paused` pass untouched. Costs a set lookup per call, and the
     input shapes for watched blocks (a few microseconds), whatever the size of the heap.
     What a block called from outside any block (hybridized or not) returns passes through
-    ``returned(block, args, out)``, whose result the caller gets. ``ran(block)`` follows every
-    hybridized call that returned (its graph built and bound by then)."""
+    ``returned(block, args, out)``, whose result the caller gets."""
     built: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
     given: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()  # blocks whose graph was given, rewritten
     seen: "weakref.WeakKeyDictionary[HybridBlock, tuple]" = weakref.WeakKeyDictionary()
@@ -377,10 +375,7 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
                     self._clear_cached_op()  # rebuilt below, through _get_graph (a SymbolBlock keeps its graph)
                     if self in given:
                         _rewrite_given(self, args)
-        out = _CALL_CACHED_OP(self, *args)
-        if ran is not None and not _paused.depth:
-            ran(self)
-        return out
+        return _CALL_CACHED_OP(self, *args)
 
     def _rewrite_given(self: HybridBlock, args: tuple) -> None:
         inputs, out = self._cached_graph

@@ -95,7 +95,7 @@ class ModuleHook:
         """Check ``module``'s gradients, record the step; True when it must be skipped."""
         dtype, scale, carried = self._close_step()
         finite = True
-        if self.scaler.enabled:
+        if self.scaler.checks(dtype, self.scaler.scales(dtype)):
             groups: Dict[mx.Context, List[mx.nd.NDArray]] = {}
             for g in mxm.module_grad_arrays(module):
                 g = g if g.stype == "default" else g.data
@@ -110,8 +110,9 @@ class ModuleHook:
     def begin_early(self, module: Module) -> Optional[early_update.Early]:
         """Start a step whose update runs before its verdict (:mod:`.early_update`), or None
         (nothing started) where it must wait: :meth:`end_step` then."""
-        if not self.scaler.enabled:
-            return None
+        dtype = self._step[0] if self._step is not None else "float32"
+        if not self.scaler.checks(dtype, self.scaler.scales(dtype)):
+            return None  # nothing to wait for: end_step records it unchecked
         early = early_update.begin_module(module, self._plans)
         if early is not None:
             steps = self.scaler.steps_of(self)
@@ -716,7 +717,7 @@ def init_module(module: Union[Module, BucketingModule],
 
 def _checking_only(module: Module) -> LossScaler:
     """The default scaler of a module that mixes another module's gradients into its own (an
-    SVRGModule): checks and skips inf/NaN steps, scales none (one scale cannot be divided out
+    SVRGModule): checks and skips float16 steps on inf/NaN, scales none (one scale cannot be divided out
     of gradients taken at other steps, at other scales). Said once where it costs range."""
     if state.module_record(module).dtype == "float16":
         warnings.warn(

@@ -26,7 +26,7 @@ import mxnet as mx
 from mxnet import autograd
 from mxnet.gluon import Trainer
 
-from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
+from gluon_amp_core.dtypes import dtype_name
 from gluon_amp_core.loss_scale import LossScaler, Stage, loss_scaler_from
 
 from .. import state
@@ -54,9 +54,6 @@ class _Hook:
         self._decided: Optional[Tuple[str, float, int]] = None
         #: state.policy_serial() when the last step ended: the policies since are this step's
         self._since = state.policy_serial()
-        #: the serial after which a low-precision computation makes this step checked: 0 until
-        #: the first step (a forward pass that ran before the scaler was attached counts)
-        self._low_since = 0
         #: this step is checked whatever it computed in (clip_global_norm found a non-finite norm)
         self._must_check = False
         #: set by the patched ``Trainer._update`` around MXNet's: the step may update before its verdict
@@ -191,7 +188,7 @@ class _Hook:
             dtype = step[0] if step is not None else self._compute_dtype()
             armed, self._armed = self._armed, False
             scaled = self.scaler.scales(dtype)
-            checked = self.scaler.enabled and (scaled or self._must_check or self._checks_unscaled(dtype, params))
+            checked = self.scaler.checks(dtype, scaled) or (self.scaler.enabled and self._must_check)
             early = None
             if checked and armed and trainer is not None:
                 early = early_update.begin(trainer, params, self._plans)
@@ -202,7 +199,7 @@ class _Hook:
                 # the update divides by this step's own scale, whatever a fault left in trainer._scale
                 mxi.correct_rescale_grad(trainer, self.original_scale / divisor)
                 mxi.set_grad_scale(trainer, self.original_scale)  # unscaled unless scale_loss runs again
-            self._since = self._low_since = state.policy_serial()
+            self._since = state.policy_serial()
             self._must_check = False
             if early is not None:  # the verdict comes after the update (finish_early)
                 self._early = (early, dtype, scaled, steps, params)
@@ -213,15 +210,6 @@ class _Hook:
             # at the first line)
             self.scaler.abandon(self, locals().get("steps"))
             raise
-
-    def _checks_unscaled(self, dtype: str, params: Sequence[mx.gluon.Parameter]) -> bool:
-        """Whether a step that is not scaled is checked for inf/NaN: unless AMP was in force and
-        kept all of it in float32 (no op ran in a low precision since the last step, no
-        parameter is low precision), where the step is FP32's and is updated as FP32's is. With
-        AMP off (``dtype`` float32) a scaler's steps are checked, as documented."""
-        if dtype == "float32" or state.low_ran_since(self._low_since):
-            return True
-        return any(dtype_name(p.dtype) in LOW_PRECISION_DTYPES for p in params)
 
     def finish_early(self) -> None:
         """After MXNet's updates of a step that did not wait for its verdict: read it, undo a
@@ -317,9 +305,10 @@ def init_trainer(trainer: Union[Trainer, "mx.mod.BaseModule", None] = None,
     trainer : mxnet.gluon.Trainer
     loss_scale : 'dynamic', float, None or LossScaler
         ``'dynamic'`` (default) makes a new dynamic scaler for float16 steps (real or
-        emulated); steps in bfloat16 or float32 (AMP off) are not scaled, and are still
-        skipped on inf/NaN gradients. A number makes a static scaler and a ``LossScaler``
-        is used as given: both scale every step, float32 included. ``None`` turns scaling
+        emulated), checked and skipped on inf/NaN gradients; steps in bfloat16 or float32
+        (AMP off) are neither scaled nor checked, as FP32 updates them. A number makes a
+        static scaler and a ``LossScaler`` is used as given: both scale and check every
+        step, float32 included (``1.0`` checks without scaling). ``None`` turns scaling
         and skip-on-overflow off. Pass the same ``LossScaler`` to several trainers to share
         one scale.
     optimizer_or_trainer : mxnet.gluon.Trainer

@@ -180,6 +180,24 @@ def test_the_default_scales_float16_steps_only():
     assert "for float16" in repr(s)
 
 
+@pytest.mark.parametrize("spec, checked", [
+    ("dynamic", {"float16"}),                        # the default: float16's range only
+    (128.0, {"float16", "bfloat16", "float32"}),     # a number scales, so checks, every step
+    (LossScaler(), {"float16", "bfloat16", "float32"}),
+    (LossScaler(scaled_dtypes=()), {"float16"}),      # scales none: float16 still checked
+    (LossScaler(scaled_dtypes=["bfloat16"]), {"float16", "bfloat16"}),
+    (LossScaler(scaled_dtypes=["float32"]), {"float16", "float32"}),
+    (None, set()),                                   # disabled: nothing
+])
+def test_a_step_is_checked_where_it_is_scaled_or_computed_in_float16(spec, checked):
+    """bfloat16 and float32 steps a scaler does not scale are FP32's steps: not checked."""
+    from gluon_amp_core.loss_scale import loss_scaler_from
+    s = loss_scaler_from(spec)
+    got = {d for d in ("float16", "bfloat16", "float32") if s.checks(d, s.scales(d))}
+    assert got == checked
+    assert s.checks("float32", True) is s.enabled  # a step the caller scaled after all (a Module's head)
+
+
 def test_an_unscaled_step_is_skipped_but_leaves_the_scale_alone():
     s = LossScaler.where_needed(growth_interval=2, max_consecutive_skips=2)
     assert s.update(False, scaled=False) is True

@@ -23,7 +23,6 @@ from gluon_amp_core.verdicts import Verdict
 from ... import mxnet_internals as mxi
 from ...emulation import round_nd, unpatched
 from ...execution import CannotRun, cannot_run
-from ...state import note_low_ran
 from ..low_cast import _caller_level
 from .casts import CASTABLE, cast_into, cast_nd, cast_sym, either_frontend, multicast_sym
 
@@ -90,8 +89,6 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
 
     def cast_all(args: tuple, kwargs: dict, d: Decision) -> Any:
         want, keep = d.dtype, d.keep_fp32
-        if want in LOW_PRECISION_DTYPES:
-            note_low_ran()  # this step's gradients pass through a low precision: the scaler checks them
         if guard and want == low and any(isinstance(a, NDArray) and a.context.device_type == "cpu"
                          for a in [*args, *kwargs.values()]):
             if mxi.constructing_block() is None:

@@ -14,10 +14,9 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
-from gluon_amp_core.dtypes import FLOAT_DTYPES, LOW_PRECISION_DTYPES, dtype_name
+from gluon_amp_core.dtypes import FLOAT_DTYPES, dtype_name
 
 from ...mxnet_internals import FLOAT_NAMES, Signature
-from ...state import note_low_ran
 from ...type_inference import op_types
 from .casts import CASTABLE
 
@@ -79,8 +78,6 @@ def nd_wrapper(fn: Callable, op: str, sig: Signature, cast: Callable[[NDArray, s
         for (key, _), have, want in zip(slots, dts, required):
             if have in _CASTABLE and want in _CASTABLE and have != want:  # amp_cast passes float64
                 _put(new, kwargs, key, cast(_get(new, kwargs, key), want))
-        if any(d in LOW_PRECISION_DTYPES for d in required):
-            note_low_ran()
         return fn(*new, **kwargs)
 
     return amp_op

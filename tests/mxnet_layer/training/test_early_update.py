@@ -23,6 +23,9 @@ from gluon_amp.training import early_update
 
 pytestmark = pytest.mark.filterwarnings("ignore:gluon_amp. a training step was skipped:RuntimeWarning")
 
+#: a scaler that checks every step: float32 steps here (the default checks float16 ones only)
+CHECKED = 1.0
+
 #: what each generated run's batches hold: finite values, an inf, a NaN, values whose sum
 #: of squares overflows float32 while every gradient stays finite
 BATCHES = ("finite", "finite", "inf", "finite", "nan", "huge", "finite", "inf", "finite")
@@ -130,7 +133,7 @@ def _train_step(how, trainer, net, x, i):
                 p.zero_grad()
 
 
-def _run(optimizer, early, dtype="float32", batches=BATCHES, scaler="dynamic", monkeypatch=None, how="step"):
+def _run(optimizer, early, dtype="float32", batches=BATCHES, scaler=CHECKED, monkeypatch=None, how="step"):
     """Train on ``batches``; early updates allowed or not. Everything a step may change.
     Every run's parameters have the same names: MXNet's Trainer orders them by name, and
     the update counts and states compared are by that order."""
@@ -245,7 +248,7 @@ def test_where_an_update_cannot_be_undone_exactly_the_step_waits_for_its_verdict
     trainer = gluon.Trainer(net.collect_params(), "nadam" if case == "nadam" else "sgd",
                             {"learning_rate": 0.1, "momentum": 0.9} if case != "nadam" else {"learning_rate": 0.1},
                             kvstore="device" if case == "kvstore" else None, update_on_kvstore=False)
-    gluon_amp.init_trainer(trainer)
+    gluon_amp.init_trainer(trainer, CHECKED)
     steps = 1 if case == "first-step" else 3
     for i in range(steps):
         losses = []
@@ -274,7 +277,7 @@ def test_a_step_that_raises_inside_mxnets_update_leaves_nothing_behind(fault, at
     net.add(nn.Dense(4, in_units=3), nn.Dense(2, in_units=4))
     net.initialize(mx.init.Xavier())
     trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 0.1}, update_on_kvstore=False)
-    scaler = gluon_amp.init_trainer(trainer)
+    scaler = gluon_amp.init_trainer(trainer, CHECKED)
     x = mx.nd.ones((2, 3))
 
     def step():
@@ -320,7 +323,7 @@ def test_a_hook_called_outside_a_step_never_leaves_an_early_update_pending(monke
     net.initialize()
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
                             update_on_kvstore=False)
-    gluon_amp.init_trainer(trainer)
+    gluon_amp.init_trainer(trainer, CHECKED)
     for _ in range(2):
         with autograd.record():
             loss = net(mx.nd.ones((1, 3))).sum()
@@ -361,7 +364,7 @@ def _conv_run(early, monkeypatch):
     net.hybridize(static_alloc=True)
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9},
                             update_on_kvstore=False)
-    scaler = gluon_amp.init_trainer(trainer)
+    scaler = gluon_amp.init_trainer(trainer, CHECKED)
     evaluated = []
     for kind in ("finite", "finite", "inf", "finite", "inf", "finite"):
         x = mx.nd.array(rng.randn(2, 2, 8, 8))
@@ -402,7 +405,7 @@ def _module_run(optimizer, early, monkeypatch, contexts=1, batches=BATCHES, faul
     mod.bind(data_shapes=[("data", (4, 6))], label_shapes=[("lro_label", (4, 2))])
     mod.init_params(mx.init.Xavier())
     mod.init_optimizer(optimizer=optimizer.split("-")[0], optimizer_params=dict(OPTIMIZERS[optimizer]))
-    scaler = gluon_amp.init_trainer(mod)
+    scaler = gluon_amp.init_trainer(mod, CHECKED)
     for n, kind in enumerate(batches):
         batch = mx.io.DataBatch([_batch(kind, rng, "float32")], [mx.nd.array(rng.randn(4, 2))])
         mod.forward_backward(batch)
@@ -447,7 +450,7 @@ def _bucketing_run(early, monkeypatch):
     mod.bind(data_shapes=[("data", (4, 5, 6))], label_shapes=[("lro_label", (4, 2))])
     mod.init_params(mx.init.Xavier())
     mod.init_optimizer(optimizer="sgd", optimizer_params=dict(OPTIMIZERS["sgd"]))
-    scaler = gluon_amp.init_trainer(mod)
+    scaler = gluon_amp.init_trainer(mod, CHECKED)
     for n, kind in enumerate(BATCHES):
         length = 3 if n % 2 else 5
         x = np.concatenate([_batch(kind, rng, "float32").asnumpy()[:, None, :]] * length, axis=1)
@@ -545,7 +548,7 @@ def test_two_contexts_without_a_dist_kvstore_update_early_and_end_where_waiting_
         net.initialize(mx.init.Xavier(), ctx=ctx)
         trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
                                 kvstore=kvstore, update_on_kvstore=False)
-        scaler = gluon_amp.init_trainer(trainer)
+        scaler = gluon_amp.init_trainer(trainer, CHECKED)
         for i in range(5):
             with autograd.record():
                 losses = [(net(mx.nd.ones((2, 4), ctx=c) * (k + 1)) * (np.inf if i == 2 and k == 1 else 1)).sum()

@@ -42,6 +42,9 @@ def _step(net, trainer, x, y, poison=None):
 
 X = mx.nd.random.uniform(-1, 1, shape=(8, 4))
 Y = mx.nd.array([0, 1] * 4)
+#: a scaler that checks every step (static, scale 1): the default checks float16 steps only,
+#: and these steps run float32
+CHECKED = 1.0
 
 
 @pytest.mark.parametrize("poison", ["loss", "grad"])
@@ -84,7 +87,7 @@ def test_lr_schedule_does_not_advance_on_skipped_step():
     net = _mlp()
     sched = mx.lr_scheduler.FactorScheduler(step=1, factor=0.5, base_lr=0.1)
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"lr_scheduler": sched}, update_on_kvstore=False)
-    gluon_amp.init_trainer(trainer)
+    gluon_amp.init_trainer(trainer, CHECKED)
     _step(net, trainer, X, Y)
     n = trainer.optimizer.num_update
     _step(net, trainer, X, Y, poison="loss")
@@ -98,7 +101,7 @@ def test_multi_context_overflow_on_either_context():
     for bad in (0, 1):
         net = _mlp(ctx=ctxs)
         trainer = sgd_trainer(net, lr=0.1)
-        scaler = gluon_amp.init_trainer(trainer)
+        scaler = gluon_amp.init_trainer(trainer, CHECKED)
         xs = gluon.utils.split_and_load(X, ctxs)
         ys = gluon.utils.split_and_load(Y, ctxs)
         loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
@@ -163,7 +166,7 @@ def test_unscale_for_clipping_and_once_per_step():
 def test_several_trainers_own_or_shared_scalers():
     a, b = _mlp(seed=1), _mlp(seed=2)
     ta, tb = sgd_trainer(a, lr=0.1), sgd_trainer(b, lr=0.1)
-    sa, sb = gluon_amp.init_trainer(ta), gluon_amp.init_trainer(tb)
+    sa, sb = gluon_amp.init_trainer(ta, CHECKED), gluon_amp.init_trainer(tb, CHECKED)
     assert sa is not sb
     _step(a, ta, X, Y, poison="loss")
     assert sa.skipped_steps == 1 and sb.skipped_steps == 0
@@ -242,7 +245,7 @@ def test_a_skip_that_range_cannot_explain_warns_once(emulated):
     net = nn.Dense(2, in_units=3)
     net.initialize()
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, update_on_kvstore=False)
-    scaler = gluon_amp.init_trainer(trainer)
+    scaler = gluon_amp.init_trainer(trainer, "dynamic" if emulated == "float16" else CHECKED)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
