@@ -129,6 +129,7 @@ def test_a_step_skipped_in_a_module_bound_float32_says_float32_at_the_users_line
     gluon_amp.init(tune=True)
     sym = mx.sym.SoftmaxOutput(_dense(mx.sym), name="softmax")
     mod = mx.mod.Module(sym, context=mx.cpu())
+    gluon_amp.init_trainer(mod, 1.0)  # checks every step: the default checks float16 ones only
     x = np.ones((8, 20), "float32")
     x[0, 0] = np.inf
     with warnings.catch_warnings(record=True) as caught:
