@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional
+import statistics
+from typing import Any, Callable, Dict, List, Optional
 
 
 def write_json(report: Dict[str, Any], json_path: Optional[str]) -> None:
@@ -18,6 +19,39 @@ def emit(report: Dict[str, Any], table: str, json_path: Optional[str] = None) ->
     """Print the readable ``table``; write the full JSON ``report`` to ``json_path`` if given."""
     print(table)
     write_json(report, json_path)
+
+
+def alternate(first: Callable[[], float], second: Callable[[], float], warmup: int, steps: int,
+              counts: Callable[[], bool] = lambda: True) -> Dict[str, Any]:
+    """Time two workloads in one process, their steps alternating (which one goes first
+    alternates too), so that load on a shared machine hits both alike. ``first`` and ``second``
+    each run one step and return its seconds; after ``warmup`` untimed pairs, ``steps`` pairs
+    are kept unless ``counts()`` (asked after the pair) says the pair is not one to compare.
+
+    Returns ``ratios`` (each kept pair's ``second`` time over ``first``'s), ``ratio`` (their
+    median, None if none was kept), ``first_seconds``/``second_seconds`` (medians) and
+    ``left_out`` (pairs ``counts`` refused)."""
+    ratios: List[float] = []
+    times: List[List[float]] = [[], []]
+    left_out = 0
+    for i in range(warmup + steps):
+        seconds = [0.0, 0.0]
+        for side in ((0, 1) if i % 2 == 0 else (1, 0)):
+            seconds[side] = (first, second)[side]()
+        if i < warmup:
+            continue
+        if not counts():
+            left_out += 1
+            continue
+        for side in (0, 1):
+            times[side].append(seconds[side])
+        ratios.append(seconds[1] / seconds[0])
+    return {"ratios": ratios, "ratio": _median(ratios), "first_seconds": _median(times[0]),
+            "second_seconds": _median(times[1]), "left_out": left_out}
+
+
+def _median(values: List[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
 
 
 def own_peak_rss_mb() -> float:

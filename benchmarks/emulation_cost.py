@@ -133,36 +133,28 @@ def child_interleaved(net_name: str, mode: str, warmup: int, steps: int) -> Dict
     """The FP32 net and its emulated twin (built and stepped in an ``autocast(mode, emulate=True)``
     region) in this process, their steps alternating (which goes first alternates too), so that
     load on a shared machine hits both alike: each pair's time ratio, emulated over FP32."""
-    import contextlib
     import gluon_amp
+    from _report import alternate  # benchmarks/ is on sys.path when run as a script
     fp32 = _trained(net_name)
     with gluon_amp.autocast(target_dtype=mode, emulate=True):
         emulated = _trained(net_name)
-    rounding = None
-    ratios, fp32_s, emulated_s, skipped = [], [], [], 0
-    for i in range(warmup + steps):
-        seconds = {}
-        for side in ((fp32, emulated) if i % 2 == 0 else (emulated, fp32)):
-            region = (gluon_amp.autocast(target_dtype=mode, emulate=True) if side is emulated
-                      else contextlib.nullcontext())
-            with region:
-                seconds[id(side)] = _step(net_name, side)[0]
-                if side is emulated and rounding is None:
-                    rounding = gluon_amp.runtime_info()["emulation_kernel"]
-                    if not gluon_amp.report(side[0]).emulated:
-                        raise RuntimeError(f"{net_name}: the {mode} twin does not run emulated")
-        if i < warmup:
-            continue
-        if emulated[5].last_step_skipped:  # a skipped update is cheaper: not a pair to compare
-            skipped += 1
-            continue
-        fp32_s.append(seconds[id(fp32)])
-        emulated_s.append(seconds[id(emulated)])
-        ratios.append(emulated_s[-1] / fp32_s[-1])
-    return {"net": net_name, "mode": mode, "ratios": ratios, "ratio": statistics.median(ratios) if ratios else None,
-            "fp32_sec_per_step": statistics.median(fp32_s) if fp32_s else None,
-            "sec_per_step": statistics.median(emulated_s) if emulated_s else None,
-            "timed_skipped": skipped, "rounding": rounding}
+    rounding: List[Any] = []
+
+    def emulated_step() -> float:
+        with gluon_amp.autocast(target_dtype=mode, emulate=True):
+            seconds = _step(net_name, emulated)[0]
+            if not rounding:
+                rounding.append(gluon_amp.runtime_info()["emulation_kernel"])
+                if not gluon_amp.report(emulated[0]).emulated:
+                    raise RuntimeError(f"{net_name}: the {mode} twin does not run emulated")
+        return seconds
+
+    # a skipped update is cheaper: not a pair to compare
+    pairs = alternate(lambda: _step(net_name, fp32)[0], emulated_step, warmup, steps,
+                      counts=lambda: not emulated[5].last_step_skipped)
+    return {"net": net_name, "mode": mode, "ratios": pairs["ratios"], "ratio": pairs["ratio"],
+            "fp32_sec_per_step": pairs["first_seconds"], "sec_per_step": pairs["second_seconds"],
+            "timed_skipped": pairs["left_out"], "rounding": rounding[0] if rounding else None}
 
 
 def _run_child(net_name: str, mode: str, warmup: int, steps: int, timeout: float,

@@ -4,6 +4,7 @@
     python benchmarks/model_families.py --mode default,emulated-bfloat16,emulated-float16 --rounds 3
     python benchmarks/model_families.py --mode bfloat16            # native bfloat16 forced (AVX512-BF16/AMX)
     python benchmarks/model_families.py --nets lstm_lm --tiny --rounds 1 --json out.json
+    python benchmarks/model_families.py --interleaved --nets mobilenet --rounds 2   # FP32 beside AMP, one process
 
 Workloads (hybridized with ``static_alloc``/``static_shape``, as GluonTS's trainer does; Adam;
 every batch prepared before timing):
@@ -35,6 +36,12 @@ shared machine; CPU time counts work, so it equals wall time only where the proc
 its own per thread. "vs FP32" divides by FP32's figure of the same net. FP32 is plain MXNet
 (gluon_amp imported, ``init`` never called).
 
+``--interleaved`` times each mode against FP32 in one process per (net, mode, round): the FP32
+net, and the AMP net built and trained in an ``autocast`` region of the mode, their steps
+alternating (which goes first alternates too); the figure is FP32's step time over the AMP
+step's beside it, the median pair per process, then the median over processes. On a host
+whose processes differ more than the ratio does (a shared VM), it is the one to read.
+
 ``--mode`` (comma separated): ``default`` is ``init()`` as a user calls it: the dtype this host
 picks (float32, AMP off, on a CPU without bfloat16 kernels); ``bfloat16`` forces native
 bfloat16 (hosts with AVX512-BF16 or AMX; elsewhere the row says why it could not run);
@@ -47,6 +54,7 @@ tuning stands.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -240,58 +248,118 @@ def _plan_figures(net: Any) -> Dict[str, Any]:
             "tuning": rep.tuning}
 
 
-def child(net_name: str, mode: str, warmup: int, steps: int, tiny: bool) -> Dict[str, Any]:
-    """One mode of one net, in this process: the median step time and the plan's figures."""
-    import gluon_amp  # first: its numpy shim and the AMX permission, before MXNet loads
-    import mxnet as mx
-    from mxnet import autograd, gluon
-    out: Dict[str, Any] = {"net": net_name, "mode": mode}
+def _cannot_run(mode: str) -> Optional[str]:
+    """Why ``mode`` cannot run on this host (native bfloat16 without its kernels), or None."""
+    import gluon_amp
     args = MODES[mode]
     if args is not None and not args.get("emulate") and args.get("target_dtype") == "bfloat16":
         info = gluon_amp.runtime_info()
         if info["bf16"] == "none":
-            return {**out, "ran": None, "why_not": f"native bfloat16 cannot run here: {info['bf16_why']}"}
-    policy = gluon_amp.init(**args) if args is not None else None
-    out["ran"] = ("float32" if policy is None or not policy.enabled
-                  else policy.target_dtype + (" emulated" if policy.emulate else ""))
-    out["amp"] = policy is not None and policy.enabled
+            return f"native bfloat16 cannot run here: {info['bf16_why']}"
+    return None
+
+
+def _build(net_name: str, tiny: bool, amp: bool) -> Tuple[Any, ...]:
+    """(net, batches, step_loss, trainer): the net hybridized, Adam, ``init_trainer`` if ``amp``."""
+    import gluon_amp
+    import mxnet as mx
+    from mxnet import gluon
     mx.random.seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         net, batches, step_loss = BUILDERS[net_name](SIZES[net_name]["tiny" if tiny else "full"], 4)
     net.hybridize(static_alloc=True, static_shape=True)
     trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 1e-3}, update_on_kvstore=False)
-    if out["amp"]:
+    if amp:
         gluon_amp.init_trainer(trainer)
+    return net, batches, step_loss, trainer
+
+
+def _step(parts: Tuple[Any, ...], i: int, amp: bool) -> Tuple[float, float, float]:
+    """One training step (forward, backward, ``trainer.step``, ``waitall``) on batch ``i``:
+    (wall seconds, CPU seconds, loss)."""
+    import gluon_amp
+    import mxnet as mx
+    from mxnet import autograd
+    net, batches, step_loss, trainer = parts
+    batch = batches[i % len(batches)]
+    t0, c0 = time.perf_counter(), time.process_time()
+    with autograd.record():
+        loss = step_loss(net, batch)
+        if amp:
+            with gluon_amp.scale_loss(loss, trainer) as scaled:
+                autograd.backward(scaled)
+        else:
+            loss.backward()
+    trainer.step(loss.shape[0])
+    mx.nd.waitall()
+    return time.perf_counter() - t0, time.process_time() - c0, float(loss.mean().asscalar())
+
+
+def child(net_name: str, mode: str, warmup: int, steps: int, tiny: bool) -> Dict[str, Any]:
+    """One mode of one net, in this process: the median step time and the plan's figures."""
+    import gluon_amp  # first: its numpy shim and the AMX permission, before MXNet loads
+    out: Dict[str, Any] = {"net": net_name, "mode": mode}
+    why_not = _cannot_run(mode)
+    if why_not:
+        return {**out, "ran": None, "why_not": why_not}
+    args = MODES[mode]
+    policy = gluon_amp.init(**args) if args is not None else None
+    out["ran"] = ("float32" if policy is None or not policy.enabled
+                  else policy.target_dtype + (" emulated" if policy.emulate else ""))
+    out["amp"] = policy is not None and policy.enabled
+    parts = _build(net_name, tiny, out["amp"])
     times, cpu_times, losses = [], [], []
     for i in range(warmup + steps):
-        batch = batches[i % len(batches)]
-        t0, c0 = time.perf_counter(), time.process_time()
-        with autograd.record():
-            loss = step_loss(net, batch)
-            if out["amp"]:
-                with gluon_amp.scale_loss(loss, trainer) as scaled:
-                    autograd.backward(scaled)
-            else:
-                loss.backward()
-        trainer.step(loss.shape[0])
-        mx.nd.waitall()
+        seconds, cpu_seconds, loss = _step(parts, i, out["amp"])
         if i >= warmup:
-            times.append(time.perf_counter() - t0)
-            cpu_times.append(time.process_time() - c0)
-        losses.append(float(loss.mean().asscalar()))
+            times.append(seconds)
+            cpu_times.append(cpu_seconds)
+        losses.append(loss)
     out.update(sec_per_step=statistics.median(times), step_seconds=times, losses=losses,
                cpu_sec_per_step=statistics.median(cpu_times), step_cpu_seconds=cpu_times)
-    out.update(_plan_figures(net) if out["amp"] else {"low_ops": 0, "casts": 0, "casts_per_low_op": None,
-                                                       "tuning": ""})
+    out.update(_plan_figures(parts[0]) if out["amp"] else {"low_ops": 0, "casts": 0, "casts_per_low_op": None,
+                                                            "tuning": ""})
+    return out
+
+
+def child_interleaved(net_name: str, mode: str, warmup: int, steps: int, tiny: bool) -> Dict[str, Any]:
+    """FP32 and one AMP mode of one net in this process, their steps alternating
+    (``_report.alternate``). FP32's net is plain MXNet; the AMP net is built, and trains
+    through ``init_trainer`` and ``scale_loss``, in an ``autocast`` region of the mode's
+    ``init`` arguments (the default's: ``autocast()``). Each pair's time ratio, AMP over FP32."""
+    import gluon_amp  # first: its numpy shim and the AMX permission, before MXNet loads
+    from _report import alternate  # benchmarks/ is on sys.path when run as a script
+    out: Dict[str, Any] = {"net": net_name, "mode": mode}
+    why_not = _cannot_run(mode)
+    if why_not:
+        return {**out, "ran": None, "why_not": why_not}
+    args = MODES[mode] or {}
+    fp32 = _build(net_name, tiny, False)
+    with gluon_amp.autocast(**args) as policy:
+        amp = _build(net_name, tiny, True)
+    out["ran"] = "float32" if policy is None else policy.target_dtype + (" emulated" if policy.emulate else "")
+    amp_batch, fp32_batch = itertools.count(), itertools.count()
+
+    def amp_step() -> float:
+        with gluon_amp.autocast(**args):
+            return _step(amp, next(amp_batch), True)[0]
+
+    scaler = gluon_amp.get_scaler(amp[3])
+    # a skipped update is cheaper: not a pair to compare
+    pairs = alternate(lambda: _step(fp32, next(fp32_batch), False)[0], amp_step, warmup, steps,
+                      counts=lambda: not scaler.last_step_skipped)
+    out.update(ratio=pairs["ratio"], ratios=pairs["ratios"], fp32_sec_per_step=pairs["first_seconds"],
+               sec_per_step=pairs["second_seconds"], timed_skipped=pairs["left_out"], **_plan_figures(amp[0]))
     return out
 
 
 # ---------------------------------------------------------------- the parent
 
-def _run_child(net: str, mode: str, warmup: int, steps: int, tiny: bool, timeout: float) -> Dict[str, Any]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", net, mode, "--warmup", str(warmup),
-           "--steps", str(steps)] + (["--tiny"] if tiny else [])
+def _run_child(net: str, mode: str, warmup: int, steps: int, tiny: bool, timeout: float,
+               interleaved: bool = False) -> Dict[str, Any]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child-interleaved" if interleaved else "--child", net,
+           mode, "--warmup", str(warmup), "--steps", str(steps)] + (["--tiny"] if tiny else [])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"model_families: {net} under mode {mode} failed (exit {r.returncode}):\n"
@@ -315,6 +383,74 @@ def run(nets: List[str], modes: List[str], rounds: int, warmup: int, steps: int,
     from _report import host_info  # benchmarks/ is on sys.path when run as a script
     return {"host": host_info(), "load_before": load, "load_after": os.getloadavg(), "rounds": rounds,
             "warmup": warmup, "steps": steps, "tiny": tiny, "summary": summarize(runs), "runs": runs}
+
+
+def run_interleaved(nets: List[str], modes: List[str], rounds: int, warmup: int, steps: int, tiny: bool = False,
+                    timeout: float = 1800) -> Dict[str, Any]:
+    """Each AMP mode of each net against FP32 in one process per (net, mode, round), their steps
+    alternating: the speed ratio on a machine whose processes differ more than the ratio does."""
+    load = os.getloadavg()
+    runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {n: {m: [] for m in modes} for n in nets}
+    for r in range(rounds):
+        for n in nets:
+            for m in modes:
+                res = _run_child(n, m, warmup, steps, tiny, timeout, interleaved=True)
+                runs[n][m].append(res)
+                figure = ("not run" if not res["ran"] else "no pair kept: the scaler skipped them all"
+                          if not res["ratio"] else f"{1 / res['ratio']:.3f}x FP32")
+                print(f"round {r + 1}/{rounds} {n:<15} {m:<18} {figure}", file=sys.stderr, flush=True)
+    summary: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    for n in nets:
+        summary[n] = {}
+        for m in modes:
+            last = runs[n][m][-1]
+            if not last["ran"]:
+                summary[n][m] = {"ran": None, "why_not": last["why_not"]}
+                continue
+            speeds = [1 / x["ratio"] for x in runs[n][m] if x["ratio"]]
+            summary[n][m] = {"ran": last["ran"], "vs_fp32": statistics.median(speeds) if speeds else None,
+                             "per_process": [round(v, 3) for v in speeds],
+                             "fp32_sec_per_step": _kept_median(x["fp32_sec_per_step"] for x in runs[n][m]),
+                             "sec_per_step": _kept_median(x["sec_per_step"] for x in runs[n][m]),
+                             "timed_skipped": sum(x["timed_skipped"] for x in runs[n][m]),
+                             **{k: last[k] for k in ("low_ops", "casts", "casts_per_low_op", "tuning")}}
+    from _report import host_info  # benchmarks/ is on sys.path when run as a script
+    return {"host": host_info(), "load_before": load, "load_after": os.getloadavg(), "rounds": rounds,
+            "warmup": warmup, "steps": steps, "tiny": tiny, "interleaved": True, "summary": summary, "runs": runs}
+
+
+def _kept_median(values: Any) -> Optional[float]:
+    """The median of the values a process gave (None where the scaler skipped all its pairs)."""
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
+def _ms(seconds: Optional[float]) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def format_interleaved(doc: Dict[str, Any]) -> str:
+    from _report import threads_text  # benchmarks/ is on sys.path when run as a script
+    lines = [f"{'net':<15} {'mode':<18} {'ran':<18} {'FP32 ms':>8} {'AMP ms':>8} {'vs FP32':>8} "
+             f"{'low ops':>8} {'casts':>6}  per process"]
+    for n, modes in doc["summary"].items():
+        for m, s in modes.items():
+            if not s["ran"]:
+                lines.append(f"{n:<15} {m:<18} not run: {s['why_not']}")
+                continue
+            speed = "-" if s["vs_fp32"] is None else f"{s['vs_fp32']:.3f}x"
+            lines.append(f"{n:<15} {m:<18} {s['ran']:<18} {_ms(s['fp32_sec_per_step']):>8} "
+                         f"{_ms(s['sec_per_step']):>8} {speed:>8} {s['low_ops']:>8} {s['casts']:>6}  "
+                         + " ".join(f"{v:.3f}" for v in s["per_process"])
+                         + (f"  ({s['timed_skipped']} pair(s) the scaler skipped, left out)"
+                            if s["timed_skipped"] else ""))
+    h = doc["host"]
+    lines.append(f"host flags {' '.join(h['flags'])}, {h['cpus']} CPUs, {threads_text(h)}, "
+                 f"DNNL_MAX_CPU_ISA={h['DNNL_MAX_CPU_ISA']}, load {doc['load_before'][0]:.2f} before, "
+                 f"{doc['load_after'][0]:.2f} after; vs FP32: median over {doc['rounds']} process(es) of FP32's "
+                 f"step time over the AMP step's beside it, each process's median pair ({doc['warmup']} untimed, "
+                 f"{doc['steps']} timed pairs)" + (", tiny sizes" if doc["tiny"] else ""))
+    return "\n".join(lines)
 
 
 def summarize(runs: Dict[str, Dict[str, List[Dict[str, Any]]]]) -> Dict[str, Dict[str, Dict[str, Any]]]:
@@ -398,15 +534,20 @@ def main(argv: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
     p.add_argument("--steps", type=int, default=STEPS[1], help="timed steps per process")
     p.add_argument("--tiny", action="store_true", help="tiny sizes (the smoke test's)")
     p.add_argument("--json", metavar="PATH", help="also write the full JSON document here")
+    p.add_argument("--interleaved", action="store_true",
+                   help="FP32 and each mode in one process, steps alternating: time ratios on a noisy machine")
     p.add_argument("--child", nargs=2, metavar=("NET", "MODE"), help=argparse.SUPPRESS)
+    p.add_argument("--child-interleaved", nargs=2, metavar=("NET", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name in ("rounds", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 0:
         p.error(f"--warmup must be 0 or more, got {args.warmup}")
-    if args.child:
-        print(json.dumps(child(args.child[0], args.child[1], args.warmup, args.steps, args.tiny)))
+    if args.child or args.child_interleaved:
+        one = child if args.child else child_interleaved
+        net_name, mode = args.child or args.child_interleaved
+        print(json.dumps(one(net_name, mode, args.warmup, args.steps, args.tiny)))
         return None
     nets = args.nets or list(DEFAULT_NETS)
     if "deepar" in nets and not gluonts_available():
@@ -414,8 +555,12 @@ def main(argv: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
               "deepar runs as lstm_forecaster, this file's network of DeepAR's shape", file=sys.stderr)
         nets = list(dict.fromkeys("lstm_forecaster" if n == "deepar" else n for n in nets))
     from _report import emit  # benchmarks/ is on sys.path when run as a script
-    doc = run(nets, args.mode, args.rounds, args.warmup, args.steps, args.tiny)
-    emit(doc, format_table(doc), args.json)
+    if args.interleaved:
+        doc = run_interleaved(nets, args.mode, args.rounds, args.warmup, args.steps, args.tiny)
+        emit(doc, format_interleaved(doc), args.json)
+    else:
+        doc = run(nets, args.mode, args.rounds, args.warmup, args.steps, args.tiny)
+        emit(doc, format_table(doc), args.json)
     return doc
 
 

@@ -87,3 +87,25 @@ def test_the_cnn_families_run_when_named(tmp_path):
     assert rows["mobilenet"]["emulated-bfloat16"]["low_ops"] >= 28
     assert rows["resnext"]["emulated-bfloat16"]["low_ops"] >= 54
     assert rows["alexnet"]["emulated-bfloat16"]["low_ops"] >= 8
+
+
+@pytest.mark.slow  # two processes of a few seconds each
+def test_interleaved_times_each_mode_beside_its_fp32_net_in_one_process(tmp_path):
+    """Emulation runs on any CPU, so both rows run everywhere: each process alternates an FP32
+    step and an AMP step, and the figure is FP32's time over the AMP step's, pair by pair."""
+    out = tmp_path / "mf.json"
+    r = _run("--interleaved", "--tiny", "--rounds", "1", "--warmup", "1", "--steps", "3", "--nets",
+             "lstm_forecaster", "--mode", "default,emulated-bfloat16", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["interleaved"] is True and list(doc["summary"]["lstm_forecaster"]) == ["default", "emulated-bfloat16"]
+    for mode, row in doc["summary"]["lstm_forecaster"].items():
+        run = doc["runs"]["lstm_forecaster"][mode][0]
+        assert len(run["ratios"]) + run["timed_skipped"] == 3 and run["ratios"], run
+        assert all(v > 0 for v in run["ratios"]) and run["fp32_sec_per_step"] > 0 and run["sec_per_step"] > 0
+        assert row["vs_fp32"] == pytest.approx(1 / run["ratio"]) and row["per_process"] == [round(row["vs_fp32"], 3)]
+        assert f"lstm_forecaster {mode:<18} {row['ran']:<18}" in r.stdout
+    emulated = doc["summary"]["lstm_forecaster"]["emulated-bfloat16"]
+    assert emulated["ran"] == "bfloat16 emulated" and emulated["low_ops"] > 0  # the twin ran its plan
+    assert doc["summary"]["lstm_forecaster"]["default"]["ran"] in ("float32", "bfloat16")
+    assert "per process" in r.stdout and "MXNet thread" in r.stdout
