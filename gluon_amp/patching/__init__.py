@@ -71,10 +71,6 @@ class _Patched:
     regions: dict = field(default_factory=dict)
     #: Region -> what the block hooks do under it
     graphs: dict = field(default_factory=dict)
-    #: autocast's arguments -> (their policy, its Region): make_policy validates for a
-    #: millisecond, a region entered per step asks it once while patched (the environment it
-    #: reads, ``$GLUON_AMP_TUNE``, is read then)
-    known: dict = field(default_factory=dict)
     #: disable() asked for the functions back while a region elsewhere held a policy: the
     #: last such region to end restores them
     release_when_idle: bool = False
@@ -458,8 +454,9 @@ def _policy_key(target_dtype: Any, kwargs: dict) -> Optional[tuple]:
 #: a region entered at every training step, as PyTorch users write it, gets it without
 #: building its op table again (``autocast()`` took 4.4 ms a step on an AMX host, and
 #: ``autocast('bfloat16')`` as much where it falls back to float32, unpatched). Policies are
-#: frozen; the environment they read (``$GLUON_AMP_TUNE``) is read at the first entry, as
-#: :attr:`_Patched.known` reads it. Forgotten by ``disable`` and ``state.reset``.
+#: frozen, so the same arguments find their Region again by the policy (:attr:`_Patched.regions`);
+#: the environment they read (``$GLUON_AMP_TUNE``) is read at the first entry. Forgotten by
+#: ``disable`` and ``state.reset``.
 _MADE: Dict[tuple, Policy] = {}
 
 
@@ -477,22 +474,6 @@ def _made_policy(target_dtype: Any, kwargs: dict) -> Policy:
 
 
 state.register_extension(state.Extension(lambda policy: None, lambda: None, _MADE.clear))
-
-
-def _known_region(target_dtype: Any, kwargs: dict) -> Optional[Tuple[Policy, state.Region]]:
-    """The policy and Region an earlier region with the same arguments got (while patched)."""
-    patched = _patched
-    if patched is None:
-        return None
-    key = _policy_key(target_dtype, kwargs)
-    return patched.known.get(key) if key is not None else None
-
-
-def _remember_region(target_dtype: Any, kwargs: dict, policy: Policy, region: state.Region) -> None:
-    patched = _patched
-    key = _policy_key(target_dtype, kwargs)
-    if patched is not None and key is not None and patched.regions.get(policy) is region:
-        patched.known[key] = (policy, region)
 
 
 class autocast(contextlib.ContextDecorator):
@@ -534,30 +515,24 @@ class autocast(contextlib.ContextDecorator):
             raise RuntimeError("this autocast object is already entered; use a new autocast(...) for a "
                                "nested region")
         policy: Optional[Policy] = None
-        known = outer = None
+        outer = None
         if self._enabled:
             if self._target is None and not self._kwargs:
                 outer = _outer_policy()
             if outer is not None:
                 policy = outer
             else:  # the arguments' policy, or (none given, none in force) init's default
-                known = _known_region(self._target, self._kwargs)  # a region entered before: a lookup
-                policy = known[0] if known is not None else _made_policy(self._target, self._kwargs)
+                policy = _made_policy(self._target, self._kwargs)
             if not policy.enabled:  # the float32 fallback
                 policy = None
         frame: Optional[state.Frame] = None
         try:
             with state.lock:  # not while disable() decides that no region holds a policy
                 patched = _patched
-                if policy is None:
-                    region = state.OFF
-                elif known is not None and patched is not None and patched.regions.get(policy) is known[1]:
-                    region = known[1]  # patched already: a lookup
-                else:
+                region = state.OFF if policy is None else patched.regions.get(policy) if patched else None
+                if region is None:  # the policy's first region while patched
                     with state.interrupts_deferred():
                         region = _region_for(policy)
-                    if outer is None:
-                        _remember_region(self._target, self._kwargs, policy, region)
                 parent = state.frame()
                 frame = state.Frame(region, policy if policy is not None else (parent.outer if parent else None),
                                     parent)
