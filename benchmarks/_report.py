@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 
 def write_json(report: Dict[str, Any], json_path: Optional[str]) -> None:
@@ -46,12 +46,15 @@ def alternate(first: Callable[[], float], second: Callable[[], float], warmup: i
         for side in (0, 1):
             times[side].append(seconds[side])
         ratios.append(seconds[1] / seconds[0])
-    return {"ratios": ratios, "ratio": _median(ratios), "first_seconds": _median(times[0]),
-            "second_seconds": _median(times[1]), "left_out": left_out}
+    return {"ratios": ratios, "ratio": median_of(ratios), "first_seconds": median_of(times[0]),
+            "second_seconds": median_of(times[1]), "left_out": left_out}
 
 
-def _median(values: List[float]) -> Optional[float]:
-    return statistics.median(values) if values else None
+def median_of(values: Iterable[Optional[float]]) -> Optional[float]:
+    """The median of the values that are not None (a process whose every pair the scaler
+    skipped has none), or None where none is left."""
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
 
 
 def own_peak_rss_mb() -> float:

@@ -42,7 +42,7 @@ import time
 import warnings
 from typing import Any, Dict, List, Optional
 
-from _report import own_peak_rss_mb, threads_text  # benchmarks/ is on sys.path when run as a script
+from _report import median_of, own_peak_rss_mb, threads_text  # benchmarks/ is on sys.path when run as a script
 
 MODES = ("fp32", "float16", "bfloat16")  # float16/bfloat16: emulated
 NETS = ("resnet18", "ssd512")
@@ -201,13 +201,6 @@ def run(nets: List[str], rounds: int, warmup: Optional[int], steps: Optional[int
             "summary": summary, "runs": runs}
 
 
-def _median(values: Any) -> Optional[float]:
-    """The median of the values that are not None (a process whose every pair the scaler
-    skipped has none), or None."""
-    got = [v for v in values if v is not None]
-    return statistics.median(got) if got else None
-
-
 def _num(v: Optional[float], fmt: str = ".3f") -> str:
     return "n/a" if v is None else format(v, fmt)
 
@@ -228,9 +221,9 @@ def run_interleaved(nets: List[str], rounds: int, warmup: Optional[int], steps: 
                 print(f"round {r + 1}/{rounds} {n:<8} {m:<8} emulated/FP32 {_num(res['ratio'])} (FP32 "
                       f"{_num(res['fp32_sec_per_step'])} s/step)  {res['timed_skipped']} pair(s) skipped",
                       file=sys.stderr, flush=True)
-    summary = {n: {m: {"time_vs_fp32": _median(x["ratio"] for x in runs[n][m]),
+    summary = {n: {m: {"time_vs_fp32": median_of(x["ratio"] for x in runs[n][m]),
                        "per_process": [x["ratio"] and round(x["ratio"], 3) for x in runs[n][m]],
-                       "fp32_sec_per_step": _median(x["fp32_sec_per_step"] for x in runs[n][m]),
+                       "fp32_sec_per_step": median_of(x["fp32_sec_per_step"] for x in runs[n][m]),
                        "timed_skipped": sum(x["timed_skipped"] for x in runs[n][m]),
                        "rounding": runs[n][m][-1]["rounding"]} for m in MODES[1:]} for n in nets}
     from _report import host_info  # benchmarks/ is on sys.path when run as a script

@@ -389,6 +389,7 @@ def run_interleaved(nets: List[str], modes: List[str], rounds: int, warmup: int,
                     timeout: float = 1800) -> Dict[str, Any]:
     """Each AMP mode of each net against FP32 in one process per (net, mode, round), their steps
     alternating: the speed ratio on a machine whose processes differ more than the ratio does."""
+    from _report import median_of  # benchmarks/ is on sys.path when run as a script
     load = os.getloadavg()
     runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {n: {m: [] for m in modes} for n in nets}
     for r in range(rounds):
@@ -410,19 +411,13 @@ def run_interleaved(nets: List[str], modes: List[str], rounds: int, warmup: int,
             speeds = [1 / x["ratio"] for x in runs[n][m] if x["ratio"]]
             summary[n][m] = {"ran": last["ran"], "vs_fp32": statistics.median(speeds) if speeds else None,
                              "per_process": [round(v, 3) for v in speeds],
-                             "fp32_sec_per_step": _kept_median(x["fp32_sec_per_step"] for x in runs[n][m]),
-                             "sec_per_step": _kept_median(x["sec_per_step"] for x in runs[n][m]),
+                             "fp32_sec_per_step": median_of(x["fp32_sec_per_step"] for x in runs[n][m]),
+                             "sec_per_step": median_of(x["sec_per_step"] for x in runs[n][m]),
                              "timed_skipped": sum(x["timed_skipped"] for x in runs[n][m]),
                              **{k: last[k] for k in ("low_ops", "casts", "casts_per_low_op", "tuning")}}
     from _report import host_info  # benchmarks/ is on sys.path when run as a script
     return {"host": host_info(), "load_before": load, "load_after": os.getloadavg(), "rounds": rounds,
             "warmup": warmup, "steps": steps, "tiny": tiny, "interleaved": True, "summary": summary, "runs": runs}
-
-
-def _kept_median(values: Any) -> Optional[float]:
-    """The median of the values a process gave (None where the scaler skipped all its pairs)."""
-    kept = [v for v in values if v is not None]
-    return statistics.median(kept) if kept else None
 
 
 def _ms(seconds: Optional[float]) -> str:
