@@ -30,6 +30,10 @@ from ._compat import import_mxnet as _import_mxnet  # noqa: E402
 _import_mxnet()
 _runtime.settle_isa()  # oneDNN has read the AMX cap: child processes must not inherit it
 
+from .mxnet_internals import drain_before_mxnet_shutdown as _drain_at_exit  # noqa: E402
+
+_drain_at_exit()  # MXNet's exit hangs on custom-op work still queued (mxnet_internals/shutdown.py)
+
 from .convert import convert_hybrid_block, convert_model, convert_symbol  # noqa: E402
 from .convert.bucketing import convert_bucketing_module  # noqa: E402
 from .lists_api import (  # noqa: E402

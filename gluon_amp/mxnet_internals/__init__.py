@@ -9,7 +9,8 @@ trainer, parameter and updater internals | ``custom_ops`` loading gluon_amp's co
 graph read once per chain of passes | ``warning_sites`` MXNet's warnings past the hooks' frames |
 ``errors`` the line of an MXNet error that says what failed | ``versions`` how many writes an
 array took | ``forward_only`` a block's calls that record nothing, on casts made once |
-``padded_inputs`` a block's CachedOp fed an image with a zero channel more.
+``padded_inputs`` a block's CachedOp fed an image with a zero channel more | ``shutdown``
+queued work done before MXNet stops its custom-op thread at exit.
 """
 from .arrays import *  # noqa: F401,F403
 from .code_swap import *  # noqa: F401,F403
@@ -20,6 +21,7 @@ from .arrays import BFLOAT16, FLOAT_NAMES, host_view, legacy, quiet_stderr, to_m
 from .code_swap import (SavedFunction, copy_function, is_redirected_to, original_function,  # noqa: F401
                         redirect, restore, retarget)
 from .custom_ops import *  # noqa: F401,F403
+from .shutdown import drain_before_mxnet_shutdown  # noqa: F401
 from .simulated import *  # noqa: F401,F403
 from .graph_reads import internal_entries, shared_reads, symbol_graph, symbol_json  # noqa: F401
 from .errors import error_line  # noqa: F401
