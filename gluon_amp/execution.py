@@ -30,6 +30,7 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import users_casts
 from gluon_amp_core.dtypes import CODE_DTYPE, LOW_PRECISION_DTYPES, dtype_name
+from gluon_amp_core.emulate import lift_input_roundings
 from gluon_amp_core.graph_pass import params_read_through_casts, params_stored_low
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import cast_each_input, drop_identity_casts, heads_cast
@@ -37,7 +38,7 @@ from gluon_amp_core.switches import switched_off
 from gluon_amp_core.table import kernel_verdicts
 from gluon_amp_core.verdicts import Verdict
 
-from . import mxnet_internals as mxi, plan_notes, runtime, state
+from . import emulation_kernel, mxnet_internals as mxi, plan_notes, runtime, state
 from .emulation import emulate_symbol, round_nd
 from .gc_pause import while_gc_paused
 from .native_run import native_passes, padded_image_notes, with_batchnorms_apart, with_padded_images
@@ -416,10 +417,25 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
         if pads:
             mxi.padded_inputs.record_pads(block, pads)
             plan_notes.record(block, "padded_inputs", padded_image_notes(typed, run, known, pads))
+    if (run is not plan and policy is not None and policy.enabled and policy.emulate and "cpu" in devices
+            and mxi.block_backend(block)[0] is None and not mx.util.is_np_array()):
+        run = _inputs_rounded_by_caller(block, run, [i.name for i in inputs])
     if run is not plan and policy is not None and policy.emulate:  # the report says which nodes real AMP runs low
         plan_notes.record_emulated(block, {name: t for (name, i), t in typed.items()
                                            if i == 0 and t in LOW_PRECISION_DTYPES})
     return run
+
+
+def _inputs_rounded_by_caller(block: HybridBlock, run: Symbol, data: Sequence[str]) -> Symbol:
+    """``run``, an emulated graph of ``block``, reading each data input it only rounds as it is,
+    the block's CachedOp fed the call's array rounded, as a recorded op: the first ops then read
+    a graph input, and MXNet computes no data gradient for an image that needs none
+    (:func:`gluon_amp_core.emulate.lift_input_roundings`)."""
+    graph, dtypes = lift_input_roundings(mxi.symbol_graph(run), data, emulation_kernel.OP_NAME)
+    if not dtypes:
+        return run
+    mxi.padded_inputs.record_rounded(block, {name: functools.partial(round_nd, dtype=d) for name, d in dtypes.items()})
+    return mx.sym.load_json(json.dumps(graph))
 
 
 def _reads_params_through_casts(block: HybridBlock, plan: Symbol) -> bool:

@@ -5,8 +5,8 @@ import struct
 
 import pytest
 
-from gluon_amp_core.emulate import (BF16_ROUNDING, PAIR_SUFFIX, ROUND_SUFFIX, emulate_graph, preserves_values,
-                                    round_bits, rounding_node)
+from gluon_amp_core.emulate import (BF16_ROUNDING, PAIR_SUFFIX, ROUND_SUFFIX, emulate_graph, lift_input_roundings,
+                                    preserves_values, round_bits, rounding_node)
 
 KERNEL = "_gluon_amp_round"
 PAIR = KERNEL + PAIR_SUFFIX
@@ -473,3 +473,79 @@ def test_pairing_changes_where_roundings_run_never_what_the_graph_computes(monke
                 assert [e[1] for _, e in readers] == [0, 1] and len({c for c, _ in readers}) == 1
                 assert node["attrs"]["dtype"] == "float16"
     assert paired > 50  # the plans hold pairs to check
+
+
+def _fed_rounded(graph, lifted):
+    """``graph`` with each variable named in ``lifted`` (name -> dtype) read through its kernel
+    rounding: what the caller's rounding feeds the graph, written as a graph."""
+    out, index = [], {}
+    for j, node in enumerate(graph["nodes"]):
+        out.append({**node, "inputs": [[index[e[0]], e[1], 0] for e in node.get("inputs", [])]})
+        index[j] = len(out) - 1
+        if node["op"] == "null" and node["name"] in lifted:
+            out.append(_op(KERNEL, node["name"] + "_fed", [(index[j], 0)], dtype=lifted[node["name"]]))
+            index[j] = len(out) - 1
+    return {**graph, "nodes": out, "heads": [[index[h[0]], h[1], 0] for h in graph["heads"]]}
+
+
+def test_an_input_the_caller_rounds_computes_what_the_graph_rounding_it_did():
+    """300 random plans, emulated with the kernel: where ``data`` is only rounded, the lifted
+    graph reads it as it is, and fed its rounding computes every output as before; no pair reads
+    a graph input; the graph stays in order; elsewhere nothing changes."""
+    rng = random.Random(20261128)
+    lifted_count = 0
+    for _ in range(300):
+        g, types = _random_plan(rng)
+        emu = emulate_graph(g, types, kernel=KERNEL).graph
+        lifted, dtypes = lift_input_roundings(emu, {"data"}, KERNEL)
+        nodes = emu["nodes"]
+        data = next(j for j, n in enumerate(nodes) if n["name"] == "data")
+        readers = [nodes[c] for c, n in enumerate(nodes) for e in n["inputs"] if e[0] == data]
+        only_rounded = bool(readers) and all(r["op"] == KERNEL for r in readers) and \
+            len({r["attrs"]["dtype"] for r in readers}) == 1 and data not in {h[0] for h in emu["heads"]}
+        if not only_rounded:
+            assert lifted is emu and dtypes == {}
+            continue
+        lifted_count += 1
+        assert dtypes == {"data": readers[0]["attrs"]["dtype"]}
+        assert _topological(lifted) and len(lifted["heads"]) == len(emu["heads"])
+        now = lifted["nodes"]
+        assert not [n for n in now if n["op"] == PAIR and now[n["inputs"][0][0]]["op"] == "null"]
+        data_now = next(j for j, n in enumerate(lifted["nodes"]) if n["name"] == "data")
+        assert not [n for n in lifted["nodes"] if n["op"] == KERNEL and n["inputs"][0][0] == data_now]
+        fed = _fed_rounded(lifted, dtypes)
+        assert [_value(fed, h, {}) for h in fed["heads"]] == [_value(emu, h, {}) for h in emu["heads"]]
+    assert lifted_count > 50
+
+
+@pytest.mark.parametrize("case", ["read_float32_too", "an_output", "two_dtypes", "a_parameter"])
+def test_an_input_read_otherwise_stays_rounded_in_the_graph(case):
+    nodes = [_var("data"), _op(KERNEL, "r16", [(0, 0)], dtype="float16"), _op("tanh", "t", [(1, 0)])]
+    heads = [[2, 0, 0]]
+    names = {"data"}
+    if case == "read_float32_too":
+        nodes.append(_op("relu", "f32", [(0, 0)]))
+        heads.append([3, 0, 0])
+    elif case == "an_output":
+        heads.append([0, 0, 0])
+    elif case == "two_dtypes":
+        nodes.append(_op(KERNEL, "rb", [(0, 0)], dtype="bfloat16"))
+        heads.append([3, 0, 0])
+    else:
+        names = {"other"}  # a parameter: not one of the block's data inputs
+    g = _graph(nodes, heads)
+    assert lift_input_roundings(g, names, KERNEL) == (g, {})
+
+
+def test_a_lifted_inputs_paired_weight_rounding_is_single_again():
+    """data -> rounding -> pair(data, w) -> fc: lifted, fc reads data itself and w's rounding."""
+    emu = emulate_graph(*_fc_graph("float16"), kernel=KERNEL).graph
+    lifted, dtypes = lift_input_roundings(emu, ["data"], KERNEL)
+    assert dtypes == {"data": "float16"}
+    nodes = _by_name(lifted)
+    names = [n["name"] for n in lifted["nodes"]]
+    assert [(names[e[0]], e[1]) for e in nodes["fc"]["inputs"]] == [("data", 0), (rounding_node("cw"), 0)]
+    assert nodes[rounding_node("cw")]["op"] == KERNEL and nodes[rounding_node("cw")]["attrs"] == {"dtype": "float16"}
+    assert [(names[e[0]], e[1]) for e in nodes[rounding_node("cw")]["inputs"]] == [("w", 0)]
+    assert rounding_node("c") not in nodes and [n["op"] for n in lifted["nodes"]].count(PAIR) == 0
+    assert lifted["arg_nodes"] == [j for j, n in enumerate(lifted["nodes"]) if n["op"] == "null"]
