@@ -621,7 +621,7 @@ def lift_input_roundings(graph: dict, names: Collection[str], kernel: str) -> Tu
     moved: Dict[Tuple[int, int], Tuple[int, int]] = {}  # entries of removed or remade nodes
 
     def entry(e: list) -> list:
-        j, k = moved.get((e[0], e[1]), (new_of.get(e[0], -1), e[1]))
+        j, k = moved[(e[0], e[1])] if (e[0], e[1]) in moved else (new_of[e[0]], e[1])
         return [j, k, 0]
 
     for j, node in enumerate(nodes):
