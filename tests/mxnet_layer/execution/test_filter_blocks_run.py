@@ -103,8 +103,8 @@ def test_training_graphs_on_a_cpu_run_them_and_nothing_else_does(monkeypatch, am
 
 _TRAIN = textwrap.dedent("""
     import json, sys
+    import gluon_amp  # first: MXNet imported first leaves AMX to a timing, which load can fool
     import mxnet as mx
-    import gluon_amp
     from gluon_amp import native_run
     from mxnet.gluon import nn
     filters, whole = json.loads(sys.argv[1])

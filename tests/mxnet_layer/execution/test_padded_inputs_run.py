@@ -62,8 +62,8 @@ def test_a_training_graph_reads_the_image_padded_and_types_as_before():
 
 _TRAIN = textwrap.dedent("""
     import json, sys
+    import gluon_amp  # first: MXNet imported first leaves AMX to a timing, which load can fool
     import mxnet as mx
-    import gluon_amp
     from gluon_amp import execution
     from gluon_amp.mxnet_internals.padded_inputs import PaddedInputs
     from mxnet.gluon import nn
