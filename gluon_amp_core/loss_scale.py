@@ -183,13 +183,14 @@ class LossScaler:
         :meth:`scales`); it is counted and skipped on inf/NaN, but the scale and its
         growth count stay as they are, since the scale had no part in it.
         """
-        if not self.enabled:
-            return replace(state, total_steps=state.total_steps + 1, last_skipped=False)
+        # ScaleState(...) spelled out, not dataclasses.replace: this runs at every step
         steps = state.total_steps + 1
+        if not self.enabled:
+            return ScaleState(state.scale, state.growth_tracker, state.consecutive_skips, steps,
+                              state.skipped_steps, False)
         if not scaled:
-            return replace(state, consecutive_skips=0 if finite else state.consecutive_skips + 1,
-                           total_steps=steps, skipped_steps=state.skipped_steps + (not finite),
-                           last_skipped=not finite)
+            return ScaleState(state.scale, state.growth_tracker, 0 if finite else state.consecutive_skips + 1,
+                              steps, state.skipped_steps + (not finite), not finite)
         if not finite:
             scale = state.scale
             if self.dynamic:
@@ -287,9 +288,11 @@ class LossScaler:
         the scale change in one statement at the end.
         """
         state, finite_all, scaled_any = self.state, self._round_finite, self._round_scaled
-        stages, steps = self._copies()
-        abandoned = weakref.WeakKeyDictionary(self._abandoned)
-        if self.stage(member) is Stage.STEPPED:
+        # Copy on write: the mappings are never changed in place, so one a step leaves as it
+        # was is kept as it is (one trainer's round: every step, a few microseconds).
+        stages, abandoned = self._stages, self._abandoned
+        stage = self.stage(member)
+        if stage is Stage.STEPPED:
             if not _round_complete(stages, abandoned):
                 raise RuntimeError(
                     "a trainer stepped twice in one round of a shared LossScaler before the other "
@@ -297,18 +300,26 @@ class LossScaler:
                     "call scaler.end_round() once per iteration after the last step.")
             # the others it waited for were dropped, or their step was interrupted: that round is over
             state = self.next_state(state, finite_all, scaled_any)
-            finite_all, scaled_any, abandoned = True, False, weakref.WeakKeyDictionary()
-            for m in list(stages):
-                stages[m] = Stage.READY
-        stages[member] = Stage.STEPPED
-        steps[member] = steps.get(member, 0) + 1
-        abandoned.pop(member, None)
+            finite_all, scaled_any, abandoned = True, False, _EMPTY
+            stages, stage = _all_ready(stages), Stage.READY
+        alone = len(stages) == 1  # the scaler of this member only (stage() found it): its round ends
+        count = self._steps.get(member, 0) + 1
+        if alone:
+            steps = weakref.WeakKeyDictionary({member: count})
+        else:
+            steps = weakref.WeakKeyDictionary(self._steps)
+            steps[member] = count
+        if member in abandoned:
+            abandoned = weakref.WeakKeyDictionary(abandoned)
+            del abandoned[member]
         finite_all, scaled_any = finite_all and finite, scaled_any or scaled
-        if _round_complete(stages):
+        if alone or _round_complete(stages, (), stepped=member):
             state = self.next_state(state, finite_all, scaled_any)
-            finite_all, scaled_any, abandoned = True, False, weakref.WeakKeyDictionary()
-            for m in list(stages):
-                stages[m] = Stage.READY
+            finite_all, scaled_any, abandoned = True, False, _EMPTY
+            stages = stages if alone and stage is Stage.READY else _all_ready(stages)
+        else:
+            stages = weakref.WeakKeyDictionary(stages)
+            stages[member] = Stage.STEPPED
         skip = self.enabled and not finite
         new = {"state": state, "_stages": stages, "_steps": steps, "_round_finite": finite_all,
                "_round_scaled": scaled_any, "_abandoned": abandoned}
@@ -402,8 +413,24 @@ def _live_count(stages: "weakref.WeakKeyDictionary[Any, Stage]") -> int:
     return sum(1 for m in list(stages) if _attached(m))
 
 
-def _round_complete(stages: "weakref.WeakKeyDictionary[Any, Stage]", excused: Any = ()) -> bool:
-    return all(s is Stage.STEPPED or m in excused for m, s in list(stages.items()) if _attached(m))
+def _round_complete(stages: "weakref.WeakKeyDictionary[Any, Stage]", excused: Any = (),
+                    stepped: Any = None) -> bool:
+    """Whether every attached member has stepped (or is ``excused``), ``stepped`` counted as
+    stepped. A member's stage is read before it is asked whether it is attached (that asks
+    its trainer's parameters)."""
+    return all(m is stepped or s is Stage.STEPPED or m in excused or not _attached(m)
+               for m, s in list(stages.items()))
+
+
+def _all_ready(stages: "weakref.WeakKeyDictionary[Any, Stage]") -> "weakref.WeakKeyDictionary[Any, Stage]":
+    """``stages`` with every member READY: itself where they already are (never changed in place)."""
+    if all(s is Stage.READY for s in list(stages.values())):
+        return stages
+    return weakref.WeakKeyDictionary(dict.fromkeys(list(stages), Stage.READY))
+
+
+#: the empty mapping of abandoned members a round starts with (never changed in place)
+_EMPTY: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
 
 def loss_scaler_from(spec: Any) -> LossScaler:

@@ -234,3 +234,103 @@ def test_scaled_dtypes_checked_and_kept_by_state_dict():
         LossScaler(scaled_dtypes=["float16", "int8"])
     with pytest.raises(TypeError, match="scaled_dtypes"):
         LossScaler(scaled_dtypes="float16")
+
+
+class _Hookish:
+    """A member that may stop counting (its trainer dropped): ``attached()`` says so."""
+
+    def __init__(self) -> None:
+        self.alive = True
+
+    def attached(self) -> bool:
+        return self.alive
+
+
+class _Rounds:
+    """The round rules, written plainly (dicts, no copies): the reference the scaler's
+    bookkeeping must agree with, step by step."""
+
+    def __init__(self, scaler: LossScaler) -> None:
+        self.rule, self.state = scaler, scaler.state
+        self.stages, self.steps, self.abandoned = {}, {}, set()
+        self.finite, self.scaled = True, False
+
+    def _complete(self, excused=()):
+        return all(s is Stage.STEPPED or m in excused for m, s in self.stages.items() if m.attached())
+
+    def _end(self):
+        self.state = self.rule.next_state(self.state, self.finite, self.scaled)
+        self.finite, self.scaled, self.abandoned = True, False, set()
+        self.stages = dict.fromkeys(self.stages, Stage.READY)
+
+    def attach(self, m):
+        self.stages[m] = Stage.READY
+        self.steps.setdefault(m, 0)
+
+    def mark_unscaled(self, m):
+        if self.stages[m] is Stage.UNSCALED:
+            raise RuntimeError
+        self.stages[m] = Stage.UNSCALED
+
+    def abandon(self, m, steps):
+        if steps in (None, self.steps[m]) and self.stages[m] is not Stage.STEPPED:
+            self.abandoned.add(m)
+
+    def record_step(self, m, finite, scaled):
+        if self.stages[m] is Stage.STEPPED:
+            if not self._complete(self.abandoned):
+                raise RuntimeError
+            self._end()
+        self.stages[m] = Stage.STEPPED
+        self.steps[m] += 1
+        self.abandoned.discard(m)
+        self.finite, self.scaled = self.finite and finite, self.scaled or scaled
+        if self._complete():
+            self._end()
+        return self.rule.enabled and not finite
+
+    def end_round(self):
+        self._end()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_rounds_agree_with_the_plain_rules_over_random_runs(seed):
+    """1 to 3 trainers on one scaler (a sole trainer is the common case, which keeps its
+    round's mappings as they are): random steps, unscales, interrupted steps, ends of round
+    and dropped trainers. After each, the scaler's stages, counts, state and answers are the
+    plain rules'."""
+    import random
+    rng = random.Random(seed)
+    scaler = LossScaler(init_scale=2.0 ** rng.randint(2, 8), growth_interval=rng.choice([1, 2, 3]),
+                        enabled=rng.random() > 0.1)
+    ref = _Rounds(scaler)
+    members = [_Hookish() for _ in range(rng.choice([1, 1, 2, 3]))]
+    for m in members:
+        scaler.attach(m)
+        ref.attach(m)
+    for _ in range(60):
+        m = rng.choice(members)
+        op = rng.choice(["step", "step", "step", "unscale", "abandon", "end", "drop"])
+        if op == "drop" and len(members) > 1:
+            m.alive = not m.alive
+            continue
+        calls = {"step": lambda o: o.record_step(m, rng_finite, rng_scaled),
+                 "unscale": lambda o: o.mark_unscaled(m),
+                 "abandon": lambda o: o.abandon(m, steps_arg),
+                 "end": lambda o: o.end_round()}
+        if op not in calls:
+            continue
+        rng_finite, rng_scaled = rng.random() > 0.2, rng.random() > 0.3
+        steps_arg = rng.choice([None, ref.steps[m], ref.steps[m] - 1])
+        outcomes = []
+        for o in (scaler, ref):
+            try:
+                outcomes.append(("ok", calls[op](o)))
+            except RuntimeError:
+                outcomes.append(("raised", None))
+        assert outcomes[0] == outcomes[1], (op, outcomes)
+        assert scaler.state == ref.state
+        assert [scaler.stage(x) for x in members] == [ref.stages[x] for x in members]
+        assert [scaler.steps_of(x) for x in members] == [ref.steps[x] for x in members]
+        assert scaler._round_finite == ref.finite and scaler._round_scaled == ref.scaled
+        assert set(scaler._abandoned) == ref.abandoned
