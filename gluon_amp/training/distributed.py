@@ -118,7 +118,12 @@ def _refuse_horovod_optimizer(trainer: Trainer) -> None:
 
 
 def _check_shared_scaler(trainer: Trainer, scaler: Any, engine: Optional[Engine]) -> None:
-    state.trainer_record(trainer).kind = (engine.name if engine else "local", scaler)
+    record, kind = state.trainer_record(trainer), (engine.name if engine else "local", scaler)
+    if record.kind is not None and record.kind[0] == kind[0] and record.kind[1] is scaler:
+        # checked when this trainer's kind was set, and by every trainer's since: a conflict
+        # needs a new kind, and its own first step raises
+        return
+    record.kind = kind
     kinds = {r.kind[0] for r in list(state.process.trainers.values()) if r.kind is not None and r.kind[1] is scaler}
     if "local" in kinds and len(kinds) > 1:
         spread = sorted(kinds - {"local"})
