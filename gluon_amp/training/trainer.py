@@ -58,7 +58,8 @@ class _Hook:
         self._must_check = False
         #: set by the patched ``Trainer._update`` around MXNet's: the step may update before its verdict
         self._armed = False
-        #: a step updated before its verdict: (its undo, dtype, scaled, the count before it, params)
+        #: a step updated before its verdict: (its undo, dtype, scaled, the count before it, params);
+        #: once the count has moved past it, a recorded step's, kept until the next step reads it
         self._early: Optional[Tuple[early_update.Early, str, bool, int, Sequence[Any]]] = None
         self._plans: Dict[str, Any] = {}
         scaler.attach(self)
@@ -84,7 +85,8 @@ class _Hook:
 
     def _compute_dtype(self) -> str:
         trainer = self._trainer()
-        return _compute_dtype(mxi.trainer_params(trainer) if trainer is not None else (), self._since)
+        params = mxi.trainer_params(trainer) if trainer is not None else ()
+        return _compute_dtype([p.dtype for p in params], self._since)
 
     def decide(self) -> Tuple[str, float]:
         """The current step's compute dtype and scale. Where a parameter accumulates
@@ -94,17 +96,16 @@ class _Hook:
         its scale, and a step that raised after its backward (a Ctrl-C in ``trainer.step``)
         does not hand its decision to the next forward, which may run another policy."""
         step = self._step
-        if step is None or not self._accumulates():
-            dtype = self._compute_dtype()
+        trainer = self._trainer()
+        params = mxi.trainer_params(trainer) if trainer is not None else ()
+        kinds = {(p.dtype, p.grad_req) for p in params}  # one pass over the parameters, every step
+        if step is None or not any(req == "add" for _, req in kinds):
+            dtype = _compute_dtype([d for d, _ in kinds], self._since)
             new = (dtype, self.scaler.scale_for(dtype))
             if new != step:
                 self._decided = (*new, self.scaler.steps_of(self))
             step = new
         return step
-
-    def _accumulates(self) -> bool:
-        trainer = self._trainer()
-        return trainer is not None and any(p.grad_req == "add" for p in mxi.trainer_params(trainer))
 
     # The peer's scaler fields, read and assigned as clients do (Sockeye saves and restores
     # ``(_loss_scale, _next_loss_scale, _unskipped)`` by pickle). Each reads from, and an
@@ -183,6 +184,8 @@ class _Hook:
                     "autograd.record() block's exit left recording on (MXNet's scope is not "
                     "interrupt-safe): call mx.autograd.set_recording(False) after catching it.")
             steps = self.scaler.steps_of(self)
+            if self._early is not None and self._early[3] != steps:
+                self._early = None  # the last step's, recorded (finish_early leaves it)
             trainer = self._trainer()
             step = self._step
             dtype = step[0] if step is not None else self._compute_dtype()
@@ -217,13 +220,17 @@ class _Hook:
         pending = self._early
         if pending is None:
             return
-        early, dtype, scaled, _, params = pending
+        early, dtype, scaled, steps, params = pending
+        if self.scaler.steps_of(self) != steps:  # recorded already: its step is over
+            self._early = None
+            return
         finite = early.finite()
         if not finite:
             early.undo()
-        skip = self.scaler.record_step(self, finite, scaled=scaled)  # the commit
-        self._early = None
-        if skip:
+        # The commit is record_step's last statement, and a finite step runs no line of ours
+        # after it: a Ctrl-C lands before it (nothing happened) or never. The pending update
+        # stays set, and is dropped as recorded by the next step or abort_step.
+        if self.scaler.record_step(self, finite, scaled=scaled):
             self._skipped(dtype, params)
 
     def abort_step(self, steps: Optional[int]) -> None:
@@ -233,11 +240,10 @@ class _Hook:
         A recorded step stays as recorded."""
         self._armed = False
         pending = self._early
-        if pending is not None:
-            early, _, _, steps, _ = pending
-            if self.scaler.steps_of(self) == steps:
-                early.undo()
-            self._early = None
+        if pending is not None and self.scaler.steps_of(self) == pending[3]:  # this step's, unrecorded
+            steps = pending[3]
+            pending[0].undo()
+        self._early = None
         self.scaler.abandon(self, steps)
 
     def _skipped(self, dtype: str, params: Sequence[mx.gluon.Parameter]) -> bool:
@@ -262,14 +268,14 @@ class _Hook:
         return True
 
 
-def _compute_dtype(params: Sequence[mx.gluon.Parameter], since: int) -> str:
+def _compute_dtype(param_dtypes: Sequence[Any], since: int) -> str:
     """The dtype whose range a step's gradients pass through: float16 when AMP ran it (real
     or emulated) at any time since the trainer's last step (serial ``since``: a forward pass
     under ``autocast`` and its ``scale_loss`` after the scope count alike) or a parameter is
-    float16, else bfloat16 likewise, else float32."""
+    float16 (``param_dtypes``: the trainer's parameters' dtypes), else bfloat16 likewise,
+    else float32."""
     dtypes = set(state.dtypes_since(since))
-    for p in params:
-        dtypes.add(dtype_name(p.dtype))
+    dtypes.update(dtype_name(d) for d in set(param_dtypes))  # named once per distinct dtype
     return next((d for d in ("float16", "bfloat16") if d in dtypes), "float32")
 
 
