@@ -5,12 +5,17 @@ have the data's dtype (a PReLU slope, a FullyConnected weight when FullyConnecte
 in any list): after a low-precision op their data is low precision while the parameter is
 a float32 master copy, and MXNet rejects the pair. Which ops care is not listed by hand:
 MXNet's own type inference (:func:`gluon_amp.type_inference.op_types`) is asked.
+
+Imperatively, the call goes to MXNet as it is first: MXNet infers types before it queues
+anything, so a call it refuses has done nothing, and only then are the inputs made to agree.
+The common call (an optimizer's update, every parameter of every step) reads no dtype.
 """
 from __future__ import annotations
 
 import functools
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from mxnet.base import MXNetError
 from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
@@ -36,8 +41,7 @@ def _name(x: NDArray) -> str:
 
 def _one_dtype(inputs: tuple, kwargs: dict) -> bool:
     """True when the positional inputs that are NDArrays share one dtype and no keyword passes
-    an NDArray input: nothing to make agree, and no slot to look up (a few microseconds a call,
-    on every optimizer update of every step)."""
+    an NDArray input: nothing to make agree, and no slot to look up."""
     first = None
     for a in inputs:
         if isinstance(a, NDArray):
@@ -80,22 +84,35 @@ def nd_wrapper(fn: Callable, op: str, sig: Signature, cast: Callable[[NDArray, s
 
     @functools.wraps(fn)
     def amp_op(*args: Any, **kwargs: Any) -> Any:
-        if _one_dtype(sig.input_args(args), kwargs):  # the common call (an optimizer's update): as it is
-            return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)  # refused before anything is queued: nothing to undo
+        except MXNetError:
+            if _one_dtype(sig.input_args(args), kwargs):
+                raise
+            agreed = _agreeing(args, kwargs)
+            if agreed is None:
+                raise  # MXNet's own error: the dtypes are not what it refuses
+        return fn(*agreed[0], **agreed[1])
+
+    def _agreeing(args: tuple, kwargs: dict) -> Optional[Tuple[list, dict]]:
+        """The call's arguments with float inputs cast to the dtypes MXNet accepts; None
+        when that changes nothing."""
         slots = _tensor_slots(args, kwargs, NDArray, sig, names)
         if not slots or len(slots) < 2:
-            return fn(*args, **kwargs)
-        new = list(args)
+            return None
+        new, kwargs = list(args), dict(kwargs)
         dts = [_name(_get(new, kwargs, key)) for key, _ in slots]
         if len({d for d in dts if d in FLOAT_DTYPES}) < 2:
-            return fn(*args, **kwargs)
+            return None
         required = _required(op, sig.attributes(args, kwargs), dts)
         if required is None:
-            return fn(*args, **kwargs)  # MXNet reports it, as it would without AMP
+            return None
+        changed = False
         for (key, _), have, want in zip(slots, dts, required):
             if have in _CASTABLE and want in _CASTABLE and have != want:  # amp_cast passes float64
                 _put(new, kwargs, key, cast(_get(new, kwargs, key), want))
-        return fn(*new, **kwargs)
+                changed = True
+        return (new, kwargs) if changed else None
 
     return amp_op
 

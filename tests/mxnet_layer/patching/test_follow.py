@@ -1,6 +1,6 @@
-"""The neutral path of ops with several inputs (patching/wrappers/follow.py): inputs of one
-dtype go to MXNet as they are, without a slot lookup; mixed float inputs are made to agree
-(MXNet alone refuses them), passed positionally or by keyword."""
+"""The neutral path of ops with several inputs (patching/wrappers/follow.py): a call MXNet
+accepts goes to it as it is, without a slot lookup; mixed float inputs it refuses are made to
+agree, passed positionally or by keyword, and its other errors are its own."""
 import numpy as np
 import mxnet as mx
 import pytest
@@ -29,7 +29,7 @@ def test_inputs_agree_and_one_dtype_takes_the_fast_path(dtypes, by_keyword, monk
     out = mx.nd.sgd_update(weight=w, grad=g, lr=0.5) if by_keyword else mx.nd.sgd_update(w, g, lr=0.5)
     assert out.dtype == np.dtype(dtypes[0])  # the first float input's dtype decides
     np.testing.assert_allclose(out.asnumpy().astype("float32"), want, rtol=2e-3, atol=1e-3)
-    assert bool(slow) is (by_keyword or dtypes[0] != dtypes[1])
+    assert bool(slow) is (dtypes[0] != dtypes[1])
 
 
 def test_an_optimizer_update_of_one_dtype_goes_straight_to_mxnet(monkeypatch):
@@ -44,3 +44,18 @@ def test_an_optimizer_update_of_one_dtype_goes_straight_to_mxnet(monkeypatch):
     assert not slow
     for x, r in zip((w, m, v), (ref[0], ref[2], ref[3])):
         np.testing.assert_array_equal(x.asnumpy(), r.asnumpy())
+
+
+@pytest.mark.parametrize("dtypes", [("float32", "float32"), ("float32", "float16")], ids=["one-dtype", "mixed"])
+def test_an_error_that_is_not_the_dtypes_is_mxnets_own(dtypes):
+    """A gradient of the wrong shape: the wrapper tries no cast that would not help, and the
+    user reads the error MXNet gives without AMP."""
+    w = mx.nd.ones((2, 3), dtype=dtypes[0])
+    g = mx.nd.ones((3, 2), dtype=dtypes[1])
+    with pytest.raises(mx.base.MXNetError) as plain:
+        mx.nd.sgd_update(w, g.astype(dtypes[0]), lr=0.5)
+    gluon_amp.init(target_dtype="float16", emulate=True)
+    with pytest.raises(mx.base.MXNetError) as amp:
+        mx.nd.sgd_update(w, g, lr=0.5)
+    assert "got [3,2]" in str(amp.value)
+    assert str(amp.value).splitlines()[-1] == str(plain.value).splitlines()[-1]
