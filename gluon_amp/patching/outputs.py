@@ -24,8 +24,8 @@ def returned(block: Any, args: tuple, out: Any) -> Any:
     policy = state.current_policy()
     if policy is None or not policy.enabled or policy.emulate or policy.target_dtype not in _LOW:
         return out  # emulation computes in float32 already
-    if _holds(args, policy.target_dtype):
-        return out
+    if not _holds(out, policy.target_dtype) or _holds(args, policy.target_dtype):
+        return out  # the output first: a graph gives its float32 code float32 already
     return _to_float32(out, policy.target_dtype)
 
 
