@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
 from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
@@ -21,13 +22,14 @@ import mxnet as mx
 
 from gluon_amp_core.graph_pass import convert_graph
 from gluon_amp_core.policy import Policy
-from gluon_amp_core.speed.probe import PROBE, OpTiming, SpeedVerdict, timings_from_records, timings_to_records
+from gluon_amp_core.speed.probe import (PROBE, OpTiming, SpeedVerdict, contended, timings_from_records,
+                                        timings_to_records)
 from gluon_amp_core.switches import switched_off
 from gluon_amp_core.timing_cache import TimingCache, cache_dir
 
 from .. import mxnet_internals as mxi
 from ..type_inference import op_types
-from .timing import Timer, cpus, time_graphs, timer_now
+from .timing import OwnCpuTime, Timer, cpus, others_cpu_s, time_graphs, timer_now
 
 _log = logging.getLogger(__name__)
 
@@ -200,7 +202,7 @@ def verdict(dtype: str, cache: TimingCache) -> SpeedVerdict:
             too_busy = _busy_reason(entries, key)
             break
         if timings is None:
-            timings, source, too_busy = _measure(dtype, timer), "measured", timer.busy
+            (timings, too_busy), source = _measure_alone(dtype, timer), "measured"
         path: Optional[str] = cache.path
         if source == "measured":
             if too_busy:
@@ -214,6 +216,24 @@ def verdict(dtype: str, cache: TimingCache) -> SpeedVerdict:
                 path = None  # a read-only cache folder: measured again next time
     _verdicts[dtype] = SpeedVerdict(dtype, timings, source, path, time.perf_counter() - t0, too_busy)
     return _verdicts[dtype]
+
+
+def _measure_alone(dtype: str, timer: Timer) -> Tuple[Tuple[OpTiming, ...], Optional[str]]:
+    """The probe's figures, and why the machine was too busy for wall time (None: it was
+    not). Where other work ran beside a wall-clock probe (:func:`contended`: the load
+    average did not show it yet), the probe times CPU time again, as on a busy machine."""
+    if timer.busy is not None:
+        return _measure(dtype, timer), timer.busy
+    before, t0 = others_cpu_s(), time.perf_counter()
+    timings = _measure(dtype, timer)
+    after, wall = others_cpu_s(), time.perf_counter() - t0
+    threads = mxi.omp_threads() or cpus()
+    why = (contended(after - before, wall, os.cpu_count() or threads, threads)
+           if before is not None and after is not None else None)
+    if why is None:
+        return timings, None
+    _log.info("gluon_amp: %s; timing CPU time instead", why)
+    return _measure(dtype, Timer(OwnCpuTime(), statistics.median, why)), why
 
 
 def _busy_entry(dtype: str) -> str:

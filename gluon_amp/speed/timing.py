@@ -110,6 +110,21 @@ class OwnCpuTime:
             return self._last
 
 
+def others_cpu_s() -> Optional[float]:
+    """CPU seconds the machine has spent on work other than this process (other processes,
+    the kernel's, and time a hypervisor gave other machines: ``steal``) since boot, read
+    from ``/proc/stat``; None where there is none (not Linux). Differences of two readings
+    say what other work ran between them."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+        # cpu user nice system idle iowait irq softirq steal ...
+        ticks = sum(int(fields[i]) for i in (1, 2, 3, 6, 7, 8))
+        return ticks / os.sysconf("SC_CLK_TCK") - time.process_time()
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def timer_now() -> Timer:
     """How to time now. On a busy machine (:func:`~gluon_amp_core.speed.probe.busy`: the
     1-minute load above the CPUs) wall time measures the other work: the CPU time of this

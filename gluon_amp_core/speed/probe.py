@@ -44,6 +44,26 @@ def busy(load_1min: float, cpus: int) -> Optional[str]:
     return None
 
 
+#: Other work (other processes, and a hypervisor's steal) using more CPUs than the probe's
+#: threads leave free, by more than this many on average, while the probe timed wall time
+#: makes those figures the other work's. The load average lags: one busy process beside a
+#: 2-thread probe on 2 CPUs leaves it near 1 (below :data:`BUSY_LOAD_PER_CPU`), and there the
+#: probe put an AMX host's ResNet basic block at 40 ms in bfloat16 against 27 in float32
+#: (13 against 21 quiet): bfloat16 off, and cached.
+CONTENDED_CPUS = 0.25
+
+
+def contended(others_cpu_s: float, wall_s: float, machine_cpus: int, threads: int) -> Optional[str]:
+    """Why wall-clock figures timed over ``wall_s`` seconds by ``threads`` threads measured
+    other work too, where that work used ``others_cpu_s`` CPU seconds of the machine's
+    ``machine_cpus``; ``None`` if it fit in the CPUs the probe left free."""
+    used = others_cpu_s / wall_s if wall_s > 0 else 0.0
+    if used > max(0, machine_cpus - threads) + CONTENDED_CPUS:
+        return (f"other work used {used:.1f} of the machine's {machine_cpus} CPUs while the probe timed "
+                f"{threads} threads (wall-clock figures measure it)")
+    return None
+
+
 @dataclass(frozen=True)
 class OpTiming:
     """One probe item's time (ms) in float32 and in the low dtype, forward+backward.
