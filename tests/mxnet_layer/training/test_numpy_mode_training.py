@@ -79,7 +79,13 @@ def _run(numpy_mode, policy, optimizer, feature, tmp_path):
                 path = str(tmp_path / f"states-{numpy_mode}")
                 gluon_amp.save_states(trainer, path)
                 gluon_amp.load_states(trainer, path)
-        states = [s for u in trainer._updaters for st in u.states.values()
+        # each parameter's state, in the order of collect_params (as the weights): the Trainer
+        # numbers parameters by their names sorted as strings, and Gluon's global block counter
+        # gives the two runs different names (dense9/dense10 sort apart, dense11/dense12 do not),
+        # so an index can stand for a different layer in each mode
+        index = {id(p): i for i, p in enumerate(trainer._params)}
+        states = [s for u in trainer._updaters for p in net.collect_params().values()
+                  for st in [u.states.get(index[id(p)])]
                   for s in (st if isinstance(st, (list, tuple)) else [st]) if s is not None]
         return {"weights": [p.data().astype("float32").asnumpy() for p in net.collect_params().values()],
                 "states": [getattr(s, "master", s).astype("float32").asnumpy()
