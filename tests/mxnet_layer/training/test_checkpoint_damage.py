@@ -245,6 +245,13 @@ with autograd.record():
 loss.backward()
 tr.step(2)
 gluon_amp.save_states(tr, sys.argv[1])  # one whole save first: a kill in the next must leave it
+if sys.argv[2:] == ["hold"]:  # the next save stops at its fsync, its file written but not renamed
+    import os, time
+    def hold(fd):
+        print("writing", flush=True)
+        time.sleep(600)
+    os.fsync = hold
+    gluon_amp.save_states(tr, sys.argv[1])
 print("ready", flush=True)
 while True:
     gluon_amp.save_states(tr, sys.argv[1])
@@ -255,18 +262,20 @@ def test_saves_killed_mid_write_leave_no_temporary_file_after_the_next_save(tmp_
     target = str(tmp_path / "run.states")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     leftovers = 0
-    for k in range(6):  # until a kill lands mid-write (under load one may land between two saves)
-        if leftovers:
-            break
-        proc = subprocess.Popen([sys.executable, "-c", _SAVER, target], env=env, stdout=subprocess.PIPE, text=True)
+    # Kills at random moments of a save loop, then, where none of them landed mid-write
+    # (under load they may all fall between two saves), one at a save held at its fsync.
+    for k in range(4):
+        hold = k == 3 and not leftovers
+        proc = subprocess.Popen([sys.executable, "-c", _SAVER, target] + ["hold"] * hold, env=env,
+                                stdout=subprocess.PIPE, text=True)
         try:
-            assert proc.stdout.readline().strip() == "ready"
+            assert proc.stdout.readline().strip() == ("writing" if hold else "ready")
             time.sleep(0.05 + 0.03 * k)
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=60)
         leftovers += len([n for n in os.listdir(tmp_path) if n.endswith(".tmp")])
-    assert leftovers > 0  # the kills did land mid-write (else the test proves nothing)
+    assert leftovers > 0  # a kill did land mid-write (else the test proves nothing)
     net, trainer = _setup()
     _step(net, trainer, 1)
     other = str(tmp_path / "next.states")
