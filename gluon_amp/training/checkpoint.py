@@ -30,7 +30,7 @@ import sys
 import tempfile
 import zipfile
 import zlib
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mxnet as mx
 import numpy as np
@@ -144,6 +144,23 @@ def check_optimizer(opt: Any, saved: Any, path: str) -> Dict[str, Any]:
     if "_all_index_update_counts" in {**vars(opt), **fields}:  # MXNet 1.9: the per-device counts alias the first
         fields["_index_update_count"] = {**vars(opt), **fields}["_all_index_update_counts"][0]
     return {"optimizer": fields, "lr_scheduler": _from_json(want["fields"]) if want is not None else None}
+
+
+def reindexed_fields(checked: Dict[str, Any], moved: Optional[Dict[int, int]]) -> Dict[str, Any]:
+    """:func:`check_optimizer`'s fields with the per-parameter update counts (Adam's bias
+    correction reads them) under the indices :func:`check_params` moved them to."""
+    if moved is None:
+        return checked
+    fields = dict(checked["optimizer"])
+    counts = fields.get("_all_index_update_counts")
+    if isinstance(counts, dict):  # MXNet 1.9: per device; _index_update_count aliases device 0's
+        counts = {dev: reindexed(c, moved) if isinstance(c, dict) else c for dev, c in counts.items()}
+        fields["_all_index_update_counts"] = counts
+        if 0 in counts:
+            fields["_index_update_count"] = counts[0]
+    elif isinstance(fields.get("_index_update_count"), dict):
+        fields["_index_update_count"] = reindexed(fields["_index_update_count"], moved)
+    return {**checked, "optimizer": fields}
 
 
 def restore_optimizer(opt: Any, checked: Dict[str, Any]) -> None:
@@ -378,24 +395,70 @@ def _generic(name: str) -> str:
     return re.sub(r"\d+", "#", name)
 
 
+def _natural(name: str) -> List[Any]:
+    """``name``'s sort key with its numbers compared as numbers (``dense9`` before ``dense10``)."""
+    return [int(c) if c.isdigit() else c for c in re.split(r"(\d+)", name)]
+
+
+def _matches(saved: Sequence[Any], now: Tuple[str, Tuple[int, ...], str]) -> bool:
+    sname, sshape, sdtype = saved
+    name, shape, dtype = now
+    return tuple(sshape) == tuple(shape) and sdtype == dtype and _generic(sname) == _generic(name)
+
+
+def _in_build_order(saved: Sequence[Sequence[Any]],
+                    params: List[Tuple[str, Tuple[int, ...], str]]) -> Optional[Dict[int, int]]:
+    """Saved index -> this trainer's index, pairing the parameters in the order their blocks
+    were built; None where that pairing does not match either.
+
+    MXNet 1.9.1's ``Trainer`` numbers parameters by their names sorted as strings, and a
+    block's name carries Gluon's per-process counter: the same model built when the counter
+    stood at 8 (``dense8``, ``dense9``) and at 9 (``dense9``, ``dense10``, which sorts first)
+    numbers its layers in opposite orders. The counters rise as blocks are built, so names
+    sorted with their numbers as numbers list the parameters in build order in both."""
+    before = sorted(range(len(saved)), key=lambda i: _natural(saved[i][0]))
+    now = sorted(range(len(params)), key=lambda i: _natural(params[i][0]))
+    if not all(_matches(saved[a], params[b]) for a, b in zip(before, now)):
+        return None
+    return dict(zip(before, now))
+
+
 def check_params(ck: Checkpoint, path: str, params: List[Tuple[str, Tuple[int, ...], str]],
-                 owner: str = "trainer", per_index: int = 1) -> None:
+                 owner: str = "trainer", per_index: int = 1, build_order: bool = False) -> Optional[Dict[int, int]]:
     """The checkpoint's state tree fits ``params`` ((name, shape, dtype) in the order of the
     optimizer's indices; ``per_index`` indices per parameter, a Module's devices):
     CheckpointError naming the first difference. Files written before the parameters were
-    recorded are checked by the shapes of their state arrays."""
+    recorded are checked by the shapes of their state arrays.
+
+    ``build_order``: the indices follow the names sorted as strings (a Gluon ``Trainer``'s),
+    so parameters pair in the order their blocks were built (:func:`_in_build_order`); else
+    index by index (a Module's indices are its symbol's arguments, in order). Returns None
+    where the saved indices are this owner's, else saved index -> index."""
     saved = ck.meta.get("params")
+    moved: Optional[Dict[int, int]] = None
     if saved is not None:
         if len(saved) != len(params):
             raise CheckpointError(f"{path!r} holds the state of {len(saved)} parameters; this {owner} has "
                                   f"{len(params)}: it was saved for another model")
-        for (sname, sshape, sdtype), (name, shape, dtype) in zip(saved, params):
-            if tuple(sshape) != tuple(shape) or sdtype != dtype or _generic(sname) != _generic(name):
+        moved = _in_build_order(saved, params) if build_order else None
+        if moved is None:
+            pairs = [(s, p) for s, p in zip(saved, params) if not _matches(s, p)]
+            if build_order and not pairs:  # in index order they match, in build order they do not
+                raise CheckpointError(
+                    f"{path!r} was saved for another model: its parameters, in the order their blocks were "
+                    f"built ({', '.join(sorted((s[0] for s in saved), key=_natural))}), do not pair with this "
+                    f"{owner}'s ({', '.join(sorted((p[0] for p in params), key=_natural))})")
+            if pairs:
+                (sname, sshape, sdtype), (name, shape, dtype) = pairs[0]
                 raise CheckpointError(
                     f"{path!r} was saved for another model: its parameter {sname!r} {tuple(sshape)} {sdtype} "
                     f"stands where this {owner} has {name!r} {tuple(shape)} {dtype}")
+        if moved is not None and all(a == b for a, b in moved.items()):
+            moved = None
     for index, shapes in ck.shapes.items():
         i = index // per_index if index >= 0 else -1
+        if moved is not None and i in moved:
+            i = moved[i]
         if not 0 <= i < len(params):
             raise CheckpointError(f"{path!r} holds optimizer state for parameter index {index}; this {owner} "
                                   f"has {len(params)} parameters: it was saved for another model")
@@ -404,6 +467,14 @@ def check_params(ck: Checkpoint, path: str, params: List[Tuple[str, Tuple[int, .
                 raise CheckpointError(f"{path!r} holds optimizer state of shape {tuple(shape)} for parameter "
                                       f"{params[i][0]!r}, whose shape is {tuple(params[i][1])}: it was saved for "
                                       "another model")
+    return moved
+
+
+def reindexed(states: Dict[Any, Any], moved: Optional[Dict[int, int]]) -> Dict[Any, Any]:
+    """An updater's ``states`` with the saved indices replaced as :func:`check_params` said."""
+    if moved is None:
+        return states
+    return {moved.get(k, k) if isinstance(k, int) else k: v for k, v in states.items()}
 
 
 # -- loading: all or nothing ---------------------------------------------------------------

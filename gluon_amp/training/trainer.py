@@ -553,10 +553,11 @@ def load_states(trainer: Trainer, fname: str, *, trusted: bool = False) -> None:
     ck = checkpoint.read(fname)
     _check_mode(trainer, ck.meta.get("mode") or {}, fname)
     scaler = checkpoint.checked_scaler_state(hook.scaler, ck.meta["scaler"], fname)
-    checkpoint.check_params(ck, fname, mxi.param_specs(trainer))
-    fields = checkpoint.check_optimizer(mxi.trainer_optimizer(trainer), ck.meta["optimizer"], fname)
+    moved = checkpoint.check_params(ck, fname, mxi.param_specs(trainer), build_order=True)
+    fields = checkpoint.reindexed_fields(
+        checkpoint.check_optimizer(mxi.trainer_optimizer(trainer), ck.meta["optimizer"], fname), moved)
     mxi.init_kvstore_now(trainer)  # what the first step does anyway; the updaters exist from here
-    states = iter([ck.states(mx.cpu()) for _ in mxi.trainer_updaters(trainer)])
+    states = iter([checkpoint.reindexed(ck.states(mx.cpu()), moved) for _ in mxi.trainer_updaters(trainer)])
     opt = mxi.trainer_optimizer(trainer)
     undo = checkpoint.Undo(opt, hook.scaler, mxi.updaters_snapshot(trainer))
     try:

@@ -234,3 +234,64 @@ def test_plain_trainer_files_point_to_trainer_load_states(tmp_path):
     tr.save_states(str(tmp_path / "plain.states"))
     with pytest.raises(ValueError, match="trainer.load_states"):
         gluon_amp.load_states(_trainer(), str(tmp_path / "plain.states"))
+
+
+def _built_at(counters, units):
+    """A two-layer net whose Dense blocks are named as Gluon's counter names them when it
+    stands at ``counters`` (another process, or more blocks built before this one)."""
+    mx.random.seed(7)
+    net = nn.HybridSequential(prefix="model_")
+    with net.name_scope():
+        for c, (u, i) in zip(counters, units):
+            net.add(nn.Dense(u, in_units=i, prefix=f"dense{c}_"))
+    net.initialize(mx.init.Xavier())
+    trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 0.01}, update_on_kvstore=False)
+    gluon_amp.init_trainer(trainer)
+    return net, trainer
+
+
+def _train(net, trainer, steps, uneven=False):
+    rng = np.random.RandomState(3)
+    for k in range(steps):
+        with autograd.record():
+            loss = net(mx.nd.array(rng.rand(4, 12))).square().mean()
+        with gluon_amp.scale_loss(loss, trainer) as s:
+            s.backward()
+        if uneven and k == 0:  # the first layer's bias misses a step: its Adam update count differs
+            list(net.collect_params().values())[1].list_data()[0]._fresh_grad = False
+            trainer.step(4, ignore_stale_grad=True)
+        else:
+            trainer.step(4)
+
+
+@pytest.mark.parametrize("units", [[(12, 12), (12, 12)], [(16, 12), (4, 16)]], ids=["same-shapes", "two-shapes"])
+def test_a_model_built_with_other_block_counters_gets_each_layers_own_state(tmp_path, units):
+    """MXNet's Trainer numbers parameters by names sorted as strings: built when Gluon's
+    counter stood at 8 (``dense8``, ``dense9``) and at 9 (``dense10`` sorts before ``dense9``),
+    one model numbers its layers in opposite orders. A checkpoint of the first loads into
+    the second layer by layer: the run goes on bit for bit as the first model's does (with
+    two shapes it was refused as another model's; with one shape each layer silently took
+    the other's Adam moments)."""
+    first, tr1 = _built_at([8, 9], units)
+    _train(first, tr1, 3, uneven=True)
+    path = str(tmp_path / "run.states")
+    gluon_amp.save_states(tr1, path)
+    second, tr2 = _built_at([9, 10], units)
+    assert [p.name for p in tr2._params][:2] == ["model_dense10_bias", "model_dense10_weight"]
+    for a, b in zip(first.collect_params().values(), second.collect_params().values()):
+        b.set_data(a.data())
+    gluon_amp.load_states(tr2, path)
+    _train(first, tr1, 2)
+    _train(second, tr2, 2)
+    for a, b in zip(first.collect_params().values(), second.collect_params().values()):
+        np.testing.assert_array_equal(a.data().asnumpy(), b.data().asnumpy())
+
+
+def test_a_model_whose_layers_differ_is_still_refused(tmp_path):
+    first, tr1 = _built_at([8, 9], [(16, 12), (4, 16)])
+    _train(first, tr1, 1)
+    path = str(tmp_path / "run.states")
+    gluon_amp.save_states(tr1, path)
+    _, tr2 = _built_at([9, 10], [(16, 12), (5, 16)])
+    with pytest.raises(checkpoint.CheckpointError, match="saved for another model"):
+        gluon_amp.load_states(tr2, path)
