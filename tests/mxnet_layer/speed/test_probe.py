@@ -94,6 +94,23 @@ def _scripted_clock(deltas):
     return read
 
 
+def _plant_cpu_time(monkeypatch, tmp_path, fp32_ms, low_ms):
+    """A fresh cache in ``tmp_path``, and CPU time planted: each float32 run of a probe item
+    takes ``fp32_ms`` of it, each low run ``low_ms``."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(probe.ENV, raising=False)
+    # each item's runs take turns, float32 first: its start and end, then the low graph's
+    monkeypatch.setattr(probe.time, "process_time", _scripted_clock([0.0, fp32_ms / 1e3, 0.0, low_ms / 1e3]))
+    # the planted clock is the whole process's: no other thread's real CPU time is taken from it
+    monkeypatch.setattr(timing, "_thread_cpu_s", lambda native_id: 0.0)
+    runtime.timing_cache.cache_clear()
+    probe.forget()
+
+
+def _figures(verdict):
+    return [v for t in verdict.timings for v in (t.fp32_ms, t.low_ms)]
+
+
 @pytest.mark.bf16_kernels
 @pytest.mark.parametrize("fp32_ms, low_ms, dtype", [(10.0, 5.0, "bfloat16"), (5.0, 10.0, "float32")])
 def test_a_probe_on_a_busy_machine_times_cpu_time_decides_by_it_and_keeps_it_apart(
@@ -104,22 +121,14 @@ def test_a_probe_on_a_busy_machine_times_cpu_time_decides_by_it_and_keeps_it_apa
     project's Xeon without AMX, 0.67x float32's speed). They are kept apart: a process
     started under load reads them (ranks started together choose alike), a quiet one
     measures wall time again."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv(probe.ENV, raising=False)
     load = [99.0]
     monkeypatch.setattr(probe.os, "getloadavg", lambda: (load[0],) * 3)
     monkeypatch.setattr(probe, "others_cpu_s", lambda: 0.0)  # the quiet run below: nothing beside it
-    # each item's runs take turns, float32 first: its start and end, then the low graph's
-    monkeypatch.setattr(probe.time, "process_time", _scripted_clock([0.0, fp32_ms / 1e3, 0.0, low_ms / 1e3]))
-    # the planted clock is the whole process's: no other thread's real CPU time is taken from it
-    monkeypatch.setattr(timing, "_thread_cpu_s", lambda native_id: 0.0)
-    runtime.timing_cache.cache_clear()
-    probe.forget()
+    _plant_cpu_time(monkeypatch, tmp_path, fp32_ms, low_ms)
     try:
         verdict = runtime.speed(None)
         assert verdict.source == "measured" and verdict.busy and "99.0" in verdict.busy
-        figures = [v for t in verdict.timings for v in (t.fp32_ms, t.low_ms)]
-        assert figures == pytest.approx([fp32_ms, low_ms] * len(PROBE))
+        assert _figures(verdict) == pytest.approx([fp32_ms, low_ms] * len(PROBE))
         assert runtime.resolve(None, warn=False).dtype == dtype
         assert gluon_amp.runtime_info()["speed"]["busy"] == verdict.busy
         probe.forget()  # another process started under load: reads them, and chooses alike
@@ -146,20 +155,14 @@ def test_a_probe_beside_other_work_times_cpu_time_and_keeps_it_apart(tmp_path, m
     work used 50 CPU seconds while the first timing ran. The probe times CPU time again
     (planted: float32 10 ms, bfloat16 5 ms a run), decides by it, says why, and keeps those
     figures apart; a later probe with nothing beside it measures wall time and keeps it."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv(probe.ENV, raising=False)
     monkeypatch.setattr(probe.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     others = iter([0.0, 50.0])
     monkeypatch.setattr(probe, "others_cpu_s", lambda: next(others, 50.0))
-    monkeypatch.setattr(probe.time, "process_time", _scripted_clock([0.0, 10e-3, 0.0, 5e-3]))
-    monkeypatch.setattr(timing, "_thread_cpu_s", lambda native_id: 0.0)
-    runtime.timing_cache.cache_clear()
-    probe.forget()
+    _plant_cpu_time(monkeypatch, tmp_path, 10.0, 5.0)
     try:
         verdict = runtime.speed(None)
         assert verdict.source == "measured" and verdict.busy and "other work used" in verdict.busy
-        figures = [v for t in verdict.timings for v in (t.fp32_ms, t.low_ms)]
-        assert figures == pytest.approx([10.0, 5.0] * len(PROBE))
+        assert _figures(verdict) == pytest.approx([10.0, 5.0] * len(PROBE))
         assert runtime.resolve(None, warn=False).dtype == "bfloat16"
         probe.forget()  # nothing beside it now: wall time, measured again and kept as the machine's
         monkeypatch.setattr(probe, "others_cpu_s", lambda: 0.0)
