@@ -8,6 +8,7 @@ failed or timed out.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,6 +22,9 @@ import psutil
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "dist_worker.py")
 _TAG_VAR = "GLUON_AMP_TEST_JOB"
+# MXNet's segfault handler prints "Segmentation fault: 11" and a stack, then exits with 255
+_FIRST_ERROR = re.compile(r"Segmentation fault|Traceback \(most recent call last\)|Fatal Python error|"
+                          r"MXNetError|terminate called")
 
 
 def free_port() -> int:
@@ -64,10 +68,16 @@ class Job:
             time.sleep(0.1)
 
     def logs(self, tail: int = 3000) -> str:
+        """Each log's tail, and its first error where the tail no longer holds it: in a
+        Horovod job the rank that failed first is buried under the others' shutdown errors."""
         parts = []
         for name in self.procs:
             with open(os.path.join(self.log_dir, f"{name}.log"), "rb") as f:
                 text = f.read().decode("utf-8", "replace")
+            first = _FIRST_ERROR.search(text)
+            if first is not None and first.start() < len(text) - tail:
+                start = text.rfind("\n", 0, max(0, first.start() - 200)) + 1
+                parts.append(f"----- {name}: its first error -----\n{text[start:first.start() + tail]}")
             parts.append(f"----- {name} -----\n{text[-tail:]}")
         return "\n".join(parts)
 

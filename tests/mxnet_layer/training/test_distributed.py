@@ -316,6 +316,20 @@ def test_launcher_kills_every_process_when_a_worker_fails(tmp_path):
     assert left == []
 
 
+def test_launcher_failure_shows_the_first_error_under_later_output(tmp_path):
+    # a Horovod job's first failing rank is followed by pages of the other ranks' errors
+    script = ("import sys; print('Segmentation fault: 11', flush=True); "
+              "[print('later line', i) for i in range(2000)]; sys.exit(255)")
+    with pytest.raises(dist_launcher.JobFailed) as info:
+        with dist_launcher.Job(str(tmp_path), timeout=60) as job:
+            job.start("rank", [sys.executable, "-c", script], dict(os.environ))
+            job.wait()
+    text = str(info.value)
+    assert "exit codes {'rank': 255}" in text
+    assert "----- rank: its first error -----\nSegmentation fault: 11" in text
+    assert text.rstrip().endswith("later line 1999")
+
+
 def test_launcher_times_out(tmp_path):
     with pytest.raises(dist_launcher.JobFailed, match="still running at the deadline"):
         with dist_launcher.Job(str(tmp_path), timeout=1) as job:
