@@ -3,6 +3,7 @@ the gluon_amp mode on a DistributedTrainer; writes its timings to OUT/rank<r>.js
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
@@ -30,6 +31,9 @@ def worker(argv: Optional[List[str]] = None) -> None:
     import mxnet as mx
     import ssd_synthetic as ssd
 
+    # after MXNet's own SIGSEGV handler (which prints the C stack and exits 255): a crash
+    # shows this process's Python stack first, then MXNet's
+    faulthandler.enable()
     hvd.init()
 
     class HorovodMode(ssd.Mode):
