@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import mxnet as mx
 import numpy as np
@@ -365,10 +366,22 @@ def test_dist_kvstore_with_gradient_compression_is_refused(monkeypatch):
 def test_ssd_benchmark_under_horovod_reports_per_worker_and_total(tmp_path):
     bench = os.path.join(ROOT, "benchmarks", "ssd_synthetic.py")
     out = tmp_path / "hvd.json"
-    with dist_launcher.Job(str(tmp_path), timeout=600) as job:
-        job.start("bench", [sys.executable, bench, "--horovod", "2", "--batch-size", "1", "--iters", "1",
-                            "--warmup", "0", "--json", str(out)], dict(os.environ))
-        job.wait()
+
+    def run() -> None:
+        with dist_launcher.Job(str(tmp_path), timeout=600) as job:
+            job.start("bench", [sys.executable, bench, "--horovod", "2", "--batch-size", "1", "--iters", "1",
+                                "--warmup", "0", "--json", str(out)], dict(os.environ))
+            job.wait()
+    try:
+        run()
+    except dist_launcher.JobFailed as exc:
+        # Once in CI (stop 82) a rank died mid-step with exit 255, MXNet's segfault handler's
+        # code, and 0 of 25 runs here repeated it. That crash, and only it, gets one more run;
+        # what it printed is kept as a warning. Any other failure, or a second crash, fails.
+        if "'bench': 1" not in str(exc) or "exit with status code 255" not in str(exc):
+            raise
+        warnings.warn(f"a Horovod rank crashed; run again once:\n{exc}", RuntimeWarning)
+        run()
     doc = json.loads(out.read_text())
     cores = os.cpu_count()
     expected = ([(1, cores)] + ([(1, cores // 2)] if cores >= 2 and cores // 2 != cores else [])
