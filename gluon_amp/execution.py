@@ -572,12 +572,16 @@ def _bound_verdict(sym: Symbol, known: Mapping[str, str], shapes: Mapping[str, T
     run = target.apply(choices)
     if check_applied(run, known, choices):
         return sym  # the untuned plan, as a block whose choices do not apply runs it
-    if all(c.dtype == "float32" for c in choices.values()) and set(choices) == set(target.low_ops()):
+    owner = state.thread.binding_module  # a Module's bind: once for it and the buckets on its memory
+    if (all(c.dtype == "float32" for c in choices.values()) and set(choices) == set(target.low_ops())
+            and (owner is None or state.first_for(owner))):
         measured = outcome is not None and outcome.verdict is not None
         state.say_once(f"gluon_amp: a bound symbol (graph {graph_key(target)[:8]}: {len(choices)} "
                        f"{policy.target_dtype} ops, {mxi.symbol_graph(sym)['nodes'][-1]['name']!r} last) {why}"
                        f"{'' if measured else '; a bind measures nothing, so it stays float32'} "
-                       "(init(..., tune=False) runs its plan as it is)", category=UserWarning,
+                       "(init(..., tune=False) runs its plan as it is)"
+                       + ("; said once per Module, for a BucketingModule once for all its buckets"
+                          if owner is not None else ""), category=UserWarning,
                        past=(mxi.MXNET_PACKAGE, contextlib.__file__))  # the hooks' decorators
     return run
 

@@ -90,6 +90,9 @@ class _ThreadState(threading.local):
         #: the scaler hook a ``BucketingModule.bind`` under way gives its default bucket
         #: (``training.module``), else ``None``
         self.bucket_hook: Optional[Any] = None
+        #: the Module whose ``bind`` is under way here (a bucket's: the Module whose memory it
+        #: shares), for what is said once per Module; else ``None``
+        self.binding_module: Optional[Any] = None
 
 
 thread = _ThreadState()
@@ -298,6 +301,8 @@ class _Process:
     scalers: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
     #: messages said once per process
     said: Set[str] = field(default_factory=set)
+    #: Modules (a BucketingModule's default bucket for all its buckets) whose bind said its verdict
+    said_for: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
     #: per-trainer records
     trainers: "weakref.WeakKeyDictionary[Any, TrainerRecord]" = field(default_factory=weakref.WeakKeyDictionary)
     #: objects set up once (an Apex-initialized net, a kvstore's finite flag), weakly
@@ -373,6 +378,15 @@ def say_once(message: str, warn: bool = True, category: type = RuntimeWarning,
     if warn:
         warnings.warn(message, category,
                       stacklevel=(stacklevel + 1) if stacklevel is not None else outside_level(past))
+    return True
+
+
+def first_for(owner: Any) -> bool:
+    """True the first time ``owner`` (a Module) asks, False after (per process, weakly held)."""
+    with lock:
+        if owner in process.said_for:
+            return False
+        process.said_for.add(owner)
     return True
 
 
@@ -540,4 +554,4 @@ def reset() -> None:
         extension.forget()
     regions.clear()  # the same dict: the patched functions hold it
     thread.began, thread.follow_from = {}, 0
-    thread.bucket_hook = None
+    thread.bucket_hook = thread.binding_module = None

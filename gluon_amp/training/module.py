@@ -282,27 +282,39 @@ def _scaled_symbol(symbol: mx.sym.Symbol, descs: Any, scaler: Optional[LossScale
 def _wrap_bind(original: Callable) -> Callable:
     def bind(self: Module, *args: Any, **kwargs: Any) -> Any:
         a = mxm.call_arguments(original, (self, *args), kwargs)
-        record = state.module_record(self)
-        shared = a["shared_module"]
-        if record.hook is None:
-            theirs = _record(shared) if shared is not None else None
-            inherited = theirs.hook if theirs is not None else None
-            record.hook = inherited or state.thread.bucket_hook
-        if ((self.binded and not a["force_rebind"]) or not a["for_training"]
-                or not (record.hook or state.process.modules_auto)):
-            if a["force_rebind"] or not self.binded:
-                record.bound_scaled, record.scale_arg = False, None
-            return original(self, *args, **kwargs)
-        symbol, heads, dtype, inside = _bound_graph(self, record, record.hook, a)
-        with mxm.binding_symbol(self, symbol):
-            result = original(self, *args, **kwargs)
-        record.bound_scaled, record.heads, record.dtype = True, heads, _ran_dtype(self, dtype)
-        record.scale_arg = SCALE_ARG if inside else None
-        record.forward_scale = None
-        if record.scale_arg is not None:
-            _write_scale(self, record, 1.0)  # MXNet leaves a new argument uninitialised
-        return result
+        before = state.thread.binding_module
+        # a bucket binds on its default bucket's memory: what the bind says, it says once for all
+        state.thread.binding_module = a["shared_module"] if a["shared_module"] is not None else self
+        try:
+            return _bind(original, self, a, args, kwargs)
+        finally:
+            state.thread.binding_module = before
     return bind
+
+
+def _bind(original: Callable, self: Module, a: Dict[str, Any], args: tuple, kwargs: Dict[str, Any]) -> Any:
+    """``Module.bind`` under gluon_amp, its arguments by name ``a``: with the scaled graph where
+    the module trains with loss scaling."""
+    record = state.module_record(self)
+    shared = a["shared_module"]
+    if record.hook is None:
+        theirs = _record(shared) if shared is not None else None
+        inherited = theirs.hook if theirs is not None else None
+        record.hook = inherited or state.thread.bucket_hook
+    if ((self.binded and not a["force_rebind"]) or not a["for_training"]
+            or not (record.hook or state.process.modules_auto)):
+        if a["force_rebind"] or not self.binded:
+            record.bound_scaled, record.scale_arg = False, None
+        return original(self, *args, **kwargs)
+    symbol, heads, dtype, inside = _bound_graph(self, record, record.hook, a)
+    with mxm.binding_symbol(self, symbol):
+        result = original(self, *args, **kwargs)
+    record.bound_scaled, record.heads, record.dtype = True, heads, _ran_dtype(self, dtype)
+    record.scale_arg = SCALE_ARG if inside else None
+    record.forward_scale = None
+    if record.scale_arg is not None:
+        _write_scale(self, record, 1.0)  # MXNet leaves a new argument uninitialised
+    return result
 
 
 def _bound_graph(module: Module, record: state.ModuleRecord, hook: Optional[ModuleHook],

@@ -170,3 +170,39 @@ def _bind_twice_alike():
             sym.simple_bind(mx.cpu(), grad_req="null", data=(8, 20))
     said = [str(w.message) for w in caught if "a bound symbol" in str(w.message)]
     assert len(said) == 2 and said[0] != said[1]
+
+
+def _bucket_sym(depth):
+    """A bucket of ``depth`` small dense layers (the rule binds each float32), its head shared."""
+    x = mx.sym.var("data")
+    for i in range(depth):
+        x = mx.sym.Activation(mx.sym.FullyConnected(x, num_hidden=40, name=f"fc{i}"), act_type="tanh", name=f"t{i}")
+    return mx.sym.FullyConnected(x, num_hidden=4, name="head"), ("data",), None
+
+
+def _run_buckets(keys, for_training):
+    mod = mx.mod.BucketingModule(_bucket_sym, default_bucket_key=max(keys), context=mx.cpu())
+    mod.bind(data_shapes=[("data", (8, 20))], for_training=for_training)
+    mod.init_params()
+    for key in keys:
+        batch = mx.io.DataBatch([mx.nd.ones((8, 20))], bucket_key=key,
+                                provide_data=[mx.io.DataDesc("data", (8, 20))])
+        mod.forward(batch, is_train=for_training)
+        mod.get_outputs()[0].wait_to_read()
+    return mod
+
+
+@pytest.mark.simulated_native
+@pytest.mark.parametrize("for_training", [True, False])
+def test_a_bucketing_module_says_its_buckets_verdict_once(for_training):
+    """Each bucket is a graph of its own, bound on the default bucket's memory: one warning for
+    the BucketingModule, not one per bucket; another BucketingModule says its own."""
+    gluon_amp.init(tune=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = _run_buckets([3, 1, 2, 1], for_training)
+        second = _run_buckets([2, 1], for_training)
+    said = [w for w in caught if "a bound symbol" in str(w.message)]
+    assert len(first._buckets) == 3 and len(second._buckets) == 2
+    assert len(said) == 2 and said[0].message.args != said[1].message.args
+    assert all("once for all its buckets" in str(w.message) and w.filename == __file__ for w in said)
