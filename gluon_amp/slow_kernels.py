@@ -1,7 +1,8 @@
 """A traced plan's ops whose low-precision kernel is slow, fed float32 once dtypes are known.
 
 ``init``'s wrappers trace a graph before any dtype is known, so a widest op whose kernel in the
-target dtype has a ``slow`` verdict (:mod:`gluon_amp_core.kernel_speed`) is traced as running in
+target dtype is slow (a ``slow`` verdict, :mod:`gluon_amp_core.kernel_speed`, or more inputs than
+the kernel takes, ``OpTable.fp32_above_inputs``) is traced as running in
 whatever its inputs hold. Where the graph's dtypes would run it in the target, ``decide`` says
 float32 (reason ``slow_kernel``): this retypes it so. A hybridized block's hooks apply it at its
 first build (:mod:`gluon_amp.patching.hooks`); a Symbol traced under ``init`` gets it where MXNet
@@ -15,10 +16,9 @@ from typing import Collection, Dict, FrozenSet, Mapping, Optional, Tuple
 import mxnet as mx
 from mxnet.symbol import Symbol
 
-from gluon_amp_core.decide import Reason
+from gluon_amp_core.decide import Reason, slow_in_target
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.retype import Change, retype
-from gluon_amp_core.verdicts import Verdict
 from gluon_amp_core.walk import walk
 
 from . import mxnet_internals as mxi
@@ -37,7 +37,8 @@ def slow_kernels_in_float32(out: Symbol, known: Mapping[str, str], dtypes: Dict[
     table = policy.table
     graph = mxi.symbol_graph(out)
     nodes = graph["nodes"]
-    if table is None or not any(table.verdicts.get(table.canonical(n["op"])) is Verdict.SLOW for n in nodes):
+    if table is None or not any(n["op"] != "null" and slow_in_target(table, table.canonical(n["op"]), len(n["inputs"]))
+                                for n in nodes):
         return out, dtypes, frozenset()
     found = walk(nodes, table, lambda e: dtypes.get((nodes[e[0]]["name"], e[1])), policy.excluded)
     changes = {nd.name: Change(nd.decision) for nd in found if nd.reason is Reason.SLOW_KERNEL}

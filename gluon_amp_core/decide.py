@@ -31,7 +31,7 @@ class Reason(str, enum.Enum):
     NO_KERNEL = "no_kernel"  # float32: MXNet has no kernel for the target dtype (a conformance verdict)
     WRONG_KERNEL = "wrong_kernel"  # float32: MXNet's kernel in the target dtype is beyond its bound
     UNIFORM_INPUTS = "uniform_inputs"  # the widest input type: MXNet refuses mixed float inputs here
-    SLOW_KERNEL = "slow_kernel"  # float32: MXNet's kernel in the target dtype was timed slower (kernel_speed)
+    SLOW_KERNEL = "slow_kernel"  # float32: MXNet's kernel in the target dtype is slower (kernel_speed, its input limit)
 
     def __str__(self) -> str:
         return self.value
@@ -187,10 +187,18 @@ def decide(
         if not floats or any(d is None for d in floats):
             return Decision(None, reason, keep)
         dtype = widest(floats)
-        if verdict is Verdict.SLOW and dtype == table.target_dtype:  # its kernel there is slower
+        if dtype == table.target_dtype and slow_in_target(table, name, len(input_dtypes)):
             return Decision("float32", Reason.SLOW_KERNEL, keep)
         return Decision(dtype, reason, keep)
     return Decision(None, Reason.NEUTRAL, keep)
+
+
+def slow_in_target(table: OpTable, name: str, n_inputs: int) -> bool:
+    """Whether widest op ``name`` (canonical), called with ``n_inputs`` tensor inputs, is slower
+    in the target dtype than in float32 with its casts: a ``slow`` kernel verdict, or more
+    inputs than its kernel there takes (``table.fp32_above_inputs``)."""
+    limit = table.fp32_above_inputs.get(name)
+    return table.verdicts.get(name) is Verdict.SLOW or (limit is not None and n_inputs > limit)
 
 
 _VERDICT_REASONS = {Verdict.NO_KERNEL: Reason.NO_KERNEL, Verdict.WRONG: Reason.WRONG_KERNEL,

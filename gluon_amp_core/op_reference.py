@@ -80,6 +80,9 @@ def render_table(t: OpTable) -> List[str]:
     out += [f"- `{op}` when {rule.describe()}"
             for op, rules in sorted(t.narrow_fp32.items()) for rule in rules] or ["(none)"]
     out.append("")
+    out += ["### Widest ops kept in float32 with more inputs than their kernel takes", ""]
+    out += [f"- `{op}` with more than {n} inputs" for op, n in sorted(t.fp32_above_inputs.items())] or ["(none)"]
+    out.append("")
     out += ["### Slow ops run as a fast twin where their inputs have one shape", ""]
     out += [f"- `{op}` as `{twin}`" + (f" ({', '.join(f'{k}={v}' for k, v in attrs)})" if attrs else "")
             for op, (twin, attrs) in sorted(t.same_shape_twins.items())] or ["(none)"]

@@ -64,6 +64,9 @@ class OpTable:
     #: low-precision op -> the input-shape rules that keep it in float32 (its kernel's limits,
     #: :mod:`gluon_amp_core.shape_limits`)
     narrow_fp32: Mapping[str, Tuple[ShapeRule, ...]] = field(default_factory=dict)
+    #: widest op -> the most inputs its kernel in the target dtype takes; with more it runs in
+    #: float32 where it would run in the target (a kernel's limit, as ``narrow_fp32``)
+    fp32_above_inputs: Mapping[str, int] = field(default_factory=dict)
     #: op whose kernel is slow -> the op and attributes computing the same on inputs of one shape
     #: (:mod:`gluon_amp_core.same_shape`)
     same_shape_twins: Mapping[str, Tuple[str, Tuple[Tuple[str, str], ...]]] = field(default_factory=dict)
@@ -372,7 +375,8 @@ def build_table(
     for n, below, ranks in data.FP32_WITH_ODD_CHANNELS_BELOW:
         narrow[n] = narrow.get(n, ()) + (OddChannelsRule(below, tuple(ranks)),)
     twins = {op: (twin, tuple(attrs)) for op, twin, attrs in data.SAME_SHAPE_TWINS}
-    unknown = sorted((set(narrow) | set(twins) | {t for t, _ in twins.values()}) - set(classes))
+    above = dict(data.FP32_WITH_MORE_INPUTS_THAN)
+    unknown = sorted((set(narrow) | set(twins) | {t for t, _ in twins.values()} | set(above)) - set(classes))
     if unknown:
         raise ValueError(f"op table for {target_dtype} has input-shape rules or twins for ops it does not "
                          f"list: {unknown}; fix the lists/{target_dtype}.py data")
@@ -380,6 +384,7 @@ def build_table(
                    conditions=MappingProxyType(conditions),
                    keep_fp32_inputs=MappingProxyType({n: frozenset(v) for n, v in data.KEEP_FP32_INPUTS.items()}),
                    aliases=MappingProxyType(aliases), narrow_fp32=MappingProxyType(narrow),
+                   fp32_above_inputs=MappingProxyType(above),
                    same_shape_twins=MappingProxyType(twins), verdicts=MappingProxyType(applied))
 
 

@@ -123,6 +123,16 @@ FP32_WITH_ODD_CHANNELS_BELOW = (
     ("Convolution", 16, (2, 3)),
 )
 
+# Widest ops that run in float32 where they have more inputs than this: (op, inputs). add_n:
+# oneDNN 2.4.4's bfloat16 sum kernel (``jit_bf16_sum``) takes at most 8 inputs; with more, oneDNN
+# falls back to its reference sum, a reorder per input. Measured on an AMX Xeon, 16 Conv1D outputs
+# of (32, 64, 512): 206 ms in bfloat16, 9.4 ms in float32; 8 of them 0.9 against 6.2 ms, so up to
+# 8 inputs bfloat16 stays. A WaveNet's skip sum over 16 blocks met it: 215-245 ms a step of about
+# 1,000 (docs/speed.md, "A sum of more than 8"). A fact of MXNet's kernels, not of the host.
+FP32_WITH_MORE_INPUTS_THAN = (
+    ("add_n", 8),
+)
+
 # Ops whose kernel in the target is slow, and the op (with these attributes) that computes the
 # same where all inputs have one shape, with a fast kernel: (op, twin, twin's attributes). MXNet
 # 1.9.1's numpy add and broadcast_add have no oneDNN kernel (their bfloat16 loops ran 7.6x and

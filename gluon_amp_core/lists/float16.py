@@ -49,6 +49,7 @@ CONDITIONAL_FP32 = (
 FP32_WHEN_NARROWER: tuple = ()
 FP32_AT_OUTPUT_PIXELS: tuple = ()
 FP32_WITH_ODD_CHANNELS_BELOW: tuple = ()
+FP32_WITH_MORE_INPUTS_THAN: tuple = ()
 # Slow ops run as a same-shape twin (see the bfloat16 list): none for float16.
 SAME_SHAPE_TWINS: tuple = ()
 

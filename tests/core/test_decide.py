@@ -1,3 +1,5 @@
+import pytest
+
 from gluon_amp_core.decide import decide
 from gluon_amp_core.table import build_table
 
@@ -190,3 +192,32 @@ def test_judge_follows_the_bounds():
     assert judge(Observation(error=float("nan")), "bfloat16")[0] is Verdict.WRONG
     assert judge(Observation(refused="x", refused_by_types=True), "float16") == (Verdict.NO_KERNEL, "any")
     assert judge(Observation(error=0.0, mixed_refused="m"), "bfloat16") == (Verdict.NEEDS_UNIFORM_INPUTS, "any")
+
+
+def test_a_widest_op_with_more_inputs_than_its_kernel_takes_runs_float32():
+    """Generated over every input-count limit of both tables and every count around it: in the
+    target, float32 above the limit and the target up to it; other dtypes as given."""
+    for dt in ("bfloat16", "float16"):
+        table = build_table(dt)
+        for op, limit in table.fp32_above_inputs.items():
+            for n in range(1, 2 * limit + 2):
+                d = decide(op, {"num_args": str(n)}, [dt] * n, table)
+                want = ("float32", "slow_kernel") if n > limit else (dt, "widest")
+                assert (d.dtype, d.reason.value) == want, (dt, op, n, d)
+                assert decide(op, {}, ["float32"] * n, table).dtype == "float32"
+                assert decide(op, {}, [None] * n, table).dtype is None  # typed where the graph is
+                if dt == "bfloat16":  # a GPU's float16 code fed to the bfloat16 table: widest, as before
+                    assert decide(op, {}, ["float16"] * n, table).dtype == "float16"
+    assert dict(build_table("bfloat16").fp32_above_inputs) == {"add_n": 8}
+    assert not build_table("float16").fp32_above_inputs
+    # an alias resolves to the op the limit names
+    bf = build_table("bfloat16", aliases={"ElementWiseSum": "add_n"})
+    assert decide("ElementWiseSum", {}, ["bfloat16"] * 9, bf).dtype == "float32"
+
+
+def test_an_input_limit_for_an_op_the_table_does_not_list_is_refused(monkeypatch):
+    from gluon_amp_core import table as table_module
+    data = table_module._load_lists("bfloat16")
+    monkeypatch.setattr(data, "FP32_WITH_MORE_INPUTS_THAN", (("_no_such_op", 8),))
+    with pytest.raises(ValueError, match="_no_such_op"):
+        table_module.build_table("bfloat16")

@@ -55,6 +55,7 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
     low = table.target_dtype
     # a widest op whose kernel in the target dtype is slow: uniform target inputs go to decide too
     slow_low = op_class is OpClass.WIDEST and table.verdicts.get(table.canonical(op)) is Verdict.SLOW
+    most_inputs = table.fp32_above_inputs.get(table.canonical(op)) if op_class is OpClass.WIDEST else None
     guard = not emulate and not runs_on_cpu and op_class is OpClass.LOW_PRECISION
     direct = DIRECT_INPUTS.get(table.canonical(op)) if emulate else None
 
@@ -163,7 +164,8 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
             if kwargs:
                 dts += [to_name.get(v.dtype, "other") for k, v in kwargs.items()
                         if k != "out" and isinstance(v, NDArray)]
-            if (len(dts) < 2 or all(d == dts[0] for d in dts)) and not (slow_low and dts and dts[0] == low):
+            if (len(dts) < 2 or all(d == dts[0] for d in dts)) and not (
+                    (slow_low or most_inputs is not None and len(dts) > most_inputs) and dts and dts[0] == low):
                 return fn(*args, **kwargs)
             d = decide(op, sig.rule_attributes(args, kwargs), dts, table)
             return fn(*args, **kwargs) if d.dtype is None else cast_all(args, kwargs, d)

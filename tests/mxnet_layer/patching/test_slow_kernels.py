@@ -111,3 +111,67 @@ def test_a_symbol_traced_under_init_runs_slow_loops_float32_where_it_is_bound(na
     assert positive.size > 50 and np.isfinite(out).all()
     assert not _bfloat16_exact(positive).all(), "the add ran in bfloat16: its sums were rounded"
     assert _bfloat16_exact(positive).mean() < 0.5
+
+
+class ManySums(gluon.HybridBlock):
+    """Nine convolutions' bfloat16 outputs summed by one ``add_n`` of all nine, and one of eight:
+    oneDNN's bfloat16 sum takes at most 8 inputs (lists/bfloat16.py)."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.convs = gluon.nn.HybridSequential()
+            for _ in range(9):
+                self.convs.add(gluon.nn.Conv2D(8, 3, padding=1, in_channels=4))
+
+    def hybrid_forward(self, F, x):
+        outs = [c(x) for c in self.convs]
+        return F.add_n(*outs, name="nine"), F.add_n(*outs[:8], name="eight")
+
+
+
+@pytest.mark.parametrize("how", ["init", "convert"])
+def test_a_sum_of_more_than_eight_runs_float32_and_of_eight_the_target(native_host, how):
+    net = ManySums()
+    net.initialize(mx.init.Xavier())
+    x = mx.nd.array(np.random.RandomState(3).uniform(-1, 1, (2, 4, 6, 6)))
+    if how == "convert":
+        net.hybridize()
+        net(x)
+        run = gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16", ctx=mx.cpu())
+        nine, eight = run(x)
+        rows = gluon_amp.report(run).rows
+    else:
+        gluon_amp.init(target_dtype="bfloat16", tune=False)
+        try:
+            net.hybridize()
+            x.attach_grad()
+            with autograd.record():
+                nine, eight = net(x)
+                total = nine + eight
+            total.backward()
+            rows = gluon_amp.report(net).rows
+        finally:
+            gluon_amp.disable()
+        assert np.isfinite(x.grad.asnumpy()).all()
+    sums = {r.dtype: r.reason for r in rows if r.op == "add_n"}
+    assert sums == {"float32": "slow_kernel", "bfloat16": "widest"}, [r for r in rows if r.op == "add_n"]
+    assert {r.dtype for r in rows if r.op in ("Convolution", "_sg_mkldnn_conv")} == {"bfloat16"}  # fused or not
+    # the nine summed in float32: not rounded to bfloat16; the eight in it
+    nine = mx.nd.amp_cast(nine, dtype="float32").asnumpy() if nine.dtype != np.float32 else nine.asnumpy()
+    assert not _bfloat16_exact(nine).all()
+    assert _bfloat16_exact(mx.nd.amp_cast(eight, dtype="float32").asnumpy()).all()
+
+
+def test_imperative_add_n_of_more_than_eight_runs_float32(native_host):
+    rng = np.random.RandomState(4)
+    xs = [mx.nd.amp_cast(mx.nd.array(rng.uniform(-1, 1, (3, 5))), dtype=BF16) for _ in range(9)]
+    gluon_amp.init(target_dtype="bfloat16", tune=False)
+    try:
+        nine, eight = mx.nd.add_n(*xs), mx.nd.add_n(*xs[:8])
+        alias = mx.nd.ElementWiseSum(*xs)
+    finally:
+        gluon_amp.disable()
+    assert nine.dtype == alias.dtype == np.float32 and eight.dtype == BF16
+    want = sum(mx.nd.amp_cast(a, dtype="float32").asnumpy() for a in xs)
+    np.testing.assert_allclose(nine.asnumpy(), want, rtol=1e-6, atol=1e-6)
