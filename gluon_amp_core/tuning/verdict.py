@@ -80,11 +80,13 @@ WEIGHT_CAST_SHARE = 0.5
 #: What an element of a batch norm's data that gets a layout guard (:mod:`gluon_amp_core.layout_guards`)
 #: counts for in that rule, against a cast's 1: the guard reorders the data and the gradient as a
 #: cast converts them, and the batch norm then runs on a plain bfloat16 array, which is slower
-#: (MobileNet's: 1.1 ms a forward against 0.14). Fitted between two training graphs measured on
-#: a 2-core AMX host, and nothing finer: GluonCV's SSD-512 MobileNet 1.0 at batch 2 (135
-#: multiply-adds per element at 1; its plan ran 0.75x FP32: float32 above 1.07) and CIFAR
-#: ResNet-20 at batch 32 (302 at 1; its plan ran 1.71x FP32: the plan below 2.4).
-GUARD_CAST_WEIGHT = 1.5
+#: (MobileNet's: 1.1 ms a forward against 0.14). Fitted on training graphs measured on a 2-core
+#: AMX host, and nothing finer (docs/speed.md, "Layout guards counted as casts"): GluonCV's
+#: SSD-512 MobileNet 1.0 on VOC at batch 2 (135 multiply-adds per element at 1; its plan ran
+#: 0.75x FP32: float32 above 1.07), the same net on COCO at batch 2 (its plan 0.92x FP32:
+#: float32 above 1.67) and at batch 8 (its plan 0.95x FP32: float32 above 1.85), against
+#: ResNeXt-50 32x4d at batch 4 (its plan 1.73x FP32: the plan below 3.3).
+GUARD_CAST_WEIGHT = 2.0
 
 #: Ops whose multiply-adds are more than one per input element: (data input, weight input).
 _GEMMS = ("FullyConnected", "Convolution", "Deconvolution", "batch_dot", "dot", "_linalg_gemm2", "linalg_gemm2")

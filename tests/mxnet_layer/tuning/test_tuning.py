@@ -261,16 +261,20 @@ def test_a_symbolblock_built_under_init_tunes_from_its_second_call_too(native_ho
 
 
 @pytest.mark.parametrize("name, shape, runs_fp32", [("ssd_512_mobilenet1.0_voc", (2, 3, 512, 512), True),
+                                                     ("ssd_512_mobilenet1.0_coco", (2, 3, 512, 512), True),
+                                                     ("ssd_512_mobilenet1.0_coco", (8, 3, 512, 512), True),
+                                                     ("resnext50_32x4d", (4, 3, 224, 224), False),
                                                      ("cifar_resnet20_v1", (32, 3, 32, 32), True)])
-def test_the_guards_weight_sits_between_two_measured_training_graphs(monkeypatch, name, shape, runs_fp32):
-    """GUARD_CAST_WEIGHT is fitted between two graphs measured on a 2-core AMX host: GluonCV's
-    SSD-512 MobileNet 1.0 (train_ssd.py, batch 2: its plan trained at 0.75x FP32; counted at 1 it
-    ran that plan until measured) runs float32 until measured; CIFAR ResNet-20 (batch 32: its plan
-    1.71x FP32, its 9 guarded batch norms those of 16 channels) kept its plan. Its first
-    convolution (3 channels) now runs float32 (the odd-channels rule), and its float32 output rides
-    stage 1's identity shortcuts: 7 casts, 120 multiply-adds per cast element with 8 guards, so on
-    AMX it runs float32 until measured (unmeasured on AMX since; docs/speed.md). Without AMX (no
-    guard) both keep their plans."""
+def test_the_guards_weight_sits_between_measured_training_graphs(monkeypatch, name, shape, runs_fp32):
+    """GUARD_CAST_WEIGHT is fitted between training graphs measured on a 2-core AMX host (plan
+    against FP32, steps interleaved in one process): GluonCV's SSD-512 MobileNet 1.0 on VOC at
+    batch 2 (train_ssd.py: its plan 0.75x FP32; counted at 1 it ran that plan until measured), on
+    COCO at batch 2 and 8 (its plan 0.92x and 0.95x FP32; at 1.5 it ran that plan) run float32 until
+    measured; ResNeXt-50 32x4d (its plan 1.73x FP32, 32 guards) keeps its plan. CIFAR ResNet-20
+    (batch 32: its plan 1.47x FP32) runs float32 until measured: its first convolution (3 channels)
+    runs float32 (the odd-channels rule), and that float32 output rides stage 1's identity
+    shortcuts, 7 casts beside its 8 guards (docs/speed.md). Without AMX (no guard) all keep
+    their plans."""
     from gluoncv.model_zoo import get_model
     from gluon_amp.patching.hooks import graph_rewriter
     data = mx.sym.var("data")
