@@ -31,8 +31,9 @@ from gluon_amp_core.timing_cache import TimingCache
 from gluon_amp_core.tuning.problem import Problem, Timed, choose, groups, problem
 from gluon_amp_core.tuning.schedule import SIZE_STEP, Ledger, elements, still_float32, to_retime
 from gluon_amp_core.decide import CAST_OPS
-from gluon_amp_core.tuning.verdict import (GUARD_CAST_WEIGHT, WEIGHT_CAST_SHARE, Verdict, activation_casts,
-                                          describe_unmeasured, low_op_nodes, op_macs, unmeasured_runs_fp32)
+from gluon_amp_core.tuning.verdict import (AMX_TRAINING_ACTIVATION_CAST_SHARE, GUARD_CAST_WEIGHT, WEIGHT_CAST_SHARE,
+                                          Verdict, activation_casts, describe_unmeasured, low_op_nodes, op_macs,
+                                          unmeasured_runs_fp32)
 
 from .. import mxnet_internals as mxi, runtime
 from ..native_run import guarded_batchnorms, native_passes
@@ -309,6 +310,8 @@ class Target:
         nodes = self.graph["nodes"]
         low = set(self.low_ops())
         total, macs, cast = 0, 0, 0
+        # an activation's cast in a training graph on AMX, where a product saves more, counts less
+        share = AMX_TRAINING_ACTIVATION_CAST_SHARE if self.train and not self.fused and runtime.amx_active() else 1.0
         for n in nodes:
             if n["name"] in low:
                 ins = [entry.get((nodes[e[0]]["name"], e[1])) for e in n["inputs"]]
@@ -327,7 +330,7 @@ class Target:
                         shape = entry.get((nodes[e[0]]["name"], e[1]))
                         if shape is None:
                             return total, None, 0
-                        cast += elements([shape]) * (WEIGHT_CAST_SHARE if param else 1)
+                        cast += elements([shape]) * (WEIGHT_CAST_SHARE if param else share)
         # a batch norm's layout guard reorders its data forward and its gradient backward, as
         # a cast converts both, and more (GUARD_CAST_WEIGHT): MobileNet's, around every depthwise
         # convolution, made its plan 0.6x float32's speed where its casts alone counted 360

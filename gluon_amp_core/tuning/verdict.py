@@ -28,7 +28,8 @@ this is that rule for one graph:
   per element its casts convert runs float32: its activations' casts, and under ``init`` its
   weights' too, at :data:`WEIGHT_CAST_SHARE` (each master weight is cast every call); in a
   training graph on AMX, the data of each batch norm that gets a layout guard, at
-  :data:`GUARD_CAST_WEIGHT` (MobileNet's, beside every depthwise convolution). A
+  :data:`GUARD_CAST_WEIGHT` (MobileNet's, beside every depthwise convolution), and its
+  activations' casts at :data:`AMX_TRAINING_ACTIVATION_CAST_SHARE` (AMX's products save more). A
   transformer's GEMMs (a cast or two per product, hundreds of multiply-adds per cast element)
   keep the plan; an LSTM cell's small products (tens) do not, nor do dense layers on a few
   rows (AlexNet's at batch 4: 4 multiply-adds per weight element).
@@ -87,6 +88,16 @@ WEIGHT_CAST_SHARE = 0.5
 #: float32 above 1.67) and at batch 8 (its plan 0.95x FP32: float32 above 1.85), against
 #: ResNeXt-50 32x4d at batch 4 (its plan 1.73x FP32: the plan below 3.3).
 GUARD_CAST_WEIGHT = 2.0
+#: What an element an activation's cast converts counts for in that rule in a training graph on
+#: an AMX host, against 1 elsewhere: there a bfloat16 product saves more per multiply-add than the
+#: line assumes (a 3x3 convolution, 256 channels at 64x64, batch 8, trains in 0.18x float32's time
+#: on a 2-core AMX host), and each cast pays for three products (forward, data and weight
+#: gradients). Fitted between training graphs measured on that host (docs/speed.md, "Activation
+#: casts on AMX"), and nothing finer: CIFAR ResNet-20 at batch 32 (its plan 1.47x FP32: the plan
+#: below 0.52) and the vs_peer WaveNet at batch 32 (its plan 1.2x FP32: below 0.75), against a
+#: DeepAR-like LSTM at batch 32 (float32 above 0.37; its small products run float32 anyway).
+#: A converted graph (forward only: the converted WaveNet's plan ran no faster) counts 1.
+AMX_TRAINING_ACTIVATION_CAST_SHARE = 0.4
 
 #: Ops whose multiply-adds are more than one per input element: (data input, weight input).
 _GEMMS = ("FullyConnected", "Convolution", "Deconvolution", "batch_dot", "dot", "_linalg_gemm2", "linalg_gemm2")
