@@ -310,8 +310,7 @@ class Target:
         nodes = self.graph["nodes"]
         low = set(self.low_ops())
         total, macs, cast = 0, 0, 0
-        # an activation's cast in a training graph on AMX, where a product saves more, counts less
-        share = AMX_TRAINING_ACTIVATION_CAST_SHARE if self.train and not self.fused and runtime.amx_active() else 1.0
+        share = self.activation_share()
         for n in nodes:
             if n["name"] in low:
                 ins = [entry.get((nodes[e[0]]["name"], e[1])) for e in n["inputs"]]
@@ -341,6 +340,12 @@ class Target:
             cast += elements([entry[(nodes[e[0]]["name"], e[1])]]) * GUARD_CAST_WEIGHT  # a guard needs its shape
         return total, (macs / cast if cast else float("inf")), len(guarded)
 
+    def activation_share(self) -> float:
+        """What an element an activation's cast converts counts for in :meth:`figures`:
+        ``AMX_TRAINING_ACTIVATION_CAST_SHARE`` in a training graph on AMX (a product saves more
+        there), else 1."""
+        return AMX_TRAINING_ACTIVATION_CAST_SHARE if self.train and not self.fused and runtime.amx_active() else 1.0
+
     def probe_slower(self) -> Optional[str]:
         """The speed probe's verdict in words where it did not find this plan's dtype faster on
         this machine (the one that keeps the default float32 there; only an explicit
@@ -361,7 +366,7 @@ class Target:
     def describe_unmeasured(self, why: str, shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> str:
         return describe_unmeasured(self.casts(), len(self.low_ops()), self.policy.target_dtype, why,
                                    *self.figures(shapes), guards=self.guards(shapes),
-                                   probe_slower=self.probe_slower())
+                                   probe_slower=self.probe_slower(), activation_share=self.activation_share())
 
     def fp32_choices(self, verdict: Optional[Verdict]) -> Dict[str, MeasuredChoice]:
         """A float32 choice for every op the plan runs low: the same graph in float32

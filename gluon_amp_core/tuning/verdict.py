@@ -196,10 +196,12 @@ def unmeasured_runs_fp32(casts: int, low_ops: int, elements: Optional[int] = Non
 
 
 def describe_unmeasured(casts: int, low_ops: int, target: str, why: str, elements: Optional[int] = None,
-                        intensity: Optional[float] = None, guards: int = 0, probe_slower: Optional[str] = None) -> str:
+                        intensity: Optional[float] = None, guards: int = 0, probe_slower: Optional[str] = None,
+                        activation_share: float = 1.0) -> str:
     """What the rule did with a graph not measured yet, and why it was not. ``guards``: the
     batch norms whose layout guards ``intensity`` counted as casts; ``probe_slower``: the speed
-    probe's verdict in words, where it did not find the target dtype faster."""
+    probe's verdict in words, where it did not find the target dtype faster;
+    ``activation_share``: what ``intensity`` counted an activation's cast element for."""
     ratio = casts_per_low_op(casts, low_ops)
     shown = f"{casts} activation casts for {low_ops} {target} ops" + (f" ({ratio:.2f} per op)" if ratio else "")
     if guards:
@@ -208,6 +210,8 @@ def describe_unmeasured(casts: int, low_ops: int, target: str, why: str, element
         shown += f", {elements / low_ops:,.0f} input elements per op"
     if intensity is not None and low_ops:
         shown += f", {intensity:,.0f} multiply-adds per cast element"
+        if activation_share != 1:
+            shown += f" (an activation's cast counted at {activation_share:g}: a training graph on AMX)"
     if probe_slower and low_ops:
         return (f"runs float32 until measured ({why}): {probe_slower}; a plan runs low unmeasured only where "
                 f"the probe measured {target} faster")

@@ -326,9 +326,9 @@ class _GatedStack(mx.gluon.HybridBlock):
 def test_on_amx_a_training_graphs_activation_casts_count_at_their_share(monkeypatch):
     """vs_peer's WaveNet at batch 32 (its plan trained at 1.2x FP32 on a 2-core AMX host): its
     figure is 96 multiply-adds per cast element with activation casts counted whole, below the
-    line; on AMX a training graph counts them at AMX_TRAINING_ACTIVATION_CAST_SHARE and keeps its
-    plan. Without AMX, and converted (its converted plan ran no faster than float32), they count
-    whole and it runs float32 until measured."""
+    line; on AMX a training graph counts them at AMX_TRAINING_ACTIVATION_CAST_SHARE, says so in
+    its verdict, and keeps its plan. Without AMX, and converted (its converted plan ran no faster
+    than float32), they count whole and it runs float32 until measured."""
     from gluon_amp.patching.hooks import graph_rewriter
     from gluon_amp_core.tuning.verdict import AMX_TRAINING_ACTIVATION_CAST_SHARE as SHARE
     from gluon_amp_core.tuning.verdict import UNMEASURED_MIN_MACS_PER_CAST_ELEMENT as LINE
@@ -343,6 +343,8 @@ def test_on_amx_a_training_graphs_activation_casts_count_at_their_share(monkeypa
         monkeypatch.setattr(runtime, "amx_active", lambda: amx)
         for train in (True, False):
             target = tuner.Target(plan, known, tuner.applier(plan, known, policy), policy, train=train)
+            said = target.describe_unmeasured("first call", shapes)
+            assert (f"an activation's cast counted at {SHARE:g}" in said) == (amx and train), said
             got[amx, train] = (target.figures(shapes)[1], target.unmeasured_fp32(shapes), target.guards(shapes))
     assert [g[2] for g in got.values()] == [0, 0, 0, 0]  # no batch norm: the activation casts alone move
     assert got[False, True][0] < LINE <= got[True, True][0] and got[True, False] == got[False, False]
