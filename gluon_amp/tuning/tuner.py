@@ -36,7 +36,7 @@ from gluon_amp_core.tuning.verdict import (AMX_TRAINING_ACTIVATION_CAST_SHARE, G
                                           unmeasured_runs_fp32)
 
 from .. import mxnet_internals as mxi, runtime
-from ..native_run import guarded_batchnorms, native_passes
+from ..native_run import guarded_batchnorms, guards_layouts, native_passes
 from ..type_inference import infer_dtypes, infer_shapes
 from ..speed.timing import Timer, time_graph, time_graphs, time_op, timer_now
 
@@ -343,8 +343,8 @@ class Target:
     def activation_share(self) -> float:
         """What an element an activation's cast converts counts for in :meth:`figures`:
         ``AMX_TRAINING_ACTIVATION_CAST_SHARE`` in a training graph on AMX (a product saves more
-        there), else 1."""
-        return AMX_TRAINING_ACTIVATION_CAST_SHARE if self.train and not self.fused and runtime.amx_active() else 1.0
+        there: the same test that gives its batch norms layout guards), else 1."""
+        return AMX_TRAINING_ACTIVATION_CAST_SHARE if guards_layouts(self.train and not self.fused) else 1.0
 
     def probe_slower(self) -> Optional[str]:
         """The speed probe's verdict in words where it did not find this plan's dtype faster on
