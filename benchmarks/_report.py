@@ -22,11 +22,14 @@ def emit(report: Dict[str, Any], table: str, json_path: Optional[str] = None) ->
 
 
 def alternate(first: Callable[[], float], second: Callable[[], float], warmup: int, steps: int,
-              counts: Callable[[], bool] = lambda: True) -> Dict[str, Any]:
+              counts: Callable[[], bool] = lambda: True, second_leads: bool = False) -> Dict[str, Any]:
     """Time two workloads in one process, their steps alternating (which one goes first
     alternates too), so that load on a shared machine hits both alike. ``first`` and ``second``
     each run one step and return its seconds; after ``warmup`` untimed pairs, ``steps`` pairs
     are kept unless ``counts()`` (asked after the pair) says the pair is not one to compare.
+    ``first`` runs the process's first step unless ``second_leads``: which side does can
+    decide more than the ratio does (model_families.py's ``--mode fp32`` shows it), so callers
+    running several processes give each side the lead in turn.
 
     Returns ``ratios`` (each kept pair's ``second`` time over ``first``'s), ``ratio`` (their
     median, None if none was kept), ``first_seconds``/``second_seconds`` (medians) and
@@ -36,7 +39,7 @@ def alternate(first: Callable[[], float], second: Callable[[], float], warmup: i
     left_out = 0
     for i in range(warmup + steps):
         seconds = [0.0, 0.0]
-        for side in ((0, 1) if i % 2 == 0 else (1, 0)):
+        for side in ((0, 1) if (i % 2 == 0) != second_leads else (1, 0)):
             seconds[side] = (first, second)[side]()
         if i < warmup:
             continue

@@ -40,7 +40,10 @@ its own per thread. "vs FP32" divides by FP32's figure of the same net. FP32 is 
 net, and the AMP net built and trained in an ``autocast`` region of the mode, their steps
 alternating (which goes first alternates too); the figure is FP32's step time over the AMP
 step's beside it, the median pair per process, then the median over processes. On a host
-whose processes differ more than the ratio does (a shared VM), it is the one to read.
+whose processes differ more than the ratio does (a shared VM), it is the one to read. FP32
+takes a process's first step in odd rounds, AMP in even ones (marked ``*``): on an AVX2 host
+the net that stepped second ran AlexNet's Adam update slower, FP32 or not. ``--mode fp32`` is
+the control: a second plain FP32 net where the AMP net goes, the figure the harness alone gives.
 
 ``--mode`` (comma separated): ``default`` is ``init()`` as a user calls it: the dtype this host
 picks (float32, AMP off, on a CPU without bfloat16 kernels); ``bfloat16`` forces native
@@ -293,7 +296,9 @@ def _step(parts: Tuple[Any, ...], i: int, amp: bool) -> Tuple[float, float, floa
             loss.backward()
     trainer.step(loss.shape[0])
     mx.nd.waitall()
-    return time.perf_counter() - t0, time.process_time() - c0, float(loss.mean().asscalar())
+    # read in NumPy: reading the loss through an MXNet ``mean`` made the Adam update of whichever
+    # net stepped second in the process 2x slower (AlexNet on an AVX2 host, FP32 beside FP32)
+    return time.perf_counter() - t0, time.process_time() - c0, float(loss.asnumpy().mean())
 
 
 def child(net_name: str, mode: str, warmup: int, steps: int, tiny: bool) -> Dict[str, Any]:
@@ -323,43 +328,58 @@ def child(net_name: str, mode: str, warmup: int, steps: int, tiny: bool) -> Dict
     return out
 
 
-def child_interleaved(net_name: str, mode: str, warmup: int, steps: int, tiny: bool) -> Dict[str, Any]:
+def child_interleaved(net_name: str, mode: str, warmup: int, steps: int, tiny: bool,
+                      amp_leads: bool = False) -> Dict[str, Any]:
     """FP32 and one AMP mode of one net in this process, their steps alternating
-    (``_report.alternate``). FP32's net is plain MXNet; the AMP net is built, and trains
-    through ``init_trainer`` and ``scale_loss``, in an ``autocast`` region of the mode's
-    ``init`` arguments (the default's: ``autocast()``). Each pair's time ratio, AMP over FP32."""
+    (``_report.alternate``; the AMP net takes the process's first step if ``amp_leads``).
+    FP32's net is plain MXNet; the AMP net is built, and trains through ``init_trainer`` and
+    ``scale_loss``, in an ``autocast`` region of the mode's ``init`` arguments (the default's:
+    ``autocast()``). Mode ``fp32`` is the control: a second plain FP32 net in place of the AMP
+    one, built and stepped as the first. Each pair's time ratio, AMP over FP32."""
     import gluon_amp  # first: its numpy shim and the AMX permission, before MXNet loads
     from _report import alternate  # benchmarks/ is on sys.path when run as a script
-    out: Dict[str, Any] = {"net": net_name, "mode": mode}
+    out: Dict[str, Any] = {"net": net_name, "mode": mode, "amp_led": amp_leads}
     why_not = _cannot_run(mode)
     if why_not:
         return {**out, "ran": None, "why_not": why_not}
-    args = MODES[mode] or {}
     fp32 = _build(net_name, tiny, False)
-    with gluon_amp.autocast(**args) as policy:
-        amp = _build(net_name, tiny, True)
-    out["ran"] = "float32" if policy is None else policy.target_dtype + (" emulated" if policy.emulate else "")
     amp_batch, fp32_batch = itertools.count(), itertools.count()
+    if MODES[mode] is None:
+        second = _build(net_name, tiny, False)
+        out["ran"] = "float32 (no AMP)"
 
-    def amp_step() -> float:
-        with gluon_amp.autocast(**args):
-            return _step(amp, next(amp_batch), True)[0]
+        def amp_step() -> float:
+            return _step(second, next(amp_batch), False)[0]
 
-    scaler = gluon_amp.get_scaler(amp[3])
+        skipped, figures = (lambda: False), {"low_ops": 0, "casts": 0, "casts_per_low_op": None, "tuning": ""}
+    else:
+        args = MODES[mode] or {}
+        with gluon_amp.autocast(**args) as policy:
+            amp = _build(net_name, tiny, True)
+        out["ran"] = "float32" if policy is None else policy.target_dtype + (" emulated" if policy.emulate else "")
+
+        def amp_step() -> float:
+            with gluon_amp.autocast(**args):
+                return _step(amp, next(amp_batch), True)[0]
+
+        scaler = gluon_amp.get_scaler(amp[3])
+        skipped, figures = (lambda: scaler.last_step_skipped), None
     # a skipped update is cheaper: not a pair to compare
     pairs = alternate(lambda: _step(fp32, next(fp32_batch), False)[0], amp_step, warmup, steps,
-                      counts=lambda: not scaler.last_step_skipped)
+                      counts=lambda: not skipped(), second_leads=amp_leads)
     out.update(ratio=pairs["ratio"], ratios=pairs["ratios"], fp32_sec_per_step=pairs["first_seconds"],
-               sec_per_step=pairs["second_seconds"], timed_skipped=pairs["left_out"], **_plan_figures(amp[0]))
+               sec_per_step=pairs["second_seconds"], timed_skipped=pairs["left_out"],
+               **(figures or _plan_figures(amp[0])))
     return out
 
 
 # ---------------------------------------------------------------- the parent
 
 def _run_child(net: str, mode: str, warmup: int, steps: int, tiny: bool, timeout: float,
-               interleaved: bool = False) -> Dict[str, Any]:
+               interleaved: bool = False, amp_leads: bool = False) -> Dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child-interleaved" if interleaved else "--child", net,
-           mode, "--warmup", str(warmup), "--steps", str(steps)] + (["--tiny"] if tiny else [])
+           mode, "--warmup", str(warmup), "--steps", str(steps)] + (["--tiny"] if tiny else []) \
+        + (["--amp-leads"] if amp_leads else [])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"model_families: {net} under mode {mode} failed (exit {r.returncode}):\n"
@@ -388,14 +408,16 @@ def run(nets: List[str], modes: List[str], rounds: int, warmup: int, steps: int,
 def run_interleaved(nets: List[str], modes: List[str], rounds: int, warmup: int, steps: int, tiny: bool = False,
                     timeout: float = 1800) -> Dict[str, Any]:
     """Each AMP mode of each net against FP32 in one process per (net, mode, round), their steps
-    alternating: the speed ratio on a machine whose processes differ more than the ratio does."""
+    alternating: the speed ratio on a machine whose processes differ more than the ratio does.
+    FP32 takes the first step in odd rounds, AMP in even ones (it can decide more than AMP does:
+    on an AVX2 host, AlexNet's second Adam ran 2x slower whichever net it was)."""
     from _report import median_of  # benchmarks/ is on sys.path when run as a script
     load = os.getloadavg()
     runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {n: {m: [] for m in modes} for n in nets}
     for r in range(rounds):
         for n in nets:
             for m in modes:
-                res = _run_child(n, m, warmup, steps, tiny, timeout, interleaved=True)
+                res = _run_child(n, m, warmup, steps, tiny, timeout, interleaved=True, amp_leads=r % 2 == 1)
                 runs[n][m].append(res)
                 figure = ("not run" if not res["ran"] else "no pair kept: the scaler skipped them all"
                           if not res["ratio"] else f"{1 / res['ratio']:.3f}x FP32")
@@ -411,6 +433,7 @@ def run_interleaved(nets: List[str], modes: List[str], rounds: int, warmup: int,
             speeds = [1 / x["ratio"] for x in runs[n][m] if x["ratio"]]
             summary[n][m] = {"ran": last["ran"], "vs_fp32": statistics.median(speeds) if speeds else None,
                              "per_process": [round(v, 3) for v in speeds],
+                             "amp_led": [x["amp_led"] for x in runs[n][m] if x["ratio"]],
                              "fp32_sec_per_step": median_of(x["fp32_sec_per_step"] for x in runs[n][m]),
                              "sec_per_step": median_of(x["sec_per_step"] for x in runs[n][m]),
                              "timed_skipped": sum(x["timed_skipped"] for x in runs[n][m]),
@@ -436,7 +459,7 @@ def format_interleaved(doc: Dict[str, Any]) -> str:
             speed = "-" if s["vs_fp32"] is None else f"{s['vs_fp32']:.3f}x"
             lines.append(f"{n:<15} {m:<18} {s['ran']:<18} {_ms(s['fp32_sec_per_step']):>8} "
                          f"{_ms(s['sec_per_step']):>8} {speed:>8} {s['low_ops']:>8} {s['casts']:>6}  "
-                         + " ".join(f"{v:.3f}" for v in s["per_process"])
+                         + " ".join(f"{v:.3f}" + "*" * led for v, led in zip(s["per_process"], s["amp_led"]))
                          + (f"  ({s['timed_skipped']} pair(s) the scaler skipped, left out)"
                             if s["timed_skipped"] else ""))
     h = doc["host"]
@@ -444,7 +467,8 @@ def format_interleaved(doc: Dict[str, Any]) -> str:
                  f"DNNL_MAX_CPU_ISA={h['DNNL_MAX_CPU_ISA']}, load {doc['load_before'][0]:.2f} before, "
                  f"{doc['load_after'][0]:.2f} after; vs FP32: median over {doc['rounds']} process(es) of FP32's "
                  f"step time over the AMP step's beside it, each process's median pair ({doc['warmup']} untimed, "
-                 f"{doc['steps']} timed pairs)" + (", tiny sizes" if doc["tiny"] else ""))
+                 f"{doc['steps']} timed pairs; *: AMP took the process's first step)"
+                 + (", tiny sizes" if doc["tiny"] else ""))
     return "\n".join(lines)
 
 
@@ -520,10 +544,10 @@ def main(argv: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
     p.add_argument("--nets", default=None, type=lambda v: _csv(v, NETS, "net"),
                    help=f"comma separated, from {', '.join(NETS)} (default {','.join(DEFAULT_NETS)}; "
                         "deepar is lstm_forecaster where GluonTS is not installed)")
-    amp_modes = tuple(m for m in MODES if m != "fp32")
-    p.add_argument("--mode", default=["default"], type=lambda v: _csv(v, amp_modes, "mode"),
+    p.add_argument("--mode", default=["default"], type=lambda v: _csv(v, tuple(MODES), "mode"),
                    help="comma separated AMP modes to compare with FP32: default (init() as a user calls it), "
-                        "bfloat16 (native, forced), emulated-bfloat16, emulated-float16")
+                        "bfloat16 (native, forced), emulated-bfloat16, emulated-float16; fp32, with "
+                        "--interleaved: the control, a second FP32 net (what the harness alone gives)")
     p.add_argument("--rounds", type=int, default=3, help="processes per (net, mode), modes back to back")
     p.add_argument("--warmup", type=int, default=STEPS[0], help="untimed steps per process")
     p.add_argument("--steps", type=int, default=STEPS[1], help="timed steps per process")
@@ -533,16 +557,19 @@ def main(argv: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
                    help="FP32 and each mode in one process, steps alternating: time ratios on a noisy machine")
     p.add_argument("--child", nargs=2, metavar=("NET", "MODE"), help=argparse.SUPPRESS)
     p.add_argument("--child-interleaved", nargs=2, metavar=("NET", "MODE"), help=argparse.SUPPRESS)
+    p.add_argument("--amp-leads", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for name in ("rounds", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.warmup < 0:
         p.error(f"--warmup must be 0 or more, got {args.warmup}")
-    if args.child or args.child_interleaved:
-        one = child if args.child else child_interleaved
-        net_name, mode = args.child or args.child_interleaved
-        print(json.dumps(one(net_name, mode, args.warmup, args.steps, args.tiny)))
+    if args.child:
+        print(json.dumps(child(*args.child, args.warmup, args.steps, args.tiny)))
+        return None
+    if args.child_interleaved:
+        print(json.dumps(child_interleaved(*args.child_interleaved, args.warmup, args.steps, args.tiny,
+                                           args.amp_leads)))
         return None
     nets = args.nets or list(DEFAULT_NETS)
     if "deepar" in nets and not gluonts_available():

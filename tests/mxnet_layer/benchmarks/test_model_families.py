@@ -109,3 +109,34 @@ def test_interleaved_times_each_mode_beside_its_fp32_net_in_one_process(tmp_path
     assert emulated["ran"] == "bfloat16 emulated" and emulated["low_ops"] > 0  # the twin ran its plan
     assert doc["summary"]["lstm_forecaster"]["default"]["ran"] in ("float32", "bfloat16")
     assert "per process" in r.stdout and "MXNet thread" in r.stdout
+
+
+@pytest.mark.slow  # two processes of a few seconds each
+def test_interleaved_control_runs_fp32_beside_fp32_and_the_lead_changes_by_round(tmp_path):
+    """``--mode fp32`` puts a second plain FP32 net where the AMP net goes: the ratio the harness
+    alone gives. Which net steps first in a process decided AlexNet's figure 2x on an AVX2 host,
+    so each round gives the lead to the other side, and the table marks the processes AMP led."""
+    out = tmp_path / "mf.json"
+    r = _run("--interleaved", "--tiny", "--rounds", "2", "--warmup", "1", "--steps", "3", "--nets",
+             "lstm_forecaster", "--mode", "fp32", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    row = doc["summary"]["lstm_forecaster"]["fp32"]
+    assert row["ran"] == "float32 (no AMP)" and row["low_ops"] == 0 and row["casts"] == 0
+    assert [run["amp_led"] for run in doc["runs"]["lstm_forecaster"]["fp32"]] == [False, True]
+    assert row["amp_led"] == [False, True] and len(row["per_process"]) == 2
+    assert f"{row['per_process'][0]:.3f} {row['per_process'][1]:.3f}*" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("second_leads, first_pairs", [(False, ["a", "b", "b", "a"]), (True, ["b", "a", "a", "b"])])
+def test_alternate_gives_the_first_step_to_the_side_asked(monkeypatch, second_leads, first_pairs):
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    from _report import alternate
+    ran = []
+
+    def side(name, seconds):
+        return lambda: ran.append(name) or seconds
+
+    pairs = alternate(side("a", 1.0), side("b", 2.0), warmup=1, steps=3, second_leads=second_leads)
+    assert ran[:4] == first_pairs and len(ran) == 8
+    assert pairs["ratios"] == [2.0, 2.0, 2.0] and pairs["first_seconds"] == 1.0 and pairs["second_seconds"] == 2.0
