@@ -105,7 +105,7 @@ def _step(net_name: str, parts: tuple) -> tuple:
             autograd.backward(scaled)
     trainer.step(x.shape[0])
     mx.nd.waitall()
-    return time.perf_counter() - t0, float(loss.mean().asscalar())
+    return time.perf_counter() - t0, float(loss.asnumpy().mean())  # not an MXNet mean: model_families.py's _step
 
 
 def child(net_name: str, mode: str, warmup: int, steps: int) -> Dict[str, Any]:
@@ -129,10 +129,12 @@ def child(net_name: str, mode: str, warmup: int, steps: int) -> Dict[str, Any]:
             "skipped_steps": scaler.skipped_steps, "rounding": rounding}
 
 
-def child_interleaved(net_name: str, mode: str, warmup: int, steps: int) -> Dict[str, Any]:
+def child_interleaved(net_name: str, mode: str, warmup: int, steps: int,
+                      emulated_leads: bool = False) -> Dict[str, Any]:
     """The FP32 net and its emulated twin (built and stepped in an ``autocast(mode, emulate=True)``
     region) in this process, their steps alternating (which goes first alternates too), so that
-    load on a shared machine hits both alike: each pair's time ratio, emulated over FP32."""
+    load on a shared machine hits both alike: each pair's time ratio, emulated over FP32. The
+    twin takes the process's first step if ``emulated_leads`` (``_report.alternate``)."""
     import gluon_amp
     from _report import alternate  # benchmarks/ is on sys.path when run as a script
     fp32 = _trained(net_name)
@@ -151,16 +153,18 @@ def child_interleaved(net_name: str, mode: str, warmup: int, steps: int) -> Dict
 
     # a skipped update is cheaper: not a pair to compare
     pairs = alternate(lambda: _step(net_name, fp32)[0], emulated_step, warmup, steps,
-                      counts=lambda: not emulated[5].last_step_skipped)
-    return {"net": net_name, "mode": mode, "ratios": pairs["ratios"], "ratio": pairs["ratio"],
+                      counts=lambda: not emulated[5].last_step_skipped, second_leads=emulated_leads)
+    return {"net": net_name, "mode": mode, "emulated_led": emulated_leads, "ratios": pairs["ratios"],
+            "ratio": pairs["ratio"],
             "fp32_sec_per_step": pairs["first_seconds"], "sec_per_step": pairs["second_seconds"],
             "timed_skipped": pairs["left_out"], "rounding": rounding[0] if rounding else None}
 
 
 def _run_child(net_name: str, mode: str, warmup: int, steps: int, timeout: float,
-               interleaved: bool = False) -> Dict[str, Any]:
+               interleaved: bool = False, emulated_leads: bool = False) -> Dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child-interleaved" if interleaved else "--child",
-           net_name, mode, "--warmup", str(warmup), "--steps", str(steps)]
+           net_name, mode, "--warmup", str(warmup), "--steps", str(steps)] \
+        + (["--emulated-leads"] if emulated_leads else [])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"{net_name} {mode} failed:\n{r.stderr[-3000:]}")
@@ -208,7 +212,9 @@ def _num(v: Optional[float], fmt: str = ".3f") -> str:
 def run_interleaved(nets: List[str], rounds: int, warmup: Optional[int], steps: Optional[int],
                     timeout: float = 3600) -> Dict[str, Any]:
     """Each emulated mode against FP32, both in one process per (net, mode, round), steps
-    alternating: the time ratio on a machine whose processes differ more than the ratio does."""
+    alternating: the time ratio on a machine whose processes differ more than the ratio does.
+    FP32 takes the first step in odd rounds, the twin in even ones (the net that stepped second
+    could run its update slower: docs/benchmarks.md, the AVX2 host)."""
     load = os.getloadavg()
     runs: Dict[str, Dict[str, List[Dict[str, Any]]]] = {n: {m: [] for m in MODES[1:]} for n in nets}
     for r in range(rounds):
@@ -216,13 +222,14 @@ def run_interleaved(nets: List[str], rounds: int, warmup: Optional[int], steps: 
             w, s = INTERLEAVED_STEPS[n]
             for m in MODES[1:]:
                 res = _run_child(n, m, w if warmup is None else warmup, s if steps is None else steps, timeout,
-                                 interleaved=True)
+                                 interleaved=True, emulated_leads=r % 2 == 1)
                 runs[n][m].append(res)
                 print(f"round {r + 1}/{rounds} {n:<8} {m:<8} emulated/FP32 {_num(res['ratio'])} (FP32 "
                       f"{_num(res['fp32_sec_per_step'])} s/step)  {res['timed_skipped']} pair(s) skipped",
                       file=sys.stderr, flush=True)
     summary = {n: {m: {"time_vs_fp32": median_of(x["ratio"] for x in runs[n][m]),
                        "per_process": [x["ratio"] and round(x["ratio"], 3) for x in runs[n][m]],
+                       "emulated_led": [x["emulated_led"] for x in runs[n][m]],
                        "fp32_sec_per_step": median_of(x["fp32_sec_per_step"] for x in runs[n][m]),
                        "timed_skipped": sum(x["timed_skipped"] for x in runs[n][m]),
                        "rounding": runs[n][m][-1]["rounding"]} for m in MODES[1:]} for n in nets}
@@ -236,7 +243,8 @@ def format_interleaved(doc: Dict[str, Any]) -> str:
     for n, modes in doc["summary"].items():
         for m, s in modes.items():
             lines.append(f"{n:<9} {'emulated ' + m:<19} {_num(s['fp32_sec_per_step']):>11} "
-                         f"{_num(s['time_vs_fp32']):>11}x  " + " ".join(_num(v) for v in s["per_process"])
+                         f"{_num(s['time_vs_fp32']):>11}x  "
+                         + " ".join(_num(v) + "*" * led for v, led in zip(s["per_process"], s["emulated_led"]))
                          + (f"  ({s['timed_skipped']} pair(s) the scaler skipped, left out)" if s["timed_skipped"]
                             else ""))
     roundings = {f"{s['rounding']['path']} ({s['rounding']['why']})" for modes in doc["summary"].values()
@@ -246,8 +254,8 @@ def format_interleaved(doc: Dict[str, Any]) -> str:
     lines.append(f"host flags {' '.join(h['flags'])}, {threads_text(h)}, "
                  f"DNNL_MAX_CPU_ISA={h['DNNL_MAX_CPU_ISA']}, load {doc['load_before'][0]:.2f} before, "
                  f"{doc['load_after'][0]:.2f} after; time vs FP32: median over {doc['rounds']} process(es) of "
-                 "each one's median ratio of an emulated step to the FP32 step beside it (memory: run without "
-                 "--interleaved)")
+                 "each one's median ratio of an emulated step to the FP32 step beside it (*: the emulated net "
+                 "took the process's first step; memory: run without --interleaved)")
     return "\n".join(lines)
 
 
@@ -288,13 +296,14 @@ def main(argv: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
                    help="time only: FP32 and emulated steps alternating in one process per (net, mode)")
     p.add_argument("--child", nargs=2, metavar=("NET", "MODE"), help=argparse.SUPPRESS)
     p.add_argument("--child-interleaved", nargs=2, metavar=("NET", "MODE"), help=argparse.SUPPRESS)
+    p.add_argument("--emulated-leads", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child or args.child_interleaved:
         net_name, mode = args.child or args.child_interleaved
         w, s = (STEPS if args.child else INTERLEAVED_STEPS)[net_name]
-        one = child if args.child else child_interleaved
-        print(json.dumps(one(net_name, mode, w if args.warmup is None else args.warmup,
-                             s if args.steps is None else args.steps)))
+        w, s = w if args.warmup is None else args.warmup, s if args.steps is None else args.steps
+        print(json.dumps(child(net_name, mode, w, s) if args.child
+                         else child_interleaved(net_name, mode, w, s, args.emulated_leads)))
         return None
     nets = [n.strip() for n in args.nets.split(",") if n.strip()]
     bad = [n for n in nets if n not in NETS]
