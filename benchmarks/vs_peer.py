@@ -26,11 +26,15 @@ Rows (random weights, nothing is downloaded; GluonCV / GluonNLP models with ``pr
 
 Each round runs every row's variants in fresh processes, the variant order rotating between
 rounds, so that load on a shared machine hits them alike; ratios are taken within a round,
-then the median over rounds. Per variant: median milliseconds per call, the process's peak RSS
-(``VmHWM``), and for the low-precision variants ``gluon_amp.report``'s ops per dtype and casts per
-low-precision op of the graph that ran. A variant that fails says why; the others carry on. On
-a host without bfloat16 kernels (AVX2 and below) the variants that need them say "not measurable
-here" and why, instead of failing: there, the rows that run are FP32 and the launcher's default.
+then the median over rounds. Each process times at least ``--iters`` calls (inference),
+``--train-iters`` steps (training) or ``--launcher-iters`` steps (the launcher), and goes on
+until its timed calls add up to ``--min-seconds`` (3): with 3 steps of a few milliseconds, one
+process's median moved with whatever else the host ran. Per variant: median milliseconds per
+call, the process's peak RSS (``VmHWM``), and for the low-precision variants
+``gluon_amp.report``'s ops per dtype and casts per low-precision op of the graph that ran. A
+variant that fails says why; the others carry on. On a host without bfloat16 kernels (AVX2 and
+below) the variants that need them say "not measurable here" and why, instead of failing:
+there, the rows that run are FP32 and the launcher's default.
 The targets (issue 48): ours at least 1.0x the peer on every row, at least 0.97x FP32.
 """
 from __future__ import annotations
@@ -102,15 +106,26 @@ def _graph_figures(gluon_amp: Any, block: Any) -> Dict[str, Any]:
     return {"ops_by_dtype": r.totals_by_dtype, "casts": r.casts, "casts_per_low_op": r.casts_per_low_op}
 
 
-def _time_calls(mx: Any, call: Any, warmup: int, iters: int) -> List[float]:
-    out = []
-    for i in range(warmup + iters):
-        mx.nd.waitall()
+#: The most timed calls a process makes, whatever ``--min-seconds`` asks.
+MAX_CALLS = 2000
+
+
+def enough(ms: List[float], iters: int, min_seconds: float) -> bool:
+    """True once ``ms`` (timed calls, milliseconds) holds ``iters`` calls and ``min_seconds`` in
+    all, or ``MAX_CALLS``: a row of 8 ms steps gets hundreds, not 3 (its median was noise)."""
+    return len(ms) >= MAX_CALLS or (len(ms) >= iters and sum(ms) >= 1e3 * min_seconds)
+
+
+def _time_calls(mx: Any, call: Any, warmup: int, iters: int, min_seconds: float = 0.0) -> List[float]:
+    for _ in range(warmup):
+        call()
+    mx.nd.waitall()
+    out: List[float] = []
+    while not enough(out, iters, min_seconds):
         t0 = time.perf_counter()
         call()
         mx.nd.waitall()
-        if i >= warmup:
-            out.append((time.perf_counter() - t0) * 1e3)
+        out.append((time.perf_counter() - t0) * 1e3)
     return out
 
 
@@ -138,7 +153,7 @@ def run_infer(row: str, variant: str, args: argparse.Namespace) -> Dict[str, Any
     block(*xs)
     mx.nd.waitall()
     res["convert_and_first_call_s"] = round(time.perf_counter() - t0, 2)
-    res["ms"] = _time_calls(mx, lambda: block(*xs), args.warmup, args.iters)
+    res["ms"] = _time_calls(mx, lambda: block(*xs), args.warmup, args.iters, args.min_seconds)
     if variant != "fp32":
         res.update(_graph_figures(gluon_amp, block))
     return res
@@ -168,7 +183,12 @@ def run_train(row: str, variant: str, args: argparse.Namespace) -> Dict[str, Any
         name = {"fp32": "fp32", "ours": "gluon_amp", "peer": "mxnet-contrib"}[variant]
         batch = SyntheticData(args.ssd_batch, mx.cpu(), 0)
         mode = Mode(name, mx.cpu(), batch, 0, None if variant == "fp32" else "bfloat16")
-        res["ms"] = [mode.step() * 1e3 for _ in range(args.warmup + args.train_iters)][args.warmup:]
+        for _ in range(args.warmup):
+            mode.step()
+        ms: List[float] = []
+        while not enough(ms, args.train_iters, args.min_seconds):
+            ms.append(mode.step() * 1e3)
+        res["ms"] = ms
         if variant != "fp32":
             res.update(_graph_figures(gluon_amp, mode.net))
         return res
@@ -211,7 +231,7 @@ def run_train(row: str, variant: str, args: argparse.Namespace) -> Dict[str, Any
         trainer.step(xs[0].shape[0])
 
     step()
-    res["ms"] = _time_calls(mx, step, args.warmup, args.train_iters)
+    res["ms"] = _time_calls(mx, step, args.warmup, args.train_iters, args.min_seconds)
     if variant != "fp32":
         res.update(_graph_figures(gluon_amp, net))
     return res
@@ -219,8 +239,9 @@ def run_train(row: str, variant: str, args: argparse.Namespace) -> Dict[str, Any
 
 def launcher_command(variant: str, args: argparse.Namespace) -> List[str]:
     """The command that runs the unmodified script as ``variant``."""
-    script = [os.path.join(HERE, "_vs_peer_script.py"), "--iters", str(args.train_iters),
-              "--warmup", str(args.warmup)] + (["--quick"] if args.quick else [])
+    script = [os.path.join(HERE, "_vs_peer_script.py"), "--iters", str(args.launcher_iters),
+              "--warmup", str(args.warmup), "--min-seconds", str(args.min_seconds)]
+    script += ["--quick"] if args.quick else []
     if variant == "fp32":
         return [sys.executable] + script
     if variant == "ours":
@@ -265,9 +286,10 @@ def run_variant(row: str, variant: str, args: argparse.Namespace) -> Dict[str, A
     if row in LAUNCH:
         cmd = launcher_command(variant, args)
     else:
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", row, variant, "--batch", str(args.batch),
-               "--ssd-batch", str(args.ssd_batch), "--iters", str(args.iters), "--train-iters",
-               str(args.train_iters), "--warmup", str(args.warmup)] + (["--quick"] if args.quick else [])
+        cmd = ([sys.executable, os.path.abspath(__file__), "--worker", row, variant, "--batch", str(args.batch),
+                "--ssd-batch", str(args.ssd_batch), "--iters", str(args.iters), "--train-iters",
+                str(args.train_iters), "--warmup", str(args.warmup), "--min-seconds", str(args.min_seconds)]
+               + (["--quick"] if args.quick else []))
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=_env(), cwd=ROOT)
@@ -368,6 +390,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--ssd-batch", type=int, default=2, help="SSD-512 training batch (default 2)")
     p.add_argument("--iters", type=int, default=10, help="timed inference calls per process (default 10)")
     p.add_argument("--train-iters", type=int, default=3, help="timed training steps per process (default 3)")
+    p.add_argument("--launcher-iters", type=int, default=8,
+                   help="timed training steps per process of the launcher row (default 8)")
+    p.add_argument("--min-seconds", type=float, default=3.0,
+                   help="time each process at least this long in all, beyond its --iters / --train-iters / "
+                        f"--launcher-iters (at most {MAX_CALLS} calls; default 3)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing (default 2)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (64x64 images, 2 BERT layers, batch 1): "
                    "checks the machinery, not the speed")
@@ -379,8 +406,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     bad = [r for r in rows if r not in ROWS]
     if bad or not rows:
         p.error(f"--rows: unknown {bad}; choose from {','.join(ROWS)}")
-    if min(args.rounds, args.batch, args.ssd_batch, args.iters, args.train_iters) < 1 or args.warmup < 0:
-        p.error("--rounds, --batch, --ssd-batch, --iters and --train-iters must be >= 1, --warmup >= 0")
+    if min(args.rounds, args.batch, args.ssd_batch, args.iters, args.train_iters, args.launcher_iters) < 1 \
+            or args.warmup < 0 or not args.min_seconds >= 0:
+        p.error("--rounds, --batch, --ssd-batch, --iters, --train-iters and --launcher-iters must be >= 1, "
+                "--warmup and --min-seconds >= 0")
     args.rows = rows
     if args.quick:
         args.batch, args.ssd_batch = 1, 1

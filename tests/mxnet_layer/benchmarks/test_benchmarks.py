@@ -174,7 +174,7 @@ def test_vs_peer_on_a_host_without_bfloat16_kernels_says_which_variants_it_canno
     out = tmp_path / "vs.json"
     env = {**os.environ, "PYTHONPATH": ROOT, "DNNL_MAX_CPU_ISA": "AVX2"}
     r = _run("vs_peer.py", "--quick", "--rounds", "1", "--rows", "infer:resnet50", "--iters", "1",
-             "--warmup", "0", "--json", str(out), env=env)
+             "--warmup", "0", "--min-seconds", "0", "--json", str(out), env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     row = json.loads(out.read_text())["rows"]["infer:resnet50"]
     assert row["variants"]["fp32"]["ms"] > 0 and row["ratios"]["ours_vs_fp32"] is None
@@ -184,11 +184,36 @@ def test_vs_peer_on_a_host_without_bfloat16_kernels_says_which_variants_it_canno
     assert r.stdout.count("not measurable here: needs bfloat16 kernels") == 2 and "FAILED" not in r.stdout
 
 
+def test_vs_peer_times_each_process_for_its_steps_and_its_minimum_seconds(tmp_path):
+    """A fast row's process times past its --train-iters / --launcher-iters until its timed steps
+    add up to --min-seconds; a row of fewer steps than that would time only its count."""
+    out = tmp_path / "vs.json"
+    env = {**os.environ, "PYTHONPATH": ROOT, "DNNL_MAX_CPU_ISA": "AVX2"}  # the same variants on any host
+    r = _run("vs_peer.py", "--quick", "--rounds", "1", "--rows", "train:rnn,launcher:wavenet", "--train-iters",
+             "2", "--launcher-iters", "3", "--warmup", "0", "--min-seconds", "0.4", "--json", str(out), env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    raw = json.loads(out.read_text())["raw"][0]
+    # FP32 everywhere, and the launcher's default (float32 without bfloat16 kernels)
+    for row, v, least in (("train:rnn", "fp32", 2), ("launcher:wavenet", "fp32", 3), ("launcher:wavenet", "ours", 3)):
+        ms = raw[row][v]["ms"]
+        assert len(ms) >= least and sum(ms) >= 400, (row, v, len(ms), sum(ms))
+        assert sum(ms[:-1]) < 400 or len(ms) == least, (row, v, ms)  # it stops once both are met
+
+
+def test_vs_peer_enough_counts_calls_and_seconds():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import vs_peer
+    assert not vs_peer.enough([], 1, 0.0) and vs_peer.enough([5.0], 1, 0.0)
+    assert not vs_peer.enough([400.0, 500.0], 3, 0.5) and vs_peer.enough([400.0, 500.0, 1.0], 3, 0.5)
+    assert not vs_peer.enough([100.0] * 4, 2, 0.5) and vs_peer.enough([100.0] * 5, 2, 0.5)
+    assert vs_peer.enough([0.001] * vs_peer.MAX_CALLS, 1, 60.0)  # a bound, however fast the call
+
+
 @pytest.mark.bf16_kernels
 def test_vs_peer_quick_runs_each_variant_in_its_own_process_and_reports_ratios(tmp_path):
     out = tmp_path / "vs.json"
     r = _run("vs_peer.py", "--quick", "--rounds", "1", "--rows", "infer:resnet50,launcher:wavenet",
-             "--iters", "1", "--train-iters", "1", "--warmup", "0", "--json", str(out))
+             "--iters", "1", "--launcher-iters", "1", "--warmup", "0", "--min-seconds", "0", "--json", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert list(doc["rows"]) == ["infer:resnet50", "launcher:wavenet"]
