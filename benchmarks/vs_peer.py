@@ -29,7 +29,8 @@ rounds, so that load on a shared machine hits them alike; ratios are taken withi
 then the median over rounds. Each process times at least ``--iters`` calls (inference),
 ``--train-iters`` steps (training) or ``--launcher-iters`` steps (the launcher), and goes on
 until its timed calls add up to ``--min-seconds`` (3): with 3 steps of a few milliseconds, one
-process's median moved with whatever else the host ran. Per variant: median milliseconds per
+process's median moved with whatever else the host ran. ``--pin 0`` runs every process on one
+CPU, for a VM whose vCPUs run at two speeds. Per variant: median milliseconds per
 call, the process's peak RSS (``VmHWM``), and for the low-precision variants
 ``gluon_amp.report``'s ops per dtype and casts per low-precision op of the graph that ran. A
 variant that fails says why; the others carry on. On a host without bfloat16 kernels (AVX2 and
@@ -272,6 +273,7 @@ def worker(row: str, variant: str, args: argparse.Namespace) -> None:
         return
     from _report import own_peak_rss_mb  # benchmarks/ is on sys.path when run as a script
     res["peak_rss_mb"] = round(own_peak_rss_mb(), 1)
+    res["cpus"] = sorted(os.sched_getaffinity(0))
     print(MARK + json.dumps(res), flush=True)
 
 
@@ -292,7 +294,8 @@ def run_variant(row: str, variant: str, args: argparse.Namespace) -> Dict[str, A
                + (["--quick"] if args.quick else []))
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=_env(), cwd=ROOT)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=_env(), cwd=ROOT,
+                           preexec_fn=(lambda: os.sched_setaffinity(0, args.pin)) if args.pin else None)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout} s"}
     wall = round(time.perf_counter() - t0, 1)
@@ -376,7 +379,10 @@ def format_table(doc: Dict[str, Any]) -> str:
                 said = "not measurable here" if e.startswith("needs bfloat16 kernels") else "FAILED"
                 lines.append(f"{'':<19}{name} {said}: {e}")
     h = doc["host"]
-    lines.append(f"host: flags {' '.join(h['flags'])}, {h['cpus']} CPUs, {threads_text(h)}, load average "
+    pin = doc["args"].get("pin")
+    lines.append(f"host: flags {' '.join(h['flags'])}, {h['cpus']} CPUs"
+                 + (f" (every process pinned to CPU {','.join(map(str, pin))})" if pin else "")
+                 + f", {threads_text(h)}, load average "
                  f"{doc['load_before']} "
                  f"before, {doc['load_after']} after; {doc['total_s']:.0f} s")
     return "\n".join(lines)
@@ -398,6 +404,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing (default 2)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (64x64 images, 2 BERT layers, batch 1): "
                    "checks the machinery, not the speed")
+    p.add_argument("--pin", metavar="CPUS", default="",
+                   help="run every variant's process on these CPUs only (comma-separated, e.g. 0): on a VM "
+                        "whose vCPUs run at two speeds, each variant then meets the same one")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per process (default 1200)")
     p.add_argument("--json", metavar="PATH", help="also write the JSON document here")
     p.add_argument("--worker", nargs=2, metavar=("ROW", "VARIANT"), help=argparse.SUPPRESS)
@@ -411,6 +420,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--rounds, --batch, --ssd-batch, --iters, --train-iters and --launcher-iters must be >= 1, "
                 "--warmup and --min-seconds >= 0")
     args.rows = rows
+    try:
+        args.pin = sorted({int(c) for c in args.pin.split(",") if c.strip()})
+    except ValueError:
+        p.error(f"--pin: {args.pin!r} is not a comma-separated list of CPU numbers (e.g. 0 or 0,1)")
+    allowed = sorted(os.sched_getaffinity(0))
+    if any(c not in allowed for c in args.pin):
+        p.error(f"--pin: CPUs {args.pin} are not all among this process's CPUs {allowed}")
     if args.quick:
         args.batch, args.ssd_batch = 1, 1
     return args

@@ -200,6 +200,20 @@ def test_vs_peer_times_each_process_for_its_steps_and_its_minimum_seconds(tmp_pa
         assert sum(ms[:-1]) < 400 or len(ms) == least, (row, v, ms)  # it stops once both are met
 
 
+def test_vs_peer_pins_every_process_to_the_cpus_it_is_given(tmp_path):
+    out = tmp_path / "vs.json"
+    env = {**os.environ, "PYTHONPATH": ROOT, "DNNL_MAX_CPU_ISA": "AVX2"}
+    cpu = max(os.sched_getaffinity(0))
+    r = _run("vs_peer.py", "--quick", "--rounds", "1", "--rows", "train:rnn", "--train-iters", "1", "--warmup", "0",
+             "--min-seconds", "0", "--pin", str(cpu), "--json", str(out), env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(out.read_text())["raw"][0]["train:rnn"]["fp32"]["cpus"] == [cpu]
+    assert f"every process pinned to CPU {cpu}" in r.stdout
+    for bad, says in (("x", "is not a comma-separated list of CPU numbers"), ("4096", "are not all among")):
+        r = _run("vs_peer.py", "--pin", bad)
+        assert r.returncode == 2 and says in r.stderr, r.stderr
+
+
 def test_vs_peer_enough_counts_calls_and_seconds():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import vs_peer
