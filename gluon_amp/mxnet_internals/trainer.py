@@ -93,6 +93,27 @@ def has_grad(p: Parameter) -> bool:
     return p.grad_req != "null" and p._grad is not None
 
 
+def fresh_params(params: Sequence[Parameter]) -> List[Parameter]:
+    """The parameters 1.9.1's ``Trainer._update(ignore_stale_grad=True)`` updates: those with
+    a gradient, written by a backward since their last update on some context (``_fresh_grad``
+    of each of its data arrays; the others keep an old gradient, and are left alone)."""
+    return [p for p in params if has_grad(p) and any(fresh_grad(a) for a in p.list_data())]
+
+
+def stale_params(params: Sequence[Parameter]) -> List[Parameter]:
+    """The parameters with a gradient that no backward wrote since their last update on some
+    context: 1.9.1's ``Trainer._update(ignore_stale_grad=False)`` raises a UserWarning for each."""
+    return [p for p in params if has_grad(p) and not all(fresh_grad(a) for a in p.list_data())]
+
+
+def spend_grads(params: Sequence[Parameter]) -> None:
+    """Mark the gradients of ``params`` used, as ``Trainer._update`` does with those it applies."""
+    for p in params:
+        if has_grad(p):
+            for a in p.list_data():
+                set_fresh_grad(a, False)
+
+
 # -- optimizer state (master weights) --------------------------------------------------
 # 1.9.1: Trainer keeps one ``Updater`` per context in ``_updaters`` (built in
 # ``_init_optimizer``, re-pointed by ``load_states``), and ``Updater.__call__`` calls

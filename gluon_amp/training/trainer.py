@@ -58,6 +58,9 @@ class _Hook:
         self._must_check = False
         #: set by the patched ``Trainer._update`` around MXNet's: the step may update before its verdict
         self._armed = False
+        #: likewise: the step was called with ``ignore_stale_grad=True``, so MXNet updates only the
+        #: parameters with a fresh gradient, and only theirs decide whether it is skipped
+        self._ignore_stale = False
         #: a step updated before its verdict: (its undo, dtype, scaled, the count before it, params);
         #: once the count has moved past it, a recorded step's, kept until the next step reads it
         self._early: Optional[Tuple[early_update.Early, str, bool, int, Sequence[Any]]] = None
@@ -190,6 +193,11 @@ class _Hook:
             step = self._step
             dtype = step[0] if step is not None else self._compute_dtype()
             armed, self._armed = self._armed, False
+            ignore_stale, self._ignore_stale = self._ignore_stale, False
+            if ignore_stale:
+                # a gradient MXNet will not apply (an unused head's, inf from a step it skipped)
+                # must not skip the steps of the parameters it does apply
+                params = mxi.fresh_params(params)
             scaled = self.scaler.scales(dtype)
             checked = self.scaler.checks(dtype, scaled) or (self.scaler.enabled and self._must_check)
             early = None
@@ -206,6 +214,11 @@ class _Hook:
             self._must_check = False
             if early is not None:  # the verdict comes after the update (finish_early)
                 self._early = (early, dtype, scaled, steps, params)
+                return False
+            if not finite and armed and not ignore_stale and mxi.stale_params(params):
+                # MXNet's update refuses a gradient no backward wrote since the last step, as it
+                # does without AMP (its UserWarning; the step is then abandoned, not recorded).
+                # Skipped instead, such a step would read the same stale inf at every retry.
                 return False
             return self.scaler.record_step(self, finite, scaled=scaled) and self._skipped(dtype, params)
         except BaseException:
@@ -238,7 +251,7 @@ class _Hook:
         when it began (None: before it read it). If it was not recorded, it did not happen: an
         update dispatched before its verdict is undone, and the round does not wait for it.
         A recorded step stays as recorded."""
-        self._armed = False
+        self._armed = self._ignore_stale = False
         pending = self._early
         if pending is not None and self.scaler.steps_of(self) == pending[3]:  # this step's, unrecorded
             steps = pending[3]
@@ -247,7 +260,12 @@ class _Hook:
         self.scaler.abandon(self, steps)
 
     def _skipped(self, dtype: str, params: Sequence[mx.gluon.Parameter]) -> bool:
-        """A step was skipped (and recorded): say why once, stop a collapsed run; True."""
+        """A step was skipped (and recorded): its gradients are spent as an update's would be,
+        say why once, stop a collapsed run; True."""
+        # MXNet's update marks each gradient it applies as used; a skipped step returns before
+        # it, so a parameter no later backward reaches (an unused head) kept its inf gradient as
+        # fresh, and every later step read it again and was skipped too
+        mxi.spend_grads(params)
         if not self._warned and dtype != "float16":
             self._warned = True
             warnings.warn(
@@ -350,9 +368,9 @@ def _wrap_update(original: Any) -> Any:
             if not isinstance(hook, _Hook):
                 return original(self, ignore_stale_grad)
             steps = hook.scaler.steps_of(hook)
-            hook._armed = True
+            hook._armed, hook._ignore_stale = True, bool(ignore_stale_grad)
             original(self, ignore_stale_grad)
-            hook._armed = False
+            hook._armed = hook._ignore_stale = False
             hook.finish_early()
         except BaseException:
             _abort_update(self, locals().get("steps"))
