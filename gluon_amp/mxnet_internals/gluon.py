@@ -5,7 +5,7 @@ import contextlib
 import os
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mxnet as mx
@@ -305,6 +305,8 @@ class BlockHooks:
     get_graph: Callable
     call_cached_op: Callable
     call: Optional[Callable] = None
+    #: block -> the ``current()`` the hooks built its graph under
+    made_under: "weakref.WeakKeyDictionary[HybridBlock, object]" = field(default_factory=weakref.WeakKeyDictionary)
 
 
 #: 1.9.1 mxnet/gluon/block.py: ``Block.__call__(self, *args)`` runs the forward hooks and
@@ -319,7 +321,8 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
                         reshaped: Optional[Callable[[HybridBlock, tuple, Sequence[Symbol], Symbol], bool]] = None,
                         watch: Optional[Callable[[HybridBlock], bool]] = None,
                         called: Optional[Callable[[HybridBlock, tuple], bool]] = None,
-                        returned: Optional[Callable[[Block, tuple, Any], Any]] = None) -> BlockHooks:
+                        returned: Optional[Callable[[Block, tuple, Any], Any]] = None,
+                        current: Optional[Callable[[], object]] = None) -> BlockHooks:
     """Until :func:`remove_block_hooks`: every HybridBlock's freshly built graph passes
     through ``rewrite(block, args, inputs, out)``, as does, before its first run, a graph
     a block was given (a SymbolBlock's: the block runs the result and keeps its own, see
@@ -333,10 +336,16 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
     and run inside :func:`hooks_paused` pass untouched. Costs a set lookup per call, and the
     input shapes for watched blocks (a few microseconds), whatever the size of the heap.
     What a block called from outside any block (hybridized or not) returns passes through
-    ``returned(block, args, out)``, whose result the caller gets."""
+    ``returned(block, args, out)``, whose result the caller gets. ``current()`` names what
+    ``rewrite`` does for the calling thread (its policy's rules, or None: nothing); each graph
+    the hooks built where it named one is dropped by :func:`remove_block_hooks`, so that its
+    block builds MXNet's own graph at its next call. A given graph (a SymbolBlock's) is the
+    user's and stays: one built under ``init`` holds that policy's casts itself, and runs as
+    it ran."""
     built: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
     given: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()  # blocks whose graph was given, rewritten
     seen: "weakref.WeakKeyDictionary[HybridBlock, tuple]" = weakref.WeakKeyDictionary()
+    made_under: "weakref.WeakKeyDictionary[HybridBlock, object]" = weakref.WeakKeyDictionary()
 
     def _get_graph(self: HybridBlock, *args: Any) -> Any:
         run = _RUN_GRAPHS.get(self)
@@ -347,8 +356,11 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
         if _paused.depth:
             return inputs, out
         if fresh:
+            under = current() if current is not None else None
             self._cached_graph = (inputs, like_frontend(out, rewrite(self, args, inputs, out)))
             built.add(self)
+            if current is not None:
+                made_under[self] = under
             if reshaped is not None and watch is not None and watch(self):
                 seen[self] = _shapes(args)
         return self._cached_graph
@@ -400,7 +412,7 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
         __call__.__doc__, __call__.__wrapped__ = _BLOCK_CALL.__doc__, _BLOCK_CALL  # type: ignore[attr-defined]
         Block.__call__ = call = __call__
     HybridBlock._get_graph, HybridBlock._call_cached_op = _get_graph, _call_cached_op
-    hooks = BlockHooks(_get_graph, _call_cached_op, call)
+    hooks = BlockHooks(_get_graph, _call_cached_op, call, made_under)
     warning_sites.hold(hooks)
     return hooks
 
@@ -413,7 +425,8 @@ def _shapes(args: Any) -> Any:
 
 
 def remove_block_hooks(hooks: BlockHooks) -> None:
-    """Put MXNet's methods back, where ``hooks`` are still the ones in place."""
+    """Put MXNet's methods back, where ``hooks`` are still the ones in place, and drop each
+    graph they built under a policy: its block builds MXNet's own graph at its next call."""
     if HybridBlock.__dict__.get("_get_graph") is hooks.get_graph:
         HybridBlock._get_graph = _GET_GRAPH
     if HybridBlock.__dict__.get("_call_cached_op") is hooks.call_cached_op:
@@ -421,6 +434,10 @@ def remove_block_hooks(hooks: BlockHooks) -> None:
     if hooks.call is not None and Block.__dict__.get("__call__") is hooks.call:
         Block.__call__ = _BLOCK_CALL
     warning_sites.release(hooks)
+    for block, under in list(hooks.made_under.items()):
+        if under is not None:
+            block._clear_cached_op()
+    hooks.made_under.clear()
 
 
 # -- shape inference without the hooks -------------------------------------------------

@@ -205,7 +205,8 @@ def _patch() -> _Patched:
         return _patched
     undo: List[Callable[[], Any]] = []
     try:
-        hooks = mxi.install_block_hooks(_rewrite, _warn_stale, _reshaped, _watch, _called, outputs.returned)
+        hooks = mxi.install_block_hooks(_rewrite, _warn_stale, _reshaped, _watch, _called, outputs.returned,
+                                        _graphs_now)
         undo.append(lambda: mxi.remove_block_hooks(hooks))
         undo.append(lambda: execution.release("init"))  # releasing what is not held changes nothing
         execution.hold("init")  # where MXNet binds a graph: the plan runs native, emulated or refused

@@ -646,10 +646,11 @@ def test_a_plan_is_refused_as_the_fp32_reference(frontend, tmp_path):
         warnings.simplefilter("ignore")
         gluon_amp.init("float16", emulate=True)
     traced = _dense_tanh(frontend)
-    gluon_amp.disable()
     gluon_amp.state.reset()  # forgets the graph traced under init; the block keeps the plan
-    with pytest.raises(RuntimeError, match="amp_plan_cast.*block.hybridize\\(\\) again"):
-        debug.compare(traced, x, target_dtype="bfloat16", emulate=True)
+    with gluon_amp.autocast(enabled=False):  # AMP off for the thread; disable() would drop the plan
+        with pytest.raises(RuntimeError, match="amp_plan_cast.*block.hybridize\\(\\) again"):
+            debug.compare(traced, x, target_dtype="bfloat16", emulate=True)
+    gluon_amp.disable()
     traced.hybridize()
     traced(x)  # traced again with AMP off: the FP32 graph
     assert debug.compare(traced, x, target_dtype="bfloat16", emulate=True).output_error == \

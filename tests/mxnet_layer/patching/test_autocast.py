@@ -94,6 +94,68 @@ def test_a_hybridized_block_keeps_the_graph_of_the_region_it_was_built_in():
     assert _rounded_to(inside(DATA).asnumpy(), "float16")
 
 
+def _dense():
+    net = nn.Dense(5, in_units=8, use_bias=False)
+    net.initialize()
+    net.weight.set_data(WEIGHT)
+    net.hybridize()
+    return net
+
+
+@pytest.mark.parametrize("built_in", ["init", "region"])
+def test_disable_drops_every_plan_a_block_traced_and_the_block_runs_mxnets_graph(built_in):
+    """Found by a program that evaluated in FP32 after ``disable()``: its block kept running
+    the emulated float16 plan, while ``is_enabled()`` said False."""
+    if built_in == "init":
+        gluon_amp.init("float16", emulate=True)
+        net = _dense()
+        assert _rounded_to(net(DATA).asnumpy(), "float16")
+    else:
+        net = _dense()
+        with gluon_amp.autocast("float16", emulate=True):
+            assert _rounded_to(net(DATA).asnumpy(), "float16")
+        assert _rounded_to(net(DATA).asnumpy(), "float16")  # the region's graph, as documented
+    gluon_amp.disable()
+    assert _rounded_to(net(DATA).asnumpy(), "float32")
+
+
+def test_a_block_traced_under_one_policy_takes_the_next_after_disable_and_init():
+    """float16 -> disable() -> bfloat16: the block's plan is bfloat16's, not float16's (which the
+    trainer, following bfloat16, would neither scale nor check)."""
+    gluon_amp.init("float16", emulate=True)
+    net = _dense()
+    assert _rounded_to(net(DATA).asnumpy(), "float16")
+    gluon_amp.disable()
+    gluon_amp.init("bfloat16", emulate=True)
+    assert _rounded_to(net(DATA).asnumpy(), "bfloat16")
+    assert gluon_amp.report(net).totals_by_dtype.get("float16", 0) == 0
+
+
+@pytest.mark.parametrize("how", ["imported", "built under init"])
+def test_a_symbol_block_keeps_its_own_graph_after_disable(how, tmp_path):
+    """A SymbolBlock's graph is the user's: disable() leaves it and the block runs as it ran (a
+    symbol built under init holds that policy's casts itself, as GluonCV's feature extractors'
+    under the launcher do; run without them, float16 would reach MXNet's CPU kernels)."""
+    plain = _dense()
+    plain(DATA)
+    plain.export(str(tmp_path / "d"))  # exported before any AMP: an FP32 graph
+    gluon_amp.init("float16", emulate=True)
+    if how == "imported":
+        block = nn.SymbolBlock.imports(str(tmp_path / "d-symbol.json"), ["data"], str(tmp_path / "d-0000.params"))
+        want = "float32"
+    else:  # as GluonCV's feature extractors build theirs
+        data = mx.sym.var("data")
+        block = nn.SymbolBlock(mx.sym.FullyConnected(data, num_hidden=5, no_bias=True, name="fc"), [data])
+        block.initialize()
+        block.collect_params()["fc_weight"].set_data(WEIGHT)
+        want = "float16"
+    block.hybridize()
+    under = block(DATA).asnumpy()
+    gluon_amp.disable()
+    after = block(DATA).asnumpy()
+    assert _rounded_to(after, want) and np.array_equal(after, under)
+
+
 def test_another_policy_nests_and_the_outer_one_is_back_after_it_even_on_error():
     gluon_amp.init("float16", emulate=True)
     fp16 = _fc()
