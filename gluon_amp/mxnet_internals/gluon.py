@@ -338,10 +338,10 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
     What a block called from outside any block (hybridized or not) returns passes through
     ``returned(block, args, out)``, whose result the caller gets. ``current()`` names what
     ``rewrite`` does for the calling thread (its policy's rules, or None: nothing); each graph
-    the hooks built where it named one is dropped by :func:`remove_block_hooks`, so that its
-    block builds MXNet's own graph at its next call. A given graph (a SymbolBlock's) is the
-    user's and stays: one built under ``init`` holds that policy's casts itself, and runs as
-    it ran."""
+    the hooks built where it named one gives way to its FP32 graph in :func:`remove_block_hooks`,
+    and its block builds its CachedOp from that at its next call. A given
+    graph (a SymbolBlock's) is the user's and stays: one built under ``init`` holds that
+    policy's casts itself, and runs as it ran."""
     built: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
     given: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()  # blocks whose graph was given, rewritten
     seen: "weakref.WeakKeyDictionary[HybridBlock, tuple]" = weakref.WeakKeyDictionary()
@@ -366,6 +366,9 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
         return self._cached_graph
 
     def _call_cached_op(self: HybridBlock, *args: Any) -> Any:
+        if self._cached_graph and not _paused.depth and self not in built and self in _RESTORED:
+            _RESTORED.discard(self)
+            self._clear_cached_op()  # an FP32 graph a removal put back: traced again, under these hooks
         if self._cached_graph and not _paused.depth:
             if self not in built:
                 built.add(self)  # once per block
@@ -424,9 +427,11 @@ def _shapes(args: Any) -> Any:
     return getattr(args, "shape", None)
 
 
-def remove_block_hooks(hooks: BlockHooks) -> None:
-    """Put MXNet's methods back, where ``hooks`` are still the ones in place, and drop each
-    graph they built under a policy: its block builds MXNet's own graph at its next call."""
+def remove_block_hooks(hooks: BlockHooks,
+                       fp32_of: Optional[Callable[[HybridBlock, Symbol], Optional[Symbol]]] = None) -> None:
+    """Put MXNet's methods back, where ``hooks`` are still the ones in place. Each graph they
+    built under a policy gives way to its FP32 graph, ``fp32_of(block, graph)`` (None where not
+    known: the block traces again), from which the block's next call builds its CachedOp."""
     if HybridBlock.__dict__.get("_get_graph") is hooks.get_graph:
         HybridBlock._get_graph = _GET_GRAPH
     if HybridBlock.__dict__.get("_call_cached_op") is hooks.call_cached_op:
@@ -435,9 +440,20 @@ def remove_block_hooks(hooks: BlockHooks) -> None:
         Block.__call__ = _BLOCK_CALL
     warning_sites.release(hooks)
     for block, under in list(hooks.made_under.items()):
-        if under is not None:
-            block._clear_cached_op()
+        if under is None or not block._cached_graph:
+            continue
+        inputs, kept = block._cached_graph
+        plain = fp32_of(block, kept) if fp32_of is not None else None
+        block._clear_cached_op()
+        if plain is not None:  # kept, so that converters and export still find a graph
+            block._cached_graph = (inputs, like_frontend(kept, plain))
+            _RESTORED.add(block)
     hooks.made_under.clear()
+
+
+#: blocks whose FP32 graph :func:`remove_block_hooks` put back: hooks installed later trace
+#: them again at their first call (a graph a block is given would be run as it is)
+_RESTORED: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
 
 
 # -- shape inference without the hooks -------------------------------------------------

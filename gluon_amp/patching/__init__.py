@@ -235,7 +235,7 @@ def _unpatch() -> None:
     if patched is None:
         return
     _restore([site.saved for site in patched.sites.values()])
-    mxi.remove_block_hooks(patched.hooks)
+    mxi.remove_block_hooks(patched.hooks, _fp32_of)
     mxi.remove_method_hook(patched.infer_hook)
     mxi.remove_method_hook(patched.reduce_hook)
     execution.release("init")
@@ -328,6 +328,14 @@ def _after(first: Callable, second: Callable) -> Callable:
     def rewrite(block: Any, args: tuple, inputs: Sequence[Any], out: Any) -> Any:
         return second(block, args, inputs, first(block, args, inputs, out))
     return rewrite
+
+
+def _fp32_of(block: Any, kept: Any) -> Optional[Any]:
+    """The FP32 graph of ``block``, whose graph ``kept`` the hooks made under a policy: the
+    graph it traced without the plan's casts; None where its trace is not known."""
+    if plan_notes.traced_graph(block, kept) is None:
+        return None
+    return plan_notes.fp32_graph(block, kept)
 
 
 def _noting_traced(rewrite: Callable) -> Callable:

@@ -123,8 +123,9 @@ def test_a_hybridized_training_graph_gives_the_same_values_on_both_paths(dtype):
 
 
 class _EmulatedOnFirstCall(nn.HybridBlock):
-    """``net`` whose graph is built on its first call under ``init(dtype, emulate=True)``, with
-    the kernel or the fallback (AMP is off again after that call)."""
+    """``net`` run in an ``autocast(dtype, emulate=True)`` region, its graph built on its first
+    call with the kernel or the fallback (it keeps that graph after the region; ``disable()``
+    would put its FP32 graph back)."""
 
     def __init__(self, net, dtype, kernel):
         super().__init__()
@@ -136,15 +137,11 @@ class _EmulatedOnFirstCall(nn.HybridBlock):
     def forward(self, x):
         if self.built:
             return self.net(x)
-        gluon_amp.init(target_dtype=self.dtype, emulate=True)
-        try:
-            with emulation_kernel.forced(self.kernel):
-                out = self.net(x)
-            graph = json.loads(gluon_amp.execution.executed_graph(self.net).tojson())
-            ops = {n["op"] for n in graph["nodes"]}
-            assert (emulation_kernel.OP_NAME in ops) == self.kernel
-        finally:
-            gluon_amp.disable()
+        with gluon_amp.autocast(self.dtype, emulate=True), emulation_kernel.forced(self.kernel):
+            out = self.net(x)
+        graph = json.loads(gluon_amp.execution.executed_graph(self.net).tojson())
+        ops = {n["op"] for n in graph["nodes"]}
+        assert (emulation_kernel.OP_NAME in ops) == self.kernel
         self.built = True
         return out
 
