@@ -60,7 +60,7 @@
 #define GA_PAIR_OP_NAME "_gluon_amp_round_weight"
 #define GA_BACKWARD_PAIR_OP_NAME "_backward_gluon_amp_round_weight"
 // Bump with any change of behaviour; gluon_amp checks it on load.
-#define GA_KERNEL_VERSION 4
+#define GA_KERNEL_VERSION 5
 
 namespace gaabi {
 
@@ -508,6 +508,9 @@ struct Registration {
     nnvm::Op& backward = ::dmlc::Registry<nnvm::Op>::Get()->__REGISTER_OR_GET__(GA_BACKWARD_OP_NAME);
     define(backward, false);
     backward.set_attr<gaabi::Attr<bool> >("TIsBackward", {true}, 10);
+    // A gradient of a gradient (a gradient penalty: autograd.grad(..., create_graph=True), then
+    // backward): the backward rounds its output gradient as the forward's gradient does.
+    backward.set_attr<gaabi::Attr<nnvm::FGradient> >("FGradient", fn(&gradient), 10);
     nnvm::Op& pair = ::dmlc::Registry<nnvm::Op>::Get()->__REGISTER_OR_GET__(GA_PAIR_OP_NAME);
     define(pair, true);
     pair.describe("(data, weight) -> (data, weight rounded to float16 or bfloat16): gluon_amp's emulation");
@@ -517,6 +520,7 @@ struct Registration {
     nnvm::Op& pair_backward = ::dmlc::Registry<nnvm::Op>::Get()->__REGISTER_OR_GET__(GA_BACKWARD_PAIR_OP_NAME);
     define(pair_backward, true);
     pair_backward.set_attr<gaabi::Attr<bool> >("TIsBackward", {true}, 10);
+    pair_backward.set_attr<gaabi::Attr<nnvm::FGradient> >("FGradient", fn(&gradient_pair), 10);
   }
 };
 

@@ -795,3 +795,39 @@ def test_an_in_place_add_of_another_dtype_reads_it_in_the_callers_dtype(target):
     scores = mx.nd.array([1.0, 2.0, 3.0])
     scores += mx.nd.array([0.5, 0.25, 0.125], dtype="float16")
     assert scores.dtype == np.float32 and scores.asnumpy().tolist() == [1.5, 2.25, 3.125]
+
+
+def _gradient_penalty(dtype):
+    """A WGAN-GP-style penalty: the input gradient of tanh(FullyConnected), squared and summed,
+    then its gradient with respect to the weight (a gradient of a gradient)."""
+    if dtype is not None:
+        gluon_amp.init(target_dtype=dtype, emulate=True)
+    try:
+        rng = np.random.RandomState(5)
+        x = mx.nd.array(rng.uniform(-1, 1, (4, 6)))
+        w = mx.nd.array(rng.uniform(-0.4, 0.4, (3, 6)))
+        x.attach_grad()
+        w.attach_grad()
+        with autograd.record():
+            y = mx.nd.tanh(mx.nd.FullyConnected(x, w, no_bias=True, num_hidden=3))
+            g = autograd.grad(y, [x], head_grads=mx.nd.ones_like(y), create_graph=True, retain_graph=True)[0]
+            gp = (g ** 2).sum()
+        gp.backward()
+        return gp.asscalar(), w.grad.asnumpy()
+    finally:
+        gluon_amp.disable()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_gradient_of_a_gradient_runs_emulated_as_in_fp32(dtype):
+    """Found by a gradient-penalty loop under emulated float16: the kernel's float16 backward
+    had no gradient of its own (MXNet: "_backward_gluon_amp_round is non-differentiable")."""
+    status = emulation_kernel.load()
+    assert status.path == "kernel", f"the emulation kernel did not load: {status.why}"
+    want_gp, want_dw = _gradient_penalty(None)
+    with emulation_kernel.forced(True):
+        gp, dw = _gradient_penalty(dtype)
+    tol = {"float16": 2e-3, "bfloat16": 2e-2}[dtype]
+    assert abs(gp - want_gp) <= tol * abs(want_gp), (gp, want_gp)
+    assert np.isfinite(dw).all() and np.abs(dw - want_dw).max() <= 4 * tol * np.abs(want_dw).max()
+    assert not np.array_equal(dw, want_dw)  # rounded somewhere on the way
