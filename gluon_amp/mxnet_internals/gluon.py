@@ -327,7 +327,8 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
     through ``rewrite(block, args, inputs, out)``, as does, before its first run, a graph
     a block was given (a SymbolBlock's: the block runs the result and keeps its own, see
     :func:`cached_graph`); a block that runs a graph it recorded without the hooks is
-    passed to ``stale`` once. A block whose graph was built here and that ``watch(block)``
+    passed to ``stale`` once, as is one built here while ``current()`` named nothing, at its first
+    call where it names something. A block whose graph was built here and that ``watch(block)``
     names, called with other input shapes than the call that built it (or the last one
     checked), is passed to ``reshaped(block, args, inputs, out)``; if it returns True, the
     graph is dropped and built again, through ``rewrite``, for this call. Every call of a
@@ -346,6 +347,7 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
     given: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()  # blocks whose graph was given, rewritten
     seen: "weakref.WeakKeyDictionary[HybridBlock, tuple]" = weakref.WeakKeyDictionary()
     made_under: "weakref.WeakKeyDictionary[HybridBlock, object]" = weakref.WeakKeyDictionary()
+    plain_said: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()  # built with AMP off, passed to ``stale``
 
     def _get_graph(self: HybridBlock, *args: Any) -> Any:
         run = _RUN_GRAPHS.get(self)
@@ -380,6 +382,12 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
                     _rewrite_given(self, args)
                 stale(self)
             else:
+                if (current is not None and made_under.get(self, self) is None and self not in plain_said
+                        and current() is not None):
+                    # built here while AMP was off for its thread (outside any autocast region):
+                    # it keeps that float32 graph under AMP too, which ``stale`` says, once
+                    plain_said.add(self)
+                    stale(self)
                 if self in seen:  # watched, and its graph went through rewrite
                     shapes = _shapes(args)
                     if seen.get(self) != shapes:

@@ -607,7 +607,8 @@ def _called(block: Any, args: tuple) -> bool:
 
 
 def _warn_stale(block: Any) -> None:
-    """A hybridized block runs a graph it cached before ``init``: it runs without AMP."""
+    """A hybridized block runs a graph it cached while AMP was off (before ``init``, or outside
+    any ``autocast`` region): it runs without AMP."""
     if current_policy() is None:  # AMP is off for this thread: nothing is missed
         return
     if getattr(block, "amp_result", None) is not None:  # converted by gluon_amp already
@@ -616,6 +617,6 @@ def _warn_stale(block: Any) -> None:
     if recorded is not None and holds_amp_plan(recorded):  # built under AMP (a SymbolBlock's), whatever it runs
         return
     warnings.warn(
-        f"hybridized block {block.name!r} cached its graph before gluon_amp.init() and runs without "
-        "mixed precision. Call block.hybridize() again (it drops the cached graph) or rebuild the "
-        "block, then run it.", RuntimeWarning, stacklevel=4)
+        f"hybridized block {block.name!r} cached its graph before gluon_amp.init() (or outside any "
+        "autocast region) and runs it without mixed precision. Call block.hybridize() again where "
+        "AMP is on (it drops the cached graph) or rebuild the block, then run it.", RuntimeWarning, stacklevel=4)

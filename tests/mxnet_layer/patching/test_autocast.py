@@ -6,6 +6,7 @@ op (FullyConnected) under emulated float16 gives float32 holding float16-rounded
 Graph dtypes are MXNet's type inference of the graph built.
 """
 import threading
+import warnings
 
 import numpy as np
 import mxnet as mx
@@ -92,6 +93,26 @@ def test_a_hybridized_block_keeps_the_graph_of_the_region_it_was_built_in():
         assert _rounded_to(outside(DATA).asnumpy(), "float16")
         inside.hybridize()  # a rebuild takes the region it happens in
     assert _rounded_to(inside(DATA).asnumpy(), "float16")
+
+
+def test_a_block_traced_outside_any_region_says_so_once_when_it_runs_in_one():
+    """A block first called with AMP off (a summary or a check before a loop of autocast
+    regions) keeps that float32 graph in the regions: silently, before, AMP did nothing."""
+    net = nn.Dense(5, in_units=8, use_bias=False)
+    net.initialize()
+    net.weight.set_data(WEIGHT)
+    net.hybridize()
+    with gluon_amp.autocast("float16", emulate=True):
+        pass  # patched from here on, with no policy outside the region
+    net(DATA)
+    with gluon_amp.autocast("float16", emulate=True):
+        with pytest.warns(RuntimeWarning, match=r"cached its graph .*outside any autocast region"):
+            assert _rounded_to(net(DATA).asnumpy(), "float32")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            net(DATA)  # once
+        net.hybridize()  # as it says
+        assert _rounded_to(net(DATA).asnumpy(), "float16")
 
 
 def _dense():
