@@ -4,9 +4,10 @@ A hybridized block's graph already gives float32 code float32 (:mod:`gluon_amp.e
 An un-hybridized one runs op by op, and its last low-precision op's output would reach the
 caller as it is: a bfloat16 array, whose ``asnumpy()`` gives raw 16-bit words (NumPy has no
 bfloat16), so ``mx.metric.Accuracy`` read 0 and printed predictions were garbage. Here its
-outputs of the policy's low dtype are cast to float32 unless the caller fed that dtype
-(GPU-style code, ``net.cast('float16')``, gets what it asks for). Only the outermost call:
-the blocks inside it pass low-precision values to each other as before.
+outputs of the policy's low dtype come back in the dtype the caller works in, as a graph's do
+(:func:`gluon_amp.execution.outputs_as_fed`): float32, or the one low dtype the caller fed
+(GPU-style code, ``net.cast('float16')``, gets float16 under a bfloat16 policy too). Only the
+outermost call: the blocks inside it pass low-precision values to each other as before.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ def returned(block: Any, args: tuple, out: Any) -> Any:
         return out  # emulation computes in float32 already
     if not _holds(out, policy.target_dtype) or _holds(args, policy.target_dtype):
         return out  # the output first: a graph gives its float32 code float32 already
-    return _to_float32(out, policy.target_dtype)
+    fed = {d for d in _LOW if _holds(args, d)}
+    return _cast(out, policy.target_dtype, fed.pop() if len(fed) == 1 else "float32")
 
 
 def _holds(args: Any, dtype: str) -> bool:
@@ -36,15 +38,16 @@ def _holds(args: Any, dtype: str) -> bool:
     return _dtype_name(args) == dtype
 
 
-def _to_float32(out: Any, dtype: str) -> Any:
+def _cast(out: Any, dtype: str, want: str) -> Any:
+    """``out`` with its arrays of ``dtype`` cast to ``want`` (nested lists and tuples kept)."""
     if isinstance(out, (list, tuple)):
-        items = [_to_float32(o, dtype) for o in out]
+        items = [_cast(o, dtype, want) for o in out]
         if all(a is b for a, b in zip(items, out)):
             return out
         if isinstance(out, list):
             return items
         return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
-    return out.astype("float32") if _dtype_name(out) == dtype else out
+    return out.astype(want) if _dtype_name(out) == dtype else out
 
 
 def _dtype_name(value: Any) -> Any:
