@@ -74,17 +74,17 @@ def test_native_dtypes_inside_enabled_false_are_float32_ones():
     assert _sym_out_dtype() == "float16" and mx.nd.softmax(X16).dtype == np.float32
 
 
+def _dense():
+    net = nn.Dense(5, in_units=8, use_bias=False)
+    net.initialize()
+    net.weight.set_data(WEIGHT)
+    net.hybridize()
+    return net
+
+
 def test_a_hybridized_block_keeps_the_graph_of_the_region_it_was_built_in():
     gluon_amp.init("float16", emulate=True)
-
-    def block():
-        net = nn.Dense(5, in_units=8, use_bias=False)
-        net.initialize()
-        net.weight.set_data(WEIGHT)
-        net.hybridize()
-        return net
-
-    inside, outside = block(), block()
+    inside, outside = _dense(), _dense()
     with gluon_amp.autocast(enabled=False):
         assert _rounded_to(inside(DATA).asnumpy(), "float32")  # built here: a float32 graph
     assert _rounded_to(outside(DATA).asnumpy(), "float16")  # built under the policy: its plan
@@ -98,10 +98,7 @@ def test_a_hybridized_block_keeps_the_graph_of_the_region_it_was_built_in():
 def test_a_block_traced_outside_any_region_says_so_once_when_it_runs_in_one():
     """A block first called with AMP off (a summary or a check before a loop of autocast
     regions) keeps that float32 graph in the regions: silently, before, AMP did nothing."""
-    net = nn.Dense(5, in_units=8, use_bias=False)
-    net.initialize()
-    net.weight.set_data(WEIGHT)
-    net.hybridize()
+    net = _dense()
     with gluon_amp.autocast("float16", emulate=True):
         pass  # patched from here on, with no policy outside the region
     net(DATA)
@@ -113,14 +110,6 @@ def test_a_block_traced_outside_any_region_says_so_once_when_it_runs_in_one():
             net(DATA)  # once
         net.hybridize()  # as it says
         assert _rounded_to(net(DATA).asnumpy(), "float16")
-
-
-def _dense():
-    net = nn.Dense(5, in_units=8, use_bias=False)
-    net.initialize()
-    net.weight.set_data(WEIGHT)
-    net.hybridize()
-    return net
 
 
 @pytest.mark.parametrize("built_in", ["init", "region"])
