@@ -194,14 +194,19 @@ class _Hook:
             dtype = step[0] if step is not None else self._compute_dtype()
             armed, self._armed = self._armed, False
             ignore_stale, self._ignore_stale = self._ignore_stale, False
+            stale_left = False
             if ignore_stale:
                 # a gradient MXNet will not apply (an unused head's, inf from a step it skipped)
                 # must not skip the steps of the parameters it does apply
-                params = mxi.fresh_params(params)
+                fresh = mxi.fresh_params(params)
+                stale_left = len(fresh) < len(params)
+                params = fresh if stale_left else params
             scaled = self.scaler.scales(dtype)
             checked = self.scaler.checks(dtype, scaled) or (self.scaler.enabled and self._must_check)
             early = None
-            if checked and armed and trainer is not None:
+            if checked and armed and trainer is not None and not stale_left:
+                # (an early update's undo indexes the optimizer's states by the trainer's whole
+                # parameter list: a step that leaves some out waits for its verdict)
                 early = early_update.begin(trainer, params, self._plans)
             finite = True if not checked or early is not None else overflow.all_finite(params)
             if trainer is not None:

@@ -165,3 +165,27 @@ def test_emulated_float16_with_the_dynamic_scaler_trains_on_after_an_unused_head
         assert all(np.isfinite(w).all() for w in _weights(net).values())
     finally:
         gluon_amp.disable()
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early", "waiting"])
+def test_a_skipped_step_that_leaves_stale_parameters_out_leaves_every_optimizer_state(early, monkeypatch):
+    """Found in a two-head multi-task loop: the skipped step's early update saved and put back
+    the optimizer states by positions in the fresh parameters, not in the trainer's list, so
+    head B's momentum kept the inf and its next good step made its weights NaN."""
+    net, trainer, scaler = _net_and_trainer(CHECKED, early, monkeypatch)
+    good, bad = _batches(2, bad_first=False)[0], _batches(1, bad_first=True)[0]
+    _step(net, trainer, good, "ab", ignore_stale_grad=True)  # every parameter gets its state
+    _step(net, trainer, good, "a", ignore_stale_grad=True)
+    states = {i: [s.asnumpy().copy() for s in ([st] if not isinstance(st, (list, tuple)) else st)]
+              for i, st in trainer._updaters[0].states.items()}
+    weights = _weights(net)
+    _step(net, trainer, bad, "b", ignore_stale_grad=True)
+    assert scaler.last_step_skipped
+    for i, st in trainer._updaters[0].states.items():
+        now = [s.asnumpy() for s in ([st] if not isinstance(st, (list, tuple)) else st)]
+        for a, b in zip(now, states[i]):
+            np.testing.assert_array_equal(a, b, err_msg=trainer._params[i].name)
+    for k, w in _weights(net).items():
+        np.testing.assert_array_equal(w, weights[k], err_msg=k)
+    _step(net, trainer, good, "b", ignore_stale_grad=True)
+    assert all(np.isfinite(w).all() for w in _weights(net).values())
