@@ -391,7 +391,7 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
     plan = with_twins(block, plan, known, shapes,
                       policy if _remembered(block) is not None and not mx.autograd.is_recording() else None)
     plan_notes.record_fed(block, known)  # report types the plan as it runs (gluon_amp.reporting)
-    devices = {a.context.device_type for a in mxi.call_arrays(args) if isinstance(a, NDArray)}
+    devices = {a.ctx.device_type for a in mxi.call_arrays(args) if isinstance(a, NDArray)}
     typed = plan_dtypes(plan, known)
     run = graph_to_run(plan, known, shapes, devices, policy, f"block {block.name!r}", plan_notes.plan_heads(block),
                        pair=_remembered(block) is None, accumulating=mxi.accumulating_params(block),

@@ -43,7 +43,7 @@ def _bf16_exact(a: np.ndarray) -> np.ndarray:
 
 
 def _fold_one(p: ConvBN, args: Params, aux: Params) -> bool:
-    ctx = args[p.weight].context
+    ctx = args[p.weight].ctx
     get = lambda d, k: d[k].asnumpy().astype(np.float64)  # noqa: E731
     var, mean = get(aux, p.var), get(aux, p.mean)
     if not (np.isfinite(var).all() and (var + p.eps > 0).all()):

@@ -85,7 +85,7 @@ def host_view(array: mx.nd.NDArray) -> Optional[np.ndarray]:
     """A read-only NumPy view of a CPU float32/float16 array's memory (after its pending
     writes), or None where there is none (other devices, dtypes, storage types)."""
     name = FLOAT_NAMES.get(array.dtype)
-    if array.context.device_type != "cpu" or array.stype != "default" or name not in ("float32", "float16"):
+    if array.ctx.device_type != "cpu" or array.stype != "default" or name not in ("float32", "float16"):
         return None
     array.wait_to_read()
     if array.size == 0:
@@ -120,5 +120,5 @@ def cast_array(array: mx.nd.NDArray, dtype: str) -> mx.nd.NDArray:
 def leaf_with_grad(array: mx.nd.NDArray) -> bool:
     """True for a CPU float32 array with a gradient attached, while autograd records: a cast's
     backward would write its gradient directly (``'add'`` possibly)."""
-    return (array.dtype == np.float32 and mx.autograd.is_recording() and array.context.device_type == "cpu"
+    return (array.dtype == np.float32 and mx.autograd.is_recording() and array.ctx.device_type == "cpu"
             and array.grad is not None)

@@ -73,7 +73,7 @@ class StoredCasts:
     def get(self, position: int, source: mx.nd.NDArray, dtype: str) -> mx.nd.NDArray:
         """``source`` cast to ``dtype``: the one stored for ``position`` where still current."""
         count = write_count(source)
-        key = (position, source.context)
+        key = (position, source.ctx)
         held = self._held.get(key)
         if held is not None and held[0] is source and count is not None and held[1] == count:
             return held[2]
@@ -168,7 +168,7 @@ def _forward_run(block: HybridBlock, names: List[str], made: Optional[Made], arg
         arrays = [a for a in args if isinstance(a, mx.nd.NDArray)]
         graph = graph.optimize_for(block._backend, {n: fed(n) for n in graph.list_arguments()},
                                    {n: fed(n) for n in graph.list_auxiliary_states()},
-                                   arrays[0].context if arrays else None, **block._backend_opts)
+                                   arrays[0].ctx if arrays else None, **block._backend_opts)
         if mx.util.is_np_array():  # as _build_cache: the CachedOp returns mx.np arrays
             graph = graph.as_np_ndarray()
     own = graph.list_inputs()

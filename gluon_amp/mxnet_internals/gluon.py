@@ -145,14 +145,26 @@ def legacy_arrays() -> ContextManager[Any]:
     return mx.util.np_array(False)
 
 
+def _name_manager() -> Any:
+    """The calling thread's ``NameManager`` (Gluon's name scope inside a block). 1.9.1:
+    ``NameManager._current.value``, what ``NameManager.current`` returns after its
+    DeprecationWarning, which every op of a block's trace would otherwise show the user."""
+    local = getattr(mx.name.NameManager, "_current", None)
+    if local is None:
+        return mx.name.NameManager.current  # another layout: the public way, warning and all
+    if not hasattr(local, "value"):
+        local.value = mx.name.NameManager()
+    return local.value
+
+
 def auto_names_mark() -> Callable[[], None]:
     """A function that puts MXNet's automatic naming back as it is now: the names symbols built
     meanwhile took (``fullyconnected3``) are handed out again, as if they had not been built.
 
-    1.9.1: ``NameManager.current`` (Gluon's name scopes are its ``Prefix`` subclass) counts
+    1.9.1: the thread's ``NameManager`` (Gluon's name scopes are its ``Prefix`` subclass) counts
     each hint in its ``_counter`` dict; without it, the function does nothing.
     """
-    counter = getattr(mx.name.NameManager.current, "_counter", None)
+    counter = getattr(_name_manager(), "_counter", None)
     saved = dict(counter) if isinstance(counter, dict) else None
 
     def restore() -> None:
@@ -221,7 +233,7 @@ def auto_name(hint: str) -> str:
     """The next name MXNet's current name manager gives a node with ``hint`` (``hint0``,
     ``hint1``, ... per manager), without the scope's prefix, which MXNet adds when the node is
     created. 1.9.1: ``NameManager.get`` counts per hint; ``Prefix.get`` adds the prefix."""
-    return mx.name.NameManager.get(mx.name.NameManager.current, None, hint)
+    return mx.name.NameManager.get(_name_manager(), None, hint)
 
 
 def run_unpartitioned(block: HybridBlock, graph: Symbol, backend: Optional[str] = None) -> None:
@@ -547,7 +559,7 @@ def full_op_name(name: Any) -> Optional[str]:
     returns ``name`` (prefixed under ``Prefix``) without side effects when ``name`` is set."""
     if not name or not isinstance(name, str):
         return None
-    return mx.name.NameManager.current.get(name, None)
+    return _name_manager().get(name, None)
 
 
 # -- Parameter.cast hook -------------------------------------------------------------

@@ -62,7 +62,7 @@ def pad(array: Any, channels: int, dtype: str) -> Any:
         return array
     if array.shape[1] < channels:
         n, c, h, w = array.shape
-        zeros = mx.nd.zeros((n, channels - c, h, w), ctx=array.context, dtype=array.dtype)
+        zeros = mx.nd.zeros((n, channels - c, h, w), ctx=array.ctx, dtype=array.dtype)
         array = mx.nd.concat(array, zeros, dim=1)
     return cast_array(array, dtype)
 

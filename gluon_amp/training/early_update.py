@@ -51,7 +51,7 @@ class Saved:
 
     def __init__(self, live: Sequence[mx.nd.NDArray]) -> None:
         self.live = list(live)
-        self.copies = [mx.nd.empty(a.shape, ctx=a.context, dtype=a.dtype) for a in self.live]
+        self.copies = [mx.nd.empty(a.shape, ctx=a.ctx, dtype=a.dtype) for a in self.live]
         self.together = self.live[0].dtype == np.float32
 
     def save(self) -> None:
@@ -86,15 +86,15 @@ class Plan:
         by_ctx: Dict[mx.Context, List[mx.nd.NDArray]] = {}
         for g in grads if self.usable else ():
             if g.dtype == np.float32 and g.size:
-                by_ctx.setdefault(g.context, []).append(g)
+                by_ctx.setdefault(g.ctx, []).append(g)
             else:
-                self.others.setdefault(g.context, []).append(g)
+                self.others.setdefault(g.ctx, []).append(g)
         for plain in by_ctx.values():
             self.sums += [plain[i:i + _CHUNK] for i in range(0, len(plain), _CHUNK)]
         self._groups: Dict[Tuple[mx.Context, str], List[mx.nd.NDArray]] = {}
         for a in live if self.usable else ():
             if a.size:
-                self._groups.setdefault((a.context, np.dtype(a.dtype).name), []).append(a)
+                self._groups.setdefault((a.ctx, np.dtype(a.dtype).name), []).append(a)
         self._saved: Optional[List[Saved]] = None
 
     @property
@@ -127,7 +127,7 @@ class Early:
         """Whether every gradient of the step is finite (waits for the sums only)."""
         for sums, grads in zip(self.sums, self.sums_of):
             with np.errstate(all="ignore"):
-                if not np.isfinite(sums.asnumpy()).all() and not overflow.arrays_finite({grads[0].context: grads}):
+                if not np.isfinite(sums.asnumpy()).all() and not overflow.arrays_finite({grads[0].ctx: grads}):
                     return False
         return not self.others or overflow.arrays_finite(self.others)
 

@@ -85,7 +85,7 @@ class MasterWeightUpdater(Updater):
         """The float32 weight to update and the inner optimizer state, for one weight."""
         state = self.states.get(idx)
         if state is not None and not self.states_synced.get(idx, True):
-            state = self.sync_state_context(state, weight.context)
+            state = self.sync_state_context(state, weight.ctx)
         if isinstance(state, MasterState):
             master, inner = (state.master, state.inner) if self.keep_master else (None, state.inner)
         else:
@@ -102,7 +102,7 @@ class MasterWeightUpdater(Updater):
 
     def _update_low(self, indices: list, grads: list, weights: list) -> None:
         opt = self.optimizer
-        mxi.set_optimizer_context(opt, weights[0].context)
+        mxi.set_optimizer_context(opt, weights[0].ctx)
         with autograd.pause():
             pairs = [self._state_for(i, w) for i, w in zip(indices, weights)]
             masters = [m for m, _ in pairs]

@@ -99,7 +99,7 @@ class ModuleHook:
             groups: Dict[mx.Context, List[mx.nd.NDArray]] = {}
             for g in mxm.module_grad_arrays(module):
                 g = g if g.stype == "default" else g.data
-                groups.setdefault(g.context, []).append(g)
+                groups.setdefault(g.ctx, []).append(g)
             finite = overflow.arrays_finite(groups)
             # before the gradients meet (a dist kvstore's push, a Horovod optimizer's allreduce
             # inside the update): every worker skips, or none

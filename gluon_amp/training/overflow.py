@@ -28,7 +28,7 @@ def grads_by_context(params: Sequence[Parameter], stored: bool = True) -> Dict[m
         for g in map(mxi.legacy, p.list_grad()):  # all_finite and amp_cast refuse numpy-mode arrays
             if stored and g.stype != "default":
                 g = g.data  # row_sparse / csr: check the stored values
-            groups.setdefault(g.context, []).append(g)
+            groups.setdefault(g.ctx, []).append(g)
     return groups
 
 

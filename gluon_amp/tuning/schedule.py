@@ -152,7 +152,7 @@ class Tuner:
         if getattr(block, "amp_result", None) is not None:
             return out  # converted by gluon_amp: its plan (tuned or not) was fixed then
         arrays = [a for a in mxi.call_arrays(args) if isinstance(a, NDArray)]
-        if not arrays or any(a.context.device_type != "cpu" for a in arrays):
+        if not arrays or any(a.ctx.device_type != "cpu" for a in arrays):
             return out  # GPUs: float16 is taken as fast; nothing here times them
         known, _ = mxi.call_inputs(block, args, inputs)
         target = Target(out, known, applier(out, known, self.policy), self.policy, train=True)

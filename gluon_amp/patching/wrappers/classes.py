@@ -90,7 +90,7 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
 
     def cast_all(args: tuple, kwargs: dict, d: Decision) -> Any:
         want, keep = d.dtype, d.keep_fp32
-        if guard and want == low and any(isinstance(a, NDArray) and a.context.device_type == "cpu"
+        if guard and want == low and any(isinstance(a, NDArray) and a.ctx.device_type == "cpu"
                          for a in [*args, *kwargs.values()]):
             if mxi.constructing_block() is None:
                 raise CannotRun(cannot_run(f"{op} (imperative)", want, "cpu"))
