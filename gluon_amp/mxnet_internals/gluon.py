@@ -380,11 +380,11 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
         return self._cached_graph
 
     def _call_cached_op(self: HybridBlock, *args: Any) -> Any:
-        if self._cached_graph and not _paused.depth and self not in built and self in _RESTORED:
-            _RESTORED.discard(self)
-            self._clear_cached_op()  # an FP32 graph a removal put back: traced again, under these hooks
         if self._cached_graph and not _paused.depth:
-            if self not in built:
+            if self not in built and self in _RESTORED:
+                _RESTORED.discard(self)
+                self._clear_cached_op()  # an FP32 graph a removal put back: traced again, under these hooks
+            elif self not in built:
                 built.add(self)  # once per block
                 if self._cached_op is None:
                     # A graph that never went through _get_graph and has not run yet: a
