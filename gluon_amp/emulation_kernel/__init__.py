@@ -12,6 +12,11 @@ and :func:`status` (``runtime_info()["emulation_kernel"]``) says why:
 - no C++ compiler (``$CXX``, default ``c++``), or the build or its check failed;
 - ``GLUON_AMP_EMULATION_KERNEL=0`` (or ``off``/``false``/``no``) in the environment;
 - a GPU is visible (the operator runs on CPUs only).
+
+The same library gives MXNet's ``amp_cast`` and ``amp_multicast`` a gradient of their backward
+(MXNet 1.9.1 has none), so a gradient of a gradient runs through a plan's casts
+(:func:`cast_gradients`, loaded on the first ``autograd.grad(..., create_graph=True)`` under a
+policy, with or without emulation).
 """
 from __future__ import annotations
 
@@ -62,6 +67,7 @@ class KernelStatus:
 _status = KernelStatus("not used yet", "built or loaded on the first use of emulation in this process")
 _function: Optional[Callable[..., Any]] = None
 _forced: Optional[bool] = None
+_gradients: Optional[KernelStatus] = None
 
 
 def status() -> KernelStatus:
@@ -83,6 +89,19 @@ def load() -> KernelStatus:
         else:
             logger.info("gluon_amp: emulation rounds with MXNet's ops (the fallback): %s", _status.why)
         return _status
+
+
+def cast_gradients() -> KernelStatus:
+    """Decide, once per process, whether the casts' gradients of :mod:`rounding.cc` are in
+    MXNet's registry: the library loaded (built if need be), whatever emulation decided, as
+    they are needed on a GPU too. ``path`` is ``'kernel'`` when they are, else ``'fallback'``
+    with the reason. Never raises."""
+    global _gradients
+    with _lock:
+        if _gradients is None:
+            _gradients = _status if _status.path == "kernel" else _load_library()[0]
+            logger.info("gluon_amp: casts' second gradients: %s (%s)", _gradients.path, _gradients.why)
+        return _gradients
 
 
 def active() -> bool:
@@ -111,14 +130,23 @@ def forced(use: bool) -> Iterator[None]:
 
 def _decide() -> Tuple[KernelStatus, Optional[Callable[..., Any]]]:
     """The status and the kernel's function (``None`` on the fallback), decided now."""
+    try:
+        import mxnet as mx
+        if not switched_off(os.environ, ENV) and mx.context.num_gpus() > 0:
+            return KernelStatus("fallback", "a GPU is visible: the kernel runs on CPUs only"), None
+    except Exception as exc:  # noqa: BLE001  whatever went wrong, emulation still runs
+        return KernelStatus("fallback", f"loading the kernel failed: {type(exc).__name__}: {exc}"), None
+    return _load_library()
+
+
+def _load_library() -> Tuple[KernelStatus, Optional[Callable[..., Any]]]:
+    """The library built (if need be), loaded and checked, and its rounding function; or the
+    fallback and why."""
     if switched_off(os.environ, ENV):
         return KernelStatus("fallback", f"{ENV}={os.environ[ENV]}"), None
     try:
-        import mxnet as mx
         from .. import mxnet_internals as mxi
         from . import build
-        if mx.context.num_gpus() > 0:
-            return KernelStatus("fallback", "a GPU is visible: the kernel runs on CPUs only"), None
         made = build.ensure(mxi.mxnet_build_facts(), os.environ, log=logger.warning)
         if made.library is None:
             return KernelStatus("fallback", made.why), None

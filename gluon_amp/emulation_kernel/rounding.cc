@@ -18,6 +18,9 @@
 // the whole backward chain, so every op's weight gradient waited in a buffer until the end.
 // The data passes through in place (FInplaceIdentity: even where other ops read it too).
 //
+// MXNet's amp_cast and amp_multicast get a gradient of their backward (1.9.1 has none), so a
+// gradient of a gradient runs through the casts of any plan, native ones included.
+//
 // It is built against the headers MXNet's wheel ships, and loaded into a libmxnet.so built by
 // another compiler (the 1.9.1 pip wheel: GCC 4.8, the old std::string ABI). Two rules follow:
 //   1. std::function objects that libmxnet calls are made with invokers of the convention GCC
@@ -60,7 +63,7 @@
 #define GA_PAIR_OP_NAME "_gluon_amp_round_weight"
 #define GA_BACKWARD_PAIR_OP_NAME "_backward_gluon_amp_round_weight"
 // Bump with any change of behaviour; gluon_amp checks it on load.
-#define GA_KERNEL_VERSION 5
+#define GA_KERNEL_VERSION 6
 
 namespace gaabi {
 
@@ -477,6 +480,20 @@ std::vector<nnvm::NodeEntry> gradient_pair(const nnvm::ObjectPtr& n, const std::
   return mxnet::op::MakeGradNode(GA_BACKWARD_PAIR_OP_NAME, n, {ograds[0], ograds[1]}, n->attrs.dict);
 }
 
+// MXNet's own casts, which plans insert (amp_cast, amp_multicast): 1.9.1 gives their backward
+// ops no gradient, so a gradient of a gradient through a plan (a gradient penalty) raised
+// "_backward_amp_cast is non-differentiable". A cast's backward casts each output gradient to
+// its forward input's dtype; its gradient casts each one back. That is the same backward op
+// again, with a control dependency on the one it differentiates: a backward op's dtypes come
+// from the node it depends on (MXNet infers them through that node's gradient), so each cast
+// goes back to the dtype it came from. amp_cast with the forward's dtype could not do it for
+// amp_multicast, whose output dtype is the widest of all its inputs', some of them gradients
+// nobody asked for (zeros of no known dtype), and has no attribute that names it.
+std::vector<nnvm::NodeEntry> gradient_of_cast_backward(const nnvm::ObjectPtr& n,
+                                                       const std::vector<nnvm::NodeEntry>& ograds) {
+  return mxnet::op::MakeGradNode(n->attrs.op->name.c_str(), n, ograds, n->attrs.dict);
+}
+
 template <typename Sig>
 gaabi::Attr<std::function<Sig> > fn(Sig* p) {
   return {gaabi::OldAbi<Sig>::make(p)};
@@ -496,6 +513,18 @@ void define(nnvm::Op& op, bool pair) {
   // oneDNN arrays reach compute() as they are (MXNet would otherwise copy them to a plain one)
   op.set_attr<gaabi::Attr<bool> >("TIsMKLDNN", {true}, 10);
 #endif
+}
+
+// Gives MXNet's op `name` a gradient where it has none: set_attr keeps an FGradient MXNet
+// registered (at the same level), and an op this MXNet lacks is left alone (Find, not
+// __REGISTER_OR_GET__, which would register an empty one).
+void give_gradient(const char* name,
+                   std::vector<nnvm::NodeEntry> (*gradient_fn)(const nnvm::ObjectPtr&,
+                                                               const std::vector<nnvm::NodeEntry>&)) {
+  const nnvm::Op* op = ::dmlc::Registry<nnvm::Op>::Find(name);
+  if (op != nullptr) {
+    const_cast<nnvm::Op*>(op)->set_attr<gaabi::Attr<nnvm::FGradient> >("FGradient", fn(gradient_fn), 10);
+  }
 }
 
 struct Registration {
@@ -521,6 +550,8 @@ struct Registration {
     define(pair_backward, true);
     pair_backward.set_attr<gaabi::Attr<bool> >("TIsBackward", {true}, 10);
     pair_backward.set_attr<gaabi::Attr<nnvm::FGradient> >("FGradient", fn(&gradient_pair), 10);
+    give_gradient("_backward_amp_cast", &gradient_of_cast_backward);
+    give_gradient("_backward_amp_multicast", &gradient_of_cast_backward);
   }
 };
 

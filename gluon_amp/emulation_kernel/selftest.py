@@ -12,6 +12,7 @@ Loads ``LIBRARY`` into MXNet's process and checks, for float16 and bfloat16:
 - a small training graph (convolution, batch norm, the rounding in place on oneDNN's layout,
   ``static_alloc``) forward and backward against the same graph rounded by MXNet's ops;
 - that float16 rounds the gradient and bfloat16 passes it through;
+- a gradient of a gradient through MXNet's ``amp_cast`` and ``amp_multicast``;
 - that the library's errors (a bad ``dtype``, a float64 input, imperatively and when a graph is
   typed) reach MXNet's handler as an ``MXNetError`` naming the problem. A C++ exception thrown
   from a library of one toolchain must unwind through libmxnet's frames of another: where it
@@ -164,6 +165,35 @@ def check_training(dtype: str) -> List[str]:
     return errors
 
 
+def check_cast_gradients() -> List[str]:
+    """A gradient of a gradient through MXNet's ``amp_cast`` and ``amp_multicast`` (the library
+    gives their backward ops a gradient): ``t = tanh(x cast down and back)``, its input gradient
+    ``1 - t**2`` squared and summed, differentiated again: ``-4 t (1 - t**2)**2``, within the
+    rounding of ``x``. The multicast's other input is a constant, whose gradient nobody asks
+    for; it runs in bfloat16 (MXNet's CPU multicast goes to oneDNN, which has no float16)."""
+    errors = []
+    x0 = np.array([0.5, -1.25, 0.75, 0.25], dtype=np.float32)
+    t = np.tanh(x0)
+    want = -4 * t * (1 - t ** 2) ** 2
+    casts = [(f"amp_cast to {d}", lambda x, d=d: mx.nd.amp_cast(mx.nd.amp_cast(x, dtype=mxi.to_mx_dtype(d)),
+                                                               dtype="float32"))
+             for d in DTYPES]
+    casts.append(("amp_multicast", lambda x: mx.nd.amp_multicast(
+        mx.nd.amp_cast(x, dtype=mxi.to_mx_dtype("bfloat16")), mx.nd.ones_like(x), num_outputs=2)[0]))
+    for name, cast in casts:
+        x = mx.nd.array(x0)
+        x.attach_grad()
+        with mx.autograd.record():
+            y = mx.nd.tanh(cast(x))
+            g = mx.autograd.grad(y, [x], head_grads=mx.nd.ones_like(y), create_graph=True, retain_graph=True)[0]
+            penalty = (g * g).sum()
+        penalty.backward()
+        got = x.grad.asnumpy()
+        if x.grad.dtype != np.float32 or not np.allclose(got, want, rtol=2e-2):
+            errors.append(f"{name}: a gradient of a gradient gives {got.tolist()}, not {want.tolist()}")
+    return errors
+
+
 #: Calls that must fail, and the words MXNet's error must hold where the op is called
 #: imperatively: the kernel never throws (rounding.cc, rule 3); its inference functions refuse,
 #: and libmxnet raises, quoting the node's attributes or naming the check that refused.
@@ -223,6 +253,7 @@ def main(argv: List[str]) -> int:
         for dtype in DTYPES:
             errors += check_training(dtype)
         mx.nd.waitall()
+        errors += check_cast_gradients()
         errors += check_errors(fn)
     except Exception as exc:  # noqa: BLE001  reported, not raised: the parent falls back
         print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
 
-from .. import execution, mxnet_internals as mxi, plan_notes, runtime, state
+from .. import emulation_kernel, execution, mxnet_internals as mxi, plan_notes, runtime, state
 from ..gc_pause import while_gc_paused
 from ..policy_builder import as_policy
 from ..tuning.schedule import Tuner
@@ -67,6 +67,8 @@ class _Patched:
     infer_hook: mxi.MethodHook
     #: a parameter's copies on several contexts averaged by MXNet's own ops (saving keeps its dtype)
     reduce_hook: mxi.MethodHook
+    #: ``autograd.grad(..., create_graph=True)``: the casts' second gradients loaded first
+    grad_hook: mxi.MethodHook
     #: policy -> its Region, for every policy whose wrappers were built (equal policies share one)
     regions: dict = field(default_factory=dict)
     #: Region -> what the block hooks do under it
@@ -197,6 +199,26 @@ def _turn_off(policy: Optional[Policy]) -> None:
             extension.off()
 
 
+def _before_create_graph() -> None:
+    """Before ``autograd.grad(..., create_graph=True)`` under a policy: the gradient's own graph
+    goes through the plan's casts, whose backward MXNet 1.9.1 cannot differentiate; the
+    emulation kernel's library gives them a gradient. Without it, say so now, not at the
+    ``backward`` that would fail with MXNet's "non-differentiable"."""
+    policy = state.current_policy()
+    if policy is None or policy.target_dtype not in ("float16", "bfloat16"):
+        return
+    status = emulation_kernel.cast_gradients()
+    if status.path != "kernel":
+        raise RuntimeError(
+            f"gluon_amp: autograd.grad(..., create_graph=True) under the {policy.target_dtype} policy "
+            "records a gradient through the plan's casts, and MXNet 1.9.1 cannot differentiate a "
+            "cast's backward (its backward would fail with '_backward_amp_cast is non-differentiable'). "
+            f"gluon_amp gives the casts that gradient from its compiled kernel library, which this "
+            f"process cannot load: {status.why}. Make a C++ compiler available (or set $CXX) "
+            f"and leave {emulation_kernel.ENV} unset, or run this forward pass and its gradient "
+            "inside `with gluon_amp.autocast(enabled=False):` (float32).")
+
+
 def _patch() -> _Patched:
     """The process-wide patch, made now if there is none (under ``state.lock``, interrupts
     deferred). Each part is undone if a later one fails; the patch exists once it is whole."""
@@ -216,7 +238,9 @@ def _patch() -> _Patched:
         undo.append(lambda: mxi.remove_method_hook(infer))
         reduce = mxi.install_reduce_hook(lambda: autocast(enabled=False))
         undo.append(lambda: mxi.remove_method_hook(reduce))
-        patched = _Patched({}, hooks, ScalerRegistry(), infer, reduce)
+        grad = mxi.install_grad_hook(_before_create_graph)
+        undo.append(lambda: mxi.remove_method_hook(grad))
+        patched = _Patched({}, hooks, ScalerRegistry(), infer, reduce, grad)
         atexit.register(_at_exit)
         undo.append(lambda: atexit.unregister(_at_exit))
         _patched = patched
@@ -238,6 +262,7 @@ def _unpatch() -> None:
     mxi.remove_block_hooks(patched.hooks, _fp32_of)
     mxi.remove_method_hook(patched.infer_hook)
     mxi.remove_method_hook(patched.reduce_hook)
+    mxi.remove_method_hook(patched.grad_hook)
     execution.release("init")
     low_cast.release("init")
     atexit.unregister(_at_exit)
