@@ -205,7 +205,7 @@ def _before_create_graph() -> None:
     emulation kernel's library gives them a gradient. Without it, say so now, not at the
     ``backward`` that would fail with MXNet's "non-differentiable"."""
     policy = state.current_policy()
-    if policy is None or policy.target_dtype not in ("float16", "bfloat16"):
+    if policy is None or not policy.enabled or policy.target_dtype not in ("float16", "bfloat16"):
         return
     status = emulation_kernel.cast_gradients()
     if status.path != "kernel":
