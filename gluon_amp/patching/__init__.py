@@ -68,7 +68,7 @@ class _Patched:
     #: a parameter's copies on several contexts averaged by MXNet's own ops (saving keeps its dtype)
     reduce_hook: mxi.MethodHook
     #: ``autograd.grad(..., create_graph=True)``: the casts' second gradients loaded first
-    grad_hook: mxi.MethodHook
+    grad_hook: mxi.SavedFunction
     #: policy -> its Region, for every policy whose wrappers were built (equal policies share one)
     regions: dict = field(default_factory=dict)
     #: Region -> what the block hooks do under it
@@ -199,24 +199,35 @@ def _turn_off(policy: Optional[Policy]) -> None:
             extension.off()
 
 
+_LOW = frozenset({"float16", "bfloat16"})
+
+
 def _before_create_graph() -> None:
-    """Before ``autograd.grad(..., create_graph=True)`` under a policy: the gradient's own graph
-    goes through the plan's casts, whose backward MXNet 1.9.1 cannot differentiate; the
-    emulation kernel's library gives them a gradient. Without it, say so now, not at the
-    ``backward`` that would fail with MXNet's "non-differentiable"."""
-    policy = state.current_policy()
-    if policy is None or not policy.enabled or policy.target_dtype not in ("float16", "bfloat16"):
+    """Before ``autograd.grad(..., create_graph=True)`` on a thread that ran under a low policy
+    (now, or earlier: the graph may have been recorded in a region that has ended): the
+    gradient's own graph may go through a plan's casts, whose backward MXNet 1.9.1 cannot
+    differentiate; the emulation kernel's library gives them a gradient. Without it, say so
+    now, not at the ``backward`` that would fail with MXNet's "non-differentiable"."""
+    if not state.dtypes_since(0) & _LOW:
         return
     status = emulation_kernel.cast_gradients()
-    if status.path != "kernel":
-        raise RuntimeError(
-            f"gluon_amp: autograd.grad(..., create_graph=True) under the {policy.target_dtype} policy "
-            "records a gradient through the plan's casts, and MXNet 1.9.1 cannot differentiate a "
-            "cast's backward (its backward would fail with '_backward_amp_cast is non-differentiable'). "
-            f"gluon_amp gives the casts that gradient from its compiled kernel library, which this "
-            f"process cannot load: {status.why}. Make a C++ compiler available (or set $CXX) "
-            f"and leave {emulation_kernel.ENV} unset, or run this forward pass and its gradient "
-            "inside `with gluon_amp.autocast(enabled=False):` (float32).")
+    if status.path == "kernel":
+        return
+    policy = state.current_policy()
+    now = policy is not None and policy.enabled and policy.target_dtype in _LOW
+    message = (
+        "gluon_amp: autograd.grad(..., create_graph=True) "
+        + (f"under the {policy.target_dtype} policy records" if now else
+           "on a thread that ran under a low-precision policy may record")
+        + " a gradient through a plan's casts, and MXNet 1.9.1 cannot differentiate a cast's "
+        "backward (the backward would fail with '_backward_amp_cast is non-differentiable'). "
+        "gluon_amp gives the casts that gradient from its compiled kernel library, which this "
+        f"process cannot load: {status.why}. Make a C++ compiler available (or set $CXX) and leave "
+        f"{emulation_kernel.ENV} unset, or run the forward pass and its gradient inside "
+        "`with gluon_amp.autocast(enabled=False):` (float32).")
+    if now:
+        raise RuntimeError(message)
+    state.say_once(message)  # a graph recorded in float32 differentiates: only a warning
 
 
 def _patch() -> _Patched:
@@ -239,7 +250,7 @@ def _patch() -> _Patched:
         reduce = mxi.install_reduce_hook(lambda: autocast(enabled=False))
         undo.append(lambda: mxi.remove_method_hook(reduce))
         grad = mxi.install_grad_hook(_before_create_graph)
-        undo.append(lambda: mxi.remove_method_hook(grad))
+        undo.append(lambda: mxi.remove_grad_hook(grad))
         patched = _Patched({}, hooks, ScalerRegistry(), infer, reduce, grad)
         atexit.register(_at_exit)
         undo.append(lambda: atexit.unregister(_at_exit))
@@ -262,7 +273,7 @@ def _unpatch() -> None:
     mxi.remove_block_hooks(patched.hooks, _fp32_of)
     mxi.remove_method_hook(patched.infer_hook)
     mxi.remove_method_hook(patched.reduce_hook)
-    mxi.remove_method_hook(patched.grad_hook)
+    mxi.remove_grad_hook(patched.grad_hook)
     execution.release("init")
     low_cast.release("init")
     atexit.unregister(_at_exit)

@@ -6,10 +6,15 @@ under a native plan (or emulation without its kernel) ended in "_backward_amp_ca
 non-differentiable" at the ``backward``. The kernel library gives them one (rounding.cc); the
 ``grad`` hook loads it first, or refuses with gluon_amp's error there.
 """
+import contextlib
+import inspect
+import warnings
+
 import numpy as np
 import mxnet as mx
 import pytest
 from mxnet import autograd
+from mxnet.autograd import grad as grad_taken_before_init
 
 import gluon_amp
 from gluon_amp import emulation_kernel
@@ -22,22 +27,24 @@ W2 = _rng.uniform(-0.4, 0.4, (3, 5)).astype(np.float32)
 SKIP = _rng.uniform(-0.4, 0.4, (4, 5)).astype(np.float32)
 
 
-def _penalty(create_graph_by_position=False):
+def _penalty(create_graph_by_position=False, grad=None, forward_region=None):
     """tanh(FC) -> + a float32 array (a widest-type op: the low product meets float32) -> FC ->
     tanh; the input gradient squared and summed, then its gradients with respect to both
     weights. Returns (penalty, dW1, dW2)."""
     x, w1, w2 = mx.nd.array(X), mx.nd.array(W1), mx.nd.array(W2)
     for a in (x, w1, w2):
         a.attach_grad()
+    grad = grad or autograd.grad
     with autograd.record():
-        h = mx.nd.tanh(mx.nd.FullyConnected(x, w1, no_bias=True, num_hidden=5))
-        h = mx.nd.elemwise_add(h, mx.nd.array(SKIP))
-        y = mx.nd.tanh(mx.nd.FullyConnected(h, w2, no_bias=True, num_hidden=3))
+        with forward_region or contextlib.nullcontext():
+            h = mx.nd.tanh(mx.nd.FullyConnected(x, w1, no_bias=True, num_hidden=5))
+            h = mx.nd.elemwise_add(h, mx.nd.array(SKIP))
+            y = mx.nd.tanh(mx.nd.FullyConnected(h, w2, no_bias=True, num_hidden=3))
         ones = mx.nd.ones_like(y)
         if create_graph_by_position:
-            g = autograd.grad(y, [x], ones, True, True)[0]
+            g = grad(y, [x], ones, True, True)[0]
         else:
-            g = autograd.grad(y, [x], head_grads=ones, retain_graph=True, create_graph=True)[0]
+            g = grad(y, [x], head_grads=ones, retain_graph=True, create_graph=True)[0]
         penalty = (g * g).sum()
     penalty.backward()
     return penalty.asscalar(), w1.grad.asnumpy(), w2.grad.asnumpy()
@@ -112,25 +119,64 @@ def test_a_first_order_grad_never_asks_for_the_library(native_host, monkeypatch)
     assert g.shape == X.shape and np.isfinite(g.asnumpy()).all()
 
 
+def test_a_reference_taken_before_init_and_a_region_ended_before_grad(native_host):
+    """``from mxnet.autograd import grad`` at import (the function is redirected in place), and
+    a forward recorded in an ``autocast`` region that ended before the ``grad`` call."""
+    _close_to_fp32(_penalty(grad=grad_taken_before_init,
+                            forward_region=gluon_amp.autocast(target_dtype="bfloat16")), "bfloat16")
+
+
 def test_the_hook_is_mxnets_grad_again_after_disable():
-    original = mx.autograd.grad
+    fn, code, signature = mx.autograd.grad, mx.autograd.grad.__code__, inspect.signature(mx.autograd.grad)
     gluon_amp.init(target_dtype="bfloat16", emulate=True)
-    hooked = mx.autograd.grad
-    assert hooked is not original and hooked.__wrapped__ is original
-    assert hooked.__name__ == "grad" and hooked.__doc__ == original.__doc__
+    assert mx.autograd.grad is fn is grad_taken_before_init and fn.__code__ is not code
+    assert inspect.signature(fn) == signature and fn.__name__ == "grad"
     gluon_amp.disable()
-    assert mx.autograd.grad is original
+    assert mx.autograd.grad is fn and fn.__code__ is code and not hasattr(fn, "__wrapped__")
+    assert inspect.signature(fn) == signature and fn.__kwdefaults__ is None
 
 
-def test_without_a_policy_the_hook_changes_nothing(monkeypatch):
-    """AMP off in this region (or everywhere): MXNet's own behaviour, the library not asked."""
+def test_without_the_library_after_a_region_only_a_warning(native_host, monkeypatch):
+    """No library, and the policy ended before the call: the graph may hold casts or not. A
+    graph recorded in float32 differentiates (FP32's numbers), after one warning saying why a
+    graph recorded under the policy would not."""
+    monkeypatch.setattr(emulation_kernel, "cast_gradients", lambda: KernelStatus("fallback", "planted: no compiler"))
+    with gluon_amp.autocast(target_dtype="bfloat16"):
+        mx.nd.FullyConnected(mx.nd.array(X), mx.nd.array(W1), no_bias=True, num_hidden=5).wait_to_read()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = _penalty()
+    assert got[0] == FP32[0] and np.array_equal(got[1], FP32[1])
+    said = [str(w.message) for w in seen if "create_graph=True" in str(w.message)]
+    assert len(said) == 1 and "planted: no compiler" in said[0] and "may record" in said[0], said
+
+
+def test_a_thread_never_under_a_low_policy_never_asks(monkeypatch):
+    """The hook is in place (another thread's region patched MXNet), but no low policy was ever
+    in force on this thread: MXNet's own behaviour, the library not asked for."""
+    import threading
+
     def refuse():
         raise AssertionError("cast_gradients called without a policy")
 
     monkeypatch.setattr(emulation_kernel, "cast_gradients", refuse)
-    gluon_amp.init(target_dtype="float16", emulate=True)
-    with gluon_amp.autocast(enabled=False):
+    code = mx.autograd.grad.__code__
+    inside, done = threading.Event(), threading.Event()
+
+    def other():
+        with gluon_amp.autocast(target_dtype="float16", emulate=True):
+            inside.set()
+            done.wait(60)
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert inside.wait(60)
+        assert mx.autograd.grad.__code__ is not code  # hooked
         got = _penalty()
+    finally:
+        done.set()
+        t.join(60)
     assert got[0] == FP32[0] and np.array_equal(got[1], FP32[1])
 
 
