@@ -543,6 +543,22 @@ def install_reduce_hook(plain_ops: Callable[[], ContextManager[Any]]) -> MethodH
     return _install_method(Parameter, "_reduce", _REDUCE, _reduce)
 
 
+#: The symbolic control-flow ops and how many of their leading arguments are subgraphs (1.9.1
+#: mxnet/symbol/contrib.py: ``_foreach(g, *inputs)``, ``_while_loop(cond_g, func_g, *inputs)``,
+#: ``_cond(cond_g, then_g, else_g, *inputs)``): graphs the op holds, not data to cast.
+SUBGRAPH_ARGS = {"_foreach": 1, "_while_loop": 2, "_cond": 3}
+
+
+def building_subgraph() -> bool:
+    """True while MXNet traces the body of a symbolic control-flow op in this thread. 1.9.1
+    mxnet/symbol/contrib.py: ``foreach``, ``while_loop`` and ``cond`` call the body inside
+    ``AttrScope(__subgraph_name__=...)`` (every symbol made there carries the attribute, and
+    the subgraph is cut by it). If renamed, False: the body's ops get the policy's casts, and
+    MXNet's type inference refuses the loop's float32 states coming back low."""
+    scope = getattr(getattr(mx.attribute.AttrScope, "_current", None), "value", None)
+    return bool(getattr(scope, "_attr", {}).get("__subgraph_name__"))
+
+
 def constructing_block() -> Optional[Any]:
     """The block whose ``with self.name_scope():`` is open in this thread (a block being
     built: Gluon creates children and parameters there), else None. 1.9.1: ``name_scope()``

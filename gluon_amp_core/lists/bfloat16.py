@@ -67,7 +67,7 @@ make_loss mean moments nanprod nansum negative norm one_hot prod radians rcbrt r
 reshape_like reverse rint round rsqrt scatter_nd shape_array sigmoid sign sin sinh size_array
 smooth_l1 softmax softmax_cross_entropy softmin softsign sort space_to_depth sqrt square sum tan
 tanh topk transpose trunc
-""".split()
+""".split() + common.CONTROL_FLOW
 
 # Run in float32 only when the attribute takes one of the values; otherwise neutral.
 # LeakyReLU prelu/rrelu: MXNet 1.9.1's CPU build has no bfloat16 kernel for them ("Unknown

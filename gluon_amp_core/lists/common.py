@@ -19,6 +19,11 @@ broadcast_logical_xor broadcast_maximum broadcast_minimum broadcast_mod broadcas
 broadcast_sub dot elemwise_add elemwise_div elemwise_mul elemwise_sub stack where
 """.split()
 
+# Control flow (foreach, while_loop, cond), float32 for both targets: its body is a subgraph,
+# which plans, emulation and the bind's verdict do not enter, so the body runs as traced, float32,
+# on float32 inputs (a low input would run the body's ops in it, unemulated and unmeasured).
+CONTROL_FLOW = ["_cond", "_foreach", "_while_loop"]
+
 # Neutral for both targets (no tensor inputs, gradients, optimizer updates, data movement);
 # each dtype's NEUTRAL adds its own.
 NEUTRAL = """
@@ -90,12 +95,12 @@ _backward_slice_like _backward_smooth_l1 _backward_softmax _backward_softmax_cro
 _backward_softmin _backward_softsign _backward_sparse_retain _backward_sqrt _backward_square
 _backward_square_sum _backward_squeeze _backward_stack _backward_sub _backward_sum _backward_take
 _backward_tan _backward_tanh _backward_tile _backward_topk _backward_tril _backward_where
-_backward_while_loop _broadcast_backward _cond _contrib_AdaptiveAvgPooling2D
+_backward_while_loop _broadcast_backward _contrib_AdaptiveAvgPooling2D
 _contrib_BatchNormWithReLU _contrib_arange_like _contrib_backward_gradientmultiplier
 _contrib_backward_hawkesll _contrib_backward_index_copy _contrib_backward_quadratic
 _contrib_calibrate_entropy _contrib_group_adagrad_update _contrib_quantize_asym
 _contrib_quantized_batch_norm _contrib_quantized_elemwise_mul _contrib_quantized_embedding
-_contrib_quantized_rnn _contrib_round_ste _contrib_sign_ste _copy _cvimread _eye _foreach _full
+_contrib_quantized_rnn _contrib_round_ste _contrib_sign_ste _copy _cvimread _eye _full
 _linspace _mp_adamw_update _multi_adamw_update _multi_lamb_update _multi_mp_adamw_update
 _multi_mp_lamb_update _np_all _np_any _np_atleast_1d _np_atleast_2d _np_atleast_3d _np_copy
 _np_diagflat _np_diagonal _np_max _np_min _np_moveaxis _np_reshape _np_roll _np_squeeze _npi_arange
@@ -118,7 +123,7 @@ _random_normal _random_normal_like _random_poisson _random_poisson_like _random_
 _random_uniform _random_uniform_like _sample_exponential _sample_gamma
 _sample_generalized_negative_binomial _sample_multinomial _sample_negative_binomial _sample_normal
 _sample_poisson _sample_uniform _sample_unique_zipfian _set_value _sg_mkldnn_selfatt_qk
-_sg_mkldnn_selfatt_valatt _shuffle _sparse_adagrad_update _split_v2_backward _while_loop _zeros
+_sg_mkldnn_selfatt_valatt _shuffle _sparse_adagrad_update _split_v2_backward _zeros
 _zeros_without_dtype adam_update amp_cast amp_multicast argmax argmin broadcast_axis broadcast_like
 broadcast_to col2im expand_dims ftml_update ftrl_update im2col lamb_update_phase1
 lamb_update_phase2 max min mp_lamb_update_phase1 mp_lamb_update_phase2 mp_nag_mom_update

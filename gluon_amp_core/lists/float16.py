@@ -36,7 +36,7 @@ _power_scalar _rdiv_scalar _rpower_scalar _square_sum arccos arcsin arctanh args
 broadcast_hypot broadcast_power cosh erfinv exp expm1 gamma gammaln khatri_rao log log10 log1p
 log2 log_softmax make_loss mean moments nanprod nansum norm prod rcbrt reciprocal rsqrt sinh
 smooth_l1 softmax softmax_cross_entropy softmin square sum tan topk
-""".split()
+""".split() + common.CONTROL_FLOW
 
 # Run in float32 only when the attribute takes one of the values; otherwise neutral.
 CONDITIONAL_FP32 = (

@@ -15,7 +15,7 @@ For one op function ``f``, innermost first:
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from gluon_amp_core.decide import CAST_OPS
 from gluon_amp_core.lists.loss_outputs import LOSS_OUTPUT_FUNCTIONS
@@ -32,7 +32,22 @@ __all__ = ["wrapper_for", "ScalerRegistry"]
 
 def wrapper_for(fn: Callable, op: str, kind: str, policy: Policy, info: mxi.OpInfo,
                 scalers: ScalerRegistry) -> Optional[Callable]:
-    """The composed wrapper ``op`` needs under ``policy``; None when it runs as it is.
+    """The composed wrapper ``op`` needs under ``policy``; None when it runs as it is. A
+    symbolic one leaves the body of a control-flow op (``foreach``, ``while_loop``, ``cond``)
+    as traced: that op runs float32 (the op table), and so does its body."""
+    wrapper = _wrapper_for(fn, op, kind, policy, info, scalers)
+    if wrapper is None or kind == "ndarray":
+        return wrapper
+
+    def outside_subgraphs(*args: Any, **kwargs: Any) -> Any:
+        return (fn if mxi.building_subgraph() else wrapper)(*args, **kwargs)
+
+    return outside_subgraphs
+
+
+def _wrapper_for(fn: Callable, op: str, kind: str, policy: Policy, info: mxi.OpInfo,
+                 scalers: ScalerRegistry) -> Optional[Callable]:
+    """The composed wrapper, whatever the scope it is called in.
 
     Where the op may run neutral (its class, or a conditional rule that does not apply)
     and has several inputs, the neutral path makes them agree (:mod:`.follow`).
@@ -54,6 +69,8 @@ def wrapper_for(fn: Callable, op: str, kind: str, policy: Policy, info: mxi.OpIn
                                       lambda xs: multicast_sym(xs, narrow=True)))
     if op_class is OpClass.NEUTRAL:
         return neutral or (fn if op in LOSS_OUTPUT_FUNCTIONS else None)
+    if kind == "symbol" and op in mxi.SUBGRAPH_ARGS and op_class is OpClass.FP32:
+        return classes.control_flow_sym_wrapper(fn, mxi.SUBGRAPH_ARGS[op])
     if kind == "ndarray":
         return classes.nd_wrapper(fn, op, table, sig, neutral, emulate=policy.emulate,
                            runs_on_cpu=runtime.executable(table.target_dtype, "cpu"))

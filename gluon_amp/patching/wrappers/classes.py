@@ -390,6 +390,18 @@ def sym_wrapper(fn: Callable, op: str, table: OpTable, info: mxi.OpInfo, sig: mx
     return amp_op
 
 
+def control_flow_sym_wrapper(fn: Callable, subgraphs: int) -> Callable:
+    """A symbolic control-flow op (float32 in the op table): its data inputs cast to float32,
+    its leading ``subgraphs`` arguments (the body's graphs) passed as they are."""
+    @functools.wraps(fn)
+    def amp_op(*args: Any, **kwargs: Any) -> Any:
+        cast = [cast_sym(a, "float32") if k >= subgraphs and isinstance(a, Symbol) else a
+                for k, a in enumerate(args)]
+        return fn(*cast, **kwargs)
+
+    return amp_op
+
+
 def _recompose(built: Any, d: Decision, info: mxi.OpInfo, given: set) -> Any:
     """``built`` (an op function's result, a list of outputs in numpy mode) rebuilt with
     casts in front of its inputs; same API form (:func:`gluon_amp.mxnet_internals.rebuild_op`)."""
