@@ -25,7 +25,7 @@ from .shutdown import drain_before_mxnet_shutdown  # noqa: F401
 from .simulated import *  # noqa: F401,F403
 from .graph_reads import internal_entries, shared_reads, symbol_graph, symbol_json  # noqa: F401
 from .errors import error_line  # noqa: F401
-from .autograd_hook import install_grad_hook, remove_grad_hook  # noqa: F401
+from .function_hooks import install_grad_hook, install_library_hook, remove_function_hook  # noqa: F401
 from .forward_only import ForwardOnly, casts_storable  # noqa: F401
 from . import forward_only  # noqa: F401,E402  (mxi.forward_only.Made, .cast)
 from . import padded_inputs  # noqa: F401,E402  (mxi.padded_inputs.record_pads)

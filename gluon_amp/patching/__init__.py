@@ -69,6 +69,8 @@ class _Patched:
     reduce_hook: mxi.MethodHook
     #: ``autograd.grad(..., create_graph=True)``: the casts' second gradients loaded first
     grad_hook: mxi.SavedFunction
+    #: ``mx.library.load``: the op functions MXNet generates again are redirected too
+    library_hook: mxi.SavedFunction
     #: policy -> its Region, for every policy whose wrappers were built (equal policies share one)
     regions: dict = field(default_factory=dict)
     #: Region -> what the block hooks do under it
@@ -250,8 +252,10 @@ def _patch() -> _Patched:
         reduce = mxi.install_reduce_hook(lambda: autocast(enabled=False))
         undo.append(lambda: mxi.remove_method_hook(reduce))
         grad = mxi.install_grad_hook(_before_create_graph)
-        undo.append(lambda: mxi.remove_grad_hook(grad))
-        patched = _Patched({}, hooks, ScalerRegistry(), infer, reduce, grad)
+        undo.append(lambda: mxi.remove_function_hook(grad))
+        library = mxi.install_library_hook(_adopt_regenerated)
+        undo.append(lambda: mxi.remove_function_hook(library))
+        patched = _Patched({}, hooks, ScalerRegistry(), infer, reduce, grad, library)
         atexit.register(_at_exit)
         undo.append(lambda: atexit.unregister(_at_exit))
         _patched = patched
@@ -273,7 +277,8 @@ def _unpatch() -> None:
     mxi.remove_block_hooks(patched.hooks, _fp32_of)
     mxi.remove_method_hook(patched.infer_hook)
     mxi.remove_method_hook(patched.reduce_hook)
-    mxi.remove_grad_hook(patched.grad_hook)
+    mxi.remove_function_hook(patched.grad_hook)
+    mxi.remove_function_hook(patched.library_hook)
     execution.release("init")
     low_cast.release("init")
     atexit.unregister(_at_exit)
@@ -357,6 +362,31 @@ def _prepare(patched: _Patched, policy: Policy) -> state.Region:
     patched.graphs[region] = _Graphs(_noting_traced(rewrite), reshaped, watch, tuner)
     patched.regions[policy] = region  # last: the Region is used only once it is whole
     return region
+
+
+def _adopt_regenerated() -> None:
+    """After ``mx.library.load``, which generated every ``mx.nd``/``mx.sym`` op function again:
+    the new objects get each patched policy's wrappers and are redirected, as :func:`_prepare`
+    did the ones they replace (those stay redirected: references taken before still call them).
+    Without it, AMP went on reporting itself on while every op ran float32."""
+    with state.lock, state.interrupts_deferred():
+        patched = _patched
+        if patched is None:
+            return
+        new_sites: List[_Site] = []
+        for policy, region in list(patched.regions.items()):
+            built, fresh = _wrappers(policy, patched.scalers, patched.sites)
+            for site in fresh:
+                patched.sites[id(site.function)] = site
+            new_sites += fresh
+            adopted = {id(site.function) for site in new_sites}
+            for key, wrapper in built.items():
+                if key in adopted:
+                    patched.sites[key].routes[region] = wrapper
+        for site in new_sites:
+            if mxi.is_untouched(site.saved):
+                mxi.redirect(site.saved, site.routes.get(_init_region, site.impl), regions=state.regions,
+                             ident=state.get_ident, original=site.impl)
 
 
 def _after(first: Callable, second: Callable) -> Callable:
