@@ -450,14 +450,23 @@ def scale_loss(loss: Any, trainer: Optional[Trainer] = None, *,
         mxi.set_grad_scale(trainer, hook.original_scale / scale if scale != 1.0 else hook.original_scale)
         if scale == 1.0:
             yield loss
-        elif isinstance(loss, (list, tuple)):
-            yield type(loss)(x * scale for x in loss)
         else:
-            yield loss * scale  # after the block, no line of this function runs: none can be interrupted
+            yield _scaled(loss, scale)  # after the block, no line of this function runs: none can be interrupted
     except BaseException:
         hook._decided = before[0]
         mxi.set_grad_scale(trainer, before[1])
         raise
+
+
+def _scaled(loss: Any, scale: float) -> Any:
+    """``loss`` (an array, or a list or tuple of them) times ``scale``, recorded where ``loss``
+    was: MXNet lets ``backward`` run outside ``autograd.record()`` on a loss recorded inside, and
+    so must the scaled one (a multiplication made outside was no node of the graph: "Cannot
+    differentiate node because it is not in a computational graph", in float16 only)."""
+    with contextlib.nullcontext() if autograd.is_recording() else autograd.record(autograd.is_training()):
+        if isinstance(loss, (list, tuple)):
+            return type(loss)(x * scale for x in loss)
+        return loss * scale
 
 
 @contextlib.contextmanager

@@ -414,3 +414,35 @@ def test_a_forward_under_autocast_scales_its_loss_when_scale_loss_comes_after_th
             used.append(trainer._amp_loss_scaler.loss_scale)
         trainer.step(1)
     assert used[0] == gluon_amp.get_scaler(trainer).init_scale and used[1] > 1 and used[2] == 1.0
+
+
+@pytest.mark.parametrize("mode", _modes("off", "float16-emulated", "bfloat16-emulated", "bfloat16-native"))
+@pytest.mark.parametrize("as_list", [False, True])
+def test_scale_loss_outside_record_trains_as_backward_there_does(mode, as_list):
+    """``backward`` outside ``autograd.record()`` on a loss recorded inside works in MXNet, so
+    ``scale_loss`` there must too: float16's scaled loss was made outside the graph ("Cannot
+    differentiate node", found by a helper) while bfloat16 (scale 1) trained."""
+    def grads(amp):
+        net = _mlp()
+        trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, update_on_kvstore=False)
+        if amp:
+            gluon_amp.init_trainer(trainer)
+        x = mx.nd.array(np.random.RandomState(1).uniform(-1, 1, (4, 8)))
+        with autograd.record():
+            loss = net(x).mean()  # small enough for float16 at the first scale: no skip
+        if amp:
+            with gluon_amp.scale_loss([loss] if as_list else loss, trainer) as scaled:
+                autograd.backward(scaled)
+            scale = trainer._amp_loss_scaler.loss_scale
+        else:
+            loss.backward()
+            scale = 1.0
+        return [p.grad().asnumpy() / scale for p in net.collect_params().values()], trainer
+
+    want, _ = grads(False)
+    _start(mode)
+    got, trainer = grads(True)
+    tol = {"off": 0, "float16-emulated": 2e-2, "bfloat16-emulated": 3e-2}.get(mode, 3e-2)
+    for g, w in zip(got, want):
+        assert np.isfinite(g).all() and np.abs(g - w).max() <= tol * max(np.abs(w).max(), 1e-6)
+    trainer.step(4)  # the step takes the gradients: nothing skipped
