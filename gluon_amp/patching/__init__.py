@@ -683,6 +683,7 @@ def _warn_stale(block: Any) -> None:
     if recorded is not None and holds_amp_plan(recorded):  # built under AMP (a SymbolBlock's), whatever it runs
         return
     warnings.warn(
-        f"hybridized block {block.name!r} cached its graph before gluon_amp.init() (or outside any "
-        "autocast region) and runs it without mixed precision. Call block.hybridize() again where "
+        f"hybridized block {block.name!r} cached its graph before gluon_amp.init() (or where AMP was "
+        "off: outside any autocast region, or in autocast(enabled=False), on any thread) and runs it "
+        "without mixed precision. Call block.hybridize() again where "
         "AMP is on (it drops the cached graph) or rebuild the block, then run it.", RuntimeWarning, stacklevel=4)
