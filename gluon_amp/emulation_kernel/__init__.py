@@ -92,7 +92,7 @@ def load() -> KernelStatus:
 
 
 def cast_gradients() -> KernelStatus:
-    """Decide, once per process, whether the casts' gradients of :mod:`rounding.cc` are in
+    """Decide, once per process, whether the casts' gradients of ``rounding.cc`` are in
     MXNet's registry: the library loaded (built if need be), whatever emulation decided, as
     they are needed on a GPU too. ``path`` is ``'kernel'`` when they are, else ``'fallback'``
     with the reason. Never raises."""
