@@ -49,6 +49,8 @@ class _Hook:
         self.scaler = scaler
         self.original_scale = mxi.grad_scale(trainer)
         self._warned = False
+        #: a scaled step without scale_loss was said (once per trainer)
+        self._said_unscaled = False
         #: (compute dtype, scale, the scaler's step count of this trainer) fixed by the step's
         #: first scale_loss: valid while the count stays (an interrupted step records nothing)
         self._decided: Optional[Tuple[str, float, int]] = None
@@ -202,6 +204,8 @@ class _Hook:
                 stale_left = len(fresh) < len(params)
                 params = fresh if stale_left else params
             scaled = self.scaler.scales(dtype)
+            if step is None and scaled and not self._said_unscaled:
+                self._say_unscaled(dtype)
             checked = self.scaler.checks(dtype, scaled) or (self.scaler.enabled and self._must_check)
             early = None
             if checked and armed and trainer is not None and not stale_left:
@@ -231,6 +235,24 @@ class _Hook:
             # at the first line)
             self.scaler.abandon(self, locals().get("steps"))
             raise
+
+    def _say_unscaled(self, dtype: str) -> None:
+        """A step whose dtype the scaler scales, with no ``scale_loss`` since the last step: its
+        gradients were not multiplied by the scale (a loop written without it, Gluon
+        Estimator's default ``fit_batch``), so they are FP32's, unprotected from float16's
+        underflow; a loss-output op's ``grad_scale`` was multiplied and is not divided back."""
+        scale = self.scaler.scale_for(dtype)
+        if scale == 1.0:
+            return
+        self._said_unscaled = True
+        warnings.warn(
+            f"gluon_amp: trainer.step ran a {dtype} step whose backward did not go through "
+            f"gluon_amp.scale_loss(loss, trainer): its gradients were not multiplied by the loss scale "
+            f"({scale:g}), so small ones can underflow to zero in {dtype}. Call backward on what "
+            "`with gluon_amp.scale_loss(loss, trainer) as scaled:` yields (for a gluon Estimator, a "
+            "BatchProcessor whose fit_batch does), or pass loss_scale=None to init_trainer for no "
+            "scaling. (Said once per trainer.)",
+            RuntimeWarning, stacklevel=state.outside_level((mxi.MXNET_PACKAGE,)))
 
     def finish_early(self) -> None:
         """After MXNet's updates of a step that did not wait for its verdict: read it, undo a

@@ -446,3 +446,33 @@ def test_scale_loss_outside_record_trains_as_backward_there_does(mode, as_list):
     for g, w in zip(got, want):
         assert np.isfinite(g).all() and np.abs(g - w).max() <= tol * max(np.abs(w).max(), 1e-6)
     trainer.step(4)  # the step takes the gradients: nothing skipped
+
+
+@pytest.mark.parametrize("mode", _modes("off", "float16-emulated", "bfloat16-emulated", "bfloat16-native"))
+def test_a_scaled_step_without_scale_loss_is_said_once_at_the_users_line(mode):
+    """Gluon's Estimator (its default fit_batch) and loops written without ``scale_loss`` step
+    unscaled: where the scaler scales (float16), say so once per trainer, at the user's line;
+    elsewhere (scale 1) nothing is missed and nothing is said."""
+    import warnings
+    _start(mode)
+    net = _mlp()
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, update_on_kvstore=False)
+    gluon_amp.init_trainer(trainer)
+    x = mx.nd.array(np.random.RandomState(1).uniform(-1, 1, (4, 8)))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for use_scale_loss in (True, False, False):
+            with autograd.record():
+                loss = net(x).mean()
+                if use_scale_loss:
+                    with gluon_amp.scale_loss(loss, trainer) as scaled:
+                        scaled.backward()
+                else:
+                    loss.backward()
+            trainer.step(4)
+    said = [w for w in seen if "did not go through" in str(w.message)]
+    if DEFAULT_SCALE[mode] == 1.0:
+        assert not said, [str(w.message) for w in said]
+    else:
+        assert len(said) == 1 and said[0].filename == __file__, [(w.filename, str(w.message)) for w in said]
+        assert "scale_loss" in str(said[0].message) and "65536" in str(said[0].message)
