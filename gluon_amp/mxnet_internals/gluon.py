@@ -464,9 +464,13 @@ def remove_block_hooks(hooks: BlockHooks,
             continue
         inputs, kept = block._cached_graph
         plain = fp32_of(block, kept) if fp32_of is not None else None
+        args = block._cached_op_args
         block._clear_cached_op()
         if plain is not None:  # kept, so that converters and export still find a graph
             block._cached_graph = (inputs, like_frontend(kept, plain))
+            # 1.9.1 ``export`` saves the parameters it finds in _cached_op_args (the next
+            # call's _build_cache makes it afresh): emptied, export wrote an empty .params file
+            block._cached_op_args = args
             _RESTORED.add(block)
     hooks.made_under.clear()
 

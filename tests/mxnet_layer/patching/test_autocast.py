@@ -129,6 +129,25 @@ def test_disable_drops_every_plan_a_block_traced_and_the_block_runs_mxnets_graph
     assert _rounded_to(net(DATA).asnumpy(), "float32")
 
 
+@pytest.mark.parametrize("then", ["nothing", "init again"])
+def test_export_right_after_disable_writes_the_parameters(then, tmp_path):
+    """Found by a helper: disable() put back the block's FP32 graph but emptied the list of
+    the CachedOp's parameters that MXNet's export() saves, so the .params file was empty and
+    SymbolBlock.imports failed later ("Parameter ... is missing in file")."""
+    gluon_amp.init("float16", emulate=True)
+    net = _dense()
+    net(DATA)
+    gluon_amp.disable()
+    if then == "init again":
+        gluon_amp.init("bfloat16", emulate=True)
+    net.export(str(tmp_path / "d"))
+    saved = mx.nd.load(str(tmp_path / "d-0000.params"))
+    assert sorted(saved) == sorted(f"arg:{p.name}" for p in net.collect_params().values()), sorted(saved)
+    gluon_amp.disable()
+    back = nn.SymbolBlock.imports(str(tmp_path / "d-symbol.json"), ["data"], str(tmp_path / "d-0000.params"))
+    assert np.array_equal(back(DATA).asnumpy(), REFERENCE)
+
+
 def test_a_block_traced_under_one_policy_takes_the_next_after_disable_and_init():
     """float16 -> disable() -> bfloat16: the block's plan is bfloat16's, not float16's (which the
     trainer, following bfloat16, would neither scale nor check)."""
