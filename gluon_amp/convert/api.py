@@ -14,6 +14,7 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import MeasuredChoice
 from gluon_amp_core.dtypes import CODE_DTYPE, dtype_name
+from gluon_amp_core.lists.common import CONTROL_FLOW
 from gluon_amp_core.graph_pass import (PassResult, convert_graph, is_kept, parameter_only_inputs,
                                       params_read_through_casts, users_casts)
 from gluon_amp_core.policy import Policy
@@ -46,7 +47,9 @@ def _names(arg: str, value: Any, kind: str) -> List[str]:
 
 
 def _warn_kept(graph: dict, policy: Policy) -> None:
-    kept = [n["name"] for n in graph["nodes"] if n["op"] != "null" and is_kept(n)]
+    # control flow keeps its dtypes by the op table (float32), as planned: nothing to say
+    kept = [n["name"] for n in graph["nodes"]
+            if n["op"] != "null" and is_kept(n) and n["op"] not in CONTROL_FLOW]
     if kept and policy.enabled:
         warnings.warn(
             f"{len(kept)} fused or quantized op(s) ({kept[:3]}{' ...' if len(kept) > 3 else ''}) keep "
@@ -657,6 +660,13 @@ def convert_hybrid_block(block: HybridBlock, target_dtype: Any = None, target_dt
     ctx = _contexts(ctx)
     plan = fusion_plan(fuse, ctx[0].device_type, policy)
     backend = plan.backend
+    if backend is not None and any(n["op"] in CONTROL_FLOW for n in mxi.symbol_graph(sym)["nodes"]):
+        if fuse:
+            raise ValueError("fuse=True: this graph holds control flow (foreach, while_loop or cond), and "
+                             f"MXNet's {backend} fusion of such a graph with {policy.target_dtype} ops gave "
+                             "wrong values (NaN, 1e30) on a simulated native host. Convert with fuse=False, "
+                             "or leave fuse unset (such a graph then runs unfused).")
+        backend = None  # the default: unfused, as the emulated plan it matches
     defaulted = cast_optional_params is None
     if defaulted:  # not a numpy-mode block's: 1.9.1's mx.np holds no bfloat16 arrays
         cast_optional_params = backend is not None and not isinstance(frontend, mxi.NP_SYMBOL)

@@ -129,3 +129,25 @@ def test_init_and_the_converter_agree_on_a_loop(op):
     net(X, H0)
     converted = gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16", emulate=True)
     assert np.array_equal(converted(X, H0).asnumpy(), by_init)
+
+
+@pytest.mark.simulated_native
+def test_a_converted_loop_runs_unfused_and_fuse_true_is_refused():
+    """Found by a helper: on a simulated native host, MXNet's oneDNN fusion of a converted graph
+    holding a foreach fed by a bfloat16 Dense gave NaN or 1e30 (changing from run to run; the
+    FP32 graph fuses correctly). The default runs such a graph unfused; fuse=True says why it
+    is refused. No "fused or quantized ops keep their dtypes" warning: the loop is float32 by
+    the op table."""
+    import warnings
+    net = _net("foreach", stem=True)
+    want = net(X, H0).asnumpy()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        converted = gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16")
+    assert not [str(w.message) for w in seen if "fused or quantized" in str(w.message)]
+    assert converted.fuse_backend is None
+    for _ in range(3):
+        got = converted(X, H0).asnumpy()
+        assert np.isfinite(got).all() and np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+    with pytest.raises(ValueError, match="fuse=True.*control flow.*fuse=False"):
+        gluon_amp.convert_hybrid_block(net, target_dtype="bfloat16", fuse=True)
