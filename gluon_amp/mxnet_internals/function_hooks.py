@@ -20,6 +20,7 @@ import mxnet.autograd as _autograd
 import mxnet.library as _library
 
 from .code_swap import SavedFunction, copy_function, is_redirected_to, redirect, restore, saved_state
+from .registry import module_op_functions, note_superseded
 
 __all__ = ["install_grad_hook", "install_library_hook", "remove_function_hook"]
 
@@ -61,11 +62,14 @@ def install_grad_hook(before_create_graph: Callable[[], None]) -> SavedFunction:
 
 
 def install_library_hook(after_load: Callable[[], None]) -> SavedFunction:
-    """Until :func:`remove_function_hook`: ``mx.library.load(...)`` calls ``after_load()``
-    once MXNet has loaded the library and generated its op functions again."""
+    """Until :func:`remove_function_hook`: ``mx.library.load(...)`` notes the op functions the
+    load supersedes (:func:`.registry.note_superseded`: references taken before still call
+    them), then calls ``after_load()``, once MXNet has generated its op functions again."""
     def make(impl: Callable) -> Callable:
         def load(*args: Any, **kwargs: Any) -> Any:
+            before = module_op_functions()
             result = impl(*args, **kwargs)
+            note_superseded(before)
             after_load()
             return result
         return load

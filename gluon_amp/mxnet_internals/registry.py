@@ -7,7 +7,7 @@ import inspect
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Mapping, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple
 
 import numpy as np
 from mxnet.base import _LIB, OpHandle, _Null, c_str, check_call, mx_uint, py_str
@@ -264,8 +264,20 @@ def signature_of(fn: types.FunctionType) -> Signature:
 _ROOTS = ("mxnet.ndarray", "mxnet.symbol", "mxnet.numpy", "mxnet.numpy_extension")
 
 
+#: Op functions MXNet replaced when it generated its op functions again (``mx.library.load``),
+#: as ``op_function_sites`` gave them: no module holds them now, but references taken before
+#: the load (``from mxnet.ndarray import FullyConnected``) still call them.
+_superseded: List[Tuple[types.ModuleType, str, object, str, str]] = []
+
+
 def op_function_sites() -> Iterator[Tuple[types.ModuleType, str, object, str, str]]:
-    """Yield ``(module, attribute, function, op, kind)`` for every op function in scope."""
+    """Yield ``(module, attribute, function, op, kind)`` for every op function in scope, and
+    for those an extension library's load superseded (:func:`note_superseded`)."""
+    yield from _module_sites()
+    yield from list(_superseded)
+
+
+def _module_sites() -> Iterator[Tuple[types.ModuleType, str, object, str, str]]:
     import mxnet.ndarray.numpy_extension  # noqa: F401  make sure the np front ends are loaded
     for mod_name, module in sorted(sys.modules.items()):
         if module is None or not any(mod_name == r or mod_name.startswith(r + ".") for r in _ROOTS):
@@ -276,3 +288,19 @@ def op_function_sites() -> Iterator[Tuple[types.ModuleType, str, object, str, st
             found = op_of_function(value)
             if found is not None:
                 yield module, attr, value, found[0], found[1]
+
+
+def module_op_functions() -> List[Tuple[types.ModuleType, str, object, str, str]]:
+    """The op functions the modules hold now (taken before a load, for :func:`note_superseded`)."""
+    return list(_module_sites())
+
+
+def note_superseded(before: Sequence[Tuple[types.ModuleType, str, object, str, str]]) -> None:
+    """After MXNet generated its op functions again: remember those of ``before`` that no
+    module holds now."""
+    now = {id(site[2]) for site in _module_sites()}
+    known = {id(site[2]) for site in _superseded}
+    for site in before:
+        if id(site[2]) not in now and id(site[2]) not in known:
+            _superseded.append(site)
+            known.add(id(site[2]))

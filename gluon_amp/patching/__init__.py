@@ -69,8 +69,6 @@ class _Patched:
     reduce_hook: mxi.MethodHook
     #: ``autograd.grad(..., create_graph=True)``: the casts' second gradients loaded first
     grad_hook: mxi.SavedFunction
-    #: ``mx.library.load``: the op functions MXNet generates again are redirected too
-    library_hook: mxi.SavedFunction
     #: policy -> its Region, for every policy whose wrappers were built (equal policies share one)
     regions: dict = field(default_factory=dict)
     #: Region -> what the block hooks do under it
@@ -253,9 +251,7 @@ def _patch() -> _Patched:
         undo.append(lambda: mxi.remove_method_hook(reduce))
         grad = mxi.install_grad_hook(_before_create_graph)
         undo.append(lambda: mxi.remove_function_hook(grad))
-        library = mxi.install_library_hook(_adopt_regenerated)
-        undo.append(lambda: mxi.remove_function_hook(library))
-        patched = _Patched({}, hooks, ScalerRegistry(), infer, reduce, grad, library)
+        patched = _Patched({}, hooks, ScalerRegistry(), infer, reduce, grad)
         atexit.register(_at_exit)
         undo.append(lambda: atexit.unregister(_at_exit))
         _patched = patched
@@ -278,7 +274,6 @@ def _unpatch() -> None:
     mxi.remove_method_hook(patched.infer_hook)
     mxi.remove_method_hook(patched.reduce_hook)
     mxi.remove_function_hook(patched.grad_hook)
-    mxi.remove_function_hook(patched.library_hook)
     execution.release("init")
     low_cast.release("init")
     atexit.unregister(_at_exit)
@@ -687,3 +682,10 @@ def _warn_stale(block: Any) -> None:
         "off: outside any autocast region, or in autocast(enabled=False), on any thread) and runs it "
         "without mixed precision. Call block.hybridize() again where "
         "AMP is on (it drops the cached graph) or rebuild the block, then run it.", RuntimeWarning, stacklevel=4)
+
+
+#: From import on, for the process: ``mx.library.load`` notes the op functions it supersedes (a
+#: later ``init`` patches them too: references taken before the load call them) and, while
+#: patched, redirects the ones MXNet generates again. Installed at import, not by ``init``: a
+#: load before ``init`` or after ``disable()`` leaves no trace of the functions it replaced.
+_LIBRARY_HOOK = mxi.install_library_hook(_adopt_regenerated)
