@@ -237,3 +237,13 @@ def verbose_run(script, args):
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
     return lines, json.loads(next(line for line in lines if line.startswith("@@"))[2:])
+
+
+def backward(loss, trainer=None):
+    """``loss.backward()``, through ``gluon_amp.scale_loss(loss, trainer)`` when a trainer is given."""
+    import gluon_amp
+    if trainer is None:
+        loss.backward()
+        return
+    with gluon_amp.scale_loss(loss, trainer) as scaled:
+        scaled.backward()

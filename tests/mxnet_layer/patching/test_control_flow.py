@@ -14,6 +14,7 @@ import pytest
 from mxnet import autograd, gluon
 
 import gluon_amp
+from helpers import backward
 
 OPS = ["foreach", "while_loop", "cond"]
 POLICIES = [
@@ -102,11 +103,7 @@ def test_a_low_op_before_the_loop_trains(op, policy):
         for _ in range(4):
             with autograd.record():
                 loss = (net(X, H0) ** 2).mean()
-                if amp_on:
-                    with gluon_amp.scale_loss(loss, trainer) as scaled:
-                        scaled.backward()
-                else:
-                    loss.backward()
+                backward(loss, trainer if amp_on else None)
             trainer.step(1)
             losses.append(loss.asscalar())
         return np.array(losses)

@@ -23,7 +23,7 @@ from mxnet.gluon import nn
 import gluon_amp
 from gluon_amp import LossScaler
 from gluon_amp.training import early_update, overflow
-from helpers import ROOT, no_bf16_env
+from helpers import ROOT, backward, no_bf16_env
 
 MODES = {
     "off": None,
@@ -463,12 +463,7 @@ def test_a_scaled_step_without_scale_loss_is_said_once_at_the_users_line(mode):
         warnings.simplefilter("always")
         for use_scale_loss in (True, False, False):
             with autograd.record():
-                loss = net(x).mean()
-                if use_scale_loss:
-                    with gluon_amp.scale_loss(loss, trainer) as scaled:
-                        scaled.backward()
-                else:
-                    loss.backward()
+                backward(net(x).mean(), trainer if use_scale_loss else None)
             trainer.step(4)
     said = [w for w in seen if "did not go through" in str(w.message)]
     if DEFAULT_SCALE[mode] == 1.0:
