@@ -15,8 +15,8 @@ and :func:`status` (``runtime_info()["emulation_kernel"]``) says why:
 
 The same library gives MXNet's ``amp_cast`` and ``amp_multicast`` a gradient of their backward
 (MXNet 1.9.1 has none), so a gradient of a gradient runs through a plan's casts
-(:func:`cast_gradients`, loaded on the first ``autograd.grad(..., create_graph=True)`` under a
-policy, with or without emulation).
+(:func:`cast_gradients`, loaded on the first ``autograd.grad(..., create_graph=True)`` on a
+thread that has run under a low-precision policy, with or without emulation).
 """
 from __future__ import annotations
 

@@ -339,10 +339,7 @@ def _prepare(patched: _Patched, policy: Policy) -> state.Region:
     for site in new_sites:
         patched.sites[id(site.function)] = site
     try:
-        for site in patched.sites.values():
-            if mxi.is_untouched(site.saved):  # new, or one an interrupted redirect never reached
-                mxi.redirect(site.saved, site.routes.get(_init_region, site.impl), regions=state.regions,
-                             ident=state.get_ident, original=site.impl)
+        _redirect_untouched(patched.sites.values())  # new, or one an interrupted redirect never reached
     except BaseException:
         _restore([site.saved for site in new_sites])
         for site in new_sites:
@@ -378,10 +375,16 @@ def _adopt_regenerated() -> None:
             for key, wrapper in built.items():
                 if key in adopted:
                     patched.sites[key].routes[region] = wrapper
-        for site in new_sites:
-            if mxi.is_untouched(site.saved):
-                mxi.redirect(site.saved, site.routes.get(_init_region, site.impl), regions=state.regions,
-                             ident=state.get_ident, original=site.impl)
+        _redirect_untouched(new_sites)
+
+
+def _redirect_untouched(sites: Any) -> None:
+    """Redirect each of ``sites`` not redirected yet to its routes (``init``'s wrapper outside
+    regions, else MXNet's implementation)."""
+    for site in sites:
+        if mxi.is_untouched(site.saved):
+            mxi.redirect(site.saved, site.routes.get(_init_region, site.impl), regions=state.regions,
+                         ident=state.get_ident, original=site.impl)
 
 
 def _after(first: Callable, second: Callable) -> Callable:
