@@ -61,12 +61,16 @@ OFF = Region(None)
 class Frame:
     """One open ``autocast`` region of one thread: its :class:`Region`, the policy an
     ``autocast()`` without a target means inside it (``outer``), and the frame it was entered
-    from (``parent``, ``None`` when the thread followed the process). Immutable once made."""
+    from (``parent``, ``None`` when the thread followed the process). Immutable once made: a
+    region left out of order is cut out of the chain by copies of the frames above it, each
+    naming the frame it stands for (``origin``), which is what their ``autocast`` leaves."""
 
-    __slots__ = ("region", "outer", "parent")
+    __slots__ = ("region", "outer", "parent", "origin")
 
-    def __init__(self, region: Region, outer: Optional[Any], parent: Optional["Frame"]) -> None:
+    def __init__(self, region: Region, outer: Optional[Any], parent: Optional["Frame"],
+                 origin: Optional["Frame"] = None) -> None:
         self.region, self.outer, self.parent = region, outer, parent
+        self.origin = self if origin is None else origin
 
 
 #: thread ident -> its innermost open region; a thread outside every region has no entry, so
@@ -147,10 +151,19 @@ def enter(new: Frame) -> None:
 def leave(old: Frame) -> None:
     """Back to ``old.parent`` on the calling thread, if ``old`` is its innermost region;
     idempotent (call it again after any exception: a second call changes nothing). The region
-    is left by one item store or pop."""
+    is left by one item store or pop.
+
+    A region left while one entered inside it is still open (a generator suspended in
+    ``with autocast(...)`` and closed inside a later region) is cut out of the chain: the
+    regions inside it stay in force, and their exits lead to the regions outside it."""
     ident = get_ident()
-    if regions.get(ident) is not old:
+    innermost = regions.get(ident)
+    if innermost is None:
         return
+    if innermost.origin is not old:
+        _cut(ident, innermost, old)
+        return
+    old = innermost
     now = next(_clock)
     _began_now(_dtype(old.region.policy), now)  # in force here until now
     _began_now(_dtype(_outer_policy(old)), now)
@@ -159,6 +172,22 @@ def leave(old: Frame) -> None:
         regions.pop(ident, None)
     else:
         regions[ident] = old.parent
+
+
+def _cut(ident: int, innermost: Frame, old: Frame) -> None:
+    """``old``, open below ``innermost`` on thread ``ident``, is left: the frames above it are
+    copied onto its parent (the policy in force does not change; one item store)."""
+    above: List[Frame] = []
+    f: Optional[Frame] = innermost
+    while f is not None and f.origin is not old:
+        above.append(f)
+        f = f.parent
+    if f is None:
+        return  # not open on this thread (left already)
+    parent = f.parent
+    for g in reversed(above):
+        parent = Frame(g.region, g.outer, parent, g.origin)
+    regions[ident] = parent
 
 
 def current_policy() -> Optional[Any]:

@@ -201,6 +201,30 @@ def test_another_policy_nests_and_the_outer_one_is_back_after_it_even_on_error()
     assert _rounded_to(_fc(), "float16") and gluon_amp.current_policy().target_dtype == "float16"
 
 
+@pytest.mark.parametrize("how", ["close", "collected"])
+def test_a_region_left_out_of_order_is_cut_out_and_the_ones_around_it_hold(how):
+    """A generator suspended in ``autocast(enabled=False)`` (an evaluation loader), closed inside
+    a later region: the thread kept running float32 after every region had exited."""
+    gluon_amp.init("float16", emulate=True)
+
+    def batches():
+        with gluon_amp.autocast(enabled=False):
+            yield _fc()
+            yield _fc()
+
+    g = batches()
+    assert _rounded_to(next(g), "float32")
+    with gluon_amp.autocast("bfloat16", emulate=True):
+        with gluon_amp.autocast(enabled=False):
+            if how == "close":
+                g.close()
+            else:
+                del g  # closed by its finalizer
+            assert _rounded_to(_fc(), "float32")  # the innermost region holds
+        assert _rounded_to(_fc(), "bfloat16")  # its exit leads past the region cut out
+    assert _rounded_to(_fc(), "float16") and gluon_amp.current_policy().target_dtype == "float16"
+
+
 def test_enabled_true_without_a_target_means_the_active_or_the_default_policy():
     default = gluon_amp.make_policy(None)
     with gluon_amp.autocast(enabled=True) as policy:

@@ -428,6 +428,16 @@ class AmpStateMachine(RuleBasedStateMachine):
         ok, res = w.call(lambda: cm.__exit__(None, None, None), inject)
         assert ok or isinstance(res, (KeyboardInterrupt, Injected)), f"leaving a region failed: {res!r}"
 
+    @precondition(lambda self: any(len(w.regions) > 1 for w in self.workers))
+    @rule(data=st.data(), inject=injections)
+    @recorded
+    def leave_out_of_order(self, data, inject) -> None:
+        """A region left while one inside it is open (a generator closed in a later region)."""
+        w = data.draw(st.sampled_from([w for w in self.workers if len(w.regions) > 1]))
+        cm, _dtype = w.regions.pop(data.draw(st.integers(0, len(w.regions) - 2)))
+        ok, res = w.call(lambda: cm.__exit__(None, None, None), inject)
+        assert ok or isinstance(res, (KeyboardInterrupt, Injected)), f"leaving a region failed: {res!r}"
+
     @rule(data=st.data())
     @recorded
     def forward(self, data) -> None:
