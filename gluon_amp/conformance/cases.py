@@ -152,6 +152,7 @@ SPECS: Dict[str, List[Case]] = {
     "_contrib_sign_ste": [_c((2, 3))],
     "_npi_where": [_c((2, 3), (2, 3), (2, 3), ranges=(("int", 2.0), SIGNED, SIGNED))],
     "_np_reshape": [_c((2, 3, 4), newshape=(6, 4))],
+    "_npx_reshape": [_c((2, 3, 4), newshape=(-2, -1))],
     "_npi_concatenate": [_c((2, 3), (2, 4), num_args=2, axis=1)],
     "_npi_stack": [_c((2, 3), (2, 3), num_args=2, axis=0)],
     "_npi_hstack": [_c((2, 3), (2, 4), num_args=2)],

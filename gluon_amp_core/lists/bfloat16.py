@@ -55,7 +55,7 @@ _npi_pinv_scalar_rcond _npi_polyval _npi_power _npi_power_scalar _npi_powerd _np
 _npi_rarctan2_scalar _npi_reciprocal _npi_rint _npi_rldexp_scalar _npi_rpower_scalar
 _npi_rsubtract_scalar _npi_sign _npi_sin _npi_sinh _npi_solve _npi_sqrt _npi_square _npi_std
 _npi_subtract_scalar _npi_svd _npi_tan _npi_tanh _npi_tensordot _npi_tensordot_int_axes
-_npi_tensorinv _npi_tensorsolve _npi_trunc _npi_var _npx_reshape _npx_sigmoid _onehot_encode
+_npi_tensorinv _npi_tensorsolve _npi_trunc _npi_var _npx_sigmoid _onehot_encode
 _plus_scalar _power _power_scalar _ravel_multi_index _rdiv_scalar _rminus_scalar _rmod_scalar
 _rnn_param_concat _rpower_scalar _scatter_minus_scalar _scatter_plus_scalar _scatter_set_nd
 _sg_mkldnn_conv _sg_mkldnn_fully_connected _slice_assign _slice_assign_scalar _sparse_retain
@@ -157,7 +157,7 @@ _contrib_MultiBoxDetection _contrib_MultiBoxPrior _contrib_MultiBoxTarget
 
 # Run in whatever they are given (no tensor inputs, gradients, optimizer updates, data movement).
 NEUTRAL = common.NEUTRAL + """
-LRN
+LRN _npx_reshape
 """.split()
 
 KEEP_FP32_INPUTS = common.KEEP_FP32_INPUTS
