@@ -58,6 +58,14 @@ def _positive(name: str, value: Any, allow_inf: bool = False) -> float:
     return value
 
 
+def _flag(name: str, value: Any) -> bool:
+    """``value`` as a bool: True or False (a NumPy bool too); anything else is refused, as a
+    string such as ``'false'`` would silently mean True."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise TypeError(f"LossScaler({name}=...) takes True or False, got {value!r}")
+
+
 def _reads(field: str, doc: str) -> property:
     """A read-only property of the scaler: one field of its ``state``."""
     return property(lambda self: getattr(self.state, field), doc=doc)
@@ -118,8 +126,8 @@ class LossScaler:
                 or max_consecutive_skips < 1):
             raise ValueError(f"max_consecutive_skips must be a positive int or None, got {max_consecutive_skips!r}")
         self.max_consecutive_skips = max_consecutive_skips
-        self.dynamic = bool(dynamic)
-        self.enabled = bool(enabled)
+        self.dynamic = _flag("dynamic", dynamic)
+        self.enabled = _flag("enabled", enabled)
         self.scaled_dtypes = _dtype_set(scaled_dtypes)
         self.state = ScaleState(scale=self.init_scale if enabled else 1.0)
         # The round's bookkeeping. Each change builds new values and commits them with one

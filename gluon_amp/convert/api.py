@@ -107,6 +107,8 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
     input channels what they need (:func:`gluon_amp_core.shape_limits.channels_from_weights`)."""
     if not isinstance(sym, Symbol):
         raise TypeError(f"convert_symbol expects an mxnet Symbol, got {type(sym).__name__}")
+    if not isinstance(cast_optional_params, bool) and type(cast_optional_params).__name__ != "bool_":
+        raise TypeError(f"cast_optional_params takes True or False, got {cast_optional_params!r}")
     excluded = sorted(set(_names("excluded_sym_names", excluded_sym_names, "op node names")) | policy.excluded)
     graph = json.loads(sym.tojson(remove_amp_cast=False))
     _check_excluded(graph, excluded)

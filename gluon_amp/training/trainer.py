@@ -458,6 +458,7 @@ def scale_loss(loss: Any, trainer: Optional[Trainer] = None, *,
     """
     trainer = _one_trainer(trainer, optimizer_or_trainer, "scale_loss")
     hook = _hook_of(trainer, "scale_loss")
+    _check_loss(loss)
     if hook.scaler.stage(hook) is Stage.UNSCALED:
         raise RuntimeError("scale_loss after unscale(trainer) in the same step: the new gradients "
                            "would not be unscaled. Call unscale after the last backward.")
@@ -478,6 +479,24 @@ def scale_loss(loss: Any, trainer: Optional[Trainer] = None, *,
         hook._decided = before[0]
         mxi.set_grad_scale(trainer, before[1])
         raise
+
+
+def _check_loss(loss: Any) -> None:
+    """A TypeError naming ``loss`` unless it is an array or a flat list or tuple of arrays (what
+    ``backward`` takes), whatever the scale: a wrong loss fails in float32 as in float16."""
+    items = loss if isinstance(loss, (list, tuple)) and loss else [loss]
+    for item in items:
+        if not isinstance(item, mx.nd.NDArray):  # mx.np.ndarray is a subclass
+            where = "" if item is loss else f" (an item of the {type(loss).__name__} given: {type(item).__name__})"
+            raise TypeError(
+                f"scale_loss: the loss must be an NDArray (or mx.np.ndarray), or a list or tuple of them, "
+                f"got {_short(loss)}{where}. Pass the loss array(s) your backward would take, computed inside "
+                "autograd.record(): `with gluon_amp.scale_loss(loss, trainer) as scaled: scaled.backward()`.")
+
+
+def _short(value: Any) -> str:
+    text = " ".join(repr(value).split())
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def _scaled(loss: Any, scale: float) -> Any:

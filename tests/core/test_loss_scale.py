@@ -107,6 +107,16 @@ def test_bad_types_raise_type_error():
         LossScaler(init_scale="big")
 
 
+@pytest.mark.parametrize("name", ["enabled", "dynamic"])
+@pytest.mark.parametrize("value", ["false", "no", 0, 1, None, [False]])
+def test_a_switch_takes_a_bool_not_what_is_truthy(name, value):
+    """``enabled='false'`` was a scaler enabled (any object by its truth), while
+    ``load_state_dict`` and ``init`` refuse such values."""
+    with pytest.raises(TypeError, match=f"{name}=.*True or False"):
+        LossScaler(**{name: value})
+    assert getattr(LossScaler(**{name: False}), name) is False
+
+
 def test_load_state_dict_rejects_foreign_dicts():
     with pytest.raises(ValueError, match="missing"):
         LossScaler().load_state_dict({"scale": 2.0})

@@ -168,6 +168,8 @@ def test_bad_arguments():
         gluon_amp.convert_symbol("not a symbol")
     with pytest.raises(TypeError):
         gluon_amp.convert_symbol(fc, "bfloat16", excluded_sym_names="fc")
+    with pytest.raises(TypeError, match="cast_optional_params takes True or False, got 'no'"):
+        gluon_amp.convert_symbol(fc, "bfloat16", cast_optional_params="no")  # was taken as True
     with pytest.raises(ValueError, match="Did you mean"):
         gluon_amp.convert_symbol(fc, "bfloat16", fp32_ops=["FullyConnectd"])
     net = vision.get_model("resnet18_v1")

@@ -226,6 +226,24 @@ def test_misuse_errors():
         gluon_amp.clip_global_norm(t, -1)
 
 
+@pytest.mark.parametrize("loss", [None, 2.5, {"loss": 1}, [[mx.nd.ones(1)]], [], (mx.nd.ones(1), "x")],
+                         ids=["None", "float", "dict", "nested", "empty", "tuple-with-str"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_scale_loss_names_a_loss_that_is_not_arrays_whatever_the_scale(loss, dtype):
+    """Python's "unsupported operand type(s) for *" came out under float16 (scale 65536), and
+    nothing under bfloat16 (scale 1) until backward."""
+    gluon_amp.init(dtype, emulate=True)
+    t = sgd_trainer(_mlp(), lr=0.1)
+    gluon_amp.init_trainer(t)
+    with pytest.raises(TypeError, match="scale_loss: the loss must be an NDArray"):
+        with autograd.record():
+            with gluon_amp.scale_loss(loss, t):
+                pass
+    with autograd.record():  # the trainer is as it was
+        with gluon_amp.scale_loss([mx.nd.ones(1)], t) as scaled:
+            assert isinstance(scaled, list) and len(scaled) == 1
+
+
 def test_checkpoint_errors(tmp_path):
     net = _mlp()
     tr = sgd_trainer(net, lr=0.1)
