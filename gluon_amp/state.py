@@ -81,6 +81,24 @@ regions: Dict[int, Frame] = {}
 get_ident = threading.get_ident
 
 
+class _ThreadEnd:
+    """Held by a thread's :class:`_ThreadState`, so dropped when the thread ends (before
+    CPython can give its ident to a new thread): a region the thread left open (a generator
+    suspended in ``with autocast(...)``, kept alive) is forgotten with it, and a later thread
+    with the same ident starts outside every region."""
+
+    __slots__ = ("ident",)
+
+    def __init__(self, ident: int) -> None:
+        self.ident = ident
+
+    def __del__(self) -> None:
+        try:
+            regions.pop(self.ident, None)
+        except Exception:  # interpreter shutdown: the module's globals may be gone
+            pass
+
+
 class _ThreadState(threading.local):
     """One thread's facts besides its region: when each dtype last came in force on it
     (:func:`dtypes_since`), and the scaler hook of a ``BucketingModule.bind`` under way in it."""
@@ -97,6 +115,7 @@ class _ThreadState(threading.local):
         #: the Module whose ``bind`` is under way here (a bucket's: the Module whose memory it
         #: shares), for what is said once per Module; else ``None``
         self.binding_module: Optional[Any] = None
+        self.end = _ThreadEnd(get_ident())
 
 
 thread = _ThreadState()

@@ -235,3 +235,35 @@ def test_a_float16_forward_stays_scaled_when_float16_ends_before_its_scale_loss(
             tr.step(4)
     gluon_amp.disable()
     assert all(s > 1 for s in used), f"float16 forwards' loss scales {used}"
+
+
+def test_a_region_a_dead_thread_left_open_does_not_reach_a_thread_that_gets_its_ident():
+    """A thread that ends inside a region (a generator suspended in ``autocast(enabled=False)``,
+    kept alive) left it under its ident, and CPython gives idents again: the next threads
+    started with AMP off."""
+    gluon_amp.init("float16", emulate=True)
+    kept, seen = [], []
+
+    def leaves_one_open():
+        def batches():
+            with gluon_amp.autocast(enabled=False):
+                yield 1
+                yield 2
+        g = batches()
+        next(g)
+        kept.append((threading.get_ident(), g))
+
+    def looks():
+        seen.append((threading.get_ident(), gluon_amp.is_enabled()))
+
+    t = threading.Thread(target=leaves_one_open)
+    t.start()
+    t.join()
+    for _ in range(8):  # enough for an ident to come back (most often at once)
+        t = threading.Thread(target=looks)
+        t.start()
+        t.join()
+    assert kept[0][0] in {ident for ident, _ in seen}, "no thread got the ident again: nothing checked"
+    assert all(enabled for _, enabled in seen), seen
+    kept[0][1].close()  # its region's exit, on another thread, changes nothing here
+    assert gluon_amp.is_enabled()
