@@ -13,6 +13,7 @@ import pytest
 from mxnet import autograd, gluon
 
 import gluon_amp
+from gluon_amp import state
 from helpers import FcDtype
 
 _FC = FcDtype(seed=7)
@@ -259,11 +260,11 @@ def test_a_region_a_dead_thread_left_open_does_not_reach_a_thread_that_gets_its_
     t = threading.Thread(target=leaves_one_open)
     t.start()
     t.join()
-    for _ in range(8):  # enough for an ident to come back (most often at once)
+    assert kept and kept[0][0] not in state.regions  # the thread's end dropped its region
+    for _ in range(8):  # an ident often comes back at once (not always, beside other threads)
         t = threading.Thread(target=looks)
         t.start()
         t.join()
-    assert kept[0][0] in {ident for ident, _ in seen}, "no thread got the ident again: nothing checked"
     assert all(enabled for _, enabled in seen), seen
     kept[0][1].close()  # its region's exit, on another thread, changes nothing here
     assert gluon_amp.is_enabled()
