@@ -12,11 +12,11 @@ from mxnet import autograd
 from mxnet.gluon import HybridBlock, SymbolBlock
 from mxnet.symbol import Symbol
 
-from gluon_amp_core.decide import MeasuredChoice
+from gluon_amp_core.decide import CAST_OPS, MeasuredChoice
 from gluon_amp_core.dtypes import CODE_DTYPE, dtype_name
 from gluon_amp_core.lists.common import CONTROL_FLOW
 from gluon_amp_core.graph_pass import (PassResult, convert_graph, is_kept, parameter_only_inputs,
-                                      params_read_through_casts, users_casts)
+                                      params_read_through_casts, users_casts, without_amp_casts)
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.shape_limits import channels_from_weights
 from gluon_amp_core.table import ConditionalSpec, check_name_list
@@ -111,6 +111,11 @@ def convert_with_policy(sym: Symbol, policy: Policy, excluded_sym_names: Any = N
         raise TypeError(f"cast_optional_params takes True or False, got {cast_optional_params!r}")
     excluded = sorted(set(_names("excluded_sym_names", excluded_sym_names, "op node names")) | policy.excluded)
     graph = json.loads(sym.tojson(remove_amp_cast=False))
+    if users_casts(graph) != {n["name"] for n in graph["nodes"] if n["op"] in CAST_OPS}:
+        # built under init or in a region: that policy's casts go, or a bfloat16 conversion of a
+        # float16 plan would still round every value through float16 (the user's casts stay)
+        graph = without_amp_casts(graph, keep=users_casts(graph))
+        sym = mx.sym.load_json(json.dumps(graph))
     _check_excluded(graph, excluded)
     _warn_kept(graph, policy)
     if not policy.enabled:  # no useful low precision here: the FP32 graph, unchanged

@@ -420,3 +420,30 @@ def test_quantized_graph_warning_names_the_amx_int8_crash_only_with_amx(monkeypa
     assert len(fused) == 1 and ("GLUON_AMP_DISABLE_AMX=1" in fused[0]) == amx
     assert result.reasons["fc"] == "low_precision" and result.dtypes[(q.name, 0)] == "int8"
     assert sym.infer_type(data=np.float32)[1] == [np.float32]
+
+
+@pytest.mark.parametrize("built", ["init", "autocast"])
+def test_a_symbol_built_under_a_policy_converts_as_its_fp32_graph_keeping_the_user_s_casts(built):
+    """The float16 policy's casts stayed in a bfloat16 conversion: every value went through
+    float16 first (an activation of 1e5 became inf)."""
+    def build():
+        d = mx.sym.var("data")
+        fc = mx.sym.FullyConnected(d, num_hidden=2, name="fc")
+        return mx.sym.amp_cast(fc, dtype="float16", name="users_cast") + 1  # the user's own cast
+
+    plain = build()
+    if built == "init":
+        gluon_amp.init("float16", emulate=True)
+        under = build()
+        gluon_amp.disable()
+    else:
+        with gluon_amp.autocast("float16", emulate=True):
+            under = build()
+    assert len(_casts(under)) > len(_casts(plain))  # the policy's casts are there to drop
+    want, got = (gluon_amp.convert_symbol(s, "bfloat16", emulate=True) for s in (plain, under))
+    assert _casts(got) == _casts(want) and ("users_cast", "float16") in _casts(got)
+
+
+def _casts(sym):
+    return sorted((n["name"] if not n["name"].startswith("amp_") else "", n["attrs"]["dtype"])
+                  for n in json.loads(sym.tojson(remove_amp_cast=False))["nodes"] if n["op"] == "amp_cast")
