@@ -360,6 +360,8 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
     seen: "weakref.WeakKeyDictionary[HybridBlock, tuple]" = weakref.WeakKeyDictionary()
     made_under: "weakref.WeakKeyDictionary[HybridBlock, object]" = weakref.WeakKeyDictionary()
     plain_said: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()  # built with AMP off, passed to ``stale``
+    #: block -> the dtypes of the call its graph was built for (the plan's casts follow them)
+    typed_for: "weakref.WeakKeyDictionary[HybridBlock, tuple]" = weakref.WeakKeyDictionary()
 
     def _get_graph(self: HybridBlock, *args: Any) -> Any:
         run = _RUN_GRAPHS.get(self)
@@ -373,6 +375,8 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
             under = current() if current is not None else None
             self._cached_graph = (inputs, like_frontend(out, rewrite(self, args, inputs, out)))
             built.add(self)
+            if under is not None:  # a plan: typed for these inputs (a float32 graph is not)
+                typed_for[self] = _dtypes(args)
             if current is not None:
                 made_under[self] = under
             if reshaped is not None and watch is not None and watch(self):
@@ -400,7 +404,12 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
                     # it keeps that float32 graph under AMP too, which ``stale`` says, once
                     plain_said.add(self)
                     stale(self)
-                if self in seen:  # watched, and its graph went through rewrite
+                typed = typed_for.get(self)
+                if typed is not None and typed != _dtypes(args):
+                    # other input dtypes than the plan was typed for: its casts were chosen for
+                    # those (a float16-fed plan has none before a concat that now gets float32)
+                    self._clear_cached_op()  # traced again below, through _get_graph
+                elif self in seen:  # watched, and its graph went through rewrite
                     shapes = _shapes(args)
                     if seen.get(self) != shapes:
                         seen[self] = shapes
@@ -438,6 +447,13 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
     hooks = BlockHooks(_get_graph, _call_cached_op, call, made_under)
     warning_sites.hold(hooks)
     return hooks
+
+
+def _dtypes(args: Any) -> Any:
+    """The dtypes of a call's arrays, nested as the call's arguments."""
+    if isinstance(args, (list, tuple)):
+        return tuple(_dtypes(a) for a in args)
+    return getattr(args, "dtype", None)
 
 
 def _shapes(args: Any) -> Any:

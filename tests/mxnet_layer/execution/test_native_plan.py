@@ -11,6 +11,7 @@ simulated one on every CPU, and the real one where the CPU has bfloat16 kernels)
   never bfloat16 arrays to float32 code, whose ``asnumpy()`` reads raw 16-bit words.
 """
 import json
+import contextlib
 import warnings
 
 import numpy as np
@@ -240,3 +241,47 @@ def test_gpu_style_float16_code_gets_float16_outputs_when_tuning_runs_the_graph_
     y = net(mx.nd.ones((2, 4, 8, 8), dtype="float16"))
     assert set(gluon_amp.report(net, data="float16").totals_by_dtype) == {"float32"}  # the tuner's verdict
     assert y.dtype == np.float16
+
+
+class _ScoresStep(gluon.HybridBlock):
+    """Sockeye 2.3's beam search update, trimmed: a sum and a concat of what the caller passes."""
+
+    def hybrid_forward(self, F, dists, scores, pad):
+        summed = F.broadcast_add(dists, scores)
+        return F.where(summed > 1e9, F.concat(scores, pad), summed)
+
+
+@pytest.mark.parametrize("mode", ["native", "emulated-float16", "emulated-bfloat16"])
+def test_a_block_called_with_other_input_dtypes_than_its_plan_was_typed_for_plans_again(mode):
+    """Sockeye's ``translate --dtype float16``: a beam-search block first fed float16 only got
+    float32 scores from ``topk`` (float32 in the table) at its next call. Its plan, typed for
+    float16 inputs, had no cast before the concat: MXNet's "Non-uniform data type in Concat" on
+    a native host; emulated, the float32 input was read as float16, silently."""
+    with contextlib.ExitStack() as stack:
+        if mode == "native":  # simulated: the plan's graphs are what a bfloat16 host binds
+            stack.enter_context(gluon_amp.runtime.simulate_native_bf16())
+            _init(target_dtype="bfloat16")
+        else:
+            _init(target_dtype=mode.split("-")[1], emulate=True)
+        _called_with_changing_dtypes()
+
+
+def _called_with_changing_dtypes():
+    dists = mx.nd.array(np.random.RandomState(0).rand(2, 5), dtype="float16")
+    pad = mx.nd.full((2, 4), np.inf, dtype="float16")
+    fine = 1 + 2.0 ** -20  # not a float16 value
+    calls = [(dists, mx.nd.zeros((2, 1), dtype="float16"), pad),
+             (dists * 0, mx.nd.full((2, 1), fine, dtype="float32"), pad),
+             (dists, mx.nd.zeros((2, 1), dtype="float16"), pad)]
+
+    def fresh(args):
+        block = _ScoresStep()
+        block.hybridize()
+        return block(*args)
+
+    step = _ScoresStep()
+    step.hybridize()
+    for args in calls:  # the same block as a fresh one, whatever it was called with before
+        out, want = step(*args), fresh(args)
+        assert out.dtype == want.dtype and np.array_equal(out.asnumpy(), want.asnumpy())
+    assert step(*calls[1]).dtype == np.float32 and np.all(step(*calls[1]).asnumpy() == np.float32(fine))
