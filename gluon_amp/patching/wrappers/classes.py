@@ -15,7 +15,7 @@ from mxnet.ndarray import NDArray
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import Decision, Reason, decide
-from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, dtype_name
+from gluon_amp_core.dtypes import FLOAT_DTYPES, LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.emulate import DIRECT_INPUTS
 from gluon_amp_core.table import OpClass, OpTable
 from gluon_amp_core.verdicts import Verdict
@@ -23,6 +23,7 @@ from gluon_amp_core.verdicts import Verdict
 from ... import mxnet_internals as mxi
 from ...emulation import round_nd, unpatched
 from ...execution import CannotRun, cannot_run
+from ...type_inference import op_types
 from ..low_cast import _caller_level
 from .casts import CASTABLE, cast_into, cast_nd, cast_sym, either_frontend, multicast_sym
 
@@ -340,8 +341,10 @@ def sym_wrapper(fn: Callable, op: str, table: OpTable, info: mxi.OpInfo, sig: mx
             # MXNet creates the missing inputs (weights) itself: build, then re-wire casts.
             given = {a.name for a in [*args, *kwargs.values()] if isinstance(a, Symbol)}
             return _recompose(fn(*args, **kwargs), d, info, given)
-        positions = [(None, i) for i, a in enumerate(inputs) if isinstance(a, Symbol)]
-        positions += [(k, None) for k in sym_kw]
+        forced = () if info.variadic else _forced_input_types(
+            info, sig.attributes(args, kwargs), declared)
+        positions = [(None, i) for i, a in enumerate(inputs) if isinstance(a, Symbol) and i not in forced]
+        positions += [(k, None) for k in sym_kw if k not in info.inputs or info.inputs.index(k) not in forced]
 
         def build(aux: frozenset) -> Any:
             """The op on its inputs cast, those that are its auxiliary states (``aux``) left as given."""
@@ -402,6 +405,23 @@ def control_flow_sym_wrapper(fn: Callable, subgraphs: int) -> Callable:
     return amp_op
 
 
+#: ops whose type rule is the user's Python (a CustomOpProp's infer_type): MXNet's inference
+#: without the program's input types calls it with what it does not expect, and a failure
+#: there aborts the process
+PYTHON_TYPED = frozenset({"Custom", "_CustomFunction", "_NDArray", "_Native"})
+
+
+def _forced_input_types(info: mxi.OpInfo, attrs: dict, n: int) -> frozenset:
+    """The positions among the op's ``n`` inputs whose dtype MXNet's type rule fixes to a
+    non-float one whatever the others are (``batch_take``'s int32 indices): never cast, as
+    the imperative wrapper casts only float arrays."""
+    if info.canonical in PYTHON_TYPED:
+        return frozenset()
+    typed = op_types(info.canonical, {k: v for k, v in attrs.items() if v is not None}, (None,) * n)
+    return frozenset(i for i, t in enumerate(typed[0]) if t is not None and t not in FLOAT_DTYPES) \
+        if typed is not None else frozenset()
+
+
 def _recompose(built: Any, d: Decision, info: mxi.OpInfo, given: set) -> Any:
     """``built`` (an op function's result, a list of outputs in numpy mode) rebuilt with
     casts in front of its inputs; same API form (:func:`gluon_amp.mxnet_internals.rebuild_op`)."""
@@ -411,8 +431,13 @@ def _recompose(built: Any, d: Decision, info: mxi.OpInfo, given: set) -> Any:
         return built
     aux = set(sym.list_auxiliary_states())
     inputs = []
+    forced = _forced_input_types(info, {k: v for k, v in sym.list_attr().items() if k in info.attrs},
+                                 len(children))
     for i in range(len(children)):
         child = children[i]
+        if i in forced:
+            inputs.append(child)  # an input the op types itself (batch_take's int32 indices)
+            continue
         if (child.name not in given and child.get_children() is None
                 and "__dtype__" not in child.list_attr()):
             # A weight the op created itself: pin it to float32 (the master copy), since

@@ -21,9 +21,10 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import FLOAT_DTYPES, dtype_name
 
-from ...mxnet_internals import FLOAT_NAMES, Signature
+from ...mxnet_internals import FLOAT_NAMES, Signature, auto_names_mark, op_head
 from ...type_inference import op_types
 from .casts import CASTABLE
+from .classes import PYTHON_TYPED
 
 _OPTIONS = ("out", "name", "attr")
 _CASTABLE = frozenset(CASTABLE.values())
@@ -140,13 +141,44 @@ def sym_wrapper(fn: Callable, op: str, sig: Signature, target_dtype: str,
         slots = _tensor_slots(args, kwargs, Symbol, sig, names)
         if not slots or len(slots) < 2 or slots[0][1] != 0:
             return fn(*args, **kwargs)
-        hypothesis = (target_dtype,) + ("float32",) * (len(slots) - 1)
-        if op_types(op, sig.attributes(args, kwargs), hypothesis) is not None:
+        attrs = sig.attributes(args, kwargs)
+        free = op_types(op, attrs, (None,) * len(names)) if op not in PYTHON_TYPED else None
+        if free is not None:  # inputs the op types itself (batch_take's int32 indices) are not cast
+            slots = [s for s in slots if s[1] >= len(free[0]) or free[0][s[1]] in (None, *FLOAT_DTYPES)]
+            if len(slots) < 2:
+                return fn(*args, **kwargs)
+        hypothesis = [None] * (slots[-1][1] + 1)
+        for _, j in slots:
+            hypothesis[j] = target_dtype if j == 0 else "float32"
+        if op_types(op, attrs, tuple(hypothesis)) is not None:
             return fn(*args, **kwargs)
-        new = list(args)
-        cast = multicast_narrow([_get(new, kwargs, key) for key, _ in slots])
-        for (key, _), c in zip(slots, cast):
-            _put(new, kwargs, key, c)
-        return fn(*new, **kwargs)
+        def build(aux: frozenset) -> Any:
+            """The op on its inputs multicast, those that are its auxiliary states left as given."""
+            new, new_kwargs = list(args), dict(kwargs)
+            at = [key for key, _ in slots if _get(new, new_kwargs, key).name not in aux
+                  or _get(new, new_kwargs, key).get_children() is not None]
+            if len(at) > 1:
+                cast = multicast_narrow([_get(new, new_kwargs, key) for key in at])
+                for key, c in zip(at, cast):
+                    _put(new, new_kwargs, key, c)
+            return fn(*new, **new_kwargs)
+
+        names_back = auto_names_mark()
+        try:
+            return build(frozenset())
+        except MXNetError:
+            # auxiliary states given as variables (quantized_batch_norm's moving mean and
+            # variance) are mutated by the op, and MXNet refuses a cast there ("Mutation target
+            # can only be Variable"); the names these attempts took are handed out again
+            try:
+                aux = frozenset(op_head(fn(*args, **kwargs)).list_auxiliary_states())
+            except MXNetError:
+                aux = frozenset()
+            finally:
+                names_back()
+            if not aux:
+                raise
+            return build(aux)
 
     return amp_op
+

@@ -651,3 +651,58 @@ def test_gluonnlp_language_model_and_bert_encoder_hybridized_emulated(gluonnlp, 
         loss.backward()
     assert out.shape == (5, 2, 20) and encoded.shape == (6, 2, 8)
     assert np.isfinite(loss.asscalar())
+
+
+def _sym_sites():
+    """(name, function, op) of every public mx.sym / mx.sym.contrib op function with declared
+    tensor inputs, not variadic."""
+    infos = mxi.op_infos()
+    sites = {}
+    for module, attr, fn, op, kind in mxi.op_function_sites():
+        if module.__name__ in ("mxnet.symbol", "mxnet.symbol.contrib") and not attr.startswith("_"):
+            info = infos.get(op)
+            if info is not None and info.inputs and not info.variadic:
+                sites[f"{module.__name__}.{attr}"] = (fn, op)
+    return sorted(sites.items())
+
+
+def _sym_facts(fn, info, given):
+    """What MXNet's graph of ``fn`` on variables for its first ``given`` inputs (it creates the
+    rest) says: arguments, auxiliary states, outputs and the dtypes inferred from float32 data
+    (the names of the variables it created and their non-float dtypes); or the error class."""
+    with mx.name.NameManager():
+        try:
+            sym = fn(*[mx.sym.var(f"in{k}") for k in range(given)], name="op")
+            sym = sym[0] if isinstance(sym, list) else sym
+            arg_types, _, _ = sym.infer_type_partial(in0="float32")
+        except MXNetError:
+            return MXNetError
+    names = sym.list_arguments()
+    fixed = {n: np.dtype(t).name for n, t in zip(names, arg_types or [None] * len(names))
+             if t is not None and np.dtype(t).kind != "f"}
+    return names, sym.list_auxiliary_states(), sym.list_outputs(), fixed
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_every_sym_op_built_from_some_variables_is_mxnet_s_graph(dtype):
+    """Generated: each mx.sym op function called with its first input only (MXNet creates its
+    weights, its indices, its auxiliary states) and with every declared input: under ``init``
+    the graph has MXNet's arguments, auxiliary states and outputs, and the inputs MXNet types
+    as integers stay integers. Found: ``batch_take(data)``'s created indices pinned to float32
+    (infer_type failed), ``contrib.quantized_batch_norm(*variables)`` refused ("Mutation target
+    can only be Variable": a cast in front of its moving mean)."""
+    infos = mxi.op_infos()
+    sites = _sym_sites()
+    assert len(sites) > 150
+    plain = {name: [_sym_facts(fn, infos[op], n) for n in (1, len(infos[op].inputs))]
+             for name, (fn, op) in sites}
+    gluon_amp.init(dtype, emulate=True)
+    fc = mx.sym.FullyConnected(mx.sym.var("d"), num_hidden=2)  # the functions are AMP's now, in place
+    assert "amp_cast" in fc.tojson(remove_amp_cast=False)
+    problems = []
+    for name, (fn, op) in sites:
+        for want, n in zip(plain[name], (1, len(infos[op].inputs))):
+            got = _sym_facts(fn, infos[op], n)
+            if got != want:
+                problems.append(f"{name} on {n} input(s): MXNet's {want}, under init {got}")
+    assert not problems, f"{len(problems)} problems, e.g.\n" + "\n".join(problems[:10])
