@@ -13,7 +13,7 @@ from mxnet.gluon import HybridBlock
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import Reason
-from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
+from gluon_amp_core.dtypes import DTYPE_CODE, LOW_PRECISION_DTYPES, dtype_name
 from gluon_amp_core.emulate import ROUND_SUFFIX
 from gluon_amp_core.graph_pass import PassResult
 from gluon_amp_core.policy import Policy
@@ -165,7 +165,16 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
         given = {**plan_notes.fed_dtypes(symbol_or_block), **mxi.param_dtypes(symbol_or_block)}
         held = set(getattr(symbol_or_block, "float32_stand_in_params", ()))  # held float32 for a stand-in:
         known.update({n: t for n, t in given.items() if n in set(inputs) and n not in held})  # the plan's own
-    fed = {**known, **input_types}
+    for name, dtype in input_types.items():
+        try:
+            ok = dtype_name(dtype) in DTYPE_CODE
+        except TypeError:
+            ok = False
+        if not ok:
+            raise (ValueError if isinstance(dtype, str) else TypeError)(
+                f"report: {name}={dtype!r} is not a dtype MXNet has (one of {sorted(DTYPE_CODE)}); pass "
+                "input_name=dtype, e.g. data='float16'")
+    fed = {**known, **{n: dtype_name(t) for n, t in input_types.items()}}
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # 1.9.1 prints the arguments it rejects
             by_name = infer_dtypes(sym, fed)

@@ -216,12 +216,27 @@ def clean_stale_temporaries(directory: str) -> List[str]:
     return removed
 
 
+def checked_path(path: Any, caller: str) -> str:
+    """``path`` as a file name: a str or os.PathLike naming a file, else a TypeError or
+    ValueError naming it (an int is no file name here, as Python's ``open`` would take a
+    descriptor; an empty name and a directory have no file to write or read)."""
+    if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{caller}: the file name must be a str or os.PathLike path, got "
+                        f"{type(path).__name__} {path!r}")
+    path = os.fspath(path)
+    if not path or os.path.isdir(path):
+        raise ValueError(f"{caller}: {path!r} is {'empty' if not path else 'a directory'}; give the path "
+                         "of a file, such as 'trainer.states'")
+    return path
+
+
 def write(path: str, meta: Dict[str, Any], states: Dict[Any, Any], opt: Any,
           params: Optional[List[Tuple[str, Tuple[int, ...], str]]] = None) -> None:
     """Write a checkpoint atomically: a temporary file in the same directory, flushed and
     fsynced, then renamed over ``path``. A failed save leaves the previous file as it was;
     a killed one leaves its temporary file, which the next save in that directory removes.
     ``params``: (name, shape, dtype) of each parameter, in the order of the state tree's indices."""
+    path = checked_path(path, "save_states")
     enc = _Encoder()
     doc = {"format": FORMAT, "version": VERSION, **meta, "optimizer": optimizer_fields(opt),
            "states": enc.encode(states)}
@@ -335,6 +350,7 @@ _DAMAGE = (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, struct.error, E
 def read(path: str) -> Checkpoint:
     """Read and check a checkpoint; :class:`CheckpointError` naming the file and what is
     wrong for any damage (a CRC, a member missing or extra, meta.json's fields, the tree)."""
+    path = checked_path(path, "load_states")
     if not os.path.isfile(path):
         raise ValueError(f"load_states: no such file {path!r}")
     if not zipfile.is_zipfile(path):

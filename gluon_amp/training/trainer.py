@@ -608,6 +608,7 @@ def load_states(trainer: Trainer, fname: str, *, trusted: bool = False) -> None:
     hook = _hook_of(trainer, "load_states")
     if not isinstance(trusted, bool):
         raise TypeError(f"trusted must be True or False, got {trusted!r}")
+    fname = checkpoint.checked_path(fname, "load_states")
     if trusted and os.path.isfile(fname) and not zipfile.is_zipfile(fname):
         scaler_state, _, _ = checkpoint.read_old(fname)
         checkpoint.checked_scaler_state(hook.scaler, scaler_state, fname)

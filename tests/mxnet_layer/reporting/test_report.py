@@ -49,6 +49,10 @@ def test_report_errors():
         gluon_amp.report(42)
     with pytest.raises(RuntimeError, match="hybridize"):
         gluon_amp.report(make_net(hybridize=False))
+    fc = mx.sym.FullyConnected(mx.sym.var("data"), num_hidden=2)
+    for bad, error in (("", ValueError), ("float17", ValueError), (3, TypeError)):  # NumPy's words came first
+        with pytest.raises(error, match=f"report: data={bad!r} is not a dtype MXNet has"):
+            gluon_amp.report(fc, "bfloat16", data=bad)
 
 
 def test_report_takes_a_bfloat16_data_input():

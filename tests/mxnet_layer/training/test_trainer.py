@@ -254,6 +254,19 @@ def test_checkpoint_errors(tmp_path):
     junk.write_bytes(b"not a pickle")
     with pytest.raises(ValueError, match="not a gluon_amp.save_states file"):
         gluon_amp.load_states(tr, str(junk))
+    # an int was taken as a file descriptor (raw OverflowError for 2**40), "" gave the
+    # FileNotFoundError of gluon_amp's temporary file
+    for call in (gluon_amp.save_states, gluon_amp.load_states):
+        with pytest.raises(TypeError, match="the file name must be a str or os.PathLike path, got int"):
+            call(tr, 2 ** 40)
+        with pytest.raises(ValueError, match="is empty; give the path of a file"):
+            call(tr, "")
+        with pytest.raises(ValueError, match="is a directory"):
+            call(tr, tmp_path)
+    with pytest.raises(TypeError, match="got NoneType"):
+        gluon_amp.load_states(tr, None, trusted=True)
+    gluon_amp.save_states(tr, tmp_path / "as-pathlib")  # os.PathLike stays fine
+    gluon_amp.load_states(tr, tmp_path / "as-pathlib")
 
 
 @pytest.mark.parametrize("emulated", [None, "bfloat16", "float16"])
