@@ -373,24 +373,33 @@ def sym_wrapper(fn: Callable, op: str, table: OpTable, info: mxi.OpInfo, sig: mx
                     put(p, cast_sym(get(p), d.dtype))
             return fn(*new_args, **new_kwargs)
 
-        names_back = mxi.auto_names_mark()
-        try:
-            return build(frozenset())
-        except MXNetError:
-            # An auxiliary state given as a variable (a Custom op's, whose prop declares them)
-            # is mutated by the op, and MXNet refuses a cast there: the op's own list says which.
-            # The names these attempts took are handed out again (the op's is plain MXNet's).
-            try:
-                aux = frozenset(mxi.op_head(neutral(*args, **kwargs)).list_auxiliary_states())
-            except MXNetError:
-                aux = frozenset()
-            finally:
-                names_back()
-            if not aux:
-                raise
-            return build(aux)
+        return built_leaving_aux(build, neutral, args, kwargs)
 
     return amp_op
+
+
+def built_leaving_aux(build: Callable[[frozenset], Any], plain: Callable, args: tuple, kwargs: dict) -> Any:
+    """``build(frozenset())`` (the op on its inputs cast), else, where MXNet refuses it,
+    ``build(aux)`` leaving the op's auxiliary states as given.
+
+    An auxiliary state given as a variable (a Custom op's, whose prop declares them;
+    ``quantized_batch_norm``'s moving mean and variance) is mutated by the op, and MXNet
+    refuses a cast there ("Mutation target can only be Variable"): the op's own list, built by
+    ``plain``, says which. The names these attempts took are handed out again (the op's is
+    plain MXNet's)."""
+    names_back = mxi.auto_names_mark()
+    try:
+        return build(frozenset())
+    except MXNetError:
+        try:
+            aux = frozenset(mxi.op_head(plain(*args, **kwargs)).list_auxiliary_states())
+        except MXNetError:
+            aux = frozenset()
+        finally:
+            names_back()
+        if not aux:
+            raise
+        return build(aux)
 
 
 def control_flow_sym_wrapper(fn: Callable, subgraphs: int) -> Callable:

@@ -21,10 +21,10 @@ from mxnet.symbol import Symbol
 
 from gluon_amp_core.dtypes import FLOAT_DTYPES, dtype_name
 
-from ...mxnet_internals import FLOAT_NAMES, Signature, auto_names_mark, op_head
+from ...mxnet_internals import FLOAT_NAMES, Signature
 from ...type_inference import op_types
 from .casts import CASTABLE
-from .classes import PYTHON_TYPED
+from .classes import PYTHON_TYPED, built_leaving_aux
 
 _OPTIONS = ("out", "name", "attr")
 _CASTABLE = frozenset(CASTABLE.values())
@@ -152,6 +152,7 @@ def sym_wrapper(fn: Callable, op: str, sig: Signature, target_dtype: str,
             hypothesis[j] = target_dtype if j == 0 else "float32"
         if op_types(op, attrs, tuple(hypothesis)) is not None:
             return fn(*args, **kwargs)
+
         def build(aux: frozenset) -> Any:
             """The op on its inputs multicast, those that are its auxiliary states left as given."""
             new, new_kwargs = list(args), dict(kwargs)
@@ -163,22 +164,7 @@ def sym_wrapper(fn: Callable, op: str, sig: Signature, target_dtype: str,
                     _put(new, new_kwargs, key, c)
             return fn(*new, **new_kwargs)
 
-        names_back = auto_names_mark()
-        try:
-            return build(frozenset())
-        except MXNetError:
-            # auxiliary states given as variables (quantized_batch_norm's moving mean and
-            # variance) are mutated by the op, and MXNet refuses a cast there ("Mutation target
-            # can only be Variable"); the names these attempts took are handed out again
-            try:
-                aux = frozenset(op_head(fn(*args, **kwargs)).list_auxiliary_states())
-            except MXNetError:
-                aux = frozenset()
-            finally:
-                names_back()
-            if not aux:
-                raise
-            return build(aux)
+        return built_leaving_aux(build, fn, args, kwargs)
 
     return amp_op
 
