@@ -70,7 +70,7 @@ class Frame:
     def __init__(self, region: Region, outer: Optional[Any], parent: Optional["Frame"],
                  origin: Optional["Frame"] = None) -> None:
         self.region, self.outer, self.parent = region, outer, parent
-        self.origin = self if origin is None else origin
+        self.origin = origin  # None: this frame is its own (no reference cycle per region)
 
 
 #: thread ident -> its innermost open region; a thread outside every region has no entry, so
@@ -179,7 +179,7 @@ def leave(old: Frame) -> None:
     innermost = regions.get(ident)
     if innermost is None:
         return
-    if innermost.origin is not old:
+    if (innermost.origin or innermost) is not old:
         _cut(ident, innermost, old)
         return
     old = innermost
@@ -198,14 +198,14 @@ def _cut(ident: int, innermost: Frame, old: Frame) -> None:
     copied onto its parent (the policy in force does not change; one item store)."""
     above: List[Frame] = []
     f: Optional[Frame] = innermost
-    while f is not None and f.origin is not old:
+    while f is not None and (f.origin or f) is not old:
         above.append(f)
         f = f.parent
     if f is None:
         return  # not open on this thread (left already)
     parent = f.parent
     for g in reversed(above):
-        parent = Frame(g.region, g.outer, parent, g.origin)
+        parent = Frame(g.region, g.outer, parent, g.origin or g)
     regions[ident] = parent
 
 

@@ -167,4 +167,3 @@ def sym_wrapper(fn: Callable, op: str, sig: Signature, target_dtype: str,
         return built_leaving_aux(build, fn, args, kwargs)
 
     return amp_op
-
