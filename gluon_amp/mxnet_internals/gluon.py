@@ -98,14 +98,18 @@ def call_inputs(block: HybridBlock, args: tuple, inputs: Sequence[Symbol]
     from gluon_amp_core.dtypes import dtype_name
     from .arrays import FLOAT_NAMES
     dtypes: Dict[str, str] = {}
-    shapes: Dict[str, Tuple[int, ...]] = {}
     for var, a in zip(inputs, call_arrays(args)):
         if isinstance(a, mx.nd.NDArray):
             dtypes[var.name] = FLOAT_NAMES.get(a.dtype) or dtype_name(a.dtype)
-            shapes[var.name] = a.shape
     for name, dtype in param_dtypes(block).items():
         dtypes.setdefault(name, dtype)
-    return dtypes, shapes
+    return dtypes, call_shapes(args, inputs)
+
+
+def call_shapes(args: tuple, inputs: Sequence[Symbol]) -> Dict[str, Tuple[int, ...]]:
+    """The shapes of a block's data inputs at this call, by graph input name (what
+    :func:`call_inputs` gives without the parameters' dtypes, whose collection is slow)."""
+    return {var.name: a.shape for var, a in zip(inputs, call_arrays(args)) if isinstance(a, mx.nd.NDArray)}
 
 
 def param_dtypes(block: HybridBlock) -> Dict[str, str]:
@@ -319,6 +323,24 @@ class BlockHooks:
     call: Optional[Callable] = None
     #: block -> the ``current()`` the hooks built its graph under
     made_under: "weakref.WeakKeyDictionary[HybridBlock, object]" = field(default_factory=weakref.WeakKeyDictionary)
+    #: block -> its plans for other input dtypes, put aside (see :func:`install_block_hooks`)
+    aside: "weakref.WeakKeyDictionary[HybridBlock, Dict[Any, _PlanAside]]" = field(
+        default_factory=weakref.WeakKeyDictionary)
+
+
+@dataclass(frozen=True)
+class _PlanAside:
+    """What a hybridized block runs for one set of input dtypes (1.9.1: the three fields
+    ``_clear_cached_op`` resets), and the ``current()`` it was built under."""
+
+    graph: tuple
+    cached_op: Any
+    op_args: list
+    under: object
+
+
+#: plans a block keeps aside, per set of input dtypes, besides the one it runs
+_PLANS_ASIDE = 3
 
 
 #: 1.9.1 mxnet/gluon/block.py: ``Block.__call__(self, *args)`` runs the forward hooks and
@@ -362,6 +384,9 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
     plain_said: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()  # built with AMP off, passed to ``stale``
     #: block -> the dtypes of the call its graph was built for (the plan's casts follow them)
     typed_for: "weakref.WeakKeyDictionary[HybridBlock, tuple]" = weakref.WeakKeyDictionary()
+    aside: "weakref.WeakKeyDictionary[HybridBlock, Dict[Any, _PlanAside]]" = weakref.WeakKeyDictionary()
+    #: blocks traced again for other input dtypes (their plans aside stay valid)
+    retyping: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
 
     def _get_graph(self: HybridBlock, *args: Any) -> Any:
         run = _RUN_GRAPHS.get(self)
@@ -372,6 +397,10 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
         if _paused.depth:
             return inputs, out
         if fresh:
+            if self in retyping:
+                retyping.discard(self)
+            else:  # dropped by anything else (hybridize, cast, the tuner): so are the plans aside
+                aside.pop(self, None)
             under = current() if current is not None else None
             self._cached_graph = (inputs, like_frontend(out, rewrite(self, args, inputs, out)))
             built.add(self)
@@ -408,18 +437,42 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
                 if typed is not None and typed != _dtypes(args):
                     # other input dtypes than the plan was typed for: its casts were chosen for
                     # those (a float16-fed plan has none before a concat that now gets float32)
-                    self._clear_cached_op()  # traced again below, through _get_graph
+                    _retype(self, typed, _dtypes(args))
                 elif self in seen:  # watched, and its graph went through rewrite
                     shapes = _shapes(args)
                     if seen.get(self) != shapes:
                         seen[self] = shapes
                         if reshaped(self, args, *self._cached_graph):
-                            self._clear_cached_op()  # rebuilt below, through _get_graph
+                            _drop(self)  # rebuilt below, through _get_graph
                 if called is not None and called(self, args):
-                    self._clear_cached_op()  # rebuilt below, through _get_graph (a SymbolBlock keeps its graph)
+                    _drop(self)  # rebuilt below, through _get_graph (a SymbolBlock keeps its graph)
                     if self in given:
                         _rewrite_given(self, args)
         return _CALL_CACHED_OP(self, *args)
+
+    def _retype(self: HybridBlock, typed: tuple, dtypes: tuple) -> None:
+        """Put the block's plan aside and run its plan for ``dtypes``: one kept aside under the
+        same ``current()``, or one traced at this call. A program that alternates input dtypes
+        (a decoder fed float16, then float32) traced each call again (about 40x the call)."""
+        kept = aside.setdefault(self, {})
+        kept.pop(typed, None)
+        kept[typed] = _PlanAside(self._cached_graph, self._cached_op, self._cached_op_args,
+                                 made_under.get(self))
+        while len(kept) > _PLANS_ASIDE:
+            del kept[next(iter(kept))]
+        plan = kept.pop(dtypes, None)
+        if plan is not None and plan.under == (current() if current is not None else None):
+            self._cached_graph, self._cached_op, self._cached_op_args = plan.graph, plan.cached_op, plan.op_args
+            typed_for[self] = dtypes
+            return
+        retyping.add(self)
+        self._clear_cached_op()  # traced again below, through _get_graph
+
+    def _drop(self: HybridBlock) -> None:
+        """The block's graph, and its plans aside, built again: the choices they hold changed."""
+        aside.pop(self, None)
+        retyping.discard(self)
+        self._clear_cached_op()
 
     def _rewrite_given(self: HybridBlock, args: tuple) -> None:
         inputs, out = self._cached_graph
@@ -444,7 +497,7 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
         __call__.__doc__, __call__.__wrapped__ = _BLOCK_CALL.__doc__, _BLOCK_CALL  # type: ignore[attr-defined]
         Block.__call__ = call = __call__
     HybridBlock._get_graph, HybridBlock._call_cached_op = _get_graph, _call_cached_op
-    hooks = BlockHooks(_get_graph, _call_cached_op, call, made_under)
+    hooks = BlockHooks(_get_graph, _call_cached_op, call, made_under, aside)
     warning_sites.hold(hooks)
     return hooks
 
@@ -489,6 +542,7 @@ def remove_block_hooks(hooks: BlockHooks,
             block._cached_op_args = args
             _RESTORED.add(block)
     hooks.made_under.clear()
+    hooks.aside.clear()
 
 
 #: blocks whose FP32 graph :func:`remove_block_hooks` put back: hooks installed later trace

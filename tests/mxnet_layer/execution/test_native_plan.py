@@ -285,3 +285,39 @@ def _called_with_changing_dtypes():
         out, want = step(*args), fresh(args)
         assert out.dtype == want.dtype and np.array_equal(out.asnumpy(), want.asnumpy())
     assert step(*calls[1]).dtype == np.float32 and np.all(step(*calls[1]).asnumpy() == np.float32(fine))
+
+
+class _CountedStep(_ScoresStep):
+    """Counts its traces: ``hybrid_forward`` runs with symbols only when the block is traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.traces = 0
+
+    def hybrid_forward(self, F, *args):
+        self.traces += F is mx.sym
+        return super().hybrid_forward(F, *args)
+
+
+def test_a_block_fed_alternating_dtypes_keeps_a_plan_for_each():
+    """A decoder fed float16, then float32, then float16 again: each call traced its block again
+    (about 40x the call), where one plan per set of input dtypes serves. A plan kept aside is
+    not one for another policy, nor one from before the block's graph was dropped."""
+    _init(target_dtype="float16", emulate=True)
+    dists = mx.nd.array(np.random.RandomState(0).rand(2, 5), dtype="float16")
+    pad = mx.nd.full((2, 4), np.inf, dtype="float16")
+    low, wide = (dists, dists[:, :1], pad), (dists, dists[:, :1].astype("float32"), pad)
+    step = _CountedStep()
+    step.hybridize()
+    for args in [low, wide] * 3:
+        out, want = step(*args), _ScoresStep()
+        want.hybridize()
+        want = want(*args)
+        assert out.dtype == want.dtype and np.array_equal(out.asnumpy(), want.asnumpy())
+    assert step.traces == 2
+    with gluon_amp.autocast(target_dtype="bfloat16", emulate=True):  # another policy: its own plans
+        step(*low), step(*wide), step(*low)
+    assert step.traces == 4
+    step.hybridize()  # the graph dropped: the plans aside too
+    step(*wide), step(*low)
+    assert step.traces == 6
