@@ -78,7 +78,7 @@ def graph_rewriter(policy: Policy) -> Tuple[Callable, Optional[Callable], Callab
         return with_fewer_casts(out, known, policy.table, dtypes, keep=users)[0]
 
     def reshaped(block: HybridBlock, args: tuple, inputs: Sequence[Symbol], out: Symbol) -> bool:
-        return rules.keeps_more(block, out, mxi.call_inputs(block, args, inputs)[1])
+        return rules.keeps_more(block, out, mxi.call_shapes(args, inputs))
 
     return rewrite, (reshaped if rules.active else None), rules.watches
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import weakref
-from typing import Mapping, Tuple
+from typing import Mapping, Set, Tuple
 
 import mxnet as mx
 from mxnet.gluon import HybridBlock
@@ -26,6 +26,9 @@ from ..type_inference import infer_shapes
 
 Shapes = Mapping[str, Tuple[int, ...]]
 
+#: input shapes remembered per block as checked
+_CHECKED_SHAPES = 256
+
 
 class ShapeRules:
     """The shape rules of one policy, and per block the ops they keep in float32 so far."""
@@ -37,6 +40,9 @@ class ShapeRules:
         self._kept: "weakref.WeakKeyDictionary[HybridBlock, frozenset]" = weakref.WeakKeyDictionary()
         #: blocks whose graph holds an op with a rule: the only ones other shapes can change
         self._watched: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
+        #: per block, input shapes found to keep nothing more in float32: ``_kept`` only grows,
+        #: so they never will (a graph's shapes and decisions cost a ResNet-50 call's time again)
+        self._checked: "weakref.WeakKeyDictionary[HybridBlock, Set[frozenset]]" = weakref.WeakKeyDictionary()
 
     def watches(self, block: HybridBlock) -> bool:
         """True when other input shapes could keep more of ``block``'s ops in float32."""
@@ -58,6 +64,7 @@ class ShapeRules:
             return out
         self._watched.add(block)
         kept = self._kept.get(block, frozenset()) | self._narrow(graph, out, shapes).keys()
+        self._remember(block, shapes)
         if not kept:
             return out
         self._kept[block] = frozenset(kept)
@@ -73,8 +80,20 @@ class ShapeRules:
         graph does not run so yet (it must then be rebuilt)."""
         if not self.active:
             return False
+        if frozenset(shapes.items()) in self._checked.get(block, ()):
+            return False
         graph = mxi.symbol_graph(out)
-        return not self._narrow(graph, out, shapes).keys() <= self._kept.get(block, frozenset())
+        if not self._narrow(graph, out, shapes).keys() <= self._kept.get(block, frozenset()):
+            return True  # its rebuild keeps them (``apply`` at these shapes)
+        self._remember(block, shapes)
+        return False
+
+    def _remember(self, block: HybridBlock, shapes: Shapes) -> None:
+        """``shapes`` keep nothing in float32 that ``block``'s graph does not: now or later."""
+        checked = self._checked.setdefault(block, set())
+        if len(checked) >= _CHECKED_SHAPES:  # shapes that never repeat: bounded, not remembered
+            checked.clear()
+        checked.add(frozenset(shapes.items()))
 
     def _narrow(self, graph: dict, out: Symbol, shapes: Shapes) -> dict:
         """Op node name -> its decision, for the nodes the rules keep in float32 at ``shapes``."""

@@ -180,3 +180,31 @@ def test_the_rule_is_where_bfloat16s_kernel_runs_a_gemm_and_float32s_blocks():
             gemm = {d: "gemm" in impls[(c, d, prop)] for d in ("float32", "bfloat16")}
             assert kept is (gemm["bfloat16"] and not gemm["float32"]), (c, prop, impls[(c, "float32", prop)],
                                                                           impls[(c, "bfloat16", prop)])
+
+
+@pytest.mark.simulated_native
+def test_input_shapes_checked_once_are_not_checked_again(monkeypatch):
+    """Each call with other input shapes than the last asked the rules again: the graph's
+    shapes and decisions, about a ResNet-50 call's time, at every call of a program whose
+    image sizes alternate. Shapes found to keep nothing more are remembered per block; a
+    shape that keeps more still rebuilds the graph."""
+    from gluon_amp.patching.shape_rules import ShapeRules
+    asked = []
+    narrow = ShapeRules._narrow
+    monkeypatch.setattr(ShapeRules, "_narrow", lambda self, graph, out, shapes: asked.append(
+        dict(shapes)) or narrow(self, graph, out, shapes))
+    with gluon_amp.runtime.simulate_native_bf16():
+        gluon_amp.init(target_dtype="bfloat16", tune=False)
+        net = _stem(16)
+        images = [mx.nd.ones((2, 16, s, s)) for s in (8, 6, 10)]
+        for k in [0, 1, 2] * 3:
+            net(images[k]).wait_to_read()
+        assert len(asked) == 3, asked  # the trace's, then one for each other shape
+        assert _rows(net)["Convolution0"] == ("bfloat16", "low_precision")
+        strided = nn.Conv2D(4, 1, strides=2, in_channels=16)
+        strided.initialize()
+        strided.hybridize()
+        for width in (8, 4, 8, 1):  # narrower than the stride: kept float32, the graph rebuilt
+            strided(mx.nd.ones((2, 16, 8, width))).wait_to_read()
+        assert [(r.dtype, r.reason) for r in gluon_amp.report(strided).rows if r.op == "Convolution"] == [
+            ("float32", "narrow_input")]
