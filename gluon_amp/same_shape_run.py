@@ -128,4 +128,4 @@ def twins_of(block: HybridBlock) -> FrozenSet[str]:
 
 def call_shapes(block: HybridBlock, args: tuple) -> Dict[str, Tuple[int, ...]]:
     """The shapes of a call's inputs, by the block's graph's input names."""
-    return dict(mxi.call_inputs(block, args, block._cached_graph[0])[1]) if block._cached_graph else {}
+    return mxi.call_shapes(args, block._cached_graph[0]) if block._cached_graph else {}
