@@ -3,9 +3,7 @@ and shape in a graph, and one op's type rule for given input dtypes (what the gr
 plugs in)."""
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import json
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -53,9 +51,7 @@ def infer_shapes(sym: Symbol, input_shapes: Mapping[str, Tuple[int, ...]]
     args = set(sym.list_inputs())
     internals = sym.get_internals()
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # 1.9.1 prints what it cannot infer
-            _, out_shapes, _ = internals.infer_shape_partial(
-                **{k: v for k, v in input_shapes.items() if k in args})
+        _, out_shapes, _ = internals.infer_shape_partial(**{k: v for k, v in input_shapes.items() if k in args})
     except MXNetError:
         return {}
     if out_shapes is None:

@@ -2,7 +2,7 @@
 touches them. Each function names the MXNet version it was checked against (1.9.1) and what
 breaks if MXNet changes it. Import it as ``from . import mxnet_internals as mxi``.
 
-``arrays`` dtypes, host views, executors | ``registry`` op functions and their infos |
+``arrays`` dtypes, host views | ``registry`` op functions and their infos |
 ``code_swap`` the in-place swap init uses | ``gluon`` blocks, symbols, hooks | ``trainer``
 trainer, parameter and updater internals | ``custom_ops`` loading gluon_amp's compiled ops |
 ``simulated`` bfloat16 kernels of a simulated native host (tests) | ``graph_reads`` a symbol's
@@ -10,14 +10,16 @@ graph read once per chain of passes | ``warning_sites`` MXNet's warnings past th
 ``errors`` the line of an MXNet error that says what failed | ``versions`` how many writes an
 array took | ``forward_only`` a block's calls that record nothing, on casts made once |
 ``padded_inputs`` a block's CachedOp fed an image with a zero channel more | ``shutdown``
-queued work done before MXNet stops its custom-op thread at exit.
+queued work done before MXNet stops its custom-op thread at exit | ``quiet`` MXNet's
+prints, log lines and binds' partitioning silenced, safely with threads.
 """
 from .arrays import *  # noqa: F401,F403
 from .code_swap import *  # noqa: F401,F403
 from .gluon import *  # noqa: F401,F403
 from .registry import *  # noqa: F401,F403
 from .trainer import *  # noqa: F401,F403
-from .arrays import BFLOAT16, FLOAT_NAMES, host_view, legacy, quiet_stderr, to_mx_dtype, unfused_binds  # noqa: F401
+from .arrays import BFLOAT16, FLOAT_NAMES, host_view, legacy, to_mx_dtype  # noqa: F401
+from .quiet import quiet_stderr, quiet_stdout, unfused_binds  # noqa: F401
 from .code_swap import (SavedFunction, copy_function, is_redirected_to, original_function,  # noqa: F401
                         redirect, restore, retarget)
 from .custom_ops import *  # noqa: F401,F403

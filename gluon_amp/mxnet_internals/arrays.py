@@ -1,10 +1,8 @@
-"""Dtype objects and names, host views of arrays, and how executors are bound (MXNet 1.9.1)."""
+"""Dtype objects and names, and host views of arrays (MXNet 1.9.1)."""
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import os
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 import mxnet as mx
@@ -26,42 +24,6 @@ FLOAT_NAMES = {np.float16: "float16", np.float32: "float32", np.float64: "float6
 def to_mx_dtype(name: str) -> Any:
     """The object MXNet accepts as ``dtype=`` for a canonical dtype name."""
     return BFLOAT16 if name == "bfloat16" else np.dtype(name)
-
-
-# -- executors -----------------------------------------------------------------------
-# 1.9.1 src/executor/graph_executor.cc: Symbol.bind partitions the graph with the subgraph
-# backend named by MXNET_SUBGRAPH_BACKEND, read on every bind, MKLDNN by default on CPU
-# ("Subgraph backend MKLDNN is activated"). Fused nodes hide their inner outputs.
-
-@contextlib.contextmanager
-def quiet_stderr() -> Iterator[None]:
-    """MXNet's C++ log lines (written to fd 2) are dropped inside the block; Python
-    exceptions still propagate."""
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
-@contextlib.contextmanager
-def unfused_binds() -> Iterator[None]:
-    """Symbol.bind inside the block partitions nothing: every op's own output stays readable.
-    (MXNet logs a line per such bind; it is dropped.)"""
-    old = os.environ.get("MXNET_SUBGRAPH_BACKEND")
-    os.environ["MXNET_SUBGRAPH_BACKEND"] = "NONE"
-    try:
-        with quiet_stderr():
-            yield
-    finally:
-        if old is None:
-            os.environ.pop("MXNET_SUBGRAPH_BACKEND", None)
-        else:
-            os.environ["MXNET_SUBGRAPH_BACKEND"] = old
 
 
 # -- host views ----------------------------------------------------------------------

@@ -1,8 +1,6 @@
 """Precision report: every op of a graph with its dtype and why."""
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -176,7 +174,7 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
                 "input_name=dtype, e.g. data='float16'")
     fed = {**known, **{n: dtype_name(t) for n, t in input_types.items()}}
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # 1.9.1 prints the arguments it rejects
+        with mxi.quiet_stdout():  # 1.9.1 prints the arguments it rejects
             by_name = infer_dtypes(sym, fed)
     except MXNetError as error:
         raise ValueError(_untyped(inputs, fed, mxi.error_line(error))) from None

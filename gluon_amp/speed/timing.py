@@ -7,11 +7,9 @@ oneDNN primitives, and the median of the next runs is the figure.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import gc
-import io
 import json
 import os
 import statistics
@@ -196,7 +194,7 @@ def time_op(op: str, attrs: Mapping[str, str], shapes: Sequence[Tuple[int, ...]]
         with autograd.pause(), mxi.unfused_binds(), mxi.legacy_arrays():  # numpy mode too
             # 1.9.1 binds shapes an op rejects into a segmentation fault: ask first (its
             # refusal is printed on stdout, then raised)
-            with contextlib.redirect_stdout(io.StringIO()):
+            with mxi.quiet_stdout():
                 arg_shapes, _, _ = sym.infer_shape(**given)
             if arg_shapes is None or any(not s for s in arg_shapes):
                 return None
@@ -311,7 +309,7 @@ def _prepare(sym: mx.sym.Symbol, shapes: Mapping[str, Tuple[int, ...]], train: b
              fused: bool, clock: Callable[[], float] = time.perf_counter) -> Callable[[], float]:
     """A block running ``sym``, ready, and a function timing one run of it (ms)."""
     from mxnet.gluon import SymbolBlock
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+    with warnings.catch_warnings(), mxi.quiet_stdout():
         warnings.simplefilter("ignore")
         block = SymbolBlock(sym, [mx.sym.var(n) for n in shapes])
         rng = np.random.default_rng(0)
