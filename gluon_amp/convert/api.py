@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -367,6 +368,13 @@ def _stored_dtypes(sym: Symbol) -> Dict[str, str]:
             if "__dtype__" in a and int(a["__dtype__"]) in CODE_DTYPE and n in sym.list_inputs()}
 
 
+#: ``hybridize()`` given no ``backend``: the block's own ``fuse_backend``
+_DEFAULT_BACKEND: Any = object()
+#: 1.9.1 ``HybridBlock.hybridize``'s parameters after ``active, backend``, in order
+_HYBRIDIZE_FLAGS = ("clear", "static_alloc", "static_shape", "inline_limit", "forward_bulk_size",
+                    "backward_bulk_size")
+
+
 class MixedPrecisionBlock(SymbolBlock):
     """The :class:`SymbolBlock` :func:`convert_hybrid_block` returns.
 
@@ -398,6 +406,21 @@ class MixedPrecisionBlock(SymbolBlock):
     amp_fallbacks: Tuple[str, ...] = ()
 
     def __call__(self, *args: Any) -> Any:
+        if self._settled:
+            return self._call(*args)
+        # Until its graph is bound and stays so, calls wait for each other: the first one's
+        # binding decides what runs (fused, unfused, the float32 stand-in) and may bind again,
+        # and a concurrent call met a half-changed block (MXNet's "Gluon failed to build the cache")
+        with self._binding:
+            out = self._call(*args)
+            self._settled = self._cached_op is not None
+            return out
+
+    def _clear_cached_op(self) -> None:
+        self._settled = False
+        super()._clear_cached_op()
+
+    def _call(self, *args: Any) -> Any:
         if autograd.is_recording() and mxi.block_backend(self)[0] is not None:
             self._unfuse_to_train()
         # Called as the block it converts is (its inputs nested: an RNN's state list), or
@@ -489,9 +512,18 @@ class MixedPrecisionBlock(SymbolBlock):
                     p.cast("float32")
         self.stored_low_by_default = ()
 
-    def hybridize(self, active: bool = True, backend: Optional[str] = None, **kwargs: Any) -> None:
-        if active and backend is None and self.fuse_backend:
-            backend = self.fuse_backend
+    def hybridize(self, active: bool = True, backend: Any = _DEFAULT_BACKEND, *args: Any, **kwargs: Any) -> None:
+        """As ``HybridBlock.hybridize`` (its arguments by position too: ``optimize_for`` passes
+        them so); without a ``backend``, the block's ``fuse_backend``; ``backend=None`` unfused."""
+        if len(args) > len(_HYBRIDIZE_FLAGS):
+            raise TypeError(f"hybridize() takes at most {2 + len(_HYBRIDIZE_FLAGS)} positional arguments "
+                            f"(active, backend, {', '.join(_HYBRIDIZE_FLAGS)}), got {2 + len(args)}")
+        for name, value in zip(_HYBRIDIZE_FLAGS, args):
+            if name in kwargs:
+                raise TypeError(f"hybridize() got multiple values for argument {name!r}")
+            kwargs[name] = value
+        if backend is _DEFAULT_BACKEND:
+            backend = self.fuse_backend if active else None
         if active and backend is not None:
             # A fused op builds its state once (batch norm folded in, weights reordered to
             # oneDNN's blocked layout), but without static_alloc and static_shape MXNet's
@@ -502,16 +534,29 @@ class MixedPrecisionBlock(SymbolBlock):
         super().hybridize(active, backend=backend, **kwargs)
 
     def __init__(self, outputs: Any, inputs: Any, params: Any = None) -> None:
+        self._binding = threading.RLock()
+        self._settled = False
         super().__init__(outputs, inputs, params)
         data, self._converted = mxi.cached_graph(self, "MixedPrecisionBlock")
         self._data_names = [d.name for d in data]
 
     def deployed_symbol(self) -> Symbol:
-        """The graph this block runs, as :meth:`export` writes it: the converted graph,
-        partitioned by the subgraph backend its last ``hybridize`` chose (as MXNet does on
-        the first forward pass; partitioning reads the graph only, nothing runs)."""
+        """The graph :meth:`export` writes: the converted graph, partitioned by the subgraph
+        backend its last ``hybridize`` chose (as MXNet does on the first forward pass;
+        partitioning reads the graph only, nothing runs). Not where the converter chose that
+        backend for a graph it left float32 throughout: that one is written unfused."""
         backend, options = mxi.block_backend(self)
-        return self._converted.optimize_for(backend, **options) if backend else self._converted
+        if not backend or not (self.fuse_asked or backend != self.fuse_backend or self._plans_low()):
+            # the default fusion of a plan that converted nothing (float32 throughout: the default
+            # where the target does not run) is how it runs here, not the model: ONNX's exporter
+            # and GPU builds of MXNet read no _sg_mkldnn_* node
+            return self._converted
+        return self._converted.optimize_for(backend, **options)
+
+    def _plans_low(self) -> bool:
+        """Whether the converted graph computes anything in a low-precision dtype."""
+        result = self.amp_result
+        return result is None or any(t in ("float16", "bfloat16") for t in result.dtypes.values())
 
     def export(self, path: str, epoch: int = 0, remove_amp_cast: bool = False) -> None:  # type: ignore[override]
         """Write ``PATH-symbol.json`` (:meth:`deployed_symbol`) and ``PATH-EPOCH.params``
@@ -525,7 +570,8 @@ class MixedPrecisionBlock(SymbolBlock):
         if missing:
             raise RuntimeError(f"export: graph inputs {missing[:5]} are neither data inputs {self._data_names} "
                                f"nor parameters of this block (the {mxi.block_backend(self)[0]} backend "
-                               "added them?); export an unfused block: hybridize(backend=None) first")
+                               "added them?); export an unfused block: hybridize(backend=None) first "
+                               "(hybridize() fuses again)")
         aux = set(sym.list_auxiliary_states())
         arrays = {f"{'aux' if n in aux else 'arg'}:{n}": params[n].list_data()[0].copyto(mx.cpu()) for n in names}
         if self.float32_stand_in_params:  # as the plan stores them
@@ -534,8 +580,33 @@ class MixedPrecisionBlock(SymbolBlock):
                 key = f"{'aux' if n in aux else 'arg'}:{n}"
                 if key in arrays and n in declared:
                     arrays[key] = mx.nd.amp_cast(arrays[key], dtype=mxi.to_mx_dtype(declared[n]))
+        if remove_amp_cast:
+            _check_uncast(sym, arrays, self._data_names)
         sym.save(f"{path}-symbol.json", remove_amp_cast=remove_amp_cast)
         (mx.npx.save if mx.util.is_np_array() else mx.nd.save)(f"{path}-{epoch:04d}.params", arrays)
+
+
+def _check_uncast(sym: Symbol, arrays: Mapping[str, Any], data_names: Sequence[str]) -> None:
+    """``ValueError`` where ``sym`` without its casts does not type-check with the parameters
+    as stored (``arrays``, ``arg:``/``aux:`` keys) and float32 data: MXNet would write it
+    silently, and every reader (``SymbolBlock.imports``, ONNX) would refuse it later."""
+    low = sorted(k.split(":", 1)[1] for k, a in arrays.items() if dtype_name(a.dtype) in ("float16", "bfloat16"))
+    if not low:
+        return
+    stripped = mx.sym.load_json(sym.tojson(remove_amp_cast=True))
+    given = {**{n: "float32" for n in data_names}, **{k.split(":", 1)[1]: a.dtype for k, a in arrays.items()}}
+    try:
+        with mxi.quiet_stdout():  # 1.9.1's infer_type prints the arguments it rejects
+            typed = infer_dtypes(stripped, given) is not None
+    except mx.base.MXNetError:
+        typed = False
+    if not typed:
+        shown = ", ".join(low[:5]) + (f" and {len(low) - 5} more" if len(low) > 5 else "")
+        raise ValueError(
+            f"export(remove_amp_cast=True): this block stores parameters in low precision ({shown}), and "
+            "its graph without the casts does not type-check with them: MXNet would write files that "
+            "SymbolBlock.imports and ONNX refuse. Export with remove_amp_cast=False (the default), or "
+            "convert with cast_optional_params=False to store every parameter in float32.")
 
 
 def _as_called(block: HybridBlock, sym: Symbol, inputs: List[Symbol]) -> Tuple[Any, Any]:
