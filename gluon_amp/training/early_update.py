@@ -131,13 +131,15 @@ class Early:
                     return False
         return not self.others or overflow.arrays_finite(self.others)
 
-    def undo(self) -> None:
-        """Put back what the update changed (idempotent: it may run again after an interrupt)."""
+    def undo(self, fresh: bool = True) -> None:
+        """Put back what the update changed (idempotent: it may run again after an interrupt);
+        the fresh gradient flags too unless ``fresh`` is False (the step raised in MXNet's loop,
+        which clears each one it passes: as without AMP, those gradients are spent)."""
         with autograd.pause():
             for saved in self.saved:
                 saved.restore()
         mxi.set_optimizer_counters(self.optimizer, self.counters)
-        for array in self.fresh:
+        for array in self.fresh if fresh else ():
             mxi.set_fresh_grad(array, True)
 
 

@@ -277,12 +277,14 @@ class _Hook:
         """The step raised (a Ctrl-C included) in ``Trainer._update``, its count ``steps``
         when it began (None: before it read it). If it was not recorded, it did not happen: an
         update dispatched before its verdict is undone, and the round does not wait for it.
-        A recorded step stays as recorded."""
+        A recorded step stays as recorded. The fresh gradient flags stay as MXNet's loop left
+        them (its stale-gradient UserWarning clears those before the stale one): a later
+        ``step(ignore_stale_grad=True)`` applies what it would without AMP."""
         self._armed = self._ignore_stale = False
         pending = self._early
         if pending is not None and self.scaler.steps_of(self) == pending[3]:  # this step's, unrecorded
             steps = pending[3]
-            pending[0].undo()
+            pending[0].undo(fresh=False)
         self._early = None
         self.scaler.abandon(self, steps)
 
