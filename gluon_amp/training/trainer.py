@@ -193,6 +193,8 @@ class _Hook:
                 self._early = None  # the last step's, recorded (finish_early leaves it)
             trainer = self._trainer()
             step = self._step
+            if trainer is not None and step is not None and _folds_below_float16(trainer, self, step[1]):
+                self._unscale_instead_of_folding(trainer)
             dtype = step[0] if step is not None else self._compute_dtype()
             armed, self._armed = self._armed, False
             ignore_stale, self._ignore_stale = self._ignore_stale, False
@@ -235,6 +237,12 @@ class _Hook:
             # at the first line)
             self.scaler.abandon(self, locals().get("steps"))
             raise
+
+    def _unscale_instead_of_folding(self, trainer: Trainer) -> None:
+        """Divide this step's gradients by the scale now, and the update by the batch only."""
+        used = mxi.grad_scale(trainer)  # what MXNet's step folded into rescale_grad
+        unscale(trainer)
+        mxi.set_grad_scale(trainer, used)  # so that the correction below divides the fold back out
 
     def _say_unscaled(self, dtype: str) -> None:
         """A step whose dtype the scaler scales, with no ``scale_loss`` since the last step: its
@@ -525,6 +533,26 @@ def _in_float32(grads: Sequence[mx.nd.NDArray]) -> Iterator[List[mx.nd.NDArray]]
     for g, w in zip(grads, work):
         if w is not g:
             mx.nd.amp_cast(w, dtype=mxi.BFLOAT16, out=g)
+
+
+#: float16's smallest normal value: below it a float16 number keeps fewer bits, below 2**-24 none
+_FLOAT16_TINY = 2.0 ** -14
+
+
+def _folds_below_float16(trainer: Trainer, hook: _Hook, scale: float) -> bool:
+    """Whether folding this step's loss scale into ``rescale_grad`` would lose the update:
+    MXNet's kernels updating a float16 weight without a float32 master copy take
+    ``rescale_grad`` as a float16 value, and ``1 / (65536 * 1024)`` is 0 there (every step
+    lost, silently; the peer too). Where so, the step unscales its gradients instead."""
+    if scale == 1.0 or hook.scaler.stage(hook) is Stage.UNSCALED:
+        return False
+    from .master_weights import MasterWeightUpdater
+    opt = mxi.trainer_optimizer(trainer)
+    if getattr(opt, "multi_precision", False) or not opt.rescale_grad < _FLOAT16_TINY:
+        return False
+    if any(isinstance(u, MasterWeightUpdater) for u in mxi.trainer_updaters(trainer)):
+        return False  # O2's updates run on float32 masters
+    return any(dtype_name(p.dtype) == "float16" for p in mxi.trainer_params(trainer) if p.grad_req != "null")
 
 
 def unscale(trainer: Optional[Trainer] = None, *, optimizer_or_trainer: Optional[Trainer] = None) -> None:

@@ -471,3 +471,52 @@ def test_a_scaled_step_without_scale_loss_is_said_once_at_the_users_line(mode):
     else:
         assert len(said) == 1 and said[0].filename == __file__, [(w.filename, str(w.message)) for w in said]
         assert "scale_loss" in str(said[0].message) and "65536" in str(said[0].message)
+
+
+class _Float16Weights(nn.HybridBlock):
+    """An elementwise model MXNet runs in float16 on a CPU: float16 weights, no master copy."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.w = self.params.get("w", shape=(1, 10, 3), dtype="float16")
+
+    def hybrid_forward(self, F, x, w):
+        return F.sum(F.broadcast_mul(F.expand_dims(x, 2), w), axis=1)
+
+
+def _float16_weights_moved(batch, optimizer, scaled, multi_precision=False):
+    """How far three steps move float16 weights, the update in float16 unless ``multi_precision``."""
+    rng = np.random.RandomState(0)
+    x = mx.nd.array(rng.randn(batch, 10) * 0.01, dtype="float16")
+    y = mx.nd.array(rng.randint(0, 3, batch))
+    net = _Float16Weights()
+    net.initialize()
+    net.w.set_data(mx.nd.array(rng.randn(1, 10, 3) * 0.3, dtype="float16"))
+    w0 = net.w.data().asnumpy().astype(np.float32)
+    trainer = gluon.Trainer(net.collect_params(), optimizer, {"learning_rate": 0.5, "multi_precision": multi_precision},
+                            update_on_kvstore=False)
+    if scaled:
+        scaler = gluon_amp.init_trainer(trainer)  # the default: dynamic, from 65536, for float16 weights
+    for _ in range(3):
+        with autograd.record():
+            loss = mx.nd.softmax_cross_entropy(net(x).astype("float32"), y)  # summed over the batch
+            backward(loss, trainer if scaled else None)
+        trainer.step(batch)
+    if scaled:
+        assert scaler.skipped_steps == 0
+    return np.abs(net.w.data().asnumpy().astype(np.float32) - w0).max()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "nag"])
+@pytest.mark.parametrize("batch", [64, 1024, 4096])
+def test_float16_weights_updated_in_float16_keep_their_updates_at_any_batch_size(optimizer, batch):
+    """The unscale folded into ``rescale_grad = 1 / (65536 * batch)``, which MXNet's float16
+    kernels take as a float16 value: 0 from a batch of 256 on, so every step was lost, none
+    skipped, nothing said. Such a step divides its gradients by the scale instead."""
+    plain = _float16_weights_moved(batch, optimizer, scaled=False)
+    assert plain > 0
+    # the updates are a few float16 steps of the weights: as plain's, within one or two of them
+    assert 0.5 * plain <= _float16_weights_moved(batch, optimizer, scaled=True) <= 2 * plain
+    master = _float16_weights_moved(batch, optimizer, scaled=True, multi_precision=True)  # folded, as before
+    assert 0.5 * plain <= master <= 2 * plain
