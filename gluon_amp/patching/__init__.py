@@ -13,6 +13,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from mxnet.gluon import SymbolBlock
+
 from gluon_amp_core.policy import Policy
 from gluon_amp_core.table import ConditionalSpec
 
@@ -680,11 +682,20 @@ def _warn_stale(block: Any) -> None:
     recorded = mxi.recorded_graph(block)
     if recorded is not None and holds_amp_plan(recorded):  # built under AMP (a SymbolBlock's), whatever it runs
         return
-    warnings.warn(
-        f"hybridized block {block.name!r} cached its graph before gluon_amp.init() (or where AMP was "
-        "off: outside any autocast region, or in autocast(enabled=False), on any thread) and runs it "
-        "without mixed precision. Call block.hybridize() again where "
-        "AMP is on (it drops the cached graph) or rebuild the block, then run it.", RuntimeWarning, stacklevel=4)
+    if isinstance(block, SymbolBlock):
+        # its graph was given (SymbolBlock.imports, or symbols built where AMP was off): tracing
+        # it again gives the same graph, so hybridize() changes nothing
+        message = (f"SymbolBlock {block.name!r} runs the graph it was given (SymbolBlock.imports, or symbols "
+                   "built where AMP was off) as it is, without mixed precision: gluon_amp.init converts what "
+                   "runs traced under it, not a given graph. Convert it: "
+                   "gluon_amp.convert_hybrid_block(block) after its first call, or "
+                   "python -m gluon_amp.convert PREFIX EPOCH for the exported files.")
+    else:
+        message = (f"hybridized block {block.name!r} cached its graph before gluon_amp.init() (or where AMP "
+                   "was off: outside any autocast region, or in autocast(enabled=False), on any thread) and "
+                   "runs it without mixed precision. Call block.hybridize() again where AMP is on (it drops "
+                   "the cached graph) or rebuild the block, then run it.")
+    warnings.warn(message, RuntimeWarning, stacklevel=state.outside_level((mxi.MXNET_PACKAGE,)))
 
 
 #: From import on, for the process: ``mx.library.load`` notes the op functions it supersedes (a

@@ -267,6 +267,30 @@ def test_warns_once_when_a_graph_cached_before_init_runs():
     assert gluon_amp.report(net).emulated
 
 
+def test_the_stale_warning_names_the_user_s_line_and_a_given_graph_s_way_out(tmp_path):
+    """It named MXNet's block.py; and for a SymbolBlock loaded under init (GluonNLP's
+    ``--deploy``) it said "before gluon_amp.init()" and advised ``hybridize()``, which traces
+    the same given graph again: the converter is the way."""
+    net = make_net()
+    x = mx.nd.ones((1, 4, 8, 8))
+    net(x)
+    net.export(str(tmp_path / "m"), 0)
+    gluon_amp.init("float16", emulate=True)
+    with pytest.warns(RuntimeWarning, match="hybridize") as caught:
+        net(x)
+    assert [w.filename for w in caught if "cached its graph" in str(w.message)] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = mx.gluon.SymbolBlock.imports(str(tmp_path / "m-symbol.json"), ["data"], str(tmp_path / "m-0000.params"))
+    loaded.hybridize()
+    with pytest.warns(RuntimeWarning, match="runs the graph it was given.*convert_hybrid_block") as caught:
+        plain = loaded(x)
+    assert [w.filename for w in caught if "given" in str(w.message)] == [__file__]
+    converted = gluon_amp.convert_hybrid_block(loaded)  # the policy's float16, emulated
+    assert gluon_amp.report(converted).totals_by_dtype.get("float16")
+    np.testing.assert_allclose(converted(x).asnumpy(), plain.asnumpy(), rtol=1e-2, atol=1e-2)
+
+
 def test_keep_batchnorm_fp32_graph_runs(native_host):
     with gluon_amp.autocast("bfloat16", keep_batchnorm_fp32=True):
         net = make_net()
