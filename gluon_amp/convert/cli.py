@@ -122,7 +122,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    rep = report(new_sym, target_dtype=resolution.dtype) if resolution.dtype != "float32" else None
+    rep = report(new_sym, target_dtype=policy) if resolution.dtype != "float32" else None  # its emulate too
     label = resolution.dtype + " (emulated in float32)" * args.emulate
     if args.emulate and policy.enabled:  # asked for a model that runs emulated anywhere: the float32 copy
         new_sym, new_args, new_aux = _emulated_model(new_sym, new_args, new_aux)

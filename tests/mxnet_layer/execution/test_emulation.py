@@ -549,6 +549,7 @@ def test_cli_emulate_writes_a_float32_model_that_runs(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "float16 (emulated in float32)" in r.stdout
+    assert "Pass emulate=True" not in r.stderr  # its report read the dtype without the emulation
     loaded = gluon.SymbolBlock.imports(str(tmp_path / "e-symbol.json"), ["data"], str(tmp_path / "e-0000.params"))
     out = loaded(x).asnumpy()
     assert np.abs(out - ref).max() < 2e-3 and not np.array_equal(out, ref)
