@@ -386,6 +386,8 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
         graph = params_read_through_casts(mxi.symbol_graph(plan), stand_in)
         plan = mx.sym.load_json(json.dumps(graph))
     known, shapes = mxi.call_inputs(block, args, inputs)
+    if policy is not None and policy.enabled and policy.emulate:
+        known = _as_declared_low(plan, known)
     # a converter's result bound outside autograd: slow ops of one shape as their fast twins (in a
     # training graph their bfloat16 gradients reach batch norms in a layout oneDNN runs slowly)
     plan = with_twins(block, plan, known, shapes,
@@ -424,6 +426,22 @@ def _for_block(block: HybridBlock, args: tuple, plan: Symbol, inputs: Any) -> Sy
         plan_notes.record_emulated(block, {name: t for (name, i), t in typed.items()
                                            if i == 0 and t in LOW_PRECISION_DTYPES})
     return run
+
+
+def _as_declared_low(plan: Symbol, known: Mapping[str, str]) -> Dict[str, str]:
+    """``known`` with each float32 input the graph declares low (``__dtype__``) typed as declared:
+    a given graph converted to float16 (``SymbolBlock.imports`` of one), whose parameters the
+    emulated cast rule holds float32 with rounded values (:mod:`gluon_amp.patching.low_cast`).
+    Typed as stored, its data cast to float16 met float32 weights: no dtype for any op, and MXNet
+    ran the graph as given, on float16 kernels a CPU lacks."""
+    declared = plan.attr_dict()
+    out = dict(known)
+    for name, dtype in known.items():
+        code = declared.get(name, {}).get("__dtype__")
+        low = CODE_DTYPE.get(int(code)) if code is not None else None
+        if dtype == "float32" and low in LOW_PRECISION_DTYPES:
+            out[name] = low
+    return out
 
 
 def _inputs_rounded_by_caller(block: HybridBlock, run: Symbol, data: Sequence[str]) -> Symbol:

@@ -160,7 +160,7 @@ def report(symbol_or_block: Any, target_dtype: Any = None, **input_types: Any) -
     if isinstance(symbol_or_block, HybridBlock):
         # as its executor was fed (O2's boundary casts the data, GPU-style code feeds float16) and its
         # parameters are stored (O2 and a GPU-style cast store them low; the graph may declare float32)
-        given = {**plan_notes.fed_dtypes(symbol_or_block), **mxi.param_dtypes(symbol_or_block)}
+        given = {**mxi.param_dtypes(symbol_or_block), **plan_notes.fed_dtypes(symbol_or_block)}
         held = set(getattr(symbol_or_block, "float32_stand_in_params", ()))  # held float32 for a stand-in:
         known.update({n: t for n, t in given.items() if n in set(inputs) and n not in held})  # the plan's own
     for name, dtype in input_types.items():

@@ -18,6 +18,7 @@ from mxnet.gluon import nn
 
 from gluon_amp import emulation_kernel
 from gluon_amp.emulation_kernel.selftest import edge_bits, same_bits, same_numerics, training_runs
+from gluon_amp_core.dtypes import dtype_name
 from gluon_amp_core.emulate import ROUND_SUFFIX, round_bits
 from helpers import LAYER, ROOT, blobs, make_net
 
@@ -555,6 +556,32 @@ def test_cli_emulate_writes_a_float32_model_that_runs(tmp_path):
     assert np.abs(out - ref).max() < 2e-3 and not np.array_equal(out, ref)
     ops = [n["name"] for n in json.load(open(tmp_path / "e-symbol.json"))["nodes"]]
     assert any(n.endswith(ROUND_SUFFIX) for n in ops)
+
+
+def test_a_float16_model_loaded_under_emulation_runs_emulated(tmp_path):
+    """A model converted to float16 for a GPU (its weights stored float16), loaded with
+    ``SymbolBlock.imports`` under ``--emulate --target-dtype float16``: the cast rule held its
+    weights float32, typed so its graph had no dtypes, and MXNet ran it as given on float16
+    kernels a CPU lacks ("float16 fully connected layer is currently only supported by CuDNN")."""
+    net = make_net()
+    x = mx.nd.random.normal(shape=(2, 4, 8, 8))
+    ref = net(x).asnumpy()
+    net.export(str(tmp_path / "m"), 0)
+    sym, args, aux = mx.model.load_checkpoint(str(tmp_path / "m"), 0)
+    low_sym, low_args, low_aux = gluon_amp.convert_model(sym, args, aux, "float16", cast_optional_params=True)
+    assert {dtype_name(v.dtype) for v in low_args.values()} >= {"float16"}
+    low_sym.save(str(tmp_path / "f16-symbol.json"), remove_amp_cast=False)
+    mx.nd.save(str(tmp_path / "f16-0000.params"), {**{f"arg:{k}": v for k, v in low_args.items()},
+                                                   **{f"aux:{k}": v for k, v in low_aux.items()}})
+    gluon_amp.init(target_dtype="float16", emulate=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = gluon.SymbolBlock.imports(str(tmp_path / "f16-symbol.json"), ["data"],
+                                           str(tmp_path / "f16-0000.params"))
+    loaded.hybridize()
+    out = loaded(x).asnumpy()
+    assert np.abs(out - ref).max() < 2e-3 and not np.array_equal(out, ref)
+    assert gluon_amp.report(loaded).emulated
 
 
 # -- fidelity: what emulation reproduces of real bfloat16 hardware --------------------------

@@ -281,7 +281,8 @@ def test_the_stale_warning_names_the_user_s_line_and_a_given_graph_s_way_out(tmp
     assert [w.filename for w in caught if "cached its graph" in str(w.message)] == [__file__]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        loaded = mx.gluon.SymbolBlock.imports(str(tmp_path / "m-symbol.json"), ["data"], str(tmp_path / "m-0000.params"))
+        loaded = mx.gluon.SymbolBlock.imports(str(tmp_path / "m-symbol.json"), ["data"],
+                                              str(tmp_path / "m-0000.params"))
     loaded.hybridize()
     with pytest.warns(RuntimeWarning, match="runs the graph it was given.*convert_hybrid_block") as caught:
         plain = loaded(x)
