@@ -120,6 +120,24 @@ def _from_json(items: List[List[Any]]) -> Dict[Any, Any]:
             else v for k, v in items}
 
 
+#: optimizer attributes that are not its state: the trainer's own objects, set up again by it
+_NOT_STATE = ("param_dict", "idx2name", "sym_info", "lr_scheduler")
+
+
+def _holds_array(v: Any) -> bool:
+    if isinstance(v, mx.nd.NDArray):
+        return True
+    if isinstance(v, dict):
+        return any(_holds_array(x) for x in v.values())
+    return isinstance(v, (list, tuple)) and any(_holds_array(x) for x in v)
+
+
+def optimizer_arrays(opt: Any) -> Dict[str, Any]:
+    """The optimizer's attributes that hold arrays (LBSGD's gradients summed over a
+    macro-batch, ``cumgrads``): state a resumed run needs as much as the updaters'."""
+    return {k: v for k, v in vars(opt).items() if k not in _NOT_STATE and not _plain(v) and _holds_array(v)}
+
+
 def optimizer_fields(opt: Any) -> Dict[str, Any]:
     """The optimizer's plain attributes (learning rate, update counts, momentum, ...) and
     its LR scheduler's: what restores its schedule, without the object itself."""
@@ -240,6 +258,9 @@ def write(path: str, meta: Dict[str, Any], states: Dict[Any, Any], opt: Any,
     enc = _Encoder()
     doc = {"format": FORMAT, "version": VERSION, **meta, "optimizer": optimizer_fields(opt),
            "states": enc.encode(states)}
+    held = optimizer_arrays(opt)
+    if held:
+        doc["optimizer"]["arrays"] = enc.encode(held)
     if params is not None:
         doc["params"] = [[n, list(shape), d] for n, shape, d in params]
     directory = os.path.dirname(os.path.abspath(path))
@@ -275,6 +296,15 @@ class Checkpoint:
     def states(self, ctx: mx.Context) -> Dict[Any, Any]:
         """Fresh state arrays (on ``ctx``) for one updater."""
         return _decode(self.tree, self.arrays, ctx)
+
+    def optimizer_arrays(self, ctx: mx.Context, moved: Optional[Dict[int, int]] = None) -> Dict[str, Any]:
+        """The optimizer's attributes that held arrays (:func:`optimizer_arrays`), fresh on
+        ``ctx``; those keyed by parameter index under the indices :func:`check_params` gave."""
+        held = self.meta["optimizer"].get("arrays")
+        if held is None:
+            return {}
+        return {k: reindexed(v, moved) if isinstance(v, dict) else v
+                for k, v in _decode(held, self.arrays, ctx).items()}
 
 
 _KINDS = ("nd", "master", "tuple", "list", "dict", "scalar")
@@ -333,6 +363,8 @@ def _check_doc(doc: Any) -> None:
     _from_json(opt["fields"])
     if opt.get("lr_scheduler") is not None:
         _from_json(opt["lr_scheduler"]["fields"])
+    if opt.get("arrays") is not None and not (isinstance(opt["arrays"], dict) and opt["arrays"].get("t") == "dict"):
+        raise ValueError("meta.json's optimizer arrays are not a dict of attributes")
     params = doc.get("params")
     if params is not None and not (isinstance(params, list) and all(
             isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) and isinstance(p[2], str)
@@ -400,6 +432,8 @@ def _parse(path: str, data: bytes) -> Checkpoint:
             raise ValueError("the state tree's keys are not parameter indices")
         shapes[kv[0]["v"]] = found = []
         _check_tree(kv[1], arrays, used, found)
+    if doc["optimizer"].get("arrays") is not None:
+        _check_tree(doc["optimizer"]["arrays"], arrays, used, [])
     if len(used) != len(set(used)) or set(used) != set(arrays):
         raise ValueError(f"the arrays {sorted(set(arrays) - set(used))} are named by no state, or one is named twice")
     return Checkpoint(doc, tree, arrays, shapes)
@@ -444,7 +478,8 @@ def check_params(ck: Checkpoint, path: str, params: List[Tuple[str, Tuple[int, .
     """The checkpoint's state tree fits ``params`` ((name, shape, dtype) in the order of the
     optimizer's indices; ``per_index`` indices per parameter, a Module's devices):
     CheckpointError naming the first difference. Files written before the parameters were
-    recorded are checked by the shapes of their state arrays.
+    recorded are checked by the shapes of their state arrays (each its weight's, as every
+    optimizer of MXNet 1.9.1 but GroupAdaGrad keeps them).
 
     ``build_order``: the indices follow the names sorted as strings (a Gluon ``Trainer``'s),
     so parameters pair in the order their blocks were built (:func:`_in_build_order`); else
@@ -478,7 +513,8 @@ def check_params(ck: Checkpoint, path: str, params: List[Tuple[str, Tuple[int, .
         if not 0 <= i < len(params):
             raise CheckpointError(f"{path!r} holds optimizer state for parameter index {index}; this {owner} "
                                   f"has {len(params)} parameters: it was saved for another model")
-        for shape in shapes:
+        for shape in shapes if saved is None else ():  # the parameters recorded were checked above: a
+            # state need not have its weight's shape (GroupAdaGrad's history is one value per row)
             if tuple(shape) != tuple(params[i][1]):
                 raise CheckpointError(f"{path!r} holds optimizer state of shape {tuple(shape)} for parameter "
                                       f"{params[i][0]!r}, whose shape is {tuple(params[i][1])}: it was saved for "

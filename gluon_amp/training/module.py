@@ -819,6 +819,7 @@ def load_states(module: Union[Module, BucketingModule], fname: str) -> None:
                             per_index=1 if names is not None else mxm.module_devices(mod))
     opt = mxm.module_optimizer(mod)
     fields = checkpoint.check_optimizer(opt, ck.meta["optimizer"], fname)
+    fields["optimizer"].update(ck.optimizer_arrays(mx.cpu()))
     states = ck.states(mx.cpu())
     updater = mxm.module_updater(mod)
     if names is not None:  # the updater keys its states by name (check_params saw every index in range)
