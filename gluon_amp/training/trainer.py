@@ -193,7 +193,7 @@ class _Hook:
                 self._early = None  # the last step's, recorded (finish_early leaves it)
             trainer = self._trainer()
             step = self._step
-            if trainer is not None and step is not None and _folds_below_float16(trainer, self, step[1]):
+            if trainer is not None and step is not None and _must_unscale_first(trainer, self, step[1]):
                 self._unscale_instead_of_folding(trainer)
             dtype = step[0] if step is not None else self._compute_dtype()
             armed, self._armed = self._armed, False
@@ -539,15 +539,22 @@ def _in_float32(grads: Sequence[mx.nd.NDArray]) -> Iterator[List[mx.nd.NDArray]]
 _FLOAT16_TINY = 2.0 ** -14
 
 
-def _folds_below_float16(trainer: Trainer, hook: _Hook, scale: float) -> bool:
-    """Whether folding this step's loss scale into ``rescale_grad`` would lose the update:
-    MXNet's kernels updating a float16 weight without a float32 master copy take
-    ``rescale_grad`` as a float16 value, and ``1 / (65536 * 1024)`` is 0 there (every step
-    lost, silently; the peer too). Where so, the step unscales its gradients instead."""
+def _must_unscale_first(trainer: Trainer, hook: _Hook, scale: float) -> bool:
+    """Whether this step's loss scale cannot fold into ``rescale_grad``, so that the step
+    unscales its gradients instead (the peer folds it always):
+
+    - LBSGD with ``batch_scale > 1`` (1.9.1) sums raw gradients over its macro-batch and
+      divides once by the last step's ``rescale_grad``: a scale that moved in between (a
+      skipped step, a growth) weighed the steps unequally, 3% off FP32 in 6 steps;
+    - MXNet's kernels updating a float16 weight without a float32 master copy take
+      ``rescale_grad`` as a float16 value, and ``1 / (65536 * 1024)`` is 0 there: every step
+      lost, silently."""
     if scale == 1.0 or hook.scaler.stage(hook) is Stage.UNSCALED:
         return False
     from .master_weights import MasterWeightUpdater
     opt = mxi.trainer_optimizer(trainer)
+    if isinstance(opt, mx.optimizer.LBSGD) and getattr(opt, "batch_scale", 1) > 1:
+        return True
     if getattr(opt, "multi_precision", False) or not opt.rescale_grad < _FLOAT16_TINY:
         return False
     if any(isinstance(u, MasterWeightUpdater) for u in mxi.trainer_updaters(trainer)):

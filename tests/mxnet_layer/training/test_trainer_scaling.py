@@ -520,3 +520,29 @@ def test_float16_weights_updated_in_float16_keep_their_updates_at_any_batch_size
     assert 0.5 * plain <= _float16_weights_moved(batch, optimizer, scaled=True) <= 2 * plain
     master = _float16_weights_moved(batch, optimizer, scaled=True, multi_precision=True)  # folded, as before
     assert 0.5 * plain <= master <= 2 * plain
+
+
+def _lbsgd_weights(scaler):
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(6, 16, 10), rng.randint(0, 3, (6, 16))
+    net = nn.Dense(3, in_units=10)
+    net.initialize()
+    net.weight.set_data(mx.nd.array(rng.randn(3, 10) * 0.3))
+    trainer = gluon.Trainer(net.collect_params(), "lbsgd", {"learning_rate": 0.1, "momentum": 0.9, "batch_scale": 2},
+                            update_on_kvstore=False)
+    if scaler is not None:
+        gluon_amp.init_trainer(trainer, scaler)
+    for k in range(6):
+        with autograd.record():
+            loss = gluon.loss.SoftmaxCrossEntropyLoss()(net(mx.nd.array(x[k])), mx.nd.array(y[k])).mean()
+            backward(loss, trainer if scaler is not None else None)
+        trainer.step(1)
+    return net.weight.data().asnumpy()
+
+
+def test_lbsgd_summing_a_macro_batch_under_a_moving_scale_trains_as_fp32():
+    """LBSGD (batch_scale 2) sums raw gradients over two steps and divides by the last step's
+    rescale_grad: a scale that doubled in between weighed the steps unequally (3% off FP32 after
+    6 steps; the peer too). Power-of-two scales, unscaled before it sums: FP32's bits."""
+    want = _lbsgd_weights(None)
+    assert np.array_equal(_lbsgd_weights(LossScaler(init_scale=1024.0, growth_interval=1)), want)
