@@ -7,14 +7,23 @@ waits for every other non-daemon thread before exiting (``Parallel``'s workers w
 queue forever). The launcher ends the process in both cases, after the traceback, with exit
 code 1 (the one python gives an uncaught exception): no ``finally`` of other threads and no
 ``atexit`` handler runs then (``os._exit``). See docs/compatibility.md.
+
+The standard library's own helper threads (``multiprocessing.pool``'s result handler, which
+dies of a manager proxy's ``RemoteError`` in GluonNLP's pretraining) fail as under ``python``:
+printed, and the program goes on. Their callers are the standard library's, which python
+leaves as they are; ending the process there failed runs that python completes.
 """
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import sysconfig
 import threading
 from typing import Any, Callable
+
+#: where the standard library's modules live (not its site-packages)
+_STDLIB = os.path.join(os.path.abspath(sysconfig.get_paths()["stdlib"]), "")
 
 EXIT_CODE = 1
 
@@ -41,12 +50,26 @@ def end_process_on_thread_failure(say: Callable[[str], None]) -> None:
         if args.exc_type is SystemExit:  # sys.exit() in a thread ends that thread only, as in python
             return
         previous(args)
+        if _runs_standard_library(args.exc_traceback):
+            return  # as python: printed, the thread ends
         name = args.thread.name if args.thread is not None else "?"
         say(f"thread {name!r} died of {args.exc_type.__name__}: ending the process (exit code {EXIT_CODE}) "
             "rather than leaving the threads that wait for it hanging")
         end_process(EXIT_CODE)
 
     threading.excepthook = excepthook
+
+
+def _runs_standard_library(tb: Any) -> bool:
+    """Whether the thread whose exception has traceback ``tb`` ran a function of the standard
+    library: its first frame past ``threading``'s own (``Thread.run`` has dropped its target
+    by the time ``threading.excepthook`` runs)."""
+    while tb is not None and tb.tb_frame.f_code.co_filename == threading.__file__:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    return path.startswith(_STDLIB) and not any(d in path for d in ("site-packages", "dist-packages"))
 
 
 def others_alive() -> bool:

@@ -132,6 +132,25 @@ def test_a_failure_in_any_thread_ends_the_process(tmp_path, where):
     assert ("ValueError: forward_backward failed" if where == "worker" else "TypeError: the data pipeline") in r.stderr
 
 
+def test_a_standard_library_thread_that_fails_fails_as_in_python(tmp_path):
+    """multiprocessing.pool's result handler died of a manager proxy's RemoteError in GluonNLP's
+    run_pretraining.py: python printed it and the run went on to exit 0; the launcher ended it
+    with exit code 1. The standard library's threads fail as under python."""
+    script = """
+        import json, threading
+        t = threading.Thread(target=json.loads, args=("not json",))  # a function of the standard library
+        t.start()
+        t.join()
+        print("@@" + json.dumps({"went_on": True}))
+        """
+    (tmp_path / "plain.py").write_text(textwrap.dedent(script))
+    plain = _run([sys.executable, "plain.py"], tmp_path)
+    launched = _launch(tmp_path, script, timeout=120)
+    assert plain.returncode == launched.returncode == 0, launched.stderr[-2000:]
+    assert _json(launched) == _json(plain) == {"went_on": True}
+    assert "JSONDecodeError" in launched.stderr and "JSONDecodeError" in plain.stderr
+
+
 # ---------------------------------------------------------------- the peer's import answered
 
 @pytest.fixture
