@@ -464,6 +464,8 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
         if plan is not None and plan.under == (current() if current is not None else None):
             self._cached_graph, self._cached_op, self._cached_op_args = plan.graph, plan.cached_op, plan.op_args
             typed_for[self] = dtypes
+            if current is not None:
+                made_under[self] = plan.under
             return
         retyping.add(self)
         self._clear_cached_op()  # traced again below, through _get_graph
