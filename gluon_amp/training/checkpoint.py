@@ -297,6 +297,10 @@ class Checkpoint:
         """Fresh state arrays (on ``ctx``) for one updater."""
         return _decode(self.tree, self.arrays, ctx)
 
+    @property
+    def holds_optimizer_arrays(self) -> bool:
+        return self.meta["optimizer"].get("arrays") is not None
+
     def optimizer_arrays(self, ctx: mx.Context, moved: Optional[Dict[int, int]] = None) -> Dict[str, Any]:
         """The optimizer's attributes that held arrays (:func:`optimizer_arrays`), fresh on
         ``ctx``; those keyed by parameter index under the indices :func:`check_params` gave."""

@@ -667,8 +667,9 @@ def load_states(trainer: Trainer, fname: str, *, trusted: bool = False) -> None:
     moved = checkpoint.check_params(ck, fname, mxi.param_specs(trainer), build_order=True)
     fields = checkpoint.reindexed_fields(
         checkpoint.check_optimizer(mxi.trainer_optimizer(trainer), ck.meta["optimizer"], fname), moved)
-    params = mxi.trainer_params(trainer)
-    fields["optimizer"].update(ck.optimizer_arrays(params[0].list_ctx()[0] if params else mx.cpu(), moved))
+    if ck.holds_optimizer_arrays:  # on the first parameter's device (read only then: it may be uninitialized)
+        params = mxi.trainer_params(trainer)
+        fields["optimizer"].update(ck.optimizer_arrays(params[0].list_ctx()[0] if params else mx.cpu(), moved))
     mxi.init_kvstore_now(trainer)  # what the first step does anyway; the updaters exist from here
     states = iter([checkpoint.reindexed(ck.states(mx.cpu()), moved) for _ in mxi.trainer_updaters(trainer)])
     opt = mxi.trainer_optimizer(trainer)
