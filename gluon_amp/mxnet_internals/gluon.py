@@ -324,7 +324,7 @@ class BlockHooks:
     #: block -> the ``current()`` the hooks built its graph under
     made_under: "weakref.WeakKeyDictionary[HybridBlock, object]" = field(default_factory=weakref.WeakKeyDictionary)
     #: block -> its plans for other input dtypes, put aside (see :func:`install_block_hooks`)
-    aside: "weakref.WeakKeyDictionary[HybridBlock, Dict[Any, _PlanAside]]" = field(
+    aside: "weakref.WeakKeyDictionary[HybridBlock, List[_PlanAside]]" = field(
         default_factory=weakref.WeakKeyDictionary)
 
 
@@ -336,6 +336,7 @@ class _PlanAside:
     graph: tuple
     cached_op: Any
     op_args: list
+    dtypes: Optional[tuple]
     under: object
 
 
@@ -384,7 +385,7 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
     plain_said: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()  # built with AMP off, passed to ``stale``
     #: block -> the dtypes of the call its graph was built for (the plan's casts follow them)
     typed_for: "weakref.WeakKeyDictionary[HybridBlock, tuple]" = weakref.WeakKeyDictionary()
-    aside: "weakref.WeakKeyDictionary[HybridBlock, Dict[Any, _PlanAside]]" = weakref.WeakKeyDictionary()
+    aside: "weakref.WeakKeyDictionary[HybridBlock, List[_PlanAside]]" = weakref.WeakKeyDictionary()
     #: blocks traced again for other input dtypes (their plans aside stay valid)
     retyping: "weakref.WeakSet[HybridBlock]" = weakref.WeakSet()
 
@@ -404,9 +405,8 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
             under = current() if current is not None else None
             self._cached_graph = (inputs, like_frontend(out, rewrite(self, args, inputs, out)))
             built.add(self)
-            if under is not None:  # a plan: typed for these inputs (a float32 graph is not)
+            if current is not None:  # typed for these inputs: a plan's casts follow them
                 typed_for[self] = _dtypes(args)
-            if current is not None:
                 made_under[self] = under
             if reshaped is not None and watch is not None and watch(self):
                 seen[self] = _shapes(args)
@@ -427,17 +427,19 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
                     _rewrite_given(self, args)
                 stale(self)
             else:
-                if (current is not None and made_under.get(self, self) is None and self not in plain_said
-                        and current() is not None):
+                typed, dtypes = typed_for.get(self), _dtypes(args)
+                plain = current is not None and made_under.get(self, self) is None  # built with AMP off
+                if plain and self in aside and _aside_for(self, dtypes, current()) is not None:
+                    _retype(self, typed, dtypes)  # AMP on again, and a plan for these inputs kept aside
+                elif plain and self not in plain_said and current() is not None:
                     # built here while AMP was off for its thread (outside any autocast region):
                     # it keeps that float32 graph under AMP too, which ``stale`` says, once
                     plain_said.add(self)
                     stale(self)
-                typed = typed_for.get(self)
-                if typed is not None and typed != _dtypes(args):
+                if not plain and typed is not None and typed != dtypes:
                     # other input dtypes than the plan was typed for: its casts were chosen for
                     # those (a float16-fed plan has none before a concat that now gets float32)
-                    _retype(self, typed, _dtypes(args))
+                    _retype(self, typed, dtypes)
                 elif self in seen:  # watched, and its graph went through rewrite
                     shapes = _shapes(args)
                     if seen.get(self) != shapes:
@@ -450,22 +452,28 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
                         _rewrite_given(self, args)
         return _CALL_CACHED_OP(self, *args)
 
-    def _retype(self: HybridBlock, typed: tuple, dtypes: tuple) -> None:
-        """Put the block's plan aside and run its plan for ``dtypes``: one kept aside under the
+    def _aside_for(self: HybridBlock, dtypes: tuple, under: object) -> Optional[_PlanAside]:
+        return next((p for p in aside.get(self, ()) if p.dtypes == dtypes and p.under == under), None)
+
+    def _retype(self: HybridBlock, typed: Optional[tuple], dtypes: tuple) -> None:
+        """Put the block's graph aside and run its plan for ``dtypes``: one kept aside under the
         same ``current()``, or one traced at this call. A program that alternates input dtypes
-        (a decoder fed float16, then float32) traced each call again (about 40x the call)."""
-        kept = aside.setdefault(self, {})
-        kept.pop(typed, None)
-        kept[typed] = _PlanAside(self._cached_graph, self._cached_op, self._cached_op_args,
-                                 made_under.get(self))
-        while len(kept) > _PLANS_ASIDE:
-            del kept[next(iter(kept))]
-        plan = kept.pop(dtypes, None)
-        if plan is not None and plan.under == (current() if current is not None else None):
+        (a decoder fed float16, then float32) traced each call again (about 40x the call).
+        Not for a block the shape rules watch: a plan kept aside would miss ops they keep in
+        float32 since it was built."""
+        under = current() if current is not None else None
+        plan = _aside_for(self, dtypes, under)
+        if watch is not None and watch(self):
+            _drop(self)
+            return
+        mine = (typed, made_under.get(self))
+        kept = [p for p in aside.get(self, ()) if p is not plan and (p.dtypes, p.under) != mine]
+        kept.append(_PlanAside(self._cached_graph, self._cached_op, self._cached_op_args, *mine))
+        aside[self] = kept[-_PLANS_ASIDE:]
+        if plan is not None:
             self._cached_graph, self._cached_op, self._cached_op_args = plan.graph, plan.cached_op, plan.op_args
             typed_for[self] = dtypes
-            if current is not None:
-                made_under[self] = plan.under
+            made_under[self] = plan.under
             return
         retyping.add(self)
         self._clear_cached_op()  # traced again below, through _get_graph

@@ -321,3 +321,79 @@ def test_a_block_fed_alternating_dtypes_keeps_a_plan_for_each():
     step.hybridize()  # the graph dropped: the plans aside too
     step(*wide), step(*low)
     assert step.traces == 6
+
+
+class _AnyInput(gluon.HybridBlock):
+    """Two dense layers after a cast of the input to float32: any input dtype runs, FP32 too."""
+
+    def __init__(self):
+        super().__init__()
+        with self.name_scope():
+            self.dense0, self.dense1 = gluon.nn.Dense(16, activation="relu"), gluon.nn.Dense(4)
+
+    def hybrid_forward(self, F, x):
+        return self.dense1(self.dense0(F.cast(x, "float32")))
+
+
+def _mlp():
+    mx.random.seed(0)
+    net = _AnyInput()
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    return net
+
+
+def _as_traced_fresh(x, region=contextlib.nullcontext):
+    with region():
+        return _mlp()(x).asnumpy()
+
+
+def test_a_plan_kept_aside_comes_back_only_under_its_own_policy_and_never_after_disable():
+    """Plans kept aside crossed with regions and ``disable()``: a plan put back kept the label of
+    the one it replaced, so a later region ran init's float16 plan where its own bfloat16 one was
+    asked; a graph traced with AMP off, then a plan put back, ran that plan after ``disable()``
+    with a false "runs without mixed precision" warning."""
+    _init(target_dtype="float16", emulate=True)
+    x32 = mx.nd.array(np.random.RandomState(0).randn(2, 8) * 3.3)
+    x16 = x32.astype("float16")
+
+    def region():
+        return gluon_amp.autocast(target_dtype="bfloat16", emulate=True)
+
+    net = _mlp()
+    net(x32)
+    with region():
+        net(x16)
+    net(x32), net(x16)
+    with region():
+        assert np.array_equal(net(x32).asnumpy(), _as_traced_fresh(x32, region))
+    with gluon_amp.autocast(enabled=False):
+        net(x32.astype("float64"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert np.array_equal(net(x16).asnumpy(), _as_traced_fresh(x16))  # its plan, put back
+    assert not [w for w in caught if "without mixed precision" in str(w.message)]
+    gluon_amp.disable()
+    assert np.array_equal(net(x32).asnumpy(), _mlp()(x32).asnumpy())  # FP32's
+
+
+def test_a_block_the_shape_rules_watch_is_traced_again_for_other_input_dtypes():
+    """A plan kept aside from before the rules kept a convolution in float32 (its input
+    narrower than its stride) came back at those shapes, its convolution in bfloat16."""
+    _init(target_dtype="bfloat16", emulate=True)
+
+    def conv():
+        mx.random.seed(0)
+        net = gluon.nn.Conv2D(8, 1, strides=4, in_channels=4)
+        net.initialize(mx.init.Xavier())
+        net.hybridize()
+        return net
+
+    rng = np.random.RandomState(0)
+    big, small = mx.nd.array(rng.randn(1, 4, 8, 8) * 3.3), mx.nd.array(rng.randn(1, 4, 3, 3) * 3.3)
+    net, ref = conv(), conv()
+    net(big), net(small.astype("float16"))
+    ref(big)
+    assert np.array_equal(net(small).asnumpy(), ref(small).asnumpy())
+    with gluon_amp.autocast(enabled=False):
+        assert np.array_equal(ref(small).asnumpy(), conv()(small).asnumpy())  # float32 there: FP32's bits
