@@ -390,6 +390,7 @@ def init_trainer(trainer: Union[Trainer, "mx.mod.BaseModule", None] = None,
                          "update_on_kvstore=False (got update_on_kvstore=True).")
     scaler = loss_scaler_from(loss_scale)
     if on_kvstore is None:
+        _refuse_shared_accumulator(trainer)
         mxi.force_update_on_worker(trainer)
     hook = _Hook(trainer, scaler)
     _update_patch.hold("trainers")
@@ -537,6 +538,25 @@ def _in_float32(grads: Sequence[mx.nd.NDArray]) -> Iterator[List[mx.nd.NDArray]]
 
 #: float16's smallest normal value: below it a float16 number keeps fewer bits, below 2**-24 none
 _FLOAT16_TINY = 2.0 ** -14
+
+
+def _refuse_shared_accumulator(trainer: Trainer) -> None:
+    """``ValueError`` for LBSGD with ``batch_scale > 1`` on several devices, where updating on
+    the worker (what loss scaling needs, and ``init_trainer`` sets) breaks it: 1.9.1's LBSGD
+    keys the gradients it sums by parameter index, so the devices' updaters share one sum, and
+    one device's copy of the weights never updates while another's updates every step."""
+    opt = mxi.trainer_optimizer(trainer)
+    if not (isinstance(opt, mx.optimizer.LBSGD) and getattr(opt, "batch_scale", 1) > 1):
+        return
+    devices = {str(c) for p in mxi.trainer_params(trainer) for c in mxi.param_contexts(p)}
+    if len(devices) > 1:
+        raise ValueError(
+            f"init_trainer: LBSGD with batch_scale={opt.batch_scale} on {len(devices)} devices "
+            f"({', '.join(sorted(devices))}): loss scaling updates on the worker, where MXNet 1.9.1's "
+            "LBSGD sums every device's gradients into one accumulator, so one device's weights never "
+            "update. Train it on one device, or with batch_scale=1 (accumulate with grad_req='add' instead), "
+            "or leave init_trainer out (bfloat16 and float32 steps need no loss scaling; the Trainer then "
+            "updates on its kvstore).")
 
 
 def _must_unscale_first(trainer: Trainer, hook: _Hook, scale: float) -> bool:

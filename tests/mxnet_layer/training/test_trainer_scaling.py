@@ -546,3 +546,17 @@ def test_lbsgd_summing_a_macro_batch_under_a_moving_scale_trains_as_fp32():
     6 steps; the peer too). Power-of-two scales, unscaled before it sums: FP32's bits."""
     want = _lbsgd_weights(None)
     assert np.array_equal(_lbsgd_weights(LossScaler(init_scale=1024.0, growth_interval=1)), want)
+
+
+def test_lbsgd_summing_over_several_devices_is_refused_where_loss_scaling_would_break_it():
+    """Updating on the worker, LBSGD's devices share one sum of gradients (keyed by parameter
+    index): cpu(0)'s weights never moved while cpu(1)'s moved every step. Plain MXNet updates
+    on its kvstore there; init_trainer, which needs the worker, says so before any step."""
+    net = nn.Dense(3, in_units=10)
+    net.initialize(ctx=[mx.cpu(0), mx.cpu(1)])
+    trainer = gluon.Trainer(net.collect_params(), "lbsgd", {"learning_rate": 0.1, "batch_scale": 2})
+    with pytest.raises(ValueError, match=r"LBSGD with batch_scale=2 on 2 devices .*one device"):
+        gluon_amp.init_trainer(trainer)
+    one = nn.Dense(3, in_units=10)
+    one.initialize()
+    gluon_amp.init_trainer(gluon.Trainer(one.collect_params(), "lbsgd", {"learning_rate": 0.1, "batch_scale": 2}))
