@@ -507,12 +507,26 @@ def _wrap_update(original: Callable) -> Callable:
     return update
 
 
+#: float16's smallest normal value (see gluon_amp.training.trainer)
+_FLOAT16_TINY = 2.0 ** -14
+
+
 def _unscaled(update: Callable, module: Module, unscale: float) -> Any:
-    """Run MXNet's ``update`` dividing this step's gradients by ``unscale`` as well."""
+    """Run MXNet's ``update`` dividing this step's gradients by ``unscale`` as well: through
+    ``rescale_grad``, or, where that would fall below float16's smallest normal value for an
+    update MXNet runs in float16 (a float16 weight without a master copy, whose kernels take
+    ``rescale_grad`` as a float16 value: 0, every step lost), in the gradients themselves."""
     if unscale == 1.0:
         return update(module)
     opt = mxm.updating_optimizer(mxm.module_optimizer(module))  # not a wrapper's (Horovod's)
     before = opt.rescale_grad
+    if before / unscale < _FLOAT16_TINY and not getattr(opt, "multi_precision", False):
+        found = mxm.module_update_arrays(module)
+        if found is not None and any(dtype_name(w.dtype) == "float16" for w in found[0]):
+            with autograd.pause():
+                for g in found[1]:
+                    mx.nd.amp_cast(mx.nd.amp_cast(g, dtype="float32") / unscale, dtype=g.dtype, out=g)
+            return update(module)
     opt.rescale_grad = before / unscale
     try:
         return update(module)

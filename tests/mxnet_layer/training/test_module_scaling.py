@@ -1070,3 +1070,33 @@ def test_a_module_with_loss_heads_fed_scaled_out_grads_is_refused_mid_step():
     head.update()
     feeder.update()
     assert scaler.total_steps == 1
+
+
+def _float16_module_moved(batch, scaled):
+    """How far three updates move a Module's float16 weight, updated in float16 (an
+    elementwise graph MXNet runs in float16 on a CPU; no master copy)."""
+    rng = np.random.RandomState(0)
+    x, w = mx.sym.var("data", dtype="float16"), mx.sym.var("w", shape=(1, 10, 3), dtype="float16")
+    out = mx.sym.sum(mx.sym.broadcast_mul(mx.sym.expand_dims(x, axis=2), w), axis=1)
+    loss = mx.sym.MakeLoss(mx.sym.sum(mx.sym.softmax_cross_entropy(mx.sym.cast(out, "float32"), mx.sym.var("label"))))
+    mod = mx.mod.Module(loss, data_names=["data"], label_names=["label"])
+    mod.bind(data_shapes=[mx.io.DataDesc("data", (batch, 10), "float16")], label_shapes=[("label", (batch,))])
+    mod.init_params(arg_params={"w": mx.nd.array(rng.randn(1, 10, 3) * 0.3, dtype="float16")})
+    mod.init_optimizer(optimizer="sgd", optimizer_params={"learning_rate": 0.5, "rescale_grad": 1.0 / batch})
+    if scaled:
+        amp.init_trainer(mod)  # dynamic, from 65536
+    w0 = mod.get_params()[0]["w"].asnumpy().astype(np.float32)
+    data = mx.io.DataBatch([mx.nd.array(rng.randn(batch, 10) * 0.01, dtype="float16")],
+                           [mx.nd.array(rng.randint(0, 3, batch))])
+    for _ in range(3):
+        mod.forward_backward(data)
+        mod.update()
+    return np.abs(mod.get_params()[0]["w"].asnumpy().astype(np.float32) - w0).max()
+
+
+@pytest.mark.parametrize("batch", [64, 1024])
+def test_a_module_s_float16_weights_updated_in_float16_keep_their_updates(batch):
+    """As a Trainer's: the scale folded into rescale_grad, 1 / (65536 * 1024) as the float16 value
+    MXNet's kernels take, was 0, and every update was lost silently."""
+    plain = _float16_module_moved(batch, False)
+    assert plain > 0 and 0.5 * plain <= _float16_module_moved(batch, True) <= 2 * plain
