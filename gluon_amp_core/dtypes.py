@@ -66,3 +66,8 @@ def widest(dtypes: Iterable[Optional[str]]) -> Optional[str]:
         elif _RANK[d] == _RANK[best] and d != best:
             best = "float32"
     return best
+
+
+#: float16's smallest normal value: below it a float16 number keeps fewer bits, below 2**-24 none
+#: (MXNet's float16 kernels take ``rescale_grad`` as such a value)
+FLOAT16_SMALLEST_NORMAL = 2.0 ** -14

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 import mxnet as mx
 from mxnet import autograd
 
-from gluon_amp_core.dtypes import dtype_name
+from gluon_amp_core.dtypes import FLOAT16_SMALLEST_NORMAL, dtype_name
 from gluon_amp_core.emulate import ROUND_SUFFIX
 from gluon_amp_core.lists.loss_outputs import GRAPH_LOSS_HEADS
 from gluon_amp_core.loss_heads import loss_heads, scale_loss_heads
@@ -507,10 +507,6 @@ def _wrap_update(original: Callable) -> Callable:
     return update
 
 
-#: float16's smallest normal value (see gluon_amp.training.trainer)
-_FLOAT16_TINY = 2.0 ** -14
-
-
 def _unscaled(update: Callable, module: Module, unscale: float) -> Any:
     """Run MXNet's ``update`` dividing this step's gradients by ``unscale`` as well: through
     ``rescale_grad``, or, where that would fall below float16's smallest normal value for an
@@ -520,7 +516,7 @@ def _unscaled(update: Callable, module: Module, unscale: float) -> Any:
         return update(module)
     opt = mxm.updating_optimizer(mxm.module_optimizer(module))  # not a wrapper's (Horovod's)
     before = opt.rescale_grad
-    if before / unscale < _FLOAT16_TINY and not getattr(opt, "multi_precision", False):
+    if before / unscale < FLOAT16_SMALLEST_NORMAL and not getattr(opt, "multi_precision", False):
         found = mxm.module_update_arrays(module)
         if found is not None and any(dtype_name(w.dtype) == "float16" for w in found[0]):
             with autograd.pause():

@@ -26,7 +26,7 @@ import mxnet as mx
 from mxnet import autograd
 from mxnet.gluon import Trainer
 
-from gluon_amp_core.dtypes import dtype_name
+from gluon_amp_core.dtypes import FLOAT16_SMALLEST_NORMAL, dtype_name
 from gluon_amp_core.loss_scale import LossScaler, Stage, loss_scaler_from
 
 from .. import state
@@ -536,10 +536,6 @@ def _in_float32(grads: Sequence[mx.nd.NDArray]) -> Iterator[List[mx.nd.NDArray]]
             mx.nd.amp_cast(w, dtype=mxi.BFLOAT16, out=g)
 
 
-#: float16's smallest normal value: below it a float16 number keeps fewer bits, below 2**-24 none
-_FLOAT16_TINY = 2.0 ** -14
-
-
 def _refuse_shared_accumulator(trainer: Trainer) -> None:
     """``ValueError`` for LBSGD with ``batch_scale > 1`` on several devices, where updating on
     the worker (what loss scaling needs, and ``init_trainer`` sets) breaks it: 1.9.1's LBSGD
@@ -575,7 +571,7 @@ def _must_unscale_first(trainer: Trainer, hook: _Hook, scale: float) -> bool:
     opt = mxi.trainer_optimizer(trainer)
     if isinstance(opt, mx.optimizer.LBSGD) and getattr(opt, "batch_scale", 1) > 1:
         return True
-    if getattr(opt, "multi_precision", False) or not opt.rescale_grad < _FLOAT16_TINY:
+    if getattr(opt, "multi_precision", False) or not opt.rescale_grad < FLOAT16_SMALLEST_NORMAL:
         return False
     if any(isinstance(u, MasterWeightUpdater) for u in mxi.trainer_updaters(trainer)):
         return False  # O2's updates run on float32 masters
