@@ -666,9 +666,13 @@ def full_op_name(name: Any) -> Optional[str]:
 # 1.9.1 mxnet/gluon/parameter.py: ``Parameter.cast(dtype)`` is where every cast of a
 # parameter ends: ``Block.cast`` calls it per parameter (after ``HybridBlock.cast`` dropped the
 # cached graph), as do the ``Parameter.dtype`` setter and ``ParameterDict.setattr('dtype', ..)``.
-# It sets ``_dtype`` and replaces ``_data``/``_grad`` by ``astype`` copies. If renamed, init fails here.
+# It sets ``_dtype`` and replaces ``_data``/``_grad`` by ``astype`` copies. ``Parameter._load_init(data,
+# ctx, cast_dtype, dtype_source)`` (``load_parameters``, ``SymbolBlock.imports``) sets the dtype
+# through that setter before the parameter has arrays, then makes them from ``data`` as saved.
+# If either is renamed, init fails here.
 
 _PARAM_CAST = Parameter.cast
+_PARAM_LOAD_INIT = Parameter._load_init
 _own_casts = _ThreadDepth()
 
 
@@ -677,6 +681,7 @@ class CastHook:
     """The ``Parameter.cast`` :func:`install_param_cast_hook` put in place."""
 
     cast: Callable
+    load_init: Callable
 
 
 def own_casts() -> ContextManager[None]:
@@ -693,15 +698,34 @@ def install_param_cast_hook(rule: Callable[[Parameter, Any, Callable[[Any], None
             return _PARAM_CAST(self, dtype)
         return rule(self, dtype, lambda d: _PARAM_CAST(self, d))
 
+    def load_init(self: Parameter, data: Any, ctx: Any, cast_dtype: bool = False,
+                  dtype_source: str = "current") -> None:
+        _PARAM_LOAD_INIT(self, data, ctx, cast_dtype, dtype_source)
+        held = _array_dtype(self._dtype) if self._dtype is not None else None
+        if held is not None and any(_array_dtype(a.dtype) != held for a in param_arrays(self)):
+            # the rule held the saved dtype's cast (a float16 file loaded where float16 has no
+            # kernels): the arrays follow, as a cast of an initialized parameter's would
+            _PARAM_CAST(self, self._dtype)
+
     cast.__doc__ = _PARAM_CAST.__doc__
+    load_init.__doc__ = _PARAM_LOAD_INIT.__doc__
     Parameter.cast = cast
-    return CastHook(cast)
+    Parameter._load_init = load_init
+    return CastHook(cast, load_init)
+
+
+def _array_dtype(dtype: Any) -> str:
+    from gluon_amp_core.dtypes import dtype_name
+    from .arrays import FLOAT_NAMES
+    return FLOAT_NAMES.get(dtype) or dtype_name(dtype)
 
 
 def remove_param_cast_hook(hook: CastHook) -> None:
     """Put MXNet's ``Parameter.cast`` back, where ``hook`` is still the one in place."""
     if Parameter.__dict__.get("cast") is hook.cast:
         Parameter.cast = _PARAM_CAST
+    if Parameter.__dict__.get("_load_init") is hook.load_init:
+        Parameter._load_init = _PARAM_LOAD_INIT
 
 
 def param_contexts(param: Parameter) -> List[Any]:
