@@ -33,7 +33,7 @@ from gluon_amp_core.policy import Policy
 
 from . import mxnet_internals as mxi, patching, state
 from .mxnet_internals import NP_SYMBOL, own_casts, to_mx_dtype, updates_on_kvstore
-from .policy_builder import make_policy
+from .policy_builder import following, make_policy
 from .training import master_weights as master_weights_mod, trainer as trainer_mod
 
 __all__ = ["OptLevel", "OPT_LEVELS", "properties", "initialize"]
@@ -280,8 +280,10 @@ def _policy(level: OptLevel, target_dtype: Any, emulate: Optional[bool]) -> Opti
             raise ValueError(f"target_dtype={target_dtype!r}, emulate={emulate!r} have no effect at O0 "
                              "(pure float32); leave them unset, or pick O1-O3.")
         return None
-    if emulate and level.cast_weights:
-        raise ValueError(f"emulate=True supports opt_level 'O1' (op patching); {level.name} stores the "
+    active = state.current_policy() if target_dtype is None else None
+    if (emulate or (emulate is None and active is not None and active.emulate)) and level.cast_weights:
+        given = "emulate=True" if emulate else "the emulated policy in force (init(..., emulate=True) or --emulate)"
+        raise ValueError(f"{given} supports opt_level 'O1' (op patching); {level.name} stores the "
                          "weights in the target dtype, which emulation does not model. Use O1 with "
                          "emulate=True for a numerics check.")
     if isinstance(target_dtype, Policy):
@@ -293,6 +295,8 @@ def _policy(level: OptLevel, target_dtype: Any, emulate: Optional[bool]) -> Opti
                              f"disagrees with {level.name}'s {level.keep_batchnorm_fp32!r}; pass the same "
                              "value to make_policy and initialize.")
         return target_dtype
+    if active is not None:  # init (or the launcher) chose already: the level follows it, as converters do
+        return following(active, keep_batchnorm_fp32=level.keep_batchnorm_fp32, emulate=emulate)
     return make_policy(target_dtype, keep_batchnorm_fp32=level.keep_batchnorm_fp32, emulate=emulate)
 
 
@@ -318,8 +322,9 @@ def initialize(net: Block, trainer: Optional[Trainer] = None, opt_level: str = "
     opt_level : {'O0', 'O1', 'O2', 'O3'}
         See the module table.
     target_dtype : {'float16', 'bfloat16', None} or Policy
-        ``None`` picks for this machine as :func:`gluon_amp.init` does; where it picks
-        float32 (no usable low precision) every level behaves as O0. A :class:`Policy`
+        ``None`` follows the policy in force (``init``, ``python -m gluon_amp.run``), else
+        picks for this machine as :func:`gluon_amp.init` does; where it picks float32 (no
+        usable low precision) every level behaves as O0. A :class:`Policy`
         (from :func:`gluon_amp.make_policy`) is used as it is.
     emulate : bool, optional
         O1 only: run the plan emulated in float32 on any CPU (see :func:`gluon_amp.init`).

@@ -100,6 +100,23 @@ def tune_budget_default() -> TuneBudget:
     return parse_budget(text or None, f"${TUNE_BUDGET_ENV}")
 
 
+#: The settings a policy built to follow the one in force inherits where not given.
+_INHERITED = ("target_precision_ops", "fp32_ops", "conditional_fp32_ops", "widest_type_ops",
+              "keep_batchnorm_fp32", "emulate", "tune")
+
+
+def following(active: Policy, **given: Any) -> Policy:
+    """The policy for a caller that named no ``target_dtype`` while ``active`` is in force
+    (``init``, ``python -m gluon_amp.run``): ``active`` itself where ``given`` (settings of
+    :data:`_INHERITED`, ``None``: not given) changes nothing, else ``active`` with them."""
+    if all(v is None or v == getattr(active, k) for k, v in given.items()):
+        return active
+    merged = {k: getattr(active, k) for k in _INHERITED}
+    merged.update({k: v for k, v in given.items() if v is not None})
+    return make_policy(active.target_dtype if active.enabled else None, **merged,
+                       excluded_sym_names=active.excluded_sym_names, tune_budget=active.tune_budget)
+
+
 def as_policy(target_dtype: Any = None, **lists: Any) -> Policy:
     """``target_dtype`` if it is a :class:`Policy` (then no other list may be given),
     else :func:`make_policy` of the arguments."""

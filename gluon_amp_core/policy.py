@@ -125,8 +125,9 @@ class Policy:
         if not self.enabled:
             return f"float32 (mixed precision off: {self.reason or 'no low-precision target'})"
         overrides = [n for n in ("target_precision_ops", "fp32_ops", "conditional_fp32_ops",
-                                 "widest_type_ops", "keep_batchnorm_fp32", "excluded_sym_names")
-                     if getattr(self, n) is not None]
+                                 "widest_type_ops", "excluded_sym_names") if getattr(self, n) is not None]
+        if self.keep_batchnorm_fp32 is not None:  # a flag: its value is the setting
+            overrides.insert(4, f"keep_batchnorm_fp32={self.keep_batchnorm_fp32}")
         return (self.target_dtype + " (emulated in float32)" * self.emulate
                 + " (tuned per op by measured speed)" * self.tune
                 + (f" with {', '.join(overrides)}" if overrides else ""))

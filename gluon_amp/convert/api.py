@@ -24,7 +24,7 @@ from gluon_amp_core.table import ConditionalSpec, check_name_list
 
 from .. import execution, mxnet_internals as mxi, plan_notes, runtime
 from ..state import current_policy
-from ..policy_builder import as_policy, make_policy
+from ..policy_builder import as_policy, following
 from ..same_shape_run import call_shapes, outgrown, twins_of
 from ..tuning.casts import pass_result_with_fewer_casts
 from ..tuning.schedule import tune_graph
@@ -160,14 +160,7 @@ def _policy(target_dtype: Any, target_dtype_ops: Any, fp32_ops: Any, conditional
     active = current_policy() if target_dtype is None else None
     if active is None:
         return as_policy(target_dtype, **lists, emulate=emulate, tune=tune)
-    if all(v is None for v in lists.values()) and emulate in (None, active.emulate) and tune in (None, active.tune):
-        return active
-    inherited = {k: getattr(active, k) for k in lists}
-    return make_policy(active.target_dtype if active.enabled else None,
-                       **{k: inherited[k] if v is None else v for k, v in lists.items()},
-                       emulate=active.emulate if emulate is None else emulate,
-                       excluded_sym_names=active.excluded_sym_names,
-                       tune=active.tune if tune is None else tune, tune_budget=active.tune_budget)
+    return following(active, **lists, emulate=emulate, tune=tune)
 
 
 def convert_symbol(sym: Symbol, target_dtype: Any = None, target_dtype_ops: Optional[Sequence[str]] = None,

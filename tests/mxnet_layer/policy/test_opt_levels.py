@@ -276,6 +276,32 @@ def test_target_dtype_at_o0():
         gluon_amp.initialize(cnn(prefixed=True), None, "O0", target_dtype="bfloat16")
 
 
+def test_without_a_target_dtype_the_level_follows_the_policy_in_force():
+    """``init('float16', emulate=True)`` then ``initialize(net, trainer, 'O1')``: the level picked
+    for the machine instead (float32 here), warned that AMP was off, and gave the trainer a
+    static scale of 1 while the float16 policy stayed in force: float16 steps, unscaled."""
+    policy = gluon_amp.init("float16", emulate=True)
+    net = cnn(prefixed=True)
+    tr = sgd_trainer(net)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        gluon_amp.initialize(net, tr, "O1")
+    assert gluon_amp.get_scaler(tr).dynamic and gluon_amp.get_scaler(tr).loss_scale == 65536.0
+    assert gluon_amp.state.current_policy() is policy
+    with pytest.raises(ValueError, match="emulated policy in force.*O2 stores the weights"):
+        gluon_amp.initialize(cnn(prefixed=True), sgd_trainer(cnn(prefixed=True)), "O2")
+
+
+def test_a_level_that_clashes_with_the_policy_in_force_names_its_batch_norm_setting():
+    """O3 (``keep_batchnorm_fp32=False``) after ``init('float16')``: the refusal read "with
+    keep_batchnorm_fp32", the opposite of O3's setting."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "float16 without a GPU": graph work only
+        gluon_amp.init("float16")
+        with pytest.raises(RuntimeError, match=r"asked for float16 .*with keep_batchnorm_fp32=False\."):
+            gluon_amp.initialize(cnn(prefixed=True), None, "O3")
+
+
 # -- bfloat16, executed ------------------------------------------------------------------
 
 def _fit(net, tr, x, y, steps, start=0, bs=32):
