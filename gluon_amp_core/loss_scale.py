@@ -85,7 +85,8 @@ class LossScaler:
     min_scale, max_scale : float
         Clamp for the scale. ``min_scale=0`` and ``max_scale=inf`` give torch's behaviour.
     max_consecutive_skips : int or None
-        After this many skipped steps in a row, :meth:`update` raises ``RuntimeError``
+        After this many skipped steps in a row, the next ``trainer.step`` (or a Module's
+        ``update``) raises ``RuntimeError`` naming the parameters with non-finite gradients
         (the scale has collapsed; something other than range is wrong). ``None`` never raises.
     dynamic : bool
         ``False`` keeps ``init_scale`` fixed; non-finite steps are still skipped.
@@ -257,11 +258,20 @@ class LossScaler:
         vars(self).update(_stages=stages, _steps=steps)
 
     def stage(self, member: Any) -> Stage:
+        """The stage of ``member`` in the current round: an attached trainer or Module (a
+        member token whose ``represents(obj)`` says so), or the token itself."""
+        stages = self._stages
         try:
-            return self._stages[member]
-        except KeyError:
-            raise RuntimeError("this trainer is not attached to the scaler; call "
-                               "gluon_amp.init_trainer(trainer, scaler) first") from None
+            return stages[member]
+        except (KeyError, TypeError):
+            pass
+        for token, stage in list(stages.items()):
+            represents = getattr(token, "represents", None)
+            if represents is not None and represents(member):
+                return stage
+        raise RuntimeError(f"{type(member).__name__} {member!r} is not attached to this scaler: "
+                           "gluon_amp.init_trainer(trainer, scaler) attaches a trainer or Module to it; "
+                           "gluon_amp.get_scaler(trainer) gives the scaler a trainer has.")
 
     def steps_of(self, member: Any) -> int:
         """How many steps ``member`` has recorded: what it decided for its current step is

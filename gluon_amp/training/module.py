@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import warnings
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import mxnet as mx
@@ -68,7 +69,16 @@ class ModuleHook:
         self._plans: Dict[str, Any] = {}
         self._pending: Optional[Tuple[str, bool, int]] = None
         self._dropped = False
+        #: the modules (a BucketingModule's buckets) this hook is attached to
+        self.owners: "weakref.WeakSet[Any]" = weakref.WeakSet()
         scaler.attach(self)
+
+    def represents(self, obj: Any) -> bool:
+        """Whether ``obj`` is a module this hook is attached to (``scaler.stage(module)``)."""
+        try:
+            return obj in self.owners
+        except TypeError:
+            return False
 
     def attached(self) -> bool:
         """Whether its scaler's rounds wait for it (False once a failed attachment dropped it)."""
@@ -677,11 +687,13 @@ def _attach(module: Module, hook: ModuleHook, shared_module: Optional[Module] = 
             except BaseException:
                 record.hook = before
                 raise
+            hook.owners.add(module)
             return True
         # the executors run what a bind would give them: record it as one
         record.bound_scaled, record.heads, record.dtype = True, heads, _ran_dtype(module, dtype)
         record.scale_arg, record.forward_scale = None, None
     record.hook = hook
+    hook.owners.add(module)
     return True
 
 

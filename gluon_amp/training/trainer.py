@@ -67,6 +67,8 @@ class _Hook:
         #: once the count has moved past it, a recorded step's, kept until the next step reads it
         self._early: Optional[Tuple[early_update.Early, str, bool, int, Sequence[Any]]] = None
         self._plans: Dict[str, Any] = {}
+        #: the ``loss_scale`` argument the scaler was made from (``init_trainer`` asked again)
+        self.requested: Any = None
         scaler.attach(self)
 
     @property
@@ -76,6 +78,10 @@ class _Hook:
         if decided is None or decided[2] != self.scaler.steps_of(self):
             return None
         return decided[0], decided[1]
+
+    def represents(self, obj: Any) -> bool:
+        """Whether ``obj`` is this hook's trainer (``scaler.stage(trainer)``)."""
+        return obj is not None and self._trainer() is obj
 
     def attached(self) -> bool:
         """Whether this trainer still counts (for the loss-output ops and the scaler's rounds):
@@ -361,6 +367,9 @@ def init_trainer(trainer: Union[Trainer, "mx.mod.BaseModule", None] = None,
     The trainer must update on the worker, not the kvstore: build it with
     ``update_on_kvstore=False``. If it was left at ``None``, it is set to False here.
 
+    Asked again with the same ``loss_scale``, it returns the scaler the trainer has; another
+    ``loss_scale`` for a trainer that has one is a ``RuntimeError``.
+
     Parameters
     ----------
     trainer : mxnet.gluon.Trainer
@@ -381,22 +390,37 @@ def init_trainer(trainer: Union[Trainer, "mx.mod.BaseModule", None] = None,
     if not isinstance(trainer, Trainer):
         raise TypeError(f"init_trainer expects a mxnet.gluon.Trainer, or a mx.mod.Module / BucketingModule, "
                         f"got {type(trainer).__name__}")
+    scaler = loss_scaler_from(loss_scale)  # first: a bad argument is a ValueError, attached or not
     if attached_scaler(trainer) is not None:
-        raise RuntimeError("this Trainer already has a loss scaler; use gluon_amp.get_scaler(trainer) "
-                           "to read it, or build a new Trainer.")
+        hook = mxi.get_step_hook(trainer)
+        if _same_request(hook.requested, loss_scale):
+            # asked again as before (scripts written for the peer call it per run or per epoch):
+            # the scaler it has, its scale kept (the peer put in a fresh one, back at 2**16)
+            return hook.scaler
+        raise RuntimeError(f"this Trainer already has a loss scaler (from loss_scale={hook.requested!r}), "
+                           f"and loss_scale={loss_scale!r} asks for another; use gluon_amp.get_scaler(trainer) "
+                           "to read or change the one it has, or build a new Trainer.")
     on_kvstore = mxi.updates_on_kvstore(trainer)
     if on_kvstore:
         raise ValueError("loss scaling needs the update on the worker: create the Trainer with "
                          "update_on_kvstore=False (got update_on_kvstore=True).")
-    scaler = loss_scaler_from(loss_scale)
     if on_kvstore is None:
         _refuse_shared_accumulator(trainer)
         mxi.force_update_on_worker(trainer)
     hook = _Hook(trainer, scaler)
+    hook.requested = loss_scale
     _update_patch.hold("trainers")
     mxi.set_step_hook(trainer, hook)
     state.register_scaler(hook)  # loss-output ops read the scale the step will use from it
     return scaler
+
+
+def _same_request(before: Any, now: Any) -> bool:
+    """Whether ``init_trainer``'s ``loss_scale`` asks for what the trainer's scaler was made
+    from: the same :class:`LossScaler`, or an equal argument."""
+    if isinstance(before, LossScaler) or isinstance(now, LossScaler):
+        return before is now
+    return bool(before == now)
 
 
 def _wrap_update(original: Any) -> Any:

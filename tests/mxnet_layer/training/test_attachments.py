@@ -92,3 +92,29 @@ def test_a_shared_scaler_does_not_wait_for_a_dropped_trainer_or_module():
     del mod
     _step(net_a, tr_a)
     assert scaler.total_steps == 6
+
+
+def test_a_scaler_gives_the_stage_of_each_trainer_or_module_attached_to_it():
+    """``scaler.stage(trainer)`` (docs/training.md) said the trainer was not attached and advised
+    ``init_trainer(trainer, scaler)``, which then refused a second scaler: it took only the
+    scaler's internal member token."""
+    scaler = LossScaler()
+    net, tr = _train(scaler, steps=0)
+    assert scaler.stage(tr).value == "ready"
+    with autograd.record():
+        loss = net(x).sum()
+        with gluon_amp.scale_loss(loss, tr) as scaled:
+            autograd.backward(scaled)
+    gluon_amp.unscale(tr)
+    assert scaler.stage(tr).value == "unscaled"
+    data = mx.sym.var("data")
+    out = mx.sym.SoftmaxOutput(mx.sym.FullyConnected(data, num_hidden=2), name="softmax")
+    mod = mx.mod.Module(out)
+    mod.bind([("data", (2, 8))], [("softmax_label", (2,))])
+    mod.init_params()
+    mod.init_optimizer()
+    gluon_amp.init_trainer(mod, scaler)
+    assert scaler.stage(mod).value == "ready"
+    stranger = gluon.Trainer(net.collect_params(), "sgd", update_on_kvstore=False)
+    with pytest.raises(RuntimeError, match="Trainer .* is not attached to this scaler.*get_scaler"):
+        scaler.stage(stranger)

@@ -212,8 +212,14 @@ def test_misuse_errors():
     t = gluon.Trainer(net.collect_params(), "sgd")
     gluon_amp.init_trainer(t)  # update_on_kvstore=None becomes False
     assert t._kvstore_params["update_on_kvstore"] is False
+    scaler = gluon_amp.get_scaler(t)
+    assert gluon_amp.init_trainer(t) is scaler  # asked again as before: the scaler it has (the peer: a fresh one)
+    with pytest.raises(RuntimeError, match=r"already has a loss scaler \(from loss_scale='dynamic'\).*1024"):
+        gluon_amp.init_trainer(t, 1024.0)
+    static = sgd_trainer(_mlp(), lr=0.1)
+    assert gluon_amp.init_trainer(static, 8) is gluon_amp.init_trainer(static, 8.0)
     with pytest.raises(RuntimeError, match="already has"):
-        gluon_amp.init_trainer(t)
+        gluon_amp.init_trainer(static, gluon_amp.LossScaler())
     with pytest.raises(ValueError, match="loss_scale"):
         gluon_amp.init_trainer(sgd_trainer(_mlp(), lr=0.1), "auto")
     plain = sgd_trainer(_mlp(), lr=0.1)
