@@ -58,7 +58,10 @@ def convert_bucketing_module(bucketing_mod: BucketingModule, target_dtype: Any =
                              fp32_ops: Optional[Sequence[str]] = None,
                              conditional_fp32_ops: Optional[Sequence[ConditionalSpec]] = None,
                              excluded_sym_names: Optional[Sequence[str]] = None,
-                             cast_optional_params: bool = False) -> BucketingModule:
+                             cast_optional_params: bool = False, *,
+                             widest_type_ops: Optional[Sequence[str]] = None,
+                             keep_batchnorm_fp32: Optional[bool] = None,
+                             emulate: Optional[bool] = None) -> BucketingModule:
     """Return a new, unbound ``BucketingModule`` running every bucket in mixed precision.
 
     Parameters
@@ -66,7 +69,7 @@ def convert_bucketing_module(bucketing_mod: BucketingModule, target_dtype: Any =
     bucketing_mod : mxnet.module.BucketingModule
         Bound, with initialized parameters. It is not modified.
     target_dtype, target_dtype_ops, fp32_ops, conditional_fp32_ops, excluded_sym_names,
-    cast_optional_params :
+    cast_optional_params, widest_type_ops, keep_batchnorm_fp32, emulate :
         As for :func:`gluon_amp.convert_model`; applied to every bucket.
 
     Notes
@@ -78,7 +81,8 @@ def convert_bucketing_module(bucketing_mod: BucketingModule, target_dtype: Any =
     _check_module(bucketing_mod)
     options = dict(target_dtype=target_dtype, target_dtype_ops=target_dtype_ops, fp32_ops=fp32_ops,
                    conditional_fp32_ops=conditional_fp32_ops, excluded_sym_names=excluded_sym_names,
-                   cast_optional_params=cast_optional_params)
+                   cast_optional_params=cast_optional_params, widest_type_ops=widest_type_ops,
+                   keep_batchnorm_fp32=keep_batchnorm_fp32, emulate=emulate)
     arg_params, aux_params = bucketing_mod.get_params()  # synced from the executors
     new_args: Dict[str, mx.nd.NDArray] = {}
     new_aux: Dict[str, mx.nd.NDArray] = {}

@@ -419,3 +419,20 @@ def test_lp16_use_fp32_params_covers_the_peers(peer, dtype):
 def test_fp16_use_fp32_params_is_a_mapping_not_none(peer):
     assert peer["convert"]["fp16_use_fp32_params"] is None
     assert gluon_amp.list_lp16_use_fp32_params("float16") == gluon_amp.list_lp16_use_fp32_params("bfloat16")
+
+
+def test_convert_bucketing_module_takes_the_options_every_converter_takes():
+    """``widest_type_ops``, ``keep_batchnorm_fp32`` and ``emulate`` (docs/inference.md: every
+    converter) were a ``TypeError`` here; they reach the buckets there are and those made later."""
+    new = gluon_amp.convert_bucketing_module(bucketing_module(), target_dtype="bfloat16",
+                                             widest_type_ops=["FullyConnected"], keep_batchnorm_fp32=True)
+    new.bind(data_shapes=[("data", (2, 5, 4))], label_shapes=[("softmax_label", (2,))], for_training=False)
+    new.switch_bucket(7, [("data", (2, 7, 4))], [("softmax_label", (2,))])
+    for key in (5, 7):
+        summary = summarize(new._buckets[key].symbol, {"data": np.float32, "softmax_label": np.float32})
+        assert summary["ops"]["fc1"]["out"] == ["float32"], key  # widest of its float32 inputs
+    emulated = gluon_amp.convert_bucketing_module(bucketing_module(), target_dtype="float16", emulate=True)
+    emulated.bind(data_shapes=[("data", (2, 5, 4))], label_shapes=[("softmax_label", (2,))], for_training=False)
+    emulated.forward(mx.io.DataBatch([mx.nd.ones((2, 5, 4))], [mx.nd.zeros((2,))], bucket_key=5), is_train=False)
+    out = emulated.get_outputs()[0].asnumpy()  # float16 runs emulated on any CPU
+    assert out.shape == (2, 3) and np.isfinite(out).all()
