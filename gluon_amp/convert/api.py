@@ -72,7 +72,7 @@ def _check_excluded(graph: dict, excluded: List[str]) -> None:
     if missing:
         near = difflib.get_close_matches(missing[0], sorted(op_names), n=3, cutoff=0.6)
         raise ValueError(f"excluded_sym_names {missing} are not op nodes of this graph"
-                         + (f"; did you mean {near}?" if near else "")
+                         + (f"; did you mean {near}?" if near else ".")
                          + " Use gluon_amp.report(sym) to list the node names.")
 
 

@@ -9,6 +9,7 @@ from collections import Counter
 from typing import Any, List, Optional, Tuple
 
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
+from gluon_amp_core.resolve import EMULATE_HINT
 
 
 def _nbytes(params) -> int:
@@ -95,8 +96,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         resolution = runtime.Resolution(runtime.emulated_target(requested), None)
     else:
         resolution = runtime.resolve(requested, warn=False)
-    if resolution.warning:
-        print(resolution.warning)
+    if resolution.warning:  # this command's user turns emulation on with its option
+        print(resolution.warning.replace(EMULATE_HINT, EMULATE_HINT.replace("Pass emulate=True", "Add --emulate")))
     elif resolution.speed is not None:
         print(f"gluon_amp speed probe: {resolution.speed.describe()}")
     if args.no_tune and not args.input_shape:
@@ -119,8 +120,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             sym, arg_params, aux_params, target_dtype=policy,
             excluded_sym_names=args.exclude or None, cast_optional_params=not args.no_cast_params,
             input_shapes=dict(args.input_shape) or None)
-    except (ValueError, TypeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ValueError, TypeError) as exc:  # in the words of this command's options
+        print("error: " + str(exc).replace("excluded_sym_names", "--exclude").replace(
+            "gluon_amp.report(sym)", "gluon_amp.report(mx.sym.load(PREFIX-symbol.json)) in Python"),
+            file=sys.stderr)
         return 2
     rep = report(new_sym, target_dtype=policy) if resolution.dtype != "float32" else None  # its emulate too
     label = resolution.dtype + " (emulated in float32)" * args.emulate

@@ -15,6 +15,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES
+from gluon_amp_core.resolve import EMULATE_HINT
 
 from . import facade, runner, threads
 from .install import install_as_contrib_amp
@@ -56,6 +57,10 @@ def parser() -> argparse.ArgumentParser:
                         "(default target there: bfloat16)")
     p.add_argument("--no-tune", dest="tune", action="store_false", default=None,
                    help="use the op table's plan as it is, without timing ops on this machine")
+    p.add_argument("--tune-budget", default=None, metavar="BUDGET",
+                   help="what timing ops may spend in this process: seconds (600), a share of the run's "
+                        "time (2%%), or both (2%%,600); 0 only reads the timing cache (default: "
+                        "$GLUON_AMP_TUNE_BUDGET, else 1%%, at most 600 s)")
     p.add_argument("--keep-batchnorm-fp32", action=argparse.BooleanOptionalAction, default=None,
                    help="force batch norm to float32 (or, with --no-..., to the target dtype)")
     for flag, what in (("--target-precision-ops", "run in the target dtype"), ("--fp32-ops", "run in float32"),
@@ -73,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
 
 #: Options that take a value, to find where the launcher's options end.
 _VALUED = {"-m", "--target-dtype", "--target-precision-ops", "--fp32-ops", "--widest-type-ops",
-           "--conditional-fp32-ops", "--excluded-sym-names"}
+           "--conditional-fp32-ops", "--excluded-sym-names", "--tune-budget"}
 
 
 def split(argv: List[str]) -> Tuple[List[str], Optional[Tuple[str, str, List[str]]]]:
@@ -120,9 +125,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         with warnings.catch_warnings(record=True) as said:
             policy = install_as_contrib_amp(**policy_options(opts))
     except (ValueError, TypeError, RuntimeError) as exc:
-        p.exit(2, f"{PROG}: error: {exc}\n")
-    for w in said:
-        _say(f"{w.category.__name__}: {w.message}")
+        p.exit(2, f"{PROG}: error: {str(exc).replace('tune_budget=', '--tune-budget ')}\n")
+    for w in said:  # the launcher's user turns emulation on with its option, not an argument
+        _say(f"{w.category.__name__}: {w.message}".replace(
+            EMULATE_HINT, EMULATE_HINT.replace("Pass emulate=True", "Add --emulate (before the program)")))
     sys.excepthook = runner.trimming_excepthook(sys.excepthook)
     threads.end_process_on_thread_failure(_say)
     described = policy.describe()

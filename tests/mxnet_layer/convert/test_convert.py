@@ -7,6 +7,7 @@ import numpy as np
 import mxnet as mx
 import pytest
 from mxnet.gluon.model_zoo import vision
+from mxnet.gluon import nn
 
 import gluon_amp
 from gluon_amp.convert import convert_with_policy
@@ -251,6 +252,24 @@ def test_cli_converted_model_predicts_like_fp32(native_host, zoo, tmp_path):
     loaded = _cli_convert(zoo, tmp_path)
     ref = zoo["resnet18_v1"](X).asnumpy()
     _same_class_where_fp32_decides(loaded(X).asnumpy(), ref)
+
+
+def test_cli_speaks_in_its_own_options(tmp_path):
+    """Where bfloat16 has no kernels, ``--target-dtype bfloat16`` advised "Pass emulate=True",
+    and a near miss in ``--exclude`` was named "excluded_sym_names" (a Python argument)."""
+    net = nn.HybridSequential()
+    net.add(nn.Dense(4), nn.Dense(2))
+    net.initialize()
+    net.hybridize()
+    net(mx.nd.ones((1, 3)))
+    net.export(str(tmp_path / "m"), 0)
+    name = net[0].name + "_fw"
+    r = subprocess.run([sys.executable, "-m", "gluon_amp.convert", str(tmp_path / "m"), "0", "--target-dtype",
+                        "bfloat16", "--exclude", name, "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, env=no_bf16_env(), timeout=300)
+    assert r.returncode == 2 and "Add --emulate" in r.stdout and "emulate=True" not in r.stdout, r.stdout
+    assert f"error: --exclude [{name!r}] are not op nodes of this graph; did you mean [{name + 'd'!r}" \
+        in r.stderr and "excluded_sym_names" not in r.stderr, r.stderr
 
 
 def test_cli_auto_without_bf16_kernels_writes_fp32_and_says_why(zoo, tmp_path, no_bf16_why):

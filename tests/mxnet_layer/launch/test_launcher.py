@@ -111,6 +111,26 @@ def test_what_installing_warns_is_the_launchers_own_line(tmp_path):
     assert r.stderr.count(why) == 1, r.stderr
 
 
+def test_a_target_this_cpu_cannot_execute_names_the_launchers_option(tmp_path):
+    """``--target-dtype bfloat16`` where bfloat16 has no kernels (the cap stands in): the warning
+    advised "Pass emulate=True", an argument the launcher's user has no call to pass it to."""
+    r = _launch(tmp_path, "print('@@' + '{}')\n", options=("--no-tune", "--target-dtype", "bfloat16"),
+                env={**_env(), "DNNL_MAX_CPU_ISA": "AVX2"})
+    assert r.returncode == 0 and _json(r) == {}, r.stderr[-2000:]
+    assert "cannot execute here" in r.stderr and "Add --emulate (before the program)" in r.stderr, r.stderr
+    assert "emulate=True" not in r.stderr
+
+
+def test_the_tuning_budget_is_an_option_as_it_is_an_argument_of_init(tmp_path):
+    """``--help`` gives init's options; ``tune_budget`` was not among them."""
+    script = "import json, gluon_amp\nprint('@@' + json.dumps(gluon_amp.runtime_info()['tune']['budget']))\n"
+    env = {**_env(), "GLUON_AMP_SIMULATE_NATIVE_BF16": "1", "GLUON_AMP_TUNE": "1"}
+    r = _launch(tmp_path, script, options=("--tune-budget", "3%,20"), env=env)
+    assert r.returncode == 0 and _json(r) == "3% of the training time so far, at most 20 s per process", r.stderr
+    r = _launch(tmp_path, script, options=("--tune-budget", "soon"), env=env)
+    assert r.returncode == 2 and "error: --tune-budget 'soon': cannot read 'soon'" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("where", ["worker", "main"])
 def test_a_failure_in_any_thread_ends_the_process(tmp_path, where):
     """GluonCV's Parallel: a worker dies and the main thread waits on its queue forever; or the
