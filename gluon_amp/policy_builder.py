@@ -100,6 +100,22 @@ def tune_budget_default() -> TuneBudget:
     return parse_budget(text or None, f"${TUNE_BUDGET_ENV}")
 
 
+#: The keyword options of a policy (``make_policy``'s beyond ``target_dtype``).
+POLICY_OPTIONS = ("target_precision_ops", "conditional_fp32_ops", "fp32_ops", "widest_type_ops",
+                  "keep_batchnorm_fp32", "emulate", "excluded_sym_names", "tune", "tune_budget")
+
+
+def check_options(caller: str, options: Any) -> None:
+    """``TypeError`` naming ``caller`` (``init``, ``autocast``) for a keyword ``options`` has
+    that no policy takes: Python's own named ``make_policy``, which the caller never called."""
+    unknown = [k for k in options if k not in POLICY_OPTIONS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], POLICY_OPTIONS, n=1)
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}"
+                        + (f" (did you mean {close[0]!r}?)" if close else "")
+                        + f"; its options are {', '.join(POLICY_OPTIONS)}.")
+
+
 #: The settings a policy built to follow the one in force inherits where not given.
 _INHERITED = ("target_precision_ops", "fp32_ops", "conditional_fp32_ops", "widest_type_ops",
               "keep_batchnorm_fp32", "emulate", "tune")

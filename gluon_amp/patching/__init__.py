@@ -20,7 +20,7 @@ from gluon_amp_core.table import ConditionalSpec
 
 from .. import emulation_kernel, execution, mxnet_internals as mxi, plan_notes, runtime, state
 from ..gc_pause import while_gc_paused
-from ..policy_builder import as_policy
+from ..policy_builder import as_policy, check_options
 from ..tuning.schedule import Tuner
 from . import low_cast, outputs
 from .hooks import graph_rewriter, holds_amp_plan
@@ -152,6 +152,7 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
         raises ``RuntimeError``.
     """
     global _init_region
+    check_options("init", options)
     with state.lock:
         given = (target_dtype, target_precision_ops, conditional_fp32_ops, fp32_ops, *options.values())
         if state.process.policy is not None and all(v is None for v in given):
@@ -579,6 +580,7 @@ class autocast(contextlib.ContextDecorator):
     def __init__(self, target_dtype: Any = None, enabled: bool = True, **kwargs: Any) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"autocast(enabled=...) takes True or False, got {enabled!r}")
+        check_options("autocast", kwargs)
         self._target, self._enabled, self._kwargs = target_dtype, enabled, kwargs
         self._frame: Optional[state.Frame] = None
 

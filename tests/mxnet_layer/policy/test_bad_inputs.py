@@ -153,3 +153,13 @@ def test_float64_or_int_input_under_emulation_runs_or_fails_as_plain_mxnet(dtype
     else:
         got = gluon_amp.convert_hybrid_block(emb, "bfloat16", emulate=True)(idx).asnumpy()
     assert got.shape == want.shape and abs(got - want).max() < 0.05 * (abs(want).max() + 1)
+
+
+@pytest.mark.parametrize("call", ["init", "autocast"])
+def test_an_unknown_option_names_the_function_called_and_the_options(call):
+    """``init(emulat=True)`` said "make_policy() got an unexpected keyword argument": a function
+    the caller never called, and no list of what it takes."""
+    with pytest.raises(TypeError, match=rf"^{call}\(\) got an unexpected keyword argument 'emulat' "
+                                        r"\(did you mean 'emulate'\?\); its options are .*tune_budget"):
+        getattr(gluon_amp, call)("bfloat16", emulat=True)
+    assert not gluon_amp.is_enabled()
