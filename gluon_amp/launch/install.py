@@ -88,8 +88,8 @@ def install_as_contrib_amp(target_dtype: Any = None, *,
     """Turn AMP on for the process and make gluon_amp answer imports of the peer.
 
     What ``python -m gluon_amp.run`` does before it runs a program, as one call. From now on
-    the peer's import forms (``from <PEER's package> import amp``, ``from <PEER> import amp``,
-    ``import <PEER>.lists``) give gluon_amp's modules, whose functions (``init``,
+    the peer's import forms (``from mxnet.contrib import amp``, ``from mxnet.contrib.amp import amp``,
+    ``import mxnet.contrib.amp.lists``) give gluon_amp's modules, whose functions (``init``,
     ``init_trainer``, ``scale_loss``, ``unscale``, ``convert_*``, ``list_*``) are gluon_amp's own
     and whose ``amp._amp_initialized`` is True while gluon_amp runs ops in low precision. The
     policy built from the arguments (as :func:`gluon_amp.init` takes them) is turned on now and

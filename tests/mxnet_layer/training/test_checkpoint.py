@@ -219,7 +219,7 @@ def test_old_files_are_refused_unless_trusted_and_can_be_upgraded(tmp_path):
     r = subprocess.run([sys.executable, "-m", "gluon_amp.training.checkpoint", "upgrade", str(old), str(new)],
                        capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": ROOT})
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and "Warning" not in r.stderr, r.stderr  # runpy's, once: the module ran twice
     upgraded = _trainer()
     gluon_amp.load_states(upgraded, str(new))
     want = {k: v[0].asnumpy() if isinstance(v, tuple) else v.asnumpy()

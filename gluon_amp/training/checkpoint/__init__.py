@@ -38,8 +38,8 @@ import numpy as np
 from gluon_amp_core.dtypes import dtype_name
 from gluon_amp_core.durable import fsync_path
 
-from .. import mxnet_internals as mxi
-from .master_weights import MasterState
+from ... import mxnet_internals as mxi
+from ..master_weights import MasterState
 
 FORMAT = "gluon_amp.checkpoint"
 VERSION = 2
@@ -86,7 +86,7 @@ def _decode(x: Any, arrays: Dict[str, np.ndarray], ctx: mx.Context) -> Any:
         dtype = x["dtype"]
         if dtype == "float32":
             return arr
-        from ..mxnet_internals import to_mx_dtype
+        from ...mxnet_internals import to_mx_dtype
         return mx.nd.amp_cast(arr, dtype=to_mx_dtype(dtype)) if dtype in ("bfloat16", "float16") else \
             mx.nd.array(arrays[x["key"]], ctx=ctx, dtype=dtype)
     if kind == "master":
@@ -628,6 +628,3 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"upgraded {args[1]} -> {args[2]}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
