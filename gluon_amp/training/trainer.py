@@ -15,7 +15,6 @@ import contextlib
 import math
 import numbers
 import os
-import pickle
 import tempfile
 import warnings
 import weakref
@@ -687,21 +686,20 @@ def load_states(trainer: Trainer, fname: str, *, trusted: bool = False) -> None:
         raise TypeError(f"trusted must be True or False, got {trusted!r}")
     fname = checkpoint.checked_path(fname, "load_states")
     if trusted and os.path.isfile(fname) and not zipfile.is_zipfile(fname):
-        scaler_state, _, _ = checkpoint.read_old(fname)
-        checkpoint.checked_scaler_state(hook.scaler, scaler_state, fname)
-        with open(fname, "rb") as f:
-            blob = pickle.load(f)["trainer"]  # noqa: S301 - the caller trusts this file
         with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "trainer.states")
-            with open(path, "wb") as f:
-                f.write(blob)
-            trainer.load_states(path)
-        hook.scaler.load_state_dict(scaler_state)
+            # read once, trusted, as the upgrade command reads it; then checked as any current file
+            upgraded = os.path.join(tmp, "upgraded.states")
+            checkpoint.upgrade(fname, upgraded)
+            _load_checked(trainer, hook, checkpoint.read(upgraded), fname)
         return
-    # All or nothing: everything is read and checked first (the file, the scaler's values,
-    # the state tree against this trainer's parameters, the optimizer and the mode); then
-    # the optimizer, the updaters' states and the scaler change, undone if that is interrupted.
-    ck = checkpoint.read(fname)
+    _load_checked(trainer, hook, checkpoint.read(fname), fname)
+
+
+def _load_checked(trainer: Trainer, hook: _Hook, ck: Any, fname: str) -> None:
+    """Load ``ck`` (read from ``fname``) into ``trainer`` and its scaler, all or nothing:
+    everything is checked first (the scaler's values, the state tree against this trainer's
+    parameters, the optimizer and the mode); then the optimizer, the updaters' states and the
+    scaler change, undone if that is interrupted."""
     _check_mode(trainer, ck.meta.get("mode") or {}, fname)
     scaler = checkpoint.checked_scaler_state(hook.scaler, ck.meta["scaler"], fname)
     moved = checkpoint.check_params(ck, fname, mxi.param_specs(trainer), build_order=True)

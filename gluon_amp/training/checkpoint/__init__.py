@@ -573,34 +573,53 @@ class _NoGlobals(pickle.Unpickler):
 
 def _not_ours(path: str) -> str:
     """Why a non-zip file is refused, read without running anything from it."""
+    old, why = _peek(path)
+    if old is not None:
+        return (f"{path!r} was written by an older gluon_amp as a pickle, which can run code when loaded. "
+                "If you trust it, load it with gluon_amp.load_states(trainer, fname, trusted=True), or "
+                "convert it once: python -m gluon_amp.training.checkpoint upgrade OLD NEW.")
+    return why
+
+
+def _peek(path: str) -> Tuple[Optional[Dict[str, Any]], str]:
+    """The outer dictionary of an old (pickle) checkpoint, read without running anything (it
+    holds plain values; MXNet's optimizer blob inside stays bytes), or None and why not."""
     with open(path, "rb") as f:
         head = f.read(2)
     if head[:1] != b"\x80":
-        return f"{path!r} is not a gluon_amp.save_states file"
+        return None, f"{path!r} is not a gluon_amp.save_states file"
     try:
         with open(path, "rb") as f:
             old = _NoGlobals(f).load()
     except CheckpointError as exc:
-        return (f"{path!r} is not a gluon_amp checkpoint: its pickle names a class ({exc}). A plain "
-                "Trainer.save_states file loads with trainer.load_states(fname); like any pickle, only "
-                "load files you trust.")
-    except Exception as exc:  # a truncated or corrupt pickle
-        return f"{path!r} is not a gluon_amp.save_states file ({exc})"
+        return None, (f"{path!r} is not a gluon_amp checkpoint: its pickle names a class ({exc}). A plain "
+                      "Trainer.save_states file loads with trainer.load_states(fname); like any pickle, only "
+                      "load files you trust.")
+    except Exception as exc:  # noqa: BLE001  a truncated or corrupt pickle
+        return None, f"{path!r} is not a gluon_amp.save_states file ({exc})"
     if isinstance(old, dict) and old.get("format") == OLD_FORMAT:
-        return (f"{path!r} was written by an older gluon_amp as a pickle, which can run code when loaded. "
-                "If you trust it, load it with gluon_amp.load_states(trainer, fname, trusted=True), or "
-                "convert it once: python -m gluon_amp.training.checkpoint upgrade OLD NEW.")
-    return f"{path!r} is not a gluon_amp.save_states file"
+        return old, ""
+    return None, f"{path!r} is not a gluon_amp.save_states file"
 
 
 def read_old(path: str) -> Tuple[Dict[str, Any], Dict[Any, Any], Any]:
     """``(scaler state, optimizer states, optimizer)`` of an old pickle checkpoint. Runs
     pickle: only for files the caller trusts."""
-    with open(path, "rb") as f:
-        old = pickle.load(f)  # noqa: S301 - trusted by the caller, see load_states(trusted=True)
-    if not isinstance(old, dict) or old.get("format") != OLD_FORMAT:
-        raise CheckpointError(f"{path!r} is not an old gluon_amp.save_states file")
-    states = pickle.loads(old["trainer"])  # noqa: S301 - MXNet's own Updater.get_states blob
+    if zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path!r} is a checkpoint in the current format already: load it with "
+                              "gluon_amp.load_states(trainer, fname), without trusted=True; there is nothing "
+                              "to upgrade")
+    old, why = _peek(path)  # the outer dictionary: plain values, read without running anything
+    if old is None:
+        raise CheckpointError(why)
+    if not isinstance(old.get("trainer"), bytes) or not isinstance(old.get("scaler"), dict):
+        raise CheckpointError(f"{path!r} is an old gluon_amp checkpoint without its trainer or scaler part; "
+                              "the file is damaged")
+    try:
+        states = pickle.loads(old["trainer"])  # noqa: S301 - MXNet's own Updater.get_states blob, trusted
+    except Exception as exc:  # noqa: BLE001  what a damaged blob raises, whichever
+        raise CheckpointError(f"{path!r}: the optimizer states inside cannot be read ({type(exc).__name__}: "
+                              f"{exc}); the file is damaged") from exc
     states, opt = states if isinstance(states, tuple) and len(states) == 2 else (states, None)
     return old["scaler"], states, opt
 

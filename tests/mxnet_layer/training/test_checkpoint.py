@@ -205,6 +205,30 @@ def _old_file(trainer, path):
                      "scaler": gluon_amp.get_scaler(trainer).state_dict()}, f)
 
 
+def test_a_trusted_old_file_gets_every_check_a_current_file_gets(tmp_path):
+    """``trusted=True`` handed the pickle to MXNet's ``trainer.load_states``: an SGD file made an
+    Adam trainer SGD, another model's states loaded and failed at the next step; and files that
+    are no old checkpoint gave raw pickle errors, not the ``ValueError`` the API names."""
+    net, tr = _setup("sgd", 1)
+    _fit(net, tr, 2)
+    old = tmp_path / "old.states"
+    _old_file(tr, old)
+    adam = _setup("adam", 1)[1]
+    with pytest.raises(checkpoint.CheckpointError, match="saved with optimizer 'SGD', this trainer has 'Adam'"):
+        gluon_amp.load_states(adam, str(old), trusted=True)
+    assert type(adam._optimizer).__name__ == "Adam"
+    current = tmp_path / "current.states"
+    gluon_amp.save_states(tr, str(current))
+    for path, match in ((current, "current format already.*without trusted=True"),
+                        (tmp_path / "junk", "not a gluon_amp.save_states file")):
+        if path.name == "junk":
+            path.write_bytes(b"\x80\x04junk")
+        with pytest.raises(checkpoint.CheckpointError, match=match):
+            checkpoint.upgrade(str(path), str(tmp_path / "new.states"))
+    with pytest.raises(ValueError, match="not a gluon_amp.save_states file"):
+        gluon_amp.load_states(_trainer(), str(tmp_path / "junk"), trusted=True)
+
+
 def test_old_files_are_refused_unless_trusted_and_can_be_upgraded(tmp_path):
     net, tr = _setup("sgd", 1)
     _fit(net, tr, 3)
