@@ -19,6 +19,7 @@ global at all, so a ``__reduce__`` payload is refused before it runs.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -28,6 +29,7 @@ import socket
 import struct
 import sys
 import tempfile
+import time
 import zipfile
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -36,7 +38,7 @@ import mxnet as mx
 import numpy as np
 
 from gluon_amp_core.dtypes import dtype_name
-from gluon_amp_core.durable import fsync_path
+from gluon_amp_core.durable import fsync_path, held_by_another, hold_exclusive, replacement_mode
 
 from ... import mxnet_internals as mxi
 from ..master_weights import MasterState
@@ -193,10 +195,21 @@ def restore_optimizer(opt: Any, checked: Dict[str, Any]) -> None:
 #: a save's temporary file: ``.gluon_amp-<host>-<pid>-<random>.tmp`` beside the checkpoint
 _TMP_PREFIX = ".gluon_amp-"
 _TMP_SUFFIX = ".tmp"
+#: a temporary file left this long without a write is a dead save's, whoever wrote it
+_STALE_AFTER_S = 24 * 3600.0
 
 
 def _host() -> str:
-    return "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:40] or "host"
+    """This machine and PID namespace, as a file name part. Two containers with one hostname
+    (or names alike in their first characters) saving to a shared folder get tags of their
+    own: a pid is looked up only where it means something."""
+    name = socket.gethostname()
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    digest = hashlib.sha1(f"{name}\0{namespace}".encode()).hexdigest()[:10]
+    return ("".join(c if c.isalnum() else "_" for c in name)[:24] or "host") + "_" + digest
 
 
 def _pid_alive(pid: int) -> bool:
@@ -210,24 +223,31 @@ def _pid_alive(pid: int) -> bool:
 
 
 def clean_stale_temporaries(directory: str) -> List[str]:
-    """Remove the temporary files of saves on this host whose writer is dead (killed mid-save);
-    return their names. A live writer's file and other hosts' (a shared disk) are left."""
+    """Remove the temporary files of dead saves (killed mid-save); return their names. Dead:
+    written here (this host and PID namespace) by a pid that is gone, or untouched for
+    :data:`_STALE_AFTER_S` whoever wrote it. A file its writer still holds locked is left."""
     removed = []
     host = _host()
     try:
         names = os.listdir(directory)
     except OSError:
         return removed
+    now = time.time()
     for name in names:
         if not (name.startswith(_TMP_PREFIX) and name.endswith(_TMP_SUFFIX)):
             continue
+        full = os.path.join(directory, name)
         parts = name[len(_TMP_PREFIX):-len(_TMP_SUFFIX)].rsplit("-", 2)
-        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
+        mine = len(parts) == 3 and parts[0] == host and parts[1].isdigit()
+        dead = mine and int(parts[1]) != os.getpid() and not _pid_alive(int(parts[1]))
+        try:
+            old = now - os.stat(full).st_mtime > _STALE_AFTER_S
+        except OSError:
             continue
-        if int(parts[1]) == os.getpid() or _pid_alive(int(parts[1])):
+        if not (dead or old) or held_by_another(full):
             continue
         try:
-            os.unlink(os.path.join(directory, name))
+            os.unlink(full)
             removed.append(name)
         except OSError:
             pass
@@ -263,10 +283,21 @@ def write(path: str, meta: Dict[str, Any], states: Dict[Any, Any], opt: Any,
         doc["optimizer"]["arrays"] = enc.encode(held)
     if params is not None:
         doc["params"] = [[n, list(shape), d] for n, shape, d in params]
-    directory = os.path.dirname(os.path.abspath(path))
+    target = os.path.realpath(path)  # a link is written through, as MXNet's own saves do
+    directory = os.path.dirname(target)
     clean_stale_temporaries(directory)
-    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{_host()}-{os.getpid()}-", suffix=_TMP_SUFFIX, dir=directory)
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{_host()}-{os.getpid()}-", suffix=_TMP_SUFFIX,
+                                   dir=directory)
+    except OSError as exc:  # the user's path, not the name of a file they never asked for
+        raise type(exc)(exc.errno, f"save_states: cannot write a file in {directory!r} for {path!r}: "
+                                   f"{exc.strerror}") from exc
+    try:
+        hold_exclusive(fd)  # while it is written: another process's cleaning leaves it
+        try:
+            os.chmod(tmp, replacement_mode(target))  # mkstemp's 0600 would lock out its readers
+        except OSError:  # a file system without modes
+            pass
         with os.fdopen(fd, "wb") as f:
             with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as z:
                 z.writestr("meta.json", json.dumps(doc))
@@ -276,7 +307,7 @@ def write(path: str, meta: Dict[str, Any], states: Dict[Any, Any], opt: Any,
                     z.writestr(f"arrays/{key}.npy", buf.getvalue())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
         fsync_path(directory)
     except BaseException:
         if os.path.exists(tmp):

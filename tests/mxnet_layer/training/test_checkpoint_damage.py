@@ -291,3 +291,52 @@ def test_a_live_writers_temporary_file_is_left_alone(tmp_path):
     for p in (mine, parent, other_host):
         p.write_bytes(b"x")
     assert checkpoint.clean_stale_temporaries(str(tmp_path)) == []
+
+
+def test_a_temporary_file_its_writer_holds_is_left_whoever_wrote_it_and_a_day_old_one_goes(tmp_path):
+    """Two containers with one hostname (or names alike in their first 40 characters) saving to
+    a shared folder: the one cleaning looked up the other's pid in its own PID namespace, found
+    none, and deleted the live writer's file; its save then failed with FileNotFoundError."""
+    dead_pid = 2 ** 22 + 12345  # above any pid_max: no process has it
+    held = tmp_path / f".gluon_amp-{checkpoint._host()}-{dead_pid}-held.tmp"
+    held.write_bytes(b"x")
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
+                               "f = open(sys.argv[1], 'rb'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+                               "print('held', flush=True); time.sleep(120)", str(held)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert checkpoint.clean_stale_temporaries(str(tmp_path)) == []  # its pid looks dead: the lock says no
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    elsewhere = tmp_path / ".gluon_amp-elsewhere_0123456789-1-abc.tmp"
+    elsewhere.write_bytes(b"x")
+    day_ago = time.time() - checkpoint._STALE_AFTER_S - 60
+    os.utime(elsewhere, (day_ago, day_ago))
+    assert sorted(checkpoint.clean_stale_temporaries(str(tmp_path))) == sorted([held.name, elsewhere.name])
+
+
+def test_a_save_writes_through_a_link_and_keeps_the_files_mode(tmp_path):
+    """``save_states`` replaced the user's ``latest.states`` link by a file (its target kept the
+    old bytes), and gave every checkpoint mkstemp's 0600: a serving job of another user lost it."""
+    net, trainer = _setup()
+    _step(net, trainer, 1)
+    run = tmp_path / "run3"
+    run.mkdir()
+    target = run / "trainer.states"
+    gluon_amp.save_states(trainer, str(target))
+    os.chmod(target, 0o644)
+    before = target.read_bytes()
+    link = tmp_path / "latest.states"
+    link.symlink_to(target)
+    _step(net, trainer, 1)
+    gluon_amp.save_states(trainer, str(link))
+    assert link.is_symlink() and target.read_bytes() != before
+    assert os.stat(target).st_mode & 0o777 == 0o644
+    mask = os.umask(0o027)
+    try:
+        gluon_amp.save_states(trainer, str(tmp_path / "new.states"))
+    finally:
+        os.umask(mask)
+    assert os.stat(tmp_path / "new.states").st_mode & 0o777 == 0o640
