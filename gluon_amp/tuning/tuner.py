@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -524,7 +525,8 @@ class Job:
     def _known_times(self, items: Sequence[Timed]) -> Tuple[Dict[str, Optional[float]], List[Timed]]:
         """The times of ``items`` held by the cache, and the items still to measure."""
         stored = self.cache.load().entries
-        times = {t.key: stored[self._prefix + t.key] for t in items if self._prefix + t.key in stored}
+        times = {t.key: stored[self._prefix + t.key] for t in items
+                 if _usable_time(stored.get(self._prefix + t.key, _MISSING))}  # a damaged figure: timed again
         self.tuning.cached += len(times)
         todo = [t for t in items if t.key not in times]
         return times, sorted(todo, key=_work)  # small first: the first estimates are guesses
@@ -681,6 +683,17 @@ class Job:
 def graph_key(target: Target) -> str:
     """The shape-free key of a target's outcome."""
     return signature(target.graph, dict(target.known), target.train, target.fused)
+
+
+_MISSING = object()
+
+
+def _usable_time(value: Any) -> bool:
+    """Whether a per-op figure read from the cache can stand: milliseconds (a finite number,
+    not negative), or None for an op whose timing failed."""
+    if value is None:
+        return True
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def _work(t: Timed) -> int:

@@ -78,6 +78,37 @@ def test_tune_keeps_an_op_recorded_slower_in_float32_and_the_report_names_it(mon
         assert np.abs(block(x).asnumpy() - ref).max() < 5e-2
 
 
+@pytest.mark.parametrize("damage", ["abc", [1.0], {"a": 1}, True, -1.0])
+def test_a_damaged_per_op_figure_in_the_cache_is_timed_again(monkeypatch, damage):
+    """One per-op figure of another type in the timing cache ("abc") ended a training step with
+    Python's "unsupported operand type(s) for +" from the tuner's graph estimate."""
+    timed = []
+    recorded = _recorded_times(409.0, 205.0)
+    monkeypatch.setattr(tuner, "time_one", lambda t, timer: timed.append(t.key) or recorded(t, timer))
+    _check(monkeypatch)
+    monkeypatch.setattr(tuner, "time_graph", lambda *a, **k: 700.0)
+    net = make_net()
+    shapes = {"data": (2, 4, 8, 8)}
+    net(mx.nd.ones(shapes["data"]))
+    first = gluon_amp.report(gluon_amp.convert_hybrid_block(net, "bfloat16", fuse=False, tune=True,
+                                                            input_shapes=shapes))
+    cache = runtime.timing_cache()
+    entries = cache.load().entries
+    ops = [k for k in entries if k.startswith("op/")]
+    assert ops and len(timed) == len(ops)
+    with open(cache.path) as f:
+        doc = json.load(f)
+    with open(cache.path, "w") as f:  # as a damaged file holds them: only the per-op figures
+        json.dump({**doc, "entries": {
+            **{k: v for k, v in entries.items() if k.startswith("probe/")},
+            **{k: damage for k in ops}}}, f)
+    timed.clear()
+    again = gluon_amp.report(gluon_amp.convert_hybrid_block(net, "bfloat16", fuse=False, tune=True,
+                                                            input_shapes=shapes))
+    assert len(timed) == len(ops)  # every damaged figure timed again, none read
+    assert [(r.name, r.dtype) for r in again.rows] == [(r.name, r.dtype) for r in first.rows]
+
+
 def test_a_change_the_whole_graph_does_not_confirm_is_not_kept(monkeypatch):
     monkeypatch.setattr(tuner, "time_one", _recorded_times(409.0, 205.0))
     _check(monkeypatch)
