@@ -24,6 +24,7 @@ from gluon_amp_core.dtypes import LOW_PRECISION_DTYPES, parse_target_dtype
 from gluon_amp_core.speed.probe import OpTiming, SpeedVerdict, timings_to_records
 from gluon_amp_core.timing_cache import TimingCache
 from gluon_amp_core.threads import ThreadUse, thread_use as threads_for
+from gluon_amp_core.switches import switched_on
 
 from . import state
 
@@ -66,14 +67,20 @@ def enable_amx() -> bool:
 
     Never raises: on any other CPU or OS, or if the user already chose
     ``DNNL_MAX_CPU_ISA``, it leaves things as they are and returns False.
-    Set ``GLUON_AMP_DISABLE_AMX=1`` to skip it.
+    Set ``GLUON_AMP_DISABLE_AMX=1`` (or ``true``, ``yes``, ``on``) to skip it; a value that is
+    neither on nor off is warned about, and skips it.
     """
     if _state["amx_permission"] is not None:
         return bool(_state["amx_permission"])
     _state["mxnet_first"] = "mxnet" in sys.modules  # it may have run oneDNN before this: settle_isa checks
     ok = False
     try:
-        if (os.environ.get("GLUON_AMP_DISABLE_AMX") != "1" and platform.system() == "Linux"
+        disabled = switched_on(os.environ, "GLUON_AMP_DISABLE_AMX")
+    except ValueError as exc:  # at import: said, and the safe side taken
+        warnings.warn(f"gluon_amp: {exc} AMX is left off meanwhile.", RuntimeWarning, stacklevel=2)
+        disabled = True
+    try:
+        if (not disabled and platform.system() == "Linux"
                 and platform.machine() in ("x86_64", "AMD64")
                 and {"amx_bf16", "amx_tile"} <= cpu_flags()):
             ok = _request_amx_permission()
