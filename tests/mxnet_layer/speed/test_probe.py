@@ -204,3 +204,18 @@ def test_the_cache_key_changes_with_gluon_amps_code(tmp_path, monkeypatch):
         monkeypatch.undo()
         probe.code_digest.cache_clear()
     assert probe.code_digest() == key["gluon_amp"]
+
+
+def test_a_simulated_host_whose_cache_folder_cannot_be_written_reads_its_planted_figures(tmp_path):
+    """``XDG_CACHE_HOME`` naming a file: the simulated host's ``init`` ended in a raw
+    ``NotADirectoryError`` (a real host's probe measures and goes on)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    env = {**os.environ, "XDG_CACHE_HOME": str(blocker), "GLUON_AMP_SIMULATE_NATIVE_BF16": "1",
+           "PYTHONPATH": ROOT}
+    code = ("import json, warnings; warnings.simplefilter('ignore'); import gluon_amp\n"
+            "p = gluon_amp.init(target_dtype='bfloat16')\n"
+            "print(json.dumps([p.enabled, gluon_amp.runtime.speed('bfloat16', False).timings[0].low_ms]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.splitlines()[-1]) == [True, runtime.SIMULATED_PROBE[0].low_ms]
