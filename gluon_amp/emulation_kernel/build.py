@@ -158,6 +158,8 @@ def ensure(facts: Mapping[str, Any], env: Mapping[str, str], log: Any = None) ->
         error = _compile(lambda out: command(cxx, facts, out, cxx11_abi), folder, library)
         if error is None:
             error = _check(library, env)
+        if error is not None and _transient(error):  # a full disk, a timeout: the next process tries again
+            return Build(None, f"{error} (not recorded: the next process builds again)")
         try:
             doc = {"key": key, "error": error, **({} if error else {"library": _fingerprint(library)})}
             _write_json(os.path.join(folder, "failed.json" if error else "ok.json"), doc)
@@ -180,21 +182,26 @@ def _outcome(folder: str, key: Mapping[str, Any], library: str) -> Optional[Buil
             return Build(library, f"cached in {folder}")
         if not ok:
             return Build(None, f"{doc.get('error')} (recorded in {folder}; a new compiler, MXNet or "
-                               "gluon-amp builds again)")
+                               "gluon-amp builds again, and so does deleting that folder)")
     return None
 
 
 def _compile(command_for: Callable[[str], List[str]], folder: str, library: str) -> Optional[str]:
     """Run the compiler into a temporary file and move the result into place; the error, if any."""
-    fd, tmp = tempfile.mkstemp(prefix=".rounding-", suffix=".so", dir=folder)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".rounding-", suffix=".so", dir=folder)
+    except OSError as exc:  # e.g. a full disk
+        return f"the compiler did not run: cannot create its output file in {folder}: {exc}"
     os.close(fd)
     cmd = command_for(tmp)
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT)
         if r.returncode != 0:
-            lines = [ln for ln in r.stderr.splitlines() if "error" in ln] or r.stderr.splitlines()
-            return (f"the compiler failed (exit status {r.returncode}): {' '.join(lines[:3])[:600]}; "
-                    f"command: {shlex.join(cmd)}")
+            said = [ln.strip() for ln in r.stderr.splitlines() if ln.strip()]
+            lines = [ln for ln in said if "error" in ln.lower() or _FULL in ln] or said
+            return (f"the compiler failed (exit status {r.returncode}): {' '.join(lines[:3])[:600]}"
+                    + (f" ({_FULL})" if any(_FULL in ln for ln in said) and _FULL not in ' '.join(lines[:3]) else "")
+                    + f"; command: {shlex.join(cmd)}")
         fsync_path(tmp)
         os.replace(tmp, library)
         fsync_path(folder)
@@ -204,6 +211,16 @@ def _compile(command_for: Callable[[str], List[str]], folder: str, library: str)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+#: what a full disk makes the compiler, the linker or the system say
+_FULL = "No space left on device"
+
+
+def _transient(error: str) -> bool:
+    """Whether a build failed for a reason of the moment (a full disk, a timeout on a loaded
+    machine, a compiler that could not start), not for the compiler and MXNet at hand."""
+    return _FULL in error or "timed out" in error or "did not run" in error or "did not finish" in error
 
 
 def _check(library: str, env: Mapping[str, str]) -> Optional[str]:

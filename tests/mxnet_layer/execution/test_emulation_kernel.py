@@ -15,16 +15,17 @@ from gluon_amp import emulation_kernel, mxnet_internals as mxi
 from gluon_amp.emulation_kernel import build
 
 
-def _compiler(tmp_path, name, version="1.0", sleep=0.0):
+def _compiler(tmp_path, name, version="1.0", sleep=0.0, said="rounding.cc:1: error: planted failure"):
     """A stand-in C++ compiler: logs each call to ``<name>.log``, answers ``--version``, and
-    fails every build with a planted error (after ``sleep`` seconds)."""
+    fails every build with a planted error (after ``sleep`` seconds), saying ``said``."""
     log = tmp_path / f"{name}.log"
     script = tmp_path / name
+    lines = "\n".join(f'echo "{line}" >&2' for line in said.splitlines())
     script.write_text(f"""#!/bin/sh
 if [ "$1" = "--version" ]; then echo "{name} {version}"; exit 0; fi
 echo build >> "{log}"
 sleep {sleep}
-echo "rounding.cc:1: error: planted failure" >&2
+{lines}
 exit 1
 """)
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
@@ -50,6 +51,19 @@ def test_a_failed_build_is_recorded_with_its_error_and_not_retried(tmp_path):
     recorded = [json.loads(p.read_text()) for p in (tmp_path / "cache").rglob("failed.json")]
     assert len(recorded) == 1 and recorded[0]["key"]["compiler"] == "fakecc 1.0"
     assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-written is left
+
+
+def test_a_build_that_failed_on_a_full_disk_says_so_and_is_tried_again(tmp_path):
+    """A full disk during the link was recorded as the compiler's failure for good ("collect2:
+    error: ld returned 1"): the cause hidden, and a slower fallback from then on."""
+    cxx, log = _compiler(tmp_path, "fullcc", said="/usr/bin/ld: final link failed: No space left on device\n"
+                                                  "collect2: error: ld returned 1 exit status")
+    facts = mxi.mxnet_build_facts()
+    first = build.ensure(facts, _env(tmp_path, cxx))
+    assert first.library is None and "No space left on device" in first.why and "not recorded" in first.why
+    assert not list((tmp_path / "cache").rglob("failed.json"))
+    build.ensure(facts, _env(tmp_path, cxx))
+    assert _calls(log) == 2  # tried again
 
 
 def test_processes_started_together_build_once(tmp_path):
