@@ -386,9 +386,12 @@ class LossScaler:
         if missing or set(state) - expected:
             raise ValueError(f"not a LossScaler state_dict: missing {sorted(missing)}, "
                              f"unexpected {sorted(set(state) - expected)}")
-        for key in ("dynamic", "enabled", "last_skipped"):
-            if not isinstance(state[key], bool):
-                raise ValueError(f"LossScaler state: {key!r} must be True or False, got {state[key]!r}")
+        flags = {key: _as_bool(state[key]) for key in ("dynamic", "enabled", "last_skipped")}
+        for key, flag in flags.items():
+            if flag is None:
+                raise ValueError(f"LossScaler state: {key!r} must be True or False, got {state[key]!r} "
+                                 f"({type(state[key]).__name__})")
+        state = {**state, **flags}  # a NumPy bool (a state that went through NumPy) as Python's
         counts = {}
         for key in ("growth_tracker", "consecutive_skips", "total_steps", "skipped_steps"):
             v = state[key]
@@ -449,6 +452,17 @@ def _all_ready(stages: "weakref.WeakKeyDictionary[Any, Stage]") -> "weakref.Weak
 
 #: the empty mapping of abandoned members a round starts with (never changed in place)
 _EMPTY: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
+def _as_bool(value: Any) -> Optional[bool]:
+    """``value`` as a Python bool where it is one, or NumPy's (``numpy.bool_``); else None."""
+    if isinstance(value, bool):
+        return value
+    item = getattr(value, "item", None)
+    if callable(item) and type(value).__name__ in ("bool_", "bool8"):
+        flag = item()
+        return flag if isinstance(flag, bool) else None
+    return None
 
 
 def loss_scaler_from(spec: Any) -> LossScaler:

@@ -344,3 +344,17 @@ def test_rounds_agree_with_the_plain_rules_over_random_runs(seed):
         assert [scaler.steps_of(x) for x in members] == [ref.steps[x] for x in members]
         assert scaler._round_finite == ref.finite and scaler._round_scaled == ref.scaled
         assert set(scaler._abandoned) == ref.abandoned
+
+
+def test_a_state_that_went_through_numpy_loads_and_a_bad_flag_names_its_type():
+    """A state_dict whose flags became ``numpy.bool_`` was refused with "'dynamic' must be True
+    or False, got True": the value shown looked right."""
+    import numpy as np
+    scaler = LossScaler(init_scale=1024.0)
+    state = scaler.state_dict()
+    through = {k: np.bool_(v) if isinstance(v, bool) else v for k, v in state.items()}
+    other = LossScaler()
+    other.load_state_dict(through)
+    assert other.state_dict() == state and type(other.state_dict()["dynamic"]) is bool
+    with pytest.raises(ValueError, match=r"'enabled' must be True or False, got 1 \(int\)"):
+        other.load_state_dict({**state, "enabled": 1})
