@@ -25,9 +25,21 @@ FORMAT = 2
 
 
 def cache_dir(env: Mapping[str, str]) -> str:
-    """``$XDG_CACHE_HOME/gluon-amp``, or ``~/.cache/gluon-amp`` (XDG's default)."""
-    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    """``$XDG_CACHE_HOME/gluon-amp``, or ``~/.cache/gluon-amp`` (XDG's default). A relative
+    ``$XDG_CACHE_HOME`` is ignored, as the XDG spec says; with no home to expand ``~`` to (no
+    ``$HOME``, no passwd entry), a folder of this user's in the temporary directory, not a
+    ``~`` folder in the working directory."""
+    base = env.get("XDG_CACHE_HOME") or ""
+    if not os.path.isabs(base):
+        home = os.path.expanduser("~")
+        base = os.path.join(home, ".cache") if os.path.isabs(home) else os.path.join(
+            tempfile.gettempdir(), f"gluon-amp-cache-{_user_id()}")
     return os.path.join(base, "gluon-amp")
+
+
+def _user_id() -> str:
+    getuid = getattr(os, "getuid", None)
+    return str(getuid()) if getuid is not None else "user"
 
 
 def key_digest(key: Mapping[str, Any]) -> str:

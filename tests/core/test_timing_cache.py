@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 from gluon_amp_core.timing_cache import FORMAT, TimingCache, cache_dir
 
@@ -98,3 +99,16 @@ def test_a_lock_that_must_not_wait_says_when_another_holds_it(tmp_path):
             assert second is False
     with c.lock(blocking=False) as again:
         assert again is True
+
+
+def test_the_cache_folder_is_absolute_whatever_the_environment(monkeypatch):
+    """A relative ``XDG_CACHE_HOME`` was used as given, and with no home to expand ``~`` to the
+    caches went to a ``~`` folder in the working directory."""
+    from gluon_amp_core import timing_cache
+    assert timing_cache.cache_dir({"XDG_CACHE_HOME": "/x/y"}) == "/x/y/gluon-amp"
+    monkeypatch.setattr(os.path, "expanduser", lambda p: "/home/u" if p == "~" else p)
+    assert timing_cache.cache_dir({"XDG_CACHE_HOME": "rel/cache"}) == "/home/u/.cache/gluon-amp"
+    assert timing_cache.cache_dir({}) == "/home/u/.cache/gluon-amp"
+    monkeypatch.setattr(os.path, "expanduser", lambda p: p)  # no $HOME, no passwd entry
+    homeless = timing_cache.cache_dir({})
+    assert os.path.isabs(homeless) and homeless.startswith(tempfile.gettempdir())
