@@ -79,18 +79,24 @@ def source_version(source: str = SOURCE) -> int:
 
 
 def find_compiler(env: Mapping[str, str]) -> Tuple[Optional[str], str]:
-    """``(path, description)`` of the C++ compiler, or ``(None, why not)``."""
+    """``(command, description)`` of the C++ compiler (``$CXX`` may hold words: ``ccache g++``),
+    or ``(None, why not)``."""
     name = env.get(CXX_ENV) or "c++"
-    path = shutil.which(name)
+    try:
+        words = shlex.split(name)  # as make reads it: "ccache g++", "g++ -O2"
+    except ValueError:
+        words = [name]
+    path = shutil.which(words[0]) if words else None
     if path is None:
         where = f"{CXX_ENV}={name}" if env.get(CXX_ENV) else f"{name} (set {CXX_ENV} to choose one)"
         return None, f"no C++ compiler: {where} was not found"
+    cxx = shlex.join([path, *words[1:]])
     try:
-        r = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([path, *words[1:], "--version"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"the C++ compiler {path} does not run: {exc}"
+        return None, f"the C++ compiler {cxx} does not run: {exc}"
     first = (r.stdout or r.stderr).strip().splitlines()
-    return path, first[0] if first else path
+    return cxx, first[0] if first else cxx
 
 
 def uses_cxx11_abi(library: str) -> bool:
@@ -111,7 +117,7 @@ def uses_cxx11_abi(library: str) -> bool:
 def command(cxx: str, facts: Mapping[str, Any], output: str, cxx11_abi: bool) -> List[str]:
     """The compile command: ``rounding.cc`` against MXNet's headers, linked to ``libmxnet.so``."""
     include, lib_dir = facts["include"], os.path.dirname(facts["libmxnet"])
-    return [cxx, *BASE_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi)}",
+    return [*shlex.split(cxx), *BASE_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi)}",
             f"-DMXNET_USE_MKLDNN={int(bool(facts['mkldnn']))}",
             "-I", include, "-I", os.path.join(include, "mkldnn"), SOURCE, "-o", output,
             "-L", lib_dir, f"-l:{os.path.basename(facts['libmxnet'])}", f"-Wl,-rpath,{lib_dir}"]

@@ -22,7 +22,7 @@ def _compiler(tmp_path, name, version="1.0", sleep=0.0, said="rounding.cc:1: err
     script = tmp_path / name
     lines = "\n".join(f'echo "{line}" >&2' for line in said.splitlines())
     script.write_text(f"""#!/bin/sh
-if [ "$1" = "--version" ]; then echo "{name} {version}"; exit 0; fi
+for a in "$@"; do if [ "$a" = "--version" ]; then echo "{name} {version}"; exit 0; fi; done
 echo build >> "{log}"
 sleep {sleep}
 {lines}
@@ -259,3 +259,12 @@ def test_an_unrolled_lstm_with_zero_begin_states_binds_and_runs_emulated(dtype):
             gluon_amp.disable()
 
     assert abs(loss(True) - loss(False)) <= 0.02 * loss(False)
+
+
+def test_a_compiler_named_with_its_arguments_is_run_with_them(tmp_path):
+    """``CXX="ccache g++"`` or ``CXX="g++ -O2"`` (as make reads it) said "was not found" and
+    fell back to MXNet's slower ops."""
+    cxx, log = _compiler(tmp_path, "wordcc")
+    outcome = build.ensure(mxi.mxnet_build_facts(), _env(tmp_path, f"{cxx} -DFROM_CXX=1"))
+    assert outcome.library is None and "planted failure" in outcome.why and _calls(log) == 1
+    assert "-DFROM_CXX=1" in outcome.why  # the command it ran, its words kept
