@@ -280,7 +280,8 @@ def _policy(level: OptLevel, target_dtype: Any, emulate: Optional[bool]) -> Opti
             raise ValueError(f"target_dtype={target_dtype!r}, emulate={emulate!r} have no effect at O0 "
                              "(pure float32); leave them unset, or pick O1-O3.")
         return None
-    active = state.current_policy() if target_dtype is None else None
+    # the process's (init, the launcher), not a region's: initialize sets the process up for good
+    active = state.process.policy if target_dtype is None else None
     if (emulate or (emulate is None and active is not None and active.emulate)) and level.cast_weights:
         given = "emulate=True" if emulate else "the emulated policy in force (init(..., emulate=True) or --emulate)"
         raise ValueError(f"{given} supports opt_level 'O1' (op patching); {level.name} stores the "
@@ -322,7 +323,8 @@ def initialize(net: Block, trainer: Optional[Trainer] = None, opt_level: str = "
     opt_level : {'O0', 'O1', 'O2', 'O3'}
         See the module table.
     target_dtype : {'float16', 'bfloat16', None} or Policy
-        ``None`` follows the policy in force (``init``, ``python -m gluon_amp.run``), else
+        ``None`` follows the process's policy (``init``, ``python -m gluon_amp.run``; not an
+        ``autocast`` region's), else
         picks for this machine as :func:`gluon_amp.init` does; where it picks float32 (no
         usable low precision) every level behaves as O0. A :class:`Policy`
         (from :func:`gluon_amp.make_policy`) is used as it is.

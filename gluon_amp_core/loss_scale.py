@@ -476,9 +476,9 @@ def loss_scaler_from(spec: Any) -> LossScaler:
         return LossScaler.where_needed()
     if spec is None or spec is False:
         return LossScaler.disabled()
-    if isinstance(spec, (int, float)) and not isinstance(spec, bool) and spec > 0:
-        return LossScaler.static(spec)
-    raise ValueError(f"loss_scale={spec!r} is not valid; use 'dynamic', a positive number "
+    if isinstance(spec, numbers.Real) and _as_bool(spec) is None and math.isfinite(spec) and spec > 0:
+        return LossScaler.static(float(spec))  # NumPy's scalars too (numbers registers them)
+    raise ValueError(f"loss_scale={spec!r} is not valid; use 'dynamic', a finite positive number "
                      "(static scale), None (no scaling) or a gluon_amp.LossScaler.")
 
 

@@ -21,7 +21,7 @@ from gluon_amp_core.table import ConditionalSpec
 from .. import lists_api, patching
 from ..convert import convert_hybrid_block, convert_model, convert_symbol
 from ..convert.bucketing import convert_bucketing_module
-from ..policy_builder import as_policy
+from ..policy_builder import as_policy, check_options
 from ..training.trainer import init_trainer, scale_loss, unscale
 
 #: The import name gluon_amp answers to (never imported: its modules are built here). The one
@@ -64,6 +64,7 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
     it is :func:`gluon_amp.init` (whose ``target_dtype=None`` picks for the machine; the
     peer's default is float16).
     """
+    check_options("init", options)
     policy = pinned()
     if policy is None:
         return patching.init(target_dtype, target_precision_ops, conditional_fp32_ops, fp32_ops, **options)

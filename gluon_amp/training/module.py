@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import warnings
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import mxnet as mx
@@ -69,16 +68,14 @@ class ModuleHook:
         self._plans: Dict[str, Any] = {}
         self._pending: Optional[Tuple[str, bool, int]] = None
         self._dropped = False
-        #: the modules (a BucketingModule's buckets) this hook is attached to
-        self.owners: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        #: the ``loss_scale`` argument the scaler was made from (``init_trainer`` asked again)
+        self.requested: Any = None
         scaler.attach(self)
 
     def represents(self, obj: Any) -> bool:
-        """Whether ``obj`` is a module this hook is attached to (``scaler.stage(module)``)."""
-        try:
-            return obj in self.owners
-        except TypeError:
-            return False
+        """Whether ``obj`` is a module (a BucketingModule or one of its buckets, those bound
+        later too) this hook is attached to (``scaler.stage(module)``)."""
+        return is_module(obj) and _hook_of(obj) is self
 
     def attached(self) -> bool:
         """Whether its scaler's rounds wait for it (False once a failed attachment dropped it)."""
@@ -687,13 +684,11 @@ def _attach(module: Module, hook: ModuleHook, shared_module: Optional[Module] = 
             except BaseException:
                 record.hook = before
                 raise
-            hook.owners.add(module)
             return True
         # the executors run what a bind would give them: record it as one
         record.bound_scaled, record.heads, record.dtype = True, heads, _ran_dtype(module, dtype)
         record.scale_arg, record.forward_scale = None, None
     record.hook = hook
-    hook.owners.add(module)
     return True
 
 
@@ -708,10 +703,16 @@ def init_module(module: Union[Module, BucketingModule],
     """
     if not is_module(module):
         raise TypeError(f"init_module expects a mxnet.mod.Module or BucketingModule, got {type(module).__name__}")
+    scaler = loss_scaler_from(loss_scale)  # first: a bad argument is a ValueError, attached or not
     existing = attached_scaler(module)
     if existing is not None and not _hook_of(module).auto:
-        raise RuntimeError("this Module already has a loss scaler; use gluon_amp.get_scaler(module) to read it")
-    scaler = loss_scaler_from(loss_scale)
+        had = _hook_of(module)
+        if loss_scale is existing or (not isinstance(loss_scale, LossScaler) and not isinstance(
+                had.requested, LossScaler) and bool(had.requested == loss_scale)):
+            return existing  # asked again as before: the scaler it has, its scale kept
+        raise RuntimeError(f"this Module already has a loss scaler (from loss_scale={had.requested!r}), and "
+                           f"loss_scale={loss_scale!r} asks for another; use gluon_amp.get_scaler(module) to "
+                           "read or change the one it has")
     if mxm.auxiliary_modules(module):
         if isinstance(loss_scale, str) and loss_scale == "dynamic":
             scaler = _checking_only(module)
@@ -724,6 +725,7 @@ def init_module(module: Union[Module, BucketingModule],
         if mxm.module_kvstore(mod) is not None:
             _refuse_dist(mod, auto=False)
     hook = ModuleHook(scaler)
+    hook.requested = loss_scale
     _install("explicit")
     # all or nothing: if a bind raises (a Ctrl-C included), every module keeps the hook it had
     owners = [module, *_modules_of(module)] if isinstance(module, BucketingModule) else [module]

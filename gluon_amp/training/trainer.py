@@ -16,6 +16,7 @@ import math
 import numbers
 import os
 import tempfile
+import threading
 import warnings
 import weakref
 import zipfile
@@ -66,8 +67,10 @@ class _Hook:
         #: once the count has moved past it, a recorded step's, kept until the next step reads it
         self._early: Optional[Tuple[early_update.Early, str, bool, int, Sequence[Any]]] = None
         self._plans: Dict[str, Any] = {}
-        #: the ``loss_scale`` argument the scaler was made from (``init_trainer`` asked again)
+        #: the ``loss_scale`` argument the scaler was made from (``init_trainer`` asked again),
+        #: and whether ``initialize`` chose it for its opt level
         self.requested: Any = None
+        self.by_initialize = False
         scaler.attach(self)
 
     @property
@@ -390,36 +393,45 @@ def init_trainer(trainer: Union[Trainer, "mx.mod.BaseModule", None] = None,
         raise TypeError(f"init_trainer expects a mxnet.gluon.Trainer, or a mx.mod.Module / BucketingModule, "
                         f"got {type(trainer).__name__}")
     scaler = loss_scaler_from(loss_scale)  # first: a bad argument is a ValueError, attached or not
-    if attached_scaler(trainer) is not None:
-        hook = mxi.get_step_hook(trainer)
-        if _same_request(hook.requested, loss_scale):
-            # asked again as before (scripts written for the peer call it per run or per epoch):
-            # the scaler it has, its scale kept (the peer put in a fresh one, back at 2**16)
-            return hook.scaler
-        raise RuntimeError(f"this Trainer already has a loss scaler (from loss_scale={hook.requested!r}), "
-                           f"and loss_scale={loss_scale!r} asks for another; use gluon_amp.get_scaler(trainer) "
-                           "to read or change the one it has, or build a new Trainer.")
-    on_kvstore = mxi.updates_on_kvstore(trainer)
-    if on_kvstore:
-        raise ValueError("loss scaling needs the update on the worker: create the Trainer with "
-                         "update_on_kvstore=False (got update_on_kvstore=True).")
-    if on_kvstore is None:
-        _refuse_shared_accumulator(trainer)
-        mxi.force_update_on_worker(trainer)
-    hook = _Hook(trainer, scaler)
-    hook.requested = loss_scale
-    _update_patch.hold("trainers")
-    mxi.set_step_hook(trainer, hook)
-    state.register_scaler(hook)  # loss-output ops read the scale the step will use from it
+    with _attaching:  # two threads asking at once: one attaches, the other gets its scaler
+        if attached_scaler(trainer) is not None:
+            hook = mxi.get_step_hook(trainer)
+            if _same_request(hook, loss_scale):
+                # asked again as before (scripts written for the peer call it per run or per epoch):
+                # the scaler it has, its scale kept (the peer put in a fresh one, back at 2**16)
+                return hook.scaler
+            raise RuntimeError(f"this Trainer already has a loss scaler (from loss_scale={hook.requested!r}"
+                               f"{', by gluon_amp.initialize' * hook.by_initialize}), and loss_scale="
+                               f"{loss_scale!r} asks for another; use gluon_amp.get_scaler(trainer) to read or "
+                               "change the one it has, or build a new Trainer.")
+        on_kvstore = mxi.updates_on_kvstore(trainer)
+        if on_kvstore:
+            raise ValueError("loss scaling needs the update on the worker: create the Trainer with "
+                             "update_on_kvstore=False (got update_on_kvstore=True).")
+        if on_kvstore is None:
+            _refuse_shared_accumulator(trainer)
+            mxi.force_update_on_worker(trainer)
+        hook = _Hook(trainer, scaler)
+        hook.requested = loss_scale
+        _update_patch.hold("trainers")
+        mxi.set_step_hook(trainer, hook)
+        state.register_scaler(hook)  # loss-output ops read the scale the step will use from it
     return scaler
 
 
-def _same_request(before: Any, now: Any) -> bool:
-    """Whether ``init_trainer``'s ``loss_scale`` asks for what the trainer's scaler was made
-    from: the same :class:`LossScaler`, or an equal argument."""
-    if isinstance(before, LossScaler) or isinstance(now, LossScaler):
-        return before is now
-    return bool(before == now)
+#: held from the check that a trainer has no scaler to its attachment
+_attaching = threading.Lock()
+
+
+def _same_request(hook: _Hook, now: Any) -> bool:
+    """Whether ``init_trainer``'s ``loss_scale`` asks for the scaler ``hook`` holds: that very
+    :class:`LossScaler`, an argument equal to the one it was made from, or the default
+    (``'dynamic'``) where ``initialize`` chose it for its opt level."""
+    if now is hook.scaler:
+        return True
+    if isinstance(now, LossScaler) or isinstance(hook.requested, LossScaler):
+        return False
+    return bool(hook.requested == now) or (hook.by_initialize and now == "dynamic")
 
 
 def _wrap_update(original: Any) -> Any:
@@ -646,6 +658,9 @@ def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
 def record_opt_level(trainer: Trainer, level: str) -> None:
     """Remember the opt level ``gluon_amp.initialize`` set ``trainer`` up at (checkpoints' metadata)."""
     state.trainer_record(trainer).opt_level = level
+    hook = mxi.get_step_hook(trainer)
+    if isinstance(hook, _Hook):  # its scaler is the level's: init_trainer(trainer) asked later returns it
+        hook.by_initialize = True
 
 
 def _mode(trainer: Trainer) -> Dict[str, Any]:

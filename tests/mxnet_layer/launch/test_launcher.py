@@ -131,6 +131,13 @@ def test_the_tuning_budget_is_an_option_as_it_is_an_argument_of_init(tmp_path):
     assert r.returncode == 2 and "error: --tune-budget 'soon': cannot read 'soon'" in r.stderr, r.stderr
 
 
+def test_the_peers_init_under_the_launcher_names_an_unknown_option_as_init_does(tmp_path):
+    """The program's ``amp.init(emulte=True)``: "make_policy() got an unexpected keyword"."""
+    r = _launch(tmp_path, "from mxnet.contrib import amp\namp.init(emulte=True)\n")
+    assert r.returncode == 1 and "TypeError: init() got an unexpected keyword argument 'emulte' (did you mean " \
+        "'emulate'?)" in r.stderr, r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("where", ["worker", "main"])
 def test_a_failure_in_any_thread_ends_the_process(tmp_path, where):
     """GluonCV's Parallel: a worker dies and the main thread waits on its queue forever; or the

@@ -288,6 +288,11 @@ def test_without_a_target_dtype_the_level_follows_the_policy_in_force():
         gluon_amp.initialize(net, tr, "O1")
     assert gluon_amp.get_scaler(tr).dynamic and gluon_amp.get_scaler(tr).loss_scale == 65536.0
     assert gluon_amp.state.current_policy() is policy
+    assert gluon_amp.init_trainer(tr) is gluon_amp.get_scaler(tr)  # the level's scaler, asked for later
+    other = sgd_trainer(cnn(prefixed=True))
+    with gluon_amp.autocast(enabled=False):  # a region is no setting of the process's: the process's policy
+        gluon_amp.initialize(cnn(prefixed=True), other, "O1")
+    assert gluon_amp.get_scaler(other).dynamic
     with pytest.raises(ValueError, match="emulated policy in force.*O2 stores the weights"):
         gluon_amp.initialize(cnn(prefixed=True), sgd_trainer(cnn(prefixed=True)), "O2")
 
@@ -408,7 +413,8 @@ trainer.step(2)
 mx.nd.waitall()
 print(json.dumps({"dtypes": sorted({str(p.data().dtype) for p in net.collect_params().values()}),
                   "enabled": gluon_amp.is_enabled(), "scale": gluon_amp.get_scaler(trainer).loss_scale,
-                  "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning]}))
+                  "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning],
+                  "asked_again": gluon_amp.init_trainer(trainer) is gluon_amp.get_scaler(trainer)}))
 '''
 
 
@@ -419,6 +425,7 @@ def test_without_bf16_kernels_every_level_falls_back_to_o0():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["dtypes"] == ["<class 'numpy.float32'>"]
     assert got["enabled"] is False and got["scale"] == 1.0
+    assert got["asked_again"]  # the fallback's scale of 1 was no loss_scale the user asked for
     assert len(got["warnings"]) == 1 and "float32" in got["warnings"][0], got["warnings"]
 
 

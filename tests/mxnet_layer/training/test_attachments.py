@@ -118,3 +118,23 @@ def test_a_scaler_gives_the_stage_of_each_trainer_or_module_attached_to_it():
     stranger = gluon.Trainer(net.collect_params(), "sgd", update_on_kvstore=False)
     with pytest.raises(RuntimeError, match="Trainer .* is not attached to this scaler.*get_scaler"):
         scaler.stage(stranger)
+
+
+def test_a_bucketing_module_and_its_buckets_answer_for_their_scaler():
+    """``scaler.stage(bucketing_module)`` and a bucket made later said "not attached", and the
+    advice, ``init_trainer(module, scaler)``, said "already has a loss scaler"."""
+    def sym_gen(key):
+        out = mx.sym.SoftmaxOutput(mx.sym.FullyConnected(mx.sym.var("data"), num_hidden=2, name="fc"),
+                                   mx.sym.var("softmax_label"), name="softmax")
+        return out, ("data",), ("softmax_label",)
+    mod = mx.mod.BucketingModule(sym_gen, default_bucket_key=8)
+    mod.bind([("data", (2, 8))], [("softmax_label", (2,))])
+    mod.init_params()
+    mod.init_optimizer()
+    scaler = LossScaler()
+    assert gluon_amp.init_trainer(mod, scaler) is scaler
+    mod.switch_bucket(5, [mx.io.DataDesc("data", (2, 8))], [mx.io.DataDesc("softmax_label", (2,))])
+    assert [scaler.stage(m).value for m in (mod, mod._buckets[8], mod._buckets[5])] == ["ready"] * 3
+    assert gluon_amp.init_trainer(mod, scaler) is scaler  # asked again as before
+    with pytest.raises(RuntimeError, match=r"already has a loss scaler \(from loss_scale=LossScaler"):
+        gluon_amp.init_trainer(mod, 128.0)

@@ -216,8 +216,9 @@ def test_misuse_errors():
     assert gluon_amp.init_trainer(t) is scaler  # asked again as before: the scaler it has (the peer: a fresh one)
     with pytest.raises(RuntimeError, match=r"already has a loss scaler \(from loss_scale='dynamic'\).*1024"):
         gluon_amp.init_trainer(t, 1024.0)
+    assert gluon_amp.init_trainer(t, scaler) is scaler  # its own scaler, passed back (per epoch)
     static = sgd_trainer(_mlp(), lr=0.1)
-    assert gluon_amp.init_trainer(static, 8) is gluon_amp.init_trainer(static, 8.0)
+    assert gluon_amp.init_trainer(static, 8) is gluon_amp.init_trainer(static, np.float32(8.0))  # NumPy's too
     with pytest.raises(RuntimeError, match="already has"):
         gluon_amp.init_trainer(static, gluon_amp.LossScaler())
     with pytest.raises(ValueError, match="loss_scale"):
