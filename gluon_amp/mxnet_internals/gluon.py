@@ -700,6 +700,11 @@ def install_param_cast_hook(rule: Callable[[Parameter, Any, Callable[[Any], None
 
     def load_init(self: Parameter, data: Any, ctx: Any, cast_dtype: bool = False,
                   dtype_source: str = "current") -> None:
+        low = _HELD_LOW.get(self)
+        if low is not None and self._dtype is not None and _array_dtype(data.dtype) == low:
+            # a parameter the rule holds float32 for a cast to ``low`` (GPU code: cast, then load a
+            # file in that dtype): the file's dtype is the one the code cast to, as MXNet checks it
+            data = data.astype(self._dtype)
         _PARAM_LOAD_INIT(self, data, ctx, cast_dtype, dtype_source)
         held = _array_dtype(self._dtype) if self._dtype is not None else None
         if held is not None and any(_array_dtype(a.dtype) != held for a in param_arrays(self)):
@@ -712,6 +717,19 @@ def install_param_cast_hook(rule: Callable[[Parameter, Any, Callable[[Any], None
     Parameter.cast = cast
     Parameter._load_init = load_init
     return CastHook(cast, load_init)
+
+
+#: parameters the cast rule holds float32 for a cast to a low dtype -> that dtype
+_HELD_LOW: "weakref.WeakKeyDictionary[Parameter, str]" = weakref.WeakKeyDictionary()
+
+
+def note_held_low(param: Parameter, low: Optional[str]) -> None:
+    """Remember that the cast rule holds ``param`` float32 for a cast to ``low`` (None: it
+    does not), so that a file saved in ``low`` loads into it as into the cast parameter."""
+    if low is None:
+        _HELD_LOW.pop(param, None)
+    else:
+        _HELD_LOW[param] = low
 
 
 def _array_dtype(dtype: Any) -> str:

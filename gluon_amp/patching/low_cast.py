@@ -58,11 +58,13 @@ def _rule(param: Any, dtype: Any, cast: Callable[[Any], None]) -> None:
     low = _low(dtype)
     contexts = mxi.param_contexts(param)
     if low is None or all(runtime.executable(low, c.device_type) for c in contexts):
+        mxi.note_held_low(param, None)
         return cast(dtype)
     policy = state.current_policy()
     if policy is None and _hook.holders <= {"init"}:
         # Held only because the op functions stay patched after a region (no init, no launcher):
         # outside every region gluon_amp is not there, and MXNet's own cast runs.
+        mxi.note_held_low(param, None)
         return cast(dtype)
     where = ", ".join(str(c) for c in contexts)
     if policy is None:
@@ -76,6 +78,7 @@ def _rule(param: Any, dtype: Any, cast: Callable[[Any], None]) -> None:
             "cast; or leave the cast out on this machine.")
     if dtype_name(param.dtype) != "float32":
         cast("float32")
+    mxi.note_held_low(param, low)
     if policy.emulate:
         from ..emulation import round_nd
         with mx.autograd.pause():

@@ -361,6 +361,30 @@ def test_a_float16_cast_under_emulation_keeps_float32_holding_float16_values():
     assert iou.asnumpy().ravel().tolist() == [1.0, pytest.approx(16 / 112)]
 
 
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+def test_a_network_cast_to_float16_loads_a_float16_checkpoint_as_gpu_code_does(tmp_path, target):
+    """GPU code casts, then resumes (``net.cast('float16')``; ``load_parameters``): the cast
+    rule held the parameters float32, and MXNet's own check refused the float16 file ("expected
+    float32 vs saved float16. Set cast_dtype=True"), where plain MXNet loads it."""
+    saved = _small_net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saved.cast("float16")
+    saved.save_parameters(str(tmp_path / "f16.params"))
+    want = {k: v.asnumpy().astype(np.float32) for k, v in mx.nd.load(str(tmp_path / "f16.params")).items()}
+    gluon_amp.init(target_dtype=target, emulate=True)
+    net = _small_net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        net.cast("float16")
+        net.load_parameters(str(tmp_path / "f16.params"))
+    got = {k: p.data() for k, p in net._collect_params_with_prefix().items()}
+    assert {k: str(v.dtype) for k, v in got.items()} == {k: "<class 'numpy.float32'>" for k in want}
+    assert all(np.array_equal(got[k].asnumpy(), want[k]) for k in want)
+    net.hybridize()
+    assert np.isfinite(_step(net))
+
+
 def test_a_float16_cast_with_native_amp_is_left_to_the_plan(native_host):
     gluon_amp.init(target_dtype="bfloat16", tune=False)
     net = _small_net()
