@@ -296,6 +296,15 @@ def remember(result: Any, policy: Policy) -> None:
     hold("converted")  # for the process: remembered results may be bound at any time
 
 
+def carry_converted(old: Symbol, new: Symbol) -> Symbol:
+    """``new``, made from ``old`` by adding to it (a Module's scaled loss heads), bound as
+    ``old`` would be: under the policy of ``old``'s converter, where it is a converter's."""
+    policy = _remembered(old)
+    if policy is not None:
+        remember(new, policy)
+    return new
+
+
 def policy_for(obj: Any) -> Optional[Policy]:
     """The policy a bound Symbol or block runs under: the one its converter was asked for,
     else the one in force, else None (plain MXNet)."""

@@ -37,7 +37,7 @@ from gluon_amp_core.lists.loss_outputs import GRAPH_LOSS_HEADS
 from gluon_amp_core.loss_heads import loss_heads, scale_loss_heads
 from gluon_amp_core.loss_scale import LossScaler, loss_scaler_from
 
-from .. import mxnet_internals as mxi, state
+from .. import execution, mxnet_internals as mxi, state
 from ..type_inference import infer_dtypes, infer_shapes
 from . import checkpoint, distributed, early_update, overflow
 
@@ -281,7 +281,8 @@ def _scaled_symbol(symbol: mx.sym.Symbol, descs: Any, scaler: Optional[LossScale
     new, heads = scale_loss_heads(graph, GRAPH_LOSS_HEADS, SCALE_ARG, input_dtype, input_rank)
     if not heads:
         return symbol, [], dtype, False
-    return mx.sym.load_json(json.dumps(new)), heads, dtype, True
+    # a converter's graph (emulate=True, say) keeps its converter's policy where it is bound
+    return execution.carry_converted(symbol, mx.sym.load_json(json.dumps(new))), heads, dtype, True
 
 
 # -- the wrapped Module methods -----------------------------------------------------------

@@ -1100,3 +1100,32 @@ def test_a_module_s_float16_weights_updated_in_float16_keep_their_updates(batch)
     MXNet's kernels take, was 0, and every update was lost silently."""
     plain = _float16_module_moved(batch, False)
     assert plain > 0 and 0.5 * plain <= _float16_module_moved(batch, True) <= 2 * plain
+
+
+@pytest.mark.parametrize("target,loss_scale", [("float16", "dynamic"), ("bfloat16", 128.0)])
+def test_a_model_converted_to_run_emulated_trains_emulated_with_loss_scaling(target, loss_scale):
+    """``convert_model(..., emulate=True)`` bound in a Module trained emulated, until
+    ``init_trainer``: the graph with the scale at its loss head was a new symbol, bound
+    natively ("float16 fully connected layer is currently only supported by CuDNN")."""
+    data = mx.sym.var("data")
+    sym = mx.sym.SoftmaxOutput(mx.sym.FullyConnected(data, num_hidden=2, name="fc"), mx.sym.var("softmax_label"),
+                               name="softmax")
+    plain = mx.mod.Module(sym)
+    plain.bind([("data", (4, 8))], [("softmax_label", (4,))])
+    plain.init_params()
+    args, aux = plain.get_params()
+    low, low_args, low_aux = amp.convert_model(sym, args, aux, target_dtype=target, emulate=True)
+    batch = mx.io.DataBatch([mx.nd.ones((4, 8))], [mx.nd.array([0, 1, 0, 1])])
+    outs = []
+    for scaled in (False, True):
+        mod = mx.mod.Module(low)
+        mod.bind([("data", (4, 8))], [("softmax_label", (4,))])
+        mod.set_params(low_args, low_aux)
+        mod.init_optimizer()
+        if scaled:
+            amp.init_trainer(mod, loss_scale)
+        mod.forward_backward(batch)
+        mod.update()
+        mod.forward(batch, is_train=False)
+        outs.append(mod.get_outputs()[0].asnumpy())
+    np.testing.assert_array_equal(outs[1], outs[0])  # a power-of-two scale divided out exactly
