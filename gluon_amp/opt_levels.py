@@ -362,7 +362,7 @@ def initialize(net: Block, trainer: Optional[Trainer] = None, opt_level: str = "
         if level.cast_weights:
             master_weights_mod.install(trainer, dtype, keep_master=level.master_weights)
         trainer_mod.init_trainer(trainer, level.loss_scale)
-        trainer_mod.record_opt_level(trainer, level.name)
+        trainer_mod.record_opt_level(trainer, level.name, chose_scale=loss_scale is None)
         state.trainer_record(trainer).opt_level_done = True
     state.process.done.add(net)
     return net, trainer

@@ -655,11 +655,12 @@ def clip_global_norm(trainer: Trainer, max_norm: float) -> float:
     return max(norms) if norms else 0.0
 
 
-def record_opt_level(trainer: Trainer, level: str) -> None:
-    """Remember the opt level ``gluon_amp.initialize`` set ``trainer`` up at (checkpoints' metadata)."""
+def record_opt_level(trainer: Trainer, level: str, chose_scale: bool = True) -> None:
+    """Remember the opt level ``gluon_amp.initialize`` set ``trainer`` up at (checkpoints'
+    metadata); ``chose_scale``: the level chose its loss scale (none was given)."""
     state.trainer_record(trainer).opt_level = level
     hook = mxi.get_step_hook(trainer)
-    if isinstance(hook, _Hook):  # its scaler is the level's: init_trainer(trainer) asked later returns it
+    if isinstance(hook, _Hook) and chose_scale:  # the level's scaler: init_trainer(trainer) asked later returns it
         hook.by_initialize = True
 
 

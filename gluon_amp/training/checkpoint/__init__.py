@@ -19,6 +19,7 @@ global at all, so a ``__reduce__`` payload is refused before it runs.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
@@ -26,6 +27,7 @@ import os
 import pickle
 import re
 import socket
+import stat
 import struct
 import sys
 import tempfile
@@ -268,6 +270,12 @@ def checked_path(path: Any, caller: str) -> str:
     return path
 
 
+def _kind(path: str) -> str:
+    mode = os.stat(path).st_mode
+    return ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+
+
 def write(path: str, meta: Dict[str, Any], states: Dict[Any, Any], opt: Any,
           params: Optional[List[Tuple[str, Tuple[int, ...], str]]] = None) -> None:
     """Write a checkpoint atomically: a temporary file in the same directory, flushed and
@@ -284,6 +292,11 @@ def write(path: str, meta: Dict[str, Any], states: Dict[Any, Any], opt: Any,
     if params is not None:
         doc["params"] = [[n, list(shape), d] for n, shape, d in params]
     target = os.path.realpath(path)  # a link is written through, as MXNet's own saves do
+    if os.path.islink(target):  # realpath gave up: the links loop
+        raise OSError(errno.ELOOP, f"save_states: {path!r} is a loop of symbolic links")
+    if os.path.exists(target) and not os.path.isfile(target):  # a device (os.devnull), a pipe, a socket
+        raise ValueError(f"save_states: {path!r} is no regular file ({_kind(target)}), which an atomic save "
+                         "would replace; give the path of a file, such as 'trainer.states'")
     directory = os.path.dirname(target)
     clean_stale_temporaries(directory)
     try:
@@ -647,12 +660,21 @@ def read_old(path: str) -> Tuple[Dict[str, Any], Dict[Any, Any], Any]:
         raise CheckpointError(f"{path!r} is an old gluon_amp checkpoint without its trainer or scaler part; "
                               "the file is damaged")
     try:
-        states = pickle.loads(old["trainer"])  # noqa: S301 - MXNet's own Updater.get_states blob, trusted
+        states = _MovedModules(io.BytesIO(old["trainer"])).load()  # MXNet's own blob, trusted
     except Exception as exc:  # noqa: BLE001  what a damaged blob raises, whichever
         raise CheckpointError(f"{path!r}: the optimizer states inside cannot be read ({type(exc).__name__}: "
                               f"{exc}); the file is damaged") from exc
     states, opt = states if isinstance(states, tuple) and len(states) == 2 else (states, None)
     return old["scaler"], states, opt
+
+
+class _MovedModules(pickle.Unpickler):
+    """Unpickles what older gluon_amp versions pickled, at the modules their classes live in now."""
+
+    MOVED = {"gluon_amp.master_weights": "gluon_amp.training.master_weights"}
+
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(self.MOVED.get(module, module), name)
 
 
 def upgrade(old_path: str, new_path: str) -> None:
@@ -661,7 +683,10 @@ def upgrade(old_path: str, new_path: str) -> None:
     if opt is None:
         raise CheckpointError(f"{old_path!r} holds no optimizer (saved without dump_optimizer); re-save it "
                               "from a trainer with gluon_amp.save_states")
-    write(new_path, {"scaler": scaler, "mode": None}, states, opt)
+    # the mode an old file did not record, where its states tell it: float32 master copies (O2)
+    master = any(isinstance(v, MasterState) for v in (states.values() if isinstance(states, dict) else ()))
+    mode = {"master_weights": {"dtype": "low-precision weights", "keep_master": True}} if master else None
+    write(new_path, {"scaler": scaler, "mode": mode}, states, opt)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -193,6 +193,9 @@ def test_loss_scale_override_reaches_the_trainer():
     _fp16(net, tr, "O2", loss_scale=128)
     s = gluon_amp.get_scaler(tr)
     assert (s.loss_scale, s.dynamic) == (128.0, False)
+    assert gluon_amp.init_trainer(tr, 128) is s
+    with pytest.raises(RuntimeError, match="from loss_scale=128"):  # the user's scale, not the level's
+        gluon_amp.init_trainer(tr)
     net2 = cnn(prefixed=True)
     tr2 = sgd_trainer(net2)
     scaler = gluon_amp.LossScaler(init_scale=4)

@@ -229,6 +229,35 @@ def test_a_trusted_old_file_gets_every_check_a_current_file_gets(tmp_path):
         gluon_amp.load_states(_trainer(), str(tmp_path / "junk"), trusted=True)
 
 
+def test_an_old_o2_file_unpickles_at_the_module_its_class_moved_to_and_keeps_its_mode(tmp_path, monkeypatch):
+    """Old O2 files pickled ``MasterState`` from ``gluon_amp.master_weights`` (now
+    ``gluon_amp.training.master_weights``): "No module named ...; the file is damaged". One
+    that unpickled loaded into an O1 trainer without the mode's check (the upgrade recorded
+    none) and failed at the next step with MXNet's "Positional arguments must have NDArray type"."""
+    import types
+    from gluon_amp.training.master_weights import MasterState
+    old_module = types.ModuleType("gluon_amp.master_weights")
+
+    class OldMasterState(MasterState):
+        pass
+    OldMasterState.__module__, OldMasterState.__qualname__ = old_module.__name__, "MasterState"
+    old_module.MasterState = OldMasterState
+    monkeypatch.setitem(sys.modules, old_module.__name__, old_module)
+    net, tr = _setup("sgd", 1)
+    _fit(net, tr, 2)
+    states = {i: OldMasterState(mx.nd.ones((2,)), None) for i in range(2)}
+    blob = pickle.dumps((states, tr._optimizer))
+    monkeypatch.delitem(sys.modules, old_module.__name__)
+    old = tmp_path / "old_o2.states"
+    with open(old, "wb") as f:
+        pickle.dump({"format": checkpoint.OLD_FORMAT, "trainer": blob,
+                     "scaler": gluon_amp.get_scaler(tr).state_dict()}, f)
+    checkpoint.upgrade(str(old), str(tmp_path / "new.states"))
+    assert type(checkpoint.read(str(tmp_path / "new.states")).states(mx.cpu())[0]) is MasterState
+    with pytest.raises(checkpoint.CheckpointError, match="saved with float32 master weights"):
+        gluon_amp.load_states(_trainer(), str(old), trusted=True)
+
+
 def test_old_files_are_refused_unless_trusted_and_can_be_upgraded(tmp_path):
     net, tr = _setup("sgd", 1)
     _fit(net, tr, 3)

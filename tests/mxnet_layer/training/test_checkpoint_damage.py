@@ -10,6 +10,7 @@ and the temporary files of saves killed by SIGKILL, which the next save removes.
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -340,3 +341,20 @@ def test_a_save_writes_through_a_link_and_keeps_the_files_mode(tmp_path):
     finally:
         os.umask(mask)
     assert os.stat(tmp_path / "new.states").st_mode & 0o777 == 0o640
+
+
+def test_a_save_to_no_regular_file_is_refused_and_leaves_it(tmp_path):
+    """``save_states(trainer, os.devnull)`` (as root) replaced the device by a regular file, and a
+    loop of links was replaced by one: MXNet's saves write into the device and refuse the loop."""
+    net, trainer = _setup()
+    _step(net, trainer, 1)
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    with pytest.raises(ValueError, match="is no regular file \\(a named pipe\\)"):
+        gluon_amp.save_states(trainer, str(pipe))
+    assert stat.S_ISFIFO(os.lstat(pipe).st_mode)
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(OSError, match="loop of symbolic links"):
+        gluon_amp.save_states(trainer, str(tmp_path / "a"))
+    assert os.path.islink(tmp_path / "a") and [n for n in os.listdir(tmp_path) if n.endswith(".tmp")] == []
