@@ -129,10 +129,12 @@ def forced(use: bool) -> Iterator[None]:
 
 
 def _decide() -> Tuple[KernelStatus, Optional[Callable[..., Any]]]:
-    """The status and the kernel's function (``None`` on the fallback), decided now."""
+    """The status and the kernel's function (``None`` on the fallback), decided now. A value
+    of the switch that is neither on nor off is the caller's ``ValueError``, not a fallback."""
+    off = switched_off(os.environ, ENV)
     try:
         import mxnet as mx
-        if not switched_off(os.environ, ENV) and mx.context.num_gpus() > 0:
+        if not off and mx.context.num_gpus() > 0:
             return KernelStatus("fallback", "a GPU is visible: the kernel runs on CPUs only"), None
     except Exception as exc:  # noqa: BLE001  whatever went wrong, emulation still runs
         return KernelStatus("fallback", f"loading the kernel failed: {type(exc).__name__}: {exc}"), None

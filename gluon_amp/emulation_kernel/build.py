@@ -225,8 +225,9 @@ _FULL = "No space left on device"
 
 def _transient(error: str) -> bool:
     """Whether a build failed for a reason of the moment (a full disk, a timeout on a loaded
-    machine, a compiler that could not start), not for the compiler and MXNet at hand."""
-    return _FULL in error or "timed out" in error or "did not run" in error or "did not finish" in error
+    machine, a compiler that could not start or was killed), not for the compiler and MXNet at hand."""
+    return any(sign in error for sign in (_FULL, "timed out", "did not run", "did not finish",  # the OOM killer:
+                                          "Killed signal", "killed by", "exit status -"))
 
 
 def _check(library: str, env: Mapping[str, str]) -> Optional[str]:

@@ -66,6 +66,22 @@ def test_a_build_that_failed_on_a_full_disk_says_so_and_is_tried_again(tmp_path)
     assert _calls(log) == 2  # tried again
 
 
+def test_a_compiler_killed_by_the_system_is_tried_again(tmp_path):
+    """The OOM killer ending cc1plus was recorded as the compiler's failure for good."""
+    cxx, log = _compiler(tmp_path, "oomcc", said="g++: fatal error: Killed signal terminated program cc1plus")
+    facts = mxi.mxnet_build_facts()
+    assert "not recorded" in build.ensure(facts, _env(tmp_path, cxx)).why
+    build.ensure(facts, _env(tmp_path, cxx))
+    assert _calls(log) == 2 and not list((tmp_path / "cache").rglob("failed.json"))
+
+
+def test_a_switch_value_that_is_neither_on_nor_off_is_an_error_not_a_fallback(monkeypatch):
+    """``GLUON_AMP_EMULATION_KERNEL=bogus`` fell back to MXNet's slower ops without a word."""
+    monkeypatch.setenv(emulation_kernel.ENV, "bogus")
+    with pytest.raises(ValueError, match="GLUON_AMP_EMULATION_KERNEL='bogus' is neither on nor off"):
+        emulation_kernel._decide()
+
+
 def test_processes_started_together_build_once(tmp_path):
     cxx, log = _compiler(tmp_path, "slowcc", sleep=1.0)
     facts, env, outcomes = mxi.mxnet_build_facts(), _env(tmp_path, cxx), []
