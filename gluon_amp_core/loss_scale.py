@@ -454,6 +454,17 @@ def _all_ready(stages: "weakref.WeakKeyDictionary[Any, Stage]") -> "weakref.Weak
 _EMPTY: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
 
+def asks_for(scaler: LossScaler, made_from: Any, loss_scale: Any, chose_default: bool = False) -> bool:
+    """Whether ``loss_scale`` (an ``init_trainer`` argument) asks for ``scaler``, made from
+    ``made_from``: that very scaler, an argument equal to the first, or the default
+    (``'dynamic'``) where the first was chosen for the caller (``chose_default``: an opt level's)."""
+    if loss_scale is scaler:
+        return True
+    if isinstance(loss_scale, LossScaler) or isinstance(made_from, LossScaler):
+        return False
+    return bool(made_from == loss_scale) or (chose_default and loss_scale == "dynamic")
+
+
 def _as_bool(value: Any) -> Optional[bool]:
     """``value`` as a Python bool where it is one, or NumPy's (``numpy.bool_``); else None."""
     if isinstance(value, bool):

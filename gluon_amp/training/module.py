@@ -35,7 +35,7 @@ from gluon_amp_core.dtypes import FLOAT16_SMALLEST_NORMAL, dtype_name
 from gluon_amp_core.emulate import ROUND_SUFFIX
 from gluon_amp_core.lists.loss_outputs import GRAPH_LOSS_HEADS
 from gluon_amp_core.loss_heads import loss_heads, scale_loss_heads
-from gluon_amp_core.loss_scale import LossScaler, loss_scaler_from
+from gluon_amp_core.loss_scale import LossScaler, asks_for, loss_scaler_from
 
 from .. import execution, mxnet_internals as mxi, state
 from ..type_inference import infer_dtypes, infer_shapes
@@ -708,8 +708,7 @@ def init_module(module: Union[Module, BucketingModule],
     existing = attached_scaler(module)
     if existing is not None and not _hook_of(module).auto:
         had = _hook_of(module)
-        if loss_scale is existing or (not isinstance(loss_scale, LossScaler) and not isinstance(
-                had.requested, LossScaler) and bool(had.requested == loss_scale)):
+        if asks_for(existing, had.requested, loss_scale):
             return existing  # asked again as before: the scaler it has, its scale kept
         raise RuntimeError(f"this Module already has a loss scaler (from loss_scale={had.requested!r}), and "
                            f"loss_scale={loss_scale!r} asks for another; use gluon_amp.get_scaler(module) to "

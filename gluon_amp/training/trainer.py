@@ -27,7 +27,7 @@ from mxnet import autograd
 from mxnet.gluon import Trainer
 
 from gluon_amp_core.dtypes import FLOAT16_SMALLEST_NORMAL, dtype_name
-from gluon_amp_core.loss_scale import LossScaler, Stage, loss_scaler_from
+from gluon_amp_core.loss_scale import LossScaler, Stage, asks_for, loss_scaler_from
 
 from .. import state
 from . import checkpoint, distributed, early_update, overflow
@@ -396,7 +396,7 @@ def init_trainer(trainer: Union[Trainer, "mx.mod.BaseModule", None] = None,
     with _attaching:  # two threads asking at once: one attaches, the other gets its scaler
         if attached_scaler(trainer) is not None:
             hook = mxi.get_step_hook(trainer)
-            if _same_request(hook, loss_scale):
+            if asks_for(hook.scaler, hook.requested, loss_scale, chose_default=hook.by_initialize):
                 # asked again as before (scripts written for the peer call it per run or per epoch):
                 # the scaler it has, its scale kept (the peer put in a fresh one, back at 2**16)
                 return hook.scaler
@@ -421,17 +421,6 @@ def init_trainer(trainer: Union[Trainer, "mx.mod.BaseModule", None] = None,
 
 #: held from the check that a trainer has no scaler to its attachment
 _attaching = threading.Lock()
-
-
-def _same_request(hook: _Hook, now: Any) -> bool:
-    """Whether ``init_trainer``'s ``loss_scale`` asks for the scaler ``hook`` holds: that very
-    :class:`LossScaler`, an argument equal to the one it was made from, or the default
-    (``'dynamic'``) where ``initialize`` chose it for its opt level."""
-    if now is hook.scaler:
-        return True
-    if isinstance(now, LossScaler) or isinstance(hook.requested, LossScaler):
-        return False
-    return bool(hook.requested == now) or (hook.by_initialize and now == "dynamic")
 
 
 def _wrap_update(original: Any) -> Any:

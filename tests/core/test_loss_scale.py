@@ -367,3 +367,14 @@ def test_a_state_that_went_through_numpy_loads_and_a_bad_flag_names_its_type():
     assert other.state_dict() == state and type(other.state_dict()["dynamic"]) is bool
     with pytest.raises(ValueError, match=r"'enabled' must be True or False, got 1 \(int\)"):
         other.load_state_dict({**state, "enabled": 1})
+
+
+def test_which_init_trainer_arguments_ask_for_the_scaler_a_trainer_has():
+    """Asked again, ``init_trainer`` returns the attached scaler exactly where this says so."""
+    from gluon_amp_core.loss_scale import asks_for
+    scaler, other = LossScaler(), LossScaler()
+    assert asks_for(scaler, "dynamic", "dynamic") and asks_for(scaler, 8, 8.0) and asks_for(scaler, None, None)
+    assert asks_for(scaler, "dynamic", scaler) and asks_for(scaler, scaler, scaler)
+    assert not asks_for(scaler, scaler, other) and not asks_for(scaler, scaler, "dynamic")
+    assert not asks_for(scaler, "dynamic", other) and not asks_for(scaler, 8, "dynamic")
+    assert asks_for(scaler, 1.0, "dynamic", chose_default=True) and not asks_for(scaler, 1.0, 2.0, chose_default=True)
