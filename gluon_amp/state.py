@@ -67,9 +67,12 @@ class Frame:
 
     __slots__ = ("region", "outer", "parent", "origin")
 
-    def __init__(self, region: Region, outer: Optional[Any], parent: Optional["Frame"],
-                 origin: Optional["Frame"] = None) -> None:
-        self.region, self.outer, self.parent = region, outer, parent
+    def __init__(self, region: Region, parent: Optional["Frame"], origin: Optional["Frame"] = None) -> None:
+        self.region, self.parent = region, parent
+        # a float32 region passes on the policy outside it; recomputed for a cut's copies, so a
+        # region left out of order is not what autocast() inside them means
+        self.outer: Optional[Any] = region.policy if region.policy is not None else (
+            parent.outer if parent is not None else None)
         self.origin = origin  # None: this frame is its own (no reference cycle per region)
 
 
@@ -205,7 +208,7 @@ def _cut(ident: int, innermost: Frame, old: Frame) -> None:
         return  # not open on this thread (left already)
     parent = f.parent
     for g in reversed(above):
-        parent = Frame(g.region, g.outer, parent, g.origin or g)
+        parent = Frame(g.region, parent, g.origin or g)
     regions[ident] = parent
 
 

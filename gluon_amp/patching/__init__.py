@@ -610,9 +610,7 @@ class autocast(contextlib.ContextDecorator):
                 if region is None:  # the policy's first region while patched
                     with state.interrupts_deferred():
                         region = _region_for(policy)
-                parent = state.frame()
-                frame = state.Frame(region, policy if policy is not None else (parent.outer if parent else None),
-                                    parent)
+                frame = state.Frame(region, state.frame())
                 state.enter(frame)  # one store: in, or (on any exception) not
             self._frame = frame
             return policy

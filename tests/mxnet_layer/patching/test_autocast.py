@@ -225,6 +225,38 @@ def test_a_region_left_out_of_order_is_cut_out_and_the_ones_around_it_hold(how):
     assert _rounded_to(_fc(), "float16") and gluon_amp.current_policy().target_dtype == "float16"
 
 
+_KINDS = {"float16": dict(target_dtype="float16", emulate=True),
+          "bfloat16": dict(target_dtype="bfloat16", emulate=True),
+          "off": dict(enabled=False), "on": {}}
+
+
+@pytest.mark.parametrize("process", [None, "bfloat16"])
+@pytest.mark.parametrize("cut", ["float16", "bfloat16", "off"])
+@pytest.mark.parametrize("kept", ["float16", "bfloat16", "off", "on"])
+def test_autocast_without_a_target_inside_a_region_whose_outer_was_cut_out(process, cut, kept):
+    """Generated: region ``cut``, region ``kept`` inside it, ``cut`` left out of order, then
+    ``autocast()`` inside ``kept``. It means ``kept``'s policy, else init's, never the region
+    left: a float16 region cut from below ``autocast(enabled=False)`` came back in a later
+    ``autocast()`` (found by the stateful test's random run)."""
+    if process is not None:
+        gluon_amp.init(process, emulate=True)
+    outer = gluon_amp.autocast(**_KINDS[cut])
+    outer.__enter__()
+    with gluon_amp.autocast(**_KINDS[kept]) as kept_policy:
+        outer.__exit__(None, None, None)
+        if kept_policy is not None:
+            want = kept_policy.target_dtype
+        elif process is not None:  # a float32 region passes on what is outside it: now init's
+            want = process
+        else:  # nothing in force anywhere: init's default on this host
+            default = gluon_amp.make_policy(None)
+            want = default.target_dtype if default.enabled else None
+        with gluon_amp.autocast() as policy:
+            got = policy.target_dtype if policy is not None else None
+            assert got == want, (cut, kept, process, got)
+            assert _rounded_to(_fc(), got or "float32")
+
+
 def test_enabled_true_without_a_target_means_the_active_or_the_default_policy():
     default = gluon_amp.make_policy(None)
     with gluon_amp.autocast(enabled=True) as policy:
