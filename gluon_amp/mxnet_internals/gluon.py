@@ -95,12 +95,10 @@ def call_inputs(block: HybridBlock, args: tuple, inputs: Sequence[Symbol]
                 ) -> Tuple[Dict[str, str], Dict[str, Tuple[int, ...]]]:
     """The dtypes and shapes of a block's graph inputs at this call: data from the call's
     arrays, parameters' dtypes as stored (their shapes may still be deferred)."""
-    from gluon_amp_core.dtypes import dtype_name
-    from .arrays import FLOAT_NAMES
     dtypes: Dict[str, str] = {}
     for var, a in zip(inputs, call_arrays(args)):
         if isinstance(a, mx.nd.NDArray):
-            dtypes[var.name] = FLOAT_NAMES.get(a.dtype) or dtype_name(a.dtype)
+            dtypes[var.name] = _array_dtype(a.dtype)
     for name, dtype in param_dtypes(block).items():
         dtypes.setdefault(name, dtype)
     return dtypes, call_shapes(args, inputs)
@@ -115,10 +113,7 @@ def call_shapes(args: tuple, inputs: Sequence[Symbol]) -> Dict[str, Tuple[int, .
 def param_dtypes(block: HybridBlock) -> Dict[str, str]:
     """Graph input name -> dtype of ``block``'s parameters as stored (what its CachedOp binds,
     whatever ``__dtype__`` its graph declares: ``cast``, O2 and the converters change it)."""
-    from gluon_amp_core.dtypes import dtype_name
-    from .arrays import FLOAT_NAMES
-    return {p.name: FLOAT_NAMES.get(p.dtype) or dtype_name(p.dtype)
-            for p in block.collect_params().values() if p.dtype is not None}
+    return {p.name: _array_dtype(p.dtype) for p in block.collect_params().values() if p.dtype is not None}
 
 
 # -- symbols -------------------------------------------------------------------------
@@ -733,6 +728,7 @@ def note_held_low(param: Parameter, low: Optional[str]) -> None:
 
 
 def _array_dtype(dtype: Any) -> str:
+    """A NumPy dtype (or MXNet's bfloat16 stand-in) by its name."""
     from gluon_amp_core.dtypes import dtype_name
     from .arrays import FLOAT_NAMES
     return FLOAT_NAMES.get(dtype) or dtype_name(dtype)
