@@ -458,6 +458,11 @@ state.register_extension(state.Extension(lambda policy: None, lambda: None,
 
 def _hook_of(trainer: Trainer, caller: str) -> _Hook:
     if attached_scaler(trainer) is None:
+        if isinstance(trainer, (list, tuple)) and trainer and all(isinstance(t, Trainer) for t in trainer):
+            raise TypeError(f"{caller} takes one trainer, got a {type(trainer).__name__} of {len(trainer)}: "
+                            "give the trainers one scaler (scaler = gluon_amp.init_trainer(t0), then "
+                            "gluon_amp.init_trainer(t1, loss_scale=scaler)) and pass any one of them; "
+                            "each skips on its own gradients")
         if not isinstance(trainer, Trainer):
             raise TypeError(f"{caller} expects a mxnet.gluon.Trainer, got {type(trainer).__name__}")
         raise RuntimeError(f"{caller}: this Trainer has no loss scaler; call gluon_amp.init_trainer(trainer) first.")
@@ -502,10 +507,13 @@ def scale_loss(loss: Any, trainer: Optional[Trainer] = None, *,
     # gradient scale go back to what they were, so a later step without scale_loss is not
     # divided by a stale scale (the step also checks, see _Hook.has_overflow).
     before = hook._decided, mxi.grad_scale(trainer)
+    shared: List[Tuple[_Hook, Any, Any]] = []
     try:
         _, scale = hook.decide()
         state.register_scaler(hook)  # AMP turned on after init_trainer: loss-output ops find it from now on
         mxi.set_grad_scale(trainer, hook.original_scale / scale if scale != 1.0 else hook.original_scale)
+        if scale != 1.0:
+            _share_scale(hook, scale, shared)
         if scale == 1.0:
             yield loss
         else:
@@ -513,7 +521,31 @@ def scale_loss(loss: Any, trainer: Optional[Trainer] = None, *,
     except BaseException:
         hook._decided = before[0]
         mxi.set_grad_scale(trainer, before[1])
+        for other, decided, grad_scale in shared:
+            other._decided = decided
+            other_trainer = other._trainer()
+            if other_trainer is not None:
+                mxi.set_grad_scale(other_trainer, grad_scale)
         raise
+
+
+def _share_scale(hook: "_Hook", scale: float, shared: List[Tuple["_Hook", Any, Any]]) -> None:
+    """The other trainers of ``hook``'s scaler that have not decided this step take ``scale``:
+    with one scaler, every loss is scaled and every trainer divides by the scale, as PyTorch's
+    ``GradScaler.step`` does for each optimizer. One loss over two trainers' networks, scaled
+    through either, otherwise reached the other's update multiplied by the scale. (What each
+    undid is appended to ``shared``.)"""
+    for other in hook.scaler.members():
+        if other is hook or not isinstance(other, _Hook) or other._step is not None:
+            continue
+        if other.scaler.stage(other) is not Stage.READY:
+            continue
+        other_trainer = other._trainer()
+        if other_trainer is None:
+            continue
+        shared.append((other, other._decided, mxi.grad_scale(other_trainer)))
+        other._decided = (other._compute_dtype(), scale, other.scaler.steps_of(other))
+        mxi.set_grad_scale(other_trainer, other.original_scale / scale)
 
 
 def _check_loss(loss: Any) -> None:

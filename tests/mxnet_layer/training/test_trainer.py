@@ -251,6 +251,59 @@ def test_scale_loss_names_a_loss_that_is_not_arrays_whatever_the_scale(loss, dty
             assert isinstance(scaled, list) and len(scaled) == 1
 
 
+@pytest.mark.parametrize("given", [list, tuple])
+def test_scale_loss_given_several_trainers_says_how_to_share_one_scaler(given):
+    """A PyTorch user with two optimizers: "expects a mxnet.gluon.Trainer, got list" said
+    nothing of what to do."""
+    gluon_amp.init("float16", emulate=True)
+    trainers = [sgd_trainer(_mlp(), lr=0.1), sgd_trainer(_mlp(), lr=0.1)]
+    gluon_amp.init_trainer(trainers[0])
+    with autograd.record():
+        loss = mx.nd.ones(1) * 2
+        with pytest.raises(TypeError, match=rf"takes one trainer, got a {given.__name__} of 2: .*"
+                                            r"init_trainer\(t1, loss_scale=scaler\)"):
+            with gluon_amp.scale_loss(loss, given(trainers)):
+                pass
+
+
+def _two_nets_one_loss(amp, through):
+    """Two networks, two SGD trainers, one loss over both, scaled through trainer ``through``
+    of one shared scaler (or, with ``amp`` False, FP32): each net's weights after 6 steps."""
+    if amp:
+        gluon_amp.init("float16", emulate=True)
+    nets = [_mlp(seed=1), _mlp(seed=2)]
+    trainers = [sgd_trainer(n, lr=0.05) for n in nets]
+    if amp:
+        scaler = gluon_amp.init_trainer(trainers[0], loss_scale=gluon_amp.LossScaler(init_scale=1024))
+        gluon_amp.init_trainer(trainers[1], loss_scale=scaler)
+    x = mx.nd.array(np.random.RandomState(0).uniform(-1, 1, (4, 4)))
+    for _ in range(6):
+        with autograd.record():
+            loss = (nets[0](x) ** 2).mean() + (nets[1](x) ** 2).mean()
+            if amp:
+                with gluon_amp.scale_loss(loss, trainers[through]) as scaled:
+                    autograd.backward(scaled)
+            else:
+                loss.backward()
+        for t in trainers:
+            t.step(1)
+    if amp:
+        assert scaler.skipped_steps == 0
+        gluon_amp.disable()
+    return [[p.data().asnumpy() for p in n.collect_params().values()] for n in nets]  # names differ per run
+
+
+@pytest.mark.parametrize("through", [0, 1])
+def test_one_loss_over_two_trainers_of_one_scaler_is_unscaled_for_both(through):
+    """PyTorch's one GradScaler, two optimizers: every optimizer's step divides by the scale.
+    Scaled through one trainer, the other's update took gradients 1024 times FP32's."""
+    ref = _two_nets_one_loss(False, through)
+    got = _two_nets_one_loss(True, through)
+    for net_ref, net_got in zip(ref, got):
+        for k, (r, g) in enumerate(zip(net_ref, net_got)):
+            np.testing.assert_allclose(g, r, rtol=0, atol=5e-3, err_msg=f"parameter {k}")
+
+
 def test_checkpoint_errors(tmp_path):
     net = _mlp()
     tr = sgd_trainer(net, lr=0.1)
