@@ -768,17 +768,23 @@ def param_arrays(param: Parameter) -> List[mx.nd.NDArray]:
 _BUILD_CACHE = HybridBlock._build_cache
 _SIMPLE_BIND = Symbol.simple_bind
 _BIND = Symbol.bind
+_INFER_TYPE = Symbol.infer_type
+#: 1.9.1 symbol.py: ``Symbol._infer_type_impl(partial, *args, **kwargs)`` is what ``infer_type``
+#: and ``infer_type_partial`` call (``infer_type`` warns where it returns ``None``s); if moved,
+#: init fails here
+_INFER_TYPE_IMPL = Symbol._infer_type_impl
 #: blocks whose CachedOp runs another graph than their plan -> that graph
 _EXECUTED: "weakref.WeakKeyDictionary[HybridBlock, Symbol]" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
 class ExecutionHooks:
-    """The three methods and the ``Parameter.grad_req`` property :func:`install_execution_hooks` put in place."""
+    """The methods and the ``Parameter.grad_req`` property :func:`install_execution_hooks` put in place."""
 
     build_cache: Callable
     simple_bind: Callable
     bind: Callable
+    infer_type: Callable
     grad_req: property
 
 
@@ -830,13 +836,13 @@ def decided_types(sym: Symbol, bound: Symbol, type_dict: Any) -> Any:
     given = dict(type_dict or {})
     try:
         names = bound.list_arguments()
-        types, _, _ = bound.infer_type_partial(**{k: v for k, v in given.items() if k in names})
+        types, _, _ = _INFER_TYPE_IMPL(bound, True, **{k: v for k, v in given.items() if k in names})
         missing = {n for n, t in zip(names, types) if t is None}
         if not missing:
             return type_dict
         plain = mx.sym.load_json(sym.tojson())  # 1.9.1: tojson() leaves the amp_cast nodes out
         plain_names = plain.list_arguments()
-        plain_types, _, _ = plain.infer_type_partial(**{k: v for k, v in given.items() if k in plain_names})
+        plain_types, _, _ = _INFER_TYPE_IMPL(plain, True, **{k: v for k, v in given.items() if k in plain_names})
     except mx.base.MXNetError:
         return type_dict  # MXNet's own bind says what is wrong
     found = {n: t for n, t in zip(plain_names, plain_types) if n in missing and t is not None}
@@ -1018,12 +1024,29 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
         return _BIND(run, ctx, _names_of(args, arg_names), _names_of(args_grad, arg_names),
                      _names_of(grad_req, arg_names), _names_of(aux_states, aux_names), group2ctx, shared_exec)
 
+    def infer_type(self: Symbol, *args: Any, **kwargs: Any) -> Any:
+        # the arguments MXNet cannot type through a cast's input get what bind gives them
+        # (decided_types): mx.model.FeedForward asserts a full answer before it binds
+        try:
+            found = _INFER_TYPE_IMPL(self, False, *args, **kwargs)
+            if found[1] is not None:  # complete: what MXNet's infer_type returns
+                return found
+            given = dict(zip(self.list_arguments(), args)) if args else kwargs
+            given = {k: v for k, v in given.items() if v is not None}
+            decided = decided_types(self, self, given)
+        except (mx.base.MXNetError, TypeError, ValueError, KeyError):
+            decided = None  # MXNet's own call says what is wrong
+        if decided is None or decided is given or decided == given:
+            return _INFER_TYPE(self, *args, **kwargs)
+        return _INFER_TYPE(self, **decided)
+
     simple_bind.__doc__, bind.__doc__ = _SIMPLE_BIND.__doc__, _BIND.__doc__
+    infer_type.__doc__ = _INFER_TYPE.__doc__
     HybridBlock._build_cache = _build_cache
-    Symbol.simple_bind, Symbol.bind = simple_bind, bind
+    Symbol.simple_bind, Symbol.bind, Symbol.infer_type = simple_bind, bind, infer_type
     grad_req = property(_GRAD_REQ.fget, _set_grad_req, doc=_GRAD_REQ.__doc__)
     Parameter.grad_req = grad_req
-    hooks = ExecutionHooks(_build_cache, simple_bind, bind, grad_req)
+    hooks = ExecutionHooks(_build_cache, simple_bind, bind, infer_type, grad_req)
     warning_sites.hold(hooks)
     return hooks
 
@@ -1036,6 +1059,8 @@ def remove_execution_hooks(hooks: ExecutionHooks) -> None:
         Symbol.simple_bind = _SIMPLE_BIND
     if Symbol.__dict__.get("bind") is hooks.bind:
         Symbol.bind = _BIND
+    if Symbol.__dict__.get("infer_type") is hooks.infer_type:
+        Symbol.infer_type = _INFER_TYPE
     if Parameter.__dict__.get("grad_req") is hooks.grad_req:
         Parameter.grad_req = _GRAD_REQ
     warning_sites.release(hooks)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -75,6 +76,8 @@ class _Patched:
     regions: dict = field(default_factory=dict)
     #: Region -> what the block hooks do under it
     graphs: dict = field(default_factory=dict)
+    #: Region -> when a thread last entered it (:func:`_forget_idle_regions` keeps the latest)
+    entered: dict = field(default_factory=dict)
     #: disable() asked for the functions back while a region elsewhere held a policy: the
     #: last such region to end restores them
     release_when_idle: bool = False
@@ -356,7 +359,34 @@ def _prepare(patched: _Patched, policy: Policy) -> state.Region:
         rewrite = _after(rewrite, tuner.rewrite)
     patched.graphs[region] = _Graphs(_noting_traced(rewrite), reshaped, watch, tuner)
     patched.regions[policy] = region  # last: the Region is used only once it is whole
+    patched.entered[region] = next(_ticks)
+    _forget_idle_regions(patched)
     return region
+
+
+#: the Regions of policies no thread is in that stay built: each holds a wrapper per patched
+#: function (about 2 MB) and took 150-270 ms to build, so a region entered again is quick, but
+#: autocast with ever new arguments (a layer excluded at a time, by hand) must not grow without end
+IDLE_REGIONS_KEPT = 8
+_ticks = itertools.count()
+
+
+def _forget_idle_regions(patched: _Patched) -> None:
+    """Drop the Regions beyond the :data:`IDLE_REGIONS_KEPT` entered latest among those no
+    thread is in (its innermost frame or any outside it) and that are not ``init``'s (under
+    ``state.lock``). A policy entered again is built again."""
+    in_use = {_init_region}
+    for f in list(state.regions.values()):
+        while f is not None:
+            in_use.add(f.region)
+            f = f.parent
+    idle = sorted((patched.entered.get(r, -1), p) for p, r in patched.regions.items() if r not in in_use)
+    for _, policy in idle[:max(0, len(idle) - IDLE_REGIONS_KEPT)]:
+        region = patched.regions.pop(policy)
+        patched.graphs.pop(region, None)
+        patched.entered.pop(region, None)
+        for site in patched.sites.values():
+            site.routes.pop(region, None)
 
 
 def _adopt_regenerated() -> None:
@@ -545,6 +575,8 @@ def _made_policy(target_dtype: Any, kwargs: dict) -> Policy:
     policy = _MADE.get(key)
     if policy is None:
         policy = as_policy(target_dtype, **kwargs)
+        if len(_MADE) >= 64:  # ever new arguments: the oldest made is made again if asked
+            _MADE.pop(next(iter(_MADE)), None)
         _MADE[key] = policy
     return policy
 
@@ -610,6 +642,8 @@ class autocast(contextlib.ContextDecorator):
                 if region is None:  # the policy's first region while patched
                     with state.interrupts_deferred():
                         region = _region_for(policy)
+                elif region is not state.OFF:
+                    patched.entered[region] = next(_ticks)  # one store
                 frame = state.Frame(region, state.frame())
                 state.enter(frame)  # one store: in, or (on any exception) not
             self._frame = frame

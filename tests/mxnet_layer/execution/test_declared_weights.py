@@ -101,3 +101,55 @@ def test_module_binds_and_trains_declared_weights_in_native_bfloat16(native_host
     np.testing.assert_allclose(out, ref_out, rtol=0, atol=0.03)  # bfloat16's 8 bits over 2 steps
     for name, p in params.items():
         np.testing.assert_allclose(p, ref_params[name], rtol=0, atol=0.02, err_msg=name)
+
+
+def _declared_fc():
+    data = mx.sym.Variable("data")
+    fc = mx.sym.FullyConnected(data, weight=mx.sym.Variable("fc_weight"), bias=mx.sym.Variable("fc_bias"),
+                               num_hidden=4, name="fc")
+    return mx.sym.SoftmaxOutput(fc, name="softmax")
+
+
+@pytest.mark.parametrize("target", ["float16", "bfloat16"])
+@pytest.mark.parametrize("build", ["fc", "lstm"])
+def test_infer_type_of_declared_weights_under_init_answers_as_without_amp(target, build):
+    """``Symbol.infer_type`` of a graph built under ``init`` whose weights the program declares:
+    it returned ``(None, None, None)``, and ``mx.model.FeedForward.fit`` (MXNet 1.9.1's
+    ``example/rnn/old/lstm_bucketing.py``) stopped at its bare ``assert arg_dtypes is not None``.
+    A graph MXNet types whole answers as MXNet does. (1.9.1's positional form fails in MXNet
+    itself, with or without gluon_amp, where any type is left ``None``.)"""
+    make = _declared_fc if build == "fc" else _lstm_module
+    plain = make()
+    want = plain.infer_type(data="float32")
+    gluon_amp.init(target_dtype=target, emulate=True)
+    try:
+        sym = make()
+        assert sym.infer_type(data="float32")[0] == want[0]
+        whole = mx.sym.FullyConnected(mx.sym.Variable("data"), num_hidden=4)
+        assert whole.infer_type(data="float32") == mxi.gluon._INFER_TYPE(whole, data="float32")
+        with pytest.raises(mx.base.MXNetError):  # what MXNet says of a bad dtype is MXNet's
+            sym.infer_type(data="float32", softmax_label="int8", fc_weight="float16")
+    finally:
+        gluon_amp.disable()
+    assert mx.sym.Symbol.infer_type is mxi.gluon._INFER_TYPE  # put back by identity
+
+
+def test_feedforward_fits_declared_weights_under_emulation():
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(16, 5).astype(np.float32), rng.randint(0, 4, (16,)).astype(np.float32)
+
+    def fit():
+        mx.random.seed(0)
+        model = mx.model.FeedForward(_declared_fc(), ctx=mx.cpu(), num_epoch=2, learning_rate=0.1,
+                                     initializer=mx.init.Xavier())
+        model.fit(X=mx.io.NDArrayIter(x, y, batch_size=4))
+        return model.predict(mx.io.NDArrayIter(x, batch_size=4))
+
+    ref = fit()
+    gluon_amp.init(target_dtype="float16", emulate=True)
+    try:
+        out = fit()
+    finally:
+        gluon_amp.disable()
+    assert out.shape == ref.shape and np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=0, atol=0.02)
