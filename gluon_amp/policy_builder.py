@@ -53,7 +53,8 @@ def make_policy(target_dtype: Any = None, *,
     else:
         res = runtime.resolve(spec.requested)
         dtype, reason = res.dtype, (res.warning if res.dtype == FLOAT32 else None)
-    tune_on = tune_default() if spec.tune is None and not spec.emulate else bool(spec.tune)
+    default = tune_default() if spec.tune is None else None  # read (and checked) whether or not it applies
+    tune_on = default if spec.tune is None and not spec.emulate else bool(spec.tune)
     policy = Policy.from_spec(spec, dtype, tune=tune_on, known_ops=mxi.op_infos().keys(), aliases=mxi.aliases(),
                               reason=reason)
     check_conditional_attrs(spec.conditional_fp32_ops or ())  # after the op names: those errors come first

@@ -25,6 +25,11 @@ def _fresh_main() -> types.ModuleType:
     main = types.ModuleType("__main__")
     vars(main).update(__builtins__=builtins, __annotations__={})
     sys.modules["__main__"] = main
+    if "__mp_main__" in sys.modules:
+        # multiprocessing, imported by the launcher (through mxnet), took the launcher's module as
+        # the main one: a spawn worker's result of a class defined in the script could not be
+        # unpickled, and Pool.map hung
+        sys.modules["__mp_main__"] = main
     return main
 
 

@@ -500,6 +500,10 @@ def install_block_hooks(rewrite: Callable[[HybridBlock, tuple, Sequence[Symbol],
             return returned(self, args, out) if not depth and not _paused.depth else out
 
         __call__.__doc__, __call__.__wrapped__ = _BLOCK_CALL.__doc__, _BLOCK_CALL  # type: ignore[attr-defined]
+        # a caller's wrong keyword is named as MXNet's own method names it ("Block.__call__() got an
+        # unexpected keyword argument"), not after this hook (CPython 3.11+ reads co_qualname)
+        __call__.__qualname__ = _BLOCK_CALL.__qualname__
+        __call__.__code__ = __call__.__code__.replace(co_qualname=_BLOCK_CALL.__qualname__)
         Block.__call__ = call = __call__
     HybridBlock._get_graph, HybridBlock._call_cached_op = _get_graph, _call_cached_op
     hooks = BlockHooks(_get_graph, _call_cached_op, call, made_under, aside)

@@ -84,6 +84,31 @@ def test_a_module_runs_as_python_dash_m(tmp_path):
     assert _json(launched) == _json(plain)
 
 
+_POOL = """
+import multiprocessing as mp, sys
+class Result:
+    def __init__(self, v):
+        self.v = v
+def work(x):
+    return Result(x * 2)
+if __name__ == "__main__":
+    with mp.get_context(sys.argv[1]).Pool(1) as pool:
+        print("@@", [r.v for r in pool.map(work, [1, 2])], sys.modules["__mp_main__"] is sys.modules["__main__"])
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_pool_returns_objects_of_the_scripts_classes_as_under_python(tmp_path, method):
+    """multiprocessing, imported by the launcher before the script, kept the launcher's module as
+    ``__mp_main__``: a worker's ``Result`` could not be unpickled, and ``Pool.map`` hung."""
+    (tmp_path / "pool.py").write_text(_POOL)
+    plain = _run([sys.executable, "pool.py", method], tmp_path, timeout=120)
+    launched = _run([sys.executable, "-m", "gluon_amp.run", "--no-tune", "pool.py", method], tmp_path, timeout=120)
+    assert plain.returncode == launched.returncode == 0, launched.stderr[-2000:]
+    assert [ln for ln in launched.stdout.splitlines() if ln.startswith("@@")] == ["@@ [2, 4] True"]
+    assert [ln for ln in plain.stdout.splitlines() if ln.startswith("@@")] == ["@@ [2, 4] True"]
+
+
 @pytest.mark.parametrize("body, code", [
     ("def f():\n    raise KeyError('no such key')\nf()\n", 1),
     ("raise KeyboardInterrupt\n", -signal.SIGINT),

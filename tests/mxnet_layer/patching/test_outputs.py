@@ -168,3 +168,20 @@ def test_a_block_that_raises_leaves_the_next_call_outermost(native_host):
         Failing()(x)
     assert mxi_gluon._calls.depth == 0
     assert mxi.FLOAT_NAMES[net(x).dtype] == "float32"
+
+
+@pytest.mark.parametrize("call", [lambda net, x: net(x, foo=1), lambda net, x: net()], ids=["keyword", "no-args"])
+def test_a_wrong_block_call_is_named_as_mxnet_names_it(call):
+    """A caller's wrong keyword was "install_block_hooks.<locals>.__call__() got an unexpected
+    keyword argument 'foo'": a gluon_amp internal blamed for the user's mistake."""
+    net = _net("dense")
+    x = _x("dense", "legacy")
+    errors = []
+    for amp in (False, True):
+        if amp:
+            gluon_amp.init("float16", emulate=True, tune=False)
+        try:
+            call(net, x)
+        except TypeError as exc:
+            errors.append(str(exc).replace(net.name, "NET"))
+    assert len(errors) == 2 and errors[0] == errors[1], errors

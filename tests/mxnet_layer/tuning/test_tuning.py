@@ -447,6 +447,16 @@ def test_tune_defaults_on_except_when_emulating_or_turned_off(monkeypatch):
     assert gluon_amp.make_policy("bfloat16", tune=True).tune  # an explicit choice wins
 
 
+@pytest.mark.parametrize("emulate", [False, True])
+def test_a_tune_switch_that_is_neither_on_nor_off_is_refused_whether_or_not_it_applies(monkeypatch, emulate):
+    """``GLUON_AMP_TUNE=maybe`` was a ValueError natively and accepted without a word under
+    emulation (where tuning does not apply), while ``GLUON_AMP_TUNE_BUDGET`` was checked in both."""
+    monkeypatch.setenv("GLUON_AMP_TUNE", "maybe")
+    with pytest.raises(ValueError, match="GLUON_AMP_TUNE='maybe' is neither on nor off"):
+        gluon_amp.make_policy("bfloat16", emulate=emulate)
+    assert not gluon_amp.make_policy("bfloat16", emulate=emulate, tune=False).tune  # an explicit choice reads nothing
+
+
 def test_a_graph_tuned_once_is_found_again_under_other_parameter_names_and_shapes():
     """The tuning outcome is cached per graph structure: the same network built as another
     instance (another name prefix, e.g. after an FP32 copy in the same process), at any
