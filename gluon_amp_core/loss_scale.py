@@ -273,10 +273,6 @@ class LossScaler:
                            "gluon_amp.init_trainer(trainer, scaler) attaches a trainer or Module to it; "
                            "gluon_amp.get_scaler(trainer) gives the scaler a trainer has.")
 
-    def members(self) -> List[Any]:
-        """The members attached and not gone (``attached()``), in no particular order."""
-        return [m for m in list(self._stages) if _attached(m)]
-
     def steps_of(self, member: Any) -> int:
         """How many steps ``member`` has recorded: what it decided for its current step is
         valid while this count stays the same (a step that was interrupted records nothing)."""

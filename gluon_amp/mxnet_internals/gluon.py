@@ -1037,7 +1037,8 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
                 return found
             given = dict(zip(self.list_arguments(), args)) if args else kwargs
             given = {k: v for k, v in given.items() if v is not None}
-            decided = decided_types(self, self, given)
+            # nothing given: MXNet decides nothing (it types the graph from what it is given)
+            decided = decided_types(self, self, given) if given else None
         except (mx.base.MXNetError, TypeError, ValueError, KeyError):
             decided = None  # MXNet's own call says what is wrong
         if decided is None or decided is given or decided == given:

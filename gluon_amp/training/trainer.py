@@ -120,6 +120,11 @@ class _Hook:
             step = new
         return step
 
+    def take_scale(self, scale: float) -> None:
+        """This step's loss was multiplied by ``scale`` (``scale_loss`` over several trainers,
+        decided by the first): the step divides by it, whatever this trainer decided before."""
+        self._decided = (self._compute_dtype(), scale, self.scaler.steps_of(self))
+
     # The peer's scaler fields, read and assigned as clients do (Sockeye saves and restores
     # ``(_loss_scale, _next_loss_scale, _unskipped)`` by pickle). Each reads from, and an
     # assignment replaces, the LossScaler's explicit state. gluon_amp moves the scale at the
@@ -458,11 +463,10 @@ state.register_extension(state.Extension(lambda policy: None, lambda: None,
 
 def _hook_of(trainer: Trainer, caller: str) -> _Hook:
     if attached_scaler(trainer) is None:
-        if isinstance(trainer, (list, tuple)) and trainer and all(isinstance(t, Trainer) for t in trainer):
-            raise TypeError(f"{caller} takes one trainer, got a {type(trainer).__name__} of {len(trainer)}: "
-                            "give the trainers one scaler (scaler = gluon_amp.init_trainer(t0), then "
-                            "gluon_amp.init_trainer(t1, loss_scale=scaler)) and pass any one of them; "
-                            "each skips on its own gradients")
+        if _trainer_list(trainer):
+            raise TypeError(f"{caller} takes one trainer, got a {type(trainer).__name__} of {len(trainer)} "
+                            "(only scale_loss takes several: one loss over the networks of trainers that "
+                            "share a scaler)")
         if not isinstance(trainer, Trainer):
             raise TypeError(f"{caller} expects a mxnet.gluon.Trainer, got {type(trainer).__name__}")
         raise RuntimeError(f"{caller}: this Trainer has no loss scaler; call gluon_amp.init_trainer(trainer) first.")
@@ -485,7 +489,7 @@ def attached_scaler(trainer: Any) -> Optional[LossScaler]:
 
 
 @contextlib.contextmanager
-def scale_loss(loss: Any, trainer: Optional[Trainer] = None, *,
+def scale_loss(loss: Any, trainer: Union[Trainer, Sequence[Trainer], None] = None, *,
                optimizer_or_trainer: Optional[Trainer] = None) -> Iterator[Any]:
     """Yield ``loss`` (an NDArray or a list of them) multiplied by the step's loss scale.
 
@@ -495,57 +499,58 @@ def scale_loss(loss: Any, trainer: Optional[Trainer] = None, *,
     (gradient accumulation with ``grad_req='add'``); they share the scale the first chose.
     Where the scale is 1 (the default scaler outside float16) ``loss`` itself is yielded,
     so the gradients are exactly those of ``loss.backward()``.
+
+    ``trainer`` may be a list or tuple of trainers that share one scaler (one loss over their
+    networks, as PyTorch's one ``GradScaler`` with several optimizers): the first decides the
+    scale, and each divides its gradients by it at its next ``step``.
     """
     trainer = _one_trainer(trainer, optimizer_or_trainer, "scale_loss")
-    hook = _hook_of(trainer, "scale_loss")
+    trainers = list(trainer) if _trainer_list(trainer) else [trainer]
+    hooks = [_hook_of(t, "scale_loss") for t in trainers]
     _check_loss(loss)
-    if hook.scaler.stage(hook) is Stage.UNSCALED:
+    _check_one_scaler(hooks, trainers)
+    if any(h.scaler.stage(h) is Stage.UNSCALED for h in hooks):
         raise RuntimeError("scale_loss after unscale(trainer) in the same step: the new gradients "
                            "would not be unscaled. Call unscale after the last backward.")
+    hook, trainer = hooks[0], trainers[0]
     # All or nothing: a scale_loss whose block raises (a Ctrl-C included, wherever it lands)
-    # is as if it never ran, as a batch skipped: the step's decision and the trainer's
-    # gradient scale go back to what they were, so a later step without scale_loss is not
-    # divided by a stale scale (the step also checks, see _Hook.has_overflow).
-    before = hook._decided, mxi.grad_scale(trainer)
-    shared: List[Tuple[_Hook, Any, Any]] = []
+    # is as if it never ran, as a batch skipped: the step's decision and the trainers' gradient
+    # scales go back to what they were, so a later step without scale_loss is not divided by a
+    # stale scale (the step also checks, see _Hook.has_overflow).
+    before = [(h._decided, mxi.grad_scale(t)) for h, t in zip(hooks, trainers)]
     try:
         _, scale = hook.decide()
         state.register_scaler(hook)  # AMP turned on after init_trainer: loss-output ops find it from now on
         mxi.set_grad_scale(trainer, hook.original_scale / scale if scale != 1.0 else hook.original_scale)
-        if scale != 1.0:
-            _share_scale(hook, scale, shared)
+        for other, other_trainer in zip(hooks[1:], trainers[1:]):
+            other.take_scale(scale)
+            mxi.set_grad_scale(other_trainer, other.original_scale / scale if scale != 1.0
+                               else other.original_scale)
         if scale == 1.0:
             yield loss
         else:
             yield _scaled(loss, scale)  # after the block, no line of this function runs: none can be interrupted
     except BaseException:
-        hook._decided = before[0]
-        mxi.set_grad_scale(trainer, before[1])
-        for other, decided, grad_scale in shared:
-            other._decided = decided
-            other_trainer = other._trainer()
-            if other_trainer is not None:
-                mxi.set_grad_scale(other_trainer, grad_scale)
+        for h, t, (decided, grad_scale) in zip(hooks, trainers, before):
+            h._decided = decided
+            mxi.set_grad_scale(t, grad_scale)
         raise
 
 
-def _share_scale(hook: "_Hook", scale: float, shared: List[Tuple["_Hook", Any, Any]]) -> None:
-    """The other trainers of ``hook``'s scaler that have not decided this step take ``scale``:
-    with one scaler, every loss is scaled and every trainer divides by the scale, as PyTorch's
-    ``GradScaler.step`` does for each optimizer. One loss over two trainers' networks, scaled
-    through either, otherwise reached the other's update multiplied by the scale. (What each
-    undid is appended to ``shared``.)"""
-    for other in hook.scaler.members():
-        if other is hook or not isinstance(other, _Hook) or other._step is not None:
-            continue
-        if other.scaler.stage(other) is not Stage.READY:
-            continue
-        other_trainer = other._trainer()
-        if other_trainer is None:
-            continue
-        shared.append((other, other._decided, mxi.grad_scale(other_trainer)))
-        other._decided = (other._compute_dtype(), scale, other.scaler.steps_of(other))
-        mxi.set_grad_scale(other_trainer, other.original_scale / scale)
+def _trainer_list(trainer: Any) -> bool:
+    return isinstance(trainer, (list, tuple)) and bool(trainer) and all(isinstance(t, Trainer) for t in trainer)
+
+
+def _check_one_scaler(hooks: Sequence["_Hook"], trainers: Sequence[Trainer]) -> None:
+    """``ValueError`` unless the trainers given together share one scaler (a loss has one scale)."""
+    if len({id(h.scaler) for h in hooks}) > 1:
+        raise ValueError(
+            f"scale_loss: the {len(trainers)} trainers given have {len({id(h.scaler) for h in hooks})} "
+            "loss scalers, and one loss has one scale. Give them one: scaler = gluon_amp.init_trainer(t0), "
+            "then gluon_amp.init_trainer(t1, loss_scale=scaler) (before their first step); or scale each "
+            "trainer's own loss through it.")
+    if len(set(map(id, trainers))) < len(trainers):
+        raise ValueError("scale_loss: a trainer is given twice in the list; give each once.")
 
 
 def _check_loss(loss: Any) -> None:

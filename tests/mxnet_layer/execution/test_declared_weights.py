@@ -10,6 +10,7 @@ argument what MXNet infers for the graph without its casts. The peer fails the s
 The simulated native host runs a float32 rewrite of the graph, where every dtype is inferred: its
 twin passes with or without the fix. The graph-level cases below run on every CPU."""
 import itertools
+import warnings
 
 import mxnet as mx
 import numpy as np
@@ -125,6 +126,11 @@ def test_infer_type_of_declared_weights_under_init_answers_as_without_amp(target
     try:
         sym = make()
         assert sym.infer_type(data="float32")[0] == want[0]
+        if build == "fc":  # nothing given: nothing filled (an unrolled LSTM, which MXNet types
+            # from its own zeros states, is then left undecided: noted in docs/compatibility.md)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                assert sym.infer_type() == plain.infer_type() == (None, None, None)
         whole = mx.sym.FullyConnected(mx.sym.Variable("data"), num_hidden=4)
         assert whole.infer_type(data="float32") == mxi.gluon._INFER_TYPE(whole, data="float32")
         with pytest.raises(mx.base.MXNetError):  # what MXNet says of a bad dtype is MXNet's

@@ -252,53 +252,72 @@ def test_scale_loss_names_a_loss_that_is_not_arrays_whatever_the_scale(loss, dty
 
 
 @pytest.mark.parametrize("given", [list, tuple])
-def test_scale_loss_given_several_trainers_says_how_to_share_one_scaler(given):
-    """A PyTorch user with two optimizers: "expects a mxnet.gluon.Trainer, got list" said
-    nothing of what to do."""
+def test_scale_loss_over_trainers_with_several_scalers_says_how_to_share_one(given):
+    """A PyTorch user with two optimizers passed both: "expects a mxnet.gluon.Trainer, got list"
+    said nothing of what to do. A list is taken where its trainers share one scaler."""
     gluon_amp.init("float16", emulate=True)
     trainers = [sgd_trainer(_mlp(), lr=0.1), sgd_trainer(_mlp(), lr=0.1)]
-    gluon_amp.init_trainer(trainers[0])
+    for t in trainers:
+        gluon_amp.init_trainer(t)
     with autograd.record():
         loss = mx.nd.ones(1) * 2
-        with pytest.raises(TypeError, match=rf"takes one trainer, got a {given.__name__} of 2: .*"
-                                            r"init_trainer\(t1, loss_scale=scaler\)"):
+        with pytest.raises(ValueError, match=r"2 trainers given have 2 loss scalers.*"
+                                             r"init_trainer\(t1, loss_scale=scaler\)"):
             with gluon_amp.scale_loss(loss, given(trainers)):
                 pass
+    with pytest.raises(TypeError, match="takes one trainer, got a list of 2"):
+        gluon_amp.unscale(list(trainers))
 
 
-def _two_nets_one_loss(amp, through):
-    """Two networks, two SGD trainers, one loss over both, scaled through trainer ``through``
-    of one shared scaler (or, with ``amp`` False, FP32): each net's weights after 6 steps."""
+def _two_nets(amp, steps_of_t1=1, plain_t1=False):
+    """Two networks and SGD trainers sharing one scaler (or, with ``amp`` False, FP32): one loss
+    over both scaled through ``[t0, t1]``, t1 stepping every ``steps_of_t1``-th iteration (then
+    ``end_round``); or, with ``plain_t1``, t0's loss scaled through t0 and t1's own loss with a
+    plain ``backward``. Each net's weights after 6 iterations."""
     if amp:
         gluon_amp.init("float16", emulate=True)
     nets = [_mlp(seed=1), _mlp(seed=2)]
     trainers = [sgd_trainer(n, lr=0.05) for n in nets]
     if amp:
-        scaler = gluon_amp.init_trainer(trainers[0], loss_scale=gluon_amp.LossScaler(init_scale=1024))
+        scaler = gluon_amp.init_trainer(trainers[0], loss_scale=gluon_amp.LossScaler(init_scale=1024,
+                                                                                       growth_interval=1))
         gluon_amp.init_trainer(trainers[1], loss_scale=scaler)
     x = mx.nd.array(np.random.RandomState(0).uniform(-1, 1, (4, 4)))
-    for _ in range(6):
+    for i in range(6):
         with autograd.record():
-            loss = (nets[0](x) ** 2).mean() + (nets[1](x) ** 2).mean()
-            if amp:
-                with gluon_amp.scale_loss(loss, trainers[through]) as scaled:
+            losses = [(nets[0](x) ** 2).mean(), (nets[1](x) ** 2).mean()]
+            if not amp:
+                (losses[0] if plain_t1 else losses[0] + losses[1]).backward()
+            elif plain_t1:
+                with gluon_amp.scale_loss(losses[0], trainers[0]) as scaled:
                     autograd.backward(scaled)
             else:
-                loss.backward()
-        for t in trainers:
-            t.step(1)
+                with gluon_amp.scale_loss(losses[0] + losses[1], trainers) as scaled:
+                    autograd.backward(scaled)
+        if plain_t1:
+            with autograd.record():
+                (nets[1](x) ** 2).mean().backward()
+        trainers[0].step(1)
+        if i % steps_of_t1 == steps_of_t1 - 1:
+            trainers[1].step(1)
+        if amp and steps_of_t1 > 1:
+            scaler.end_round()
     if amp:
         assert scaler.skipped_steps == 0
         gluon_amp.disable()
     return [[p.data().asnumpy() for p in n.collect_params().values()] for n in nets]  # names differ per run
 
 
-@pytest.mark.parametrize("through", [0, 1])
-def test_one_loss_over_two_trainers_of_one_scaler_is_unscaled_for_both(through):
-    """PyTorch's one GradScaler, two optimizers: every optimizer's step divides by the scale.
-    Scaled through one trainer, the other's update took gradients 1024 times FP32's."""
-    ref = _two_nets_one_loss(False, through)
-    got = _two_nets_one_loss(True, through)
+@pytest.mark.parametrize("steps_of_t1, plain_t1", [(1, False), (2, False), (1, True)],
+                         ids=["one-loss", "one-loss-t1-every-2nd", "t1-own-plain-backward"])
+def test_a_loss_over_two_trainers_of_one_scaler_is_unscaled_for_each(steps_of_t1, plain_t1):
+    """PyTorch's one GradScaler, two optimizers: ``scale_loss(loss, [t0, t1])`` and each step
+    divides by the scale (growing every step here), also where t1 steps at half the rate; a
+    trainer not given keeps its own plain backward (FP32's update, with the scaler's warning)."""
+    ref = _two_nets(False, steps_of_t1, plain_t1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = _two_nets(True, steps_of_t1, plain_t1)
     for net_ref, net_got in zip(ref, got):
         for k, (r, g) in enumerate(zip(net_ref, net_got)):
             np.testing.assert_allclose(g, r, rtol=0, atol=5e-3, err_msg=f"parameter {k}")
