@@ -380,8 +380,9 @@ def _forget_idle_regions(patched: _Patched) -> None:
         while f is not None:
             in_use.add(f.region)
             f = f.parent
-    idle = sorted((patched.entered.get(r, -1), p) for p, r in patched.regions.items() if r not in in_use)
-    for _, policy in idle[:max(0, len(idle) - IDLE_REGIONS_KEPT)]:
+    idle = sorted((p for p, r in patched.regions.items() if r not in in_use),
+                  key=lambda p: patched.entered.get(patched.regions[p], -1))
+    for policy in idle[:max(0, len(idle) - IDLE_REGIONS_KEPT)]:
         region = patched.regions.pop(policy)
         patched.graphs.pop(region, None)
         patched.entered.pop(region, None)
