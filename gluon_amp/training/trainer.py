@@ -468,7 +468,9 @@ def _hook_of(trainer: Trainer, caller: str) -> _Hook:
                             "(only scale_loss takes several: one loss over the networks of trainers that "
                             "share a scaler)")
         if not isinstance(trainer, Trainer):
-            raise TypeError(f"{caller} expects a mxnet.gluon.Trainer, got {type(trainer).__name__}")
+            several = " (or a list of trainers that share one scaler)" if caller == "scale_loss" else ""
+            raise TypeError(f"{caller} expects a mxnet.gluon.Trainer{several}, got {type(trainer).__name__} "
+                            f"{_short(trainer)[len(type(trainer).__name__) + 1:]}")
         raise RuntimeError(f"{caller}: this Trainer has no loss scaler; call gluon_amp.init_trainer(trainer) first.")
     return mxi.get_step_hook(trainer)
 
