@@ -323,6 +323,63 @@ def test_a_loss_over_two_trainers_of_one_scaler_is_unscaled_for_each(steps_of_t1
             np.testing.assert_allclose(g, r, rtol=0, atol=5e-3, err_msg=f"parameter {k}")
 
 
+def _penalized(mode, skip=()):
+    """docs/training.md's gradient-penalty recipe (``mode`` float16 or bfloat16, emulated), or
+    its FP32 form (``mode`` None, no update at the iterations in ``skip``): the penalties, the
+    final weights after 8 iterations, and the iterations the scaler skipped."""
+    if mode:
+        gluon_amp.init(mode, emulate=True)
+    mx.random.seed(3)
+    net = nn.Dense(1, in_units=4)
+    net.initialize(mx.init.Xavier())
+    trainer = sgd_trainer(net, lr=0.05)
+    if mode:
+        gluon_amp.init_trainer(trainer)
+    rng = np.random.RandomState(0)
+    x0, y = mx.nd.array(rng.randn(8, 4)), mx.nd.array(rng.randn(8, 1))
+    penalties, skipped = [], []
+    for i in range(8):
+        x = x0.copy()
+        x.attach_grad()
+        with autograd.record():
+            out = mx.nd.tanh(net(x))
+            loss = mx.nd.elemwise_sub(out, y).square().mean()
+            scale = 1.0
+            if mode:
+                with gluon_amp.scale_loss(loss, trainer) as scaled:
+                    scale = trainer._amp_loss_scaler.loss_scale
+                assert float((scaled / loss).asscalar()) == pytest.approx(scale)
+            (g,) = autograd.grad(out, [x], head_grads=mx.nd.ones_like(out) * scale, create_graph=True,
+                                 retain_graph=True)
+            penalty = ((g / scale) ** 2).sum()
+            total = loss + 0.1 * penalty
+            if mode:
+                with gluon_amp.scale_loss(total, trainer) as scaled:
+                    scaled.backward()
+            else:
+                total.backward()
+        before = gluon_amp.get_scaler(trainer).skipped_steps if mode else 0
+        if i not in skip:
+            trainer.step(8)
+        if mode and gluon_amp.get_scaler(trainer).skipped_steps > before:
+            skipped.append(i)
+        penalties.append(float(penalty.asscalar()))
+    gluon_amp.disable()
+    return penalties, net.weight.data().asnumpy(), skipped
+
+
+@pytest.mark.parametrize("mode", ["float16", "bfloat16"])
+def test_the_documented_gradient_penalty_recipe_trains_as_fp32(mode):
+    """PyTorch users take a penalty's gradients of the scaled loss and divide by ``inv_scale``;
+    the docs gave no way to read this step's scale (``get_scaler(t).loss_scale`` is the kept
+    float16 scale, also in bfloat16 steps, where the loss is not scaled)."""
+    got, w, skipped = _penalized(mode)
+    assert len(skipped) <= 3, skipped  # float16's first steps may overflow at 65536
+    ref, ref_w, _ = _penalized(None, skip=set(skipped))  # FP32 leaving out the same updates
+    np.testing.assert_allclose(got, ref, rtol=0.05)
+    np.testing.assert_allclose(w, ref_w, rtol=0, atol=0.02)
+
+
 def test_checkpoint_errors(tmp_path):
     net = _mlp()
     tr = sgd_trainer(net, lr=0.1)
