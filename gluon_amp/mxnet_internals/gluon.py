@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 import weakref
@@ -836,21 +837,41 @@ def decided_types(sym: Symbol, bound: Symbol, type_dict: Any) -> Any:
     A cast's input is not inferred from its output, so a weight the user declared as a
     ``Variable`` and the patched op function cast (``FullyConnected(x, weight=w)``, every
     ``mx.rnn`` cell) is left undecided, and ``Module.bind`` failed: "InferType pass cannot
-    decide dtypes". The caller's dict is not changed."""
+    decide dtypes". The caller's dict is not changed.
+
+    A weight an op created itself is declared float32 (``pin_float32``), the master copy of a
+    float32 graph; fed float64 data, MXNet types it float64 and the declaration conflicts.
+    Where ``bound`` cannot be typed at all, each argument gets what the graph without casts
+    and without float32 declarations gives it, as the program without AMP types it."""
     given = dict(type_dict or {})
+    names = bound.list_arguments()
     try:
-        names = bound.list_arguments()
         types, _, _ = _INFER_TYPE_IMPL(bound, True, **{k: v for k, v in given.items() if k in names})
-        missing = {n for n, t in zip(names, types) if t is None}
+    except mx.base.MXNetError:
+        types, unpin = None, True
+    else:
+        unpin = False
+    try:
+        missing = set(names) - set(given) if types is None else {n for n, t in zip(names, types) if t is None}
         if not missing:
             return type_dict
-        plain = mx.sym.load_json(sym.tojson())  # 1.9.1: tojson() leaves the amp_cast nodes out
+        plain = _without_float32_declarations(sym) if unpin else mx.sym.load_json(sym.tojson())
         plain_names = plain.list_arguments()
         plain_types, _, _ = _INFER_TYPE_IMPL(plain, True, **{k: v for k, v in given.items() if k in plain_names})
     except mx.base.MXNetError:
         return type_dict  # MXNet's own bind says what is wrong
     found = {n: t for n, t in zip(plain_names, plain_types) if n in missing and t is not None}
     return {**given, **found} if found else type_dict
+
+
+def _without_float32_declarations(sym: Symbol) -> Symbol:
+    """``sym`` without its ``amp_cast`` nodes (1.9.1: ``tojson()`` leaves them out) and without
+    the float32 declarations of its variables (``pin_float32``)."""
+    graph = json.loads(sym.tojson())
+    for node in graph["nodes"]:
+        if node["op"] == "null" and node.get("attrs", {}).get("__dtype__") == "0":
+            node["attrs"] = {k: v for k, v in node["attrs"].items() if k != "__dtype__"}
+    return mx.sym.load_json(json.dumps(graph))
 
 
 def _names_of(given: Any, names: Sequence[str]) -> Any:
@@ -998,8 +1019,8 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
                     shared_exec: Any = None, shared_buffer: Any = None, **kwargs: Any) -> Any:
         shapes = {k: tuple(v) for k, v in kwargs.items() if isinstance(v, tuple)}
         names = self.list_arguments()
-        run = for_symbol(self, ctx, dict(type_dict or {}), shapes, group2ctx, _accumulating(grad_req, names),
-                         _with_gradients(grad_req, names))
+        run = for_symbol(self, ctx, dict(decided_types(self, self, type_dict) or {}), shapes, group2ctx,
+                         _accumulating(grad_req, names), _with_gradients(grad_req, names))
         if isinstance(run, RefusedRun):
             return _refusing(_SIMPLE_BIND(self, ctx, grad_req, decided_types(self, self, type_dict), stype_dict,
                                           group2ctx, shared_arg_names, shared_exec, shared_buffer, **kwargs),
@@ -1032,7 +1053,10 @@ def install_execution_hooks(for_block: Callable[[HybridBlock, tuple, Symbol, Seq
         # the arguments MXNet cannot type through a cast's input get what bind gives them
         # (decided_types): mx.model.FeedForward asserts a full answer before it binds
         try:
-            found = _INFER_TYPE_IMPL(self, False, *args, **kwargs)
+            try:
+                found = _INFER_TYPE_IMPL(self, False, *args, **kwargs)
+            except mx.base.MXNetError:
+                found = (None, None, None)  # perhaps a float64 graph meeting float32 declarations
             if found[1] is not None:  # complete: what MXNet's infer_type returns
                 return found
             given = dict(zip(self.list_arguments(), args)) if args else kwargs

@@ -159,3 +159,61 @@ def test_feedforward_fits_declared_weights_under_emulation():
         gluon_amp.disable()
     assert out.shape == ref.shape and np.isfinite(out).all()
     np.testing.assert_allclose(out, ref, rtol=0, atol=0.02)
+
+
+def _float64_mlp():
+    """Declared weights for the first layer, weights the second op creates itself (which the
+    patched op declares float32: the master copy of a float32 graph)."""
+    data = mx.sym.Variable("data")
+    h = mx.sym.FullyConnected(data, weight=mx.sym.Variable("fc1_weight"), bias=mx.sym.Variable("fc1_bias"),
+                              num_hidden=4, name="fc1")
+    h = mx.sym.FullyConnected(mx.sym.Activation(h, act_type="tanh"), num_hidden=3, name="fc2")
+    return mx.sym.SoftmaxOutput(h, name="softmax")
+
+
+def _fit_float64(mode):
+    """Two Module steps of :func:`_float64_mlp` fed float64 data, built under ``mode``."""
+    rng = np.random.RandomState(0)
+    batch = mx.io.DataBatch([mx.nd.array(rng.randn(4, 5), dtype="float64")],
+                            [mx.nd.array(rng.randint(0, 3, (4,)), dtype="float64")])
+    if mode is not None:
+        gluon_amp.init(**mode)
+    try:
+        sym = _float64_mlp()
+        types = sym.infer_type(data="float64")
+        mod = mx.mod.Module(sym, context=mx.cpu())
+        mod.bind(data_shapes=[mx.io.DataDesc("data", (4, 5), "float64")],
+                 label_shapes=[mx.io.DataDesc("softmax_label", (4,), "float64")])
+        mx.random.seed(1)
+        mod.init_params(mx.init.Xavier())
+        mod.init_optimizer(optimizer="sgd", optimizer_params={"learning_rate": 0.1})
+        for _ in range(2):
+            mod.forward_backward(batch)
+            mod.update()
+        mod.forward(batch, is_train=False)
+        return types, mod.get_outputs()[0].asnumpy(), {n: a.asnumpy() for n, a in mod.get_params()[0].items()}
+    finally:
+        gluon_amp.disable()
+
+
+@pytest.mark.parametrize("mode", [{"target_dtype": "float16", "emulate": True},
+                                  {"target_dtype": "bfloat16", "emulate": True}, "native"],
+                         ids=["float16-emulated", "bfloat16-emulated", "native"])
+def test_a_float64_graph_types_binds_and_trains_in_float64_as_without_amp(mode):
+    """A float64 graph built under ``init``: the weights an op made itself were declared float32
+    and met float64 data, so ``infer_type``, ``simple_bind`` and ``Module.bind`` failed in MXNet
+    ("Incompatible attr in node fc2"), where the program without AMP runs float64. AMP, as
+    PyTorch's autocast and MXNet's ``amp_cast``, leaves float64 alone: the same numbers."""
+    if mode == "native":
+        with gluon_amp.runtime.simulate_native_bf16():
+            got = _fit_float64({"target_dtype": "bfloat16"})
+    else:
+        got = _fit_float64(mode)
+    want = _fit_float64(None)
+    assert got[0] == want[0] and want[0][1] == [np.float64]
+    assert got[1].dtype == np.float64
+    np.testing.assert_array_equal(got[1], want[1])
+    assert got[2].keys() == want[2].keys()
+    for name, p in got[2].items():
+        assert p.dtype == np.float64, name
+        np.testing.assert_array_equal(p, want[2][name], err_msg=name)
