@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, Tuple
 from mxnet import autograd
 from mxnet.base import MXNetError
 from mxnet.ndarray import NDArray
+from mxnet.numpy import ndarray as _NP_ARRAY
 from mxnet.symbol import Symbol
 
 from gluon_amp_core.decide import Decision, Reason, decide
@@ -144,6 +145,11 @@ def nd_wrapper(fn: Callable, op: str, table: OpTable, sig: mxi.Signature,
             # GPU-style code fed float16 to a bfloat16 op: its outputs in the dtype the code works
             # in, as the op's emulated run and a hybridized graph give them (execution.outputs_as_fed)
             return _cast_outputs(out, fed, low)
+        if want == low == "bfloat16" and fed is None and _numpy_frontend(out):
+            # MXNet 1.9.1's mx.np holds no bfloat16 arrays: asnumpy() gives raw 16-bit words, and
+            # its hand-written functions (np.tensordot, np.outer) have no bfloat16 kernels nor
+            # gluon_amp's casts. Float32 code gets float32, as from a graph (outputs_as_fed).
+            return _cast_outputs(out, "float32", low)
         return out
 
     if fixed is not None:
@@ -308,6 +314,11 @@ def _cast_outputs(out: Any, dtype: str, computed: str = "float32") -> Any:
     if isinstance(out, (list, tuple)):
         return type(out)(_cast_outputs(o, dtype, computed) for o in out)
     return out
+
+
+def _numpy_frontend(out: Any) -> bool:
+    """Whether ``out`` (an op's result: an array or a list of them) is a numpy-mode array."""
+    return isinstance(out[0] if isinstance(out, (list, tuple)) and out else out, _NP_ARRAY)
 
 
 def _round_outputs(out: Any, dtype: str) -> Any:

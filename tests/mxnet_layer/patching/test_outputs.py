@@ -104,8 +104,9 @@ def test_float32_code_gets_float32_outputs_with_the_values_gradients_and_metric_
         assert mxi.FLOAT_NAMES[got.dtype] == "float32"
         assert isinstance(got, mx.np.ndarray) == (frontend == "numpy")
         np.testing.assert_array_equal(got.asnumpy(), inner.astype("float32").asnumpy())
-    if not hybridize:  # the case the outer cast exists for: the last op left bfloat16
-        assert mxi.FLOAT_NAMES[_arrays(raw)[0].dtype] == "bfloat16"
+    if not hybridize:  # the case the outer cast exists for: the last op left bfloat16 (mx.np
+        # holds no bfloat16: there each low-precision op gives float32, test_numpy_mode_ops_...)
+        assert mxi.FLOAT_NAMES[_arrays(raw)[0].dtype] == ("bfloat16" if frontend == "legacy" else "float32")
 
     labels = mx.nd.array(np.arange(8) % 5)
     metric = mx.metric.Accuracy()
@@ -185,3 +186,60 @@ def test_a_wrong_block_call_is_named_as_mxnet_names_it(call):
         except TypeError as exc:
             errors.append(str(exc).replace(net.name, "NET"))
     assert len(errors) == 2 and errors[0] == errors[1], errors
+
+
+class _Tensordot(nn.HybridBlock):
+    """An inner Dense's output into ``np.tensordot``: a hand-written mx.np function (1.9.1: it
+    calls ``_api_internal.tensordot``), which no op-function patch reaches."""
+
+    def __init__(self):
+        super().__init__()
+        self.feat = nn.Dense(6, in_units=3, flatten=False)
+
+    def hybrid_forward(self, F, x):
+        return F.np.tensordot(self.feat(x), F.np.ones((6,)), axes=1)
+
+
+@pytest.mark.parametrize("hybridize", [False, True], ids=["imperative", "hybridized"])
+def test_numpy_mode_ops_give_float32_code_float32_on_a_native_bfloat16_host(native_host, hybridize):
+    """mx.np holds no bfloat16 arrays (1.9.1): a bare ``npx.fully_connected`` returned one, whose
+    ``asnumpy()`` gave raw 16-bit words, and an un-hybridized block's inner bfloat16 output met
+    ``np.tensordot``, which has no bfloat16 kernel ("Incompatible attr ... expected bfloat16").
+    Each low-precision op of the numpy front end now gives float32 code float32, holding the
+    values its bfloat16 kernel computed. Legacy ``mx.nd`` keeps bfloat16, as the peer gives it."""
+    rng = np.random.RandomState(0)
+    xs, ws = rng.randn(2, 3).astype("float32"), rng.randn(4, 3).astype("float32")
+    npx.set_np()
+    try:
+        net = _Tensordot()
+        net.initialize(mx.init.Xavier())
+        if hybridize:
+            net.hybridize()
+        x = mx.np.array(rng.randn(2, 5, 3).astype("float32"))
+        want = net(x).asnumpy()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gluon_amp.init("bfloat16", tune=False)
+        got = net(x)
+        assert isinstance(got, mx.np.ndarray) and mxi.FLOAT_NAMES[got.dtype] == "float32"
+        np.testing.assert_allclose(got.asnumpy(), want, rtol=0.03, atol=0.03)  # bfloat16's 8 bits
+
+        y = npx.fully_connected(mx.np.array(xs), mx.np.array(ws), no_bias=True, num_hidden=4)
+        assert isinstance(y, mx.np.ndarray) and mxi.FLOAT_NAMES[y.dtype] == "float32"
+
+        def low(a):
+            return mx.nd.array(a).astype(mxi.to_mx_dtype("bfloat16")).astype("float32").asnumpy()
+        exact = low(low(xs) @ low(ws).T)  # bfloat16 inputs, float32 accumulation, bfloat16 output
+        np.testing.assert_allclose(y.asnumpy(), exact, rtol=0.01, atol=1e-6)
+        assert y.tolist()[0][0] == pytest.approx(float(exact[0, 0]), rel=0.01)
+    finally:
+        npx.reset_np()
+        gluon_amp.disable()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gluon_amp.init("bfloat16", tune=False)
+    try:
+        legacy = mx.nd.FullyConnected(mx.nd.array(xs), mx.nd.array(ws), no_bias=True, num_hidden=4)
+        assert mxi.FLOAT_NAMES[legacy.dtype] == "bfloat16"
+    finally:
+        gluon_amp.disable()
