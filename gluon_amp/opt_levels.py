@@ -236,10 +236,40 @@ def _cast_tree(x: Any, dtype: str, sources: frozenset) -> Any:
     return x
 
 
+#: the integers each low dtype holds exactly: up to 2 ** (its significand's bits)
+_EXACT_INTEGERS = {"bfloat16": 2.0 ** 8, "float16": 2.0 ** 11}
+
+
+def _entry_cast(x: Any, dtype: str) -> Any:
+    """``x`` (the net's arguments, nested) with its float inputs in ``dtype``, except float32
+    arrays of integers ``dtype`` cannot hold (:func:`_holds_inexact_integers`)."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(_entry_cast(v, dtype) for v in x)
+    if isinstance(x, mx.nd.NDArray) and _holds_inexact_integers(x, dtype):
+        return x
+    return _cast_tree(x, dtype, FLOAT_DTYPES)
+
+
+def _holds_inexact_integers(x: mx.nd.NDArray, dtype: str) -> bool:
+    """Whether float32 ``x`` holds only integers, some beyond what ``dtype`` holds exactly:
+    token ids, sequence lengths, positions. MXNet code feeds them as float32 (``nd.array``'s
+    default); cast to bfloat16, ``valid_length`` 257 became 256 and 259 became 260, and an
+    unrolled LSTM masked the wrong steps. The ops that read them cast them as the op table says."""
+    limit = _EXACT_INTEGERS.get(dtype)
+    a = mxi.legacy(x)
+    if limit is None or dtype_name(a.dtype) != "float32" or a.size == 0:
+        return False
+    with mx.autograd.pause():
+        if float(mx.nd.max(mx.nd.abs(a)).asscalar()) <= limit:
+            return False
+        return bool(mx.nd.min(a == mx.nd.round(a)).asscalar())
+
+
 def _boundary_forward(forward: Callable, dtype: str) -> Callable:
-    """Float inputs to ``dtype`` at the entry, low-precision outputs back to float32."""
+    """Float inputs to ``dtype`` at the entry (integers it cannot hold left float32),
+    low-precision outputs back to float32."""
     def amp_boundary_forward(self: Block, *args: Any) -> Any:
-        out = forward(*_cast_tree(args, dtype, FLOAT_DTYPES))
+        out = forward(*_entry_cast(args, dtype))
         return _cast_tree(out, "float32", _LOW)
     return amp_boundary_forward
 

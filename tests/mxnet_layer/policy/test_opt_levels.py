@@ -610,3 +610,56 @@ def test_a_symbolblock_in_one_dtype_trains_where_a_shape_rule_keeps_its_first_co
     rows = {r.name: (r.dtype, r.reason) for r in gluon_amp.report(net).rows if r.op == "Convolution"}
     assert rows == {"conv0": ("float32", "narrow_input"), "conv1": ("bfloat16", "low_precision")}, rows
     assert all(np.isfinite(p.data().astype("float32").asnumpy()).all() for p in net.collect_params().values())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("values, kept", [
+    ([1.0, 2.0, 3.0], False),            # small integers: exact in both dtypes
+    ([0.5, 1e5, -3.25], False),          # not all integers: data, cast as Apex casts it
+    ([257.0, 259.0], "bfloat16"),        # valid lengths: bfloat16 holds integers to 256 only
+    ([30521.0, 7.0, 0.0], True),         # token ids: beyond both
+    ([2049.0, 12.0], True),              # float16 holds integers to 2048
+])
+def test_the_entry_cast_leaves_integers_the_dtype_cannot_hold_in_float32(dtype, values, kept):
+    x = mx.nd.array(values)
+    want = kept is True or kept == dtype
+    assert opt_levels._holds_inexact_integers(x, dtype) is want
+    exact = mx.nd.amp_cast(x, dtype=mxi.to_mx_dtype(dtype)).astype("float32").asnumpy()
+    assert want == (not np.array_equal(exact, x.asnumpy()) and np.array_equal(np.round(values), values))
+    out = opt_levels._entry_cast((x, [mx.nd.array([1.5])]), dtype)
+    assert (out[0] is x) == want and dtype_name(out[1][0].dtype) == dtype
+
+
+class _Lengths(gluon.HybridBlock):
+    """Token ids into an Embedding, masked past each sequence's valid length."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(1000, 4)
+
+    def hybrid_forward(self, F, ids, valid_length):
+        h = self.embed(ids)  # (batch, time, 4)
+        return F.SequenceMask(h, sequence_length=valid_length, use_sequence_length=True, axis=1)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+@pytest.mark.parametrize("hybridize", [True, False])
+def test_o2_keeps_float32_token_ids_and_lengths_exact(native_host, level, hybridize):
+    """MXNet programs feed ids and lengths as float32 (``nd.array``'s default). O2/O3 cast every
+    float input at the net's entry: in bfloat16 ``valid_length`` 257 became 256 and 259 became
+    260 (an unrolled LSTM masked the wrong steps, silently: helper AA), and token id 999 became
+    1000. The rows read and the steps kept are now FP32's."""
+    ids = mx.nd.array(np.arange(2 * 300).reshape(2, 300) % 1000 + 400)
+    lengths = mx.nd.array([257, 259])
+    mx.random.seed(0)
+    net = _Lengths()
+    net.initialize(mx.init.Uniform(1.0))
+    if hybridize:
+        net.hybridize()
+    gluon_amp.initialize(net, sgd_trainer(net), level, target_dtype="bfloat16")
+    out = net(ids, lengths).asnumpy()
+    table = net.embed.weight.data().astype("float32").asnumpy()  # stored bfloat16 at O2/O3
+    want = table[ids.asnumpy().astype(int)]
+    want[0, 257:] = want[1, 259:] = 0
+    np.testing.assert_array_equal(out, want)
+    assert ids.dtype == lengths.dtype == np.float32  # the caller's arrays as they were
