@@ -47,6 +47,13 @@ def updates_on_kvstore(trainer: Trainer) -> Optional[bool]:
     return wanted
 
 
+def has_sparse_weights(trainer: Trainer) -> bool:
+    """1.9.1: ``Trainer._contains_sparse_weight``: some parameter is stored ``row_sparse``, and
+    MXNet then updates on the kvstore only ("Cannot set update_on_kvstore=False when sparse
+    weights are present")."""
+    return bool(getattr(trainer, "_contains_sparse_weight", False))
+
+
 def force_update_on_worker(trainer: Trainer) -> None:
     trainer._kvstore_params["update_on_kvstore"] = False
 

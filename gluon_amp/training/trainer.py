@@ -372,7 +372,10 @@ def init_trainer(trainer: Union[Trainer, "mx.mod.BaseModule", None] = None,
     ``forward_backward``/``update`` loops work as written).
 
     The trainer must update on the worker, not the kvstore: build it with
-    ``update_on_kvstore=False``. If it was left at ``None``, it is set to False here.
+    ``update_on_kvstore=False``. If it was left at ``None``, it is set to False here. A trainer
+    holding sparse (``row_sparse``) weights, which MXNet updates on the kvstore only, keeps that:
+    its float32 and bfloat16 steps run as without AMP, and a float16 step that would scale the
+    loss is refused (no check can come before the kvstore's update).
 
     Asked again with the same ``loss_scale``, it returns the scaler the trainer has; another
     ``loss_scale`` for a trainer that has one is a ``RuntimeError``.
@@ -410,10 +413,12 @@ def init_trainer(trainer: Union[Trainer, "mx.mod.BaseModule", None] = None,
                                f"{loss_scale!r} asks for another; use gluon_amp.get_scaler(trainer) to read or "
                                "change the one it has, or build a new Trainer.")
         on_kvstore = mxi.updates_on_kvstore(trainer)
-        if on_kvstore:
+        if mxi.has_sparse_weights(trainer):
+            _check_kvstore_scaling(trainer, loss_scale)  # MXNet updates them on the kvstore only
+        elif on_kvstore:
             raise ValueError("loss scaling needs the update on the worker: create the Trainer with "
                              "update_on_kvstore=False (got update_on_kvstore=True).")
-        if on_kvstore is None:
+        elif on_kvstore is None:
             _refuse_shared_accumulator(trainer)
             mxi.force_update_on_worker(trainer)
         hook = _Hook(trainer, scaler)
@@ -426,6 +431,25 @@ def init_trainer(trainer: Union[Trainer, "mx.mod.BaseModule", None] = None,
 
 #: held from the check that a trainer has no scaler to its attachment
 _attaching = threading.Lock()
+
+
+def _sparse_weights(trainer: Trainer) -> str:
+    names = [p.name for p in mxi.trainer_params(trainer) if p._stype != "default"]
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _check_kvstore_scaling(trainer: Trainer, loss_scale: Any) -> None:
+    """A trainer with sparse weights updates on the kvstore, inside ``step``'s push, before any
+    check of the gradients could skip it: only the default scaler, which scales and checks
+    float16 steps alone, may be attached (``scale_loss`` refuses a float16 step)."""
+    if isinstance(loss_scale, str) and loss_scale == "dynamic" or loss_scale is None:
+        return
+    raise ValueError(
+        f"init_trainer: this Trainer holds sparse weights ({_sparse_weights(trainer)}), which MXNet updates on "
+        f"the kvstore inside step(), before a check could skip the update; loss_scale={loss_scale!r} checks "
+        "every step. Use the default loss_scale='dynamic' (float32 and bfloat16 steps run as without AMP) "
+        "or loss_scale=None, or give those layers dense weights (nn.Embedding(sparse_grad=True) keeps a "
+        "dense weight).")
 
 
 def _wrap_update(original: Any) -> Any:
@@ -522,6 +546,8 @@ def scale_loss(loss: Any, trainer: Union[Trainer, Sequence[Trainer], None] = Non
     before = [(h._decided, mxi.grad_scale(t)) for h, t in zip(hooks, trainers)]
     try:
         _, scale = hook.decide()
+        if scale != 1.0:
+            _refuse_kvstore_updates(trainers)
         state.register_scaler(hook)  # AMP turned on after init_trainer: loss-output ops find it from now on
         mxi.set_grad_scale(trainer, hook.original_scale / scale if scale != 1.0 else hook.original_scale)
         for other, other_trainer in zip(hooks[1:], trainers[1:]):
@@ -537,6 +563,18 @@ def scale_loss(loss: Any, trainer: Union[Trainer, Sequence[Trainer], None] = Non
             h._decided = decided
             mxi.set_grad_scale(t, grad_scale)
         raise
+
+
+def _refuse_kvstore_updates(trainers: Sequence[Trainer]) -> None:
+    for t in trainers:
+        if mxi.has_sparse_weights(t):
+            raise RuntimeError(
+                f"scale_loss: this step runs in float16 and scales the loss, but the Trainer holds sparse weights "
+                f"({_sparse_weights(t)}), which MXNet updates on the kvstore inside step(), before a check of "
+                "the gradients could unscale them or skip the update. Give those layers dense weights "
+                "(nn.Embedding(sparse_grad=True) keeps a dense weight), train them in bfloat16 or float32, or "
+                "attach the trainer with init_trainer(trainer, loss_scale=None) and call backward on the loss "
+                "itself.")
 
 
 def _trainer_list(trainer: Any) -> bool:

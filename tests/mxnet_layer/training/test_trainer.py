@@ -503,3 +503,56 @@ def test_unscale_and_clipping_reach_sparse_gradients(feature, monkeypatch):
     ours = _sparse_run(feature, scaled=True)
     for a, b in zip(plain, ours):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+
+
+def _sparse_weight_run(mode, loss_scale="dynamic", steps=3):
+    """A ``SparseEmbedding`` (a row_sparse weight, which MXNet updates on the kvstore only)
+    trained with Adam under ``mode`` (None: without gluon_amp); its weight after ``steps``."""
+    if mode is not None:
+        gluon_amp.init(**mode)
+    try:
+        mx.random.seed(0)
+        emb = gluon.contrib.nn.SparseEmbedding(20, 4)
+        emb.initialize()
+        trainer = gluon.Trainer(emb.collect_params(), "adam", {"learning_rate": 0.1})
+        if mode is not None:
+            gluon_amp.init_trainer(trainer, loss_scale=loss_scale)
+        tokens = mx.nd.array([[1, 2], [3, 4]])
+        for _ in range(steps):
+            with autograd.record():
+                loss = (emb(tokens) ** 2).sum()
+                if mode is None:
+                    loss.backward()
+                else:
+                    with gluon_amp.scale_loss(loss, trainer) as scaled:
+                        scaled.backward()
+            trainer.step(2)
+        return emb.weight.row_sparse_data(mx.nd.arange(20, dtype="int64")).asnumpy()
+    finally:
+        gluon_amp.disable()
+
+
+@pytest.mark.parametrize("mode", [{}, {"target_dtype": "bfloat16", "emulate": True}, "native"],
+                         ids=["amp-off", "bfloat16-emulated", "native-bfloat16"])
+def test_sparse_weights_train_on_the_kvstore_as_without_amp(mode):
+    """A Trainer with a row_sparse weight: init_trainer set update_on_kvstore=False, which MXNet
+    refuses for sparse weights ("Cannot set update_on_kvstore=False when sparse weights are
+    present") at the first step, with AMP off too (helper X). The update stays on the kvstore,
+    where float32 and bfloat16 steps need no check: the weights FP32 gives."""
+    want = _sparse_weight_run(None)
+    if mode == "native":
+        with gluon_amp.runtime.simulate_native_bf16():
+            got = _sparse_weight_run({"target_dtype": "bfloat16"})
+    else:
+        got = _sparse_weight_run(mode)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_sparse_weights_in_float16_are_refused_with_what_to_do_where_a_check_cannot_come_first():
+    with pytest.raises(RuntimeError, match=r"sparse weights \(sparseembedding\d+_weight\).*loss_scale=None"):
+        _sparse_weight_run({"target_dtype": "float16", "emulate": True})
+    with pytest.raises(ValueError, match=r"sparse weights .*loss_scale=128.0 checks every step"):
+        _sparse_weight_run({"target_dtype": "float16", "emulate": True}, loss_scale=128.0)
+    unscaled = _sparse_weight_run({"target_dtype": "float16", "emulate": True}, loss_scale=None)
+    np.testing.assert_allclose(unscaled, _sparse_weight_run(None), rtol=0, atol=2e-3)  # float16's 11 bits
+    assert not gluon_amp.is_enabled()
