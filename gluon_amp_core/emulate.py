@@ -82,6 +82,8 @@ VALUE_PRESERVING = frozenset({
     "BlockGrad", "stop_gradient", "repeat", "tile", "broadcast_to", "broadcast_like", "take",
     "pick", "gather_nd", "SwapAxis", "swapaxes", "flip", "reverse", "zeros_like", "ones_like",
     "where", "_np_reshape", "_npi_concatenate", "_npx_reshape", "_npx_relu",
+    # storage changes: their output may be sparse, which the rounding kernel does not take
+    "cast_storage", "_sparse_retain",
 })
 #: Ops that preserve values for some attribute values only: op -> (attr, values, default).
 VALUE_PRESERVING_IF = {"Activation": ("act_type", frozenset({"relu"}), ""),

@@ -864,3 +864,46 @@ def test_a_gradient_of_a_gradient_runs_emulated_as_in_fp32(dtype):
     assert abs(gp - want_gp) <= tol * abs(want_gp), (gp, want_gp)
     assert np.isfinite(dw).all() and np.abs(dw - want_dw).max() <= 4 * tol * np.abs(want_dw).max()
     assert not np.array_equal(dw, want_dw)  # rounded somewhere on the way
+
+
+class _ToSparse(gluon.HybridBlock):
+    """A Dense output made ``row_sparse`` (its rows retained), as a sparse model's head does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Dense(4, in_units=3)
+
+    def hybrid_forward(self, F, x):
+        sparse = F.cast_storage(self.fc(x), stype="row_sparse")
+        return F.sparse.retain(sparse, F.arange(2)) if F is mx.nd else sparse
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_low_precision_value_made_sparse_runs_emulated(dtype):
+    """A float16 Dense output through ``cast_storage(..., 'row_sparse')``: the emulated graph
+    rounded the sparse output, and the rounding kernel takes dense arrays only ("Operator not
+    implemented: operator = _gluon_amp_round, input storage types = [row_sparse]", helper X).
+    A storage change holds the values of its input: nothing to round."""
+    x = mx.nd.array(np.random.RandomState(0).randn(2, 3))
+    nets = []
+    for _ in range(2):  # one for FP32, one first traced under init (a cached graph stays as it is)
+        mx.random.seed(0)
+        nets.append(_ToSparse())
+        nets[-1].initialize(mx.init.Xavier())
+        nets[-1].hybridize()
+    want, net = nets[0](x), nets[1]
+    gluon_amp.init(target_dtype=dtype, emulate=True, tune=False)  # the plan, not a verdict on its speed
+    try:
+        with autograd.record():
+            got = net(x)
+        got.backward()
+        converted = gluon_amp.convert_hybrid_block(net, target_dtype=dtype, emulate=True, tune=False)(x)
+    finally:
+        gluon_amp.disable()
+    # the converted block's output cast back to float32 makes it dense (docs/compatibility.md, left)
+    assert got.stype == want.stype == "row_sparse"
+    for out in (got, converted):
+        np.testing.assert_allclose(out.asnumpy(), want.asnumpy(), rtol=0.02 if dtype == "bfloat16" else 2e-3,
+                                   atol=1e-3)
+        assert _is_representable(out.asnumpy(), dtype)
+    assert np.isfinite(net.fc.weight.grad().asnumpy()).all()
