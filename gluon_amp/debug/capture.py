@@ -128,9 +128,13 @@ def model_of(block: HybridBlock, inputs: Sequence[Any], caller: str) -> Model:
     sym = _float32_declared(sym)
     _check_fp32(block, sym, caller)
     if len(names) != len(flat):
+        states = (" A recurrent layer called without its begin states makes them outside its graph: pass "
+                  "them too, block(x, block.begin_state(batch_size)) as "
+                  f"{caller.split('.')[-1]}(block, x, block.begin_state(batch_size))."
+                  if mxi.is_rnn_layer(block) and len(flat) < len(names) else "")
         raise ValueError(f"{caller}: the block's graph takes {len(names)} inputs ({names}), got {len(flat)} "
                          "arrays (nested lists counted as Gluon flattens them); pass the arrays the block was "
-                         "called with, in the same nesting")
+                         f"called with, in the same nesting.{states}")
     params = {p.name: p for p in block.collect_params().values()}
     missing = [n for n in sym.list_inputs() if n not in params and n not in names]
     if missing:

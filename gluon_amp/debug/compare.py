@@ -189,6 +189,8 @@ def _local(model: Model, node: dict, plan_inputs: List[Optional[str]], out_dtype
     """``node`` alone: FP32 inputs rounded as the plan holds them, float32 compute, rounded output."""
     nodes = model.graph["nodes"]
     n = len(node["inputs"])
+    if n == 0:  # a source (an unrolled cell's zero begin state: shape (0, 5), its batch known in the graph only)
+        return _round_np(fp32[(node["name"], 0)], out_dtype)
     attrs = {k: v for k, v in node.get("attrs", {}).items() if not k.startswith("__")}
     graph = {"nodes": [{"op": "null", "name": f"in{k}", "inputs": []} for k in range(n)]
              + [{"op": node["op"], "name": node["name"], "attrs": attrs,

@@ -818,6 +818,12 @@ def _refusing(executor: Any, error: Exception) -> Any:
     return executor
 
 
+def is_rnn_layer(block: Any) -> bool:
+    """Whether ``block`` is a fused recurrent layer (``rnn.LSTM``/``GRU``/``RNN``). 1.9.1:
+    ``_RNNLayer.__call__`` makes the begin states outside the graph when they are not given."""
+    return isinstance(block, mx.gluon.rnn.rnn_layer._RNNLayer)
+
+
 def symbol_address(sym: Symbol) -> int:
     """The address of ``sym``'s C handle (1.9.1: ``Symbol.handle``, a ctypes pointer): one
     per live Symbol object's graph; Symbols take no weak references (``__slots__``)."""

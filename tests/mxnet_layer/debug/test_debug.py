@@ -699,3 +699,50 @@ def test_compare_reads_a_block_the_user_cast_low_as_the_fp32_graph_of_its_values
     assert got.output_error == want.output_error and got.output_error > 0
     assert [(r.op, r.dtype) for r in got.rows] == [(r.op, r.dtype) for r in want.rows]
     assert {p.dtype for p in cast.collect_params().values()} == {gluon_amp.mxnet_internals.to_mx_dtype(stored)}
+
+
+class _UnrolledCell(gluon.HybridBlock):
+    """An ``LSTMCell`` unrolled with the zero begin state it makes itself (a ``_zeros`` node of
+    shape (0, 5): its batch known only from the rest of the graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = gluon.rnn.LSTMCell(5, input_size=3)
+
+    def hybrid_forward(self, F, x, *valid_length):
+        self.cell.reset()
+        out, _ = self.cell.unroll(4, x, layout="NTC", merge_outputs=True,
+                                  valid_length=valid_length[0] if valid_length else None)
+        return out
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("lengths", [False, True])
+def test_compare_and_bisect_an_unrolled_cell_with_its_own_zero_state(dtype, lengths):
+    """Both raised MXNet's "Shape dim size cannot be a negative value -1" (helper AA): the op-alone
+    run bound the zero state's node by itself, whose shape only the graph knows."""
+    mx.random.seed(0)
+    net = _UnrolledCell()
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    x = mx.nd.array(np.random.RandomState(0).uniform(-1, 1, (2, 4, 3)))
+    args = [x, mx.nd.array([3, 4])] if lengths else [x]
+    want = net(*args).asnumpy()
+    rep = debug.compare(net, *args, target_dtype=dtype, emulate=True, tolerance=TOL)
+    assert rep.first_divergence is None and 0 < rep.output_error < TOL
+    zeros = [r for r in rep.rows if r.op == "_zeros"]
+    assert zeros and all(r.local_error == 0 for r in zeros), zeros
+    res = debug.bisect(net, *args, target_dtype=dtype, emulate=True, tolerance=TOL)
+    assert res.excluded_sym_names == [] and res.error_before == rep.output_error
+    assert np.array_equal(net(*args).asnumpy(), want)
+
+
+def test_a_recurrent_layer_called_without_states_is_told_to_pass_them():
+    net = gluon.rnn.LSTM(5, input_size=3)
+    net.initialize()
+    net.hybridize()
+    x = mx.nd.ones((4, 2, 3))
+    net(x)
+    with pytest.raises(ValueError, match=r"takes 3 inputs.*begin_state\(batch_size\)"):
+        debug.compare(net, x, target_dtype="float16", emulate=True)
+    assert debug.compare(net, x, net.begin_state(2), target_dtype="float16", emulate=True).output_error < TOL
