@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import subprocess
@@ -7,9 +8,11 @@ import numpy as np
 import mxnet as mx
 import pytest
 from mxnet.gluon.model_zoo import vision
+from mxnet import autograd
 from mxnet.gluon import nn
 
 import gluon_amp
+from gluon_amp import mxnet_internals as mxi
 from gluon_amp.convert import convert_with_policy
 from gluon_amp_core.dtypes import dtype_name
 from gluon_amp.policy_builder import make_policy
@@ -466,3 +469,33 @@ def test_a_symbol_built_under_a_policy_converts_as_its_fp32_graph_keeping_the_us
 def _casts(sym):
     return sorted((n["name"] if not n["name"].startswith("amp_") else "", n["attrs"]["dtype"])
                   for n in json.loads(sym.tojson(remove_amp_cast=False))["nodes"] if n["op"] == "amp_cast")
+
+
+@pytest.mark.parametrize("how", ["emulated", "native"])
+def test_training_parameters_stored_in_bfloat16_is_refused_with_what_to_do(how):
+    """``cast_optional_params=True`` stores the parameters in bfloat16, and MXNet's optimizers have
+    no bfloat16 kernels: ``trainer.step`` failed with MXNet's "Unknown type enum 12" (or at the
+    next read of a weight) where the block was trained (helper AA). Frozen, it still gives input
+    gradients."""
+    mx.random.seed(1)
+    net = nn.HybridSequential()
+    net.add(nn.Dense(6, in_units=4, flatten=False))
+    net.initialize()
+    net.hybridize()
+    x = mx.nd.array(np.random.RandomState(0).uniform(-1, 1, (2, 4)))
+    net(x)
+    host = gluon_amp.runtime.simulate_native_bf16() if how == "native" else contextlib.nullcontext()
+    with host:
+        block = gluon_amp.convert_hybrid_block(net, "bfloat16", emulate=how == "emulated" or None,
+                                               cast_optional_params=True)
+        assert {mxi.FLOAT_NAMES[p.dtype] for p in block.collect_params().values()} == {"bfloat16"}
+        with pytest.raises(RuntimeError, match=r"stored in bfloat16 \(cast_optional_params=True\).*grad_req='null'"):
+            with autograd.record():
+                block(x)
+        for p in block.collect_params().values():
+            p.grad_req = "null"
+        x.attach_grad()
+        with autograd.record():
+            loss = (block(x).astype("float32") ** 2).sum()
+        loss.backward()
+        assert np.isfinite(x.grad.asnumpy()).all() and np.abs(x.grad.asnumpy()).sum() > 0
