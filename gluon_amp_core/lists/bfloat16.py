@@ -158,6 +158,7 @@ _contrib_MultiBoxDetection _contrib_MultiBoxPrior _contrib_MultiBoxTarget
 # Run in whatever they are given (no tensor inputs, gradients, optimizer updates, data movement).
 NEUTRAL = common.NEUTRAL + """
 LRN _npx_reshape
+_npi_around
 """.split()
 
 KEEP_FP32_INPUTS = common.KEEP_FP32_INPUTS

@@ -17,6 +17,7 @@ broadcast_add broadcast_div broadcast_equal broadcast_greater broadcast_greater_
 broadcast_lesser broadcast_lesser_equal broadcast_logical_and broadcast_logical_or
 broadcast_logical_xor broadcast_maximum broadcast_minimum broadcast_mod broadcast_not_equal
 broadcast_sub dot elemwise_add elemwise_div elemwise_mul elemwise_sub stack where
+_np_atleast_1d _np_atleast_2d _np_atleast_3d
 """.split()
 
 # Control flow (foreach, while_loop, cond), float32 for both targets: its body is a subgraph,
@@ -102,9 +103,9 @@ _contrib_calibrate_entropy _contrib_group_adagrad_update _contrib_quantize_asym
 _contrib_quantized_batch_norm _contrib_quantized_elemwise_mul _contrib_quantized_embedding
 _contrib_quantized_rnn _contrib_round_ste _contrib_sign_ste _copy _cvimread _eye _full
 _linspace _mp_adamw_update _multi_adamw_update _multi_lamb_update _multi_mp_adamw_update
-_multi_mp_lamb_update _np_all _np_any _np_atleast_1d _np_atleast_2d _np_atleast_3d _np_copy
+_multi_mp_lamb_update _np_all _np_any _np_copy
 _np_diagflat _np_diagonal _np_max _np_min _np_moveaxis _np_reshape _np_roll _np_squeeze _npi_arange
-_npi_argmax _npi_argmin _npi_around _npi_backward_ediff1d _npi_backward_nan_to_num
+_npi_argmax _npi_argmin _npi_backward_ediff1d _npi_backward_nan_to_num
 _npi_backward_polyval _npi_bernoulli _npi_bincount _npi_bitwise_and_scalar _npi_bitwise_not
 _npi_bitwise_or_scalar _npi_bitwise_xor_scalar _npi_blackman _npi_boolean_mask_assign_scalar
 _npi_boolean_mask_assign_tensor _npi_broadcast_to _npi_choice _npi_copysign_scalar _npi_delete

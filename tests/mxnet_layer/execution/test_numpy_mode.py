@@ -4,6 +4,7 @@ before or after ``set_np``; the converted block too, and its export imports in n
 speed probe's own timing blocks run in numpy mode; the launcher runs a numpy-mode program.
 ``test_matrix.py`` has numpy mode as an axis; the native-bfloat16 cases run where the hardware
 has the kernels (the hardware marker)."""
+import contextlib
 import json
 import os
 import subprocess
@@ -296,3 +297,54 @@ def test_numpy_take_keeps_float16_data_and_writes_out_in_place(numpy_mode, kwarg
     assert got.dtype == np.float16 and np.array_equal(got.asnumpy(), want)
     assert mx.np.take(x, idx, out=x) is x
     assert x.dtype == np.float16 and np.array_equal(x.asnumpy(), want)
+
+
+class _After(gluon.HybridBlock):
+    """A Dense output (low precision in every plan) into ``fn`` with a float32 array."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.fc = gluon.nn.Dense(4, in_units=3)
+
+    def hybrid_forward(self, F, x, other):
+        return self.fn(F, self.fc(x), other)
+
+
+_AFTER = {  # functions a plan met with a low input they could not take (helper CC)
+    "atleast_1d": lambda F, h, o: F.np.atleast_1d(h, o)[0] + F.np.atleast_1d(h, o)[1].sum(),
+    "atleast_2d": lambda F, h, o: F.np.atleast_2d(h, o)[0] * 2,
+    "atleast_3d": lambda F, h, o: F.np.atleast_3d(o, h)[1] - 1,
+    "around": lambda F, h, o: F.np.around(h * 4) + o,
+}
+
+
+@pytest.mark.parametrize("fn", sorted(_AFTER))
+@pytest.mark.parametrize("mode", EMULATED + ["native"], ids=IDS + ["native"])
+def test_a_low_value_meets_functions_with_their_own_dtype_rules(numpy_mode, fn, mode):
+    """Hybridized, ``np.atleast_1d(low, float32)`` failed in every mode ("Incompatible attr ...
+    expected float16, got float32": its inputs must agree, and it was neutral), and
+    ``np.around`` of a float16 value failed ("Do not support float16 as input"). The atleast
+    functions now take the widest input type; ``around`` runs float32 under float16."""
+    numpy_mode()
+    rng = np.random.RandomState(0)
+    x, other = (mx.np.array(rng.randn(*s).astype("float32")) for s in ((2, 3), (2, 4)))
+
+    def run():
+        mx.random.seed(0)
+        net = _After(_AFTER[fn])
+        net.initialize(mx.init.Xavier())
+        net.hybridize()
+        return net(x, other)
+
+    want = run()
+    with contextlib.ExitStack() as stack:
+        if mode == "native":
+            stack.enter_context(gluon_amp.runtime.simulate_native_bf16())
+        gluon_amp.init(**({"target_dtype": "bfloat16"} if mode == "native" else mode), tune=False)
+        stack.callback(gluon_amp.disable)
+        got = run()
+    assert isinstance(got, mx.np.ndarray) and got.dtype == want.dtype == np.float32
+    scale = np.abs(want.asnumpy()).max()
+    tol = 0.25 if fn == "around" else RTOL["float16" if mode == EMULATED[0] else "bfloat16"] * scale
+    np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=0, atol=tol)
