@@ -228,7 +228,11 @@ def _cast_tree(x: Any, dtype: str, sources: frozenset) -> Any:
         return type(x)(_cast_tree(v, dtype, sources) for v in x)
     if isinstance(x, mx.nd.NDArray):
         name = dtype_name(mxi.legacy(x).dtype)
-        return x if name not in sources or name == dtype else mxi.cast_array(x, dtype)
+        if name not in sources or name == dtype:
+            return x
+        if name == "float64" and dtype in _LOW:  # oneDNN's amp_cast has no float64 ("unknown type for MKLDNN")
+            x = x.astype("float32")
+        return mxi.cast_array(x, dtype)
     if isinstance(x, mx.sym.Symbol):  # traced inside a parent's hybridized graph
         is_np = isinstance(x, NP_SYMBOL)
         out = mx.sym.amp_cast(x.as_nd_ndarray() if is_np else x, dtype=to_mx_dtype(dtype))

@@ -663,3 +663,14 @@ def test_o2_keeps_float32_token_ids_and_lengths_exact(native_host, level, hybrid
     want[0, 257:] = want[1, 259:] = 0
     np.testing.assert_array_equal(out, want)
     assert ids.dtype == lengths.dtype == np.float32  # the caller's arrays as they were
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_entry_cast_takes_float64_inputs(dtype):
+    """A float64 input (ids an Embedding reads, float64 data) failed at the O2/O3 entry with MXNet's
+    "unknown type for MKLDNN": oneDNN's amp_cast has no float64 (helper BB). It goes through float32."""
+    x = mx.nd.array([[1.0, 2.0, 3.0], [0.1, -2.5, 7.0]], dtype="float64")
+    out = opt_levels._entry_cast((x,), dtype)[0]
+    assert dtype_name(out.dtype) == dtype and dtype_name(x.dtype) == "float64"
+    want = mx.nd.amp_cast(x.astype("float32"), dtype=mxi.to_mx_dtype(dtype)).astype("float32").asnumpy()
+    np.testing.assert_array_equal(out.astype("float32").asnumpy(), want)
