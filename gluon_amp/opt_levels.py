@@ -147,6 +147,11 @@ def _is_norm_param(param: Parameter) -> bool:
 def _uninitialized(params: dict, need_shapes: bool) -> list:
     bad = []
     for name, p in params.items():
+        if mxi.stored_sparse(p):  # list_data() refuses row_sparse storage, initialized or not
+            ready = mxi.sparse_initialized(p)
+            if ready is False or (ready is None and need_shapes):
+                bad.append(name)
+            continue
         try:
             p.list_data()
         except DeferredInitializationError:

@@ -54,6 +54,19 @@ def has_sparse_weights(trainer: Trainer) -> bool:
     return bool(getattr(trainer, "_contains_sparse_weight", False))
 
 
+def stored_sparse(param: Parameter) -> bool:
+    """1.9.1: ``Parameter._stype``, the storage of its data (``'row_sparse'``, or ``'default'``)."""
+    return getattr(param, "_stype", "default") != "default"
+
+
+def sparse_initialized(param: Parameter) -> Optional[bool]:
+    """For a parameter stored sparse, whether it is initialized (1.9.1: ``_data`` set; deferred:
+    ``_deferred_init`` pending, None); its ``list_data`` raises for sparse storage either way."""
+    if param._data is not None:
+        return True
+    return None if param._deferred_init else False
+
+
 def force_update_on_worker(trainer: Trainer) -> None:
     trainer._kvstore_params["update_on_kvstore"] = False
 

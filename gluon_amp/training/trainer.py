@@ -205,6 +205,10 @@ class _Hook:
             if self._early is not None and self._early[3] != steps:
                 self._early = None  # the last step's, recorded (finish_early leaves it)
             trainer = self._trainer()
+            if trainer is not None and mxi.has_sparse_weights(trainer):
+                # the kvstore updated in step()'s push already, unscaled (scale_loss refuses a
+                # scale here): nothing a check could skip
+                return False
             step = self._step
             if trainer is not None and step is not None and _must_unscale_first(trainer, self, step[1]):
                 self._unscale_instead_of_folding(trainer)
@@ -434,7 +438,7 @@ _attaching = threading.Lock()
 
 
 def _sparse_weights(trainer: Trainer) -> str:
-    names = [p.name for p in mxi.trainer_params(trainer) if p._stype != "default"]
+    names = [p.name for p in mxi.trainer_params(trainer) if mxi.stored_sparse(p)]
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
