@@ -417,7 +417,8 @@ class MixedPrecisionBlock(SymbolBlock):
         if autograd.is_recording():
             if mxi.block_backend(self)[0] is not None:
                 self._unfuse_to_train()
-            self._refuse_training_bfloat16()
+            if autograd.is_training():  # record(train_mode=False): input gradients, nothing to train
+                self._refuse_training_bfloat16()
         # Called as the block it converts is (its inputs nested: an RNN's state list), or
         # with its inputs flat, as a SymbolBlock of the graph's inputs is.
         try:
@@ -494,18 +495,21 @@ class MixedPrecisionBlock(SymbolBlock):
         mxi.run_unpartitioned(self, self._converted)  # also where an inference call built the fused graph
 
     def _refuse_training_bfloat16(self) -> None:
-        """A RuntimeError where parameters to train are stored in bfloat16 (``cast_optional_params=True``):
+        """A RuntimeError where parameters to train are stored in bfloat16 (``cast_optional_params=True``)
+        and the block is called to train (``autograd.record()`` in train mode):
         MXNet 1.9.1's optimizers have no bfloat16 kernels, and ``trainer.step`` failed with its
         "Unknown type enum 12" or "ndim_is_known", or at the next read of a weight."""
         low = [p.name for p in self.collect_params().values()
                if p.grad_req != "null" and mxi.FLOAT_NAMES.get(p.dtype) == "bfloat16"]
         if low:
             raise RuntimeError(
-                f"gluon_amp: converted block {self.name!r} is being trained (called under autograd.record), and "
+                f"gluon_amp: converted block {self.name!r} is being trained (called under autograd.record() in train "
+                "mode), and "
                 f"{len(low)} of its parameters to train ({', '.join(low[:3])}{', ...' if len(low) > 3 else ''}) are "
                 "stored in bfloat16 (cast_optional_params=True), which MXNet's optimizers cannot update. Convert "
                 "with cast_optional_params left unset to train it (the parameters go back to float32 when training "
-                "starts), or set grad_req='null' on those parameters to keep them fixed.")
+                "starts), set grad_req='null' on those parameters to keep them fixed, or record with "
+                "train_mode=False for gradients of the inputs only.")
 
     def _train_float32_params(self) -> None:
         """Store the parameters the default stored low in float32 again, read through casts:
