@@ -7,7 +7,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import mxnet as mx
 from mxnet.gluon import Block, HybridBlock, Parameter
@@ -174,10 +174,22 @@ def auto_names_mark() -> Callable[[], None]:
     return restore
 
 
+#: names of the variables :func:`pin_float32` declared (not the program): a float64 graph
+#: retypes those only (:func:`decided_types`)
+_PINNED: Set[str] = set()
+
+
+def note_declared_float32(name: str) -> None:
+    """A variable gluon_amp adds to graphs declared float32 (the Module's loss-scale input):
+    retyped as :func:`pin_float32`'s are in a float64 graph."""
+    _PINNED.add(name)
+
+
 def pin_float32(var: Symbol) -> None:
     """Declare a variable float32 (``__dtype__='0'``). 1.9.1: ``Symbol._set_attr``; the
     public ``var(dtype=)`` cannot change an existing variable."""
     var._set_attr(__dtype__="0")
+    _PINNED.add(var.name)
 
 
 def symbol_of_class(cls: type, sym: Symbol) -> Symbol:
@@ -872,10 +884,11 @@ def decided_types(sym: Symbol, bound: Symbol, type_dict: Any) -> Any:
 
 def _without_float32_declarations(sym: Symbol) -> Symbol:
     """``sym`` without its ``amp_cast`` nodes (1.9.1: ``tojson()`` leaves them out) and without
-    the float32 declarations of its variables (``pin_float32``)."""
+    the float32 declarations :func:`pin_float32` made (the program's own stay: MXNet refuses a
+    float32 weight the program declared for float64 data, and so does this)."""
     graph = json.loads(sym.tojson())
     for node in graph["nodes"]:
-        if node["op"] == "null" and node.get("attrs", {}).get("__dtype__") == "0":
+        if node["op"] == "null" and node["name"] in _PINNED and node.get("attrs", {}).get("__dtype__") == "0":
             node["attrs"] = {k: v for k, v in node["attrs"].items() if k != "__dtype__"}
     return mx.sym.load_json(json.dumps(graph))
 

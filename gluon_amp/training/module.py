@@ -46,6 +46,7 @@ Module, BucketingModule = mxm.Module, mxm.BucketingModule
 
 #: The argument of the bound graph that holds the loss scale.
 SCALE_ARG = "gluon_amp_loss_scale"
+mxi.note_declared_float32(SCALE_ARG)
 _LOW = ("float16", "bfloat16")
 
 

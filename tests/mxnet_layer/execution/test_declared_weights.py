@@ -217,3 +217,25 @@ def test_a_float64_graph_types_binds_and_trains_in_float64_as_without_amp(mode):
     for name, p in got[2].items():
         assert p.dtype == np.float64, name
         np.testing.assert_array_equal(p, want[2][name], err_msg=name)
+
+
+def test_a_float32_weight_the_program_declares_for_float64_data_is_refused_as_mxnet_refuses_it():
+    """Only the declarations gluon_amp made are retyped for float64 data: a weight the program
+    declared float32 met float64 data, which MXNet refuses, and under init it was typed float64
+    (helper BB)."""
+    def build():
+        w = mx.sym.Variable("fc_weight", dtype="float32")
+        return mx.sym.FullyConnected(mx.sym.Variable("data"), weight=w, no_bias=True, num_hidden=3, name="fc")
+
+    with pytest.raises(mx.base.MXNetError):
+        build().infer_type(data="float64")
+    gluon_amp.init(target_dtype="float16", emulate=True)
+    try:
+        sym = build()
+        with pytest.raises(mx.base.MXNetError):
+            sym.infer_type(data="float64")
+        with pytest.raises((mx.base.MXNetError, RuntimeError)):
+            sym.simple_bind(mx.cpu(), data=(2, 4), type_dict={"data": "float64"})
+        assert sym.infer_type(data="float32")[0] == [np.float32, np.float32]  # float32 data: as MXNet
+    finally:
+        gluon_amp.disable()
