@@ -165,9 +165,13 @@ def init(target_dtype: Any = None, target_precision_ops: Optional[Sequence[str]]
         if state.process.policy is not None:
             if state.process.policy == policy:
                 return state.process.policy
+            running = state.process.policy
+            batch_norm = (f" The policy in force has keep_batchnorm_fp32={running.keep_batchnorm_fp32!r}"
+                          f"{' (batch norm as the op table says)' * (running.keep_batchnorm_fp32 is None)}."
+                          if running.keep_batchnorm_fp32 != policy.keep_batchnorm_fp32 else "")
             raise RuntimeError(
-                f"gluon_amp is already on with policy {state.process.policy.describe()}; asked for "
-                f"{policy.describe()}. Call gluon_amp.disable() first, or use "
+                f"gluon_amp is already on with policy {running.describe()}; asked for "
+                f"{policy.describe()}.{batch_norm} Call gluon_amp.disable() first, or use "
                 "`with gluon_amp.autocast(...)` for a scoped change.")
         if not policy.enabled:
             return policy

@@ -306,7 +306,8 @@ def test_a_level_that_clashes_with_the_policy_in_force_names_its_batch_norm_sett
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # "float16 without a GPU": graph work only
         gluon_amp.init("float16")
-        with pytest.raises(RuntimeError, match=r"asked for float16 .*with keep_batchnorm_fp32=False\."):
+        with pytest.raises(RuntimeError, match=r"asked for float16 .*with keep_batchnorm_fp32=False\. The policy in "
+                           r"force has keep_batchnorm_fp32=None \(batch norm as the op table says\)\."):
             gluon_amp.initialize(cnn(prefixed=True), None, "O3")
 
 
