@@ -75,22 +75,27 @@ def _lstm_module():
     return mx.sym.SoftmaxOutput(pred, label=mx.sym.Variable("softmax_label"))
 
 
+def _two_steps(sym, batch, data_shapes, label_shapes):
+    """Two SGD steps of a Module of ``sym`` on ``batch``: its outputs after them and its parameters."""
+    mod = mx.mod.Module(sym, context=mx.cpu())
+    mod.bind(data_shapes=data_shapes, label_shapes=label_shapes)
+    mx.random.seed(1)
+    mod.init_params(mx.init.Xavier())
+    mod.init_optimizer(optimizer="sgd", optimizer_params={"learning_rate": 0.1})
+    for _ in range(2):
+        mod.forward_backward(batch)
+        mod.update()
+    mod.forward(batch, is_train=False)
+    return mod.get_outputs()[0].asnumpy(), {n: a.asnumpy() for n, a in mod.get_params()[0].items()}
+
+
 def _train(init):
     rng = np.random.RandomState(0)
     batch = mx.io.DataBatch([mx.nd.array(rng.randn(4, 3, 6))], [mx.nd.array(rng.randint(0, 5, (4,)))])
     if init:
         gluon_amp.init(target_dtype="bfloat16", tune=False)
     try:
-        mod = mx.mod.Module(_lstm_module(), context=mx.cpu())
-        mod.bind(data_shapes=[("data", (4, 3, 6))], label_shapes=[("softmax_label", (4,))])
-        mx.random.seed(1)
-        mod.init_params(mx.init.Xavier())
-        mod.init_optimizer(optimizer="sgd", optimizer_params={"learning_rate": 0.1})
-        for _ in range(2):
-            mod.forward_backward(batch)
-            mod.update()
-        mod.forward(batch, is_train=False)
-        return mod.get_outputs()[0].asnumpy(), {n: a.asnumpy() for n, a in mod.get_params()[0].items()}
+        return _two_steps(_lstm_module(), batch, [("data", (4, 3, 6))], [("softmax_label", (4,))])
     finally:
         gluon_amp.disable()
 
@@ -181,17 +186,8 @@ def _fit_float64(mode):
     try:
         sym = _float64_mlp()
         types = sym.infer_type(data="float64")
-        mod = mx.mod.Module(sym, context=mx.cpu())
-        mod.bind(data_shapes=[mx.io.DataDesc("data", (4, 5), "float64")],
-                 label_shapes=[mx.io.DataDesc("softmax_label", (4,), "float64")])
-        mx.random.seed(1)
-        mod.init_params(mx.init.Xavier())
-        mod.init_optimizer(optimizer="sgd", optimizer_params={"learning_rate": 0.1})
-        for _ in range(2):
-            mod.forward_backward(batch)
-            mod.update()
-        mod.forward(batch, is_train=False)
-        return types, mod.get_outputs()[0].asnumpy(), {n: a.asnumpy() for n, a in mod.get_params()[0].items()}
+        return (types, *_two_steps(sym, batch, [mx.io.DataDesc("data", (4, 5), "float64")],
+                                   [mx.io.DataDesc("softmax_label", (4,), "float64")]))
     finally:
         gluon_amp.disable()
 
