@@ -219,9 +219,10 @@ def test_a_float32_weight_the_program_declares_for_float64_data_is_refused_as_mx
     """Only the declarations gluon_amp made are retyped for float64 data: a weight the program
     declared float32 met float64 data, which MXNet refuses, and under init it was typed float64
     (helper BB)."""
-    def build():
-        w = mx.sym.Variable("fc_weight", dtype="float32")
-        return mx.sym.FullyConnected(mx.sym.Variable("data"), weight=w, no_bias=True, num_hidden=3, name="fc")
+    def build():  # a name no op of another test makes itself: those are known by name (compatibility.md)
+        w = mx.sym.Variable("declared_by_the_program", dtype="float32")
+        return mx.sym.FullyConnected(mx.sym.Variable("data"), weight=w, no_bias=True, num_hidden=3,
+                                     name="declared_fc")
 
     with pytest.raises(mx.base.MXNetError):
         build().infer_type(data="float64")
