@@ -523,21 +523,6 @@ class Held:
             return result
 
 
-    def release_if_free(self, owner: str) -> None:
-        """:meth:`release`, unless another call holds this (then nothing): for a weakref
-        finalizer, which the cyclic GC may run inside :meth:`hold` on the same thread."""
-        if not self._guard.acquire(blocking=False):
-            return
-        try:
-            self._owners.discard(owner)
-            if self._owners or self.installed is None:
-                return
-            self._remove(self.installed)
-            self.installed = None
-        finally:
-            self._guard.release()
-
-
 class interrupts_deferred:
     """A block that a Ctrl-C does not cut: a ``KeyboardInterrupt`` (SIGINT) arriving inside it
     is raised at its end, once what it does is whole (CPython's ``signal`` docs: a Python

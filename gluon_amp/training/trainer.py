@@ -427,8 +427,8 @@ def init_trainer(trainer: Union[Trainer, "mx.mod.BaseModule", None] = None,
             mxi.force_update_on_worker(trainer)
         hook = _Hook(trainer, scaler)
         hook.requested = loss_scale
-        mxi.set_step_hook(trainer, hook)  # first: a finalizer run in between sees this trainer attached
-        _hold_update_patch(trainer)
+        _update_patch.hold("trainers")
+        mxi.set_step_hook(trainer, hook)
         state.register_scaler(hook)  # loss-output ops read the scale the step will use from it
     return scaler
 
@@ -487,23 +487,6 @@ _update_patch = state.Held(lambda: mxi.module.patch_methods(Trainer, {"_update":
                            mxi.module.restore_methods)
 state.register_extension(state.Extension(lambda policy: None, lambda: None,
                                          lambda: _update_patch.release("trainers")))
-
-#: the trainers init_trainer attached: ``Trainer._update`` stays wrapped while one is alive
-_hooked: "weakref.WeakSet[Trainer]" = weakref.WeakSet()
-
-
-def _hold_update_patch(trainer: Trainer) -> None:
-    _update_patch.hold("trainers")
-    if trainer not in _hooked:
-        _hooked.add(trainer)
-        weakref.finalize(trainer, _release_when_unused).atexit = False
-
-
-def _release_when_unused() -> None:
-    """After an attached trainer is collected: MXNet's ``Trainer._update`` back, by identity,
-    once no live trainer has a scaler (one dropped after ``disable()`` left it wrapped)."""
-    if not any(isinstance(mxi.get_step_hook(t), _Hook) for t in list(_hooked)):
-        _update_patch.release_if_free("trainers")
 
 
 def _hook_of(trainer: Trainer, caller: str) -> _Hook:

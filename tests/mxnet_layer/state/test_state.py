@@ -63,27 +63,6 @@ def test_a_held_install_whose_removal_was_cut_short_is_removed_before_it_is_inst
     assert held.installed is None
 
 
-def test_a_release_from_a_finalizer_inside_hold_changes_nothing():
-    """The cyclic GC may run a weakref finalizer (training/trainer.py's) inside ``hold`` on the
-    same thread: ``release_if_free`` then leaves the owner and the install as they are instead
-    of waiting on the lock forever; outside, it releases as ``release`` does."""
-    events = []
-
-    def install():
-        held.release_if_free("a")  # as a finalizer the GC ran here would
-        events.append("install")
-        return "patch"
-
-    held = state.Held(install, lambda installed: events.append(("remove", installed)))
-    held.hold("a")
-    assert held.installed == "patch" and held.holders == {"a"} and events == ["install"]
-    held.hold("b")
-    held.release_if_free("a")
-    assert held.holders == {"b"} and held.installed == "patch"
-    held.release_if_free("b")
-    assert held.holders == frozenset() and held.installed is None and events == ["install", ("remove", "patch")]
-
-
 def _slower_warning_site(call):
     import warnings
     state.process.said.clear()  # said once per process: each entry point says it afresh

@@ -138,23 +138,3 @@ def test_a_bucketing_module_and_its_buckets_answer_for_their_scaler():
     assert gluon_amp.init_trainer(mod, scaler) is scaler  # asked again as before
     with pytest.raises(RuntimeError, match=r"already has a loss scaler \(from loss_scale=LossScaler"):
         gluon_amp.init_trainer(mod, 128.0)
-
-
-@pytest.mark.parametrize("mode", [{}, {"target_dtype": "float16", "emulate": True}], ids=["amp-off", "float16"])
-def test_mxnets_trainer_update_comes_back_once_no_attached_trainer_is_alive(mode):
-    """``init_trainer`` wraps ``Trainer._update``; it stayed wrapped after the last attached
-    trainer (and its network) was gone, through ``disable()`` too (helper Y)."""
-    original = gluon.Trainer._update
-    gluon_amp.init(**mode)
-    kept = _train(LossScaler(init_scale=1024.0), steps=1)
-    dropped = _train(LossScaler(init_scale=1024.0), steps=1)
-    assert gluon.Trainer._update is not original
-    del dropped
-    gc.collect()
-    assert gluon.Trainer._update is not original  # one attached trainer is alive: still needed
-    _step(*kept)
-    assert gluon_amp.get_scaler(kept[1]).total_steps == 2
-    gluon_amp.disable()
-    del kept
-    gc.collect()
-    assert gluon.Trainer._update is original  # by identity
