@@ -653,9 +653,11 @@ def _on_disable() -> None:
 
 
 def _forget() -> None:
-    """Release the patches explicit scalers needed (test isolation: :func:`state.reset` has
-    dropped every module's record, and so its scaler)."""
+    """Release the patches explicit scalers and ``init`` needed (test isolation: :func:`state.reset`
+    has dropped every module's record, and so its scaler; a ``disable`` an exception cut short
+    leaves no policy to turn off, and Module's methods must come back all the same)."""
     _release("explicit")
+    _release("init")
 
 
 state.register_extension(state.Extension(_on_init, _on_disable, _forget))
